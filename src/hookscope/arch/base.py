@@ -1,0 +1,162 @@
+"""What a point is: a module, which side of it (input / output), and a view onto its tensor.
+
+A family file (gpt2.py, llama.py, ...) is a table: canonical name -> (module path, io, view).
+Views are pairs of pure functions: `get` reads the canonical tensor out of the module's raw
+tensor (e.g. one of GPT-2's fused q/k/v thirds, split into heads), `put` builds a new raw
+tensor with the canonical part replaced, so edits and gradients flow through the same names.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from torch import Tensor, nn
+
+from ..errors import UnknownPointError
+from ..names import MODULE_PREFIX, expand, parse_module_path
+
+
+@dataclass(frozen=True)
+class View:
+    get: Callable[[Tensor], Tensor]
+    put: Callable[[Tensor, Tensor], Tensor]
+    label: str
+    head_dim: int | None = None  # set when the view splits heads out
+
+
+def heads(n_heads: int) -> View:
+    """[..., n_heads * d_head] <-> [..., n_heads, d_head]."""
+    return View(
+        get=lambda raw: raw.unflatten(-1, (n_heads, -1)),
+        put=lambda raw, new: new.flatten(-2),
+        label=f"split into {n_heads} heads",
+        head_dim=-2,
+    )
+
+
+def fused_heads(part: int, n_parts: int, n_heads: int, interleaved: bool = False) -> View:
+    """One of several projections fused in one Linear (GPT-2 c_attn, NeoX query_key_value).
+
+    Concatenated layout (GPT-2): [q | k | v], each n_heads * d_head wide.
+    Interleaved layout (NeoX): per head [q_h | k_h | v_h].
+    """
+    if interleaved:
+        def get(raw: Tensor) -> Tensor:
+            return raw.unflatten(-1, (n_heads, -1)).chunk(n_parts, dim=-1)[part]
+
+        def put(raw: Tensor, new: Tensor) -> Tensor:
+            parts = list(raw.unflatten(-1, (n_heads, -1)).chunk(n_parts, dim=-1))
+            parts[part] = new.to(raw.dtype)
+            return torch.cat(parts, dim=-1).flatten(-2)
+    else:
+        def get(raw: Tensor) -> Tensor:
+            return raw.chunk(n_parts, dim=-1)[part].unflatten(-1, (n_heads, -1))
+
+        def put(raw: Tensor, new: Tensor) -> Tensor:
+            parts = list(raw.chunk(n_parts, dim=-1))
+            parts[part] = new.to(raw.dtype).flatten(-2)
+            return torch.cat(parts, dim=-1)
+
+    return View(get, put, f"part {part} of {n_parts} fused, {n_heads} heads", head_dim=-2)
+
+
+@dataclass(frozen=True)
+class PointSpec:
+    """Where a canonical point lives in a model."""
+
+    name: str
+    module: str  # dotted path from the root model ("" is the root)
+    io: str  # "output" (forward hook) or "input" (pre-forward hook)
+    view: View | None = None  # None: the raw tensor is the activation
+    item: int = 0  # which element when the module returns a tuple (attention: (out, weights))
+    pos_dim: int | None = 1  # which dim is the token position (None: no position dim)
+    head_dim: int | None = None  # which dim is the head, for per-head points
+    layer: int | None = None
+
+
+@dataclass
+class Arch:
+    """A model's hook points, in execution order."""
+
+    family: str
+    specs: dict[str, PointSpec]
+    block_paths: list[str] = field(default_factory=list)
+    n_heads: int | None = None
+    d_model: int | None = None
+    # TransformerLens models are addressed through their own hook_dict (aliases included)
+    modules: dict[str, nn.Module] | None = None
+
+    @property
+    def names(self) -> list[str]:
+        return list(self.specs)
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.block_paths)
+
+    def resolve(self, names: str | list[str] | tuple[str, ...]) -> list[PointSpec]:
+        """Specs for names / patterns / raw module paths; unknown names raise with suggestions."""
+        return [self.spec(n) for n in expand(names, self.names)]
+
+    def spec(self, name: str) -> PointSpec:
+        if name.startswith(MODULE_PREFIX):
+            mp = parse_module_path(name)
+            return PointSpec(name=f"{MODULE_PREFIX}{mp.path}:{mp.io}", module=mp.path, io=mp.io, pos_dim=None)
+        try:
+            return self.specs[name]
+        except KeyError:
+            (resolved,) = expand([name], self.names)  # raises UnknownPointError with suggestions
+            return self.specs[resolved]
+
+    def module(self, model: nn.Module, spec: PointSpec) -> nn.Module:
+        if self.modules is not None and spec.module in self.modules:
+            return self.modules[spec.module]
+        try:
+            return model.get_submodule(spec.module)
+        except AttributeError:
+            raise UnknownPointError(
+                f"point {spec.name!r}: the model has no module {spec.module!r}"
+                " (print(model) shows the module tree)"
+            ) from None
+
+
+Entry = tuple[str, str, View | None] | tuple[str, str, View | None, dict]
+
+
+def build(
+    family: str,
+    prefix: str,
+    n_layers: int,
+    block: str,
+    top: dict[str, Entry],
+    per_layer: dict[str, Entry],
+    final: dict[str, Entry],
+    n_heads: int | None,
+    d_model: int | None,
+) -> Arch:
+    """Expand a family's table into specs for every layer, in execution order.
+
+    Module paths in the table are relative to the base model (`prefix`), except those starting
+    with "/", which are relative to the root (the LM head lives beside the base model).
+    """
+
+    def spec(name: str, entry: Entry, layer: int | None) -> PointSpec:
+        path, io, view, *extra = entry
+        path = path.replace("{L}", str(layer))
+        path = path[1:] if path.startswith("/") else prefix + path
+        opts = {"head_dim": view.head_dim if view else None, **(extra[0] if extra else {})}
+        return PointSpec(name=name, module=path.rstrip("."), io=io, view=view, layer=layer, **opts)
+
+    specs: dict[str, PointSpec] = {}
+    for name, entry in top.items():
+        specs[name] = spec(name, entry, None)
+    for layer in range(n_layers):
+        for suffix, entry in per_layer.items():
+            name = f"blocks.{layer}.{suffix}"
+            specs[name] = spec(name, entry, layer)
+    for name, entry in final.items():
+        specs[name] = spec(name, entry, None)
+    blocks = [prefix + block.replace("{L}", str(i)) for i in range(n_layers)]
+    return Arch(family, specs, blocks, n_heads=n_heads, d_model=d_model)

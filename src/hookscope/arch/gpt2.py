@@ -1,0 +1,30 @@
+"""GPT-2 (Hugging Face `GPT2Model` / `GPT2LMHeadModel`)."""
+
+from .base import Arch, build, fused_heads, heads
+
+MODEL_TYPES = ("gpt2",)
+BASE = "transformer"  # attribute holding the base model on *LMHeadModel
+LAYERS = "h"
+
+
+def table(config, prefix: str, has_lm_head: bool) -> Arch:
+    H = config.n_head
+    return build(
+        "gpt2", prefix, config.n_layer, "h.{L}",
+        top={"embed": ("wte", "output", None), "pos_embed": ("wpe", "output", None)},
+        per_layer={
+            "resid_pre": ("h.{L}", "input", None),
+            "attn.q": ("h.{L}.attn.c_attn", "output", fused_heads(0, 3, H)),
+            "attn.k": ("h.{L}.attn.c_attn", "output", fused_heads(1, 3, H)),
+            "attn.v": ("h.{L}.attn.c_attn", "output", fused_heads(2, 3, H)),
+            "attn.z": ("h.{L}.attn.c_proj", "input", heads(H)),
+            "attn.out": ("h.{L}.attn", "output", None),
+            "resid_mid": ("h.{L}.ln_2", "input", None),
+            "mlp.pre": ("h.{L}.mlp.c_fc", "output", None),
+            "mlp.post": ("h.{L}.mlp.c_proj", "input", None),
+            "mlp.out": ("h.{L}.mlp", "output", None),
+            "resid_post": ("h.{L}", "output", None),
+        },
+        final={"ln_final": ("ln_f", "output", None), **({"logits": ("/lm_head", "output", None)} if has_lm_head else {})},
+        n_heads=H, d_model=config.n_embd,
+    )

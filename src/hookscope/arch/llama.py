@@ -1,0 +1,35 @@
+"""Llama-family decoders: Llama, Mistral, Qwen2/3, Gemma (gated MLP, grouped-query attention)."""
+
+from .base import Arch, build, heads
+
+MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2")
+BASE = "model"
+LAYERS = "layers"
+
+
+def table(config, prefix: str, has_lm_head: bool) -> Arch:
+    H = config.num_attention_heads
+    KV = getattr(config, "num_key_value_heads", None) or H
+    # Gemma 2/3 normalise the attention output before the residual add, so the residual stream
+    # between attention and MLP enters pre_feedforward_layernorm instead.
+    mid_norm = "pre_feedforward_layernorm" if config.model_type in ("gemma2", "gemma3_text") else "post_attention_layernorm"
+    return build(
+        config.model_type, prefix, config.num_hidden_layers, "layers.{L}",
+        top={"embed": ("embed_tokens", "output", None)},
+        per_layer={
+            "resid_pre": ("layers.{L}", "input", None),
+            "attn.q": ("layers.{L}.self_attn.q_proj", "output", heads(H)),
+            "attn.k": ("layers.{L}.self_attn.k_proj", "output", heads(KV)),
+            "attn.v": ("layers.{L}.self_attn.v_proj", "output", heads(KV)),
+            "attn.z": ("layers.{L}.self_attn.o_proj", "input", heads(H)),
+            "attn.out": ("layers.{L}.self_attn", "output", None),
+            "resid_mid": (f"layers.{{L}}.{mid_norm}", "input", None),
+            "mlp.pre": ("layers.{L}.mlp.gate_proj", "output", None),
+            "mlp.pre_linear": ("layers.{L}.mlp.up_proj", "output", None),
+            "mlp.post": ("layers.{L}.mlp.down_proj", "input", None),
+            "mlp.out": ("layers.{L}.mlp", "output", None),
+            "resid_post": ("layers.{L}", "output", None),
+        },
+        final={"ln_final": ("norm", "output", None), **({"logits": ("/lm_head", "output", None)} if has_lm_head else {})},
+        n_heads=H, d_model=config.hidden_size,
+    )

@@ -1,0 +1,135 @@
+"""Interventions by point name: ablate, patch, steer. Each is a small value object; `hs.edit`
+attaches any number of them for the length of a `with` block, and composes with `hs.capture`:
+
+    clean = hs.collect(model, clean_ids, "blocks.4.attn.z")
+    with hs.edit(model, hs.patch("blocks.4.attn.z", clean, heads=[2]),
+                 hs.steer("blocks.6.resid_post", vector, scale=4.0)):
+        logits = model(corrupt_ids)
+
+Edits write new tensors (never in place), so they are safe under autograd and the model's own
+activations are left untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+import torch
+from torch import Tensor, nn
+
+from .arch import PointSpec, arch_of
+from .errors import SelectionError
+from .hooks import Hook, Hooks
+from .names import canonical
+from .selection import Heads, Positions, region_mask
+
+
+@dataclass(frozen=True)
+class Edit:
+    """Replace the selected region of a point's activation with `value(act)`."""
+
+    point: str
+    positions: Positions = None
+    heads: Heads = None
+
+    def value(self, act: Tensor) -> Tensor:  # what the selected region becomes (broadcastable)
+        raise NotImplementedError
+
+    def __call__(self, act: Tensor, hook: Hook) -> Tensor:
+        spec = hook.spec
+        new = self.value(act).to(act.dtype)
+        if self.positions is None and self.heads is None:
+            return new.expand_as(act) if new.shape != act.shape else new
+        mask = region_mask(act, self.positions, self.heads, spec.pos_dim, spec.head_dim)
+        return torch.where(mask, new, act)
+
+
+@dataclass(frozen=True)
+class Ablate(Edit):
+    how: str = "zero"  # "zero" | "mean"
+    mean: Tensor | None = None  # a precomputed mean (e.g. over a reference dataset)
+
+    def value(self, act: Tensor) -> Tensor:
+        if self.how == "zero":
+            return torch.zeros_like(act)
+        if self.how == "mean":
+            if self.mean is not None:
+                return self.mean.to(act.device)
+            # mean over batch and positions of this very input, per feature (and per head)
+            return act.mean(dim=(0, 1), keepdim=True)
+        raise SelectionError(f"ablate how={self.how!r}: use 'zero' or 'mean'")
+
+
+@dataclass(frozen=True)
+class Patch(Edit):
+    source: Tensor | None = None
+
+    def value(self, act: Tensor) -> Tensor:
+        src = self.source
+        if src.shape != act.shape:
+            raise SelectionError(
+                f"patch {self.point}: source has shape {tuple(src.shape)} but the activation is "
+                f"{tuple(act.shape)}; capture the source with the same input length and no selection"
+            )
+        return src.to(act.device)
+
+
+@dataclass(frozen=True)
+class Steer(Edit):
+    vector: Tensor | None = None
+    scale: float = 1.0
+
+    def value(self, act: Tensor) -> Tensor:
+        return act + self.scale * self.vector.to(act.device, act.dtype)
+
+
+def ablate(point: str, how: str = "zero", *, positions: Positions = None, heads: Heads = None,
+           mean: Tensor | None = None) -> Ablate:
+    """Zero or mean ablation of a point (or of chosen positions / heads)."""
+    if how not in ("zero", "mean"):
+        raise SelectionError(f"ablate how={how!r}: use 'zero' or 'mean'")
+    return Ablate(point, positions, heads, how=how, mean=mean)
+
+
+def patch(point: str, source: Tensor | Mapping[str, Tensor], *, positions: Positions = None,
+          heads: Heads = None) -> Patch:
+    """Write activations from another run (a tensor, or the dict `hs.collect` returns)."""
+    if isinstance(source, Mapping):
+        matches = [v for k, v in source.items() if k == point or _same_point(k, point)]
+        if not matches:
+            raise SelectionError(f"patch {point}: the source has no such point; it has {list(source)}")
+        source = matches[0]
+    return Patch(point, positions, heads, source=source)
+
+
+def steer(point: str, vector: Tensor, *, scale: float = 1.0, positions: Positions = None) -> Steer:
+    """Add `scale * vector` to a point (a steering vector on the residual stream, say)."""
+    return Steer(point, positions, None, vector=vector, scale=scale)
+
+
+def _same_point(a: str, b: str) -> bool:
+    return canonical(a) == canonical(b)
+
+
+class Edits(Hooks):
+    """Hooks that apply edits while the `with` block runs."""
+
+    def __init__(self, model: nn.Module, edits: tuple[Edit, ...]):
+        super().__init__(model, arch_of(model))
+        self.edits = edits
+        self._specs: list[PointSpec] = [self.arch.spec(e.point) for e in edits]  # validate names now
+
+    def __enter__(self) -> "Edits":
+        try:
+            for spec, e in zip(self._specs, self.edits):
+                self.forward(spec, e)
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+
+def edit(model: nn.Module, *edits: Edit) -> Edits:
+    """Apply edits for the length of a `with` block."""
+    return Edits(model, edits)

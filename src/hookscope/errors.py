@@ -1,0 +1,34 @@
+"""Errors a user can cause. Each message says what was wrong and what to do."""
+
+from __future__ import annotations
+
+
+class HookscopeError(Exception):
+    """Base class of every error hookscope raises on purpose."""
+
+
+class UnknownPointError(HookscopeError, KeyError):
+    """A point name that the model does not have."""
+
+    def __str__(self) -> str:  # KeyError would print the message in quotes
+        return str(self.args[0]) if self.args else ""
+
+
+class PointNotReachedError(HookscopeError):
+    """A requested point never executed during the forward pass."""
+
+
+class SelectionError(HookscopeError, ValueError):
+    """A position / head / token-mask selection that does not fit the activation."""
+
+
+class ModelLoadError(HookscopeError):
+    """A model or tokenizer that could not be found or loaded."""
+
+
+class StoreError(HookscopeError):
+    """An activation store that is missing, corrupt, or does not match the command."""
+
+
+class DataError(HookscopeError):
+    """Input data that is missing, empty or malformed."""

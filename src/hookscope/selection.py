@@ -1,0 +1,103 @@
+"""Which part of an activation to keep or edit: positions, heads, a token mask.
+
+Shared by capture (what to keep) and edit (where to write). Selections are validated against
+the activation's shape, so a bad one is a clear error rather than an IndexError deep in torch.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence, Union
+
+import torch
+from torch import Tensor
+
+from .errors import SelectionError
+
+Positions = Union[None, int, slice, Sequence[int], Tensor, str]
+Heads = Union[None, int, Sequence[int], Tensor]
+
+
+def _index(sel: int | Sequence[int] | Tensor, size: int, what: str, device: torch.device) -> Tensor:
+    idx = torch.as_tensor([sel] if isinstance(sel, int) else sel, dtype=torch.long)
+    if idx.ndim != 1 or idx.numel() == 0:
+        raise SelectionError(f"{what} selection must be a non-empty int or list of ints, got shape {tuple(idx.shape)}")
+    if idx.min() < -size or idx.max() >= size:
+        raise SelectionError(f"{what} selection {idx.tolist()} out of range for size {size}")
+    return (idx % size).to(device)
+
+
+def select_positions(x: Tensor, positions: Positions, pos_dim: int | None) -> Tensor:
+    """Keep chosen token positions. As in Python indexing, an int (or "last", i.e. -1) drops the
+    position dim and a slice or list keeps it; a LongTensor [batch] picks one position per row
+    (the last real token of right-padded rows, say) and drops the dim."""
+    if positions is None:
+        return x
+    if pos_dim is None:
+        raise SelectionError("this point has no position dimension; leave positions=None")
+    size = x.shape[pos_dim]
+    if isinstance(positions, str):
+        if positions != "last":
+            raise SelectionError(f"positions={positions!r}: use 'last', an int, a slice, a list or a tensor")
+        positions = -1
+    if isinstance(positions, int):
+        return x.select(pos_dim, int(_index(positions, size, "position", x.device)))
+    if isinstance(positions, slice):
+        return x[(slice(None),) * (pos_dim % x.ndim) + (positions,)]
+    if isinstance(positions, Tensor) and positions.ndim == 1 and positions.numel() == x.shape[0] and pos_dim % x.ndim == 1 \
+            and positions.dtype in (torch.int32, torch.int64):
+        idx = _index(positions, size, "per-row position", x.device)
+        return x[torch.arange(x.shape[0], device=x.device), idx]
+    return x.index_select(pos_dim, _index(positions, size, "position", x.device))
+
+
+def select_heads(x: Tensor, heads: Heads, head_dim: int | None) -> Tensor:
+    if heads is None:
+        return x
+    if head_dim is None:
+        raise SelectionError("this point has no head dimension: heads= works on attn.q|k|v|z (and attn.pattern)")
+    return x.index_select(head_dim, _index(heads, x.shape[head_dim], "head", x.device))
+
+
+def select_tokens(x: Tensor, mask: Tensor | None, pos_dim: int | None) -> Tensor:
+    """Keep the tokens where mask [batch, pos] is True, as rows: [n_tokens, ...]."""
+    if mask is None:
+        return x
+    if pos_dim is None or pos_dim % x.ndim != 1:
+        raise SelectionError("token_mask needs a [batch, pos, ...] activation")
+    if mask.dtype != torch.bool or tuple(mask.shape) != tuple(x.shape[:2]):
+        raise SelectionError(
+            f"token_mask must be a bool tensor of shape {tuple(x.shape[:2])} (batch, pos), "
+            f"got {mask.dtype} {tuple(mask.shape)}"
+        )
+    return x[mask.to(x.device)]
+
+
+def region_mask(x: Tensor, positions: Positions, heads: Heads, pos_dim: int | None, head_dim: int | None) -> Tensor:
+    """A bool mask, broadcastable to x, that is True where (positions, heads) select."""
+    mask = torch.ones((1,) * x.ndim, dtype=torch.bool, device=x.device)
+    if positions is not None:
+        if pos_dim is None:
+            raise SelectionError("this point has no position dimension; leave positions=None")
+        if isinstance(positions, str):
+            if positions != "last":
+                raise SelectionError(f"positions={positions!r}: use 'last', an int, a slice, a list")
+            positions = -1
+        size = x.shape[pos_dim]
+        keep = torch.zeros(size, dtype=torch.bool, device=x.device)
+        if isinstance(positions, slice):
+            keep[positions] = True
+        else:
+            keep[_index(positions, size, "position", x.device)] = True
+        shape = [1] * x.ndim
+        shape[pos_dim] = size
+        mask = mask & keep.view(shape)
+    if heads is not None:
+        if head_dim is None:
+            raise SelectionError("this point has no head dimension: heads= works on per-head points")
+        size = x.shape[head_dim]
+        keep = torch.zeros(size, dtype=torch.bool, device=x.device)
+        keep[_index(heads, size, "head", x.device)] = True
+        shape = [1] * x.ndim
+        shape[head_dim] = size
+        mask = mask & keep.view(shape)
+    return mask
