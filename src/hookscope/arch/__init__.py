@@ -39,8 +39,8 @@ def _detect(model: nn.Module) -> Arch:
     prefix = "" if has_layers else f"{family.BASE}."
     if not has_layers and not _has_path(model, prefix + family.LAYERS):
         return generic.table(model)
-    has_lm_head = any(isinstance(getattr(model, h, None), nn.Module) for h in ("lm_head", "embed_out"))
-    return family.table(config, prefix, has_lm_head)
+    lm_head = next((h for h in ("lm_head", "embed_out") if isinstance(getattr(model, h, None), nn.Module)), None)
+    return family.table(config, prefix, lm_head)
 
 
 def _has_path(model: nn.Module, path: str) -> bool:

@@ -8,7 +8,7 @@ BASE = "bert"
 LAYERS = "encoder.layer"
 
 
-def table(config, prefix: str, has_lm_head: bool) -> Arch:
+def table(config, prefix: str, lm_head: str | None) -> Arch:
     H = config.num_attention_heads
     layer = "encoder.layer.{L}"
     return build(

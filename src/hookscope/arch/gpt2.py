@@ -7,7 +7,7 @@ BASE = "transformer"  # attribute holding the base model on *LMHeadModel
 LAYERS = "h"
 
 
-def table(config, prefix: str, has_lm_head: bool) -> Arch:
+def table(config, prefix: str, lm_head: str | None) -> Arch:
     H = config.n_head
     return build(
         "gpt2", prefix, config.n_layer, "h.{L}",
@@ -25,6 +25,6 @@ def table(config, prefix: str, has_lm_head: bool) -> Arch:
             "mlp.out": ("h.{L}.mlp", "output", None),
             "resid_post": ("h.{L}", "output", None),
         },
-        final={"ln_final": ("ln_f", "output", None), **({"logits": ("/lm_head", "output", None)} if has_lm_head else {})},
+        final={"ln_final": ("ln_f", "output", None), **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
         n_heads=H, d_model=config.n_embd,
     )

@@ -7,7 +7,7 @@ BASE = "gpt_neox"
 LAYERS = "layers"
 
 
-def table(config, prefix: str, has_lm_head: bool) -> Arch:
+def table(config, prefix: str, lm_head: str | None) -> Arch:
     H = config.num_attention_heads
     qkv = "layers.{L}.attention.query_key_value"
     per_layer = {
@@ -29,6 +29,6 @@ def table(config, prefix: str, has_lm_head: bool) -> Arch:
         top={"embed": ("embed_in", "output", None)},
         per_layer=per_layer,
         final={"ln_final": ("final_layer_norm", "output", None),
-               **({"logits": ("/embed_out", "output", None)} if has_lm_head else {})},
+               **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
         n_heads=H, d_model=config.hidden_size,
     )

@@ -7,7 +7,7 @@ BASE = "model"
 LAYERS = "layers"
 
 
-def table(config, prefix: str, has_lm_head: bool) -> Arch:
+def table(config, prefix: str, lm_head: str | None) -> Arch:
     H = config.num_attention_heads
     KV = getattr(config, "num_key_value_heads", None) or H
     # Gemma 2/3 normalise the attention output before the residual add, so the residual stream
@@ -30,6 +30,6 @@ def table(config, prefix: str, has_lm_head: bool) -> Arch:
             "mlp.out": ("layers.{L}.mlp", "output", None),
             "resid_post": ("layers.{L}", "output", None),
         },
-        final={"ln_final": ("norm", "output", None), **({"logits": ("/lm_head", "output", None)} if has_lm_head else {})},
+        final={"ln_final": ("norm", "output", None), **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
         n_heads=H, d_model=config.hidden_size,
     )
