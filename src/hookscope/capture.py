@@ -63,7 +63,7 @@ class Capture(Mapping[str, Tensor]):
             raise SelectionError("give either positions= or token_mask=, not both")
         self.model = model
         self.arch = arch or arch_of(model)
-        self.specs: list[PointSpec] = self.arch.resolve(points if not isinstance(points, str) else [points])
+        self.specs: list[PointSpec] = self.arch.resolve(points)
         self.positions, self.heads, self.token_mask = positions, heads, token_mask
         self.dtype = dtype
         self.device = torch.device(device) if device is not None else None
@@ -224,7 +224,7 @@ def grads(
 ) -> dict[str, Tensor]:
     """d loss / d activation at each point, where `loss = loss_fn(model_output)` is a scalar."""
     arch = arch or arch_of(model)
-    specs = arch.resolve(points if not isinstance(points, str) else [points])
+    specs = arch.resolve(points)
     kept: dict[str, Tensor] = {}
 
     def keep(act: Tensor, hook: Hook) -> Tensor:

@@ -1,0 +1,132 @@
+"""The `hookscope` command. Thin: it parses arguments and calls the rooms; no logic lives here.
+
+    hookscope points [MODEL]                 list hook points (with shapes on a sample sentence)
+    hookscope capture [MODEL] --point P      capture one point on a sentence and summarise it
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from typing import Sequence
+
+DEFAULT_TEXT = "Interpretability starts with looking at the activations."
+
+
+def _quiet_transformers() -> None:
+    # transformers prints load-progress bars and advisory warnings that drown our output
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    try:
+        from transformers.utils import logging
+
+        logging.set_verbosity_error()
+        logging.disable_progress_bar()
+    except ImportError:
+        pass
+
+
+def _load(args):
+    import hookscope as hs
+
+    _quiet_transformers()
+    return hs.load(args.model, device=args.device)
+
+
+def _encode(loaded, text: str):
+    if loaded.tokenizer is None:
+        raise SystemExit("this model has no tokenizer; give token ids from Python instead")
+    return dict(loaded.tokenizer([text], return_tensors="pt"))
+
+
+def cmd_points(args) -> int:
+    import hookscope as hs
+
+    loaded = _load(args)
+    example = _encode(loaded, args.text) if args.text else None
+    infos = hs.points(loaded.model, example, pattern=args.pattern)
+    print(f"{loaded.name}: {type(loaded.model).__name__}, family {loaded.arch.family}, "
+          f"{loaded.arch.n_layers} blocks, {len(loaded.arch.names)} points")
+    width = max(len(i.name) for i in infos)
+    for i in infos:
+        shape = f"  {list(i.shape)}" if i.shape else ""
+        where = f"{i.module}:{i.io}" + (f" ({i.view})" if i.view else "")
+        print(f"  {i.name:<{width}}  {where}{shape}")
+    print("Raw modules too: module:<dotted.path>:input|output (see print(model)).")
+    return 0
+
+
+def cmd_capture(args) -> int:
+    import torch
+
+    import hookscope as hs
+
+    loaded = _load(args)
+    inputs = _encode(loaded, args.text)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    acts = hs.collect(loaded.model, inputs, args.point, positions=args.positions, dtype=dtype)
+    tokens = loaded.tokenizer.convert_ids_to_tokens(inputs["input_ids"][0])
+    print(f"{loaded.name} on {args.text!r} ({len(tokens)} tokens: {' '.join(tokens)})")
+    for name, act in acts.items():
+        x = act.float()
+        print(f"  {name}: shape {list(act.shape)} {act.dtype}  mean {x.mean():+.4f}  std {x.std():.4f}  "
+              f"|x| per token {x.flatten(2).norm(dim=-1).mean() if x.ndim > 2 else x.norm(dim=-1).mean():.3f}")
+    if args.save:
+        from safetensors.torch import save_file
+
+        save_file({k: v.contiguous() for k, v in acts.items()}, args.save)
+        print(f"  saved to {args.save}")
+    return 0
+
+
+def _positions(value: str | None):
+    if value is None or value == "all":
+        return None
+    if value == "last":
+        return "last"
+    if ":" in value:
+        start, _, stop = value.partition(":")
+        return slice(int(start) if start else None, int(stop) if stop else None)
+    return [int(v) for v in value.split(",")] if "," in value else int(value)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hookscope", description="Look inside PyTorch models.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    def model_args(p: argparse.ArgumentParser) -> None:
+        p.add_argument("model", nargs="?", default=None,
+                       help="Hugging Face id or local directory (default: the bundled all-MiniLM-L6-v2)")
+        p.add_argument("--device", default="cpu")
+
+    p = sub.add_parser("points", help="list a model's hook points")
+    model_args(p)
+    p.add_argument("--text", default=DEFAULT_TEXT, help="sample input for shapes ('' to skip the forward pass)")
+    p.add_argument("--pattern", default=None, help="only names matching this glob, e.g. 'blocks.*.resid_post'")
+    p.set_defaults(run=cmd_points)
+
+    p = sub.add_parser("capture", help="capture point(s) on one sentence and summarise them")
+    model_args(p)
+    p.add_argument("--point", required=True, help="point name(s), comma-separated or a glob")
+    p.add_argument("--text", default=DEFAULT_TEXT)
+    p.add_argument("--positions", type=_positions, default=None, help="all | last | N | A:B | i,j,k")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--save", default=None, help="write the captures to this .safetensors file")
+    p.set_defaults(run=cmd_capture)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    from .errors import HookscopeError
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.run(args)
+    except HookscopeError as exc:
+        print(f"hookscope: error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
