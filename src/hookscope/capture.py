@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from .arch import Arch, PointSpec, arch_of
 from .errors import PointNotReachedError, SelectionError
-from .hooks import Hook, Hooks
+from .hooks import Hook, Hooks, require_writable
 from .selection import Heads, Positions, select_heads, select_positions, select_tokens
 
 
@@ -225,6 +225,8 @@ def grads(
     """d loss / d activation at each point, where `loss = loss_fn(model_output)` is a scalar."""
     arch = arch or arch_of(model)
     specs = arch.resolve(points)
+    for spec in specs:
+        require_writable(spec, "a gradient")
     kept: dict[str, Tensor] = {}
 
     def keep(act: Tensor, hook: Hook) -> Tensor:

@@ -20,7 +20,7 @@ from torch import Tensor, nn
 
 from .arch import PointSpec, arch_of
 from .errors import SelectionError
-from .hooks import Hook, Hooks
+from .hooks import Hook, Hooks, require_writable
 from .names import canonical
 from .selection import Heads, Positions, region_mask
 
@@ -119,6 +119,8 @@ class Edits(Hooks):
         super().__init__(model, arch_of(model))
         self.edits = edits
         self._specs: list[PointSpec] = [self.arch.spec(e.point) for e in edits]  # validate names now
+        for spec in self._specs:
+            require_writable(spec, "an edit")
 
     def __enter__(self) -> "Edits":
         try:

@@ -13,6 +13,7 @@ a `functools.partial` holding a dict of GPU tensors attaches as fast as a bare f
 from __future__ import annotations
 
 import reprlib
+import weakref
 from typing import Any, Callable
 
 import torch
@@ -139,6 +140,15 @@ def _module_hook(spec: PointSpec, fn: HookFn, hook: Hook) -> Callable:
     return on_input
 
 
+def require_writable(spec: PointSpec, what: str) -> None:
+    """Refuse edits / gradients on a point whose value the model never reads back."""
+    if spec.needs_eager:
+        raise HookscopeError(
+            f"{what} on {spec.name}: Hugging Face attention returns its weights after using them, so "
+            "changing them changes nothing; edit attn.q / attn.k / attn.z instead (or use a TransformerLens model)"
+        )
+
+
 def _grad_capture(fn: Callable[[Tensor, Hook], Tensor | None]) -> HookFn:
     """Turn a gradient hook into a forward hook that registers it on the activation.
 
@@ -159,6 +169,35 @@ def _grad_capture(fn: Callable[[Tensor, Hook], Tensor | None]) -> HookFn:
         return act
 
     return forward
+
+
+class _EagerAttention:
+    """While any hook needs attention weights, the model runs eager attention (the only
+    implementation that materialises them); the model's own kernel comes back when the last
+    such hook is removed. Acts as one more handle of the hook that needs it."""
+
+    _holders: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        config = getattr(model, "config", None)
+        if config is None or not hasattr(config, "_attn_implementation"):
+            raise HookscopeError("attn.pattern needs a Hugging Face model (config._attn_implementation)")
+        state = self._holders.setdefault(model, [0, config._attn_implementation])
+        if state[0] == 0:
+            state[1] = config._attn_implementation
+            config._attn_implementation = "eager"
+        state[0] += 1
+        self._released = False
+
+    def remove(self) -> None:
+        if self._released:
+            return
+        self._released = True
+        state = self._holders[self.model]
+        state[0] -= 1
+        if state[0] == 0:
+            self.model.config._attn_implementation = state[1]
 
 
 class Hooks:
@@ -183,6 +222,8 @@ class Hooks:
         handles: list = []
         hook = Hook(spec, fn, "forward", handles)
         torch_hook = _module_hook(spec, fn, hook)
+        if spec.needs_eager:
+            handles.append(_EagerAttention(self.model))
         if spec.io == "output":
             handles.append(module.register_forward_hook(torch_hook, prepend=prepend))
         else:
@@ -193,7 +234,9 @@ class Hooks:
     def grad(self, point: str | PointSpec, fn: Callable[[Tensor, Hook], Tensor | None]) -> Hook:
         """Call `fn(grad, hook)` with d loss / d activation during backward; a returned tensor
         replaces the gradient. Uses a tensor hook (cheaper than a module backward hook)."""
-        hook = self.forward(point, _grad_capture(fn))
+        spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
+        require_writable(spec, "a gradient hook")
+        hook = self.forward(spec, _grad_capture(fn))
         hook.kind, hook.fn = "grad", fn
         return hook
 

@@ -74,6 +74,9 @@ class PointSpec:
     pos_dim: int | None = 1  # which dim is the token position (None: no position dim)
     head_dim: int | None = None  # which dim is the head, for per-head points
     layer: int | None = None
+    # attention weights of Hugging Face models: only computed by eager attention, and returned
+    # after use, so they can be read (the model switches to eager while hooked) but not edited
+    needs_eager: bool = False
 
 
 @dataclass
@@ -140,7 +143,14 @@ def build(
 
     Module paths in the table are relative to the base model (`prefix`), except those starting
     with "/", which are relative to the root (the LM head lives beside the base model).
+    Every family with an attention module also gets `attn.pattern` ([batch, head, query, key]).
     """
+    if "attn.out" in per_layer and "attn.pattern" not in per_layer:
+        attn_module = per_layer["attn.q"][0].rsplit(".", 1)[0]
+        pattern = (attn_module, "output", None, {"item": 1, "pos_dim": 2, "head_dim": 1, "needs_eager": True})
+        items = list(per_layer.items())
+        at = [k for k, _ in items].index("attn.z")
+        per_layer = dict(items[:at] + [("attn.pattern", pattern)] + items[at:])
 
     def spec(name: str, entry: Entry, layer: int | None) -> PointSpec:
         path, io, view, *extra = entry
