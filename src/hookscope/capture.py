@@ -10,6 +10,11 @@ device asked for, and stop the forward pass right after the last needed point ha
 Early stop raises a private exception from the hook of the last point; it is caught by
 `Capture.run` / `collect`, which therefore never see layers after it run. A point that never ran
 is an error when read, never a silent gap.
+
+Under a compile policy (`hookscope.compile`), a point inside a compiled region is captured in two
+halves: the hook traced into the graph only selects and copies (`_Deferred`); the region's own
+forward hook, which runs eagerly, files the copy by name, moves it to its device and stops the
+pass. So the graph has no break, and one graph serves every layer.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import torch
 from torch import Tensor, nn
 
 from .arch import Arch, PointSpec, arch_of
+from .compile import clones_outputs, region_of
 from .errors import PointNotReachedError, SelectionError
 from .hooks import Hook, Hooks, require_writable
 from .selection import Heads, Positions, select_heads, select_positions, select_tokens
@@ -39,6 +45,20 @@ def call_model(model: nn.Module, inputs: Any) -> Any:
     if isinstance(inputs, tuple):
         return model(*inputs)
     return model(inputs)
+
+
+class _Deferred:
+    """The traced hook of a point inside a compiled region: it keeps the selected copy in `value`
+    and nothing else. No name, no host copy, no raise: those would break the graph, and the
+    per-layer name would make each layer a graph of its own. `Capture._flush` does the rest."""
+
+    __slots__ = ("capture", "spec", "value")
+
+    def __init__(self, capture: "Capture", spec: PointSpec):
+        self.capture, self.spec, self.value = capture, spec, None
+
+    def __call__(self, act: Tensor, hook: Hook) -> None:
+        self.value = self.capture._take(act, self.spec)
 
 
 class Capture(Mapping[str, Tensor]):
@@ -75,6 +95,7 @@ class Capture(Mapping[str, Tensor]):
         self._stop_now = False
         self._events: list = []
         self._mode: contextlib.ExitStack | None = None
+        self._deferred: list[_Deferred] = []
 
     # lifecycle -----------------------------------------------------------------------------
 
@@ -83,8 +104,19 @@ class Capture(Mapping[str, Tensor]):
         if self.inference:
             self._mode.enter_context(torch.inference_mode())
         try:
+            regions: dict[str, list[_Deferred]] = {}
             for spec in self.specs:
-                self._hooks.forward(spec, self._keep)
+                region = region_of(self.model, spec.module)
+                if region is None:
+                    self._hooks.forward(spec, self._keep)
+                else:
+                    deferred = _Deferred(self, spec)
+                    self._hooks.forward(spec, deferred)
+                    regions.setdefault(region, []).append(deferred)
+            for region, deferred in regions.items():
+                self._deferred += deferred
+                self._hooks.module_forward(PointSpec(name=f"<compiled {region or 'model'}>", module=region, io="output"),
+                                           lambda module, args, output, d=deferred: self._flush(d))
             # a new forward pass starts: every point is pending again
             self._hooks.module_pre_forward(PointSpec(name="<root>", module="", io="input"),
                                            lambda module, args, kwargs: self._start_pass())
@@ -109,23 +141,35 @@ class Capture(Mapping[str, Tensor]):
         Returns the model output, or None when the pass was stopped early."""
         self._stop_now = self.stop is not False
         try:
-            return call_model(self.model, inputs)
+            output = call_model(self.model, inputs)
         except _StopForward:
-            return None
+            output = None
         finally:
             self._stop_now = bool(self.stop)
-            self._check_all_ran()
+        # only after a pass that ended normally: an error raised mid-pass must reach the caller
+        self._check_all_ran()
+        return output
 
     # hooks ---------------------------------------------------------------------------------
 
     def _start_pass(self) -> None:
         self._pending = {s.name for s in self.specs}
+        for deferred in self._deferred:
+            deferred.value = None
         if self.stop is True:
             self._stop_now = True
 
     def _keep(self, act: Tensor, hook: Hook) -> None:
-        name = hook.spec.name
-        kept = self._select(act, hook.spec)
+        self._file(hook.spec.name, self._select(act, hook.spec))
+
+    def _flush(self, deferred: list[_Deferred]) -> None:
+        """After a compiled region returned (eagerly): file what its traced hooks kept."""
+        for d in deferred:
+            if d.value is not None:
+                kept, d.value = d.value, None
+                self._file(d.spec.name, self._finish(kept, d.spec))
+
+    def _file(self, name: str, kept: Tensor) -> None:
         if self.accumulate:
             self._store.setdefault(name, []).append(kept)
         else:
@@ -140,7 +184,9 @@ class Capture(Mapping[str, Tensor]):
             x = select_tokens(x, self.token_mask, spec.pos_dim)
         else:
             x = select_positions(x, self.positions, spec.pos_dim)
-        shares_memory = x is act or x._base is not None or x.data_ptr() == act.data_ptr()
+        # compare storages: views made under inference_mode have no _base, and a view at an
+        # offset (positions=1) has a different data_ptr
+        shares_memory = x.untyped_storage().data_ptr() == act.untyped_storage().data_ptr()
         if self.dtype is not None and x.dtype != self.dtype:
             x = x.to(self.dtype)  # cast on the device, before the copy: fewer bytes to move
             shares_memory = False
@@ -149,6 +195,35 @@ class Capture(Mapping[str, Tensor]):
         elif shares_memory:
             # never keep a view of the live activation: a later in-place op would rewrite it
             x = x.clone()
+        return x
+
+    def _in_graph(self) -> tuple[bool, bool]:
+        """Which selections a compiled graph can make: those given as Python values (a tensor
+        selection is data; a token mask gives a data-dependent shape). Heads go first."""
+        heads = not isinstance(self.heads, Tensor)
+        return heads, heads and self.token_mask is None and not isinstance(self.positions, Tensor)
+
+    def _take(self, act: Tensor, spec: PointSpec) -> Tensor:
+        """The traced half: static selections, the cast, and always a copy (the activation lives on
+        inside the graph)."""
+        heads, positions = self._in_graph()
+        x = select_heads(act, self.heads, spec.head_dim) if heads else act
+        if positions:
+            x = select_positions(x, self.positions, spec.pos_dim)
+        return x.to(self.dtype) if self.dtype is not None and x.dtype != self.dtype else x.clone()
+
+    def _finish(self, x: Tensor, spec: PointSpec) -> Tensor:
+        """The eager half, after the region returned: the other selections and the device."""
+        heads, positions = self._in_graph()
+        if not heads:
+            x = select_heads(x, self.heads, spec.head_dim)
+        if not positions:
+            x = select_tokens(x, self.token_mask, spec.pos_dim) if self.token_mask is not None \
+                else select_positions(x, self.positions, spec.pos_dim)
+        if self.device is not None and x.device != self.device:
+            return self._to_device(x)
+        if heads and positions and clones_outputs(self.model):
+            x = x.clone()  # still the graph's output: under CUDA graphs the next replay overwrites it
         return x
 
     def _to_device(self, x: Tensor) -> Tensor:
@@ -237,7 +312,8 @@ def grads(
 
     with Hooks(model, arch) as h, torch.enable_grad():
         for spec in specs:
-            h.forward(spec, keep)
+            # autograd cannot differentiate with respect to a tensor a compiled graph only returned
+            h.forward(spec, keep, eager="a gradient with respect to a point inside a compiled region")
         output = call_model(model, inputs)
     missing = [s.name for s in specs if s.name not in kept]
     if missing:
@@ -268,7 +344,8 @@ def points(model: nn.Module, example: Any = None, *, pattern: str | None = None)
         def record(act: Tensor, hook: Hook) -> None:
             shapes[hook.spec.name] = tuple(act.shape)
 
-        with Hooks(model, arch) as h, torch.inference_mode():
+        # a one-off pass: compiling a graph per hooked layer for it would cost far more
+        with Hooks(model, arch) as h, torch.inference_mode(), torch.compiler.set_stance("force_eager"):
             for spec in specs:
                 h.forward(spec, record)
             call_model(model, example)

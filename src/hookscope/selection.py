@@ -18,6 +18,12 @@ Heads = Union[None, int, Sequence[int], Tensor]
 
 
 def _index(sel: int | Sequence[int] | Tensor, size: int, what: str, device: torch.device) -> Tensor:
+    if isinstance(sel, int) or (isinstance(sel, (list, tuple)) and sel and all(isinstance(v, int) for v in sel)):
+        # plain ints are checked in Python: a check on a tensor would break a torch.compile graph
+        values = [sel] if isinstance(sel, int) else list(sel)
+        if not all(-size <= v < size for v in values):
+            raise SelectionError(f"{what} selection {values} out of range for size {size}")
+        return torch.tensor([v % size for v in values], dtype=torch.long, device=device)
     idx = torch.as_tensor([sel] if isinstance(sel, int) else sel, dtype=torch.long)
     if idx.ndim != 1 or idx.numel() == 0:
         raise SelectionError(f"{what} selection must be a non-empty int or list of ints, got shape {tuple(idx.shape)}")
@@ -40,7 +46,9 @@ def select_positions(x: Tensor, positions: Positions, pos_dim: int | None) -> Te
             raise SelectionError(f"positions={positions!r}: use 'last', an int, a slice, a list or a tensor")
         positions = -1
     if isinstance(positions, int):
-        return x.select(pos_dim, int(_index(positions, size, "position", x.device)))
+        if not -size <= positions < size:
+            raise SelectionError(f"position selection {positions} out of range for size {size}")
+        return x.select(pos_dim, positions)
     if isinstance(positions, slice):
         return x[(slice(None),) * (pos_dim % x.ndim) + (positions,)]
     if isinstance(positions, Tensor) and positions.ndim == 1 and positions.numel() == x.shape[0] and pos_dim % x.ndim == 1 \
@@ -64,6 +72,8 @@ def select_tokens(x: Tensor, mask: Tensor | None, pos_dim: int | None) -> Tensor
         return x
     if pos_dim is None or pos_dim % x.ndim != 1:
         raise SelectionError("token_mask needs a [batch, pos, ...] activation")
+    if x.shape[0] == 1 and mask.ndim == 2 and mask.shape[0] > 1:
+        x = x.expand(mask.shape[0], *x.shape[1:])  # batch-shared points (HF position embeddings)
     if mask.dtype != torch.bool or tuple(mask.shape) != tuple(x.shape[:2]):
         raise SelectionError(
             f"token_mask must be a bool tensor of shape {tuple(x.shape[:2])} (batch, pos), "

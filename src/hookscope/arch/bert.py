@@ -1,5 +1,11 @@
-"""BERT-style encoders (BERT, MiniLM): post-LayerNorm blocks, so resid_mid is the attention
-sublayer's normalised output and there is no final LayerNorm."""
+"""BERT-style encoders (BERT, MiniLM).
+
+BERT blocks are post-LayerNorm: each sublayer adds to the residual and then normalises. Here
+`resid_mid` / `resid_post` are the normalised values, i.e. what the next sublayer / block reads
+(so `blocks.{L}.resid_post == blocks.{L+1}.resid_pre`, which extraction relies on).
+TransformerLens's BERT records them before the LayerNorm instead; the raw sums are reachable
+as `module:encoder.layer.{L}.output.LayerNorm:input`. There is no final LayerNorm.
+"""
 
 from .base import Arch, build, heads
 

