@@ -9,6 +9,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -139,6 +140,35 @@ def test_writer_checks_what_it_is_given(tmp_path: Path):
             w.write(1, {"p": torch.zeros(3, 4)}, {"token_ids": torch.zeros(3)})
     with pytest.raises(StoreError, match="already in the store"), ShardWriter(tmp_path / "s", {"k": 1}) as w:
         w.write(0, {"p": torch.zeros(3, 4)}, {"token_ids": torch.arange(3)})
+
+
+def test_a_slow_disk_blocks_the_caller_after_queue_size_batches(tmp_path: Path, monkeypatch):
+    gate, real_save = threading.Event(), writer_module.save_file
+
+    def slow_save(tensors, path):
+        gate.wait()
+        real_save(tensors, path)
+
+    monkeypatch.setattr(writer_module, "save_file", slow_save)
+    w = ShardWriter(tmp_path / "s", {"k": 1}, shard_rows=1, queue_size=2)
+    returned: list[int] = []
+
+    def produce():
+        for i in range(10):
+            w.write(i, {"p": torch.full((1, 2), i)})
+            returned.append(i)
+
+    producer = threading.Thread(target=produce)
+    producer.start()
+    deadline = time.monotonic() + 10
+    while len(returned) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.2)
+    assert returned == [0, 1, 2]  # batch 0 is being written, 1 and 2 wait in the queue, 3 blocks
+    gate.set()
+    producer.join()
+    w.close()
+    assert open_store(tmp_path / "s").tensor("p")[:, 0].tolist() == list(range(10))
 
 
 # -- resume ---------------------------------------------------------------------------------------

@@ -2,6 +2,8 @@
 
     hookscope points [MODEL]                 list hook points (with shapes on a sample sentence)
     hookscope capture [MODEL] --point P      capture one point on a sentence and summarise it
+    hookscope extract [MODEL] --out DIR      stream points of a dataset to a sharded store
+    hookscope inspect DIR                    summarise and verify a store
 """
 
 from __future__ import annotations
@@ -80,6 +82,43 @@ def cmd_capture(args) -> int:
     return 0
 
 
+def cmd_extract(args) -> int:
+    from .extract import ExtractConfig, extract
+
+    _quiet_transformers()
+    cfg = ExtractConfig(
+        out=args.out, model=args.model, points=args.points, data=args.data, text_field=args.text_field,
+        context=args.context, batch_size=args.batch_size, dtype=args.dtype, drop_bos=not args.keep_bos,
+        max_tokens=args.max_tokens, device=args.device, shard_rows=args.shard_rows,
+        on_nonfinite=args.on_nonfinite, revision=args.revision, progress=not args.no_progress,
+    )
+    print(extract(cfg))
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .store import open_store
+
+    store = open_store(args.dir)
+    m = store.manifest
+    print(f"{store.path}: {len(store):,} rows in {store.num_shards} shards, {m.bytes / 2**20:,.1f} MiB")
+    settings = m.settings
+    for key in ("model", "data", "context", "batch_size", "dtype", "drop_bos", "world_size"):
+        if key in settings:
+            print(f"  {key}: {settings[key]}")
+    print("  points:")
+    for name, col in store.points.items():
+        st = store.stats.get(name)
+        norms = f"row L2 norm {st.norm_mean:.3f} +/- {st.norm_std:.3f}" if st and st.norm_count else ""
+        bad = f", {st.nonfinite} NaN/Inf" if st and st.nonfinite else ""
+        print(f"    {name}: {list(col.shape)} {col.dtype}  {norms}{bad}")
+    print("  per-row columns: " + ", ".join(f"{k} ({v.dtype})" for k, v in store.meta.items()))
+    if not args.no_verify:
+        store.verify()
+        print(f"  verified: {store.num_shards} shards, sizes and SHA-256 match the manifest")
+    return 0
+
+
 def _positions(value: str | None):
     if value is None or value == "all":
         return None
@@ -114,6 +153,34 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
     p.add_argument("--save", default=None, help="write the captures to this .safetensors file")
     p.set_defaults(run=cmd_capture)
+
+    from .extract import DEFAULT_DATA, DEFAULT_POINT
+
+    p = sub.add_parser("extract", help="stream chosen points of a dataset to a sharded store (resumable)")
+    model_args(p)
+    p.add_argument("--out", required=True, help="store directory (re-run the same command to resume)")
+    p.add_argument("--points", type=lambda v: [x for x in v.split(",") if x], default=[DEFAULT_POINT],
+                   help=f"comma-separated point names or globs (default {DEFAULT_POINT})")
+    p.add_argument("--data", default=DEFAULT_DATA,
+                   help=".txt / .jsonl file, a directory of them, a saved HF dataset dir, hf:NAME[:split], "
+                        f"or {DEFAULT_DATA} (default; built offline from Python's docstrings)")
+    p.add_argument("--text-field", default="text", help="field holding the text in .jsonl / datasets")
+    p.add_argument("--context", type=int, default=128, help="tokens per packed sequence")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--keep-bos", action="store_true", help="also store BOS / CLS / SEP tokens (dropped by default)")
+    p.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
+    p.add_argument("--shard-rows", type=int, default=65536, help="rows per shard file")
+    p.add_argument("--on-nonfinite", default="warn", choices=["warn", "error"],
+                   help="NaN/Inf activations: count and report (warn), or refuse to write them (error)")
+    p.add_argument("--revision", default=None, help="model revision (hub ids)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=cmd_extract)
+
+    p = sub.add_parser("inspect", help="summarise and check a store")
+    p.add_argument("dir")
+    p.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of every shard")
+    p.set_defaults(run=cmd_inspect)
     return parser
 
 

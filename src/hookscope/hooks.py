@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .arch import Arch, PointSpec, arch_of
+from .compile import hold_eager, region_of
 from .errors import HookscopeError
 
 HookFn = Callable[[Tensor, "Hook"], Tensor | None]
@@ -215,8 +216,12 @@ class Hooks:
 
     # attaching -----------------------------------------------------------------------------
 
-    def forward(self, point: str | PointSpec, fn: HookFn, *, prepend: bool = False) -> Hook:
-        """Call `fn(activation, hook)` when the point runs; a returned tensor replaces it."""
+    def forward(self, point: str | PointSpec, fn: HookFn, *, prepend: bool = False,
+                eager: str | None = None) -> Hook:
+        """Call `fn(activation, hook)` when the point runs; a returned tensor replaces it.
+
+        `eager`: why `fn` cannot be traced by torch.compile; if the point sits inside a compiled
+        region (see `hookscope.compile`), that region then runs eagerly while the hook is attached."""
         spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
         module = self.arch.module(self.model, spec)
         handles: list = []
@@ -224,6 +229,8 @@ class Hooks:
         torch_hook = _module_hook(spec, fn, hook)
         if spec.needs_eager:
             handles.append(_EagerAttention(self.model))
+        if eager is not None:
+            handles.extend(self._hold_eager(spec, eager))
         if spec.io == "output":
             handles.append(module.register_forward_hook(torch_hook, prepend=prepend))
         else:
@@ -236,7 +243,7 @@ class Hooks:
         replaces the gradient. Uses a tensor hook (cheaper than a module backward hook)."""
         spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
         require_writable(spec, "a gradient hook")
-        hook = self.forward(spec, _grad_capture(fn))
+        hook = self.forward(spec, _grad_capture(fn), eager="a gradient hook cannot be traced into a compiled graph")
         hook.kind, hook.fn = "grad", fn
         return hook
 
@@ -244,10 +251,24 @@ class Hooks:
         """A full backward hook on the point's module: `fn(module, grad_input, grad_output)`."""
         spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
         module = self.arch.module(self.model, spec)
-        handles = [module.register_full_backward_hook(fn)]
+        handles = [module.register_full_backward_hook(fn),
+                   *self._hold_eager(spec, "a module backward hook cannot be traced into a compiled graph")]
         hook = Hook(spec, fn, "backward", handles)
         self._hooks.append(hook)
         return hook
+
+    def module_forward(self, point: str | PointSpec, fn: Callable) -> Hook:
+        """A plain forward hook on the point's module: `fn(module, args, output)`."""
+        spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
+        module = self.arch.module(self.model, spec)
+        handles = [module.register_forward_hook(fn)]
+        hook = Hook(spec, fn, "forward", handles)
+        self._hooks.append(hook)
+        return hook
+
+    def _hold_eager(self, spec: PointSpec, reason: str) -> list:
+        region = region_of(self.model, spec.module)
+        return [] if region is None else [hold_eager(self.model, region, reason)]
 
     def module_pre_forward(self, point: str | PointSpec, fn: Callable) -> Hook:
         """A plain pre-forward hook on the point's module: `fn(module, args, kwargs)`."""

@@ -1,0 +1,19 @@
+"""The activation store: safetensors shards + an atomic manifest (see docs/store-format.md)."""
+
+from .dataset import ActivationDataset
+from .manifest import Column, Manifest, PointStats, ShardEntry, settings_hash
+from .reader import Store, open_store
+from .writer import ShardWriter, merge_rank_manifests
+
+__all__ = [
+    "ActivationDataset",
+    "Column",
+    "Manifest",
+    "PointStats",
+    "ShardEntry",
+    "ShardWriter",
+    "Store",
+    "merge_rank_manifests",
+    "open_store",
+    "settings_hash",
+]

@@ -1,0 +1,200 @@
+"""The extraction pipeline end to end: round trip against plain hooks, resume after SIGKILL,
+torchrun, and the bad inputs a user can hit."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import hookscope as hs
+from hookscope.data import batches, iter_documents, pack
+from hookscope.extract import ExtractConfig, extract
+from hookscope.store import open_store
+
+HERE = Path(__file__).parent
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda fox dog cat residual stream "
+         "layer head token sparse feature probe gradient hook model").split()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """~80 paragraphs of varied length, deterministic."""
+    gen = torch.Generator().manual_seed(0)
+    paras = []
+    for i in range(80):
+        n = int(torch.randint(3, 40, (1,), generator=gen))
+        idx = torch.randint(0, len(WORDS), (n,), generator=gen).tolist()
+        paras.append(f"Document {i}: " + " ".join(WORDS[j] for j in idx) + ".")
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text("\n\n".join(paras) + "\n")
+    return path
+
+
+def config(tiny_dirs, corpus, out, **overrides) -> ExtractConfig:
+    base = dict(out=str(out), model=str(tiny_dirs["gpt2"]), points=["blocks.1.resid_post", "blocks.0.mlp.post"],
+                data=str(corpus), context=32, batch_size=4, dtype="float16", shard_rows=150, progress=False)
+    return ExtractConfig(**{**base, **overrides})
+
+
+def shard_digests(out: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((out / "shards").glob("*"))}
+
+
+@pytest.fixture(scope="module")
+def reference_store(tiny_dirs, corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("ref") / "store"
+    extract(config(tiny_dirs, corpus, out))
+    return out
+
+
+def test_round_trip_equals_plain_hooks(tiny_dirs, corpus, reference_store):
+    """Every stored row equals the activation a plain forward hook sees, and traces back to its
+    token in its document."""
+    loaded = hs.load(str(tiny_dirs["gpt2"]))
+    model, tok = loaded.model, loaded.tokenizer
+    block1 = model.transformer.h[1]
+    mlp0_proj = model.transformer.h[0].mlp.c_proj
+    want_resid, want_mlp, want_ids = [], [], []
+    seen = {}
+    h1 = block1.register_forward_hook(lambda m, a, o: seen.__setitem__("resid", o[0] if isinstance(o, tuple) else o))
+    h2 = mlp0_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("mlp", a[0]))
+    try:
+        with torch.no_grad():
+            for batch in batches(pack(iter_documents(str(corpus)), tok, context=32), 4):
+                keep = batch["attention_mask"].bool() & ~batch["special_mask"]
+                model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])
+                want_resid.append(seen["resid"][keep].to(torch.float16))
+                want_mlp.append(seen["mlp"][keep].to(torch.float16))
+                want_ids.append(batch["input_ids"][keep])
+    finally:
+        h1.remove()
+        h2.remove()
+    store = open_store(reference_store, verify=True)
+    assert store.num_shards > 3  # several shards, so resume tests below cut mid-store
+    assert torch.equal(store.tensor("blocks.1.resid_post"), torch.cat(want_resid))
+    assert torch.equal(store.tensor("blocks.0.mlp.post"), torch.cat(want_mlp))
+    token_ids = store.tensor("token_ids")
+    assert torch.equal(token_ids, torch.cat(want_ids))
+    # each row's (doc_id, position) points at that very token of the tokenizer's own output
+    docs = list(iter_documents(str(corpus)))
+    doc_tokens = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
+    for tid, doc, pos in zip(token_ids.tolist(), store.tensor("doc_ids").tolist(), store.tensor("positions").tolist()):
+        assert doc_tokens[doc][pos] == tid
+    assert store.manifest.settings["points"] == ["blocks.1.resid_post", "blocks.0.mlp.post"]
+
+
+# os.replace calls go: 1 manifest stamped at open, then per shard: shard rename, manifest replace
+KILL_POINTS = ["save:2", "replace:2:after", "replace:3:before", "replace:5:after", "replace:6:before"]
+
+
+@pytest.mark.parametrize("kill_at", KILL_POINTS)
+def test_resume_after_sigkill_equals_uninterrupted(tiny_dirs, corpus, reference_store, tmp_path, kill_at):
+    out = tmp_path / "store"
+    cfg = config(tiny_dirs, corpus, out).__dict__
+    cmd = [sys.executable, str(HERE / "kill_driver.py"), json.dumps(cfg), kill_at]
+    killed = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert killed.returncode == -9, killed.stderr[-2000:]  # it really died by SIGKILL, mid-run
+    partial = open_store(out)
+    assert partial.num_shards < open_store(reference_store).num_shards
+    committed = sum(len(s.batches(1)) for s in partial.manifest.shards)
+    summary = extract(ExtractConfig(**cfg))  # the same command again
+    assert summary.batches_skipped == committed  # exactly the committed batches are skipped
+    assert shard_digests(out) == shard_digests(reference_store)  # byte for byte
+    resumed, ref = open_store(out, verify=True), open_store(reference_store)
+    assert [(s.file, s.rows, s.sha256) for s in resumed.manifest.shards] == \
+           [(s.file, s.rows, s.sha256) for s in ref.manifest.shards]
+
+
+def test_changed_command_is_refused(tiny_dirs, corpus, reference_store, tmp_path):
+    out = tmp_path / "store"
+    extract(config(tiny_dirs, corpus, out, max_tokens=200))
+    before = shard_digests(out)
+    with pytest.raises(hs.StoreError, match="context"):
+        extract(config(tiny_dirs, corpus, out, context=16))
+    with pytest.raises(hs.StoreError, match="dtype"):
+        extract(config(tiny_dirs, corpus, out, dtype="bfloat16"))
+    assert shard_digests(out) == before  # nothing written was lost or touched
+
+
+def test_bad_inputs(tiny_dirs, corpus, tmp_path):
+    with pytest.raises(hs.DataError):
+        extract(config(tiny_dirs, corpus, tmp_path / "a", data=str(tmp_path / "missing.txt")))
+    empty = tmp_path / "empty.txt"
+    empty.write_text("\n\n")
+    with pytest.raises(hs.DataError):
+        extract(config(tiny_dirs, corpus, tmp_path / "b", data=str(empty)))
+    with pytest.raises(hs.UnknownPointError, match="blocks.1.resid_post"):
+        extract(config(tiny_dirs, corpus, tmp_path / "c", points=["blocks.1.resid_pots"]))
+    assert not (tmp_path / "c").exists()  # the name was checked before any directory was made
+    blocker = tmp_path / "a-file"  # a directory cannot be made under a file, even by root
+    blocker.write_text("not a directory")
+    with pytest.raises(hs.StoreError, match="writable"):
+        extract(config(tiny_dirs, corpus, blocker / "store"))
+
+
+def test_nonfinite_counted_or_refused(tiny_dirs, corpus, tmp_path):
+    """A NaN injected into block 0's output reaches the stored point: counted by default,
+    refused with on_nonfinite='error' (and nothing of that batch written)."""
+    loaded = hs.load(str(tiny_dirs["gpt2"]))
+    ln = loaded.model.transformer.h[1].ln_1
+    with torch.no_grad():
+        ln.weight[3] = float("nan")
+    poisoned = tmp_path / "poisoned"
+    loaded.model.save_pretrained(poisoned)
+    loaded.tokenizer.save_pretrained(poisoned)
+    summary = extract(config(tiny_dirs, corpus, tmp_path / "warn", model=str(poisoned), max_tokens=300))
+    rows = open_store(tmp_path / "warn").tensor("blocks.1.resid_post")
+    assert summary.nonfinite["blocks.1.resid_post"] == int((~torch.isfinite(rows)).sum()) > 0
+    assert summary.nonfinite["blocks.0.mlp.post"] == 0
+    with pytest.raises(hs.HookscopeError, match="non-finite"):
+        extract(config(tiny_dirs, corpus, tmp_path / "err", model=str(poisoned), max_tokens=300, on_nonfinite="error"))
+
+
+def test_torchrun_two_processes_same_rows(tiny_dirs, corpus, reference_store, tmp_path):
+    out = tmp_path / "store"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+           "-m", "hookscope.cli", "extract", str(tiny_dirs["gpt2"]), "--out", str(out),
+           "--points", "blocks.1.resid_post,blocks.0.mlp.post", "--data", str(corpus), "--context", "32",
+           "--batch-size", "4", "--shard-rows", "150", "--no-progress"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    two, one = open_store(out, verify=True), open_store(reference_store)
+    assert two.manifest.world_size == 2 and {s.rank for s in two.manifest.shards} == {0, 1}
+
+    def rows(store):
+        key = torch.stack([store.tensor("seq_ids"), store.tensor("doc_ids"), store.tensor("positions")], 1)
+        order = sorted(range(len(key)), key=lambda i: tuple(key[i].tolist()))
+        return key[order], store.tensor("blocks.1.resid_post")[order]
+
+    (k2, v2), (k1, v1) = rows(two), rows(one)
+    assert torch.equal(k2, k1) and torch.equal(v2, v1)
+
+
+def test_cli_extract_and_inspect(tiny_dirs, corpus, tmp_path, capsys):
+    from hookscope.cli import main
+
+    out = tmp_path / "store"
+    assert main(["extract", str(tiny_dirs["gpt2"]), "--out", str(out), "--data", str(corpus), "--context", "32",
+                 "--points", "blocks.*.resid_post", "--max-tokens", "500", "--no-progress"]) == 0
+    assert "rows" in capsys.readouterr().out
+    assert main(["inspect", str(out)]) == 0
+    text = capsys.readouterr().out
+    store = open_store(out)
+    assert f"{len(store):,} rows" in text and "verified" in text
+    for name in ("blocks.0.resid_post", "blocks.1.resid_post", "blocks.2.resid_post"):
+        assert name in text
+    # a damaged shard is caught by inspect
+    shard = next((out / "shards").glob("*.safetensors"))
+    data = bytearray(shard.read_bytes())
+    data[-5] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    assert main(["inspect", str(out)]) == 2
+    assert shard.name in capsys.readouterr().err
