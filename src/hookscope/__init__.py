@@ -23,6 +23,8 @@ from .errors import (
 )
 from .hooks import Hook, Hooks, add_hook, hooks
 from .models import Loaded, load
+from .store import open_store
+from .profiling import ProfileReport, profile
 
 __version__ = "0.1.0"
 
@@ -30,5 +32,5 @@ __all__ = [
     "Arch", "PointSpec", "arch_of", "Capture", "PointInfo", "capture", "collect", "grads", "points",
     "ablate", "edit", "patch", "steer", "Hook", "Hooks", "add_hook", "hooks", "Loaded", "load",
     "HookscopeError", "UnknownPointError", "PointNotReachedError", "SelectionError", "ModelLoadError",
-    "StoreError", "DataError",
+    "StoreError", "DataError", "profile", "ProfileReport", "open_store",
 ]

@@ -4,6 +4,7 @@
     hookscope capture [MODEL] --point P      capture one point on a sentence and summarise it
     hookscope extract [MODEL] --out DIR      stream points of a dataset to a sharded store
     hookscope inspect DIR                    summarise and verify a store
+    hookscope profile [MODEL]                time and memory per block, trace, picture
 """
 
 from __future__ import annotations
@@ -91,6 +92,7 @@ def cmd_extract(args) -> int:
         context=args.context, batch_size=args.batch_size, dtype=args.dtype, drop_bos=not args.keep_bos,
         max_tokens=args.max_tokens, device=args.device, shard_rows=args.shard_rows,
         on_nonfinite=args.on_nonfinite, revision=args.revision, progress=not args.no_progress,
+        device_map=args.device_map,
     )
     print(extract(cfg))
     return 0
@@ -116,6 +118,26 @@ def cmd_inspect(args) -> int:
     if not args.no_verify:
         store.verify()
         print(f"  verified: {store.num_shards} shards, sizes and SHA-256 match the manifest")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    import torch
+
+    import hookscope as hs
+
+    _quiet_transformers()
+    loaded = hs.load(args.model, device=args.device, dtype=args.dtype, compile=args.compile)
+    vocab = loaded.model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)  # random tokens: timing does not depend on the text
+    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(args.device)
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    report = hs.profile(loaded.model, inputs, backward=args.backward, steps=args.steps, warmup=args.warmup,
+                        out_dir=args.out)
+    print(report.summary())
+    if args.out:
+        print(f"files in {args.out}: table.txt, trace.json (chrome://tracing or ui.perfetto.dev), "
+              "time_per_block.png, report.html")
     return 0
 
 
@@ -174,8 +196,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--on-nonfinite", default="warn", choices=["warn", "error"],
                    help="NaN/Inf activations: count and report (warn), or refuse to write them (error)")
     p.add_argument("--revision", default=None, help="model revision (hub ids)")
+    p.add_argument("--device-map", default=None, help="'auto' spreads a model bigger than one device (accelerate)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=cmd_extract)
+
+    p = sub.add_parser("profile", help="where time and memory go, per block and hooked point")
+    model_args(p)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--backward", action="store_true", help="profile forward + backward")
+    p.add_argument("--compile", default=None, choices=["off", "blocks", "full"],
+                   help="compile policy (default: $HOOKSCOPE_COMPILE, else off)")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--steps", type=int, default=5)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--out", default=None, help="write table, trace, picture and HTML page here")
+    p.set_defaults(run=cmd_profile)
 
     p = sub.add_parser("inspect", help="summarise and check a store")
     p.add_argument("dir")

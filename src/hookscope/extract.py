@@ -42,6 +42,7 @@ class ExtractConfig:
     drop_bos: bool = True
     max_tokens: int | None = None
     device: str = "cpu"
+    device_map: str | None = None  # "auto": spread a big model over the devices (accelerate)
     shard_rows: int = 65536
     on_nonfinite: str = "warn"  # "warn" | "error"
     revision: str | None = None
@@ -123,7 +124,9 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
     rank, world_size = _dist_info()
     _init_distributed(world_size, cfg.device)
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cfg.device == "cuda" and world_size > 1 else cfg.device
-    loaded = load(cfg.model, device=device, revision=cfg.revision)
+    loaded = load(cfg.model, device=device, revision=cfg.revision, device_map=cfg.device_map)
+    if cfg.device_map is not None:  # inputs go where the embeddings live
+        device = str(loaded.model.get_input_embeddings().weight.device)
     dtype = getattr(torch, cfg.dtype, None)
     if not isinstance(dtype, torch.dtype):
         raise HookscopeError(f"unknown dtype {cfg.dtype!r}: use float32, float16 or bfloat16")

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .arch import Arch, arch_of
+from .compile import apply as apply_compile_policy
 from .errors import ModelLoadError
 
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
@@ -65,9 +66,14 @@ def load(
     dtype: torch.dtype | str | None = None,
     revision: str | None = None,
     attn_implementation: str | None = None,
+    device_map: str | dict | None = None,
+    compile: str | None = None,
     tokenizer: bool = True,
 ) -> Loaded:
-    """Load a Hugging Face model (causal LM head when it has one) in eval mode."""
+    """Load a Hugging Face model (causal LM head when it has one) in eval mode.
+
+    `device_map="auto"` spreads a model bigger than one device over the GPUs (and CPU) through
+    accelerate; hooks work the same, since accelerate keeps the module tree."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     source, local = resolve_source(name_or_path)
@@ -88,11 +94,16 @@ def load(
         kwargs["attn_implementation"] = attn_implementation
     if local and any(Path(source).glob("*.safetensors")):
         kwargs["use_safetensors"] = True
+    if device_map is not None:
+        kwargs["device_map"] = device_map
     try:
         model = auto.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model weights from {name_or_path!r}: {exc}") from exc
-    model.to(device).eval()
+    if device_map is None:
+        model.to(device)
+    model.eval()
+    apply_compile_policy(model, compile)
     tok = None
     if tokenizer:
         try:
