@@ -74,7 +74,7 @@ def cmd_capture(args) -> int:
     for name, act in acts.items():
         x = act.float()
         print(f"  {name}: shape {list(act.shape)} {act.dtype}  mean {x.mean():+.4f}  std {x.std():.4f}  "
-              f"|x| per token {x.flatten(2).norm(dim=-1).mean() if x.ndim > 2 else x.norm(dim=-1).mean():.3f}")
+              f"max |x| {x.abs().max():.4f}")
     if args.save:
         from safetensors.torch import save_file
 
