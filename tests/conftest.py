@@ -28,6 +28,18 @@ SIZE = {"d_model": 64, "n_layers": 3, "n_heads": 4, "context": 64}
 torch.set_num_threads(1)
 
 
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--full", action="store_true", help="run the fault sweeps at full size (slow)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if not config.getoption("--full"):
+        skip = pytest.mark.skip(reason="slow: run with --full")
+        for item in items:
+            if "slow" in item.keywords:
+                item.add_marker(skip)
+
+
 @pytest.fixture(scope="session")
 def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("tiny")

@@ -2,56 +2,148 @@
 
     python kill_driver.py CONFIG_JSON KILL_AT
 
-KILL_AT is "replace:N:before|after" (around the N-th os.replace: shard renames and manifest
-replaces alternate), "save:N" (after half of the N-th shard file is written), or "never".
+or, in a child of the fork server, `run_extract(config, kill_at)`. KILL_AT names a site and the
+event of that site to die at, counted from 1 over the whole run:
+
+    replace:N:before|after           around the N-th os.replace (the first stamps the manifest at
+                                     open; then, per shard, its rename and the manifest replace)
+    rename:N:before|after            around the N-th shard rename (.tmp -> final name)
+    manifest-replace:N:before|after  around the N-th manifest replace (1 is the stamp at open)
+    save:N                           inside the N-th shard write, leaving a half-written .tmp file
+    manifest-write:N                 inside the N-th manifest save, leaving a half-written .tmp
+    fsync:N                          inside the N-th os.fsync (shard data, shard directory,
+                                     manifest, store directory)
+    batch:N                          as the N-th new batch is handed to the writer (the writer
+                                     thread may be in the middle of a shard)
+    forward:N                        at the N-th module call of a forward pass
+    tokenize:N                       inside the N-th call to the tokenizer
+    never                            run to the end
+    count                            run to the end, counting every site's events
+
 A real SIGKILL: no finally blocks, no atexit, no flush, exactly as a crash or an OOM kill.
 """
 
+from __future__ import annotations
+
+import dataclasses
 import json
 import os
 import signal
 import sys
+from collections import Counter
+from typing import Any
 
+import torch
+
+from hookscope import extract as extract_module
 from hookscope.extract import ExtractConfig, extract
+from hookscope.store import ShardWriter
 from hookscope.store import writer as writer_module
+
+SITES = ("replace", "rename", "manifest-replace", "save", "manifest-write", "fsync", "batch", "forward",
+         "tokenize")
 
 
 def die() -> None:
     os.kill(os.getpid(), signal.SIGKILL)
 
 
-def arm(kill_at: str) -> None:
-    kind, _, rest = kill_at.partition(":")
-    if kind == "never":
-        return
-    count = {"n": 0}
-    if kind == "replace":
-        n, when = rest.split(":")
-        real_replace = os.replace
+class Plan:
+    """Counts each site's events and dies at the chosen one."""
 
-        def replace(src, dst):
-            count["n"] += 1
-            if count["n"] == int(n) and when == "before":
-                die()
-            real_replace(src, dst)
-            if count["n"] == int(n) and when == "after":
-                die()
+    def __init__(self, kill_at: str):
+        kind, *rest = kill_at.split(":")
+        if kind not in (*SITES, "never", "count"):
+            raise SystemExit(f"bad KILL_AT {kill_at!r}")
+        self.kind = kind
+        self.n = int(rest[0]) if rest else 0
+        self.when = rest[1] if len(rest) > 1 else None
+        self.counts: Counter[str] = Counter()
 
-        os.replace = replace
-    elif kind == "save":
-        real_save = writer_module.save_file
+    def event(self, site: str) -> bool:
+        """Count one event of `site`; True if it is the one to die at."""
+        self.counts[site] += 1
+        return site == self.kind and self.counts[site] == self.n
 
-        def save_file(tensors, path, *args, **kwargs):
-            count["n"] += 1
-            real_save(tensors, path, *args, **kwargs)
-            if count["n"] == int(rest):
-                with open(path, "r+b") as f:  # leave a half-written file behind, as a crash would
-                    f.truncate(os.path.getsize(path) // 2)
-                die()
+    def at(self, due: bool, when: str) -> None:
+        if due and self.when == when:
+            die()
 
-        writer_module.save_file = save_file
-    else:
-        raise SystemExit(f"bad KILL_AT {kill_at!r}")
+
+def _fd_path(fd: int) -> str:
+    return os.readlink(f"/proc/self/fd/{fd}")
+
+
+def arm(kill_at: str) -> Plan:
+    """Wrap every site of this process with `plan`'s counters (and its kill)."""
+    plan = Plan(kill_at)
+    if plan.kind == "never":
+        return plan
+    real_replace, real_fsync, real_save = os.replace, os.fsync, writer_module.save_file
+    real_write, real_pack = ShardWriter.write, extract_module.pack
+
+    def replace(src, dst):
+        due = [plan.event("replace")]
+        due.append(plan.event("manifest-replace" if str(dst).endswith(".json") else "rename"))
+        plan.at(any(due), "before")
+        real_replace(src, dst)
+        plan.at(any(due), "after")
+
+    def fsync(fd):
+        path = _fd_path(fd)
+        if path.endswith(".json.tmp") and plan.event("manifest-write"):
+            os.truncate(path, os.path.getsize(path) // 2)  # the rest of the JSON never reached the disk
+            die()
+        if plan.event("fsync"):
+            die()
+        real_fsync(fd)
+
+    def save_file(tensors, path, *args, **kwargs):
+        real_save(tensors, path, *args, **kwargs)
+        if plan.event("save"):
+            with open(path, "r+b") as f:  # leave a half-written file behind, as a crash would
+                f.truncate(os.path.getsize(path) // 2)
+            die()
+
+    def write(self, *args, **kwargs):
+        if plan.event("batch"):
+            die()
+        return real_write(self, *args, **kwargs)
+
+    def pack(documents, tokenizer, *args, **kwargs):
+        return real_pack(documents, _CountingTokenizer(tokenizer, plan), *args, **kwargs)
+
+    def forward(module, args):
+        if plan.event("forward"):
+            die()
+
+    os.replace, os.fsync, writer_module.save_file = replace, fsync, save_file
+    ShardWriter.write, extract_module.pack = write, pack
+    torch.nn.modules.module.register_module_forward_pre_hook(forward)
+    return plan
+
+
+class _CountingTokenizer:
+    """The tokenizer, with a kill site inside its __call__ (after the work, before it returns)."""
+
+    def __init__(self, tokenizer: Any, plan: Plan):
+        self._tokenizer, self._plan = tokenizer, plan
+
+    def __call__(self, *args, **kwargs):
+        out = self._tokenizer(*args, **kwargs)
+        if self._plan.event("tokenize"):
+            die()
+        return out
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+
+def run_extract(config: dict[str, Any], kill_at: str = "never") -> dict[str, Any]:
+    """The fork server's entry: extract with `kill_at` armed; the summary and each site's count."""
+    plan = arm(kill_at)
+    summary = extract(ExtractConfig(**config))
+    return {"summary": dataclasses.asdict(summary), "counts": dict(plan.counts)}
 
 
 if __name__ == "__main__":

@@ -145,9 +145,9 @@ def test_writer_checks_what_it_is_given(tmp_path: Path):
 def test_a_slow_disk_blocks_the_caller_after_queue_size_batches(tmp_path: Path, monkeypatch):
     gate, real_save = threading.Event(), writer_module.save_file
 
-    def slow_save(tensors, path):
+    def slow_save(tensors, path, **kw):
         gate.wait()
-        real_save(tensors, path)
+        real_save(tensors, path, **kw)
 
     monkeypatch.setattr(writer_module, "save_file", slow_save)
     w = ShardWriter(tmp_path / "s", {"k": 1}, shard_rows=1, queue_size=2)
@@ -189,8 +189,8 @@ def replace(src, dst):  # the shard is renamed into place, but the manifest neve
         shards_done += 1
         if mode == "after_rename" and shards_done == 2:
             die()
-def save_file(tensors, path):  # killed with the shard half-done under its .tmp name
-    real_save(tensors, path)
+def save_file(tensors, path, **kw):  # killed with the shard half-done under its .tmp name
+    real_save(tensors, path, **kw)
     if mode == "after_tmp" and shards_done == 2:
         die()
 os.replace, wm.save_file = replace, save_file
@@ -274,12 +274,12 @@ def test_a_foreign_directory_is_refused(tmp_path: Path):
 def test_full_disk_raises_and_keeps_what_was_committed(tmp_path: Path, store_dir: Path, monkeypatch):
     real_save, calls = writer_module.save_file, []
 
-    def save_file(tensors, path):
+    def save_file(tensors, path, **kw):
         calls.append(path)
         if len(calls) == 3:
             Path(path).write_bytes(b"partial")  # what a full disk leaves behind
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_save(tensors, path)
+        real_save(tensors, path, **kw)
 
     monkeypatch.setattr(writer_module, "save_file", save_file)
     out = tmp_path / "full"

@@ -38,9 +38,14 @@ def _load(args):
 
 
 def _encode(loaded, text: str):
+    from .errors import HookscopeError
+
     if loaded.tokenizer is None:
-        raise SystemExit("this model has no tokenizer; give token ids from Python instead")
-    return dict(loaded.tokenizer([text], return_tensors="pt"))
+        raise HookscopeError("this model has no tokenizer; give token ids from Python instead")
+    inputs = dict(loaded.tokenizer([text], return_tensors="pt"))
+    if inputs["input_ids"].shape[-1] == 0:
+        raise HookscopeError(f"--text {text!r} gives no tokens; give some text")
+    return inputs
 
 
 def cmd_points(args) -> int:
@@ -76,9 +81,15 @@ def cmd_capture(args) -> int:
         print(f"  {name}: shape {list(act.shape)} {act.dtype}  mean {x.mean():+.4f}  std {x.std():.4f}  "
               f"max |x| {x.abs().max():.4f}")
     if args.save:
+        from safetensors import SafetensorError
         from safetensors.torch import save_file
 
-        save_file({k: v.contiguous() for k, v in acts.items()}, args.save)
+        from .errors import HookscopeError
+
+        try:
+            save_file({k: v.contiguous() for k, v in acts.items()}, args.save)
+        except (OSError, SafetensorError) as e:
+            raise HookscopeError(f"cannot write --save {args.save}: {e}") from e
         print(f"  saved to {args.save}")
     return 0
 
@@ -126,8 +137,14 @@ def cmd_profile(args) -> int:
 
     import hookscope as hs
 
+    from .extract import max_positions
+
     _quiet_transformers()
     loaded = hs.load(args.model, device=args.device, dtype=args.dtype, compile=args.compile)
+    longest = max_positions(loaded.model)
+    if longest is not None and args.seq > longest:
+        raise hs.HookscopeError(f"--seq {args.seq} is longer than the model's {longest} positions; "
+                                f"use --seq {longest} or less")
     vocab = loaded.model.config.vocab_size
     gen = torch.Generator().manual_seed(0)  # random tokens: timing does not depend on the text
     ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(args.device)
@@ -139,6 +156,35 @@ def cmd_profile(args) -> int:
         print(f"files in {args.out}: table.txt, trace.json (chrome://tracing or ui.perfetto.dev), "
               "time_per_block.png, report.html")
     return 0
+
+
+def _device(value: str) -> str:
+    """A device this machine has: cpu, cuda, cuda:N or mps."""
+    import torch
+
+    try:
+        device = torch.device(value)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not a device: use cpu, cuda or cuda:N") from None
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.type == "cuda" and (device.index or 0) >= gpus:
+        raise argparse.ArgumentTypeError(f"{value}: this machine has {gpus} CUDA device(s); use --device cpu")
+    if device.type == "mps" and not torch.backends.mps.is_available():
+        raise argparse.ArgumentTypeError("mps is not available on this machine; use --device cpu")
+    if device.type not in ("cpu", "cuda", "mps"):
+        raise argparse.ArgumentTypeError(f"{value!r}: use cpu, cuda, cuda:N or mps")
+    return value
+
+
+def _at_least(minimum: int):
+    def parse(value: str) -> int:
+        number = int(value)  # a ValueError becomes argparse's "invalid value" message
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"{number} is less than {minimum}")
+        return number
+
+    parse.__name__ = f"int >= {minimum}"  # how argparse names the type in its messages
+    return parse
 
 
 def _positions(value: str | None):
@@ -159,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
     def model_args(p: argparse.ArgumentParser) -> None:
         p.add_argument("model", nargs="?", default=None,
                        help="Hugging Face id or local directory (default: the bundled all-MiniLM-L6-v2)")
-        p.add_argument("--device", default="cpu")
+        p.add_argument("--device", default="cpu", type=_device, help="cpu, cuda, cuda:N or mps")
 
     p = sub.add_parser("points", help="list a model's hook points")
     model_args(p)
@@ -202,14 +248,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("profile", help="where time and memory go, per block and hooked point")
     model_args(p)
-    p.add_argument("--batch", type=int, default=8)
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--batch", type=_at_least(1), default=8)
+    p.add_argument("--seq", type=_at_least(1), default=128,
+                   help="tokens per sequence (at most the model's positions)")
     p.add_argument("--backward", action="store_true", help="profile forward + backward")
     p.add_argument("--compile", default=None, choices=["off", "blocks", "full"],
                    help="compile policy (default: $HOOKSCOPE_COMPILE, else off)")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--steps", type=int, default=5)
-    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--steps", type=_at_least(1), default=5)
+    p.add_argument("--warmup", type=_at_least(0), default=2)
     p.add_argument("--out", default=None, help="write table, trace, picture and HTML page here")
     p.set_defaults(run=cmd_profile)
 

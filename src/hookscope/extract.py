@@ -106,6 +106,23 @@ def settings_for(cfg: ExtractConfig, loaded, points: list[str], world_size: int)
     }
 
 
+_POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions")  # GPT-2, BERT, OPT-like
+
+
+def max_positions(model: torch.nn.Module) -> int | None:
+    """The longest input a model with a learned position-embedding table takes; None for rotary or
+    relative positions, which have no hard limit."""
+    if not any(name.rsplit(".", 1)[-1] in _POSITION_TABLES and isinstance(m, torch.nn.Embedding)
+               for name, m in model.named_modules()):
+        return None
+    config = getattr(model, "config", None)
+    for key in ("n_positions", "max_position_embeddings"):
+        value = getattr(config, key, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
 def _dist_info() -> tuple[int, int]:
     return int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
 
@@ -131,6 +148,10 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
     if not isinstance(dtype, torch.dtype):
         raise HookscopeError(f"unknown dtype {cfg.dtype!r}: use float32, float16 or bfloat16")
     points = [s.name for s in loaded.arch.resolve(cfg.points)]  # unknown names fail before any work
+    longest = max_positions(loaded.model)
+    if longest is not None and cfg.context > longest:
+        raise HookscopeError(f"context {cfg.context} is longer than the model's {longest} positions; use "
+                             f"--context {longest} or less")
 
     settings = settings_for(cfg, loaded, points, world_size)
     documents = iter_documents(cfg.data, text_field=cfg.text_field)

@@ -50,7 +50,8 @@ def canonical(name: str) -> str:
         return ".".join(parts[:-1] + [_TL_RENAMES[last]])
     if last.startswith("hook_"):
         parts[-1] = last[len("hook_"):]
-    return ".".join(parts)
+    name = ".".join(parts)
+    return canonical(name) if name.startswith(MODULE_PREFIX) else name  # "hook_module:..." checked as one
 
 
 def parse_module_path(name: str) -> ModulePath:

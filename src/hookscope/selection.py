@@ -6,6 +6,7 @@ the activation's shape, so a bad one is a clear error rather than an IndexError 
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence, Union
 
 import torch
@@ -18,18 +19,37 @@ Heads = Union[None, int, Sequence[int], Tensor]
 
 
 def _index(sel: int | Sequence[int] | Tensor, size: int, what: str, device: torch.device) -> Tensor:
-    if isinstance(sel, int) or (isinstance(sel, (list, tuple)) and sel and all(isinstance(v, int) for v in sel)):
+    if _is_int(sel) or (isinstance(sel, (list, tuple)) and sel and all(_is_int(v) for v in sel)):
         # plain ints are checked in Python: a check on a tensor would break a torch.compile graph
-        values = [sel] if isinstance(sel, int) else list(sel)
+        values = [int(sel)] if _is_int(sel) else [int(v) for v in sel]
         if not all(-size <= v < size for v in values):
             raise SelectionError(f"{what} selection {values} out of range for size {size}")
         return torch.tensor([v % size for v in values], dtype=torch.long, device=device)
-    idx = torch.as_tensor([sel] if isinstance(sel, int) else sel, dtype=torch.long)
+    try:
+        idx = sel if isinstance(sel, Tensor) else torch.as_tensor(sel)  # numpy arrays, nested lists
+    except (TypeError, ValueError, RuntimeError, OverflowError):
+        idx = None
+    # no cast: it would silently turn a bool mask, floats or text into other indices
+    if idx is None or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
+        raise SelectionError(f"{what} selection {sel!r}: use an int, a non-empty list of ints or a 1-D "
+                             "integer tensor")
+    idx = idx.long()
     if idx.ndim != 1 or idx.numel() == 0:
         raise SelectionError(f"{what} selection must be a non-empty int or list of ints, got shape {tuple(idx.shape)}")
     if idx.min() < -size or idx.max() >= size:
         raise SelectionError(f"{what} selection {idx.tolist()} out of range for size {size}")
     return (idx % size).to(device)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)  # numpy ints too, not True / False
+
+
+def _check_slice(s: slice) -> None:
+    bounds = (s.start, s.stop, s.step)
+    if not all(v is None or _is_int(v) for v in bounds) or (s.step is not None and s.step < 1):
+        raise SelectionError(f"positions={s!r}: a slice needs int bounds and a positive step (torch cannot "
+                             "step back)")
 
 
 def select_positions(x: Tensor, positions: Positions, pos_dim: int | None) -> Tensor:
@@ -45,11 +65,14 @@ def select_positions(x: Tensor, positions: Positions, pos_dim: int | None) -> Te
         if positions != "last":
             raise SelectionError(f"positions={positions!r}: use 'last', an int, a slice, a list or a tensor")
         positions = -1
-    if isinstance(positions, int):
+    if isinstance(positions, bool):
+        raise SelectionError(f"positions={positions!r}: use 'last', an int, a slice, a list or a tensor")
+    if _is_int(positions):
         if not -size <= positions < size:
             raise SelectionError(f"position selection {positions} out of range for size {size}")
-        return x.select(pos_dim, positions)
+        return x.select(pos_dim, int(positions))
     if isinstance(positions, slice):
+        _check_slice(positions)
         return x[(slice(None),) * (pos_dim % x.ndim) + (positions,)]
     if isinstance(positions, Tensor) and positions.ndim == 1 and positions.numel() == x.shape[0] and pos_dim % x.ndim == 1 \
             and positions.dtype in (torch.int32, torch.int64):
@@ -70,6 +93,8 @@ def select_tokens(x: Tensor, mask: Tensor | None, pos_dim: int | None) -> Tensor
     """Keep the tokens where mask [batch, pos] is True, as rows: [n_tokens, ...]."""
     if mask is None:
         return x
+    if not isinstance(mask, Tensor):
+        raise SelectionError(f"token_mask must be a bool tensor [batch, pos], got {type(mask).__name__}")
     if pos_dim is None or pos_dim % x.ndim != 1:
         raise SelectionError("token_mask needs a [batch, pos, ...] activation")
     if x.shape[0] == 1 and mask.ndim == 2 and mask.shape[0] > 1:
@@ -95,6 +120,7 @@ def region_mask(x: Tensor, positions: Positions, heads: Heads, pos_dim: int | No
         size = x.shape[pos_dim]
         keep = torch.zeros(size, dtype=torch.bool, device=x.device)
         if isinstance(positions, slice):
+            _check_slice(positions)
             keep[positions] = True
         else:
             keep[_index(positions, size, "position", x.device)] = True

@@ -110,8 +110,12 @@ class Arch:
         try:
             return self.specs[name]
         except KeyError:
-            (resolved,) = expand([name], self.names)  # raises UnknownPointError with suggestions
-            return self.specs[resolved]
+            resolved = expand([name], self.names)  # raises UnknownPointError with suggestions
+            if len(resolved) != 1:  # a glob: hooks and specs take one point each
+                raise UnknownPointError(
+                    f"{name!r} matches {len(resolved)} points ({', '.join(resolved[:3])}, ...); name one "
+                    "point here, or resolve the pattern with arch.resolve()") from None
+            return self.spec(resolved[0])  # canonical now: a known name, or a raw module path
 
     def module(self, model: nn.Module, spec: PointSpec) -> nn.Module:
         if self.modules is not None and spec.module in self.modules:

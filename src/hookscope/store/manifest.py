@@ -16,12 +16,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from ..errors import StoreError
 
 FORMAT = "hookscope-store"
 VERSION = 1
 MANIFEST = "manifest.json"
 SHARDS_DIR = "shards"
+IDENTITY = "hookscope.shard"  # the shard's __metadata__ key naming its place in its store
+
+
+def shard_identity(settings_hash: str, batch_start: int, batch_end: int, rank: int) -> dict[str, str]:
+    """What a shard's safetensors `__metadata__` says about where it belongs. A reader refuses a
+    shard whose identity differs from its manifest entry: one copied from another store, or moved
+    within this one, would otherwise read as valid rows. One key: safetensors writes metadata keys
+    in a random order, and shards must be byte-identical from run to run."""
+    return {IDENTITY: f"batches {batch_start}-{batch_end} of rank {rank}, settings {settings_hash}"}
 
 
 def manifest_name(rank: int, world_size: int) -> str:
@@ -156,11 +167,15 @@ class Manifest:
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
         data = (json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n").encode()
-        with open(tmp, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
+        try:
+            with open(tmp, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)  # e.g. a full disk: give its blocks back
+            raise
         fsync_dir(path.parent)
 
     @classmethod
@@ -170,7 +185,7 @@ class Manifest:
             raw = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise StoreError(f"{path}: no manifest here; is this a hookscope store directory?") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8 / JSON, a 5,000-digit int
             raise StoreError(f"{path}: manifest is not readable JSON ({e}); the store is damaged") from e
         try:
             return cls._from_json(raw)
@@ -201,6 +216,11 @@ class Manifest:
             raise ValueError("totals 'rows'/'bytes' disagree with the shard list")
         if len({s.file for s in m.shards}) != len(m.shards):
             raise ValueError("a shard file is listed twice")
+        row_bytes = sum(math.prod(c.shape) * getattr(torch, c.dtype).itemsize for c in m.columns.values())
+        for i, s in enumerate(m.shards):  # bounds what a reader allocates from the manifest's word alone
+            if s.rows * row_bytes > s.bytes:
+                raise ValueError(f"shards[{i}] ({s.file}) claims {s.rows} rows of {row_bytes} bytes each, "
+                                 f"more than its {s.bytes} bytes: the manifest or the shard is damaged")
         return m
 
 
@@ -231,7 +251,10 @@ def _columns(raw: Any, what: str) -> dict[str, Column]:
     for name, c in _expect(raw, dict, what).items():
         _expect(c, dict, f"{what}.{name}")
         shape = tuple(_int(d, f"{what}.{name}.shape") for d in _expect(c["shape"], list, f"{what}.{name}.shape"))
-        out[name] = Column(shape, _expect(c["dtype"], str, f"{what}.{name}.dtype"))
+        dtype = _expect(c["dtype"], str, f"{what}.{name}.dtype")
+        if not isinstance(getattr(torch, dtype, None), torch.dtype):
+            raise ValueError(f"{what}.{name}.dtype {dtype!r} is not a torch dtype")
+        out[name] = Column(shape, dtype)
     return out
 
 

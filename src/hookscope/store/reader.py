@@ -11,6 +11,7 @@ import bisect
 import hashlib
 import json
 import os
+import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -20,7 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import StoreError
-from .manifest import MANIFEST, Column, Manifest, PointStats, ShardEntry
+from .manifest import IDENTITY, MANIFEST, Column, Manifest, PointStats, ShardEntry, shard_identity
 
 if TYPE_CHECKING:
     import datasets
@@ -42,7 +43,8 @@ def open_store(path: str | os.PathLike, *, verify: bool = False) -> Store:
     store = Store(root, Manifest.load(root / MANIFEST))
     missing = [s.file for s in store.manifest.shards if not (root / s.file).is_file()]
     if missing:
-        raise StoreError(f"{root}: {len(missing)} shard file(s) listed in the manifest are missing, e.g. {missing[0]}")
+        raise StoreError(f"{root}: {len(missing)} shard file(s) listed in the manifest are missing or not "
+                         f"regular files, e.g. {missing[0]}")
     if verify:
         store.verify()
     return store
@@ -109,6 +111,7 @@ class Store:
                 out = {name: f.get_tensor(name) for name in names}
         except (SafetensorError, KeyError, OSError, RuntimeError) as e:
             raise StoreError(f"{path}: cannot read the shard ({e}); it is corrupt") from e
+        _check_identity(path, header, entry, self.manifest.settings_hash)
         for name, t in out.items():
             col = self.manifest.columns[name]
             if name not in header or tuple(t.shape) != (entry.rows, *col.shape) or str(t.dtype) != "torch." + col.dtype:
@@ -117,10 +120,16 @@ class Store:
         return out
 
     def verify(self) -> None:
-        """Check every shard's size, SHA-256 and header; raise StoreError naming each bad shard."""
+        """Check every shard's size, SHA-256, header, identity and columns against the manifest (a
+        manifest can vouch for a damaged file); raise StoreError naming each bad shard."""
         bad = []
-        for entry in self.manifest.shards:
+        for i, entry in enumerate(self.manifest.shards):
             problem = _check_shard(self.path, entry)
+            if problem is None:
+                try:
+                    self.load_shard(i)
+                except StoreError as e:
+                    problem = str(e).removeprefix(f"{self.path / entry.file}: ")
             if problem:
                 bad.append(f"{entry.file}: {problem}")
         if bad:
@@ -208,8 +217,9 @@ def _read_header(path: Path, size: int) -> dict[str, Any]:
             raise StoreError(f"{path}: header length {n} does not fit in a file of {size} bytes: truncated or corrupt")
         try:
             header = json.loads(f.read(n))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise StoreError(f"{path}: the safetensors header is not valid JSON: corrupt") from e
+        except (ValueError, RecursionError) as e:  # ValueError: bad UTF-8 or JSON, or a 5,000-digit int
+            raise StoreError(f"{path}: the safetensors header is not valid JSON ({type(e).__name__}): "
+                             "corrupt") from e
     if not isinstance(header, dict):
         raise StoreError(f"{path}: the safetensors header is not a JSON object: corrupt")
     data = size - 8 - n
@@ -222,6 +232,24 @@ def _read_header(path: Path, size: int) -> dict[str, Any]:
             raise StoreError(f"{path}: tensor {name!r} has byte range {offsets} outside the {data} data bytes: "
                              "truncated or corrupt")
     return header
+
+
+def _check_identity(path: Path, header: dict[str, Any], entry: ShardEntry, settings_hash: str) -> None:
+    meta = header.get("__metadata__")
+    got = meta.get(IDENTITY) if isinstance(meta, dict) else None
+    want = shard_identity(settings_hash, entry.batch_start, entry.batch_end, entry.rank)[IDENTITY]
+    if got == want:
+        return
+    if got is None:
+        raise StoreError(f"{path}: the shard has no {IDENTITY!r} entry in its metadata (it was not written "
+                         "by a hookscope ShardWriter); re-run the extraction into a new directory")
+
+    def short(identity: str) -> str:  # settings hashes cut to 12 digits
+        return re.sub(r"\b([0-9a-f]{12})[0-9a-f]{52}\b", r"\1...", identity)
+
+    raise StoreError(f"{path}: the shard holds {short(got)!r}, but the manifest lists it as {short(want)!r}: "
+                     "it was copied from another store or moved within this one; re-run the extraction into "
+                     "a new directory")
 
 
 def _check_shard(root: Path, entry: ShardEntry) -> str | None:

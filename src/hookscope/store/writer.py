@@ -34,6 +34,7 @@ from .manifest import (
     fsync_dir,
     manifest_name,
     settings_diff,
+    shard_identity,
 )
 
 _STOP = object()
@@ -67,11 +68,12 @@ class ShardWriter:
         except OSError as e:
             raise StoreError(f"cannot create the store directory {self.out}: {e}; choose a writable --out") from e
         self.manifest = self._open_manifest(settings)
-        self._remove_orphans()
         try:  # stamps the settings into the directory now, and proves it is writable before any compute
+            self._remove_orphans()
             self.manifest.save(self._manifest_path)
         except OSError as e:
-            raise StoreError(f"cannot write to the store directory {self.out}: {e}; choose a writable --out") from e
+            raise StoreError(f"cannot write to the store directory {self.out}: {e}; make it writable (or "
+                             "free space) or choose another --out, and re-run") from e
         self.done_batches: frozenset[int] = frozenset(self.manifest.done_batches(rank))
         self.bytes_written = 0  # this session, for a progress bar
         self._layout: dict[str, Column] = self.manifest.columns
@@ -168,6 +170,11 @@ class ShardWriter:
         if self._error is not None and not self._error_reported:
             self._error_reported = True
             m = self.manifest
+            if not self._manifest_path.exists():  # stamped at open: gone means the directory went
+                raise StoreError(
+                    f"the store directory {self.out} was deleted (or unmounted) while it was being written "
+                    f"({self._error!r}); the rows it held are gone. Re-run the same command to start over."
+                ) from self._error
             raise StoreError(
                 f"writing the store {self.out} failed: {self._error!r}. The {m.rows:,} rows in {len(m.shards)} "
                 "shards already committed are intact; fix the cause (e.g. free disk space) and re-run the "
@@ -210,8 +217,9 @@ class ShardWriter:
         tensors = {k: torch.cat([b[k] for _, b in pending]) for k in pending[0][1]}
         name = f"{self._prefix}{self._next_shard:06d}.safetensors"
         final, tmp = self._shards / name, self._shards / (name + ".tmp")
+        identity = shard_identity(self.manifest.settings_hash, pending[0][0], pending[-1][0], self.rank)
         try:
-            save_file(tensors, tmp)
+            save_file(tensors, tmp, metadata=identity)
             os.chmod(tmp, self._file_mode)
             size, sha = _fsync_and_hash(tmp)
             os.replace(tmp, final)

@@ -1,0 +1,122 @@
+"""What the fault tests share: a small corpus, an extraction config, and the row-for-row comparison
+of a store that lived through a fault with one that did not."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hookscope.store import open_store
+
+WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda fox dog cat residual stream "
+         "layer head token sparse feature probe gradient hook model").split()
+
+
+def write_corpus(path: Path, docs: int = 60, seed: int = 0) -> Path:
+    """`docs` paragraphs of 3-40 words, the same for the same seed."""
+    rng = random.Random(seed)
+    paras = [f"Document {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40))) + "."
+             for i in range(docs)]
+    path.write_text("\n\n".join(paras) + "\n")
+    return path
+
+
+def extract_config(model_dir: Path, corpus: Path, out: Path, **overrides: Any) -> dict[str, Any]:
+    """ExtractConfig fields for a run of about 50 batches, 2 per shard, on a tiny GPT-2."""
+    base = dict(out=str(out), model=str(model_dir), points=["blocks.1.resid_post", "blocks.0.attn.z"],
+                data=str(corpus), context=32, batch_size=4, dtype="bfloat16", shard_rows=200, progress=False)
+    return {**base, **overrides}
+
+
+def load_model(path: str) -> None:
+    """Load a model once (for `ForkServer.warm`: its family's code is imported lazily)."""
+    import hookscope as hs
+
+    hs.load(path)
+
+
+def shard_digests(out: Path) -> dict[str, str]:
+    """SHA-256 of every file under shards/ (debris included: a clean store has none)."""
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((out / "shards").iterdir())}
+
+
+def row_keys(store) -> Counter:
+    """Each row's origin (packed sequence, document, position in the document), with multiplicity."""
+    return Counter(zip(store.tensor("seq_ids").tolist(), store.tensor("doc_ids").tolist(),
+                       store.tensor("positions").tolist(), strict=True))
+
+
+def compare_stores(got: Path, want: Path) -> dict[str, Any]:
+    """Row-for-row comparison: rows lost / duplicated (by origin), whether every column holds the
+    same bits, and whether shards and manifest are byte-identical. Both stores are verified."""
+    a, b = open_store(got, verify=True), open_store(want, verify=True)
+    ka, kb = row_keys(a), row_keys(b)
+    same_values = len(a) == len(b) and all(
+        torch.equal(_bits(a.tensor(name)), _bits(b.tensor(name))) for name in b.manifest.columns)
+    return {
+        "rows": len(a),
+        "rows_lost": sum((kb - ka).values()),
+        "rows_duplicated": sum((ka - kb).values()),
+        "same_values": same_values,
+        "same_files": shard_digests(got) == shard_digests(want)
+        and a.manifest.to_json() == b.manifest.to_json(),
+    }
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """Bit patterns, so NaNs compare equal and nothing is rounded."""
+    return t.view(torch.int16) if t.element_size() == 2 else t
+
+
+# -- reading a hostile store, in a fork-server child ----------------------------------------------
+
+
+def probe_store(path: str, headroom: int = 1 << 30) -> dict[str, str]:
+    """Read a (possibly hostile) store every way a user can, allowed `headroom` bytes of address
+    space beyond what the process already has: a huge allocation fails instead of swapping.
+    Each outcome is "ok" or "<exception type>: <message>"; `inspect` is "<exit code>: <stderr>"."""
+    import resource
+
+    vm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
+    resource.setrlimit(resource.RLIMIT_AS, (vm + headroom, resource.RLIM_INFINITY))
+    return {"reader": _outcome(_read_everything, path),
+            "verify": _outcome(lambda p: open_store(p, verify=True), path),
+            "inspect": _inspect(path)}
+
+
+def _read_everything(path: str) -> None:
+    store = open_store(path)
+    point = next(iter(store.points))
+    for split in (None, "train"):  # the datasets first: they plan an epoch from the manifest alone
+        for _ in store.dataset(point, split=split, buffer_rows=64):
+            pass
+    for name in store.manifest.columns:
+        store.tensor(name)
+
+
+def _outcome(fn, *args) -> str:
+    try:
+        fn(*args)
+    except Exception as e:  # noqa: BLE001 - the test decides which exceptions are acceptable
+        return f"{type(e).__name__}: {e}"
+    return "ok"
+
+
+def _inspect(path: str) -> str:
+    import contextlib
+    import io
+
+    from hookscope.cli import main
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(err):
+            code = main(["inspect", path])
+    except Exception as e:  # noqa: BLE001
+        return f"crash: {type(e).__name__}: {e}"
+    return f"{code}: {err.getvalue().strip()}"
