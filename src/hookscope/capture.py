@@ -20,6 +20,8 @@ pass. So the graph has no break, and one graph serves every layer.
 from __future__ import annotations
 
 import contextlib
+import functools
+import inspect
 from dataclasses import dataclass
 from typing import Any, Iterator, Mapping, Sequence
 
@@ -29,7 +31,7 @@ from torch import Tensor, nn
 from .arch import Arch, PointSpec, arch_of
 from .compile import clones_outputs, region_of
 from .errors import PointNotReachedError, SelectionError
-from .hooks import Hook, Hooks, require_writable
+from .hooks import Hook, Hooks, call_model, require_writable
 from .selection import Heads, Positions, select_heads, select_positions, select_tokens
 
 
@@ -38,13 +40,17 @@ class _StopForward(BaseException):
     `Exception` cannot swallow it."""
 
 
-def call_model(model: nn.Module, inputs: Any) -> Any:
-    """Run `model` on a tensor (input ids), a mapping (keyword inputs) or a tuple (positional)."""
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
+def _builds_kv_cache(model: nn.Module) -> bool:
+    """Whether `model(...)` builds a key/value cache unless told `use_cache=False` (Hugging Face
+    decoders do by default). A pass that stops early returns nothing, so that cache is pure
+    waste: 2 x [batch, heads, pos, d_head] per layer run, +58% peak memory capturing block 5 of
+    a GPT-2-small shape at 8 x 128."""
+    return bool(getattr(getattr(model, "config", None), "use_cache", False)) and _takes_use_cache(type(model))
+
+
+@functools.cache
+def _takes_use_cache(cls: type) -> bool:
+    return "use_cache" in inspect.signature(cls.forward).parameters
 
 
 class _Deferred:
@@ -54,7 +60,7 @@ class _Deferred:
 
     __slots__ = ("capture", "spec", "value")
 
-    def __init__(self, capture: "Capture", spec: PointSpec):
+    def __init__(self, capture: Capture, spec: PointSpec):
         self.capture, self.spec, self.value = capture, spec, None
 
     def __call__(self, act: Tensor, hook: Hook) -> None:
@@ -138,10 +144,12 @@ class Capture(Mapping[str, Tensor]):
 
     def run(self, inputs: Any) -> Any:
         """Run the model on `inputs`, stopping after the last point unless stop=False.
-        Returns the model output, or None when the pass was stopped early."""
+        Returns the model output, or None when the pass was stopped early. Unless stop=False, a
+        Hugging Face decoder runs without building its key/value cache (see `_builds_kv_cache`)."""
         self._stop_now = self.stop is not False
+        options = {"use_cache": False} if self._stop_now and _builds_kv_cache(self.model) else {}
         try:
-            output = call_model(self.model, inputs)
+            output = call_model(self.model, inputs, **options)
         except _StopForward:
             output = None
         finally:

