@@ -25,14 +25,18 @@ import os
 import types
 import warnings
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from .errors import HookscopeError
+
+if TYPE_CHECKING:
+    from .arch import Arch
 
 POLICIES = ("off", "blocks", "full")
 ENV_VAR = "HOOKSCOPE_COMPILE"
@@ -69,7 +73,7 @@ class _Compiled:
     regions: dict[str, _Region] = field(default_factory=dict)
 
 
-_STATE: "weakref.WeakKeyDictionary[nn.Module, _Compiled]" = weakref.WeakKeyDictionary()
+_STATE: weakref.WeakKeyDictionary[nn.Module, _Compiled] = weakref.WeakKeyDictionary()
 
 
 def apply(
@@ -80,7 +84,7 @@ def apply(
     dynamic: bool | None = None,
     fullgraph: bool = False,
     backend: str | Callable | None = None,
-    arch: Any = None,
+    arch: Arch | None = None,
 ) -> nn.Module:
     """Compile `model` in place under `policy` (see `resolve_policy`) and return it.
 
@@ -98,26 +102,11 @@ def apply(
         raise HookscopeError(
             f"this model is already compiled with policy {done.policy!r}; load it again to use {policy!r}"
         )
+    targets = _blocks(model, arch) if policy == "blocks" else {"": model}
     # hooks attached after the first compiled call must fire (pytorch #117758)
     torch._dynamo.config.skip_nnmodule_hook_guards = False
-    options = dict(mode=mode, dynamic=dynamic, fullgraph=fullgraph, backend=backend or "inductor",
-                   recompile_limit=RECOMPILE_LIMIT)
-    if policy == "blocks":
-        from .arch import arch_of  # only here: the policy itself needs no model tables
-
-        paths = (arch or arch_of(model)).block_paths
-        if not paths:
-            raise HookscopeError(
-                "policy 'blocks' found no repeated blocks in this model; use 'full' (or 'off')"
-            )
-        # A KV cache built during a plain forward is wasted work, and its per-layer state
-        # (layers[i].is_initialized) would make every layer a separate compiled graph.
-        config = getattr(model, "config", None)
-        if getattr(config, "use_cache", False):
-            config.use_cache = False
-        targets = {path: model.get_submodule(path) for path in paths}
-    else:
-        targets = {"": model}
+    options = {"mode": mode, "dynamic": dynamic, "fullgraph": fullgraph, "backend": backend or "inductor",
+               "recompile_limit": RECOMPILE_LIMIT}
     state = _Compiled(policy, mode)
     shared: dict[Callable, Callable] = {}  # one torch.compile call per distinct forward function
     for path, module in targets.items():
@@ -133,6 +122,20 @@ def apply(
         state.regions[path] = _Region(module, compiled, instance_forward)
     _STATE[model] = state
     return model
+
+
+def _blocks(model: nn.Module, arch: Arch | None) -> dict[str, nn.Module]:
+    from .arch import arch_of  # only here: the policy itself needs no model tables
+
+    paths = (arch or arch_of(model)).block_paths
+    if not paths:
+        raise HookscopeError("policy 'blocks' found no repeated blocks in this model; use 'full' (or 'off')")
+    # A KV cache built during a plain forward is wasted work, and its per-layer state
+    # (layers[i].is_initialized) would make every layer a separate compiled graph.
+    config = getattr(model, "config", None)
+    if getattr(config, "use_cache", False):
+        config.use_cache = False
+    return {path: model.get_submodule(path) for path in paths}
 
 
 def _class_forward(module: nn.Module) -> Callable | None:
