@@ -3,11 +3,16 @@
 capture hooks on, and cold vs warm compile caches.
 
     python bench/bench_compile.py [--runs 5] [--cold-repeats 1] [--json bench/out/compile.json]
+    python bench/bench_compile.py --interleaved 7 --json bench/out/compile-steady.json
 
 Every configuration runs in a fresh process. "cold" gets an empty TORCHINDUCTOR_CACHE_DIR; "warm"
 is a second process on the directory the cold run filled; "mega" is a fresh process on a new empty
 directory that first loads the single file `hookscope.compile.save_cache` wrote in the cold run
 (the way to carry compiled code to a new machine or container).
+
+`--interleaved ROUNDS` measures the steady state differently: the three policies on three copies
+of the model in one process, taking turns call by call, so that a busy shared machine slows them
+alike; it reports medians and the median per-round ratio to eager.
 
 A plain forward (whole model, logits) is timed first; then two points are captured with
 `hs.collect` (which stops the forward after the last point): blocks.5.resid_post, whose hook sits
@@ -31,20 +36,11 @@ import common  # noqa: E402
 BOUNDARY, TRACED = "blocks.5.resid_post", "blocks.5.mlp.post"
 
 
-def child(policy: str, runs: int, save: str | None, load: str | None) -> dict:
-    """One configuration, in this (fresh) process."""
-    import time
-
-    common.setup_process()
+def phases_of(model, ids) -> dict:
+    """What is timed: a plain forward, and a capture at each point."""
     import torch
 
     import hookscope as hs
-    from hookscope import compile as hc
-
-    if load:
-        hc.load_cache(load)
-    model = common.load_hf()
-    ids = common.input_ids(model.config.vocab_size)
 
     def forward() -> torch.Tensor:
         with torch.inference_mode():  # as captures run: one graph serves both
@@ -53,7 +49,23 @@ def child(policy: str, runs: int, save: str | None, load: str | None) -> dict:
     def capture(point: str):
         return lambda: hs.collect(model, ids, point)[point]
 
-    phases = {"forward": forward, BOUNDARY: capture(BOUNDARY), TRACED: capture(TRACED)}
+    return {"forward": forward, BOUNDARY: capture(BOUNDARY), TRACED: capture(TRACED)}
+
+
+def child(policy: str, runs: int, save: str | None, load: str | None) -> dict:
+    """One configuration, in this (fresh) process."""
+    import time
+
+    common.setup_process()
+    import torch
+
+    from hookscope import compile as hc
+
+    if load:
+        hc.load_cache(load)
+    model = common.load_hf()
+    ids = common.input_ids(model.config.vocab_size)
+    phases = phases_of(model, ids)
     want = {name: fn() for name, fn in phases.items()}  # eager references
     result: dict = {"policy": policy}
     if policy != "off":
@@ -92,6 +104,46 @@ def child(policy: str, runs: int, save: str | None, load: str | None) -> dict:
     return result
 
 
+def interleaved(rounds: int) -> dict:
+    """Steady state of off / blocks / full in ONE process, taking turns run by run, so that the
+    load of a shared machine falls on all three alike (uses the default, warm, compile cache)."""
+    import gc
+    import time
+
+    common.setup_process()
+    from hookscope import compile as hc
+
+    policies = ("off", "blocks", "full")
+    models = {policy: hc.apply(common.load_hf(), policy) for policy in policies}
+    ids = common.input_ids(models["off"].config.vocab_size)
+    phases = {policy: phases_of(model, ids) for policy, model in models.items()}
+    for by_phase in phases.values():  # compile and warm up
+        for fn in by_phase.values():
+            fn(), fn()
+    hc.reset_stats()
+    times: dict = {policy: {name: [] for name in phases[policy]} for policy in policies}
+    for _ in range(rounds):
+        for name in phases["off"]:
+            for policy in policies:
+                gc.collect()
+                start = time.perf_counter()
+                phases[policy][name]()
+                times[policy][name].append(time.perf_counter() - start)
+    stats = hc.compile_stats()
+    return {
+        "rounds": rounds, "times_s": times, "load_average_1m": os.getloadavg()[0],
+        "graph_breaks": stats["graph_breaks"], "recompiles": stats["recompiles"],
+        "median_ms": {p: {n: common.median(t) * 1e3 for n, t in by.items()} for p, by in times.items()},
+        "ratio_vs_off": {p: {n: ratio(t, times["off"][n]) for n, t in by.items()}
+                         for p, by in times.items() if p != "off"},
+    }
+
+
+def ratio(compiled: list[float], eager: list[float]) -> float:
+    """Median over rounds of compiled / eager time within the same round."""
+    return common.median([c / e for c, e in zip(compiled, eager, strict=True)])
+
+
 def run(policy: str, cache: Path, runs: int, save: Path | None = None, load: Path | None = None) -> dict:
     args = ["--child", policy, "--runs", str(runs)]
     args += ["--save", str(save)] if save else []
@@ -110,9 +162,19 @@ def main() -> None:
     parser.add_argument("--cold-repeats", type=int, default=1, help="cold-cache processes per policy")
     parser.add_argument("--json", default=str(common.OUT_DIR / "compile.json"))
     parser.add_argument("--report", action="store_true", help="only print the table of an earlier --json")
+    parser.add_argument("--interleaved", type=int, metavar="ROUNDS",
+                        help="instead: steady state of all policies in one process, taking turns")
     args = parser.parse_args()
     if args.child:
         common.emit(child(args.child, args.runs, args.save, args.load))
+        return
+    if args.interleaved:
+        common.ensure_models()
+        result = interleaved(args.interleaved)
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(result, indent=1))
+        print(json.dumps({k: result[k] for k in ("median_ms", "ratio_vs_off", "graph_breaks", "recompiles",
+                                                 "load_average_1m")}, indent=1))
         return
     if args.report:
         report(json.loads(Path(args.json).read_text()))

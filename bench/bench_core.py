@@ -155,37 +155,52 @@ def fmt(value: float | None, spec: str = ".2f") -> str:
     return "-" if value is None else format(value, spec)
 
 
-def print_tables(results: dict, medians: dict, ratio: dict, baseline: dict) -> None:
-    def err(case: str) -> str:
-        r = results.get(case, {})
-        return r.get("error") or r.get("skipped") or ""
-
+def print_a(medians: dict, ratio: dict) -> None:
     print("\n== a. attach + remove one hook (us per op; ratio to the same tool's bare function)")
     print(f"{'tool':<11}" + "".join(f"{s:>22}" for s in SHAPES))
     for tool in A_TOOLS:
         cells = []
         for shape in SHAPES:
-            case = f"a.{tool}.{shape}"
-            us = medians.get(case, {}).get("us")
+            us = medians.get(f"a.{tool}.{shape}", {}).get("us")
             same_tool = ratio.get(f"a.{tool}.{shape}/function")
             cells.append(f"{fmt(us, ',.1f')} ({fmt(same_tool)}x)" if us else "n/a")
         print(f"{tool:<11}" + "".join(f"{c:>22}" for c in cells))
+
+
+def print_b(medians: dict, ratio: dict, err) -> None:
     print("\n== b. capture blocks.5.resid_post, 8 x 128 (median ms, peak extra MiB; ratios to the floor)")
-    print(f"{'config':<17}{'ms':>9}{'x floor':>9}{'MiB':>9}{'x floor':>9}")
+    print(f"{'config':<17}{'ms':>9}{'x floor':>9}{'MiB':>9}{'x floor':>9}{'load':>6}")
     for config in B_CONFIGS:
         m = medians.get(f"b.{config}", {})
         print(f"{config:<17}{fmt(m.get('ms'), '.0f'):>9}{fmt(ratio.get(f'b.{config}/floor.time')):>9}"
               f"{fmt(m.get('mib'), '.1f'):>9}{fmt(ratio.get(f'b.{config}/floor.memory')):>9}"
-              f"  {err(f'b.{config}')[:60]}")
+              f"{fmt(m.get('load'), '.1f'):>6}  {err(f'b.{config}')[:60]}")
+
+
+def print_c(medians: dict, ratio: dict, err) -> None:
     print("\n== c. full forward, 8 x 128: no hooks vs 12 no-op hookscope hooks (median ms)")
     for config in C_CONFIGS:
-        print(f"{config:<17}{fmt(medians.get(f'c.{config}', {}).get('ms'), '.1f'):>9}")
+        m = medians.get(f"c.{config}", {})
+        print(f"{config:<17}{fmt(m.get('ms'), '.1f'):>9}{fmt(m.get('load'), '.1f'):>6}")
     print(f"{'ratio':<17}{fmt(ratio.get('c.hooks12/none'), '.4f'):>9}")
     print("\n== small: tiny GPT-2, 1 x 16 tokens (us per call; ratio to plain)")
     for config in SMALL_CONFIGS:
-        us = medians.get(f"small.{config}", {}).get("us")
-        print(f"{config:<17}{fmt(us, ',.0f'):>9}{fmt(ratio.get(f'small.{config}/plain')):>9}"
-              f"  {err(f'small.{config}')[:60]}")
+        m = medians.get(f"small.{config}", {})
+        print(f"{config:<17}{fmt(m.get('us'), ',.0f'):>9}{fmt(ratio.get(f'small.{config}/plain')):>9}"
+              f"{fmt(m.get('load'), '.1f'):>6}  {err(f'small.{config}')[:60]}")
+
+
+def print_tables(results: dict, medians: dict, ratio: dict, baseline: dict, sections: set[str]) -> None:
+    def err(case: str) -> str:
+        r = results.get(case, {})
+        return r.get("error") or r.get("skipped") or ""
+
+    if "a" in sections:
+        print_a(medians, ratio)
+    if "b" in sections:
+        print_b(medians, ratio, err)
+    if "c" in sections:
+        print_c(medians, ratio, err)
     failed = [c for c in results if err(c)]
     if failed:
         print("\nnot measured: " + "; ".join(f"{c}: {err(c)[:200]}" for c in failed))
@@ -247,7 +262,7 @@ def main() -> None:
     medians = summarise(results)
     ratio = ratios(medians)
     baseline = json.loads(BASELINE.read_text()) if BASELINE.exists() else {}
-    print_tables(results, medians, ratio, baseline)
+    print_tables(results, medians, ratio, baseline, sections)
 
     report = {"meta": meta, "results": results, "medians": medians, "ratios": ratio}
     stamp = time.strftime("%Y%m%d-%H%M%S")

@@ -1,7 +1,7 @@
 """The extraction benchmarks of issue 3, side by side, each run in a fresh process
 (bench/extract_cases.py), 2 threads, median of the runs.
 
-    .venv-bench/bin/python bench/bench_extract.py            # full run (~15 min on 2 idle cores)
+    .venv-bench/bin/python bench/bench_extract.py            # full run (~20 min on 2 idle cores)
     .venv-bench/bin/python bench/bench_extract.py --quick    # smoke run
     ... --write-baseline
 
@@ -41,12 +41,19 @@ CASES_SCRIPT = common.BENCH_DIR / "extract_cases.py"
 BASELINE = common.BENCH_DIR / "baseline_extract.json"
 CONFIGS = ("floor", "extract", "tl3", "tl3_stop")
 MAX_LOAD = 1.5
+# libgomp (torch's OpenMP) spins 300,000 rounds (~3 ms) at each wait, but only 100 once a process
+# manages more OpenMP threads than there are cores. The store writer's statistics ops start a second
+# team, so extract ran throttled and the floor did not; on a busy machine the floor's spinning worker
+# took the CPU from its own main thread (measured: the floor 1.5x slower than extract, with 1.7x its
+# CPU time; equal on an idle machine). Every configuration runs with the throttled count, so they all
+# wait alike whatever the load.
+RUN_ENV = {"GOMP_SPINCOUNT": "100"}
 
 # tokens per throughput run (= the 1x of the RSS series), shard rows, runs per configuration,
 # RSS scales beyond 1x with their runs
 SETTINGS = {
     "full": {"tokens": 16384, "shard_rows": 8192,
-             "runs": {"floor": 5, "extract": 5, "tl3": 3, "tl3_stop": 3}, "rss": {4: 2, 16: 1}},
+             "runs": {"floor": 5, "extract": 5, "tl3": 3, "tl3_stop": 3}, "rss": {4: 3, 16: 2}},
     "quick": {"tokens": 2048, "shard_rows": 1024,
               "runs": {"floor": 1, "extract": 1, "tl3": 1, "tl3_stop": 1}, "rss": {4: 1}},
 }
@@ -64,7 +71,7 @@ TARGETS = [  # (what, ratio key, bound, "min" | "max")
 def run_case(python: str, case: str, tokens: int, shard_rows: int, scratch: Path) -> dict:
     out = scratch / f"{case}-{tokens}-{time.monotonic_ns()}"
     args = [case, "--tokens", str(tokens), "--shard-rows", str(shard_rows), "--out", str(out)]
-    return common.run_fresh(python, CASES_SCRIPT, args)
+    return common.run_fresh(python, CASES_SCRIPT, args, env=RUN_ENV)
 
 
 def wait_for_quiet(minutes: float) -> tuple[float, float, float]:
@@ -195,8 +202,8 @@ def main() -> None:
         raise SystemExit(f"could not build the benchmark models: {prepared['error']}")
     load = wait_for_quiet(args.wait_load if args.wait_load is not None else (0 if args.quick else 10))
     meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "mode": mode, "threads": common.THREADS,
-            "cpu": cpu_name(), "cores": os.cpu_count(), "load_before": load, "versions": prepared,
-            "settings": settings}
+            "env": RUN_ENV, "cpu": cpu_name(), "cores": os.cpu_count(), "load_before": load,
+            "versions": prepared, "settings": settings}
     print(json.dumps(meta, indent=1), flush=True)
 
     tokens, shard_rows = settings["tokens"], settings["shard_rows"]
@@ -205,7 +212,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=common.OUT_DIR, prefix="scratch-") as tmp:
         scratch = Path(tmp)
         check_args = ["check", "--out", str(scratch / "check")]
-        runs["check"] = [common.run_fresh(args.python, CASES_SCRIPT, check_args)]
+        runs["check"] = [common.run_fresh(args.python, CASES_SCRIPT, check_args, env=RUN_ENV)]
         print("check:", runs["check"][0], flush=True)
 
         def timed(name: str, case: str, n_tokens: int) -> None:
