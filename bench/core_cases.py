@@ -197,6 +197,8 @@ def run_forward(config: str, runs: int) -> dict:
 
     model = common.load_hf()
     ids = common.input_ids(model.config.vocab_size)
+    if config == "paired":
+        return run_forward_paired(model, ids, pairs=2 * runs)
     with hs.hooks(model) as h, torch.inference_mode():
         if config == "hooks12":
             for layer in range(model.config.n_layer):
@@ -204,6 +206,34 @@ def run_forward(config: str, runs: int) -> dict:
         elif config != "none":
             raise SystemExit(f"unknown forward config {config!r}")
         return {"seconds": common.time_runs(lambda: model(ids), runs)}
+
+
+def run_forward_paired(model, ids, pairs: int) -> dict:
+    """Both configurations of c in one process, alternating (the order flips every pair).
+
+    Separate processes of the same configuration differ by up to ~15% on this machine (process
+    medians of the plain forward: 1,163-1,377 ms in one run), a fixed offset per process that
+    5 runs each cannot average out. Pairing cancels it: each pair's ratio compares two forwards
+    made back to back with the same memory layout."""
+    import torch
+    from hook_shapes import noop
+
+    import hookscope as hs
+
+    def forward(hooked: bool) -> float:
+        with hs.hooks(model) as h, torch.inference_mode():
+            if hooked:
+                for layer in range(model.config.n_layer):
+                    h.forward(f"blocks.{layer}.resid_post", noop)
+            return common.time_runs(lambda: model(ids), runs=1, warmup=0)[0]
+
+    forward(False), forward(True)  # warm-up
+    none, hooked = [], []
+    for pair in range(pairs):
+        for is_hooked in ((False, True) if pair % 2 == 0 else (True, False)):
+            (hooked if is_hooked else none).append(forward(is_hooked))
+    return {"pair_ratios": [h / n for h, n in zip(hooked, none, strict=True)],
+            "seconds_none": none, "seconds_hooks12": hooked}
 
 
 def small_fn(config: str) -> Callable[[], Any]:
