@@ -162,7 +162,7 @@ def test_captures_equal_eager_without_breaks_or_repeat_recompiles(family, policy
     first = hc.compile_stats()
     assert first["graph_breaks"] == 0 and first["frames_failed"] == 0, first["break_reasons"]
     hc.reset_stats()
-    for (points, opts), w in zip(CASES, want):  # ... and never again
+    for (points, opts), w in zip(CASES, want, strict=True):  # ... and never again
         assert_same(hs.collect(model, ids, points, **opts), w)
     again = hc.compile_stats()
     assert again["graph_breaks"] == 0 and again["recompiles"] == 0 and again["unique_graphs"] == 0, again

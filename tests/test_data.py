@@ -125,7 +125,8 @@ def _write(tmp_path: Path, name: str, content: str | bytes) -> Path:
 
 @pytest.mark.parametrize("name, content, message", [
     ("bad.jsonl", '{"text": "ok"}\n\n{"text": oops}\n', r"bad.jsonl:3: not valid JSON"),
-    ("field.jsonl", '{"text": "ok"}\n{"body": "x"}\n', r"field.jsonl:2: no 'text' field \(found \['body'\]\)"),
+    ("field.jsonl", '{"text": "ok"}\n{"body": "x"}\n',
+     r"field.jsonl:2: no 'text' field \(found \['body'\]\)"),
     ("list.jsonl", '["text"]\n', r"list.jsonl:1: no 'text' field \(found list\)"),
     ("num.jsonl", '{"text": 5}\n', r"num.jsonl:1: 'text' is int, not text"),
     ("empty.txt", "\n \n\n", "holds no documents"),
@@ -190,13 +191,15 @@ def test_packed_ids_are_the_tokenizers_own_with_a_start_token_per_sequence(reque
         assert seq.doc_positions.tolist() == [-1] + positions[body]
         assert seq.special_mask.tolist() == [True] + [d == -1 for d in docs[body]]
         assert seq.attention_mask.tolist() == [1] * context
-    assert pack_policy(tok).as_dict()["start"] == start and pack_policy(tok).as_dict()["separator"] == separator
+    assert (pack_policy(tok).as_dict()["start"] == start
+            and pack_policy(tok).as_dict()["separator"] == separator)
 
 
 def test_every_token_traces_back_to_its_document_text(gpt2_like):
     by_doc: dict[int, list[tuple[int, int]]] = {}
     for seq in pack(DOCS, gpt2_like, 16, drop_remainder=False):
-        for token, d, p in zip(seq.input_ids.tolist(), seq.doc_ids.tolist(), seq.doc_positions.tolist()):
+        for token, d, p in zip(seq.input_ids.tolist(), seq.doc_ids.tolist(), seq.doc_positions.tolist(),
+                               strict=True):
             if d >= 0:
                 by_doc.setdefault(d, []).append((p, token))
     assert sorted(by_doc) == [0, 1, 3, 4, 5]  # the empty document 2 has no tokens
@@ -208,8 +211,9 @@ def test_every_token_traces_back_to_its_document_text(gpt2_like):
 def test_packing_is_deterministic(bert):
     a, b = list(pack(DOCS, bert, 8)), list(pack(DOCS, bert, 8))
     assert len(a) == len(b) > 3
-    for x, y in zip(a, b):
-        assert all(torch.equal(getattr(x, f), getattr(y, f)) for f in ("input_ids", "doc_ids", "doc_positions"))
+    for x, y in zip(a, b, strict=True):
+        assert all(torch.equal(getattr(x, f), getattr(y, f))
+                   for f in ("input_ids", "doc_ids", "doc_positions"))
 
 
 def test_without_a_start_token(gpt2_like, plain):
@@ -246,12 +250,14 @@ def test_the_remainder_is_padded_when_kept(bert):
 def test_batches_stack_sequences(bert):
     seqs = list(pack(DOCS, bert, 8))
     out = list(batches(seqs, 3))
-    assert [b["input_ids"].shape for b in out] == [(3, 8)] * (len(seqs) // 3) + [(len(seqs) % 3, 8)] * bool(len(seqs) % 3)
+    assert [b["input_ids"].shape for b in out] == (
+        [(3, 8)] * (len(seqs) // 3) + [(len(seqs) % 3, 8)] * bool(len(seqs) % 3))
     first = out[0]
     assert first["input_ids"].dtype == torch.int64 and first["special_mask"].dtype == torch.bool
     assert first["seq_ids"].tolist() == [0, 1, 2]
     assert torch.equal(first["doc_positions"][1], seqs[1].doc_positions)
-    assert torch.equal(first["special_mask"], first["input_ids"].eq(bert.cls_token_id) | first["input_ids"].eq(bert.sep_token_id))
+    assert torch.equal(first["special_mask"],
+                       first["input_ids"].eq(bert.cls_token_id) | first["input_ids"].eq(bert.sep_token_id))
     assert len(list(batches(seqs, 3, drop_last=True))) == len(seqs) // 3
 
 

@@ -38,7 +38,8 @@ def corpus(tmp_path_factory) -> Path:
 
 
 def config(tiny_dirs, corpus, out, **overrides) -> ExtractConfig:
-    base = dict(out=str(out), model=str(tiny_dirs["gpt2"]), points=["blocks.1.resid_post", "blocks.0.mlp.post"],
+    base = dict(out=str(out), model=str(tiny_dirs["gpt2"]),
+                points=["blocks.1.resid_post", "blocks.0.mlp.post"],
                 data=str(corpus), context=32, batch_size=4, dtype="float16", shard_rows=150, progress=False)
     return ExtractConfig(**{**base, **overrides})
 
@@ -63,7 +64,8 @@ def test_round_trip_equals_plain_hooks(tiny_dirs, corpus, reference_store):
     mlp0_proj = model.transformer.h[0].mlp.c_proj
     want_resid, want_mlp, want_ids = [], [], []
     seen = {}
-    h1 = block1.register_forward_hook(lambda m, a, o: seen.__setitem__("resid", o[0] if isinstance(o, tuple) else o))
+    h1 = block1.register_forward_hook(
+        lambda m, a, o: seen.__setitem__("resid", o[0] if isinstance(o, tuple) else o))
     h2 = mlp0_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("mlp", a[0]))
     try:
         with torch.no_grad():
@@ -85,7 +87,8 @@ def test_round_trip_equals_plain_hooks(tiny_dirs, corpus, reference_store):
     # each row's (doc_id, position) points at that very token of the tokenizer's own output
     docs = list(iter_documents(str(corpus)))
     doc_tokens = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
-    for tid, doc, pos in zip(token_ids.tolist(), store.tensor("doc_ids").tolist(), store.tensor("positions").tolist()):
+    for tid, doc, pos in zip(token_ids.tolist(), store.tensor("doc_ids").tolist(),
+                             store.tensor("positions").tolist(), strict=True):
         assert doc_tokens[doc][pos] == tid
     assert store.manifest.settings["points"] == ["blocks.1.resid_post", "blocks.0.mlp.post"]
 
@@ -154,7 +157,8 @@ def test_nonfinite_counted_or_refused(tiny_dirs, corpus, tmp_path):
     assert summary.nonfinite["blocks.1.resid_post"] == int((~torch.isfinite(rows)).sum()) > 0
     assert summary.nonfinite["blocks.0.mlp.post"] == 0
     with pytest.raises(hs.HookscopeError, match="non-finite"):
-        extract(config(tiny_dirs, corpus, tmp_path / "err", model=str(poisoned), max_tokens=300, on_nonfinite="error"))
+        extract(config(tiny_dirs, corpus, tmp_path / "err", model=str(poisoned), max_tokens=300,
+                       on_nonfinite="error"))
 
 
 def test_torchrun_two_processes_same_rows(tiny_dirs, corpus, reference_store, tmp_path):
@@ -182,8 +186,9 @@ def test_cli_extract_and_inspect(tiny_dirs, corpus, tmp_path, capsys):
     from hookscope.cli import main
 
     out = tmp_path / "store"
-    assert main(["extract", str(tiny_dirs["gpt2"]), "--out", str(out), "--data", str(corpus), "--context", "32",
-                 "--points", "blocks.*.resid_post", "--max-tokens", "500", "--no-progress"]) == 0
+    assert main(["extract", str(tiny_dirs["gpt2"]), "--out", str(out), "--data", str(corpus),
+                 "--context", "32", "--points", "blocks.*.resid_post", "--max-tokens", "500",
+                 "--no-progress"]) == 0
     assert "rows" in capsys.readouterr().out
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out

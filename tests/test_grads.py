@@ -53,7 +53,7 @@ def reference_grads(model: nn.Module, ids: Tensor) -> dict[str, Tensor]:
     finally:
         for h in handles:
             h.remove()
-    grads = dict(zip(POINTS, torch.autograd.grad(loss, [acts[p] for p in POINTS])))
+    grads = dict(zip(POINTS, torch.autograd.grad(loss, [acts[p] for p in POINTS]), strict=True))
     H = model.config.num_attention_heads
     z = grads["blocks.1.attn.z"]
     grads["blocks.1.attn.z"] = z.view(z.shape[0], z.shape[1], H, z.shape[2] // H)  # per head

@@ -77,7 +77,8 @@ def test_round_trip_is_bitwise_and_traceable(store_dir: Path):
     want = expected_columns()
     assert len(store) == sum(len(v) for v in [want["token_ids"]]) == 12 * 5 + 3 * (0 + 1 + 2 + 3)
     assert set(store.points) == {"blocks.1.resid_post", "blocks.1.attn.z"}
-    assert store.points["blocks.1.attn.z"].shape == (2, 3) and store.points["blocks.1.attn.z"].dtype == "float16"
+    assert (store.points["blocks.1.attn.z"].shape == (2, 3)
+            and store.points["blocks.1.attn.z"].dtype == "float16")
     assert store.points["blocks.1.resid_post"].dtype == "bfloat16"
     assert set(store.meta) == {"token_ids", "doc_ids", "positions", "seq_ids"}
     for name, t in want.items():
@@ -207,7 +208,8 @@ with wm.ShardWriter(out, SETTINGS, shard_rows=SHARD_ROWS) as w:
 @pytest.mark.parametrize("mode", ["after_tmp", "after_rename", "poll"])
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path: Path, store_dir: Path, mode: str):
     out = tmp_path / "crashed"
-    child = subprocess.Popen([sys.executable, "-c", _CHILD.format(tests=str(Path(__file__).parent)), mode, str(out)])
+    child = subprocess.Popen([sys.executable, "-c", _CHILD.format(tests=str(Path(__file__).parent)),
+                              mode, str(out)])
     if mode == "poll":  # the real thing: SIGKILL from outside once two shards are committed
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and child.poll() is None:
@@ -398,11 +400,12 @@ def test_ranks_write_their_own_shards_and_merge_to_the_same_rows(tmp_path: Path,
     both, one = open_store(out, verify=True), open_store(store_dir)
     assert len(both) == len(one)
     for name, stats in one.stats.items():  # merged sums agree up to the order of float additions
-        assert (both.stats[name].nonfinite, both.stats[name].norm_count) == (stats.nonfinite, stats.norm_count)
+        assert ((both.stats[name].nonfinite, both.stats[name].norm_count)
+                == (stats.nonfinite, stats.norm_count))
         assert both.stats[name].norm_sumsq == pytest.approx(stats.norm_sumsq, rel=1e-12)
     def rows(s):
         return sorted(zip(s.tensor("seq_ids").tolist(), s.tensor("positions").tolist(),
-                          s.tensor("blocks.1.resid_post").float().sum(1).tolist()))
+                          s.tensor("blocks.1.resid_post").float().sum(1).tolist(), strict=True))
 
     assert rows(both) == rows(one)
     with pytest.raises(StoreError, match="2 process"):
@@ -460,7 +463,7 @@ def test_restored_sampler_yields_exactly_the_rest_of_the_epoch(id_store, k: int)
     full = ids_of(id_store.dataset("x", seed=7, buffer_rows=50, epoch=2))
     ds = id_store.dataset("x", seed=7, buffer_rows=50, epoch=2)
     seen = []
-    for _, row in zip(range(k), ds):
+    for _, row in zip(range(k), ds, strict=False):  # deliberately stops after k rows of ds
         seen.append(int(row[0]))
     state = ds.state_dict()
     fresh = id_store.dataset("x", seed=7, buffer_rows=50)
@@ -490,7 +493,8 @@ def test_ranks_cover_every_row_exactly_once(id_store, world_size: int):
              for r in range(world_size)]
     assert sorted(i for part in parts for i in part) == list(range(200))
     assert max(map(len, parts)) - min(map(len, parts)) <= 1
-    assert [len(id_store.dataset("x", rank=r, world_size=world_size)) for r in range(world_size)] == list(map(len, parts))
+    assert ([len(id_store.dataset("x", rank=r, world_size=world_size)) for r in range(world_size)]
+            == list(map(len, parts)))
 
 
 def test_train_and_val_split_rows_and_do_not_depend_on_the_seed(id_store):

@@ -18,8 +18,8 @@ from hookscope.hooks import hook_count
 from hookscope.names import canonical
 
 transformer_lens = pytest.importorskip("transformer_lens")
-from transformer_lens import HookedTransformer, HookedTransformerConfig
-from transformer_lens.pretrained.weight_conversions import (
+from transformer_lens import HookedTransformer, HookedTransformerConfig  # noqa: E402
+from transformer_lens.pretrained.weight_conversions import (  # noqa: E402
     convert_gpt2_weights,
     convert_llama_weights,
     convert_neox_weights,

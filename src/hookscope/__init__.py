@@ -23,8 +23,8 @@ from .errors import (
 )
 from .hooks import Hook, Hooks, add_hook, hooks
 from .models import Loaded, load
-from .store import open_store
 from .profiling import ProfileReport, profile
+from .store import open_store
 
 __version__ = "0.1.0"
 

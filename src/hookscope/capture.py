@@ -22,8 +22,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterator, Mapping, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -105,7 +106,7 @@ class Capture(Mapping[str, Tensor]):
 
     # lifecycle -----------------------------------------------------------------------------
 
-    def __enter__(self) -> "Capture":
+    def __enter__(self) -> Capture:
         self._mode = contextlib.ExitStack()
         if self.inference:
             self._mode.enter_context(torch.inference_mode())
@@ -121,8 +122,9 @@ class Capture(Mapping[str, Tensor]):
                     regions.setdefault(region, []).append(deferred)
             for region, deferred in regions.items():
                 self._deferred += deferred
-                self._hooks.module_forward(PointSpec(name=f"<compiled {region or 'model'}>", module=region, io="output"),
-                                           lambda module, args, output, d=deferred: self._flush(d))
+                self._hooks.module_forward(
+                    PointSpec(name=f"<compiled {region or 'model'}>", module=region, io="output"),
+                    lambda module, args, output, d=deferred: self._flush(d))
             # a new forward pass starts: every point is pending again
             self._hooks.module_pre_forward(PointSpec(name="<root>", module="", io="input"),
                                            lambda module, args, kwargs: self._start_pass())
@@ -330,7 +332,8 @@ def grads(
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise SelectionError("loss_fn must return a scalar tensor")
     values = torch.autograd.grad(loss, [kept[s.name] for s in specs], allow_unused=True)
-    return {s.name: (g if g is not None else torch.zeros_like(kept[s.name])) for s, g in zip(specs, values)}
+    return {s.name: (g if g is not None else torch.zeros_like(kept[s.name]))
+            for s, g in zip(specs, values, strict=True)}
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 DEFAULT_TEXT = "Interpretability starts with looking at the activations."
 
@@ -213,8 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("points", help="list a model's hook points")
     model_args(p)
-    p.add_argument("--text", default=DEFAULT_TEXT, help="sample input for shapes ('' to skip the forward pass)")
-    p.add_argument("--pattern", default=None, help="only names matching this glob, e.g. 'blocks.*.resid_post'")
+    p.add_argument("--text", default=DEFAULT_TEXT,
+                   help="sample input for shapes ('' to skip the forward pass)")
+    p.add_argument("--pattern", default=None,
+                   help="only names matching this glob, e.g. 'blocks.*.resid_post'")
     p.set_defaults(run=cmd_points)
 
     p = sub.add_parser("capture", help="capture point(s) on one sentence and summarise them")
@@ -240,13 +242,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--context", type=int, default=128, help="tokens per packed sequence")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"])
-    p.add_argument("--keep-bos", action="store_true", help="also store BOS / CLS / SEP tokens (dropped by default)")
+    p.add_argument("--keep-bos", action="store_true",
+                   help="also store BOS / CLS / SEP tokens (dropped by default)")
     p.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
     p.add_argument("--shard-rows", type=int, default=65536, help="rows per shard file")
     p.add_argument("--on-nonfinite", default="warn", choices=["warn", "error"],
                    help="NaN/Inf activations: count and report (warn), or refuse to write them (error)")
     p.add_argument("--revision", default=None, help="model revision (hub ids)")
-    p.add_argument("--device-map", default=None, help="'auto' spreads a model bigger than one device (accelerate)")
+    p.add_argument("--device-map", default=None,
+                   help="'auto' spreads a model bigger than one device (accelerate)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=cmd_extract)
 

@@ -128,9 +128,11 @@ def _from_jsonl(path: Path, text_field: str) -> Iterator[str]:
             raise DataError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(record, dict) or text_field not in record:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise DataError(f"{path}:{number}: no {text_field!r} field (found {keys}); choose it with --text-field")
+            raise DataError(f"{path}:{number}: no {text_field!r} field (found {keys}); "
+                            "choose it with --text-field")
         if not isinstance(record[text_field], str):
-            raise DataError(f"{path}:{number}: {text_field!r} is {type(record[text_field]).__name__}, not text")
+            raise DataError(f"{path}:{number}: {text_field!r} is "
+                            f"{type(record[text_field]).__name__}, not text")
         yield record[text_field]
 
 
@@ -167,8 +169,8 @@ def _from_hub(name: str, text_field: str, split: str) -> Iterator[str]:
     try:  # streaming: read only as far as the token budget needs, in the dataset's own order
         loaded = datasets.load_dataset(repo, config or None, split=split, streaming=True)
     except Exception as e:  # network, missing repo, missing split...: all one answer for the user
-        raise DataError(f"data source {name!r}: no local file or directory by that name, and loading it from the "
-                        f"Hugging Face hub failed ({type(e).__name__}: {e})") from e
+        raise DataError(f"data source {name!r}: no local file or directory by that name, and loading it "
+                        f"from the Hugging Face hub failed ({type(e).__name__}: {e})") from e
     yield from _from_hf_dataset(loaded, text_field, split, name)
 
 
@@ -191,7 +193,8 @@ def _import_datasets() -> Any:
     try:
         import datasets
     except ImportError as e:
-        raise DataError("this data source needs the `datasets` package: pip install 'hookscope[datasets]'") from e
+        raise DataError("this data source needs the `datasets` package: "
+                        "pip install 'hookscope[datasets]'") from e
     return datasets
 
 
@@ -227,7 +230,8 @@ def _docstrings_in(tree: ast.Module) -> Iterator[str]:
     """The module's docstring, then each public top-level class (and its public methods) and function."""
     nodes: list[ast.AST] = [tree]
     for node in tree.body:
-        if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef) and not node.name.startswith("_"):
+        if (isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+                and not node.name.startswith("_")):
             nodes.append(node)
             if isinstance(node, ast.ClassDef):
                 nodes += [m for m in node.body if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef)
@@ -263,7 +267,8 @@ def pack_policy(tokenizer: Any, bos: str | bool = "auto") -> PackPolicy:
         raise DataError(f"bos={bos!r}: use 'auto', True or False")
     start = _first_id(tokenizer, "bos_token_id", "cls_token_id")
     if bos is True and start is None:
-        raise DataError(f"{type(tokenizer).__name__} has neither a BOS nor a CLS token; use bos='auto' or False")
+        raise DataError(f"{type(tokenizer).__name__} has neither a BOS nor a CLS token; "
+                        "use bos='auto' or False")
     start = start if bos else None
     separator = _first_id(tokenizer, "eos_token_id", "sep_token_id", "bos_token_id")
     pad = _first_id(tokenizer, "pad_token_id", "eos_token_id")

@@ -12,8 +12,8 @@ activations are left untouched.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Mapping
 
 import torch
 from torch import Tensor, nn
@@ -122,9 +122,9 @@ class Edits(Hooks):
         for spec in self._specs:
             require_writable(spec, "an edit")
 
-    def __enter__(self) -> "Edits":
+    def __enter__(self) -> Edits:
         try:
-            for spec, e in zip(self._specs, self.edits):
+            for spec, e in zip(self._specs, self.edits, strict=True):
                 self.forward(spec, e)
         except BaseException:
             self.remove()

@@ -14,7 +14,6 @@ import os
 import sys
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -70,7 +69,8 @@ class ExtractSummary:
             lines.append(f"resumed: skipped {self.batches_skipped} batches already on disk")
         bad = {k: v for k, v in self.nonfinite.items() if v}
         if bad:
-            lines.append("non-finite values (NaN/Inf) per point: " + ", ".join(f"{k}: {v}" for k, v in bad.items()))
+            lines.append("non-finite values (NaN/Inf) per point: "
+                         + ", ".join(f"{k}: {v}" for k, v in bad.items()))
         return "\n".join(lines)
 
 
@@ -140,7 +140,8 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
         raise HookscopeError(f"on_nonfinite={cfg.on_nonfinite!r}: use 'warn' or 'error'")
     rank, world_size = _dist_info()
     _init_distributed(world_size, cfg.device)
-    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cfg.device == "cuda" and world_size > 1 else cfg.device
+    device = (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cfg.device == "cuda" and world_size > 1
+              else cfg.device)
     loaded = load(cfg.model, device=device, revision=cfg.revision, device_map=cfg.device_map)
     if cfg.device_map is not None:  # inputs go where the embeddings live
         device = str(loaded.model.get_input_embeddings().weight.device)
@@ -159,7 +160,8 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
     started = time.perf_counter()
     done = skipped = new_rows = 0
     progress = _Progress(cfg.progress and rank == 0, cfg.max_tokens)
-    with ShardWriter(cfg.out, settings, shard_rows=cfg.shard_rows, rank=rank, world_size=world_size) as writer:
+    with ShardWriter(cfg.out, settings, shard_rows=cfg.shard_rows, rank=rank,
+                     world_size=world_size) as writer:
         for index, batch in enumerate(batches(sequences, cfg.batch_size)):
             if index % world_size != rank:
                 continue
@@ -170,7 +172,8 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
             keep = batch["attention_mask"].bool()
             if cfg.drop_bos:
                 keep &= ~batch["special_mask"].bool()
-            inputs = {"input_ids": batch["input_ids"].to(device), "attention_mask": batch["attention_mask"].to(device)}
+            inputs = {"input_ids": batch["input_ids"].to(device),
+                      "attention_mask": batch["attention_mask"].to(device)}
             with Capture(loaded.model, points, token_mask=keep.to(device), dtype=dtype, device="cpu") as cap:
                 cap.run(inputs)
                 acts = {name: cap[name] for name in points}
@@ -221,7 +224,8 @@ class _Progress:
         if enabled:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extract", dynamic_ncols=True)
+            self.bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extract",
+                            dynamic_ncols=True)
 
     def update(self, tokens: int, bytes_written: int) -> None:
         if self.bar is not None:

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import reprlib
 import weakref
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -64,7 +65,7 @@ def describe(fn: Callable) -> str:
     qualname = getattr(fn, "__qualname__", None)
     if qualname is not None:
         return qualname
-    if hasattr(type(fn), "__call__") and not isinstance(fn, type):
+    if hasattr(type(fn), "__call__") and not isinstance(fn, type):  # noqa: B004
         return f"{type(fn).__qualname__} instance"
     return reprlib.repr(fn)
 
@@ -156,7 +157,8 @@ def require_writable(spec: PointSpec, what: str) -> None:
     if spec.needs_eager:
         raise HookscopeError(
             f"{what} on {spec.name}: Hugging Face attention returns its weights after using them, so "
-            "changing them changes nothing; edit attn.q / attn.k / attn.z instead (or use a TransformerLens model)"
+            "changing them changes nothing; edit attn.q / attn.k / attn.z instead "
+            "(or use a TransformerLens model)"
         )
 
 
@@ -187,7 +189,7 @@ class _EagerAttention:
     implementation that materialises them); the model's own kernel comes back when the last
     such hook is removed. Acts as one more handle of the hook that needs it."""
 
-    _holders: "weakref.WeakKeyDictionary[nn.Module, list]" = weakref.WeakKeyDictionary()
+    _holders: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
 
     def __init__(self, model: nn.Module):
         self.model = model
@@ -253,7 +255,8 @@ class Hooks:
         replaces the gradient. Uses a tensor hook (cheaper than a module backward hook)."""
         spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
         require_writable(spec, "a gradient hook")
-        hook = self.forward(spec, _grad_capture(fn), eager="a gradient hook cannot be traced into a compiled graph")
+        hook = self.forward(spec, _grad_capture(fn),
+                            eager="a gradient hook cannot be traced into a compiled graph")
         hook.kind, hook.fn = "grad", fn
         return hook
 
@@ -296,7 +299,7 @@ class Hooks:
         while self._hooks:
             self._hooks.pop().remove()
 
-    def __enter__(self) -> "Hooks":
+    def __enter__(self) -> Hooks:
         return self
 
     def __exit__(self, *exc: object) -> None:

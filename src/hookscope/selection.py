@@ -7,15 +7,15 @@ the activation's shape, so a bad one is a clear error rather than an IndexError 
 from __future__ import annotations
 
 import numbers
-from typing import Sequence, Union
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
 from .errors import SelectionError
 
-Positions = Union[None, int, slice, Sequence[int], Tensor, str]
-Heads = Union[None, int, Sequence[int], Tensor]
+Positions = None | int | slice | Sequence[int] | Tensor | str
+Heads = None | int | Sequence[int] | Tensor
 
 
 def _index(sel: int | Sequence[int] | Tensor, size: int, what: str, device: torch.device) -> Tensor:
@@ -35,7 +35,8 @@ def _index(sel: int | Sequence[int] | Tensor, size: int, what: str, device: torc
                              "integer tensor")
     idx = idx.long()
     if idx.ndim != 1 or idx.numel() == 0:
-        raise SelectionError(f"{what} selection must be a non-empty int or list of ints, got shape {tuple(idx.shape)}")
+        raise SelectionError(f"{what} selection must be a non-empty int or list of ints, "
+                             f"got shape {tuple(idx.shape)}")
     if idx.min() < -size or idx.max() >= size:
         raise SelectionError(f"{what} selection {idx.tolist()} out of range for size {size}")
     return (idx % size).to(device)
@@ -74,8 +75,8 @@ def select_positions(x: Tensor, positions: Positions, pos_dim: int | None) -> Te
     if isinstance(positions, slice):
         _check_slice(positions)
         return x[(slice(None),) * (pos_dim % x.ndim) + (positions,)]
-    if isinstance(positions, Tensor) and positions.ndim == 1 and positions.numel() == x.shape[0] and pos_dim % x.ndim == 1 \
-            and positions.dtype in (torch.int32, torch.int64):
+    if isinstance(positions, Tensor) and positions.ndim == 1 and positions.numel() == x.shape[0] \
+            and pos_dim % x.ndim == 1 and positions.dtype in (torch.int32, torch.int64):
         idx = _index(positions, size, "per-row position", x.device)
         return x[torch.arange(x.shape[0], device=x.device), idx]
     return x.index_select(pos_dim, _index(positions, size, "position", x.device))
@@ -85,7 +86,8 @@ def select_heads(x: Tensor, heads: Heads, head_dim: int | None) -> Tensor:
     if heads is None:
         return x
     if head_dim is None:
-        raise SelectionError("this point has no head dimension: heads= works on attn.q|k|v|z (and attn.pattern)")
+        raise SelectionError("this point has no head dimension: "
+                             "heads= works on attn.q|k|v|z (and attn.pattern)")
     return x.index_select(head_dim, _index(heads, x.shape[head_dim], "head", x.device))
 
 
@@ -107,7 +109,8 @@ def select_tokens(x: Tensor, mask: Tensor | None, pos_dim: int | None) -> Tensor
     return x[mask.to(x.device)]
 
 
-def region_mask(x: Tensor, positions: Positions, heads: Heads, pos_dim: int | None, head_dim: int | None) -> Tensor:
+def region_mask(x: Tensor, positions: Positions, heads: Heads, pos_dim: int | None,
+                head_dim: int | None) -> Tensor:
     """A bool mask, broadcastable to x, that is True where (positions, heads) select."""
     mask = torch.ones((1,) * x.ndim, dtype=torch.bool, device=x.device)
     if positions is not None:

@@ -34,10 +34,12 @@ def train_tokenizer(vocab_size: int = 512, *, bert: bool = False, corpus: list[s
         tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
         tok.normalizer = normalizers.BertNormalizer(lowercase=True)
         tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
-        tok.train_from_iterator(corpus, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials))
+        tok.train_from_iterator(
+            corpus, trainers.WordPieceTrainer(vocab_size=vocab_size, special_tokens=specials))
         cls, sep = tok.token_to_id("[CLS]"), tok.token_to_id("[SEP]")
         tok.post_processor = processors.TemplateProcessing(
-            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1", special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
+            single="[CLS] $A [SEP]", pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+            special_tokens=[("[CLS]", cls), ("[SEP]", sep)]
         )
         tok.decoder = decoders.WordPiece()
         return PreTrainedTokenizerFast(
@@ -101,7 +103,8 @@ def save_tiny(family: str, directory: str | Path, *, seed: int = 0, **config_kwa
     """Build a tiny model + tokenizer and save both with save_pretrained; returns the directory."""
     directory = Path(directory)
     tok = train_tokenizer(config_kwargs.get("vocab_size", 512), bert=family == "bert")
-    model = build_tiny(family, seed=seed, vocab_size=len(tok), **{k: v for k, v in config_kwargs.items() if k != "vocab_size"})
+    model = build_tiny(family, seed=seed, vocab_size=len(tok),
+                       **{k: v for k, v in config_kwargs.items() if k != "vocab_size"})
     model.save_pretrained(directory)
     tok.save_pretrained(directory)
     return directory

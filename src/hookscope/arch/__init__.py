@@ -17,7 +17,7 @@ __all__ = ["Arch", "PointSpec", "View", "arch_of", "FAMILIES"]
 
 FAMILIES = (gpt2, llama, gpt_neox, bert)
 _BY_MODEL_TYPE = {mt: fam for fam in FAMILIES for mt in fam.MODEL_TYPES}
-_CACHE: "weakref.WeakKeyDictionary[nn.Module, Arch]" = weakref.WeakKeyDictionary()
+_CACHE: weakref.WeakKeyDictionary[nn.Module, Arch] = weakref.WeakKeyDictionary()
 
 
 def arch_of(model: nn.Module) -> Arch:
@@ -39,7 +39,8 @@ def _detect(model: nn.Module) -> Arch:
     prefix = "" if has_layers else f"{family.BASE}."
     if not has_layers and not _has_path(model, prefix + family.LAYERS):
         return generic.table(model)
-    lm_head = next((h for h in ("lm_head", "embed_out") if isinstance(getattr(model, h, None), nn.Module)), None)
+    lm_head = next((h for h in ("lm_head", "embed_out") if isinstance(getattr(model, h, None), nn.Module)),
+                   None)
     return family.table(config, prefix, lm_head)
 
 

@@ -8,8 +8,8 @@ tensor with the canonical part replaced, so edits and gradients flow through the
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 from torch import Tensor, nn

@@ -18,7 +18,8 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
         "attn.z": ("layers.{L}.attention.dense", "input", heads(H)),
         "attn.out": ("layers.{L}.attention", "output", None),
         # with a parallel residual (Pythia) attention and MLP both read resid_pre: no resid_mid
-        **({} if config.use_parallel_residual else {"resid_mid": ("layers.{L}.post_attention_layernorm", "input", None)}),
+        **({} if config.use_parallel_residual
+           else {"resid_mid": ("layers.{L}.post_attention_layernorm", "input", None)}),
         "mlp.pre": ("layers.{L}.mlp.dense_h_to_4h", "output", None),
         "mlp.post": ("layers.{L}.mlp.dense_4h_to_h", "input", None),
         "mlp.out": ("layers.{L}.mlp", "output", None),

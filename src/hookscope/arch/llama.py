@@ -12,7 +12,8 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
     KV = getattr(config, "num_key_value_heads", None) or H
     # Gemma 2/3 normalise the attention output before the residual add, so the residual stream
     # between attention and MLP enters pre_feedforward_layernorm instead.
-    mid_norm = "pre_feedforward_layernorm" if config.model_type in ("gemma2", "gemma3_text") else "post_attention_layernorm"
+    mid_norm = ("pre_feedforward_layernorm" if config.model_type in ("gemma2", "gemma3_text")
+                else "post_attention_layernorm")
     return build(
         config.model_type, prefix, config.num_hidden_layers, "layers.{L}",
         top={"embed": ("embed_tokens", "output", None)},
@@ -30,6 +31,7 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
             "mlp.out": ("layers.{L}.mlp", "output", None),
             "resid_post": ("layers.{L}", "output", None),
         },
-        final={"ln_final": ("norm", "output", None), **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
+        final={"ln_final": ("norm", "output", None),
+               **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
         n_heads=H, d_model=config.hidden_size,
     )

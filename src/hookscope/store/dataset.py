@@ -60,7 +60,8 @@ class ActivationDataset(IterableDataset):
         self.rank, self.world_size = rank, world_size
         self.batch_size, self.drop_last = batch_size, drop_last
         self.epoch, self.position = epoch, 0
-        self._kept = [int(self._keep_mask(i).sum()) if split else s.rows for i, s in enumerate(store.manifest.shards)]
+        self._kept = [int(self._keep_mask(i).sum()) if split else s.rows
+                      for i, s in enumerate(store.manifest.shards)]
 
     # -- the cursor -------------------------------------------------------------------------------
 
@@ -145,7 +146,8 @@ class ActivationDataset(IterableDataset):
                 skip -= mine
                 start += kept
                 continue
-            local = self._window_order(epoch, w, shards)[(self.rank - start) % self.world_size :: self.world_size]
+            local = self._window_order(epoch, w, shards)[
+                (self.rank - start) % self.world_size :: self.world_size]
             local = torch.from_numpy(local[skip:])
             skip = 0
             start += kept
@@ -173,7 +175,8 @@ class ActivationDataset(IterableDataset):
             local = np.arange(sum(sizes))
         else:
             offsets = np.cumsum([0, *sizes])
-            local = np.concatenate([np.flatnonzero(self._keep_mask(i)) + offsets[j] for j, i in enumerate(shards)])
+            local = np.concatenate([np.flatnonzero(self._keep_mask(i)) + offsets[j]
+                                    for j, i in enumerate(shards)])
         return local[_rng(self.seed, epoch, w).permutation(len(local))] if self.shuffle else local
 
     def _load(self, shards: list[int]) -> dict[str, torch.Tensor]:

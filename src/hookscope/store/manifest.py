@@ -44,7 +44,8 @@ def canonical_json(value: Any) -> str:
     try:
         return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise StoreError(f"store settings must be plain JSON (str, int, float, bool, None, list, dict): {e}") from e
+        raise StoreError("store settings must be plain JSON "
+                         f"(str, int, float, bool, None, list, dict): {e}") from e
 
 
 def settings_hash(settings: dict[str, Any]) -> str:
@@ -250,7 +251,8 @@ def _columns(raw: Any, what: str) -> dict[str, Column]:
     out = {}
     for name, c in _expect(raw, dict, what).items():
         _expect(c, dict, f"{what}.{name}")
-        shape = tuple(_int(d, f"{what}.{name}.shape") for d in _expect(c["shape"], list, f"{what}.{name}.shape"))
+        shape = tuple(_int(d, f"{what}.{name}.shape")
+                      for d in _expect(c["shape"], list, f"{what}.{name}.shape"))
         dtype = _expect(c["dtype"], str, f"{what}.{name}.dtype")
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"{what}.{name}.dtype {dtype!r} is not a torch dtype")
@@ -278,7 +280,7 @@ def _shard(raw: Any, i: int) -> ShardEntry:
 def _stats(raw: Any, name: str) -> PointStats:
     _expect(raw, dict, f"stats.{name}")
     floats = [raw[k] for k in ("norm_sum", "norm_sumsq")]
-    for k, v in zip(("norm_sum", "norm_sumsq"), floats):
+    for k, v in zip(("norm_sum", "norm_sumsq"), floats, strict=True):
         if not isinstance(v, int | float) or isinstance(v, bool):
             raise TypeError(f"stats.{name}.{k} should be a number")
     return PointStats(_int(raw["nonfinite"], f"stats.{name}.nonfinite"),

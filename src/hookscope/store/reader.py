@@ -39,7 +39,8 @@ def open_store(path: str | os.PathLike, *, verify: bool = False) -> Store:
         raise StoreError(f"{root}: no such store directory")
     if not (root / MANIFEST).exists() and any(root.glob("manifest.rank*.json")):
         raise StoreError(f"{root}: only per-rank manifests here; the torchrun job did not finish. Re-run it "
-                         "(it resumes), or merge them with hookscope.store.merge_rank_manifests(path, world_size)")
+                         "(it resumes), or merge them with "
+                         "hookscope.store.merge_rank_manifests(path, world_size)")
     store = Store(root, Manifest.load(root / MANIFEST))
     missing = [s.file for s in store.manifest.shards if not (root / s.file).is_file()]
     if missing:
@@ -87,7 +88,8 @@ class Store:
         return self._starts[i]
 
     def __repr__(self) -> str:
-        return f"Store({str(self.path)!r}, rows={len(self)}, shards={self.num_shards}, points={list(self.points)})"
+        return (f"Store({str(self.path)!r}, rows={len(self)}, shards={self.num_shards}, "
+                f"points={list(self.points)})")
 
     def shard(self, i: int) -> dict[str, torch.Tensor]:
         """Every column of shard `i`, memory-mapped (pages are read when touched)."""
@@ -103,8 +105,8 @@ class Store:
         self._check_names(names)
         size = _file_size(path)
         if size != entry.bytes:
-            raise StoreError(f"{path}: {size} bytes but the manifest says {entry.bytes}: the shard is truncated or "
-                             "was replaced; re-run the extraction into a new directory")
+            raise StoreError(f"{path}: {size} bytes but the manifest says {entry.bytes}: the shard is "
+                             "truncated or was replaced; re-run the extraction into a new directory")
         header = _read_header(path, size)
         try:
             with safe_open(path, framework="pt") as f:
@@ -114,7 +116,8 @@ class Store:
         _check_identity(path, header, entry, self.manifest.settings_hash)
         for name, t in out.items():
             col = self.manifest.columns[name]
-            if name not in header or tuple(t.shape) != (entry.rows, *col.shape) or str(t.dtype) != "torch." + col.dtype:
+            if (name not in header or tuple(t.shape) != (entry.rows, *col.shape)
+                    or str(t.dtype) != "torch." + col.dtype):
                 raise StoreError(f"{path}: column {name!r} is {tuple(t.shape)} {t.dtype}, the manifest says "
                                  f"{(entry.rows, *col.shape)} {col.dtype}")
         return out
@@ -157,17 +160,20 @@ class Store:
         """Column `name` as a numpy array; bfloat16 (which numpy lacks) becomes float32."""
         return _numpy(self.tensor(name))
 
-    def to_hf_dataset(self, names: Sequence[str] | None = None, *, cache_dir: str | None = None) -> datasets.Dataset:
+    def to_hf_dataset(self, names: Sequence[str] | None = None, *,
+                      cache_dir: str | None = None) -> datasets.Dataset:
         """A Hugging Face `datasets.Dataset` with one example per row (built shard by shard through
         the datasets cache, `cache_dir` or its default, so memory stays flat); bfloat16 becomes float32."""
         try:
             import datasets
         except ImportError as e:
-            raise StoreError("to_hf_dataset needs the `datasets` package: pip install 'hookscope[datasets]'") from e
+            raise StoreError("to_hf_dataset needs the `datasets` package: "
+                             "pip install 'hookscope[datasets]'") from e
         names = list(self.manifest.columns) if names is None else list(names)
         self._check_names(names)
         key = hashlib.sha256(json.dumps(self.manifest.to_json(), sort_keys=True).encode()).hexdigest()
-        kwargs = {"path": str(self.path.resolve()), "names": tuple(names), "key": key}  # a list would be split
+        kwargs = {"path": str(self.path.resolve()), "names": tuple(names),  # a list would be split
+                  "key": key}
         return datasets.Dataset.from_generator(_hf_rows, gen_kwargs=kwargs, cache_dir=cache_dir)
 
     def dataset(self, point: str | Sequence[str], *, shuffle: bool = True, seed: int = 0,
@@ -177,14 +183,15 @@ class Store:
         """A shuffled `IterableDataset` over column(s) `point`; see `ActivationDataset`."""
         from .dataset import ActivationDataset
 
-        return ActivationDataset(self, point, shuffle=shuffle, seed=seed, buffer_rows=buffer_rows, split=split,
-                                 val_fraction=val_fraction, rank=rank, world_size=world_size, epoch=epoch,
-                                 batch_size=batch_size, drop_last=drop_last)
+        return ActivationDataset(self, point, shuffle=shuffle, seed=seed, buffer_rows=buffer_rows,
+                                 split=split, val_fraction=val_fraction, rank=rank, world_size=world_size,
+                                 epoch=epoch, batch_size=batch_size, drop_last=drop_last)
 
     def _check_names(self, names: Sequence[str]) -> None:
         unknown = [n for n in names if n not in self.manifest.columns]
         if unknown:
-            raise StoreError(f"{self.path}: no column {unknown[0]!r}; the store has {list(self.manifest.columns)}")
+            raise StoreError(f"{self.path}: no column {unknown[0]!r}; "
+                             f"the store has {list(self.manifest.columns)}")
 
 
 def _hf_rows(path: str, names: tuple[str, ...], key: str) -> Iterator[dict[str, Any]]:
@@ -214,7 +221,8 @@ def _read_header(path: Path, size: int) -> dict[str, Any]:
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         if n > size - 8 or n > _MAX_HEADER:
-            raise StoreError(f"{path}: header length {n} does not fit in a file of {size} bytes: truncated or corrupt")
+            raise StoreError(f"{path}: header length {n} does not fit in a file of {size} bytes: "
+                             "truncated or corrupt")
         try:
             header = json.loads(f.read(n))
         except (ValueError, RecursionError) as e:  # ValueError: bad UTF-8 or JSON, or a 5,000-digit int
@@ -229,8 +237,8 @@ def _read_header(path: Path, size: int) -> dict[str, Any]:
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
         if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
                 or not 0 <= offsets[0] <= offsets[1] <= data):
-            raise StoreError(f"{path}: tensor {name!r} has byte range {offsets} outside the {data} data bytes: "
-                             "truncated or corrupt")
+            raise StoreError(f"{path}: tensor {name!r} has byte range {offsets} outside the {data} "
+                             "data bytes: truncated or corrupt")
     return header
 
 

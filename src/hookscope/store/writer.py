@@ -66,7 +66,8 @@ class ShardWriter:
         try:
             self._shards.mkdir(parents=True, exist_ok=True)
         except OSError as e:
-            raise StoreError(f"cannot create the store directory {self.out}: {e}; choose a writable --out") from e
+            raise StoreError(f"cannot create the store directory {self.out}: {e}; "
+                             "choose a writable --out") from e
         self.manifest = self._open_manifest(settings)
         try:  # stamps the settings into the directory now, and proves it is writable before any compute
             self._remove_orphans()
@@ -77,7 +78,8 @@ class ShardWriter:
         self.done_batches: frozenset[int] = frozenset(self.manifest.done_batches(rank))
         self.bytes_written = 0  # this session, for a progress bar
         self._layout: dict[str, Column] = self.manifest.columns
-        self._next_shard = 1 + max((_shard_number(s.file) for s in self.manifest.shards if s.rank == rank), default=-1)
+        self._next_shard = 1 + max((_shard_number(s.file) for s in self.manifest.shards if s.rank == rank),
+                                   default=-1)
         self._last_batch: int | None = None
         self._error: BaseException | None = None
         self._error_reported = False
@@ -146,7 +148,8 @@ class ShardWriter:
 
     def _check_index(self, i: int) -> None:
         if i % self.world_size != self.rank:
-            raise StoreError(f"batch {i} belongs to rank {i % self.world_size}, not to this writer (rank {self.rank})")
+            raise StoreError(f"batch {i} belongs to rank {i % self.world_size}, "
+                             f"not to this writer (rank {self.rank})")
         if i in self.done_batches:
             raise StoreError(f"batch {i} is already in the store; skip the batches in writer.done_batches")
         if self._last_batch is not None and i <= self._last_batch:
@@ -157,7 +160,8 @@ class ShardWriter:
         if len(rows) != 1 or None in rows:
             raise StoreError(f"batch {i}: every tensor needs the same first (rows) dimension, got "
                              + ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items()))
-        layout = {k: Column(tuple(v.shape[1:]), str(v.dtype).removeprefix("torch.")) for k, v in batch.items()}
+        layout = {k: Column(tuple(v.shape[1:]), str(v.dtype).removeprefix("torch."))
+                  for k, v in batch.items()}
         if not self._layout:
             self._layout = layout
             return
@@ -176,9 +180,9 @@ class ShardWriter:
                     f"({self._error!r}); the rows it held are gone. Re-run the same command to start over."
                 ) from self._error
             raise StoreError(
-                f"writing the store {self.out} failed: {self._error!r}. The {m.rows:,} rows in {len(m.shards)} "
-                "shards already committed are intact; fix the cause (e.g. free disk space) and re-run the "
-                "same command to resume."
+                f"writing the store {self.out} failed: {self._error!r}. The {m.rows:,} rows in "
+                f"{len(m.shards)} shards already committed are intact; fix the cause (e.g. free disk "
+                "space) and re-run the same command to resume."
             ) from self._error
 
     # -- the writer thread ------------------------------------------------------------------------
@@ -204,7 +208,8 @@ class ShardWriter:
             self._flush()  # a gap in the batch indices: each shard covers one unbroken run of batches
         self._pending.append((index, batch))
         for name in points:
-            self._pending_stats[name] = self._pending_stats.get(name, PointStats()).merge(_point_stats(batch[name]))
+            self._pending_stats[name] = self._pending_stats.get(name, PointStats()).merge(
+                _point_stats(batch[name]))
         self._pending_rows += next(iter(batch.values())).shape[0]
         if self._pending_rows >= self.shard_rows:
             self._flush()
@@ -213,7 +218,8 @@ class ShardWriter:
         self._write_shard(self._pending, self._pending_stats)
         self._pending, self._pending_stats, self._pending_rows = [], {}, 0
 
-    def _write_shard(self, pending: list[tuple[int, dict[str, torch.Tensor]]], stats: dict[str, PointStats]) -> None:
+    def _write_shard(self, pending: list[tuple[int, dict[str, torch.Tensor]]],
+                     stats: dict[str, PointStats]) -> None:
         tensors = {k: torch.cat([b[k] for _, b in pending]) for k in pending[0][1]}
         name = f"{self._prefix}{self._next_shard:06d}.safetensors"
         final, tmp = self._shards / name, self._shards / (name + ".tmp")
@@ -251,11 +257,12 @@ class ShardWriter:
     def _check_is_store_dir(self) -> None:
         if not self.out.is_dir():
             return
-        foreign = [p.name for p in self.out.iterdir() if p.name != SHARDS_DIR and not p.name.startswith("manifest")]
+        foreign = [p.name for p in self.out.iterdir()
+                   if p.name != SHARDS_DIR and not p.name.startswith("manifest")]
         has_manifest = any(self.out.glob("manifest*.json"))
         if foreign and not has_manifest:
-            raise StoreError(f"{self.out} is not empty and is not a hookscope store (it holds {sorted(foreign)[:5]}); "
-                             "choose a new or empty --out directory")
+            raise StoreError(f"{self.out} is not empty and is not a hookscope store "
+                             f"(it holds {sorted(foreign)[:5]}); choose a new or empty --out directory")
 
     def _open_manifest(self, settings: dict[str, Any]) -> Manifest:
         fresh = Manifest(settings=settings, world_size=self.world_size)
@@ -269,8 +276,9 @@ class ShardWriter:
                     f"Use a new --out directory, or delete {self.out} to start over."
                 )
             if m.world_size != self.world_size:
-                raise StoreError(f"{self.out} was written by {m.world_size} process(es), not {self.world_size}; "
-                                 "resume with the same number of processes, or use a new --out directory")
+                raise StoreError(f"{self.out} was written by {m.world_size} process(es), "
+                                 f"not {self.world_size}; resume with the same number of processes, "
+                                 "or use a new --out directory")
             if path == self._manifest_path:
                 existing = m
         return existing or fresh
@@ -291,7 +299,8 @@ def merge_rank_manifests(out_dir: str | os.PathLike, world_size: int) -> Manifes
     if world_size == 1:
         return parts[0]
     if len({m.settings_hash for m in parts}) != 1:
-        raise StoreError(f"{out}: the ranks' manifests were written with different settings; re-run all ranks")
+        raise StoreError(f"{out}: the ranks' manifests were written with different settings; "
+                         "re-run all ranks")
     layouts = {(tuple(m.points.items()), tuple(m.meta.items())) for m in parts if m.shards}
     if len(layouts) > 1:
         raise StoreError(f"{out}: the ranks wrote different columns (points, shapes or dtypes)")
