@@ -12,7 +12,6 @@ a `functools.partial` holding a dict of GPU tensors attaches as fast as a bare f
 
 from __future__ import annotations
 
-import reprlib
 import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -58,16 +57,15 @@ class Hook:
 
 
 def describe(fn: Callable) -> str:
-    """A short readable name for a callable; bounded, so a huge bound state stays cheap."""
+    """A short readable name for a callable, built without calling its repr()."""
     inner = getattr(fn, "func", None)  # functools.partial
     if inner is not None:
         return f"partial({describe(inner)})"
     qualname = getattr(fn, "__qualname__", None)
-    if qualname is not None:
+    if qualname is not None:  # functions, methods, classes
         return qualname
-    if hasattr(type(fn), "__call__") and not isinstance(fn, type):  # noqa: B004
-        return f"{type(fn).__qualname__} instance"
-    return reprlib.repr(fn)
+    # A callable object: its class names it; its repr() (which may walk a dict of tensors) is never called.
+    return f"{type(fn).__qualname__} instance"
 
 
 def call_model(model: nn.Module, inputs: Any, **options: Any) -> Any:
