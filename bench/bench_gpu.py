@@ -1,0 +1,430 @@
+"""GPU figures: what hookscope costs on the device users run it on.
+
+    python bench/bench_gpu.py --out bench/out/gpu            # on a CUDA machine (scripts/gpu-suite)
+    python bench/bench_gpu.py --smoke --out /tmp/gpu-smoke   # tiny shapes on CPU: checks the script
+
+Shapes: GPT-2-small (12 x 768) and a ~1.1B-parameter Llama-shaped config (16 x 2048, GQA 32/8),
+random weights, bfloat16, batch 32 x 1024 tokens (halved until it fits). Every case runs in a fresh
+process; times are medians of CUDA-synchronised wall times; memory is the peak allocated above the
+model's own weights (torch.cuda.max_memory_allocated).
+
+Cases, each against its own reference in the same process tree:
+  capture      hs.collect(blocks.L.resid_post) vs the floor: a copy of the model cut after block L
+               (embeddings + blocks 0..L + the final norm), run by hand
+  capture_host the same capture copied to pinned host memory (device="cpu", non-blocking)
+  hooks12      12 no-op hooks on the full forward vs no hooks
+  extract      `extract()` tokens/s vs the truncated forward alone over the same packed batches;
+               a torch.profiler trace of a few extraction batches shows compute and copies overlap
+  compile      blocks vs full: first call in a cold process (empty inductor cache), first call in a
+               warm one (the cache the cold one filled), and the steady per-call time vs eager
+  generate     per-token latency of greedy generation with one captured point / one steering edit
+               vs plain `generate` (when hookscope has `hs.generate`)
+  peers        TransformerLens 3.x run_with_cache(names_filter, stop_at_layer) and nnsight on the
+               GPT-2 shape, when they are installed
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+SHAPES = {
+    # name: (family, config overrides, layer captured)
+    "gpt2-small": ("gpt2", {"d_model": 768, "n_layers": 12, "n_heads": 12, "vocab_size": 50257,
+                            "context": 1024}, 5),
+    "llama-1b": ("llama", {"d_model": 2048, "n_layers": 16, "n_heads": 32, "vocab_size": 32000,
+                           "context": 1024, "intermediate_size": 5632, "num_key_value_heads": 8}, 7),
+}
+SMOKE = {"gpt2-tiny": ("gpt2", {"d_model": 64, "n_layers": 3, "n_heads": 4, "vocab_size": 512,
+                                "context": 64}, 1)}
+CASES = ("capture", "capture_host", "hooks12", "extract", "compile_blocks", "compile_full", "generate",
+         "peers")
+
+
+# --- one case, in a fresh process ------------------------------------------------------------
+
+
+def build(shape: tuple, device: str, dtype):
+    import torch
+
+    from hookscope.testing import build_tiny
+
+    family, overrides, layer = shape
+    overrides = dict(overrides)
+    vocab = overrides.pop("vocab_size")
+    model = build_tiny(family, vocab_size=vocab, seed=0, **overrides).to(device, dtype)
+    return model, layer
+
+
+def sync(device: str) -> None:
+    import torch
+
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+def timed(fn, device: str, runs: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    sync(device)
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def peak_extra(fn, device: str) -> int | None:
+    import torch
+
+    if not device.startswith("cuda"):
+        return None
+    sync(device)
+    torch.cuda.reset_peak_memory_stats()
+    base = torch.cuda.memory_allocated()
+    fn()
+    sync(device)
+    return torch.cuda.max_memory_allocated() - base
+
+
+def truncated(model, layer: int):
+    """A shallow copy of the model whose block list stops after `layer` (the floor)."""
+    import copy
+
+    import torch
+
+    cut = copy.copy(model)
+    base_name = "transformer" if hasattr(model, "transformer") else "model"
+    base = copy.copy(getattr(model, base_name))
+    attr = "h" if hasattr(base, "h") else "layers"
+    setattr(base, attr, torch.nn.ModuleList(list(getattr(base, attr))[: layer + 1]))
+    base.config = copy.copy(base.config)
+    base.config.num_hidden_layers = layer + 1
+    return base
+
+
+def inputs(model, batch: int, seq: int, device: str):
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(1, model.config.vocab_size, (batch, seq), generator=g).to(device)
+
+
+def case_main(args) -> dict:
+    import torch
+
+    import hookscope as hs
+
+    torch.manual_seed(0)
+    shape = (SMOKE if args.smoke else SHAPES)[args.shape]
+    dtype = torch.float32 if args.smoke else torch.bfloat16
+    model, layer = build(shape, args.device, dtype)
+    ids = inputs(model, args.batch, args.seq, args.device)
+    point = f"blocks.{layer}.resid_post"
+    result: dict = {"case": args.case, "shape": args.shape, "batch": args.batch, "seq": args.seq,
+                    "device": args.device, "dtype": str(dtype)}
+
+    def forward():
+        with torch.inference_mode():
+            return model(ids, use_cache=False).logits
+
+    if args.case in ("capture", "capture_host"):
+        floor_model = truncated(model, layer)
+
+        def floor():
+            with torch.inference_mode():
+                return floor_model(ids, use_cache=False).last_hidden_state
+
+        host = {"device": "cpu"} if args.case == "capture_host" else {}
+        capture = lambda: hs.collect(model, ids, point, **host)[point]  # noqa: E731
+        result["floor_s"] = timed(floor, args.device, args.runs)
+        result["hookscope_s"] = timed(capture, args.device, args.runs)
+        result["floor_peak"] = peak_extra(floor, args.device)
+        result["hookscope_peak"] = peak_extra(capture, args.device)
+    elif args.case == "hooks12":
+        result["plain_s"] = timed(forward, args.device, args.runs)
+        with hs.hooks(model) as h:
+            for name in [f"blocks.{i}.resid_post" for i in range(model.config.num_hidden_layers)][:12]:
+                h.forward(name, lambda act, hook: None)
+            result["hookscope_s"] = timed(forward, args.device, args.runs)
+    elif args.case == "extract":
+        result.update(extract_case(model, layer, args))
+    elif args.case.startswith("compile_"):
+        result.update(compile_case(model, ids, point, args.case.removeprefix("compile_"), args))
+    elif args.case == "generate":
+        result.update(generate_case(model, ids, point, args))
+    elif args.case == "peers":
+        result.update(peers_case(model, ids, layer, point, args))
+    return result
+
+
+def extract_case(model, layer: int, args) -> dict:
+    """extract() over a generated corpus vs the truncated forward over the same packed batches."""
+    import torch
+
+    from hookscope.data import batches, pack
+    from hookscope.extract import ExtractConfig, extract
+    from hookscope.testing import train_tokenizer
+
+    work = Path(tempfile.mkdtemp(prefix="hookscope-gpu-extract-"))
+    model_dir = work / "model"
+    model.save_pretrained(model_dir)
+    tokenizer = train_tokenizer(min(model.config.vocab_size, 4096))
+    tokenizer.save_pretrained(model_dir)
+    words = "the residual stream of a transformer carries features between layers".split()
+    g = torch.Generator().manual_seed(0)
+    corpus = work / "corpus.jsonl"
+    with corpus.open("w") as f:
+        for _ in range(max(64, args.batch * 8)):
+            idx = torch.randint(0, len(words), (args.seq * 2,), generator=g).tolist()
+            f.write(json.dumps({"text": " ".join(words[i] for i in idx)}) + "\n")
+    tokens = args.batch * args.seq * (4 if args.smoke else 16)
+    cfg = ExtractConfig(out=str(work / "store"), model=str(model_dir), points=[f"blocks.{layer}.resid_post"],
+                        data=str(corpus), context=args.seq, batch_size=args.batch, dtype="bfloat16",
+                        device=args.device, max_tokens=tokens, progress=False)
+    sync(args.device)
+    start = time.perf_counter()
+    summary = extract(cfg)
+    extract_s = time.perf_counter() - start
+    floor_model = truncated(model, layer)
+    packed = list(batches(pack(_jsonl(corpus), tokenizer, context=args.seq, max_tokens=tokens), args.batch))
+    sync(args.device)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for b in packed:
+            floor_model(input_ids=b["input_ids"].to(args.device),
+                        attention_mask=b["attention_mask"].to(args.device), use_cache=False)
+    sync(args.device)
+    floor_s = time.perf_counter() - start
+    trace = None
+    if args.trace_dir:  # a few batches under the profiler: compute and device->host copies overlap
+        trace = str(Path(args.trace_dir) / f"extract-{args.shape}.json")
+        small = ExtractConfig(**{**cfg.__dict__, "out": str(work / "traced"), "max_tokens": args.batch * args.seq * 3})
+        with torch.profiler.profile() as prof:
+            extract(small)
+        prof.export_chrome_trace(trace)
+    return {"rows": summary.rows, "extract_s": extract_s, "floor_s": floor_s,
+            "extract_tok_s": summary.new_rows / extract_s, "floor_tok_s": summary.new_rows / floor_s,
+            "trace": trace}
+
+
+def _jsonl(path: Path):
+    with path.open() as f:
+        for line in f:
+            yield json.loads(line)["text"]
+
+
+def compile_case(model, ids, point: str, policy: str, args) -> dict:
+    import torch
+
+    import hookscope as hs
+    from hookscope import compile as compile_policy
+
+    eager_s = timed(lambda: hs.collect(model, ids, point)[point], args.device, args.runs)
+    compile_policy.apply(model, policy)
+    start = time.perf_counter()
+    hs.collect(model, ids, point)
+    sync(args.device)
+    first_s = time.perf_counter() - start
+    steady_s = timed(lambda: hs.collect(model, ids, point)[point], args.device, args.runs)
+    del torch
+    return {"eager_s": eager_s, "first_call_s": first_s, "steady_s": steady_s,
+            "cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
+
+
+def generate_case(model, ids, point: str, args) -> dict:
+    import torch
+
+    import hookscope as hs
+
+    if not hasattr(hs, "generate"):
+        return {"skipped": "this hookscope has no hs.generate"}
+    prompt = ids[:, :32]
+    new = 32 if not args.smoke else 8
+    opts = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False}
+    vector = torch.randn(model.config.hidden_size, device=args.device, dtype=model.dtype)
+    plain = lambda: model.generate(prompt, **opts)  # noqa: E731
+    captured = lambda: hs.generate(model, prompt, points=[point], **opts)  # noqa: E731
+    steered = lambda: hs.generate(model, prompt, edits=[hs.steer(point, vector)], **opts)  # noqa: E731
+    per_token = lambda ts: [t / new for t in ts]  # noqa: E731
+    return {"plain_s": per_token(timed(plain, args.device, args.runs)),
+            "capture_s": per_token(timed(captured, args.device, args.runs)),
+            "steer_s": per_token(timed(steered, args.device, args.runs))}
+
+
+def peers_case(model, ids, layer: int, point: str, args) -> dict:
+    import torch
+
+    out: dict = {}
+    if getattr(model.config, "model_type", "") != "gpt2":
+        return {"skipped": "peers run on the GPT-2 shape only"}
+    try:
+        from transformer_lens import HookedTransformer
+        from transformer_lens.pretrained.weight_conversions import convert_gpt2_weights
+
+        sys.path.insert(0, str(HERE))
+        import common
+
+        cfg = common.tl3_config(model.config)
+        cfg.device, cfg.dtype = args.device, model.dtype
+        tl = HookedTransformer(cfg)
+        tl.load_and_process_state_dict(convert_gpt2_weights(model, cfg), fold_ln=False,
+                                       center_writing_weights=False, center_unembed=False,
+                                       fold_value_biases=False)
+        tl.to(args.device, model.dtype).eval()
+        name = f"blocks.{layer}.hook_resid_post"
+
+        def tl_run():
+            with torch.inference_mode():
+                return tl.run_with_cache(ids, names_filter=[name], stop_at_layer=layer + 1)[1][name]
+
+        out["tl_stop_s"] = timed(tl_run, args.device, args.runs)
+        del tl
+    except ImportError as e:
+        out["tl_skipped"] = str(e)
+    try:
+        from nnsight import NNsight
+
+        wrapped = NNsight(model)
+
+        def nn_run():
+            with torch.inference_mode(), wrapped.trace(ids, use_cache=False) as tracer:
+                saved = wrapped.transformer.h[layer].output.save()
+                tracer.stop()
+            return saved
+
+        out["nnsight_stop_s"] = timed(nn_run, args.device, args.runs)
+    except ImportError as e:
+        out["nnsight_skipped"] = str(e)
+    return out
+
+
+# --- the driver ---------------------------------------------------------------------------------
+
+
+def run_case(case: str, shape: str, batch: int, seq: int, args, env: dict) -> dict:
+    cmd = [sys.executable, __file__, "--child", case, "--shape", shape, "--batch", str(batch), "--seq", str(seq),
+           "--device", args.device, "--runs", str(args.runs)]
+    if args.smoke:
+        cmd.append("--smoke")
+    if args.trace_dir:
+        cmd += ["--trace-dir", args.trace_dir]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
+    if proc.returncode != 0:
+        tail = proc.stderr.strip().splitlines()[-1:] or ["(no stderr)"]
+        return {"case": case, "shape": shape, "error": tail[0], "oom": "OutOfMemory" in proc.stderr}
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def median(values) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def ratio(a, b) -> str:
+    a, b = median(a) if isinstance(a, list) else a, median(b) if isinstance(b, list) else b
+    return f"{a / b:.3f}x" if a and b else "-"
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| shape | case | batch x seq | figure |", "| --- | --- | --- | --- |"]
+    for r in results:
+        where = f"{r.get('batch', '?')} x {r.get('seq', '?')}"
+        if "error" in r:
+            fig = f"failed: {r['error']}"
+        elif r["case"] in ("capture", "capture_host"):
+            mem = ratio(r["hookscope_peak"], r["floor_peak"]) if r.get("floor_peak") else "-"
+            fig = (f"time {ratio(r['hookscope_s'], r['floor_s'])} the floor "
+                   f"({median(r['hookscope_s']) * 1e3:.1f} vs {median(r['floor_s']) * 1e3:.1f} ms), peak memory {mem}")
+        elif r["case"] == "hooks12":
+            fig = f"12 no-op hooks {ratio(r['hookscope_s'], r['plain_s'])} the plain forward"
+        elif r["case"] == "extract":
+            fig = (f"extract {r['extract_tok_s']:,.0f} tok/s vs truncated forward {r['floor_tok_s']:,.0f} tok/s "
+                   f"= {r['extract_tok_s'] / r['floor_tok_s']:.3f}x")
+        elif r["case"].startswith("compile_"):
+            fig = (f"{r.get('start', '')} first call {r['first_call_s']:.1f} s, steady "
+                   f"{ratio(r['steady_s'], r['eager_s'])} eager")
+        elif r["case"] == "generate":
+            fig = r.get("skipped") or (f"per token: capture {ratio(r['capture_s'], r['plain_s'])}, steer "
+                                       f"{ratio(r['steer_s'], r['plain_s'])} plain generate")
+        else:
+            fig = ", ".join(f"{k} {median(v) * 1e3:.1f} ms" if isinstance(v, list) else f"{k}: {v}"
+                            for k, v in r.items() if k.endswith(("_s", "skipped")))
+        lines.append(f"| {r['shape']} | {r['case']} | {where} | {fig} |")
+    return "\n".join(lines)
+
+
+def machine(device: str) -> dict:
+    import torch
+
+    info = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    if device.startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+        try:
+            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                            capture_output=True, text=True).stdout.strip()
+        except OSError:
+            info["driver"] = None
+    return info
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(HERE / "out" / "gpu"))
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: check that the script runs")
+    p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--batch", type=int, default=32)
+    p.add_argument("--seq", type=int, default=1024)
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--trace-dir", default=None, help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        args.case = args.child
+        print(json.dumps(case_main(args)))
+        return
+    if args.smoke:
+        args.device, args.batch, args.seq, args.runs = "cpu", 2, 32, 2
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    args.trace_dir = str(out)
+    results = []
+    for shape in (SMOKE if args.smoke else SHAPES):
+        for case in args.cases.split(","):
+            batch, env = args.batch, {}
+            if case.startswith("compile_"):
+                cache = tempfile.mkdtemp(prefix="inductor-")
+                for start in ("cold", "warm"):  # warm: a new process on the cache the cold one filled
+                    r = run_case(case, shape, batch, args.seq, args, {"TORCHINDUCTOR_CACHE_DIR": cache})
+                    r["start"] = start
+                    results.append(r)
+                continue
+            while True:  # halve the batch until it fits
+                r = run_case(case, shape, batch, args.seq, args, env)
+                if not r.get("oom") or batch == 1:
+                    break
+                batch //= 2
+            results.append(r)
+            print(f"{shape} {case}: {'failed: ' + r['error'] if 'error' in r else 'done'}", file=sys.stderr)
+    report = {"machine": machine(args.device), "results": results}
+    (out / "gpu.json").write_text(json.dumps(report, indent=1))
+    text = f"machine: {json.dumps(report['machine'])}\n\n{table(results)}\n"
+    (out / "gpu.md").write_text(text)
+    print(text)
+    failed = [r for r in results if "error" in r]
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()

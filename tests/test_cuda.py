@@ -1,0 +1,251 @@
+"""The equality suites on a CUDA device (issue: "run it where users run it").
+
+Every test here takes a `device`. The "cpu" variant runs in the default suite, so the code of this
+file is exercised on every machine; the "cuda" variant skips with a stated reason where there is no
+CUDA device, and `scripts/gpu-suite` runs the whole file on one with HOOKSCOPE_REQUIRE_CUDA=1 (then a
+missing device is a failure, not a skip). References are independent of hookscope: plain
+`register_forward_hook` captures, `torch.autograd.grad`, hand-written edit hooks, the model's own
+forward. On CUDA, hookscope and the reference run the same kernels in the same order, so values are
+compared exactly; only the compiled paths (other kernels) use a tolerance, stated where used.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+import hookscope as hs
+from hookscope.hooks import hook_count
+from hookscope.testing import save_tiny
+
+HAS_CUDA = torch.cuda.is_available()
+REQUIRE_CUDA = os.environ.get("HOOKSCOPE_REQUIRE_CUDA") == "1"
+NO_CUDA = "no CUDA device on this machine: scripts/gpu-suite runs these on one"
+
+if REQUIRE_CUDA and not HAS_CUDA:  # the GPU suite must never pass by skipping everything
+    raise RuntimeError("HOOKSCOPE_REQUIRE_CUDA=1 but torch.cuda.is_available() is False "
+                       f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
+
+pytestmark = pytest.mark.cuda
+cuda_only = pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)
+DEVICES = ["cpu", pytest.param("cuda", marks=cuda_only)]
+SIZE = {"d_model": 64, "n_layers": 3, "n_heads": 4, "context": 64}
+
+
+@pytest.fixture(scope="module")
+def model_dirs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("cuda-models")
+    return {family: save_tiny(family, root / family, **SIZE) for family in ("gpt2", "llama")}
+
+
+def load(model_dirs, family: str, device: str, dtype: torch.dtype = torch.float32) -> nn.Module:
+    return hs.load(str(model_dirs[family]), device=device, dtype=dtype).model
+
+
+def token_ids(model: nn.Module, device: str, batch: int = 2, length: int = 9) -> Tensor:
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(1, model.config.vocab_size, (batch, length), generator=g).to(device)
+
+
+def blocks_of(model: nn.Module) -> list[nn.Module]:
+    base = getattr(model, "transformer", None) or model.model
+    return list(getattr(base, "h", None) or base.layers)
+
+
+def plain_resid_post(model: nn.Module, ids: Tensor) -> list[Tensor]:
+    """The reference: every block's output through a bare torch forward hook."""
+    kept: list[Tensor] = []
+    handles = [b.register_forward_hook(lambda m, a, out: kept.append(
+        (out[0] if isinstance(out, tuple) else out).detach().clone())) for b in blocks_of(model)]
+    try:
+        with torch.inference_mode():
+            model(ids, use_cache=False)
+    finally:
+        for h in handles:
+            h.remove()
+    return kept
+
+
+# --- captures ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_captures_equal_plain_hooks(model_dirs, device, family, dtype):
+    model = load(model_dirs, family, device, dtype)
+    ids = token_ids(model, device)
+    want = plain_resid_post(model, ids)
+    got = hs.collect(model, ids, "blocks.*.resid_post")
+    assert len(got) == len(want)
+    for layer, ref in enumerate(want):
+        act = got[f"blocks.{layer}.resid_post"]
+        assert act.device.type == device and act.dtype == dtype
+        assert torch.equal(act, ref)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_copies_to_host_equal_the_device_values(model_dirs, device):
+    """`device="cpu"` from a CUDA model goes through a pinned buffer and a non-blocking copy; the
+    values read afterwards must be the synchronised ones."""
+    model = load(model_dirs, "gpt2", device)
+    ids = token_ids(model, device, batch=4, length=32)
+    want = plain_resid_post(model, ids)
+    got = hs.collect(model, ids, ["blocks.0.resid_post", "blocks.2.resid_post"], device="cpu",
+                     dtype=torch.bfloat16, positions=slice(1, None))
+    for layer in (0, 2):
+        act = got[f"blocks.{layer}.resid_post"]
+        assert act.device.type == "cpu"
+        assert torch.equal(act, want[layer][:, 1:].to(torch.bfloat16).cpu())
+        if device == "cuda":
+            assert act.is_pinned()  # the copy really took the pinned, non-blocking path
+
+
+# --- gradients and edits ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_grads_equal_autograd(model_dirs, device):
+    model = load(model_dirs, "llama", device)
+    ids = token_ids(model, device)
+    kept: list[Tensor] = []
+    block = blocks_of(model)[1]
+
+    def keep(module, args, output):
+        out = output[0] if isinstance(output, tuple) else output
+        kept.append(out)
+
+    handle = block.register_forward_hook(keep)
+    try:
+        logits = model(ids, use_cache=False).logits
+    finally:
+        handle.remove()
+    want = torch.autograd.grad(logits.float().pow(2).mean(), kept[0])[0]
+    got = hs.grads(model, ids, "blocks.1.resid_post", lambda out: out.logits.float().pow(2).mean())
+    assert torch.equal(got["blocks.1.resid_post"], want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_steer_and_ablate_equal_hand_written_hooks(model_dirs, device):
+    model = load(model_dirs, "gpt2", device)
+    ids = token_ids(model, device)
+    vector = torch.randn(model.config.n_embd, generator=torch.Generator().manual_seed(1)).to(device)
+    blocks = blocks_of(model)
+
+    def add(module, args, output):
+        return (output[0] + 2.0 * vector, *output[1:]) if isinstance(output, tuple) else output + 2.0 * vector
+
+    def zero_head0(module, args, kwargs):  # attn.z enters c_proj as [batch, pos, heads * d_head]
+        z = args[0].clone()
+        z[..., : model.config.n_embd // model.config.n_head] = 0
+        return (z,), kwargs
+
+    handles = [blocks[1].register_forward_hook(add),
+               blocks[0].attn.c_proj.register_forward_pre_hook(zero_head0, with_kwargs=True)]
+    try:
+        with torch.inference_mode():
+            want = model(ids, use_cache=False).logits
+    finally:
+        for h in handles:
+            h.remove()
+    before = hook_count(model)
+    with hs.edit(model, hs.steer("blocks.1.resid_post", vector, scale=2.0),
+                 hs.ablate("blocks.0.attn.z", heads=[0])), torch.inference_mode():
+        got = model(ids, use_cache=False).logits
+    assert hook_count(model) == before
+    assert torch.equal(got, want)
+
+
+# --- extraction -------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_extract_round_trip_equals_plain_hooks(model_dirs, device, tmp_path):
+    from hookscope.data import batches, iter_documents, pack
+    from hookscope.extract import ExtractConfig, extract
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Document {i} talks about hooks, layers and the residual stream."
+                                  for i in range(40)))
+    cfg = ExtractConfig(out=str(tmp_path / "store"), model=str(model_dirs["gpt2"]),
+                        points=["blocks.1.resid_post"], data=str(corpus), context=16, batch_size=4,
+                        dtype="float32", device=device, progress=False, shard_rows=100)
+    summary = extract(cfg)
+    store = hs.open_store(cfg.out, verify=True)
+    assert len(store) == summary.rows > 0
+    # the reference: the same packed batches through a plain hook on the same device
+    loaded = hs.load(cfg.model, device=device)
+    rows = []
+    for batch in batches(pack(iter_documents(cfg.data), loaded.tokenizer, context=cfg.context), cfg.batch_size):
+        keep = batch["attention_mask"].bool() & ~batch["special_mask"].bool()
+        kept: list[Tensor] = []
+        handle = blocks_of(loaded.model)[1].register_forward_hook(
+            lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out))
+        try:
+            with torch.inference_mode():
+                loaded.model(input_ids=batch["input_ids"].to(device),
+                             attention_mask=batch["attention_mask"].to(device), use_cache=False)
+        finally:
+            handle.remove()
+        rows.append(kept[0][keep.to(device)].cpu())
+    assert torch.equal(store.tensor("blocks.1.resid_post"), torch.cat(rows))
+
+
+# --- compile, CUDA graphs, device maps, the profiler: CUDA only (the CPU paths have their own tests) --
+
+
+@cuda_only
+@pytest.mark.parametrize("policy", ["blocks", "full"])
+def test_compiled_captures_equal_eager_on_cuda(model_dirs, policy):
+    eager = load(model_dirs, "gpt2", "cuda")
+    ids = token_ids(eager, "cuda")
+    want = hs.collect(eager, ids, "blocks.*.resid_post", stop=False)
+    compiled = hs.load(str(model_dirs["gpt2"]), device="cuda", compile=policy).model
+    for _ in range(2):  # the second call runs the cached graph
+        got = hs.collect(compiled, ids, "blocks.*.resid_post", stop=False)
+        for name, ref in want.items():
+            # inductor fuses differently from eager: float32 rounding, nothing more
+            torch.testing.assert_close(got[name], ref, rtol=1e-4, atol=1e-5)
+
+
+@cuda_only
+def test_reduce_overhead_captures_survive_the_next_replay(model_dirs):
+    """Under CUDA graphs the compiled outputs live in a pool the next replay overwrites: a capture
+    must be a copy that keeps its values."""
+    from hookscope import compile as policy
+
+    model = load(model_dirs, "gpt2", "cuda")
+    ids_a, ids_b = token_ids(model, "cuda"), token_ids(model, "cuda").flip(0)
+    want_a = plain_resid_post(model, ids_a)[-1]
+    policy.apply(model, "full", mode="reduce-overhead")
+    for _ in range(3):  # warm up and record the graph
+        hs.collect(model, ids_a, "blocks.2.resid_post", stop=False)
+    first = hs.collect(model, ids_a, "blocks.2.resid_post", stop=False)["blocks.2.resid_post"]
+    hs.collect(model, ids_b, "blocks.2.resid_post", stop=False)  # a replay that would overwrite it
+    torch.testing.assert_close(first, want_a, rtol=1e-4, atol=1e-5)
+
+
+@cuda_only
+def test_device_map_auto_captures_equal_plain_hooks(model_dirs):
+    model = hs.load(str(model_dirs["llama"]), device_map="auto").model
+    ids = token_ids(model, str(model.get_input_embeddings().weight.device))
+    want = plain_resid_post(model, ids)
+    got = hs.collect(model, ids, "blocks.*.resid_post")
+    for layer, ref in enumerate(want):
+        assert torch.equal(got[f"blocks.{layer}.resid_post"], ref)
+
+
+@cuda_only
+def test_profile_has_cuda_rows_and_a_memory_snapshot(model_dirs, tmp_path):
+    model = load(model_dirs, "gpt2", "cuda")
+    ids = token_ids(model, "cuda", batch=4, length=32)
+    report = hs.profile(model, ids, steps=3, warmup=1, out_dir=tmp_path)
+    blocks = report.block_rows()
+    assert len(blocks) == 3
+    assert all(row.device_s and row.device_s > 0 for row in blocks), report.summary()
+    assert report.memory_snapshot, "a CUDA profile records a memory snapshot"
+    assert (tmp_path / "trace.json").stat().st_size > 0
