@@ -53,8 +53,6 @@ CASES = ("capture", "capture_host", "hooks12", "extract", "compile_blocks", "com
 
 
 def build(shape: tuple, device: str, dtype):
-    import torch
-
     from hookscope.testing import build_tiny
 
     family, overrides, layer = shape
@@ -103,7 +101,6 @@ def truncated(model, layer: int):
 
     import torch
 
-    cut = copy.copy(model)
     base_name = "transformer" if hasattr(model, "transformer") else "model"
     base = copy.copy(getattr(model, base_name))
     attr = "h" if hasattr(base, "h") else "layers"
@@ -209,7 +206,8 @@ def extract_case(model, layer: int, args) -> dict:
     trace = None
     if args.trace_dir:  # a few batches under the profiler: compute and device->host copies overlap
         trace = str(Path(args.trace_dir) / f"extract-{args.shape}.json")
-        small = ExtractConfig(**{**cfg.__dict__, "out": str(work / "traced"), "max_tokens": args.batch * args.seq * 3})
+        small = ExtractConfig(**{**cfg.__dict__, "out": str(work / "traced"),
+                                 "max_tokens": args.batch * args.seq * 3})
         with torch.profiler.profile() as prof:
             extract(small)
         prof.export_chrome_trace(trace)
@@ -289,7 +287,6 @@ def peers_case(model, ids, layer: int, point: str, args) -> dict:
                 return tl.run_with_cache(ids, names_filter=[name], stop_at_layer=layer + 1)[1][name]
 
         out["tl_stop_s"] = timed(tl_run, args.device, args.runs)
-        del tl
     except ImportError as e:
         out["tl_skipped"] = str(e)
     try:
@@ -313,8 +310,8 @@ def peers_case(model, ids, layer: int, point: str, args) -> dict:
 
 
 def run_case(case: str, shape: str, batch: int, seq: int, args, env: dict) -> dict:
-    cmd = [sys.executable, __file__, "--child", case, "--shape", shape, "--batch", str(batch), "--seq", str(seq),
-           "--device", args.device, "--runs", str(args.runs)]
+    cmd = [sys.executable, __file__, "--child", case, "--shape", shape, "--batch", str(batch),
+           "--seq", str(seq), "--device", args.device, "--runs", str(args.runs)]
     if args.smoke:
         cmd.append("--smoke")
     if args.trace_dir:
@@ -343,13 +340,13 @@ def table(results: list[dict]) -> str:
             fig = f"failed: {r['error']}"
         elif r["case"] in ("capture", "capture_host"):
             mem = ratio(r["hookscope_peak"], r["floor_peak"]) if r.get("floor_peak") else "-"
-            fig = (f"time {ratio(r['hookscope_s'], r['floor_s'])} the floor "
-                   f"({median(r['hookscope_s']) * 1e3:.1f} vs {median(r['floor_s']) * 1e3:.1f} ms), peak memory {mem}")
+            ms = f"{median(r['hookscope_s']) * 1e3:.1f} vs {median(r['floor_s']) * 1e3:.1f} ms"
+            fig = f"time {ratio(r['hookscope_s'], r['floor_s'])} the floor ({ms}), peak memory {mem}"
         elif r["case"] == "hooks12":
             fig = f"12 no-op hooks {ratio(r['hookscope_s'], r['plain_s'])} the plain forward"
         elif r["case"] == "extract":
-            fig = (f"extract {r['extract_tok_s']:,.0f} tok/s vs truncated forward {r['floor_tok_s']:,.0f} tok/s "
-                   f"= {r['extract_tok_s'] / r['floor_tok_s']:.3f}x")
+            fig = (f"extract {r['extract_tok_s']:,.0f} tok/s vs truncated forward "
+                   f"{r['floor_tok_s']:,.0f} tok/s = {r['extract_tok_s'] / r['floor_tok_s']:.3f}x")
         elif r["case"].startswith("compile_"):
             fig = (f"{r.get('start', '')} first call {r['first_call_s']:.1f} s, steady "
                    f"{ratio(r['steady_s'], r['eager_s'])} eager")
@@ -370,8 +367,8 @@ def machine(device: str) -> dict:
     if device.startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name()
         try:
-            info["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                                            capture_output=True, text=True).stdout.strip()
+            query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+            info["driver"] = subprocess.run(query, capture_output=True, text=True).stdout.strip()
         except OSError:
             info["driver"] = None
     return info

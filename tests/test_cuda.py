@@ -179,10 +179,11 @@ def test_extract_round_trip_equals_plain_hooks(model_dirs, device, tmp_path):
     assert len(store) == summary.rows > 0
     # the reference: the same packed batches through a plain hook on the same device
     loaded = hs.load(cfg.model, device=device)
-    rows = []
-    for batch in batches(pack(iter_documents(cfg.data), loaded.tokenizer, context=cfg.context), cfg.batch_size):
+    rows, kept = [], []
+    sequences = pack(iter_documents(cfg.data), loaded.tokenizer, context=cfg.context)
+    for batch in batches(sequences, cfg.batch_size):
         keep = batch["attention_mask"].bool() & ~batch["special_mask"].bool()
-        kept: list[Tensor] = []
+        kept.clear()
         handle = blocks_of(loaded.model)[1].register_forward_hook(
             lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out))
         try:
