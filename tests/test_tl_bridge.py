@@ -431,3 +431,30 @@ def test_mean_ablation_of_a_pattern_averages_positions(bridges):
         with hs.edit(bridge, hs.ablate("blocks.0.attn.pattern", how="mean")):
             got = bridge(ids)
     torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("key", ["gpt2", "llama"])
+def test_grads_equal_the_bridges_backward_hooks(bridges, key):
+    bridge = bridges[key]
+    ids = ids_for(bridge)
+    before = hooks_on(bridge)
+    got = hs.grads(bridge, ids, ["blocks.0.attn.z", "blocks.1.resid_mid"],
+                   loss_fn=lambda out: out[:, -1].sum())
+    # the reference: d loss / d activation from the bridge's own HookPoints, by hand
+    kept = {}
+
+    def keep(act, hook):
+        act.retain_grad()  # returned, so the rest of the forward pass is computed from it
+        kept[hook.name] = act
+        return act
+
+    logits = bridge.run_with_hooks(ids, fwd_hooks=[("blocks.0.attn.hook_z", keep),
+                                                   ("blocks.1.hook_resid_mid", keep)])
+    logits[:, -1].sum().backward()
+    bridge.zero_grad(set_to_none=True)
+    z = kept["blocks.0.attn.hook_z"] if "blocks.0.attn.hook_z" in kept else kept["blocks.0.attn.o.hook_in"]
+    mid = kept.get("blocks.1.hook_resid_mid", kept.get("blocks.1.ln2.hook_in"))
+    assert got["blocks.0.attn.z"].shape == z.shape == (2, 7, bridge.cfg.n_heads, bridge.cfg.d_head)
+    torch.testing.assert_close(got["blocks.0.attn.z"], z.grad, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got["blocks.1.resid_mid"], mid.grad, atol=1e-6, rtol=1e-5)
+    assert hooks_on(bridge) == before

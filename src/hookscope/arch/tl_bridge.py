@@ -20,7 +20,8 @@ What fires depends on the architecture (GPT-2's joint `attn.qkv` HookPoints, Lla
 `attn.hook_hidden_states` and GPT-NeoX's `attn.hook_rot_q` never do) and on bridge options
 (`use_attn_result`, ...). So the table is built from one probe forward pass (1 x 4 tokens, under
 inference_mode), which also gives the true execution order and shapes. Points that did not fire
-are optional: naming one says which option switches it on, or that nothing does.
+are optional: naming one says which option switches it on, or that nothing does. (Hooks already on
+the bridge when its table is first built see that one 1 x 4 pass too.)
 """
 
 from __future__ import annotations
