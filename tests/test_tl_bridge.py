@@ -329,6 +329,9 @@ def test_head_edit_hits_the_head_in_the_model_underneath(bridges, hf_models, key
     with torch.no_grad(), hs.edit(bridge, hs.ablate("blocks.1.attn.z", heads=[1])):
         got = bridge(ids)
     torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    # and the same edit by name on the Hugging Face model itself
+    with torch.no_grad(), hs.edit(hf, hs.ablate("blocks.1.attn.z", heads=[1])):
+        assert torch.equal(hf(ids).logits, want)
     with torch.no_grad():
         assert (bridge(ids) - want).abs().max() > 1e-3  # the edit made a difference
 
