@@ -69,7 +69,12 @@ def _view(hook_point: nn.Module) -> View | None:
     def put(raw: Tensor, new: Tensor) -> Tensor:
         return conversion.revert(new).to(raw.dtype)
 
-    return View(get=conversion.convert, put=put, label=f"bridge {type(conversion).__name__}")
+    get = conversion.convert
+    if type(conversion).__name__ == "AttentionAutoConversion":
+        # it changes only 4-d tensors, yet records every tensor it sees in a dict that nothing in
+        # TransformerLens 4.3 empties: skip the call where it would return its input unchanged
+        get = lambda raw: conversion.convert(raw) if raw.dim() == 4 else raw
+    return View(get=get, put=put, label=f"bridge {type(conversion).__name__}")
 
 
 def _dims(name: str, shape: tuple[int, ...] | None) -> tuple[int | None, int | None]:
