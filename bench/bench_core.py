@@ -6,7 +6,8 @@ fresh process (bench/core_cases.py), 2 threads, median of the runs.
     ... --only a,c   ... --write-baseline
 
 a. attach + remove one hook, four hook shapes (bench/hook_shapes.py), per tool
-b. capture blocks.5.resid_post of a GPT-2-small shape, 8 x 128 tokens: time and peak extra memory
+b. capture blocks.5.resid_post of a GPT-2-small shape, 8 x 128 tokens: time and peak extra memory;
+   also on a TransformerLens 4 bridge over the same model (hookscope vs the bridge's run_with_cache)
 c. 12 no-op hooks vs none on a full forward; and 1 x 16 tokens on a tiny GPT-2 (per-call overhead)
 
 Prints a table of ratios and the change against bench/baseline_core.json; writes the raw figures
@@ -32,7 +33,9 @@ BASELINE = common.BENCH_DIR / "baseline_core.json"
 
 A_TOOLS = ("torch", "hookscope", "tl3", "tl3_point", "tl4", "tl4_point")
 B_CONFIGS = ("floor", "hookscope", "forward_hook", "tl3_full", "tl3_filter", "tl3_filter_stop",
-             "nnsight", "nnsight_stop")
+             "nnsight", "nnsight_stop", "tl4_hookscope", "tl4_full", "tl4_filter", "tl4_filter_stop")
+# hookscope on a TransformerLens 4 bridge / the bridge's own run_with_cache (issue 13)
+B_BRIDGE_RATIOS = ("tl4_filter", "tl4_filter_stop", "tl4_full")
 C_CONFIGS = ("none", "hooks12", "paired")
 SMALL_CONFIGS = ("plain", "hook", "capture", "collect", "nnsight", "nnsight_stop")
 
@@ -61,14 +64,15 @@ def default_python(venv: str) -> str | None:
     return str(path) if path.exists() else None
 
 
-def plan(sections: set[str], mode: str) -> list[tuple[str, str, bool]]:
+def plan(sections: set[str], mode: str, b_configs: set[str] | None = None) -> list[tuple[str, str, bool]]:
     """(case, interpreter key, memory probe?) for every process, in the order they run."""
     groups = []
     if "a" in sections:
         groups.append(("a", [(f"a.{tool}.{shape}", "tl4" if tool.startswith("tl4") else "main")
                              for tool in A_TOOLS for shape in SHAPES]))
     if "b" in sections:
-        groups.append(("b", [(f"b.{config}", "main") for config in B_CONFIGS]))
+        groups.append(("b", [(f"b.{config}", "tl4" if config.startswith("tl4") else "main")
+                             for config in B_CONFIGS if b_configs is None or config in b_configs]))
     if "c" in sections:
         groups.append(("c", [(f"c.{config}", "main") for config in C_CONFIGS]))
         groups.append(("small", [(f"small.{config}", "main") for config in SMALL_CONFIGS]))
@@ -147,6 +151,9 @@ def ratios(medians: dict) -> dict[str, float]:
     for config in B_CONFIGS:
         put(f"b.{config}/floor.time", get(f"b.{config}", "ms"), get("b.floor", "ms"))
         put(f"b.{config}/floor.memory", get(f"b.{config}", "mib"), get("b.floor", "mib"))
+    for peer in B_BRIDGE_RATIOS:
+        for unit, what in (("ms", "time"), ("mib", "memory")):
+            put(f"b.tl4_hookscope/{peer}.{what}", get("b.tl4_hookscope", unit), get(f"b.{peer}", unit))
     put("c.hooks12/none", get("c.hooks12", "ms"), get("c.none", "ms"))
     if get("c.paired", "ratio") is not None:
         out["c.paired.hooks12/none"] = get("c.paired", "ratio")
@@ -179,6 +186,10 @@ def print_b(medians: dict, ratio: dict, err) -> None:
         print(f"{config:<17}{fmt(m.get('ms'), '.0f'):>9}{fmt(ratio.get(f'b.{config}/floor.time')):>9}"
               f"{fmt(m.get('mib'), '.1f'):>9}{fmt(ratio.get(f'b.{config}/floor.memory')):>9}"
               f"{fmt(m.get('load'), '.1f'):>6}  {err(f'b.{config}')[:60]}")
+    print("\n== b on a TransformerLens 4 bridge: hookscope / the bridge's run_with_cache (time, memory)")
+    for peer in B_BRIDGE_RATIOS:
+        print(f"{'tl4_hookscope / ' + peer:<34}{fmt(ratio.get(f'b.tl4_hookscope/{peer}.time')):>9}"
+              f"{fmt(ratio.get(f'b.tl4_hookscope/{peer}.memory')):>9}")
 
 
 def print_c(medians: dict, ratio: dict, err) -> None:
@@ -232,6 +243,9 @@ def main() -> None:
                         help="interpreter with hookscope, TransformerLens 3.9 and nnsight")
     parser.add_argument("--tl4-python", default=default_python(".venv-tl4"),
                         help="interpreter with TransformerLens 4.x (TransformerBridge)")
+    parser.add_argument("--b-configs", default=None,
+                        help=f"section b: only these configurations, e.g. 'floor,tl4_hookscope,tl4_filter' "
+                             f"(of {', '.join(B_CONFIGS)})")
     parser.add_argument("--write-baseline", action="store_true", help=f"save the ratios to {BASELINE.name}")
     args = parser.parse_args()
     mode = "quick" if args.quick else "full"
@@ -250,8 +264,12 @@ def main() -> None:
     if "b" in sections:
         results["check"] = common.run_fresh(args.python, CASES_SCRIPT, ["check"])
         print("check:", results["check"])
+        if args.tl4_python:
+            results["check.tl4"] = common.run_fresh(args.tl4_python, CASES_SCRIPT, ["check.tl4"])
+            print("check.tl4:", results["check.tl4"])
     has_nnsight = bool(versions.get("main", {}).get("nnsight"))
-    for case, key, memory in plan(sections, mode):
+    b_configs = set(args.b_configs.split(",")) if args.b_configs else None
+    for case, key, memory in plan(sections, mode, b_configs):
         python = pythons.get(key)
         if python is None:
             results[case] = {"skipped": f"no interpreter for {key} (see bench/README.md)"}

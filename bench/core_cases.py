@@ -5,10 +5,11 @@
 prints one JSON line: per-run timings (and, with --memory, per-run peak extra RSS). Cases:
   a.<tool>.<shape>   attach + remove one hook; tool: torch | hookscope | tl3 | tl4 (add_hook + reset_hooks)
                      | tl3_point | tl4_point (HookPoint.add_hook + remove_hooks); shape: see hook_shapes
-  b.<config>         capture blocks.5.resid_post of GPT-2-small shape, 8 x 128 tokens
+  b.<config>         capture blocks.5.resid_post of GPT-2-small shape, 8 x 128 tokens (tl4_*: on a
+                     TransformerLens 4 TransformerBridge over the same model: hookscope, run_with_cache)
   c.<config>         full forward, no hooks vs 12 no-op hookscope hooks
   small.<config>     1 x 16 tokens on a tiny GPT-2, where per-call overhead dominates
-  check              all ways of taking blocks.5.resid_post agree (run once, before timing)
+  check, check.tl4   all ways of taking blocks.5.resid_post agree (run once, before timing)
   versions           library versions of this interpreter
   prepare            build the cached models in bench/out/ (once)
 bench_core.py runs them all side by side; this file only knows how to run one.
@@ -134,6 +135,14 @@ def capture_fn(config: str) -> Callable[[], Any]:
                 return fn()
         return run
 
+    if config.startswith("tl4_"):  # TransformerLens 4.x: the bridge over the same saved model
+        model = common.load_tl4()
+        ids = common.input_ids(model.cfg.d_vocab)
+        if config == "tl4_hookscope":
+            return lambda: hs.collect(model, ids, POINT)[POINT]
+        options = {"tl4_full": {}, "tl4_filter": {"names_filter": TL_POINT},
+                   "tl4_filter_stop": {"names_filter": TL_POINT, "stop_at_layer": LAYER + 1}}[config]
+        return inference(lambda: model.run_with_cache(ids, **options)[1][TL_POINT])
     if config.startswith("tl3_"):
         model = common.load_tl3()
         ids = common.input_ids(model.cfg.d_vocab)
@@ -164,20 +173,24 @@ def run_capture(config: str, runs: int, memory: bool) -> dict:
     return {"seconds": common.time_runs(fn, runs)}
 
 
-def run_check() -> dict:
+def run_check(tl4: bool = False) -> dict:
     """Every configuration of b returns the same activation (TransformerLens within float
-    rounding: it computes attention its own way)."""
+    rounding: it computes attention its own way). `tl4`: the bridge's configurations, run by the
+    TransformerLens 4 interpreter."""
     import torch
 
     results = {}
     reference = capture_fn("floor")()
     assert isinstance(reference, torch.Tensor) and reference.shape == (common.BATCH, common.SEQ, 768)
-    configs = ["hookscope", "forward_hook", "tl3_filter_stop"]
-    try:
-        import nnsight  # noqa: F401
-        configs += ["nnsight_stop"]
-    except ImportError:
-        results["nnsight"] = "not installed"
+    if tl4:
+        configs = ["tl4_hookscope", "tl4_filter", "tl4_filter_stop"]
+    else:
+        configs = ["hookscope", "forward_hook", "tl3_filter_stop"]
+        try:
+            import nnsight  # noqa: F401
+            configs += ["nnsight_stop"]
+        except ImportError:
+            results["nnsight"] = "not installed"
     for config in configs:
         value = capture_fn(config)()
         diff = (value - reference).abs().max().item()
@@ -310,7 +323,7 @@ def main() -> None:
     elif section == "small":
         result = {"us_per_op": common.per_op_us(small_fn(config), batches=args.runs, budget_s=args.budget)}
     elif section == "check":
-        result = run_check()
+        result = run_check(tl4=config == "tl4")
     elif section == "versions":
         result = versions()
     elif section == "prepare":

@@ -11,6 +11,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
 MODULE_PREFIX = "module:"
@@ -47,7 +48,10 @@ def canonical(name: str) -> str:
     parts = name.split(".")
     last = parts[-1]
     if last in _TL_RENAMES:
-        return ".".join(parts[:-1] + [_TL_RENAMES[last]])
+        renamed = _TL_RENAMES[last].split(".")
+        if len(parts) > 1 and parts[-2] == renamed[0]:  # the bridge's `attn.hook_q_input`: one `attn`
+            renamed = renamed[1:]
+        return ".".join(parts[:-1] + renamed)
     if last.startswith("hook_"):
         parts[-1] = last[len("hook_"):]
     name = ".".join(parts)
@@ -78,28 +82,43 @@ def is_pattern(name: str) -> bool:
     return any(ch in name for ch in "*?[")
 
 
-def expand(patterns: str | list[str] | tuple[str, ...], known: list[str]) -> list[str]:
+def expand(
+    patterns: str | list[str] | tuple[str, ...],
+    known: list[str],
+    aliases: Mapping[str, str] | None = None,
+    explicit: Collection[str] = (),
+) -> list[str]:
     """Resolve names and glob patterns (`blocks.*.resid_post`) against the known names.
 
     Order follows `known` (the model's execution order) for patterns, and the caller's order
     for plain names. Unknown names raise an error that lists the closest real ones.
+
+    `aliases`: a model's own spellings -> its canonical names, looked up before the generic
+    folding of `canonical()` (a TransformerLens bridge has several HookPoints whose spellings fold
+    to one name, e.g. `blocks.0.hook_mlp_in` and `blocks.0.mlp.hook_in`); a pattern written in
+    those spellings matches through them. `explicit`: names valid when named, never matched by a
+    pattern (points that fire only with a model option switched on).
     """
     from .errors import UnknownPointError
 
     if isinstance(patterns, str):
         patterns = [p for p in patterns.split(",") if p.strip()] if "," in patterns else [patterns]
+    aliases = aliases or {}
     known_set = set(known)
     out: list[str] = []
     for raw in patterns:
-        name = canonical(raw)
+        name = aliases.get(raw.strip()) or canonical(raw)
         if name.startswith(MODULE_PREFIX):
             out.append(name)
         elif is_pattern(name):
             hits = [k for k in known if fnmatch.fnmatchcase(k, name)]
+            if not hits and aliases:  # written in the model's own spelling
+                via = {aliases[a] for a in aliases if fnmatch.fnmatchcase(a, raw.strip())}
+                hits = [k for k in known if k in via]
             if not hits:
                 raise UnknownPointError(f"pattern {raw!r} matches no point{_hint(name, known)}")
             out.extend(hits)
-        elif name in known_set:
+        elif name in known_set or name in explicit:
             out.append(name)
         else:
             raise UnknownPointError(f"unknown point {raw!r}{_hint(name, known)}")

@@ -10,7 +10,7 @@ import weakref
 
 from torch import nn
 
-from . import bert, generic, gpt2, gpt_neox, llama, transformer_lens
+from . import bert, generic, gpt2, gpt_neox, llama, tl_bridge, transformer_lens
 from .base import Arch, PointSpec, View
 
 __all__ = ["Arch", "PointSpec", "View", "arch_of", "FAMILIES"]
@@ -28,6 +28,8 @@ def arch_of(model: nn.Module) -> Arch:
 
 
 def _detect(model: nn.Module) -> Arch:
+    if tl_bridge.is_bridge(model):  # before the HookedTransformer check: a bridge has hook_dict too
+        return tl_bridge.table(model)
     if transformer_lens.is_transformer_lens(model):
         return transformer_lens.table(model)
     config = getattr(model, "config", None)

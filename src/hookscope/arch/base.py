@@ -79,6 +79,17 @@ class PointSpec:
     needs_eager: bool = False
 
 
+@dataclass(frozen=True)
+class OptionalPoint:
+    """A point that fires only with a model option switched on (a TransformerLens bridge's
+    `use_attn_result`, ...): valid when named, left out of listings and patterns."""
+
+    spec: PointSpec
+    needs: str  # what to call, e.g. "bridge.set_use_attn_result(True)"; "" when nothing does
+    active: Callable[[], bool]  # whether the option is on now
+    why: str = ""  # the error when named while inactive (default: says to call `needs`)
+
+
 @dataclass
 class Arch:
     """A model's hook points, in execution order."""
@@ -90,6 +101,9 @@ class Arch:
     d_model: int | None = None
     # TransformerLens models are addressed through their own hook_dict (aliases included)
     modules: dict[str, nn.Module] | None = None
+    # the model's own spellings -> canonical names, before the generic folding of names.canonical
+    aliases: dict[str, str] = field(default_factory=dict)
+    optional: dict[str, OptionalPoint] = field(default_factory=dict)
 
     @property
     def names(self) -> list[str]:
@@ -101,7 +115,7 @@ class Arch:
 
     def resolve(self, names: str | list[str] | tuple[str, ...]) -> list[PointSpec]:
         """Specs for names / patterns / raw module paths; unknown names raise with suggestions."""
-        return [self.spec(n) for n in expand(names, self.names)]
+        return [self.spec(n) for n in expand(names, self.names, self.aliases, self.optional)]
 
     def spec(self, name: str) -> PointSpec:
         if name.startswith(MODULE_PREFIX):
@@ -110,12 +124,22 @@ class Arch:
         try:
             return self.specs[name]
         except KeyError:
-            resolved = expand([name], self.names)  # raises UnknownPointError with suggestions
+            if name in self.optional:
+                return self._optional(name)
+            # raises UnknownPointError with suggestions
+            resolved = expand([name], self.names, self.aliases, self.optional)
             if len(resolved) != 1:  # a glob: hooks and specs take one point each
                 raise UnknownPointError(
                     f"{name!r} matches {len(resolved)} points ({', '.join(resolved[:3])}, ...); name one "
                     "point here, or resolve the pattern with arch.resolve()") from None
             return self.spec(resolved[0])  # canonical now: a known name, or a raw module path
+
+    def _optional(self, name: str) -> PointSpec:
+        point = self.optional[name]
+        if not point.active():
+            raise UnknownPointError(point.why or (
+                f"{name!r} fires only with a model option switched on: call {point.needs} first"))
+        return point.spec
 
     def module(self, model: nn.Module, spec: PointSpec) -> nn.Module:
         if self.modules is not None and spec.module in self.modules:
