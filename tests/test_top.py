@@ -67,7 +67,7 @@ def test_index_is_exactly_the_brute_force_top_k(store, batch_rows, k):
 def test_histogram_and_frequency_match_a_plain_count(store):
     x = _x(store)
     index = build_index(store, POINT, k=3, batch_rows=50)
-    assert torch.equal(index.fires, (x > 0).sum(0))
+    assert torch.equal(index.fires, (x >= 2.0**-15).sum(0))
     edges = torch.tensor(hist_edges())
     assert len(edges) == HIST_BINS + 1
     for u in range(UNITS):
@@ -86,6 +86,26 @@ def test_histogram_and_frequency_match_a_plain_count(store):
             want[b] += 1
         assert index.hist[u].tolist() == want, f"unit {u}"
         assert sum(want) == len(store)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float32_and_bfloat16_stores_with_nan(tmp_path, dtype):
+    """The other dtypes take the float32 path; NaN (counted by the writer) never reaches the top."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(300, 6, generator=g).to(dtype)
+    x[::7, 2] = float("nan")
+    x[:, 4] = x[:, 4].round()  # ties
+    with ShardWriter(tmp_path / "s", {"t": 1}, shard_rows=64) as w:
+        for b in range(0, 300, 20):
+            w.write(b // 20, {"p": x[b:b + 20]}, {"token_ids": torch.arange(b, b + 20)})
+    store = open_store(tmp_path / "s")
+    assert store.stats["p"].nonfinite > 0
+    ref = torch.nan_to_num(x.float(), nan=float("-inf"))
+    index = build_index(store, "p", k=9, batch_rows=13)
+    want_v, want_r = brute_force_top(ref, 9)
+    assert torch.equal(index.rows, want_r) and torch.equal(index.values, want_v)
+    assert torch.equal(index.fires, (x.float() >= 2.0**-15).sum(0))
+    assert index.hist.sum(1).tolist() == [300] * 6
 
 
 def test_planted_unit_answers_with_its_token_and_contexts_decode_to_the_tokenizers_text(syn, store, tmp_path):

@@ -14,7 +14,8 @@ Histogram: 81 bins of |value| on a log scale, two bins per octave ([2^e, 1.5 x 2
 [1.5 x 2^e, 2^(e+1))), per sign: bin 40 holds |value| < 2^-10 (zeros included); bins 41..80 hold
 positive values from 2^-10 up (the last one everything from 1.5 x 2^9 = 768), bins 39..0 the
 negative values likewise. Computed from the float32 sign, exponent and first mantissa bit (no log
-is taken). `fires` counts the rows with a value > 0.
+is taken); NaN lands in an outermost bin. `fires` counts the rows with a value >= 2^-15 (> 0 but
+for float16's smallest subnormals, so both dtypes count alike).
 
 The index file is saved beside the store (`STORE/top/<point>.<neurons|sae-SHA>.safetensors`),
 keyed to the store's settings_hash and its shard list (file names and SHA-256s): if the store
@@ -59,14 +60,43 @@ def hist_edges() -> list[float]:
         + pos + [float("inf")]
 
 
-def _fold_table() -> torch.Tensor:
-    """Maps `(float32 bits >> 22) + 512` (sign, exponent, first mantissa bit: 1024 keys, monotonic in
-    the value for each sign) to the 81 bins. 2^-10 has biased exponent 117, i.e. key 234 per sign."""
-    mag = torch.arange(512)
-    pos = (mag - 234).clamp(min=-1, max=39)  # -1: below 2^-10
+def _fold_table(mags: int, low: int) -> torch.Tensor:
+    """Maps a key (sign, exponent, first mantissa bit) + mags, monotonic in |value| for each sign, to
+    the 81 bins; `low` is the magnitude key of 2^-10. Keys 0..mags-1 are negative values."""
+    mag = torch.arange(mags)
+    pos = (mag - low).clamp(min=-1, max=39)  # -1: below 2^-10
     pos_bin = torch.where(pos < 0, HIST_ZERO, HIST_ZERO + 1 + pos)
     neg_bin = torch.where(pos < 0, HIST_ZERO, HIST_ZERO - 1 - pos)
-    return torch.cat([neg_bin, pos_bin])  # keys 0..511 are negative floats, 512..1023 positive
+    return torch.cat([neg_bin, pos_bin])
+
+
+class _Binner:
+    """Per-unit counts of histogram keys for a batch `[n, units]`: one integer shift and one
+    bincount, no logarithm. float32: bits >> 22 (1024 keys); float16: bits >> 9 (128 keys, a table
+    8x smaller, so the bincount stays in cache). Both resolve the same 81 bins."""
+
+    def __init__(self, units: int, half: bool):
+        self.half = half
+        self.dtype, self.shift, self.mags = (torch.int16, 9, 64) if half else (torch.int32, 22, 512)
+        # magnitude key of 2^-10 (float16: exponent 5 of bias 15; float32: 117 of 127) and of 2^-15,
+        # the smallest value counted as firing in either dtype
+        low, fire = (10, 1) if half else (234, 224)
+        self.fold = _fold_table(self.mags, low)
+        self.fires_from = self.mags + fire
+        self.keys = 2 * self.mags
+        self.offsets = torch.arange(units, dtype=torch.int32) * self.keys + self.mags
+        self._keys: torch.Tensor | None = None
+
+    def __call__(self, v: torch.Tensor) -> torch.Tensor:
+        n, units = v.shape
+        if self._keys is None or self._keys.shape[0] < n:
+            # kept from batch to batch: a fresh one would be mapped and faulted in anew every time
+            self._keys = torch.empty((n, units), dtype=torch.int32)
+        keys = self._keys[:n]
+        keys.copy_(v.view(self.dtype))  # the bits, sign-extended to int32 (mixed-type ops are slow)
+        keys.bitwise_right_shift_(self.shift)  # arithmetic: negative values keep negative keys
+        keys.add_(self.offsets)
+        return torch.bincount(keys.view(-1), minlength=units * self.keys).view(units, self.keys)
 
 
 @dataclass
@@ -150,27 +180,27 @@ def build_index(store: Store, point: str, *, encoder: Encoder | None = None, k: 
     top_r = torch.zeros((units, 0), dtype=torch.long)
     hist = torch.zeros((units, HIST_BINS), dtype=torch.long)
     fires = torch.zeros(units, dtype=torch.long)
-    fold = _fold_table()
-    unit_offsets = (torch.arange(units, dtype=torch.int32) * 1024 + 512)
+    # float16 neurons are binned and compared as stored (a NaN would hide a column's maximum: not then)
+    half = encoder.kind == "neurons" and store.points[point].dtype == "float16" and not has_nonfinite
+    binner = _Binner(units, half=half)
+    mask = torch.empty((batch_rows, units), dtype=torch.bool)
     bar = _progress(progress, len(store), f"top-k index of {point}")
     for i in range(store.num_shards):
         column = store.load_shard(i, [point])[point]
         first = store.first_row(i)
         for start in range(0, column.shape[0], batch_rows):
-            x = column[start:start + batch_rows].reshape(-1, d_in).float()
-            v = encoder(x)
-            if v is x:
-                v = v.clone() if has_nonfinite else v
-            if has_nonfinite:
-                v = torch.nan_to_num_(v, nan=float("-inf"))
+            x = column[start:start + batch_rows].reshape(-1, d_in)
+            if half:  # exact in float16 (every value is one), and no copy of the batch
+                v = x
+            else:
+                v = encoder(x.float())
+                if has_nonfinite:
+                    v = torch.nan_to_num(v, nan=float("-inf"))  # a copy: never write into the mapped shard
             n = v.shape[0]
-            # histogram: bincount of (sign, exponent, first mantissa bit) keys, folded to 81 bins
-            keys = (v.view(torch.int32) >> 22) + unit_offsets
-            counts = torch.bincount(keys.view(-1), minlength=units * 1024).view(units, 1024)
-            hist.index_add_(1, fold, counts)
-            fires += (v > 0).sum(0)
-            bv, br = _batch_topk(v, k)
-            top_v, top_r = _merge(top_v, top_r, bv, br + (first + start), k)
+            counts = binner(v)
+            hist.index_add_(1, binner.fold, counts)
+            fires += counts[:, binner.fires_from:].sum(1)
+            top_v, top_r = _update(top_v, top_r, v, first + start, k, mask)
             if bar is not None:
                 bar.update(n)
             if on_batch is not None:
@@ -180,6 +210,58 @@ def build_index(store: Store, point: str, *, encoder: Encoder | None = None, k: 
     info = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "point": point, "rows": len(store),
             "k": top_v.shape[1], "units": units, "source": encoder.source, **store_key(store)}
     return TopIndex(top_v.contiguous(), top_r.contiguous(), hist, fires, info)
+
+
+def _update(top_v: torch.Tensor, top_r: torch.Tensor, v: torch.Tensor, offset: int, k: int,
+            mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge batch `v` `[n, units]` (global rows offset..offset+n) into the running top-k; `mask`
+    is a reusable bool buffer of at least v's shape."""
+    if top_v.shape[1] == k:
+        # Once every unit holds k rows, only values strictly above its k-th can enter: a later row
+        # that ties the k-th loses (rows ascending). Usually a handful per batch, so no sort of the
+        # batch: the few candidates and the current lists are merged in one small sort. (The k-th
+        # values came from v's dtype, so comparing in it is exact; NaN is never above.)
+        thr = top_v[:, -1].to(v.dtype)
+        active = (v.amax(0) > thr).nonzero().squeeze(1)  # units with any candidate: few, once warm
+        if active.shape[0] * 4 < v.shape[1]:
+            sub = v[:, active] > thr[active]
+            hits = sub.nonzero()
+            hits[:, 1] = active[hits[:, 1]]
+        else:
+            hits = torch.gt(v, thr, out=None if mask is None else mask[:v.shape[0]]).nonzero()
+        if hits.shape[0] <= max(4 * top_v.numel(), 1):
+            return _merge_sparse(top_v, top_r, v, hits, offset, k)
+    if v.dtype != torch.float32:
+        v = torch.nan_to_num(v.float(), nan=float("-inf"))
+    bv, br = _batch_topk(v, k)
+    return _merge(top_v, top_r, bv, br + offset, k)
+
+
+def _merge_sparse(top_v: torch.Tensor, top_r: torch.Tensor, v: torch.Tensor, hits: torch.Tensor,
+                  offset: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Merge the batch's (row, unit) `hits` (row-major, as nonzero gives them) into the lists of the
+    units they touch, with one stable sort on (unit, value descending). Stability gives the row
+    order among equal values: each unit's current list (older rows, itself in row order among
+    ties) comes before the hits, which come in row order."""
+    if hits.shape[0] == 0:
+        return top_v, top_r
+    rows, cols = hits[:, 0], hits[:, 1]
+    touched = torch.unique(cols)  # sorted
+    h = touched.shape[0]
+    u = torch.cat([torch.arange(h).repeat_interleave(k), torch.searchsorted(touched, cols)])
+    val = torch.cat([top_v[touched].reshape(-1), v[rows, cols].float()]) + 0.0  # -0.0 ties +0.0
+    row = torch.cat([top_r[touched].reshape(-1), rows + offset])
+    bits = val.view(torch.int32).long()
+    ordered = torch.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)  # monotonic in the float value
+    o = torch.argsort(u * (1 << 32) + ((1 << 31) - 1 - ordered), stable=True)
+    u, val, row = u[o], val[o], row[o]
+    count = torch.bincount(u, minlength=h)
+    start = torch.cumsum(count, 0) - count
+    keep = (torch.arange(u.shape[0]) - start[u]) < k  # every touched unit has >= k entries: k kept
+    top_v, top_r = top_v.clone(), top_r.clone()
+    top_v[touched] = val[keep].view(h, k)
+    top_r[touched] = row[keep].view(h, k)
+    return top_v, top_r
 
 
 def _batch_topk(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
