@@ -119,6 +119,14 @@ def vm_hwm() -> int:
     return 0
 
 
+def cpu_seconds() -> float:
+    """User + system CPU time of this process: less at the mercy of other processes than the clock."""
+    import resource
+
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
 def child(mode: str, rows: int) -> dict:
     import torch
 
@@ -128,6 +136,7 @@ def child(mode: str, rows: int) -> dict:
 
     path = store_dir(rows)
     store = open_store(path)
+    cpu0 = cpu_seconds()
     if mode == "floor":
         ds = store.dataset(POINT, shuffle=True, batch_size=4096, seed=0)
         total = 0.0
@@ -141,7 +150,7 @@ def child(mode: str, rows: int) -> dict:
                     break
             dt = time.perf_counter() - t0
         return {"mode": mode, "rows": n, "seconds": dt, "rows_per_s": n / dt, "anon_peak": mem.peak,
-                "anon_base": mem.base, "vm_hwm": vm_hwm()}
+                "anon_base": mem.base, "vm_hwm": vm_hwm(), "cpu_s": cpu_seconds() - cpu0}
     if mode == "build":
         with AnonPeak() as mem:
             t0 = time.perf_counter()
@@ -149,7 +158,8 @@ def child(mode: str, rows: int) -> dict:
             index.save(index_path(store, POINT, neurons(D)))
             dt = time.perf_counter() - t0
         return {"mode": mode, "rows": len(store), "seconds": dt, "rows_per_s": len(store) / dt,
-                "anon_peak": mem.peak, "anon_base": mem.base, "vm_hwm": vm_hwm()}
+                "anon_peak": mem.peak, "anon_base": mem.base, "vm_hwm": vm_hwm(),
+                "cpu_s": cpu_seconds() - cpu0}
     if mode == "query":
         from transformers import AutoTokenizer
 
@@ -196,6 +206,7 @@ def main() -> None:
         print(f"round {r + 1}: floor {f['rows_per_s']:,.0f} rows/s ({f['seconds']:.1f} s), build "
               f"{b['rows_per_s']:,.0f} rows/s ({b['seconds']:.1f} s), "
               f"ratio {b['rows_per_s'] / f['rows_per_s']:.2f}; "
+              f"CPU s floor {f['cpu_s']:.1f}, build {b['cpu_s']:.1f}; "
               f"anon peak floor {f['anon_peak'] / 2**20:.0f} MiB, build {b['anon_peak'] / 2**20:.0f} MiB "
               f"(VmHWM {b['vm_hwm'] / 2**20:.0f} MiB); load {open('/proc/loadavg').read().split()[0]}")
     q = run_child("query", args.rows)
@@ -206,6 +217,8 @@ def main() -> None:
     print(f"  shuffled-reading floor  {fl:,.0f} rows/s")
     print(f"  build index (k=32, all {D} units) {bl:,.0f} rows/s  = {bl / fl:.2f}x the floor "
           f"(per-round ratios {', '.join(f'{r:.2f}' for r in ratios)}; target >= 0.8)")
+    print(f"  CPU seconds (user + system): floor {statistics.median(x['cpu_s'] for x in floors):.1f}, build "
+          f"{statistics.median(x['cpu_s'] for x in builds):.1f}")
     print(f"  peak anonymous RSS: build {statistics.median(x['anon_peak'] for x in builds) / 2**20:.0f} MiB, "
           f"floor {statistics.median(x['anon_peak'] for x in floors) / 2**20:.0f} MiB")
     print(f"  one query from the saved index (open_store + top, k=20, context 8): median "

@@ -260,7 +260,7 @@ def test_saelens_directory_features(syn, store, tmp_path, arch):
     ref = _reference_encode(_x(store), w, arch, k=4)
     index = build_index(store, POINT, encoder=enc, k=6, batch_rows=100)
     _assert_same_top(index, ref, 6)
-    assert torch.equal(index.fires, (ref > 0).sum(0))
+    assert torch.equal(index.fires, (ref >= 2.0**-15).sum(0))
     result = top(store, POINT, 0, k=5, context=3, sae=sae_dir, tokenizer=syn.tokenizer)
     assert result.source["kind"] == "sae" and "SAE feature 0" in str(result)
     for ctx in result.contexts:
@@ -354,3 +354,23 @@ def test_cli_top_html_and_errors(extracted, tmp_path, capsys):
     assert "out of range" in capsys.readouterr().err
     assert main(["top", str(out), "--unit", "1", "--tokenizer", str(tmp_path), "--no-progress"]) == 2
     assert "tokenizer" in capsys.readouterr().err
+
+
+def test_page_data_for_sae_features(syn, store, tmp_path):
+    from hookscope.top import page_data, write_page
+
+    w = _sae_weights(UNITS, 16)
+    enc = load_encoder(_write_saelens(tmp_path / "sae", w, "jumprelu"))
+    index = get_index(store, POINT, encoder=enc, k=6, save=False)
+    data = page_data(store, index, enc, units=[0, 5, 9], k=4, context=2, tokenizer=syn.tokenizer)
+    ref = _reference_encode(_x(store), w, "jumprelu")
+    assert data["source"]["kind"] == "sae" and [u["u"] for u in data["units"]] == [0, 5, 9]
+    for u in data["units"]:
+        assert u["fires"] == int((ref[:, u["u"]] >= 2.0**-15).sum())
+        for c in u["ctx"]:
+            window = expected_window(syn, c["row"], 2)
+            assert c["a"] == pytest.approx(ref[window, u["u"]].tolist(), abs=1e-4)
+            assert "".join(data["strings"][i] for i in c["t"]) == syn.tokenizer.decode(
+                [syn.docs[syn.rows[r][0]][syn.rows[r][1]] for r in window])
+    page = write_page(tmp_path / "sae.html", data)
+    assert "(SAE)" in page.read_text()

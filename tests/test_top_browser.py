@@ -131,6 +131,7 @@ def test_page_shows_the_known_contexts_without_console_errors(driver, page):
 
     shot = os.environ.get("HOOKSCOPE_SCREENSHOT")
     if shot:
+        driver.get("about:blank")  # a fresh load, not a same-page hash change: the default sort
         driver.get(path.as_uri() + f"#unit={PLANTED}")
         driver.save_screenshot(shot)
 

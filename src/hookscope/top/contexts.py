@@ -52,9 +52,14 @@ class Gatherer:
         self.starts = torch.tensor([self.store.first_row(i) for i in range(self.store.num_shards + 1)])
 
     def _shard(self, i: int, name: str) -> torch.Tensor:
-        cols = self._shards.setdefault(i, {})
-        if name not in cols:
-            cols[name] = self.store.load_shard(i, [name])[name]
+        cols = self._shards.get(i)
+        if cols is None or name not in cols:
+            # every column a query reads, in one checked open of the shard (not one per column)
+            names = [n for n in ("token_ids", "doc_ids", "seq_ids", "positions") if n in self.store.meta]
+            names += [n for n in (cols or {}) if n not in names]
+            if name not in names:
+                names.append(name)
+            cols = self._shards[i] = self.store.load_shard(i, names)
         return cols[name]
 
     def column(self, name: str, rows: torch.Tensor, unit: torch.Tensor | None = None) -> torch.Tensor:

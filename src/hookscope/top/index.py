@@ -28,6 +28,7 @@ import json
 import os
 import re
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -185,26 +186,28 @@ def build_index(store: Store, point: str, *, encoder: Encoder | None = None, k: 
     binner = _Binner(units, half=half)
     mask = torch.empty((batch_rows, units), dtype=torch.bool)
     bar = _progress(progress, len(store), f"top-k index of {point}")
-    for i in range(store.num_shards):
-        column = store.load_shard(i, [point])[point]
-        first = store.first_row(i)
-        for start in range(0, column.shape[0], batch_rows):
-            x = column[start:start + batch_rows].reshape(-1, d_in)
-            if half:  # exact in float16 (every value is one), and no copy of the batch
-                v = x
-            else:
-                v = encoder(x.float())
-                if has_nonfinite:
-                    v = torch.nan_to_num(v, nan=float("-inf"))  # a copy: never write into the mapped shard
-            n = v.shape[0]
-            counts = binner(v)
-            hist.index_add_(1, binner.fold, counts)
-            fires += counts[:, binner.fires_from:].sum(1)
-            top_v, top_r = _update(top_v, top_r, v, first + start, k, mask)
-            if bar is not None:
-                bar.update(n)
-            if on_batch is not None:
-                on_batch(n)
+    with ThreadPoolExecutor(1, thread_name_prefix="hookscope-top-hist") as pool:
+        for i in range(store.num_shards):
+            column = store.load_shard(i, [point])[point]
+            first = store.first_row(i)
+            for start in range(0, column.shape[0], batch_rows):
+                x = column[start:start + batch_rows].reshape(-1, d_in)
+                if half:  # exact in float16 (every value is one), and no copy of the batch
+                    v = x
+                else:
+                    v = encoder(x.float())
+                    if has_nonfinite:
+                        v = torch.nan_to_num(v, nan=float("-inf"))  # a copy: never into the mapped shard
+                n = v.shape[0]
+                counting = pool.submit(binner, v)  # the bincount runs on one core: overlap it with the top-k
+                top_v, top_r = _update(top_v, top_r, v, first + start, k, mask)
+                counts = counting.result()
+                hist.index_add_(1, binner.fold, counts)
+                fires += counts[:, binner.fires_from:].sum(1)
+                if bar is not None:
+                    bar.update(n)
+                if on_batch is not None:
+                    on_batch(n)
     if bar is not None:
         bar.close()
     info = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "point": point, "rows": len(store),
