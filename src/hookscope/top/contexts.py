@@ -46,6 +46,7 @@ class Gatherer:
     """Reads columns of arbitrary global rows, a shard at a time (memory-mapped, loaded once each)."""
 
     store: Store
+    point: str | None = None  # read together with the meta columns
     _shards: dict[int, dict[str, torch.Tensor]] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -56,6 +57,7 @@ class Gatherer:
         if cols is None or name not in cols:
             # every column a query reads, in one checked open of the shard (not one per column)
             names = [n for n in ("token_ids", "doc_ids", "seq_ids", "positions") if n in self.store.meta]
+            names += [self.point] if self.point is not None else []
             names += [n for n in (cols or {}) if n not in names]
             if name not in names:
                 names.append(name)
@@ -114,7 +116,7 @@ def build_contexts(store: Store, point: str, encoder: Encoder, units: Sequence[i
                          "back to tokens (it was not written by hookscope extract)")
     if context < 0:
         raise StoreError(f"context={context}: give 0 or more tokens on each side")
-    gather = gather or Gatherer(store)
+    gather = gather or Gatherer(store, point)
     n_units, k = rows.shape
     if k == 0 or n_units == 0:
         return [[] for _ in range(n_units)]

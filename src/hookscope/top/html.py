@@ -40,7 +40,7 @@ def page_data(store: Store, index: TopIndex, encoder: Encoder, *, units: Sequenc
     def sid(s: str) -> int:
         return strings.setdefault(s, len(strings))
 
-    gather = Gatherer(store)
+    gather = Gatherer(store, index.info["point"])
     out_units = []
     bar = None
     if progress:
