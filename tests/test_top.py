@@ -354,6 +354,12 @@ def test_cli_top_html_and_errors(extracted, tmp_path, capsys):
     assert "out of range" in capsys.readouterr().err
     assert main(["top", str(out), "--unit", "1", "--tokenizer", str(tmp_path), "--no-progress"]) == 2
     assert "tokenizer" in capsys.readouterr().err
+    from hookscope.testing import train_tokenizer
+
+    train_tokenizer(bert=True).save_pretrained(tmp_path / "other")  # loads fine, but is another one
+    other = str(tmp_path / "other")
+    assert main(["top", str(out), "--unit", "1", "--tokenizer", other, "--no-progress"]) == 2
+    assert "not the one this store was made with" in capsys.readouterr().err
 
 
 def test_page_data_for_sae_features(syn, store, tmp_path):
