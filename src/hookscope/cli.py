@@ -5,6 +5,7 @@
     hookscope extract [MODEL] --out DIR      stream points of a dataset to a sharded store
     hookscope inspect DIR                    summarise and verify a store
     hookscope profile [MODEL]                time and memory per block, trace, picture
+    hookscope top DIR --point P --unit N     the contexts where a unit (or SAE feature) is largest
 """
 
 from __future__ import annotations
@@ -162,6 +163,73 @@ def cmd_profile(args) -> int:
     return 0
 
 
+def _store_tokenizer(store, override: str | None):
+    """The tokenizer a store was made with: its settings name the model (a path, a hub id, or the
+    bundled default); refused if it is not the one whose hash the store recorded."""
+    from transformers import AutoTokenizer
+
+    from .errors import HookscopeError
+    from .extract import _tokenizer_hash
+    from .models import resolve_source
+
+    name = override or store.manifest.settings.get("model")
+    if not name:
+        raise HookscopeError(f"{store.path}: the store's settings name no model, so its tokenizer is "
+                             "unknown; give --tokenizer PATH_OR_ID")
+    if override and os.path.isdir(override):  # a tokenizer saved alone has no config.json
+        source, local = override, True
+    else:
+        source, local = resolve_source(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(source, local_files_only=local)
+    except (OSError, ValueError) as e:
+        raise HookscopeError(f"cannot load the tokenizer of {name!r} ({e}); "
+                             "give --tokenizer PATH_OR_ID") from e
+    recorded = store.manifest.settings.get("tokenizer_sha256")
+    if recorded and _tokenizer_hash(tok) != recorded:
+        raise HookscopeError(f"the tokenizer of {name!r} is not the one this store was made with (its hash "
+                             "differs from the manifest's tokenizer_sha256); give the right --tokenizer")
+    return tok
+
+
+def _units(value: str) -> list[int] | range:
+    if ":" in value:
+        start, _, stop = value.partition(":")
+        return range(int(start or 0), int(stop))
+    return [int(v) for v in value.split(",") if v]
+
+
+def cmd_top(args) -> int:
+    from .errors import HookscopeError
+    from .store import open_store
+    from .top import get_index, page_data, resolve_encoder, top, write_page
+
+    _quiet_transformers()
+    store = open_store(args.dir)
+    point = args.point
+    if point is None:
+        if len(store.points) != 1:
+            raise HookscopeError(f"the store has {len(store.points)} points {list(store.points)}; choose one "
+                                 "with --point")
+        point = next(iter(store.points))
+    if args.unit is None and args.html is None:
+        raise HookscopeError("give --unit N (terminal) or --html FILE (a page for every unit), or both")
+    tokenizer = _store_tokenizer(store, args.tokenizer)
+    index_k = max(args.k, args.index_k)
+    if args.unit is not None:
+        print(top(store, point, args.unit, k=args.k, context=args.context, sae=args.sae, tokenizer=tokenizer,
+                  rebuild=args.rebuild, index_k=index_k, progress=not args.no_progress))
+    if args.html is not None:
+        encoder = resolve_encoder(store, point, args.sae)
+        rebuild = args.rebuild and args.unit is None  # with --unit, the query above rebuilt it already
+        index = get_index(store, point, encoder=encoder, k=index_k, rebuild=rebuild,
+                          progress=not args.no_progress)
+        data = page_data(store, index, encoder, units=args.units, k=args.k, context=args.context,
+                         tokenizer=tokenizer, progress=not args.no_progress)
+        print(f"wrote {write_page(args.html, data)} ({len(data['units'])} units)")
+    return 0
+
+
 def _device(value: str) -> str:
     """A device this machine has: cpu, cuda, cuda:N or mps."""
     import torch
@@ -267,6 +335,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=_at_least(0), default=2)
     p.add_argument("--out", default=None, help="write table, trace, picture and HTML page here")
     p.set_defaults(run=cmd_profile)
+
+    p = sub.add_parser("top", help="the top-activating contexts of a unit or SAE feature, from a store")
+    p.add_argument("dir", help="store directory")
+    p.add_argument("--point", default=None, help="the point (default: the store's only one)")
+    p.add_argument("--unit", type=_at_least(0), default=None, help="unit (or SAE feature) number")
+    p.add_argument("--k", type=_at_least(1), default=20, help="contexts to show")
+    p.add_argument("--context", type=_at_least(0), default=8, help="tokens on each side")
+    p.add_argument("--sae", default=None,
+                   help="SAELens SAE directory (cfg.json + sae_weights.safetensors) or an encoder "
+                        ".safetensors file (W_enc + b_enc): rank its features instead of raw units")
+    p.add_argument("--html", default=None, help="write a self-contained page for every unit here")
+    p.add_argument("--units", type=_units, default=None, help="units on the page: A:B or i,j,k (default all)")
+    p.add_argument("--index-k", type=_at_least(1), default=32, help="rows kept per unit in the saved index")
+    p.add_argument("--rebuild", action="store_true", help="rebuild the saved index (after the store changed)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer path or id (default: the store's model)")
+    p.add_argument("--no-progress", action="store_true")
+    p.set_defaults(run=cmd_top)
 
     p = sub.add_parser("inspect", help="summarise and check a store")
     p.add_argument("dir")

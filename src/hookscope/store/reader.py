@@ -187,6 +187,11 @@ class Store:
                                  split=split, val_fraction=val_fraction, rank=rank, world_size=world_size,
                                  epoch=epoch, batch_size=batch_size, drop_last=drop_last)
 
+    def top(self, point: str, unit: int, **kwargs: Any) -> Any:
+        """The top-activating contexts of `unit` of `point` (see hookscope.top.top; g-top's room)."""
+        from ..top import top  # imported here: the top room builds on the store, not the reverse
+        return top(self, point, unit, **kwargs)
+
     def _check_names(self, names: Sequence[str]) -> None:
         unknown = [n for n in names if n not in self.manifest.columns]
         if unknown:

@@ -1,0 +1,81 @@
+"""`top(store, point, unit)`: the top-activating contexts of one unit, from the saved index."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import StoreError
+from ..store import Store
+from .contexts import Context, build_contexts
+from .encoders import Encoder, load_encoder, neurons
+from .index import DEFAULT_INDEX_K, TopIndex, check_point, get_index, hist_edges
+
+
+@dataclass
+class TopResult:
+    """The top contexts of `unit` of `point` (a raw unit, or an SAE feature when `source` says so)."""
+
+    point: str
+    unit: int
+    source: dict[str, Any]
+    values: torch.Tensor  # [k] best first
+    rows: torch.Tensor  # [k] global store rows
+    contexts: list[Context]
+    fires: int
+    total_rows: int
+    hist: torch.Tensor  # [81], see hookscope.top.index for the bins
+
+    @property
+    def frequency(self) -> float:
+        return self.fires / max(self.total_rows, 1)
+
+    @property
+    def hist_edges(self) -> list[float]:
+        return hist_edges()
+
+    def __str__(self) -> str:
+        from .render import text_report
+
+        return text_report(self)
+
+
+def resolve_encoder(store: Store, point: str, sae: str | os.PathLike | Encoder | None) -> Encoder:
+    if isinstance(sae, Encoder):
+        return sae
+    if sae is None:
+        return neurons(check_point(store, point))
+    return load_encoder(Path(sae))
+
+
+def top(store: Store, point: str, unit: int, *, k: int = 20, context: int = 8,
+        sae: str | os.PathLike | Encoder | None = None, tokenizer: Any = None, rebuild: bool = False,
+        index_k: int | None = None, progress: bool = False) -> TopResult:
+    """The k rows where `unit` of `point` (or SAE feature `unit`, with `sae`) is largest, each with
+    `context` tokens on either side, decoded with `tokenizer` when given. The first call builds the
+    index of every unit of the point in one pass and saves it beside the store; later calls read it."""
+    encoder = resolve_encoder(store, point, sae)
+    if not 0 <= unit < encoder.units:
+        shape = list(store.points[point].shape)
+        what = "features" if encoder.kind == "sae" else f"units (per-row shape {shape})"
+        raise StoreError(f"unit {unit} is out of range: {point!r} has {encoder.units} {what}; "
+                         f"give 0..{encoder.units - 1}")
+    if k < 1:
+        raise StoreError(f"k={k}: give k >= 1")
+    index = get_index(store, point, encoder=encoder, k=max(k, index_k or DEFAULT_INDEX_K), rebuild=rebuild,
+                      progress=progress)
+    return result_for(store, index, encoder, unit, k=k, context=context, tokenizer=tokenizer)
+
+
+def result_for(store: Store, index: TopIndex, encoder: Encoder, unit: int, *, k: int, context: int,
+               tokenizer: Any = None) -> TopResult:
+    k = min(k, index.k)
+    rows, values = index.rows[unit:unit + 1, :k], index.values[unit:unit + 1, :k]
+    contexts = build_contexts(store, index.info["point"], encoder, [unit], rows, values, context=context,
+                              tokenizer=tokenizer)[0]
+    return TopResult(index.info["point"], unit, index.info["source"], values[0], rows[0], contexts,
+                     int(index.fires[unit]), index.total_rows, index.hist[unit])
