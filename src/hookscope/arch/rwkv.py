@@ -4,6 +4,8 @@ mixing (the MLP), each read from and added to the residual stream.
 `mixer.in` / `mixer.out` are the time-mixing input (after ln1) and output; `mlp.in` / `mlp.out`
 the channel mixing's. Block 0 normalises its input first (pre_ln): `blocks.0.resid_pre` is the
 raw embedding, as the model receives it. Blocks return (hidden, state, ...): resid_post is item 0.
+In inference RWKV halves the stream after every `rescale_every`-th block (outside the block):
+there `blocks.{L}.resid_post` is the block's output before the halving, `blocks.{L+1}.resid_pre` after.
 """
 
 from .base import Arch, build
