@@ -297,3 +297,14 @@ def test_qwen2_moe_dense_layers_get_dense_points(tmp_path):
     acts = hs.collect(model, ids, [s.name for s in specs])
     for name in ref:
         assert torch.equal(acts[name], ref[name]), name
+
+
+def test_cli_points_lists_router_and_experts(moe, tmp_path, capsys):
+    from hookscope.cli import main
+
+    family, model = moe
+    path = save_tiny(family, tmp_path, n_layers=2, d_model=32, vocab_size=300)
+    assert main(["points", str(path), "--pattern", "blocks.1.mlp.*"]) == 0
+    out = capsys.readouterr().out
+    assert f"family {family}," in out
+    assert "blocks.1.mlp.router.logits" in out and "blocks.1.mlp.experts.3.post" in out

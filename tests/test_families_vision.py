@@ -155,3 +155,16 @@ def test_image_folder_errors(vision, tmp_path):
     with pytest.raises(DataError, match="no image files"):
         extract(ExtractConfig(out=str(tmp_path / "s"), model=str(path), points=["blocks.0.resid_post"],
                               data=f"images:{tmp_path / 'empty'}", progress=False))
+
+
+def test_cli_points_lists_patches(vision, capsys):
+    """`hookscope points` on a vision encoder: shapes from a sample image through its processor."""
+    from hookscope.cli import main
+
+    family, path, model = vision
+    assert main(["points", str(path), "--pattern", "blocks.1.*"]) == 0
+    out = capsys.readouterr().out
+    tokens = PREFIX[family] + GRID * GRID
+    assert f"family {hs.arch_of(model).family}," in out
+    assert "blocks.1.resid_post" in out and f"[1, {tokens}, 32]" in out
+    assert f"[1, {tokens}, 4, 8]" in out  # per-head attention

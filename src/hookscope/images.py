@@ -64,6 +64,20 @@ def load_processor(model_dir: str) -> Any:
             "with processor.save_pretrained(MODEL_DIR)") from exc
 
 
+def has_image_processor(model_dir: str | None) -> bool:
+    """Whether a local model directory carries an image processor (a vision encoder)."""
+    return model_dir is not None and (Path(model_dir).expanduser() / "preprocessor_config.json").is_file()
+
+
+def sample_input(model_dir: str, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """One mid-grey picture through the model's own processor (for `hookscope points` shapes)."""
+    from PIL import Image
+
+    picture = Image.new("RGB", (64, 64), (128, 128, 128))
+    pixels = load_processor(model_dir)(images=[picture], return_tensors="pt")["pixel_values"]
+    return {"pixel_values": pixels.to(device)}
+
+
 def image_batches(folder: Path, names: list[str], processor: Any, batch_size: int
                   ) -> Iterator[tuple[list[int], torch.Tensor]]:
     """(image indices, pixel_values) per batch, in file order."""

@@ -94,7 +94,7 @@ def expert_view(expert: int, what: str) -> View:
         "post": lambda call: _expert_post(call, expert),
         "out": lambda call: F.linear(_expert_post(call, expert), call.module.down_proj[expert]),
     }[what]
-    return View(get, _read_only, f"expert {expert} {what}, recomputed from the experts' call")
+    return View(get, _read_only, f"expert {expert}'s rows, recomputed from the call")
 
 
 # --- the table --------------------------------------------------------------------------------
