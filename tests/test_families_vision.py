@@ -168,3 +168,16 @@ def test_cli_points_lists_patches(vision, capsys):
     assert f"family {hs.arch_of(model).family}," in out
     assert "blocks.1.resid_post" in out and f"[1, {tokens}, 32]" in out
     assert f"[1, {tokens}, 4, 8]" in out  # per-head attention
+
+
+def test_cli_extract_images(vision, image_dir, tmp_path, capsys):
+    from hookscope.cli import main
+
+    family, path, model = vision
+    out = tmp_path / "acts"
+    assert main(["extract", str(path), "--data", f"images:{image_dir}", "--points", "blocks.0.resid_post",
+                 "--out", str(out), "--no-progress"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    store = hs.open_store(out, verify=True)
+    assert len(store) == 5 * (PREFIX[family] + GRID * GRID)
+    assert store.points["blocks.0.resid_post"].dtype == "float16"  # the CLI's default dtype
