@@ -181,3 +181,47 @@ def test_cli_extract_images(vision, image_dir, tmp_path, capsys):
     store = hs.open_store(out, verify=True)
     assert len(store) == 5 * (PREFIX[family] + GRID * GRID)
     assert store.points["blocks.0.resid_post"].dtype == "float16"  # the CLI's default dtype
+
+
+@pytest.mark.parametrize("family", ["clip", "siglip"])
+def test_two_tower_models_name_their_vision_tower(family):
+    """CLIPModel / SiglipModel: the points are the vision tower's, under vision_model."""
+    from transformers import AutoConfig, AutoModel
+
+    tower = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 image_size=32, patch_size=8)
+    text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                vocab_size=99)
+    torch.manual_seed(0)
+    model = AutoModel.from_config(AutoConfig.for_model(family, vision_config=tower, text_config=text)).eval()
+    arch = hs.arch_of(model)
+    assert arch.family == family and arch.block_paths == ["vision_model.encoder.layers.0",
+                                                          "vision_model.encoder.layers.1"]
+    pixels = torch.randn(2, 3, 32, 32)
+    inputs = {"pixel_values": pixels, "input_ids": torch.randint(0, 99, (2, 5))}
+    specs = [arch.spec(n) for n in ("embed", "blocks.1.attn.z", "blocks.1.resid_post", "ln_final")]
+    ref = _reference_inputs(model, specs, inputs)
+    acts = hs.collect(model, inputs, [s.name for s in specs])
+    for spec in specs:
+        expect = spec.view.get(ref[spec.name]) if spec.view else ref[spec.name]
+        assert torch.equal(acts[spec.name], expect), spec.name
+
+
+def _reference_inputs(model, specs, inputs):
+    got, handles = {}, []
+    for spec in specs:
+        module = model.get_submodule(spec.module)
+        if spec.io == "output":
+            handles.append(module.register_forward_hook(
+                lambda m, a, out, s=spec: got.__setitem__(s.name, _pick_output(out, s.item).clone())))
+        else:
+            handles.append(module.register_forward_pre_hook(
+                lambda m, a, kw, s=spec: got.__setitem__(s.name, _pick_input(a, kw)[0].clone()),
+                with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return got
