@@ -34,6 +34,9 @@ def _rows(act: Tensor, tokens: Tokens) -> Tensor:
     else:
         index = torch.as_tensor(tokens, device=act.device).reshape(-1)
         if index.dtype == torch.bool:
+            if len(index) != act.shape[0]:
+                raise SelectionError(f"a bool tokens mask must have the router's {act.shape[0]} rows "
+                                     f"(batch * positions), got {len(index)}")
             keep = index
         elif len(index) and (index.min() < -act.shape[0] or index.max() >= act.shape[0]):
             raise SelectionError(

@@ -45,7 +45,7 @@ def _routing_get(out: tuple) -> Tensor:
 def _routing_put(out: tuple, new: Tensor) -> tuple:
     """A dense routing back to (logits, top-k weights, top-k indices), with the model's k."""
     k = out[2].shape[-1]
-    if int((new != 0).sum(-1).max()) > k:
+    if new.numel() and int((new != 0).sum(-1).max()) > k:
         raise HookscopeError(
             f"a routing edit gives some token more than {k} experts (the model's top-k); "
             f"give each token at most {k} non-zero weights")
