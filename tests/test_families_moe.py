@@ -251,6 +251,16 @@ def test_routing_edit_errors(moe):
     with pytest.raises(HookscopeError, match="experts 0..3"):
         with hs.edit(model, ablate_expert(0, 7)):
             _logits(model, _ids(model))
+    with pytest.raises(HookscopeError, match="14 rows"):
+        with hs.edit(model, ablate_expert(0, 1, tokens=torch.ones(5, dtype=torch.bool))):
+            _logits(model, _ids(model))
+    # a bool mask with the router's rows works like the list of its True rows
+    mask = torch.zeros(14, dtype=torch.bool)
+    mask[[2, 7]] = True
+    with hs.edit(model, ablate_expert(0, [0, 1], tokens=mask)):
+        by_mask = _logits(model, _ids(model))
+    with hs.edit(model, ablate_expert(0, [0, 1], tokens=[2, 7])):
+        assert torch.equal(by_mask, _logits(model, _ids(model)))
 
 
 def test_index_points_keep_their_dtype(moe):
