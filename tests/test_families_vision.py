@@ -17,7 +17,8 @@ from hookscope.images import load_processor
 from hookscope.testing import VISION_FAMILIES, save_tiny
 
 GRID = 4  # 32x32 pixels in 8x8 patches
-PREFIX = {"vit": 1, "clip_vision_model": 1, "dinov2": 1, "siglip_vision_model": 0}  # CLS tokens
+# tokens before the patches: CLS (and DINOv2's 4 default register tokens)
+PREFIX = {"vit": 1, "clip_vision_model": 1, "dinov2": 1, "siglip_vision_model": 0, "dinov2_with_registers": 5}
 
 
 @pytest.fixture(scope="module", params=VISION_FAMILIES)

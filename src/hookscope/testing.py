@@ -16,11 +16,12 @@ FAMILIES = ("gpt2", "llama", "gpt_neox", "bert")
 MOE_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # image encoders (arch/vit.py, clip.py, dinov2.py): 32x32 pixels in 8x8 patches (a 4x4 grid);
 # saved with their image processor (the Pillow backend: no torchvision)
-VISION_FAMILIES = ("vit", "clip_vision_model", "siglip_vision_model", "dinov2")
+VISION_FAMILIES = ("vit", "clip_vision_model", "siglip_vision_model", "dinov2", "dinov2_with_registers")
 # state-space / recurrent language models (arch/mamba.py, rwkv.py)
 SSM_FAMILIES = ("mamba", "rwkv")
 _IMAGE_PROCESSORS = {"vit": "ViTImageProcessorPil", "clip_vision_model": "CLIPImageProcessorPil",
-                     "siglip_vision_model": "SiglipImageProcessorPil", "dinov2": "BitImageProcessorPil"}
+                     "siglip_vision_model": "SiglipImageProcessorPil", "dinov2": "BitImageProcessorPil",
+                     "dinov2_with_registers": "BitImageProcessorPil"}
 
 _CORPUS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -121,8 +122,8 @@ def _vision_config(family: str, *, d_model: int, n_layers: int, n_heads: int):
 
     common = dict(hidden_size=d_model, num_hidden_layers=n_layers, num_attention_heads=n_heads,
                   image_size=32, patch_size=8, num_channels=3)
-    if family == "dinov2":
-        return AutoConfig.for_model("dinov2", mlp_ratio=2, **common)
+    if family.startswith("dinov2"):
+        return AutoConfig.for_model(family, mlp_ratio=2, **common)
     return AutoConfig.for_model(family, intermediate_size=2 * d_model, **common)
 
 
@@ -131,7 +132,7 @@ def image_processor(family: str):
     import transformers
 
     cls = getattr(transformers, _IMAGE_PROCESSORS[family])
-    if family in ("clip_vision_model", "dinov2"):  # resize the short side, then crop the centre
+    if family.startswith(("clip", "dinov2")):  # resize the short side, then crop the centre
         return cls(size={"shortest_edge": 32}, crop_size={"height": 32, "width": 32})
     return cls(size={"height": 32, "width": 32})
 

@@ -8,7 +8,9 @@ With `use_swiglu_ffn` the MLP is gated: `mlp.pre` is the gate, `mlp.pre_linear` 
 
 from .base import Arch, build, heads
 
-MODEL_TYPES = ("dinov2",)
+# with registers: the register tokens sit between CLS and the patches (positions 1..R); only the
+# base Dinov2WithRegistersModel is recognised (its classifier holds it under another attribute)
+MODEL_TYPES = ("dinov2", "dinov2_with_registers")
 BASE = "dinov2"
 LAYERS = "encoder.layer"
 
@@ -24,7 +26,7 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
         mlp = {"mlp.pre": (f"{layer}.mlp.fc1", "output", None),
                "mlp.post": (f"{layer}.mlp.fc2", "input", None)}
     return build(
-        "dinov2", prefix, config.num_hidden_layers, layer,
+        config.model_type, prefix, config.num_hidden_layers, layer,
         top={"embed": ("embeddings", "output", None),
              "patch_embed": ("embeddings.patch_embeddings", "output", None)},
         per_layer={
