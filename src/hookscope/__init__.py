@@ -21,6 +21,7 @@ from .errors import (
     StoreError,
     UnknownPointError,
 )
+from .experts import ablate_expert, force_route
 from .hooks import Hook, Hooks, add_hook, hooks
 from .models import Loaded, load
 from .profiling import ProfileReport, profile
@@ -33,4 +34,5 @@ __all__ = [
     "ablate", "edit", "patch", "steer", "Hook", "Hooks", "add_hook", "hooks", "Loaded", "load",
     "HookscopeError", "UnknownPointError", "PointNotReachedError", "SelectionError", "ModelLoadError",
     "StoreError", "DataError", "profile", "ProfileReport", "open_store",
+    "ablate_expert", "force_route",
 ]

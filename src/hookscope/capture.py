@@ -197,7 +197,9 @@ class Capture(Mapping[str, Tensor]):
         # compare storages: views made under inference_mode have no _base, and a view at an
         # offset (positions=1) has a different data_ptr
         shares_memory = x.untyped_storage().data_ptr() == act.untyped_storage().data_ptr()
-        if self.dtype is not None and x.dtype != self.dtype:
+        # integer points (router indices, expert token indices) keep their dtype: a float cast
+        # would silently round indices above 256 in bfloat16
+        if self.dtype is not None and x.dtype != self.dtype and x.is_floating_point():
             x = x.to(self.dtype)  # cast on the device, before the copy: fewer bytes to move
             shares_memory = False
         if self.device is not None and x.device != self.device:
@@ -220,7 +222,8 @@ class Capture(Mapping[str, Tensor]):
         x = select_heads(act, self.heads, spec.head_dim) if heads else act
         if positions:
             x = select_positions(x, self.positions, spec.pos_dim)
-        return x.to(self.dtype) if self.dtype is not None and x.dtype != self.dtype else x.clone()
+        cast = self.dtype is not None and x.dtype != self.dtype and x.is_floating_point()
+        return x.to(self.dtype) if cast else x.clone()
 
     def _finish(self, x: Tensor, spec: PointSpec) -> Tensor:
         """The eager half, after the region returned: the other selections and the device."""

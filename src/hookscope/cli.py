@@ -52,8 +52,15 @@ def _encode(loaded, text: str):
 def cmd_points(args) -> int:
     import hookscope as hs
 
-    loaded = _load(args)
-    example = _encode(loaded, args.text) if args.text else None
+    from . import images
+
+    if images.has_image_processor(args.model):  # a vision encoder: shapes on a sample image
+        _quiet_transformers()
+        loaded = hs.load(args.model, device=args.device, tokenizer=False)
+        example = images.sample_input(args.model, args.device) if args.text else None
+    else:
+        loaded = _load(args)
+        example = _encode(loaded, args.text) if args.text else None
     infos = hs.points(loaded.model, example, pattern=args.pattern)
     print(f"{loaded.name}: {type(loaded.model).__name__}, family {loaded.arch.family}, "
           f"{loaded.arch.n_layers} blocks, {len(loaded.arch.names)} points")

@@ -21,6 +21,7 @@ import torch
 from .capture import Capture
 from .data import batches, iter_documents, pack, pack_policy
 from .errors import HookscopeError
+from .images import extract_images, is_image_source
 from .models import load
 from .store import ShardWriter, merge_rank_manifests
 
@@ -138,6 +139,8 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
     """Run the pipeline described by `cfg`; see the module docstring."""
     if cfg.on_nonfinite not in ("warn", "error"):
         raise HookscopeError(f"on_nonfinite={cfg.on_nonfinite!r}: use 'warn' or 'error'")
+    if is_image_source(cfg.data):  # a folder of images, for a vision encoder
+        return extract_images(cfg)
     rank, world_size = _dist_info()
     _init_distributed(world_size, cfg.device)
     device = (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cfg.device == "cuda" and world_size > 1

@@ -20,6 +20,7 @@ import torch
 from torch import Tensor, nn
 
 from .arch import Arch, PointSpec, arch_of
+from .arch.base import Call
 from .compile import hold_eager, region_of
 from .errors import HookscopeError
 
@@ -81,7 +82,9 @@ def call_model(model: nn.Module, inputs: Any, **options: Any) -> Any:
 # --- reading and replacing the tensor a point names ---------------------------------------
 
 
-def _pick_output(output: Any, item: int) -> Tensor:
+def _pick_output(output: Any, item: int | None) -> Tensor:
+    if item is None:  # the whole output: the point's view reads several parts of it (arch/moe.py)
+        return output
     if isinstance(output, Tensor):
         return output
     if isinstance(output, (tuple, list)):
@@ -91,8 +94,8 @@ def _pick_output(output: Any, item: int) -> Tensor:
     raise HookscopeError(f"cannot read a tensor from a module output of type {type(output).__name__}")
 
 
-def _replace_output(output: Any, item: int, new: Tensor) -> Any:
-    if isinstance(output, Tensor):
+def _replace_output(output: Any, item: int | None, new: Tensor) -> Any:
+    if item is None or isinstance(output, Tensor):
         return new
     if isinstance(output, (tuple, list)):
         out = list(output)
@@ -141,6 +144,9 @@ def _module_hook(spec: PointSpec, fn: HookFn, hook: Hook) -> Callable:
         return on_output
 
     def on_input(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        if item is None:  # the whole call: the view reads the module and all its arguments
+            new = fn(get(Call(module, args, kwargs)), hook)
+            return None if new is None else put(Call(module, args, kwargs), new)[1:]
         raw, where = _pick_input(args, kwargs)
         new = fn(get(raw) if get else raw, hook)
         if new is None:

@@ -10,12 +10,26 @@ import weakref
 
 from torch import nn
 
-from . import bert, generic, gpt2, gpt_neox, llama, tl_bridge, transformer_lens
+from . import (
+    bert,
+    clip,
+    dinov2,
+    generic,
+    gpt2,
+    gpt_neox,
+    llama,
+    mamba,
+    moe,
+    rwkv,
+    tl_bridge,
+    transformer_lens,
+    vit,
+)
 from .base import Arch, PointSpec, View
 
 __all__ = ["Arch", "PointSpec", "View", "arch_of", "FAMILIES"]
 
-FAMILIES = (gpt2, llama, gpt_neox, bert)
+FAMILIES = (gpt2, llama, gpt_neox, bert, moe, vit, clip, dinov2, mamba, rwkv)
 _BY_MODEL_TYPE = {mt: fam for fam in FAMILIES for mt in fam.MODEL_TYPES}
 _CACHE: weakref.WeakKeyDictionary[nn.Module, Arch] = weakref.WeakKeyDictionary()
 
@@ -41,8 +55,8 @@ def _detect(model: nn.Module) -> Arch:
     prefix = "" if has_layers else f"{family.BASE}."
     if not has_layers and not _has_path(model, prefix + family.LAYERS):
         return generic.table(model)
-    lm_head = next((h for h in ("lm_head", "embed_out") if isinstance(getattr(model, h, None), nn.Module)),
-                   None)
+    lm_head = next((h for h in ("lm_head", "embed_out", "head")  # "head": RWKV
+                    if isinstance(getattr(model, h, None), nn.Module)), None)
     return family.table(config, prefix, lm_head)
 
 

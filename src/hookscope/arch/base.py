@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -62,6 +63,16 @@ def fused_heads(part: int, n_parts: int, n_heads: int, interleaved: bool = False
     return View(get, put, f"part {part} of {n_parts} fused, {n_heads} heads", head_dim=-2)
 
 
+class Call(NamedTuple):
+    """A module call, for points whose view needs the module and all of its arguments (an
+    expert's activations: the routed rows, the routing and the expert's weights). `put` returns
+    a new Call; the hook passes its args and kwargs on."""
+
+    module: nn.Module
+    args: tuple
+    kwargs: dict
+
+
 @dataclass(frozen=True)
 class PointSpec:
     """Where a canonical point lives in a model."""
@@ -70,7 +81,9 @@ class PointSpec:
     module: str  # dotted path from the root model ("" is the root)
     io: str  # "output" (forward hook) or "input" (pre-forward hook)
     view: View | None = None  # None: the raw tensor is the activation
-    item: int = 0  # which element when the module returns a tuple (attention: (out, weights))
+    # which element when the module returns a tuple (attention: (out, weights)); None: the view
+    # reads the whole output (io="output") or the whole call, as a `Call` (io="input")
+    item: int | None = 0
     pos_dim: int | None = 1  # which dim is the token position (None: no position dim)
     head_dim: int | None = None  # which dim is the head, for per-head points
     layer: int | None = None

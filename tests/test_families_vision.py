@@ -1,0 +1,228 @@
+"""Vision encoders (arch/vit.py, clip.py, dinov2.py) on tiny random-init models saved to disk with
+their image processor: every point equals a plain register_forward_hook reference, positions are
+CLS + patches, early stop skips later blocks, and `extract --data images:DIR` round-trips rows
+traced to their image and patch (hookscope.images)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from PIL import Image
+
+import hookscope as hs
+from hookscope.errors import DataError
+from hookscope.extract import ExtractConfig, extract
+from hookscope.hooks import _pick_input, _pick_output
+from hookscope.images import load_processor
+from hookscope.testing import VISION_FAMILIES, save_tiny
+
+GRID = 4  # 32x32 pixels in 8x8 patches
+# tokens before the patches: CLS (and DINOv2's 4 default register tokens)
+PREFIX = {"vit": 1, "clip_vision_model": 1, "dinov2": 1, "siglip_vision_model": 0, "dinov2_with_registers": 5}
+
+
+@pytest.fixture(scope="module", params=VISION_FAMILIES)
+def vision(request, tmp_path_factory):
+    path = save_tiny(request.param, tmp_path_factory.mktemp(request.param), n_layers=2, d_model=32)
+    model = hs.load(str(path), tokenizer=False, attn_implementation="eager").model
+    return request.param, path, model
+
+
+@pytest.fixture(scope="module")
+def image_dir(tmp_path_factory):
+    """Five small pictures of different sizes and colours (one in a sub-folder)."""
+    folder = tmp_path_factory.mktemp("pictures")
+    g = torch.Generator().manual_seed(0)
+    (folder / "more").mkdir()
+    for i, size in enumerate([(40, 40), (32, 48), (64, 36), (33, 33), (50, 70)]):
+        pixels = torch.randint(0, 256, (size[1], size[0], 3), generator=g, dtype=torch.uint8)
+        name = f"more/pic{i}.png" if i == 3 else f"pic{i}.png"
+        Image.fromarray(pixels.numpy()).save(folder / name)
+    return folder
+
+
+def _pixels(path, folder, names):
+    processor = load_processor(str(path))
+    return processor(images=[Image.open(folder / n).convert("RGB") for n in names],
+                     return_tensors="pt")["pixel_values"]
+
+
+def _reference(model, specs, pixels):
+    got, handles = {}, []
+    for spec in specs:
+        module = model.get_submodule(spec.module)
+        if spec.io == "output":
+            def fn(m, a, out, spec=spec):
+                got[spec.name] = _pick_output(out, spec.item).detach().clone()
+            handles.append(module.register_forward_hook(fn))
+        else:
+            def fn(m, a, kw, spec=spec):
+                got[spec.name] = _pick_input(a, kw)[0].detach().clone()
+            handles.append(module.register_forward_pre_hook(fn, with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(pixel_values=pixels)
+    finally:
+        for h in handles:
+            h.remove()
+    return got
+
+
+def test_every_point_equals_a_forward_hook(vision, image_dir):
+    family, path, model = vision
+    arch = hs.arch_of(model)
+    assert arch.family == family.replace("_vision_model", "")
+    pixels = _pixels(path, image_dir, ["pic0.png", "pic1.png"])
+    specs = list(arch.specs.values())
+    ref = _reference(model, specs, pixels)
+    acts = hs.collect(model, {"pixel_values": pixels}, [s.name for s in specs])
+    assert set(acts) == set(ref) == set(arch.names)
+    for name, expect in ref.items():
+        view = arch.specs[name].view
+        assert torch.equal(acts[name], view.get(expect) if view else expect), name
+    tokens = PREFIX[family] + GRID * GRID
+    assert acts["blocks.1.resid_post"].shape == (2, tokens, 32)
+    assert acts["blocks.0.attn.q"].shape == (2, tokens, 4, 8)  # per head
+    assert acts["blocks.1.attn.pattern"].shape == (2, 4, tokens, tokens)
+    assert acts["blocks.0.mlp.post"].shape[:2] == (2, tokens)
+
+
+def test_positions_are_cls_and_patches(vision, image_dir):
+    """positions=0 is the CLS token (the patches' own index otherwise); a list picks patches."""
+    family, path, model = vision
+    pixels = _pixels(path, image_dir, ["pic2.png"])
+    full = hs.collect(model, {"pixel_values": pixels}, "blocks.0.resid_post")["blocks.0.resid_post"]
+    first = hs.collect(model, {"pixel_values": pixels}, "blocks.0.resid_post", positions=0)
+    assert torch.equal(first["blocks.0.resid_post"], full[:, 0])
+    patch_5 = PREFIX[family] + 5
+    some = hs.collect(model, {"pixel_values": pixels}, "blocks.0.resid_post", positions=[patch_5])
+    assert torch.equal(some["blocks.0.resid_post"], full[:, [patch_5]])
+
+
+def test_early_stop_skips_later_blocks(vision, image_dir):
+    family, path, model = vision
+    arch = hs.arch_of(model)
+    blocks = [model.get_submodule(p) for p in arch.block_paths]
+    calls = [0] * len(blocks)
+    handles = [b.register_forward_pre_hook(lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))
+               for i, b in enumerate(blocks)]
+    try:
+        hs.collect(model, {"pixel_values": _pixels(path, image_dir, ["pic0.png"])}, "blocks.0.mlp.post")
+    finally:
+        for h in handles:
+            h.remove()
+    assert calls == [1, 0]
+
+
+def test_image_extraction_round_trips_and_traces_rows(vision, image_dir, tmp_path):
+    family, path, model = vision
+    out = tmp_path / "store"
+    cfg = ExtractConfig(out=str(out), model=str(path), points=["blocks.1.resid_post", "blocks.0.mlp.post"],
+                        data=f"images:{image_dir}", batch_size=2, dtype="float32", progress=False)
+    summary = extract(cfg)
+    tokens = PREFIX[family] + GRID * GRID
+    assert summary.rows == summary.new_rows == 5 * tokens
+    store = hs.open_store(out)
+    names = store.manifest.settings["images"]
+    assert names == ["more/pic3.png", "pic0.png", "pic1.png", "pic2.png", "pic4.png"]
+    doc, pos = store.tensor("doc_ids"), store.tensor("positions")
+    rows, cols = store.tensor("patch_rows"), store.tensor("patch_cols")
+    resid, post = store.tensor("blocks.1.resid_post"), store.tensor("blocks.0.mlp.post")
+    # the reference: each image alone through the processor and the model, read by plain hooks
+    arch = hs.arch_of(model)
+    specs = [arch.spec("blocks.1.resid_post"), arch.spec("blocks.0.mlp.post")]
+    for image, name in enumerate(names):
+        ref = _reference(model, specs, _pixels(path, image_dir, [name]))
+        mine = (doc == image).nonzero().flatten()
+        assert len(mine) == tokens
+        assert torch.equal(pos[mine], torch.arange(tokens))
+        assert torch.allclose(resid[mine], ref["blocks.1.resid_post"][0], atol=1e-5)
+        assert torch.allclose(post[mine], ref["blocks.0.mlp.post"][0], atol=1e-5)
+        patch = pos[mine] - PREFIX[family]
+        expect_rows = torch.where(patch >= 0, patch // GRID, -1)
+        expect_cols = torch.where(patch >= 0, patch % GRID, -1)
+        assert torch.equal(rows[mine], expect_rows) and torch.equal(cols[mine], expect_cols)
+    # the patch at grid (2, 3) of image 4 is the token at PREFIX + 2*4 + 3 of that image
+    row = ((doc == 4) & (rows == 2) & (cols == 3)).nonzero().item()
+    assert pos[row] == PREFIX[family] + 11
+    # run again: every batch is on disk already, nothing is written twice
+    again = extract(cfg)
+    assert again.new_rows == 0 and again.batches_skipped == 3 and again.rows == 5 * tokens
+
+
+def test_image_folder_errors(vision, tmp_path):
+    family, path, model = vision
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(DataError, match="no image files"):
+        extract(ExtractConfig(out=str(tmp_path / "s"), model=str(path), points=["blocks.0.resid_post"],
+                              data=f"images:{tmp_path / 'empty'}", progress=False))
+
+
+def test_cli_points_lists_patches(vision, capsys):
+    """`hookscope points` on a vision encoder: shapes from a sample image through its processor."""
+    from hookscope.cli import main
+
+    family, path, model = vision
+    assert main(["points", str(path), "--pattern", "blocks.1.*"]) == 0
+    out = capsys.readouterr().out
+    tokens = PREFIX[family] + GRID * GRID
+    assert f"family {hs.arch_of(model).family}," in out
+    assert "blocks.1.resid_post" in out and f"[1, {tokens}, 32]" in out
+    assert f"[1, {tokens}, 4, 8]" in out  # per-head attention
+
+
+def test_cli_extract_images(vision, image_dir, tmp_path, capsys):
+    from hookscope.cli import main
+
+    family, path, model = vision
+    out = tmp_path / "acts"
+    assert main(["extract", str(path), "--data", f"images:{image_dir}", "--points", "blocks.0.resid_post",
+                 "--out", str(out), "--no-progress"]) == 0
+    assert "wrote" in capsys.readouterr().out
+    store = hs.open_store(out, verify=True)
+    assert len(store) == 5 * (PREFIX[family] + GRID * GRID)
+    assert store.points["blocks.0.resid_post"].dtype == "float16"  # the CLI's default dtype
+
+
+@pytest.mark.parametrize("family", ["clip", "siglip"])
+def test_two_tower_models_name_their_vision_tower(family):
+    """CLIPModel / SiglipModel: the points are the vision tower's, under vision_model."""
+    from transformers import AutoConfig, AutoModel
+
+    tower = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
+                 image_size=32, patch_size=8)
+    text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
+                vocab_size=99)
+    torch.manual_seed(0)
+    model = AutoModel.from_config(AutoConfig.for_model(family, vision_config=tower, text_config=text)).eval()
+    arch = hs.arch_of(model)
+    assert arch.family == family and arch.block_paths == ["vision_model.encoder.layers.0",
+                                                          "vision_model.encoder.layers.1"]
+    pixels = torch.randn(2, 3, 32, 32)
+    inputs = {"pixel_values": pixels, "input_ids": torch.randint(0, 99, (2, 5))}
+    specs = [arch.spec(n) for n in ("embed", "blocks.1.attn.z", "blocks.1.resid_post", "ln_final")]
+    ref = _reference_inputs(model, specs, inputs)
+    acts = hs.collect(model, inputs, [s.name for s in specs])
+    for spec in specs:
+        expect = spec.view.get(ref[spec.name]) if spec.view else ref[spec.name]
+        assert torch.equal(acts[spec.name], expect), spec.name
+
+
+def _reference_inputs(model, specs, inputs):
+    got, handles = {}, []
+    for spec in specs:
+        module = model.get_submodule(spec.module)
+        if spec.io == "output":
+            handles.append(module.register_forward_hook(
+                lambda m, a, out, s=spec: got.__setitem__(s.name, _pick_output(out, s.item).clone())))
+        else:
+            handles.append(module.register_forward_pre_hook(
+                lambda m, a, kw, s=spec: got.__setitem__(s.name, _pick_input(a, kw)[0].clone()),
+                with_kwargs=True))
+    try:
+        with torch.no_grad():
+            model(**inputs)
+    finally:
+        for h in handles:
+            h.remove()
+    return got
