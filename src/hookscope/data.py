@@ -14,6 +14,7 @@ index in that document's tokenization (-1 for start, separator and padding token
 from __future__ import annotations
 
 import ast
+import collections
 import functools
 import gc
 import hashlib
@@ -316,21 +317,31 @@ def _file_fingerprint(path: Path) -> dict[str, Any]:
 
 class ReadMeter:
     """Passes documents through, counting their characters, so a progress bar can tell how much of
-    the source has been read (`fraction`) when the source's size is known (`source_chars`)."""
+    the source has been packed (`fraction`) when the source's size is known (`source_chars`)."""
 
     def __init__(self, documents: Iterable[str], total_chars: int | None):
-        self._documents, self.total_chars, self.chars = documents, total_chars, 0
+        self._documents, self.total_chars = documents, total_chars
+        self.chars = self.count = 0
+        # characters read up to and including each of the last documents: the tokenizer reads
+        # ahead of packing by up to _TOKENIZE_BATCH documents, so progress is asked by document
+        self._recent: collections.deque[int] = collections.deque(maxlen=4 * _TOKENIZE_BATCH)
 
     def __iter__(self) -> Iterator[str]:
         for doc in self._documents:
             self.chars += len(doc)
+            self.count += 1
+            self._recent.append(self.chars)
             yield doc
 
-    @property
-    def fraction(self) -> float | None:
+    def fraction(self, through_doc: int | None = None) -> float | None:
+        """The share of the source's characters in documents 0..through_doc (default: all read)."""
         if not self.total_chars or not self.chars:
             return None
-        return min(1.0, self.chars / self.total_chars)
+        chars = self.chars
+        first_recent = self.count - len(self._recent)
+        if through_doc is not None and first_recent <= through_doc < self.count:
+            chars = self._recent[through_doc - first_recent]
+        return min(1.0, chars / self.total_chars)
 
 
 def source_chars(source: Any) -> int | None:

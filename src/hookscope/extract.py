@@ -171,7 +171,7 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
                 keep &= ~batch["special_mask"].bool()
             if index in writer.done_batches:
                 skipped += 1
-                progress.update(int(keep.sum()), int(batch["attention_mask"].sum()), writer.bytes_written)
+                progress.update(int(keep.sum()), batch, writer.bytes_written)
                 continue
             inputs = {"input_ids": batch["input_ids"].to(device),
                       "attention_mask": batch["attention_mask"].to(device)}
@@ -188,7 +188,7 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
             writer.write(index, acts, meta)
             done += 1
             new_rows += int(keep.sum())
-            progress.update(int(keep.sum()), int(batch["attention_mask"].sum()), writer.bytes_written)
+            progress.update(int(keep.sum()), batch, writer.bytes_written)
         writer.close()
         total_rows = writer.total_rows
         nonfinite = dict(writer.nonfinite)
@@ -228,10 +228,13 @@ class _Progress:
         self.budget = (None if cfg.max_tokens is None
                        else cfg.max_tokens // cfg.context * cfg.context / world_size)
         self.rows = self.tokens = 0
+        self.last_doc = -1
 
-    def update(self, rows: int, tokens: int, bytes_written: int) -> None:
+    def update(self, rows: int, batch: dict[str, torch.Tensor], bytes_written: int) -> None:
         if not self.enabled:
             return
+        tokens = int(batch["attention_mask"].sum())
+        self.last_doc = max(self.last_doc, int(batch["doc_ids"].max()))  # packed up to this document
         if self.bar is None:
             from tqdm.auto import tqdm
 
@@ -247,7 +250,7 @@ class _Progress:
         estimates = []
         if self.budget is not None and self.tokens:
             estimates.append(self.rows * self.budget / self.tokens)  # rows per token so far
-        fraction = self.meter.fraction
+        fraction = self.meter.fraction(self.last_doc if self.last_doc >= 0 else None)
         if fraction:
             estimates.append(self.rows / fraction)
         return int(min(estimates)) if estimates else None

@@ -54,6 +54,7 @@ class ProfileReport:
     profiler: Any = field(default=None, repr=False)  # the finished torch.profiler run, for the trace
     step_times_s: list[float] = field(default_factory=list)  # every timed step, with the hooks
     step_times_without_hooks_s: list[float] | None = None  # paired with step_times_s, one each
+    _trace_text: str | None = field(default=None, repr=False, compare=False)
 
     @property
     def step_spread(self) -> float | None:
@@ -151,7 +152,11 @@ class ProfileReport:
         files = {"table": out / "table.txt", "trace": out / "trace.json"}
         try:
             files["table"].write_text(self.summary() + "\n")
-            write_trace(self.profiler, files["trace"])
+            if self._trace_text is None:  # the profiler exports its trace once only: keep it
+                write_trace(self.profiler, files["trace"])
+                self._trace_text = files["trace"].read_text()
+            else:
+                files["trace"].write_text(self._trace_text)
             if self.memory_snapshot is not None:
                 # PyTorch's memory viewer reads this pickle; we only ever write it, never load it
                 files["memory"] = out / "memory_snapshot.pickle"
