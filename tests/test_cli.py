@@ -110,7 +110,8 @@ def test_capture_save_follows_the_umask(tiny_dirs, tmp_path):
 def test_a_closed_pipe_ends_quietly(tiny_dirs, tmp_path, monkeypatch, capsys):
     """`hookscope inspect DIR | head`: the reader goes away; no BrokenPipeError traceback."""
     out = tmp_path / "store"
-    assert main(["extract", str(tiny_dirs["gpt2"]), "--out", str(out), "--context", "16", "--points", "blocks.0.resid_post",
+    assert main(["extract", str(tiny_dirs["gpt2"]), "--out", str(out), "--context", "16",
+                 "--points", "blocks.0.resid_post",
                  "--max-tokens", "64", "--no-progress"]) == 0
     capsys.readouterr()
     read, write = os.pipe()
@@ -137,7 +138,7 @@ def test_points_shows_its_sentence_and_a_token_count_unlike_the_head_count(minil
     assert match, out[:500]
     text, count = match.group(1), int(match.group(2))
     assert count == len(minilm.tokenizer(text)["input_ids"]) and count != minilm.arch.n_heads
-    assert f"blocks.0.attn.z  " in out and f"[1, {count}, 12, 32]" in out
+    assert "blocks.0.attn.z  " in out and f"[1, {count}, 12, 32]" in out
 
 
 def test_extract_progress_counts_rows_against_an_estimated_total(tiny_dirs, tmp_path, monkeypatch):

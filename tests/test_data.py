@@ -395,7 +395,8 @@ def test_resuming_on_changed_data_is_refused_naming_what_changed(tiny_dirs, tmp_
         _write(data_path, "a.txt", text)
         changed = _write(data_path, "b.txt", text)
         what = "data_fingerprint.files.b.txt: stored"
-    cfg = ExtractConfig(out=str(tmp_path / "store"), model=str(tiny_dirs["gpt2"]), points=["blocks.0.resid_post"],
+    cfg = ExtractConfig(out=str(tmp_path / "store"), model=str(tiny_dirs["gpt2"]),
+                        points=["blocks.0.resid_post"],
                         data=str(data_path), context=16, batch_size=2, shard_rows=40, max_tokens=160,
                         progress=False)
     first = extract(cfg)

@@ -88,7 +88,7 @@ def test_point_names(tiny, make_ids, outcomes):
             with hs.hooks(model) as h, torch.inference_mode():  # point to eager attention)
                 for point in got:
                     h.forward(point, lambda a, hook: seen.__setitem__(hook.point, a.clone()))
-                model(ids, use_cache=False)  # as a stopped capture runs it (the cache moves attn.pattern 1 ulp)
+                model(ids, use_cache=False)  # as a stopped capture runs (a cache moves attn.pattern 1 ulp)
             assert all(torch.equal(act, seen[point]) for point, act in got.items())
             compared["collect"] += 1
         with out.call(), hs.hooks(model) as h:
@@ -152,7 +152,8 @@ def test_position_and_head_selections(point, tiny, make_ids, outcomes):
     out = outcomes("position / head selections (capture, ablate)")
     compared = Counter()
     # heads only where the point has them: elsewhere any heads= is (rightly) refused
-    head_choices = (st.one_of(plain_selections(), plain_selections(), selections()) if spec.head_dim is not None
+    plain = plain_selections()
+    head_choices = (st.one_of(plain, plain, selections()) if spec.head_dim is not None
                     else st.one_of(st.none(), st.none(), st.none(), selections()))
 
     @FUZZ
@@ -201,8 +202,9 @@ def test_token_masks(tiny, make_ids, outcomes):
         st.builds(lambda s: torch.ones(s), shapes),
         st.sampled_from([None, [[True] * 6] * 2, "all", 3]),
     )
-    fitting = st.integers(0, 99).map(lambda seed: torch.rand(2, 6, generator=torch.Generator().manual_seed(seed))
-                                     > 0.5)  # the activation's [batch, pos]: these must succeed
+    # masks of the activation's [batch, pos]: these must succeed
+    fitting = st.integers(0, 99).map(
+        lambda seed: torch.rand(2, 6, generator=torch.Generator().manual_seed(seed)) > 0.5)
     compared = Counter()
 
     @FUZZ

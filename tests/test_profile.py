@@ -13,8 +13,8 @@ import pytest
 import torch
 
 import hookscope as hs
-from hookscope.errors import HookscopeError
 from hookscope.cli import main
+from hookscope.errors import HookscopeError
 from hookscope.hooks import hook_count
 from hookscope.profiling.events import relative_spread
 from hookscope.profiling.labels import BlockLabels, profiler_enabled

@@ -120,9 +120,8 @@ def cmd_extract(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    from .store import open_store
-
     from .errors import StoreError
+    from .store import open_store
 
     store = open_store(args.dir)
     m = store.manifest
@@ -154,7 +153,6 @@ def cmd_profile(args) -> int:
 
     from .compile import compile_stats, reset_stats
     from .extract import max_positions
-
     from .profiling.report import writable_dir
 
     _quiet_transformers()
@@ -271,7 +269,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("extract", help="stream chosen points of a dataset to a sharded store (resumable)")
     model_args(p)
     p.add_argument("--out", required=True, help="store directory (re-run the same command to resume)")
-    points_arg(p, default=[DEFAULT_POINT], help=f"comma-separated point names or globs (default {DEFAULT_POINT})")
+    points_arg(p, default=[DEFAULT_POINT],
+               help=f"comma-separated point names or globs (default {DEFAULT_POINT})")
     p.add_argument("--data", default=DEFAULT_DATA,
                    help=".txt / .jsonl file, a directory of them, a saved HF dataset dir, hf:NAME[:split], "
                         f"or {DEFAULT_DATA} (default; built offline from Python's docstrings)")

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import html
 import io
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .report import op_cells, op_header, row_cells, row_header
