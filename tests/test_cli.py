@@ -99,7 +99,7 @@ def test_capture_save_follows_the_umask(tiny_dirs, tmp_path):
     path = tmp_path / "acts.safetensors"
     old = os.umask(0o022)
     try:
-        assert main(["capture", str(tiny_dirs["gpt2"]), "--points", "blocks.0.resid_post", "--save",
+        assert main(["capture", str(tiny_dirs["gpt2"]), "--point", "blocks.0.resid_post", "--save",
                      str(path)]) == 0
     finally:
         os.umask(old)
@@ -181,7 +181,8 @@ def test_no_empty_bar_before_an_early_error(tiny_dirs, tmp_path, capsys):
     tiny_corpus = tmp_path / "short.txt"
     tiny_corpus.write_text("too short\n")
     assert main(["extract", str(tiny_dirs["gpt2"]), "--out", str(tmp_path / "s"), "--data", str(tiny_corpus),
-                 "--context", "32"]) == 2
+                 "--points", "blocks.0.resid_post", "--context", "32"]) == 2
     err = capsys.readouterr().err
+    assert "not enough for one sequence" in err  # an error found only once the data is read
     assert err.startswith("hookscope: error: ") and "extract" not in err.split("error: ", 1)[0]
     assert "tok" not in err.replace("tokens", "") and "row/s" not in err and "it/s" not in err
