@@ -116,10 +116,14 @@ def test_load_draws_no_progress_bar(tiny_dirs):
         made.append((factory.__name__, kwargs.get("desc")))
         return factory(*args, **kwargs)
 
+    was_enabled = logging.is_progress_bar_enabled()  # the CLI tests turn bars off for the process
+    logging.enable_progress_bar()  # a user who has bars on
     logging.set_tqdm_hook(record)
     try:
         hs.load(str(tiny_dirs["gpt2"]))
+        assert logging.is_progress_bar_enabled()  # the user's setting is back as it was
     finally:
         logging.set_tqdm_hook(None)
-    assert all(name == "EmptyTqdm" for name, _ in made), made  # every bar transformers asked for was a no-op
-    assert logging.is_progress_bar_enabled()  # and the user's setting is back as it was
+        if not was_enabled:
+            logging.disable_progress_bar()
+    assert made and all(name == "EmptyTqdm" for name, _ in made), made  # every bar asked for was a no-op
