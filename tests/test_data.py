@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import os
+import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -11,8 +14,9 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hookscope import data
-from hookscope.data import BUILTIN_STDLIB, batches, iter_documents, pack, pack_policy
-from hookscope.errors import DataError
+from hookscope.data import BUILTIN_STDLIB, batches, iter_documents, pack, pack_policy, source_fingerprint
+from hookscope.errors import DataError, StoreError
+from hookscope.hub import OFFLINE_VARIABLES
 
 DOCS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -108,13 +112,46 @@ def test_a_hub_name_goes_to_load_dataset_streaming(monkeypatch):
         return datasets.Dataset.from_dict({"text": ["hub doc"]})
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    assert list(iter_documents("owner/corpus:en", split="validation")) == ["hub doc"]
+    monkeypatch.setattr(data, "unreachable_reason", lambda: None)  # as if the hub answered
+    assert list(iter_documents("hf:owner/corpus:en", split="validation")) == ["hub doc"]
     assert list(iter_documents("hf:owner/corpus")) == ["hub doc"]
     assert calls == [(("owner/corpus", "en"), {"split": "validation", "streaming": True}),
                      (("owner/corpus", None), {"split": "train", "streaming": True})]
-    with pytest.raises(DataError, match="no local file or directory by that name, and loading it from the "
-                                        "Hugging Face hub failed \\(ConnectionError: no network\\)"):
-        list(iter_documents("offline/missing"))
+    with pytest.raises(DataError, match="'hf:offline/missing': loading it from the Hugging Face hub failed "
+                                        "\\(ConnectionError: no network\\)"):
+        list(iter_documents("hf:offline/missing"))
+
+
+def test_only_hf_names_go_to_the_hub(monkeypatch):
+    """A bare name is a mistyped local path, refused at once: never a minute of hub retries."""
+    import datasets
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("went to the hub"))
+    started = time.perf_counter()
+    with pytest.raises(DataError, match="'mycorpus': no such file or directory.*hf:mycorpus if you meant"):
+        iter_documents("mycorpus")
+    with pytest.raises(DataError, match="'owner/corpus': no such file or directory"):
+        iter_documents("owner/corpus")
+    assert time.perf_counter() - started < 1.0
+    with pytest.raises(DataError, match="hf: needs a dataset name"):
+        list(iter_documents("hf:"))
+
+
+def test_an_unreachable_hub_fails_fast_naming_the_offline_options(monkeypatch):
+    import datasets
+
+    monkeypatch.setattr(datasets, "load_dataset", lambda *a, **k: pytest.fail("went to the hub"))
+    for variable in OFFLINE_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    started = time.perf_counter()
+    with pytest.raises(DataError) as caught:
+        list(iter_documents("hf:wikitext"))
+    assert time.perf_counter() - started < 5.0
+    message = str(caught.value)
+    assert "'hf:wikitext': the Hugging Face hub cannot be reached (cannot connect to 127.0.0.1:9" in message
+    assert "save_to_disk" in message and "HF_DATASETS_OFFLINE=1" in message
+    assert "no local file" not in message
 
 
 def _write(tmp_path: Path, name: str, content: str | bytes) -> Path:
@@ -142,8 +179,9 @@ def test_bad_files_raise_data_error(tmp_path: Path, name: str, content, message:
 def test_missing_sources_raise_data_error(tmp_path: Path):
     with pytest.raises(DataError, match="no such file or directory"):
         iter_documents(tmp_path / "missing.txt")
-    with pytest.raises(DataError, match="no such file or directory"):
+    with pytest.raises(DataError, match="no such file or directory") as caught:
         iter_documents("./not-here")
+    assert "hf:" not in str(caught.value)  # a path, not a hub name: no hub suggestion
     with pytest.raises(DataError, match="no .txt or .jsonl files"):
         list(iter_documents(tmp_path))
     with pytest.raises(DataError, match="unknown built-in corpus 'builtin:nope'"):
@@ -282,3 +320,88 @@ def test_documents_must_be_text(gpt2_like):
         list(pack([{"text": "x"}], gpt2_like))
     with pytest.raises(DataError, match="holds no documents"):
         list(pack(iter_documents(datasets.Dataset.from_dict({"text": []})), gpt2_like))
+
+
+# -- fingerprints ---------------------------------------------------------------------------------
+
+
+def _same_size_edit(path: Path) -> None:
+    """Change one byte, keeping the size and the modification time: what size + mtime would miss."""
+    before = path.stat()
+    content = bytearray(path.read_bytes())
+    content[len(content) // 2] ^= 0x01
+    path.write_bytes(bytes(content))
+    os.utime(path, ns=(before.st_atime_ns, before.st_mtime_ns))
+    after = path.stat()
+    assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+
+
+def test_a_file_fingerprint_is_its_contents(tmp_path: Path):
+    path = _write(tmp_path, "corpus.txt", "first paragraph\n\nsecond paragraph\n")
+    import hashlib
+
+    got = source_fingerprint(path)
+    assert got == {"kind": "file", "bytes": path.stat().st_size,
+                   "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    copy = tmp_path / "elsewhere" / "copy.txt"
+    copy.parent.mkdir()
+    shutil.copy(path, copy)
+    assert source_fingerprint(copy) == got  # the same data, wherever it lives
+    _same_size_edit(path)
+    assert source_fingerprint(path)["sha256"] != got["sha256"]
+
+
+def test_a_directory_fingerprint_names_each_file_it_reads(tmp_path: Path):
+    root = tmp_path / "docs"
+    (root / "sub").mkdir(parents=True)
+    _write(root, "a.txt", "alpha\n")
+    _write(root / "sub", "b.jsonl", '{"text": "beta"}\n')
+    _write(root, "notes.md", "not read, so not fingerprinted")
+    got = source_fingerprint(root)
+    assert got["kind"] == "directory" and sorted(got["files"]) == ["a.txt", "sub/b.jsonl"]
+    _same_size_edit(root / "sub" / "b.jsonl")
+    changed = source_fingerprint(root)
+    assert changed["files"]["a.txt"] == got["files"]["a.txt"]
+    assert changed["files"]["sub/b.jsonl"] != got["files"]["sub/b.jsonl"]
+    _write(root, "c.txt", "gamma\n")
+    assert "c.txt" in source_fingerprint(root)["files"]
+
+
+def test_datasets_and_builtin_fingerprints(tmp_path: Path):
+    import datasets
+
+    one = datasets.Dataset.from_dict({"text": ["a", "b"]})
+    two = datasets.Dataset.from_dict({"text": ["a", "c"]})
+    assert source_fingerprint(one)["fingerprint"] != source_fingerprint(two)["fingerprint"]
+    one.save_to_disk(str(tmp_path / "saved"))
+    saved = source_fingerprint(tmp_path / "saved")
+    assert saved["kind"] == "saved dataset" and any(f.endswith(".arrow") for f in saved["files"])
+    assert source_fingerprint(BUILTIN_STDLIB)["python"] == list(__import__("sys").version_info[:2])
+    with pytest.raises(DataError, match="no such file or directory"):
+        source_fingerprint(tmp_path / "missing.txt")
+
+
+@pytest.mark.parametrize("layout", ["file", "directory"])
+def test_resuming_on_changed_data_is_refused_naming_what_changed(tiny_dirs, tmp_path: Path, layout: str):
+    from hookscope.extract import ExtractConfig, extract
+
+    text = "".join(f"Document {i}: the quick brown fox jumps over the lazy dog {i}.\n\n" for i in range(40))
+    if layout == "file":
+        data_path = changed = _write(tmp_path, "corpus.txt", text)
+        what = "data_fingerprint.sha256: stored"
+    else:
+        data_path = tmp_path / "docs"
+        data_path.mkdir()
+        _write(data_path, "a.txt", text)
+        changed = _write(data_path, "b.txt", text)
+        what = "data_fingerprint.files.b.txt: stored"
+    cfg = ExtractConfig(out=str(tmp_path / "store"), model=str(tiny_dirs["gpt2"]),
+                        points=["blocks.0.resid_post"],
+                        data=str(data_path), context=16, batch_size=2, shard_rows=40, max_tokens=160,
+                        progress=False)
+    first = extract(cfg)
+    assert extract(cfg).new_rows == 0 and first.rows > 0  # unchanged data: resumes, nothing to add
+    _same_size_edit(changed)
+    with pytest.raises(StoreError, match=what) as caught:
+        extract(cfg)
+    assert "different settings" in str(caught.value)

@@ -3,6 +3,8 @@ were saved with, and clear errors for paths that are not models."""
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -78,3 +80,50 @@ def test_missing_paths_raise_model_load_error(tmp_path):
     with pytest.raises(hs.ModelLoadError, match="no config.json"):
         hs.load(str(tmp_path))
     assert issubclass(hs.ModelLoadError, hs.HookscopeError)
+
+
+def test_an_unreachable_hub_fails_fast_naming_the_offline_options(monkeypatch, tmp_path):
+    """A hub id the cache does not hold, on a machine that cannot reach the hub: a clear error in
+    seconds, not ~20 s of retries."""
+    from hookscope.hub import OFFLINE_VARIABLES
+
+    for variable in OFFLINE_VARIABLES:
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv("HF_ENDPOINT", "http://127.0.0.1:9")  # the discard port: nothing listens
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))  # an empty cache
+    import transformers.models.auto  # noqa: F401 - imported before the clock starts (seconds on a busy machine)
+
+    started = time.perf_counter()
+    with pytest.raises(hs.ModelLoadError) as caught:
+        hs.load("gpt2-not-cached-here")
+    assert time.perf_counter() - started < 5.0
+    message = str(caught.value)
+    assert "not a local directory and not in the Hugging Face cache" in message
+    assert "cannot connect to 127.0.0.1:9" in message and "HF_HUB_OFFLINE=1" in message and "./" in message
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    started = time.perf_counter()
+    with pytest.raises(hs.ModelLoadError, match="HF_HUB_OFFLINE=1 is set"):
+        hs.load("gpt2-not-cached-here")
+    assert time.perf_counter() - started < 5.0
+
+
+def test_load_draws_no_progress_bar(tiny_dirs):
+    from transformers.utils import logging
+
+    made = []
+
+    def record(factory, args, kwargs):
+        made.append((factory.__name__, kwargs.get("desc")))
+        return factory(*args, **kwargs)
+
+    was_enabled = logging.is_progress_bar_enabled()  # the CLI tests turn bars off for the process
+    logging.enable_progress_bar()  # a user who has bars on
+    logging.set_tqdm_hook(record)
+    try:
+        hs.load(str(tiny_dirs["gpt2"]))
+        assert logging.is_progress_bar_enabled()  # the user's setting is back as it was
+    finally:
+        logging.set_tqdm_hook(None)
+        if not was_enabled:
+            logging.disable_progress_bar()
+    assert made and all(name == "EmptyTqdm" for name, _ in made), made  # every bar asked for was a no-op

@@ -510,8 +510,13 @@ def test_train_and_val_split_rows_and_do_not_depend_on_the_seed(id_store):
 def test_unknown_column_and_worker_processes_are_refused(id_store):
     with pytest.raises(StoreError, match="no column 'y'"):
         id_store.dataset("y")
-    loader = torch.utils.data.DataLoader(id_store.dataset("x", batch_size=10), batch_size=None, num_workers=0)
-    assert sorted(ids_of(loader)) == list(range(200))
+    for workers in (0, 1):  # the main process, or one worker process: every row once
+        loader = torch.utils.data.DataLoader(id_store.dataset("x", batch_size=10), batch_size=None,
+                                             num_workers=workers)
+        assert sorted(ids_of(loader)) == list(range(200))
+    loader = torch.utils.data.DataLoader(id_store.dataset("x", batch_size=10), batch_size=None, num_workers=2)
+    with pytest.raises(StoreError, match="num_workers=0 or 1"):  # raised in a worker, re-raised here
+        ids_of(loader)
 
 
 def test_hugging_face_export(id_store, tmp_path: Path):

@@ -1,7 +1,7 @@
 """The `hookscope` command. Thin: it parses arguments and calls the rooms; no logic lives here.
 
     hookscope points [MODEL]                 list hook points (with shapes on a sample sentence)
-    hookscope capture [MODEL] --point P      capture one point on a sentence and summarise it
+    hookscope capture [MODEL] --points P     capture point(s) on a sentence and summarise them
     hookscope extract [MODEL] --out DIR      stream points of a dataset to a sharded store
     hookscope inspect DIR                    summarise and verify a store
     hookscope profile [MODEL]                time and memory per block, trace, picture
@@ -54,16 +54,24 @@ def cmd_points(args) -> int:
 
     from . import images
 
+    text = args.text
     if images.has_image_processor(args.model):  # a vision encoder: shapes on a sample image
         _quiet_transformers()
         loaded = hs.load(args.model, device=args.device, tokenizer=False)
         example = images.sample_input(args.model, args.device) if args.text else None
     else:
         loaded = _load(args)
-        example = _encode(loaded, args.text) if args.text else None
+        example = _encode(loaded, text) if text else None
+        heads = loaded.arch.n_heads
+        while (example is not None and args.text == DEFAULT_TEXT and heads
+               and example["input_ids"].shape[-1] == heads):  # [1, 12, 12, 32] could not be read
+            text += " Again."
+            example = _encode(loaded, text)
     infos = hs.points(loaded.model, example, pattern=args.pattern)
     print(f"{loaded.name}: {type(loaded.model).__name__}, family {loaded.arch.family}, "
           f"{loaded.arch.n_layers} blocks, {len(loaded.arch.names)} points")
+    if example is not None and "input_ids" in example:  # a vision model's sample image has none
+        print(f"shapes on {text!r} ({example['input_ids'].shape[-1]} tokens; --text to change it)")
     width = max(len(i.name) for i in infos)
     for i in infos:
         shape = f"  {list(i.shape)}" if i.shape else ""
@@ -81,7 +89,7 @@ def cmd_capture(args) -> int:
     loaded = _load(args)
     inputs = _encode(loaded, args.text)
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    acts = hs.collect(loaded.model, inputs, args.point, positions=args.positions, dtype=dtype)
+    acts = hs.collect(loaded.model, inputs, args.points, positions=args.positions, dtype=dtype)
     tokens = loaded.tokenizer.convert_ids_to_tokens(inputs["input_ids"][0])
     print(f"{loaded.name} on {args.text!r} ({len(tokens)} tokens: {' '.join(tokens)})")
     for name, act in acts.items():
@@ -89,13 +97,15 @@ def cmd_capture(args) -> int:
         print(f"  {name}: shape {list(act.shape)} {act.dtype}  mean {x.mean():+.4f}  std {x.std():.4f}  "
               f"max |x| {x.abs().max():.4f}")
     if args.save:
+        from pathlib import Path
+
         from safetensors import SafetensorError
-        from safetensors.torch import save_file
+        from safetensors.torch import save
 
         from .errors import HookscopeError
 
-        try:
-            save_file({k: v.contiguous() for k, v in acts.items()}, args.save)
+        try:  # a plain write: the file gets the umask's mode (safetensors' save_file makes it 0600)
+            Path(args.save).write_bytes(save({k: v.contiguous() for k, v in acts.items()}))
         except (OSError, SafetensorError) as e:
             raise HookscopeError(f"cannot write --save {args.save}: {e}") from e
         print(f"  saved to {args.save}")
@@ -118,10 +128,14 @@ def cmd_extract(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    from .errors import StoreError
     from .store import open_store
 
     store = open_store(args.dir)
     m = store.manifest
+    if len(store) == 0:
+        raise StoreError(f"{store.path} holds 0 rows: nothing was extracted into it yet (a run stopped "
+                         "before its first shard?); run the extract command again to fill it")
     print(f"{store.path}: {len(store):,} rows in {store.num_shards} shards, {m.bytes / 2**20:,.1f} MiB")
     settings = m.settings
     for key in ("model", "data", "context", "batch_size", "dtype", "drop_bos", "world_size"):
@@ -147,8 +161,11 @@ def cmd_profile(args) -> int:
 
     from .compile import compile_stats, reset_stats
     from .extract import max_positions
+    from .profiling.report import writable_dir
 
     _quiet_transformers()
+    if args.out:
+        writable_dir(args.out)  # before minutes of profiling, not after
     loaded = hs.load(args.model, device=args.device, dtype=args.dtype, compile=args.compile)
     longest = max_positions(loaded.model)
     if longest is not None and args.seq > longest:
@@ -161,12 +178,12 @@ def cmd_profile(args) -> int:
     reset_stats()
     report = hs.profile(loaded.model, inputs, backward=args.backward, steps=args.steps, warmup=args.warmup)
     report.compile_stats = compile_stats()  # graph breaks and recompiles, shown in the summary
+    print(report.summary(), flush=True)  # first: whatever happens to the files, the profile is shown
     if args.out:
-        report.write(args.out)
-    print(report.summary())
-    if args.out:
-        print(f"files in {args.out}: table.txt, trace.json (chrome://tracing or ui.perfetto.dev), "
-              "time_per_block.png, report.html")
+        files = report.write(args.out)
+        names = ", ".join(p.name + (" (chrome://tracing or ui.perfetto.dev)" if kind == "trace" else "")
+                          for kind, p in files.items())
+        print(f"files in {args.out}: {names}")
     return 0
 
 
@@ -267,14 +284,27 @@ def _at_least(minimum: int):
 
 
 def _positions(value: str | None):
+    """all | last | N | A:B | i,j,k"""
     if value is None or value == "all":
         return None
     if value == "last":
         return "last"
-    if ":" in value:
-        start, _, stop = value.partition(":")
-        return slice(int(start) if start else None, int(stop) if stop else None)
-    return [int(v) for v in value.split(",")] if "," in value else int(value)
+    try:
+        if ":" in value:
+            start, _, stop = value.partition(":")
+            return slice(int(start) if start else None, int(stop) if stop else None)
+        return [int(v) for v in value.split(",")] if "," in value else int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"{value!r} is not a position selection: use all, last, N, A:B or i,j,k (negative N counts "
+            "from the end)") from None
+
+
+def _point_list(value: str) -> list[str]:
+    names = [x.strip() for x in value.split(",") if x.strip()]
+    if not names:
+        raise argparse.ArgumentTypeError(f"{value!r} names no point; e.g. blocks.3.resid_post")
+    return names
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -286,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
                        help="Hugging Face id or local directory (default: the bundled all-MiniLM-L6-v2)")
         p.add_argument("--device", default="cpu", type=_device, help="cpu, cuda, cuda:N or mps")
 
+    def points_arg(p: argparse.ArgumentParser, *, help: str, required: bool = False, default=None) -> None:
+        # --points is the documented spelling; --point is accepted too (one point is a list of one)
+        group = p.add_mutually_exclusive_group(required=required)
+        group.add_argument("--points", type=_point_list, default=default, help=help)
+        group.add_argument("--point", dest="points", type=_point_list, help=argparse.SUPPRESS)
+
     p = sub.add_parser("points", help="list a model's hook points")
     model_args(p)
     p.add_argument("--text", default=DEFAULT_TEXT,
@@ -296,7 +332,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("capture", help="capture point(s) on one sentence and summarise them")
     model_args(p)
-    p.add_argument("--point", required=True, help="point name(s), comma-separated or a glob")
+    points_arg(p, required=True, help="point name(s), comma-separated or a glob")
     p.add_argument("--text", default=DEFAULT_TEXT)
     p.add_argument("--positions", type=_positions, default=None, help="all | last | N | A:B | i,j,k")
     p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
@@ -308,8 +344,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("extract", help="stream chosen points of a dataset to a sharded store (resumable)")
     model_args(p)
     p.add_argument("--out", required=True, help="store directory (re-run the same command to resume)")
-    p.add_argument("--points", type=lambda v: [x for x in v.split(",") if x], default=[DEFAULT_POINT],
-                   help=f"comma-separated point names or globs (default {DEFAULT_POINT})")
+    points_arg(p, default=[DEFAULT_POINT],
+               help=f"comma-separated point names or globs (default {DEFAULT_POINT})")
     p.add_argument("--data", default=DEFAULT_DATA,
                    help=".txt / .jsonl file, a directory of them, a saved HF dataset dir, hf:NAME[:split], "
                         f"or {DEFAULT_DATA} (default; built offline from Python's docstrings)")
@@ -372,10 +408,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
-        return args.run(args)
+        code = args.run(args)
+        sys.stdout.flush()  # here, so that a closed pipe is caught below and not at interpreter exit
+        return code
     except HookscopeError as exc:
         print(f"hookscope: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `hookscope inspect DIR | head`: the reader left; that is not an error
+        # point stdout at /dev/null so the interpreter's final flush does not raise again
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
 
 
 if __name__ == "__main__":

@@ -14,8 +14,10 @@ index in that document's tokenization (-1 for start, separator and padding token
 from __future__ import annotations
 
 import ast
+import collections
 import functools
 import gc
+import hashlib
 import json
 import os
 import sys
@@ -28,6 +30,7 @@ from typing import Any
 import torch
 
 from .errors import DataError
+from .hub import offline_variable, unreachable_reason
 
 BUILTIN_STDLIB = "builtin:stdlib-docstrings"
 _TEXT_SUFFIXES = (".txt", ".jsonl")
@@ -84,9 +87,15 @@ def iter_documents(source: Any, *, text_field: str = "text", split: str = "train
         return _nonempty(_from_dir(path, text_field, split), name)
     if path.is_file():
         return _nonempty(_from_file(path, text_field), name)
-    if path.suffix or path.is_absolute() or name.startswith((".", "~")):
-        raise DataError(f"data source {name!r}: no such file or directory")
-    return _nonempty(_from_hub(name, text_field, split), name)
+    raise _missing(name)
+
+
+def _missing(name: str) -> DataError:
+    # only hf:NAME goes to the hub: a mistyped directory must not turn into a minute of retries
+    looks_like_hub = not (Path(name).suffix or Path(name).is_absolute() or name.startswith((".", "~")))
+    hub = f", or hf:{name} if you meant a Hugging Face hub dataset" if looks_like_hub else ""
+    return DataError(f"data source {name!r}: no such file or directory; give a .txt / .jsonl file, a "
+                     f"directory of them or one saved with save_to_disk, or {BUILTIN_STDLIB}{hub}")
 
 
 def _nonempty(docs: Iterator[str], name: str) -> Iterator[str]:
@@ -155,22 +164,36 @@ def _from_dir(path: Path, text_field: str, split: str) -> Iterator[str]:
             raise DataError(f"{path}: cannot load it as a saved Hugging Face dataset ({e})") from e
         yield from _from_hf_dataset(loaded, text_field, split, str(path))
         return
-    files = sorted((p for p in path.rglob("*") if p.suffix in _TEXT_SUFFIXES and p.is_file()),
-                   key=lambda p: p.relative_to(path).as_posix())
+    files = _text_files(path)
     if not files:
         raise DataError(f"{path}: no .txt or .jsonl files in this directory")
     for file in files:
         yield from _from_file(file, text_field)
 
 
+def _text_files(path: Path) -> list[Path]:
+    """The .txt / .jsonl files under `path`, in the order they are read."""
+    return sorted((p for p in path.rglob("*") if p.suffix in _TEXT_SUFFIXES and p.is_file()),
+                  key=lambda p: p.relative_to(path).as_posix())
+
+
 def _from_hub(name: str, text_field: str, split: str) -> Iterator[str]:
     datasets = _import_datasets()
     repo, _, config = name.partition(":")  # "owner/name:config"
+    if not repo:
+        raise DataError("--data hf: needs a dataset name, e.g. hf:owner/name or hf:owner/name:config")
+    reason = unreachable_reason()
+    if reason is not None and offline_variable() is None:  # with an offline variable, try the cache
+        raise DataError(f"data source 'hf:{name}': the Hugging Face hub cannot be reached ({reason}). "
+                        "Save the dataset with `datasets`' save_to_disk on a connected machine and give "
+                        "that directory, or a .txt / .jsonl file; HF_DATASETS_OFFLINE=1 reads a copy "
+                        "already in the datasets cache")
     try:  # streaming: read only as far as the token budget needs, in the dataset's own order
         loaded = datasets.load_dataset(repo, config or None, split=split, streaming=True)
     except Exception as e:  # network, missing repo, missing split...: all one answer for the user
-        raise DataError(f"data source {name!r}: no local file or directory by that name, and loading it "
-                        f"from the Hugging Face hub failed ({type(e).__name__}: {e})") from e
+        raise DataError(f"data source 'hf:{name}': loading it from the Hugging Face hub failed "
+                        f"({type(e).__name__}: {e}). Check the name (hf:owner/name[:config]) and "
+                        "--text-field, or give a local file or directory") from e
     yield from _from_hf_dataset(loaded, text_field, split, name)
 
 
@@ -240,6 +263,101 @@ def _docstrings_in(tree: ast.Module) -> Iterator[str]:
         doc = ast.get_docstring(node)
         if doc and doc.strip():
             yield doc.strip()
+
+
+# -- fingerprints ---------------------------------------------------------------------------------
+
+
+def source_fingerprint(source: Any, *, text_field: str = "text", split: str = "train") -> dict[str, Any]:
+    """What a store's settings record about its data, so that resuming on changed data is refused.
+
+    Files are hashed in full (SHA-256 of the bytes, streamed in 1 MiB reads): size and mtime alone
+    miss an edit that keeps the size, and a copy that keeps the contents is still the same data.
+    A directory records one hash per file it reads (every file, for a `save_to_disk` directory),
+    so a refusal names the file that changed. A `datasets` object records its own fingerprint;
+    `hf:NAME` records the name and split only (the hub's copy is not hashed: pin a saved copy with
+    `save_to_disk` for a guarantee); the built-in corpus records the Python version it comes from.
+    """
+    if not isinstance(source, str | os.PathLike):
+        fingerprint = getattr(source, "_fingerprint", None)
+        if fingerprint is None and isinstance(source, dict):  # a DatasetDict: its split's
+            fingerprint = getattr(source.get(split), "_fingerprint", None)
+        if fingerprint is None:
+            raise DataError(f"cannot fingerprint a data source of type {type(source).__name__}; pass a "
+                            "file, a directory or a Hugging Face dataset")
+        return {"kind": "datasets", "fingerprint": fingerprint, "split": split}
+    name = os.fspath(source)
+    if name.startswith("builtin:"):
+        return {"kind": "builtin", "name": name, "python": list(sys.version_info[:2])}
+    if name.startswith("hf:"):
+        return {"kind": "hub", "name": name.removeprefix("hf:"), "split": split}
+    path = Path(name).expanduser()
+    if path.is_file():
+        return {"kind": "file", **_file_fingerprint(path)}
+    if path.is_dir():
+        saved = (path / "dataset_dict.json").exists() or (path / "state.json").exists()
+        files = (sorted(p for p in path.rglob("*") if p.is_file()) if saved else _text_files(path))
+        return {"kind": "saved dataset" if saved else "directory",
+                "files": {f.relative_to(path).as_posix(): _file_fingerprint(f)["sha256"] for f in files}}
+    raise _missing(name)
+
+
+def _file_fingerprint(path: Path) -> dict[str, Any]:
+    digest = hashlib.sha256()
+    size = 0
+    try:
+        with open(path, "rb") as f:
+            while chunk := f.read(1 << 20):
+                digest.update(chunk)
+                size += len(chunk)
+    except OSError as e:
+        raise DataError(f"{path}: cannot read it ({e.strerror})") from None
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+class ReadMeter:
+    """Passes documents through, counting their characters, so a progress bar can tell how much of
+    the source has been packed (`fraction`) when the source's size is known (`source_chars`)."""
+
+    def __init__(self, documents: Iterable[str], total_chars: int | None):
+        self._documents, self.total_chars = documents, total_chars
+        self.chars = self.count = 0
+        # characters read up to and including each of the last documents: the tokenizer reads
+        # ahead of packing by up to _TOKENIZE_BATCH documents, so progress is asked by document
+        self._recent: collections.deque[int] = collections.deque(maxlen=4 * _TOKENIZE_BATCH)
+
+    def __iter__(self) -> Iterator[str]:
+        for doc in self._documents:
+            self.chars += len(doc)
+            self.count += 1
+            self._recent.append(self.chars)
+            yield doc
+
+    def fraction(self, through_doc: int | None = None) -> float | None:
+        """The share of the source's characters in documents 0..through_doc (default: all read)."""
+        if not self.total_chars or not self.chars:
+            return None
+        chars = self.chars
+        first_recent = self.count - len(self._recent)
+        if through_doc is not None and first_recent <= through_doc < self.count:
+            chars = self._recent[through_doc - first_recent]
+        return min(1.0, chars / self.total_chars)
+
+
+def source_chars(source: Any) -> int | None:
+    """About how many characters of text `source` holds: exact for the built-in corpus, the bytes of
+    the files for a file or directory (a little more than their text), None when unknown."""
+    if not isinstance(source, str | os.PathLike):
+        return None
+    name = os.fspath(source)
+    if name == BUILTIN_STDLIB:
+        return sum(map(len, _stdlib_docstrings()))
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix in _TEXT_SUFFIXES:
+        return path.stat().st_size
+    if path.is_dir() and not ((path / "dataset_dict.json").exists() or (path / "state.json").exists()):
+        return sum(p.stat().st_size for p in _text_files(path)) or None
+    return None
 
 
 # -- packing --------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 
 from .capture import Capture
-from .data import batches, iter_documents, pack, pack_policy
+from .data import ReadMeter, batches, iter_documents, pack, pack_policy, source_chars, source_fingerprint
 from .errors import HookscopeError
 from .images import extract_images, is_image_source
 from .models import load
@@ -63,7 +63,7 @@ class ExtractSummary:
     def __str__(self) -> str:
         rate = self.new_rows / self.seconds if self.seconds > 0 else 0.0
         lines = [
-            f"wrote {self.new_rows:,} rows in {self.seconds:.1f} s ({rate:,.0f} tokens/s, "
+            f"wrote {self.new_rows:,} rows in {self.seconds:.1f} s ({rate:,.0f} rows/s, "
             f"{self.bytes_written / 2**20:,.1f} MiB); store holds {self.rows:,} rows -> {self.out}",
         ]
         if self.batches_skipped:
@@ -100,6 +100,7 @@ def settings_for(cfg: ExtractConfig, loaded, points: list[str], world_size: int)
         "drop_bos": cfg.drop_bos,
         "packing": pack_policy(loaded.tokenizer).as_dict(),
         "data": cfg.data,
+        "data_fingerprint": source_fingerprint(cfg.data, text_field=cfg.text_field),  # contents, hashed
         # the builtin corpus is this Python's own docstrings: another version, another corpus
         "python": list(sys.version_info[:2]) if cfg.data.startswith("builtin:") else None,
         "text_field": cfg.text_field,
@@ -158,23 +159,23 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
                              f"--context {longest} or less")
 
     settings = settings_for(cfg, loaded, points, world_size)
-    documents = iter_documents(cfg.data, text_field=cfg.text_field)
+    documents = ReadMeter(iter_documents(cfg.data, text_field=cfg.text_field), source_chars(cfg.data))
     sequences = pack(documents, loaded.tokenizer, context=cfg.context, max_tokens=cfg.max_tokens)
     started = time.perf_counter()
     done = skipped = new_rows = 0
-    progress = _Progress(cfg.progress and rank == 0, cfg.max_tokens)
+    progress = _Progress(cfg.progress and rank == 0, cfg, documents, world_size)
     with ShardWriter(cfg.out, settings, shard_rows=cfg.shard_rows, rank=rank,
                      world_size=world_size) as writer:
         for index, batch in enumerate(batches(sequences, cfg.batch_size)):
             if index % world_size != rank:
                 continue
-            if index in writer.done_batches:
-                skipped += 1
-                progress.update(int(batch["attention_mask"].sum()), writer.bytes_written)
-                continue
             keep = batch["attention_mask"].bool()
             if cfg.drop_bos:
                 keep &= ~batch["special_mask"].bool()
+            if index in writer.done_batches:
+                skipped += 1
+                progress.update(int(keep.sum()), batch, writer.bytes_written)
+                continue
             inputs = {"input_ids": batch["input_ids"].to(device),
                       "attention_mask": batch["attention_mask"].to(device)}
             with Capture(loaded.model, points, token_mask=keep.to(device), dtype=dtype, device="cpu") as cap:
@@ -190,12 +191,12 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
             writer.write(index, acts, meta)
             done += 1
             new_rows += int(keep.sum())
-            progress.update(int(batch["attention_mask"].sum()), writer.bytes_written)
+            progress.update(int(keep.sum()), batch, writer.bytes_written)
         writer.close()
         total_rows = writer.total_rows
         nonfinite = dict(writer.nonfinite)
         bytes_written = writer.bytes_written
-    progress.close()
+    progress.close(bytes_written)  # the last shard is on disk now: the bar ends on the summary's MiB
     if world_size > 1:
         import torch.distributed as dist
 
@@ -220,21 +221,46 @@ def _check_finite(acts: dict[str, torch.Tensor], policy: str, index: int) -> Non
 
 
 class _Progress:
-    """tqdm bar in tokens (tokens/s, ETA when a token budget is known, MiB written)."""
+    """tqdm bar in rows, the summary's unit: percent and ETA against a total estimated from
+    --max-tokens and from how much of the data source has been read, and the MiB written. Made at
+    the first batch, so that an error found before any work prints no empty bar."""
 
-    def __init__(self, enabled: bool, total_tokens: int | None):
-        self.bar = None
-        if enabled:
+    def __init__(self, enabled: bool, cfg: ExtractConfig, meter: ReadMeter, world_size: int):
+        self.enabled, self.meter, self.bar = enabled, meter, None
+        # the tokens this rank will run within --max-tokens (whole sequences only)
+        self.budget = (None if cfg.max_tokens is None
+                       else cfg.max_tokens // cfg.context * cfg.context / world_size)
+        self.rows = self.tokens = 0
+        self.last_doc = -1
+
+    def update(self, rows: int, batch: dict[str, torch.Tensor], bytes_written: int) -> None:
+        if not self.enabled:
+            return
+        tokens = int(batch["attention_mask"].sum())
+        self.last_doc = max(self.last_doc, int(batch["doc_ids"].max()))  # packed up to this document
+        if self.bar is None:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=total_tokens, unit="tok", unit_scale=True, desc="extract",
-                            dynamic_ncols=True)
+            self.bar = tqdm(unit="row", unit_scale=True, desc="extract", dynamic_ncols=True)
+        self.rows, self.tokens = self.rows + rows, self.tokens + tokens
+        estimate = self._estimated_rows()
+        if estimate is not None:
+            self.bar.total = max(estimate, self.rows)
+        self.bar.set_postfix_str(f"{bytes_written / 2**20:,.1f} MiB written", refresh=False)
+        self.bar.update(rows)
 
-    def update(self, tokens: int, bytes_written: int) -> None:
-        if self.bar is not None:
-            self.bar.update(tokens)
-            self.bar.set_postfix_str(f"{bytes_written / 2**20:,.1f} MiB", refresh=False)
+    def _estimated_rows(self) -> int | None:
+        estimates = []
+        if self.budget is not None and self.tokens:
+            estimates.append(self.rows * self.budget / self.tokens)  # rows per token so far
+        fraction = self.meter.fraction(self.last_doc if self.last_doc >= 0 else None)
+        if fraction:
+            estimates.append(self.rows / fraction)
+        return int(min(estimates)) if estimates else None
 
-    def close(self) -> None:
+    def close(self, bytes_written: int) -> None:
         if self.bar is not None:
+            self.bar.total = self.bar.n  # the estimate is done with: the bar ends at 100%
+            self.bar.set_postfix_str(f"{bytes_written / 2**20:,.1f} MiB written", refresh=False)
+            self.bar.refresh()
             self.bar.close()

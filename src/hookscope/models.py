@@ -7,7 +7,9 @@ transformers' `torch.load(weights_only=True)` for old `.bin` files): hookscope n
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,6 +20,7 @@ from torch import nn
 from .arch import Arch, arch_of
 from .compile import apply as apply_compile_policy
 from .errors import ModelLoadError
+from .hub import OFFLINE_HELP, unreachable_reason
 
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 
@@ -77,10 +80,18 @@ def load(
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     source, local = resolve_source(name_or_path)
-    common: dict[str, Any] = {"revision": revision, "local_files_only": local}
+    # a hub id on a machine that cannot reach the hub: the local cache only, and a fast clear error
+    # when the model is not in it (transformers would retry the network for ~20 s first)
+    unreachable = None if local else unreachable_reason()
+    common: dict[str, Any] = {"revision": revision, "local_files_only": local or unreachable is not None}
     try:
         config = AutoConfig.from_pretrained(source, **common)
     except OSError as exc:
+        if unreachable is not None:
+            raise ModelLoadError(
+                f"{name_or_path!r} is not a local directory and not in the Hugging Face cache, and the hub "
+                f"cannot be reached from this machine ({unreachable}): {OFFLINE_HELP}"
+            ) from exc
         raise ModelLoadError(
             f"could not load a model config from {name_or_path!r}: {exc}. Give a local directory "
             "saved with save_pretrained, or a Hugging Face id reachable from this machine"
@@ -97,7 +108,8 @@ def load(
     if device_map is not None:
         kwargs["device_map"] = device_map
     try:
-        model = auto.from_pretrained(source, **kwargs)
+        with _no_progress_bars():  # transformers 5 draws a bar while it loads the weights
+            model = auto.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model weights from {name_or_path!r}: {exc}") from exc
     if device_map is None:
@@ -112,3 +124,17 @@ def load(
             raise ModelLoadError(f"{name_or_path!r} has no usable tokenizer: {exc}") from exc
     label = DEFAULT_MODEL if name_or_path in (None, "", "default") else name_or_path
     return Loaded(model, tok, arch_of(model), label)
+
+
+@contextlib.contextmanager
+def _no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off for the duration, then back as the user had them."""
+    from transformers.utils import logging
+
+    was_enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            logging.enable_progress_bar()

@@ -42,6 +42,7 @@ class Row:
     share: float
     device_s: float | None = None
     device_mem_bytes: float | None = None
+    spread: float | None = None  # (slowest - fastest) / median of its per-step times; None: 1 step
 
 
 @dataclass(frozen=True)
@@ -129,6 +130,18 @@ class _Totals:
     def __init__(self) -> None:
         self.calls = 0
         self.total = self.self = self.cpu_mem = self.device = self.device_mem = 0.0
+        self.per_step: dict[int, float] = defaultdict(float)  # step index -> total time in it
+        self.per_step_device: dict[int, float] = defaultdict(float)
+
+
+def relative_spread(values: Sequence[float]) -> float | None:
+    """(largest - smallest) / median: 0.0 when every value is the same; None for fewer than two."""
+    if len(values) < 2:
+        return None
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    median = ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
+    return (ordered[-1] - ordered[0]) / median if median > 0 else 0.0
 
 
 def cpu_threads(events: Iterable) -> dict[int, ThreadIndex]:
@@ -142,6 +155,8 @@ def cpu_threads(events: Iterable) -> dict[int, ThreadIndex]:
 def label_totals(threads: dict[int, ThreadIndex]) -> dict[str, _Totals]:
     """Per label: calls, total, self, memory and device time, summed over the profiled steps."""
     totals: dict[str, _Totals] = defaultdict(_Totals)
+    step_starts = sorted(ev.time_range.start for index in threads.values() for ev in index.events
+                         if ev.name == STEP)
     for index in threads.values():
         for ev in index.events:
             if not ev.name.startswith(PREFIX):
@@ -162,7 +177,11 @@ def label_totals(threads: dict[int, ThreadIndex]) -> dict[str, _Totals]:
             # (when Python drops a reference), so only the whole interval nets them out
             t.cpu_mem += ev.cpu_memory_usage
             t.device_mem += ev.device_memory_usage
-            t.device += sum(k.device_time_total for k in kids)
+            device = sum(k.device_time_total for k in kids)
+            t.device += device
+            step = bisect.bisect_right(step_starts, span.start) - 1  # the step this range ran in
+            t.per_step[step] += span.end - span.start
+            t.per_step_device[step] += device
     return totals
 
 
@@ -180,12 +199,14 @@ def build_rows(
         t = totals.get(label, _Totals())
         name, kind = _row_key(label)
         primary = (t.device if on_device else t.total) / steps * US
+        per_step = t.per_step_device if on_device else t.per_step
         rows.append(Row(
             name=name, kind=kind, calls=t.calls / steps, self_s=t.self / steps * US,
             total_s=t.total / steps * US, cpu_mem_bytes=t.cpu_mem / steps,
             share=primary / base if base > 0 else 0.0,
             device_s=t.device / steps * US if on_device else None,
             device_mem_bytes=t.device_mem / steps if on_device else None,
+            spread=relative_spread([per_step.get(i, 0.0) for i in range(steps)]) if t.calls else None,
         ))
     return rows, step_cpu, (step_device if on_device else None)
 

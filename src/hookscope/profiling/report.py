@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import pickle
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import HookscopeError
-from .events import OpRow, Row
+from .events import OpRow, Row, relative_spread
 from .trace import write_trace
+
+WIDE_SPREAD = 0.25  # slowest - fastest step over the median: beyond it, the summary warns
+MIN_OVERHEAD_NOISE = 0.02  # a hook overhead is "within the noise" when pairs spread wider than this
 
 CPU_MEMORY_NOTE = (
     "memory: CPU run, so no allocator timeline (that is CUDA only); the table's 'CPU mem' column is "
@@ -48,6 +52,47 @@ class ProfileReport:
     compile_stats: dict[str, Any] = field(default_factory=dict)
     memory_snapshot: dict | None = field(default=None, repr=False)  # CUDA allocator history
     profiler: Any = field(default=None, repr=False)  # the finished torch.profiler run, for the trace
+    step_times_s: list[float] = field(default_factory=list)  # every timed step, with the hooks
+    step_times_without_hooks_s: list[float] | None = None  # paired with step_times_s, one each
+    _trace_text: str | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def step_spread(self) -> float | None:
+        """(slowest - fastest) / median of the timed steps; None with a single step."""
+        return relative_spread(self.step_times_s)
+
+    @property
+    def hook_overhead_range(self) -> tuple[float, float] | None:
+        """The smallest and largest hook overhead of one pair of steps (with, then without)."""
+        without = self.step_times_without_hooks_s
+        if not without or len(without) < 2:
+            return None
+        ratios = [a / b - 1.0 for a, b in zip(self.step_times_s, without, strict=True)]
+        return min(ratios), max(ratios)
+
+    @property
+    def warnings(self) -> list[str]:
+        """What makes the figures unreliable: steps whose times spread widely (a busy machine, a
+        step too short to time), a hook overhead smaller than its own noise."""
+        out = []
+        spread = self.step_spread
+        if spread is not None and spread > WIDE_SPREAD:
+            out.append(
+                f"warning: the {len(self.step_times_s)} timed steps took {_ms(min(self.step_times_s))} to "
+                f"{_ms(max(self.step_times_s))} (spread {spread:.0%} of the median): the machine is busy "
+                "or a step is too short to time; read the times as rough, see each row's spread, and "
+                "re-run with more --steps on a quieter machine")
+        wide = [r.name for r in self.rows if r.spread is not None and r.spread > WIDE_SPREAD
+                and r.kind in ("block", "block backward") and r.share >= 0.05]
+        if wide and not out:
+            out.append(f"warning: {', '.join(wide)} varied by more than {WIDE_SPREAD:.0%} between "
+                       "profiled steps (see the spread column); re-run with more --steps")
+        span = self.hook_overhead_range
+        if span is not None and self.hook_overhead is not None and span[1] - span[0] > max(
+                abs(self.hook_overhead), MIN_OVERHEAD_NOISE):
+            out.append(f"warning: the hook overhead of one pair of steps ranged from {span[0]:+.1%} to "
+                       f"{span[1]:+.1%}: {self.hook_overhead:+.1%} is within the machine's noise")
+        return out
 
     def block_rows(self) -> list[Row]:
         return [r for r in self.rows if r.kind in ("block", "block backward")]
@@ -68,8 +113,9 @@ class ProfileReport:
         lines = [
             (f"hookscope profile: {self.model} on {self.device}, {what}, "
              f"{self.steps} profiled steps after {self.warmup} warm-up"),
-            (f"step: {_ms(self.step_time_s)} (fastest of {self.steps}, wall clock, no profiler); "
-             f"{_ms(self.profiled_step_s)} under the profiler{device_step}"),
+            (f"step: {_ms(self.step_time_s)} (fastest of {self.steps}, wall clock, no profiler"
+             f"{_spread_note(self.step_times_s)}); {_ms(self.profiled_step_s)} under the "
+             f"profiler{device_step}"),
         ]
         if self.block_rows():
             lines.append(f"blocks: {self.blocks_share:.1%} of the profiled step "
@@ -81,36 +127,72 @@ class ProfileReport:
             lines += ["", (f"hooks cost {self.hook_overhead:+.1%} per step: "
                            f"{_ms(self.step_time_s)} with them, "
                            f"{_ms(self.step_time_without_hooks_s)} without "
-                           f"(fastest of {self.steps} steps each)")]
+                           f"(fastest of {self.steps} steps each"
+                           + (", one pair of steps: {:+.1%} to {:+.1%}".format(*self.hook_overhead_range)
+                              if self.hook_overhead_range else "") + ")")]
         if self.compile_stats:
             lines += ["", "compile: " + ", ".join(f"{k}={v}" for k, v in self.compile_stats.items())]
+        if self.warnings:
+            lines += ["", *self.warnings]
         clock = "device" if on_device else "CPU"
         lines += ["", self.memory_note, "", f"top operators by self {clock} time, per step:",
                   _ops_table(self.top_ops, on_device)]
         return "\n".join(lines)
 
     def write(self, out_dir: str | Path) -> dict[str, Path]:
-        """Write table.txt, trace.json (Chrome / Perfetto), time_per_block.png, report.html and,
-        on CUDA, memory_snapshot.pickle; returns {kind: path}."""
-        from .render import html_page, plot_png
+        """Write table.txt, trace.json (Chrome / Perfetto), time_per_block.svg (the picture; no
+        extra package needed), time_per_block.png (only when matplotlib is installed), report.html
+        (the picture inline) and, on CUDA, memory_snapshot.pickle; returns {kind: path}.
+        An --out that cannot be written raises HookscopeError, naming it."""
+        from .render import html_page, plot_png, plot_svg
 
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
         if self.profiler is None:
             raise HookscopeError("this report has no profiler run attached; make it with hs.profile(...)")
+        out = writable_dir(out_dir)
         files = {"table": out / "table.txt", "trace": out / "trace.json"}
-        files["table"].write_text(self.summary() + "\n")
-        write_trace(self.profiler, files["trace"])
-        if self.memory_snapshot is not None:
-            # PyTorch's memory viewer reads this pickle; we only ever write it, never load it
-            files["memory"] = out / "memory_snapshot.pickle"
-            files["memory"].write_bytes(pickle.dumps(self.memory_snapshot))
-        png = plot_png(self, written=list(files.values()))
-        files["plot"] = out / "time_per_block.png"
-        files["plot"].write_bytes(png)
-        files["html"] = out / "report.html"
-        files["html"].write_text(html_page(self, png), encoding="utf-8")
+        try:
+            files["table"].write_text(self.summary() + "\n")
+            if self._trace_text is None:  # the profiler exports its trace once only: keep it
+                write_trace(self.profiler, files["trace"])
+                self._trace_text = files["trace"].read_text()
+            else:
+                files["trace"].write_text(self._trace_text)
+            if self.memory_snapshot is not None:
+                # PyTorch's memory viewer reads this pickle; we only ever write it, never load it
+                files["memory"] = out / "memory_snapshot.pickle"
+                files["memory"].write_bytes(pickle.dumps(self.memory_snapshot))
+            svg = plot_svg(self)
+            files["picture"] = out / "time_per_block.svg"
+            files["picture"].write_text(svg, encoding="utf-8")
+            png = plot_png(self)
+            if png is not None:
+                files["plot"] = out / "time_per_block.png"
+                files["plot"].write_bytes(png)
+            files["html"] = out / "report.html"
+            files["html"].write_text(html_page(self, svg), encoding="utf-8")
+        except OSError as e:
+            raise HookscopeError(f"cannot write the profile into {out}: {e.strerror or e}; choose "
+                                 "another --out / out_dir (the printed summary is complete)") from e
         return files
+
+
+def writable_dir(out_dir: str | Path) -> Path:
+    """`out_dir`, created if needed, once a file could be made in it; else a HookscopeError. Asked
+    before a profile runs, so a typo in --out costs nothing."""
+    out = Path(out_dir)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=out):
+            pass
+    except OSError as e:
+        raise HookscopeError(f"cannot write the profile into {out}: {e.strerror or e}; choose a "
+                             "writable directory for --out / out_dir") from e
+    return out
+
+
+def _spread_note(times: list[float]) -> str:
+    spread = relative_spread(times)
+    return "" if spread is None else f"; slowest {_ms(max(times))}, spread {spread:.0%}"
 
 
 def _ms(seconds: float | None) -> str:
@@ -125,14 +207,15 @@ def row_cells(row: Row, on_device: bool) -> list[str]:
     cells = [row.name, row.kind, f"{row.calls:g}", f"{row.self_s * 1e3:.3f}", f"{row.total_s * 1e3:.3f}"]
     if on_device:
         cells += [f"{row.device_s * 1e3:.3f}", mib(row.device_mem_bytes)]
-    return cells + [f"{row.share:.1%}", mib(row.cpu_mem_bytes)]
+    spread = "-" if row.spread is None else f"{row.spread:.0%}"
+    return cells + [spread, f"{row.share:.1%}", mib(row.cpu_mem_bytes)]
 
 
 def row_header(on_device: bool) -> list[str]:
     head = ["point", "kind", "calls", "self ms", "total ms"]
     if on_device:
         head += ["device ms", "device mem"]
-    return head + ["share", "CPU mem"]
+    return head + ["spread", "share", "CPU mem"]
 
 
 def op_cells(op: OpRow, on_device: bool) -> list[str]:

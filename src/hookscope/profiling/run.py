@@ -58,7 +58,7 @@ def profile(
     device = _device_of(model)
     stepper = _Stepper(model, inputs, backward, loss_fn or default_loss, device)
     with _grads_put_aside(model) if backward else contextlib.nullcontext():
-        step_s, without_hooks_s = _time_steps(stepper, model, arch, install, steps, warmup)
+        step_times, without_hooks = _time_steps(stepper, model, arch, install, steps, warmup)
         prof, snapshot = _profile_steps(stepper, model, arch, install, steps, backward, device)
     on_device = device.type == "cuda"
     threads = cpu_threads(prof.events())
@@ -66,10 +66,12 @@ def profile(
     rows, step_cpu, step_device = build_rows(label_totals(threads), labels, steps, on_device)
     report = ProfileReport(
         model=_model_name(model), device=str(device), backward=backward, steps=steps, warmup=warmup,
-        rows=rows, top_ops=top_ops(threads, steps, on_device), step_time_s=step_s,
+        rows=rows, top_ops=top_ops(threads, steps, on_device), step_time_s=min(step_times),
         profiled_step_s=step_cpu, profiled_step_device_s=step_device,
-        hook_overhead=None if without_hooks_s is None else step_s / without_hooks_s - 1.0,
-        step_time_without_hooks_s=without_hooks_s, memory_snapshot=snapshot, profiler=prof,
+        hook_overhead=None if without_hooks is None else min(step_times) / min(without_hooks) - 1.0,
+        step_time_without_hooks_s=None if without_hooks is None else min(without_hooks),
+        memory_snapshot=snapshot, profiler=prof, step_times_s=step_times,
+        step_times_without_hooks_s=without_hooks,
     )
     if out_dir is not None:
         report.write(out_dir)
@@ -130,24 +132,24 @@ class _Stepper:
 
 def _time_steps(
     step: _Stepper, model: nn.Module, arch: Arch, install: Install | None, steps: int, warmup: int
-) -> tuple[float, float | None]:
-    """The fastest wall-clock step with the user's hooks, and without them (None: no hooks).
-    Fastest, not median: noise from other work on the machine only ever adds time, and a few
-    ms of it in one step would otherwise swamp what a hook costs."""
+) -> tuple[list[float], list[float] | None]:
+    """Wall-clock times of each step with the user's hooks, and without them (None: no hooks),
+    in the order they ran (with, without, with, ...). The report takes the fastest of each (noise
+    from other work on the machine only ever adds time) and shows their spread."""
     with Hooks(model, arch) as h:
         if install is not None:
             install(h)
         for _ in range(warmup):
             step()
         if install is None:
-            return min(_timed(step) for _ in range(steps)), None
+            return [_timed(step) for _ in range(steps)], None
     with_hooks, without = [], []
     for _ in range(steps):
         with Hooks(model, arch) as h:
             install(h)
             with_hooks.append(_timed(step))
         without.append(_timed(step))
-    return min(with_hooks), min(without)
+    return with_hooks, without
 
 
 def _timed(step: _Stepper) -> float:

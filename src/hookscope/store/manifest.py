@@ -59,7 +59,9 @@ def settings_diff(stored: dict[str, Any], given: dict[str, Any]) -> list[str]:
     lines = []
     for key in sorted(set(stored) | set(given)):
         a, b = stored.get(key, _ABSENT), given.get(key, _ABSENT)
-        if a != b:
+        if isinstance(a, dict) and isinstance(b, dict):  # name the inner key that changed (a data file)
+            lines += [f"{key}.{line}" for line in settings_diff(a, b)]
+        elif a != b:
             lines.append(f"{key}: stored {_show(a)}, given {_show(b)}")
     return lines
 
