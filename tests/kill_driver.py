@@ -21,6 +21,12 @@ event of that site to die at, counted from 1 over the whole run:
     count                            run to the end, counting every site's events
 
 A real SIGKILL: no finally blocks, no atexit, no flush, exactly as a crash or an OOM kill.
+
+    python kill_driver.py cli SIGNAL KILL_AT HOOKSCOPE_ARGS...
+
+runs `hookscope HOOKSCOPE_ARGS...` (the CLI's own main) and sends the process a real SIGNAL (INT,
+TERM or KILL) at KILL_AT, from whichever thread reaches it; with INT or TERM the run goes on to
+handle it as it would a Ctrl-C or a scheduler's stop (no half-written files are faked).
 """
 
 from __future__ import annotations
@@ -44,8 +50,11 @@ SITES = ("replace", "rename", "manifest-replace", "save", "manifest-write", "fsy
          "tokenize")
 
 
+SIGNAL = signal.SIGKILL  # what die() sends; `cli` mode may choose SIGINT or SIGTERM
+
+
 def die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), SIGNAL)
 
 
 class Plan:
@@ -91,7 +100,7 @@ def arm(kill_at: str) -> Plan:
 
     def fsync(fd):
         path = _fd_path(fd)
-        if path.endswith(".json.tmp") and plan.event("manifest-write"):
+        if path.endswith(".json.tmp") and plan.event("manifest-write") and SIGNAL == signal.SIGKILL:
             os.truncate(path, os.path.getsize(path) // 2)  # the rest of the JSON never reached the disk
             die()
         if plan.event("fsync"):
@@ -101,8 +110,9 @@ def arm(kill_at: str) -> Plan:
     def save_file(tensors, path, *args, **kwargs):
         real_save(tensors, path, *args, **kwargs)
         if plan.event("save"):
-            with open(path, "r+b") as f:  # leave a half-written file behind, as a crash would
-                f.truncate(os.path.getsize(path) // 2)
+            if SIGNAL == signal.SIGKILL:  # leave a half-written file behind, as a crash would
+                with open(path, "r+b") as f:
+                    f.truncate(os.path.getsize(path) // 2)
             die()
 
     def write(self, *args, **kwargs):
@@ -146,7 +156,13 @@ def run_extract(config: dict[str, Any], kill_at: str = "never") -> dict[str, Any
     return {"summary": dataclasses.asdict(summary), "counts": dict(plan.counts)}
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1] == "cli":
+    from hookscope.cli import main
+
+    SIGNAL = signal.Signals["SIG" + sys.argv[2]]
+    arm(sys.argv[3])
+    sys.exit(main(sys.argv[4:]))
+elif __name__ == "__main__":
     config = json.loads(sys.argv[1])
     arm(sys.argv[2])
     print(extract(ExtractConfig(**config)))

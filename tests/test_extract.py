@@ -203,3 +203,4 @@ def test_cli_extract_and_inspect(tiny_dirs, corpus, tmp_path, capsys):
     shard.write_bytes(bytes(data))
     assert main(["inspect", str(out)]) == 2
     assert shard.name in capsys.readouterr().err
+

@@ -95,7 +95,7 @@ def cmd_capture(args) -> int:
 
 
 def cmd_extract(args) -> int:
-    from .extract import ExtractConfig, extract
+    from .extract import ExtractConfig, ExtractInterrupted, extract
 
     _quiet_transformers()
     cfg = ExtractConfig(
@@ -105,7 +105,11 @@ def cmd_extract(args) -> int:
         on_nonfinite=args.on_nonfinite, revision=args.revision, progress=not args.no_progress,
         device_map=args.device_map,
     )
-    print(extract(cfg))
+    try:
+        print(extract(cfg))
+    except ExtractInterrupted as stop:  # Ctrl-C / SIGTERM: one line, not a traceback
+        print(f"hookscope: {stop}", file=sys.stderr)
+        return 130
     return 0
 
 
