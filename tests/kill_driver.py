@@ -17,6 +17,9 @@ event of that site to die at, counted from 1 over the whole run:
                                      thread may be in the middle of a shard)
     forward:N                        at the N-th module call of a forward pass
     tokenize:N                       inside the N-th call to the tokenizer
+    upload:N:before|after            around the N-th shard upload (a store at a URL; after it, the
+                                     object exists but no manifest lists it yet)
+    put:N:before|after               around the N-th manifest PUT (a store at a URL; 1 is the stamp)
     never                            run to the end
     count                            run to the end, counting every site's events
 
@@ -44,10 +47,11 @@ import torch
 from hookscope import extract as extract_module
 from hookscope.extract import ExtractConfig, extract
 from hookscope.store import ShardWriter
+from hookscope.store import fs as fs_module
 from hookscope.store import writer as writer_module
 
 SITES = ("replace", "rename", "manifest-replace", "save", "manifest-write", "fsync", "batch", "forward",
-         "tokenize")
+         "tokenize", "upload", "put")
 
 
 SIGNAL = signal.SIGKILL  # what die() sends; `cli` mode may choose SIGINT or SIGTERM
@@ -127,6 +131,21 @@ def arm(kill_at: str) -> Plan:
         if plan.event("forward"):
             die()
 
+    real_upload, real_put = fs_module.Remote.upload, fs_module.Remote.write
+
+    def upload(self, *args, **kwargs):
+        due = plan.event("upload")
+        plan.at(due, "before")
+        real_upload(self, *args, **kwargs)
+        plan.at(due, "after")
+
+    def put(self, *args, **kwargs):
+        due = plan.event("put")
+        plan.at(due, "before")
+        real_put(self, *args, **kwargs)
+        plan.at(due, "after")
+
+    fs_module.Remote.upload, fs_module.Remote.write = upload, put
     os.replace, os.fsync, writer_module.save_file = replace, fsync, save_file
     ShardWriter.write, extract_module.pack = write, pack
     torch.nn.modules.module.register_module_forward_pre_hook(forward)

@@ -236,7 +236,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("extract", help="stream chosen points of a dataset to a sharded store (resumable)")
     model_args(p)
-    p.add_argument("--out", required=True, help="store directory (re-run the same command to resume)")
+    p.add_argument("--out", required=True,
+                   help="store directory or URL (s3://, gs://, az://, hf://, memory://); "
+                        "re-run the same command to resume")
     p.add_argument("--points", type=lambda v: [x for x in v.split(",") if x], default=[DEFAULT_POINT],
                    help=f"comma-separated point names or globs (default {DEFAULT_POINT})")
     p.add_argument("--data", default=DEFAULT_DATA,
@@ -273,7 +275,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_profile)
 
     p = sub.add_parser("inspect", help="summarise and check a store")
-    p.add_argument("dir")
+    p.add_argument("dir", help="store directory or URL")
     p.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of every shard")
     p.set_defaults(run=cmd_inspect)
     return parser
