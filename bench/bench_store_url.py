@@ -83,6 +83,8 @@ def main() -> None:
                 out = subprocess.run([sys.executable, "-c", READ, where], capture_output=True, text=True,
                                      env=env, check=True)
                 result[key].append(float(out.stdout.strip()))
+            print(f"run {i}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in result.items())
+                  + f"; load {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
             shutil.rmtree(local)
     finally:
         server.terminate()
