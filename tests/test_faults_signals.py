@@ -128,8 +128,8 @@ SIGNALS = [
     ("INT", "rename:3:after", "right after a shard's rename, before its manifest"),
     ("INT", "fsync:6", "inside an fsync (writer thread)"),
     ("INT", "batch:14", "late in the run"),
-    ("TERM", "batch:5", "SIGTERM as a batch is queued"),
-    ("TERM", "forward:300", "SIGTERM in the middle of a forward pass"),
+    ("TERM", "batch:5", "as a batch is queued"),
+    ("TERM", "forward:300", "in the middle of a forward pass"),
 ]
 
 
