@@ -17,10 +17,19 @@ event of that site to die at, counted from 1 over the whole run:
                                      thread may be in the middle of a shard)
     forward:N                        at the N-th module call of a forward pass
     tokenize:N                       inside the N-th call to the tokenizer
+    upload:N:before|after            around the N-th shard upload (a store at a URL; after it, the
+                                     object exists but no manifest lists it yet)
+    put:N:before|after               around the N-th manifest PUT (a store at a URL; 1 is the stamp)
     never                            run to the end
     count                            run to the end, counting every site's events
 
 A real SIGKILL: no finally blocks, no atexit, no flush, exactly as a crash or an OOM kill.
+
+    python kill_driver.py cli SIGNAL KILL_AT HOOKSCOPE_ARGS...
+
+runs `hookscope HOOKSCOPE_ARGS...` (the CLI's own main) and sends the process a real SIGNAL (INT,
+TERM or KILL) at KILL_AT, from whichever thread reaches it; with INT or TERM the run goes on to
+handle it as it would a Ctrl-C or a scheduler's stop (no half-written files are faked).
 """
 
 from __future__ import annotations
@@ -38,14 +47,18 @@ import torch
 from hookscope import extract as extract_module
 from hookscope.extract import ExtractConfig, extract
 from hookscope.store import ShardWriter
+from hookscope.store import fs as fs_module
 from hookscope.store import writer as writer_module
 
 SITES = ("replace", "rename", "manifest-replace", "save", "manifest-write", "fsync", "batch", "forward",
-         "tokenize")
+         "tokenize", "upload", "put")
+
+
+SIGNAL = signal.SIGKILL  # what die() sends; `cli` mode may choose SIGINT or SIGTERM
 
 
 def die() -> None:
-    os.kill(os.getpid(), signal.SIGKILL)
+    os.kill(os.getpid(), SIGNAL)
 
 
 class Plan:
@@ -91,7 +104,7 @@ def arm(kill_at: str) -> Plan:
 
     def fsync(fd):
         path = _fd_path(fd)
-        if path.endswith(".json.tmp") and plan.event("manifest-write"):
+        if path.endswith(".json.tmp") and plan.event("manifest-write") and SIGNAL == signal.SIGKILL:
             os.truncate(path, os.path.getsize(path) // 2)  # the rest of the JSON never reached the disk
             die()
         if plan.event("fsync"):
@@ -101,8 +114,9 @@ def arm(kill_at: str) -> Plan:
     def save_file(tensors, path, *args, **kwargs):
         real_save(tensors, path, *args, **kwargs)
         if plan.event("save"):
-            with open(path, "r+b") as f:  # leave a half-written file behind, as a crash would
-                f.truncate(os.path.getsize(path) // 2)
+            if SIGNAL == signal.SIGKILL:  # leave a half-written file behind, as a crash would
+                with open(path, "r+b") as f:
+                    f.truncate(os.path.getsize(path) // 2)
             die()
 
     def write(self, *args, **kwargs):
@@ -117,6 +131,21 @@ def arm(kill_at: str) -> Plan:
         if plan.event("forward"):
             die()
 
+    real_upload, real_put = fs_module.Remote.upload, fs_module.Remote.write
+
+    def upload(self, *args, **kwargs):
+        due = plan.event("upload")
+        plan.at(due, "before")
+        real_upload(self, *args, **kwargs)
+        plan.at(due, "after")
+
+    def put(self, *args, **kwargs):
+        due = plan.event("put")
+        plan.at(due, "before")
+        real_put(self, *args, **kwargs)
+        plan.at(due, "after")
+
+    fs_module.Remote.upload, fs_module.Remote.write = upload, put
     os.replace, os.fsync, writer_module.save_file = replace, fsync, save_file
     ShardWriter.write, extract_module.pack = write, pack
     torch.nn.modules.module.register_module_forward_pre_hook(forward)
@@ -146,7 +175,13 @@ def run_extract(config: dict[str, Any], kill_at: str = "never") -> dict[str, Any
     return {"summary": dataclasses.asdict(summary), "counts": dict(plan.counts)}
 
 
-if __name__ == "__main__":
+if __name__ == "__main__" and sys.argv[1] == "cli":
+    from hookscope.cli import main
+
+    SIGNAL = signal.Signals["SIG" + sys.argv[2]]
+    arm(sys.argv[3])
+    sys.exit(main(sys.argv[4:]))
+elif __name__ == "__main__":
     config = json.loads(sys.argv[1])
     arm(sys.argv[2])
     print(extract(ExtractConfig(**config)))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -163,7 +164,11 @@ def test_nonfinite_counted_or_refused(tiny_dirs, corpus, tmp_path):
 
 def test_torchrun_two_processes_same_rows(tiny_dirs, corpus, reference_store, tmp_path):
     out = tmp_path / "store"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29517",
+    with socket.socket() as sock:  # a free port: a fixed one collides with other test runs on the machine
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", port,
            "-m", "hookscope.cli", "extract", str(tiny_dirs["gpt2"]), "--out", str(out),
            "--points", "blocks.1.resid_post,blocks.0.mlp.post", "--data", str(corpus), "--context", "32",
            "--batch-size", "4", "--shard-rows", "150", "--no-progress"]
@@ -203,3 +208,4 @@ def test_cli_extract_and_inspect(tiny_dirs, corpus, tmp_path, capsys):
     shard.write_bytes(bytes(data))
     assert main(["inspect", str(out)]) == 2
     assert shard.name in capsys.readouterr().err
+

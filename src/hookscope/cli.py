@@ -113,7 +113,7 @@ def cmd_capture(args) -> int:
 
 
 def cmd_extract(args) -> int:
-    from .extract import ExtractConfig, extract
+    from .extract import ExtractConfig, ExtractInterrupted, extract
 
     _quiet_transformers()
     cfg = ExtractConfig(
@@ -123,7 +123,11 @@ def cmd_extract(args) -> int:
         on_nonfinite=args.on_nonfinite, revision=args.revision, progress=not args.no_progress,
         device_map=args.device_map,
     )
-    print(extract(cfg))
+    try:
+        print(extract(cfg))
+    except ExtractInterrupted as stop:  # Ctrl-C / SIGTERM: one line, not a traceback
+        print(f"hookscope: {stop}", file=sys.stderr)
+        return 130
     return 0
 
 
@@ -343,7 +347,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("extract", help="stream chosen points of a dataset to a sharded store (resumable)")
     model_args(p)
-    p.add_argument("--out", required=True, help="store directory (re-run the same command to resume)")
+    p.add_argument("--out", required=True,
+                   help="store directory or URL (s3://, gs://, az://, hf://, memory://); "
+                        "re-run the same command to resume")
     points_arg(p, default=[DEFAULT_POINT],
                help=f"comma-separated point names or globs (default {DEFAULT_POINT})")
     p.add_argument("--data", default=DEFAULT_DATA,
@@ -397,7 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_top)
 
     p = sub.add_parser("inspect", help="summarise and check a store")
-    p.add_argument("dir")
+    p.add_argument("dir", help="store directory or URL")
     p.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of every shard")
     p.set_defaults(run=cmd_inspect)
     return parser

@@ -8,11 +8,16 @@ goes to rank i % world_size; each rank writes its own shards and rank 0 merges t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import itertools
 import json
 import os
+import signal
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,10 +25,11 @@ import torch
 
 from .capture import Capture
 from .data import ReadMeter, batches, iter_documents, pack, pack_policy, source_chars, source_fingerprint
-from .errors import HookscopeError
+from .errors import DataError, HookscopeError
 from .images import extract_images, is_image_source
 from .models import load
 from .store import ShardWriter, merge_rank_manifests
+from .store.manifest import count_nonfinite
 
 DEFAULT_DATA = "builtin:stdlib-docstrings"
 DEFAULT_POINT = "blocks.3.resid_post"
@@ -136,12 +142,57 @@ def _init_distributed(world_size: int, device: str) -> None:
         dist.init_process_group("nccl" if device.startswith("cuda") else "gloo")
 
 
-def extract(cfg: ExtractConfig) -> ExtractSummary:
-    """Run the pipeline described by `cfg`; see the module docstring."""
+class ExtractInterrupted(KeyboardInterrupt):
+    """SIGINT / SIGTERM stopped an extraction cleanly: whole shards are committed, nothing else is
+    kept, and the same command resumes to a store byte-identical to an uninterrupted run's."""
+
+    def __init__(self, rows: int, out: str):
+        super().__init__(rows, out)
+        self.rows, self.out = rows, out
+
+    def __str__(self) -> str:
+        return f"interrupted after {self.rows:,} rows; run the same command to resume"
+
+
+def validate_config(cfg: ExtractConfig) -> None:
+    """Refuse bad arguments before anything is loaded or written."""
     if cfg.on_nonfinite not in ("warn", "error"):
         raise HookscopeError(f"on_nonfinite={cfg.on_nonfinite!r}: use 'warn' or 'error'")
+    dtype = getattr(torch, cfg.dtype, None) if isinstance(cfg.dtype, str) else None
+    if cfg.dtype not in ("float32", "float16", "bfloat16") or not isinstance(dtype, torch.dtype):
+        raise HookscopeError(f"unknown dtype {cfg.dtype!r}: use float32, float16 or bfloat16")
+    for name in ("batch_size", "context", "shard_rows"):
+        value = getattr(cfg, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            flag = "--" + name.replace("_", "-")
+            raise HookscopeError(f"{flag} {value!r}: must be a whole number >= 1")
+    if cfg.max_tokens is not None and (isinstance(cfg.max_tokens, bool) or not isinstance(cfg.max_tokens, int)
+                                       or cfg.max_tokens < 1):
+        raise HookscopeError(f"--max-tokens {cfg.max_tokens!r}: must be a whole number >= 1 (or left out)")
+    if not cfg.points:
+        raise HookscopeError("no points given; name at least one, e.g. --points blocks.3.resid_post")
+    if not str(cfg.out).strip():
+        raise HookscopeError("--out is empty; name the store directory to write")
+
+
+def extract(cfg: ExtractConfig) -> ExtractSummary:
+    """Run the pipeline described by `cfg`; see the module docstring.
+
+    Everything that can be checked is checked before the store is touched (arguments, the model,
+    the points, the data source's first batch and its forward pass), so a refused run leaves no
+    trace on disk. SIGINT / SIGTERM raise `ExtractInterrupted` after committing whole shards only."""
+    validate_config(cfg)
     if is_image_source(cfg.data):  # a folder of images, for a vision encoder
         return extract_images(cfg)
+    opened: list[ShardWriter] = []  # the writer, once the store is open: how many rows it holds
+    with _signals_interrupt():
+        try:
+            return _extract(cfg, opened)
+        except KeyboardInterrupt:
+            raise ExtractInterrupted(opened[0].total_rows if opened else 0, str(cfg.out)) from None
+
+
+def _extract(cfg: ExtractConfig, opened: list[ShardWriter]) -> ExtractSummary:
     rank, world_size = _dist_info()
     _init_distributed(world_size, cfg.device)
     device = (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cfg.device == "cuda" and world_size > 1
@@ -149,9 +200,7 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
     loaded = load(cfg.model, device=device, revision=cfg.revision, device_map=cfg.device_map)
     if cfg.device_map is not None:  # inputs go where the embeddings live
         device = str(loaded.model.get_input_embeddings().weight.device)
-    dtype = getattr(torch, cfg.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise HookscopeError(f"unknown dtype {cfg.dtype!r}: use float32, float16 or bfloat16")
+    dtype = getattr(torch, cfg.dtype)
     points = [s.name for s in loaded.arch.resolve(cfg.points)]  # unknown names fail before any work
     longest = max_positions(loaded.model)
     if longest is not None and cfg.context > longest:
@@ -163,40 +212,56 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
     sequences = pack(documents, loaded.tokenizer, context=cfg.context, max_tokens=cfg.max_tokens)
     started = time.perf_counter()
     done = skipped = new_rows = 0
+
+    def compute(index: int, batch: dict[str, torch.Tensor]) -> tuple[dict, dict, int]:
+        keep = _keep_mask(cfg, batch)
+        inputs = {"input_ids": batch["input_ids"].to(device),
+                  "attention_mask": batch["attention_mask"].to(device)}
+        with Capture(loaded.model, points, token_mask=keep.to(device), dtype=dtype, device="cpu") as cap:
+            cap.run(inputs)
+            acts = {name: cap[name] for name in points}
+        _check_finite(acts, cfg.on_nonfinite, index)
+        meta = {
+            "token_ids": batch["input_ids"][keep],
+            "doc_ids": batch["doc_ids"][keep],
+            "positions": batch["doc_positions"][keep],
+            "seq_ids": batch["seq_ids"].unsqueeze(1).expand_as(keep)[keep],
+        }
+        return acts, meta, int(keep.sum())
+
+    # The first batch of this rank is read and run before the store is opened: an empty or bad
+    # data source, or a point the forward pass never reaches, is refused with nothing written.
+    # On a resume it may be a batch already on disk; one forward pass is the price of that check.
+    ours = ((i, b) for i, b in enumerate(batches(sequences, cfg.batch_size)) if i % world_size == rank)
+    first = next(ours, None)
+    if first is None and rank == 0:
+        raise DataError(f"data source {cfg.data!r} gives no tokens to extract; point --data at some text")
+    checked = (first[0], compute(*first)) if first is not None else None
+
     progress = _Progress(cfg.progress and rank == 0, cfg, documents, world_size)
-    with ShardWriter(cfg.out, settings, shard_rows=cfg.shard_rows, rank=rank,
-                     world_size=world_size) as writer:
-        for index, batch in enumerate(batches(sequences, cfg.batch_size)):
-            if index % world_size != rank:
-                continue
-            keep = batch["attention_mask"].bool()
-            if cfg.drop_bos:
-                keep &= ~batch["special_mask"].bool()
-            if index in writer.done_batches:
-                skipped += 1
-                progress.update(int(keep.sum()), batch, writer.bytes_written)
-                continue
-            inputs = {"input_ids": batch["input_ids"].to(device),
-                      "attention_mask": batch["attention_mask"].to(device)}
-            with Capture(loaded.model, points, token_mask=keep.to(device), dtype=dtype, device="cpu") as cap:
-                cap.run(inputs)
-                acts = {name: cap[name] for name in points}
-            _check_finite(acts, cfg.on_nonfinite, index)
-            meta = {
-                "token_ids": batch["input_ids"][keep],
-                "doc_ids": batch["doc_ids"][keep],
-                "positions": batch["doc_positions"][keep],
-                "seq_ids": batch["seq_ids"].unsqueeze(1).expand_as(keep)[keep],
-            }
-            writer.write(index, acts, meta)
-            done += 1
-            new_rows += int(keep.sum())
-            progress.update(int(keep.sum()), batch, writer.bytes_written)
-        writer.close()
-        total_rows = writer.total_rows
-        nonfinite = dict(writer.nonfinite)
-        bytes_written = writer.bytes_written
-    progress.close(bytes_written)  # the last shard is on disk now: the bar ends on the summary's MiB
+    try:
+        writer = ShardWriter(cfg.out, settings, shard_rows=cfg.shard_rows, rank=rank, world_size=world_size)
+        opened.append(writer)
+        with writer:  # on an interrupt it commits whole shards only (see ShardWriter.__exit__)
+            for index, batch in itertools.chain([first] if first else [], ours):
+                if index in writer.done_batches:
+                    skipped += 1
+                    progress.update(_kept(cfg, batch), batch, writer.bytes_written)
+                    continue
+                if checked is not None and checked[0] == index:
+                    (acts, meta, rows), checked = checked[1], None
+                else:
+                    acts, meta, rows = compute(index, batch)
+                writer.write(index, acts, meta)
+                done += 1
+                new_rows += rows
+                progress.update(rows, batch, writer.bytes_written)
+    finally:
+        # the last shard is on disk now: the bar ends on the summary's MiB
+        progress.close(opened[0].bytes_written if opened else 0)
+    total_rows = writer.total_rows
+    nonfinite = dict(writer.nonfinite)
+    bytes_written = writer.bytes_written
     if world_size > 1:
         import torch.distributed as dist
 
@@ -208,12 +273,42 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
                           bytes_written, nonfinite)
 
 
+@contextlib.contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM (a scheduler's preemption, torchrun stopping its workers) stops the run as Ctrl-C
+    does. Only the main thread may set signal handlers; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _keep_mask(cfg: ExtractConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+    """The tokens of a batch that become rows: real tokens, less BOS / CLS / SEP unless kept."""
+    keep = batch["attention_mask"].bool()
+    if cfg.drop_bos:
+        keep &= ~batch["special_mask"].bool()
+    return keep
+
+
+def _kept(cfg: ExtractConfig, batch: dict[str, torch.Tensor]) -> int:
+    return int(_keep_mask(cfg, batch).sum())
+
+
 def _check_finite(acts: dict[str, torch.Tensor], policy: str, index: int) -> None:
     if policy != "error":
         return  # the writer counts them per point; the summary reports them
     for name, act in acts.items():
-        if not torch.isfinite(act).all():
-            bad = int((~torch.isfinite(act)).sum())
+        bad = count_nonfinite(act)
+        if bad:
             raise HookscopeError(
                 f"batch {index}: {bad} non-finite values (NaN/Inf) at {name}; nothing of this batch was "
                 "written (earlier batches are safe). Re-run with --on-nonfinite warn to keep them"

@@ -130,7 +130,9 @@ def _fingerprint(folder: Path, names: list[str]) -> str:
 
 def extract_images(cfg: Any) -> Any:
     """`extract` for an image folder (cfg: an `ExtractConfig`); returns an `ExtractSummary`."""
-    from .extract import ExtractSummary, _check_finite, _Progress, _sha256_text
+    from tqdm.auto import tqdm
+
+    from .extract import ExtractSummary, _check_finite, _sha256_text
 
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise HookscopeError("image extraction runs in one process; run it without torchrun")
@@ -154,11 +156,13 @@ def extract_images(cfg: Any) -> Any:
         "images_sha256": _fingerprint(folder, names),
     }
     started, done, skipped, new_rows = time.perf_counter(), 0, 0, 0
-    progress = _Progress(cfg.progress, None)
+    progress = tqdm(total=len(names), unit="image", desc="extract", disable=not cfg.progress,
+                    dynamic_ncols=True)
     with ShardWriter(cfg.out, settings, shard_rows=cfg.shard_rows) as writer:
         for batch, (index, pixels) in enumerate(image_batches(folder, names, processor, cfg.batch_size)):
             if batch in writer.done_batches:
                 skipped += 1
+                progress.update(len(index))
                 continue
             with Capture(loaded.model, points, dtype=dtype, device="cpu") as cap:
                 cap.run({"pixel_values": pixels.to(cfg.device)})
@@ -177,7 +181,7 @@ def extract_images(cfg: Any) -> Any:
             writer.write(batch, acts, meta)
             done += 1
             new_rows += len(index) * n_tokens
-            progress.update(len(index) * n_tokens, writer.bytes_written)
+            progress.update(len(index))
         writer.close()
         total, nonfinite, written = writer.total_rows, dict(writer.nonfinite), writer.bytes_written
     progress.close()

@@ -95,6 +95,11 @@ class ShardEntry:
         return range(self.batch_start, self.batch_end + 1, world_size)
 
 
+def count_nonfinite(t: torch.Tensor) -> int:
+    """NaN and +-Inf values in `t` (what `PointStats.nonfinite` counts)."""
+    return int((~torch.isfinite(t)).sum())
+
+
 @dataclass
 class PointStats:
     """Mergeable per-point statistics: non-finite values, and count / sum / sum of squares of row L2
@@ -104,6 +109,15 @@ class PointStats:
     norm_count: int = 0
     norm_sum: float = 0.0
     norm_sumsq: float = 0.0
+
+    @classmethod
+    def of(cls, rows: torch.Tensor) -> PointStats:
+        """The statistics of `rows` [rows, ...]."""
+        flat = rows.reshape(rows.shape[0], -1).float()
+        finite = torch.isfinite(flat)
+        whole = finite.all(dim=1)
+        norms = flat[whole].norm(dim=1).double()
+        return cls(count_nonfinite(flat), int(whole.sum()), float(norms.sum()), float((norms**2).sum()))
 
     def merge(self, other: PointStats) -> PointStats:
         return PointStats(self.nonfinite + other.nonfinite, self.norm_count + other.norm_count,
@@ -165,11 +179,15 @@ class Manifest:
             "shards": [vars(s).copy() for s in self.shards],
         }
 
+    def to_bytes(self) -> bytes:
+        """The manifest file's exact bytes."""
+        return (json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n").encode()
+
     def save(self, path: str | os.PathLike) -> None:
         """Atomic replace: a reader or a crash sees the old manifest or the new one, never a mix."""
         path = Path(path)
         tmp = path.with_name(path.name + ".tmp")
-        data = (json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n").encode()
+        data = self.to_bytes()
         try:
             with open(tmp, "wb") as f:
                 f.write(data)
@@ -185,10 +203,20 @@ class Manifest:
     def load(cls, path: str | os.PathLike) -> Manifest:
         path = Path(path)
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
+            data = path.read_bytes()
         except FileNotFoundError:
             raise StoreError(f"{path}: no manifest here; is this a hookscope store directory?") from None
-        except (OSError, ValueError, RecursionError) as e:  # ValueError: bad UTF-8 / JSON, a 5,000-digit int
+        except OSError as e:
+            raise StoreError(f"{path}: manifest is not readable ({e}); the store is damaged") from e
+        return cls.from_bytes(data, str(path))
+
+    @classmethod
+    def from_bytes(cls, data: bytes, where: str) -> Manifest:
+        """Parse and check a manifest's bytes; `where` names it in errors."""
+        path = where
+        try:
+            raw = json.loads(data.decode("utf-8"))
+        except (ValueError, RecursionError) as e:  # ValueError: bad UTF-8 / JSON, a 5,000-digit int
             raise StoreError(f"{path}: manifest is not readable JSON ({e}); the store is damaged") from e
         try:
             return cls._from_json(raw)

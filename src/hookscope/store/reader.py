@@ -12,6 +12,7 @@ import hashlib
 import json
 import os
 import re
+import weakref
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -21,7 +22,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import StoreError
-from .manifest import IDENTITY, MANIFEST, Column, Manifest, PointStats, ShardEntry, shard_identity
+from .fs import Remote, ShardCache, is_remote, local_path, sha256_of
+from .manifest import IDENTITY, MANIFEST, SHARDS_DIR, Column, Manifest, PointStats, ShardEntry, shard_identity
 
 if TYPE_CHECKING:
     import datasets
@@ -32,15 +34,17 @@ _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 
 
 def open_store(path: str | os.PathLike, *, verify: bool = False) -> Store:
-    """Open the store at `path` (a directory with manifest.json); `verify=True` also checks every
-    shard's size and SHA-256 against the manifest."""
-    root = Path(path)
+    """Open the store at `path` (a directory with manifest.json, or a URL such as s3://bucket/dir:
+    see store/fs.py); `verify=True` also checks every shard's size and SHA-256 against the manifest.
+    A remote store's shards are copied on first use into a bounded local cache (prefetching the
+    next one), so reading works as it does locally."""
+    if is_remote(path):
+        return _open_remote(Remote(os.fspath(path)), verify)
+    root = local_path(path)
     if not root.is_dir():
         raise StoreError(f"{root}: no such store directory")
     if not (root / MANIFEST).exists() and any(root.glob("manifest.rank*.json")):
-        raise StoreError(f"{root}: only per-rank manifests here; the torchrun job did not finish. Re-run it "
-                         "(it resumes), or merge them with "
-                         "hookscope.store.merge_rank_manifests(path, world_size)")
+        raise StoreError(_UNMERGED.format(root=root))
     store = Store(root, Manifest.load(root / MANIFEST))
     missing = [s.file for s in store.manifest.shards if not (root / s.file).is_file()]
     if missing:
@@ -51,12 +55,38 @@ def open_store(path: str | os.PathLike, *, verify: bool = False) -> Store:
     return store
 
 
+_UNMERGED = ("{root}: only per-rank manifests here; the torchrun job did not finish. Re-run it (it "
+             "resumes), or merge them with hookscope.store.merge_rank_manifests(path, world_size)")
+
+
+def _open_remote(remote: Remote, verify: bool) -> Store:
+    names = remote.list()
+    if not names:
+        raise StoreError(f"{remote}: no such store (nothing at that URL)")
+    if MANIFEST not in names:
+        if any(n.startswith("manifest.rank") for n in names):
+            raise StoreError(_UNMERGED.format(root=remote))
+        raise StoreError(f"{remote}/{MANIFEST}: no manifest here; is this a hookscope store?")
+    store = Store(remote.url, Manifest.from_bytes(remote.read(MANIFEST), f"{remote}/{MANIFEST}"), remote)
+    present = set(remote.list(SHARDS_DIR))
+    missing = [s.file for s in store.manifest.shards if s.file.removeprefix(SHARDS_DIR + "/") not in present]
+    if missing:
+        raise StoreError(f"{remote}: {len(missing)} shard object(s) listed in the manifest are missing, "
+                         f"e.g. {missing[0]}")
+    if verify:
+        store.verify()
+    return store
+
+
 class Store:
     """A read-only view of a store directory. `len(store)` is the number of rows (tokens)."""
 
-    def __init__(self, path: Path, manifest: Manifest):
-        self.path = path
+    def __init__(self, path: Path | str, manifest: Manifest, remote: Remote | None = None):
+        self.path = path  # a Path, or the URL (a str) of a remote store
         self.manifest = manifest
+        self._downloads = ShardCache(remote) if remote else None
+        if self._downloads is not None:  # the local copies go when the store does
+            weakref.finalize(self, self._downloads.close)
         self._starts = [0]
         for s in manifest.shards:
             self._starts.append(self._starts[-1] + s.rows)
@@ -100,9 +130,19 @@ class Store:
     def load_shard(self, i: int, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
         """Columns `names` (default all) of shard `i`, checked and memory-mapped; not cached."""
         entry = self.manifest.shards[i]
-        path = self.path / entry.file
         names = list(self.manifest.columns) if names is None else list(names)
         self._check_names(names)
+        if self._downloads is None:
+            return self._load_local(self.path / entry.file, entry, names)
+        local = self._downloads.get(entry.file)
+        if i + 1 < self.num_shards:  # the next shard downloads while this one is used
+            self._downloads.prefetch(self.manifest.shards[i + 1].file)
+        try:
+            return self._load_local(local, entry, names)
+        except StoreError as e:  # name the object, not the cache file
+            raise StoreError(str(e).replace(str(local), f"{self.path}/{entry.file}")) from e.__cause__
+
+    def _load_local(self, path: Path, entry: ShardEntry, names: list[str]) -> dict[str, torch.Tensor]:
         size = _file_size(path)
         if size != entry.bytes:
             raise StoreError(f"{path}: {size} bytes but the manifest says {entry.bytes}: the shard is "
@@ -127,12 +167,17 @@ class Store:
         manifest can vouch for a damaged file); raise StoreError naming each bad shard."""
         bad = []
         for i, entry in enumerate(self.manifest.shards):
-            problem = _check_shard(self.path, entry)
+            try:
+                local = self._downloads.get(entry.file) if self._downloads else self.path / entry.file
+            except StoreError as e:
+                bad.append(f"{entry.file}: {str(e).removeprefix(f'{self.path}/{entry.file}: ')}")
+                continue
+            problem = _check_shard(local, entry)
             if problem is None:
                 try:
                     self.load_shard(i)
                 except StoreError as e:
-                    problem = str(e).removeprefix(f"{self.path / entry.file}: ")
+                    problem = str(e).removeprefix(f"{self.path}/{entry.file}: ")
             if problem:
                 bad.append(f"{entry.file}: {problem}")
         if bad:
@@ -172,7 +217,8 @@ class Store:
         names = list(self.manifest.columns) if names is None else list(names)
         self._check_names(names)
         key = hashlib.sha256(json.dumps(self.manifest.to_json(), sort_keys=True).encode()).hexdigest()
-        kwargs = {"path": str(self.path.resolve()), "names": tuple(names),  # a list would be split
+        where = self.path if isinstance(self.path, str) else str(self.path.resolve())
+        kwargs = {"path": where, "names": tuple(names),  # a list would be split
                   "key": key}
         return datasets.Dataset.from_generator(_hf_rows, gen_kwargs=kwargs, cache_dir=cache_dir)
 
@@ -265,18 +311,15 @@ def _check_identity(path: Path, header: dict[str, Any], entry: ShardEntry, setti
                      "a new directory")
 
 
-def _check_shard(root: Path, entry: ShardEntry) -> str | None:
-    path = root / entry.file
+def _check_shard(path: Path, entry: ShardEntry) -> str | None:
     try:
         size = path.stat().st_size
         if size != entry.bytes:
             return f"{size} bytes, the manifest says {entry.bytes} (truncated or replaced)"
-        h = hashlib.sha256()
         with open(path, "rb") as f:
-            while chunk := f.read(1 << 22):
-                h.update(chunk)
+            _, digest = sha256_of(f)
     except OSError as e:
         return f"cannot read it ({e})"
-    if h.hexdigest() != entry.sha256:
+    if digest != entry.sha256:
         return "SHA-256 differs from the manifest (corrupt)"
     return None

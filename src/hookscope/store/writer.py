@@ -11,10 +11,11 @@ shard for shard.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import os
 import queue
 import re
+import shutil
+import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -24,6 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import StoreError
+from .fs import Remote, is_remote, local_path, sha256_of
 from .manifest import (
     MANIFEST,
     SHARDS_DIR,
@@ -56,12 +58,17 @@ class ShardWriter:
             raise StoreError(f"shard_rows ({shard_rows}) and queue_size ({queue_size}) must be >= 1")
         if not 0 <= rank < world_size:
             raise StoreError(f"rank {rank} is outside world_size {world_size}")
-        self.out = Path(out_dir)
+        # a URL: shards are staged in a local directory, uploaded, then committed by the manifest PUT
+        self._remote = Remote(os.fspath(out_dir)) if is_remote(out_dir) else None
+        self.out = self._remote.url if self._remote else local_path(out_dir)
         self.rank, self.world_size, self.shard_rows = rank, world_size, shard_rows
-        self._shards = self.out / SHARDS_DIR
+        self._staging = Path(tempfile.mkdtemp(prefix="hookscope-stage-", dir=os.environ.get(
+            "HOOKSCOPE_STAGING_DIR"))) if self._remote else None
+        self._shards = self._staging if self._remote else self.out / SHARDS_DIR
         self._file_mode = 0o666 & ~_umask()  # safetensors creates 0600 files; a store is meant to be shared
         self._prefix = f"shard-r{rank:03d}-"
-        self._manifest_path = self.out / manifest_name(rank, world_size)
+        self._manifest_name = manifest_name(rank, world_size)
+        self._manifest_path = Path(self.out) / self._manifest_name
         self._check_is_store_dir()
         try:
             self._shards.mkdir(parents=True, exist_ok=True)
@@ -71,7 +78,7 @@ class ShardWriter:
         self.manifest = self._open_manifest(settings)
         try:  # stamps the settings into the directory now, and proves it is writable before any compute
             self._remove_orphans()
-            self.manifest.save(self._manifest_path)
+            self._save_manifest(self.manifest)
         except OSError as e:
             raise StoreError(f"cannot write to the store directory {self.out}: {e}; make it writable (or "
                              "free space) or choose another --out, and re-run") from e
@@ -84,6 +91,7 @@ class ShardWriter:
         self._error: BaseException | None = None
         self._error_reported = False
         self._closed = False
+        self._discard_partial = False  # set on an interrupt: the final, partial shard is not written
         # the batches waiting to become the next shard; only the writer thread touches them
         self._pending: list[tuple[int, dict[str, torch.Tensor]]] = []
         self._pending_stats: dict[str, PointStats] = {}
@@ -124,14 +132,15 @@ class ShardWriter:
             batch[name] = v.detach().to("cpu", torch.int64).contiguous()
         self._check_layout(batch_index, batch)
         self._last_batch = batch_index
-        self._queue.put((batch_index, batch, set(tensors)))
+        # a tuple, not a set: the manifest's stats follow this order, the same in every process
+        self._queue.put((batch_index, batch, tuple(tensors)))
 
     def close(self) -> None:
         """Write the remaining rows as a final shard, stop the thread, raise any writer error."""
         if not self._closed:
             self._closed = True
             self._queue.put(_STOP)
-            self._thread.join()
+        self._thread.join()
         self._raise_if_failed()
 
     def __enter__(self) -> Self:
@@ -141,7 +150,11 @@ class ShardWriter:
         if exc is None:
             self.close()
             return
-        try:  # still flush the whole batches queued before the failure: nothing finished is lost
+        if isinstance(exc, KeyboardInterrupt):
+            # Ctrl-C / SIGTERM: commit only the shards an uninterrupted run would cut, and drop the
+            # rest of the unfinished one; the resume recomputes it and the store comes out identical.
+            self._discard_partial = True
+        try:  # otherwise still flush the whole batches queued before the failure: nothing finished is lost
             self.close()
         except StoreError as e:  # keep the caller's exception the one reported
             exc.add_note(f"and the store writer failed too: {e}")
@@ -174,7 +187,7 @@ class ShardWriter:
         if self._error is not None and not self._error_reported:
             self._error_reported = True
             m = self.manifest
-            if not self._manifest_path.exists():  # stamped at open: gone means the directory went
+            if not self._manifest_exists():  # stamped at open: gone means the directory went
                 raise StoreError(
                     f"the store directory {self.out} was deleted (or unmounted) while it was being written "
                     f"({self._error!r}); the rows it held are gone. Re-run the same command to start over."
@@ -191,8 +204,10 @@ class ShardWriter:
         while True:
             item = self._queue.get()
             if item is _STOP:
-                if self._pending and self._error is None:
+                if self._pending and self._error is None and not self._discard_partial:
                     self._guard(self._flush)
+                if self._staging is not None:
+                    shutil.rmtree(self._staging, ignore_errors=True)
                 return
             if self._error is None:  # after an error, keep draining so that write() never blocks
                 self._guard(self._take, *item)
@@ -203,13 +218,13 @@ class ShardWriter:
         except Exception as e:  # noqa: BLE001 - any failure is handed to the caller at its next write() / close()
             self._error = e
 
-    def _take(self, index: int, batch: dict[str, torch.Tensor], points: set[str]) -> None:
+    def _take(self, index: int, batch: dict[str, torch.Tensor], points: tuple[str, ...]) -> None:
         if self._pending and index != self._pending[-1][0] + self.world_size:
             self._flush()  # a gap in the batch indices: each shard covers one unbroken run of batches
         self._pending.append((index, batch))
         for name in points:
             self._pending_stats[name] = self._pending_stats.get(name, PointStats()).merge(
-                _point_stats(batch[name]))
+                PointStats.of(batch[name]))
         self._pending_rows += next(iter(batch.values())).shape[0]
         if self._pending_rows >= self.shard_rows:
             self._flush()
@@ -228,8 +243,12 @@ class ShardWriter:
             save_file(tensors, tmp, metadata=identity)
             os.chmod(tmp, self._file_mode)
             size, sha = _fsync_and_hash(tmp)
-            os.replace(tmp, final)
-            fsync_dir(self._shards)
+            if self._remote:  # no rename on an object store: the manifest PUT below commits it
+                self._remote.upload(tmp, f"{SHARDS_DIR}/{name}")
+                tmp.unlink()
+            else:
+                os.replace(tmp, final)
+                fsync_dir(self._shards)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -243,9 +262,10 @@ class ShardWriter:
             meta={k: c for k, c in self._layout.items() if k not in stats},
         )
         try:
-            new.save(self._manifest_path)
+            self._save_manifest(new)
         except BaseException:
-            final.unlink(missing_ok=True)  # not committed: free its space; a resume would delete it anyway
+            # not committed: free its space; a resume would delete it anyway
+            self._remote.remove(entry.file) if self._remote else final.unlink(missing_ok=True)
             raise
         self.manifest = new  # rebinding, so the caller's thread always sees a whole manifest
         self.done_batches = self.done_batches | set(entry.batches(self.world_size))
@@ -255,20 +275,40 @@ class ShardWriter:
     # -- opening ----------------------------------------------------------------------------------
 
     def _check_is_store_dir(self) -> None:
-        if not self.out.is_dir():
+        if self._remote:
+            names = self._remote.list()
+        elif self.out.is_dir():
+            names = [p.name for p in self.out.iterdir()]
+        else:
             return
-        foreign = [p.name for p in self.out.iterdir()
-                   if p.name != SHARDS_DIR and not p.name.startswith("manifest")]
-        has_manifest = any(self.out.glob("manifest*.json"))
+        foreign = [n for n in names if n != SHARDS_DIR and not n.startswith("manifest")]
+        has_manifest = any(_is_manifest(n) for n in names)
         if foreign and not has_manifest:
             raise StoreError(f"{self.out} is not empty and is not a hookscope store "
                              f"(it holds {sorted(foreign)[:5]}); choose a new or empty --out directory")
 
+    def _manifests(self) -> list[tuple[str, Manifest]]:
+        """Every manifest in the store (ours, the merged one, other ranks'), by name."""
+        if self._remote:
+            names = [n for n in self._remote.list() if _is_manifest(n)]
+            return [(n, Manifest.from_bytes(self._remote.read(n), f"{self.out}/{n}")) for n in names]
+        return [(p.name, Manifest.load(p)) for p in sorted(self.out.glob("manifest*.json"))]
+
+    def _manifest_exists(self) -> bool:
+        if self._remote:
+            return self._remote.size(self._manifest_name) is not None
+        return self._manifest_path.exists()
+
+    def _save_manifest(self, manifest: Manifest) -> None:
+        if self._remote:
+            self._remote.write(self._manifest_name, manifest.to_bytes())  # one PUT: the commit point
+        else:
+            manifest.save(self._manifest_path)
+
     def _open_manifest(self, settings: dict[str, Any]) -> Manifest:
         fresh = Manifest(settings=settings, world_size=self.world_size)
         existing = None
-        for path in sorted(self.out.glob("manifest*.json")):  # ours, the merged one, other ranks'
-            m = Manifest.load(path)
+        for name, m in self._manifests():
             if m.settings_hash != fresh.settings_hash:
                 diff = "\n  ".join(settings_diff(m.settings, fresh.settings))
                 raise StoreError(
@@ -279,23 +319,37 @@ class ShardWriter:
                 raise StoreError(f"{self.out} was written by {m.world_size} process(es), "
                                  f"not {self.world_size}; resume with the same number of processes, "
                                  "or use a new --out directory")
-            if path == self._manifest_path:
+            if name == self._manifest_name:
                 existing = m
         return existing or fresh
 
     def _remove_orphans(self) -> None:
         """Delete this rank's leftovers of a crash: `.tmp` files and shards the manifest never listed."""
         listed = {Path(s.file).name for s in self.manifest.shards}
+        if self._remote:
+            for name in self._remote.list(SHARDS_DIR):
+                if name.startswith(self._prefix) and name not in listed:
+                    self._remote.remove(f"{SHARDS_DIR}/{name}")
+            return
         for path in self._shards.glob(self._prefix + "*"):
             if path.name.endswith(".tmp") or path.name not in listed:
                 path.unlink(missing_ok=True)
         self._manifest_path.with_name(self._manifest_path.name + ".tmp").unlink(missing_ok=True)
 
 
+def _is_manifest(name: str) -> bool:
+    return name.startswith("manifest") and name.endswith(".json")
+
+
 def merge_rank_manifests(out_dir: str | os.PathLike, world_size: int) -> Manifest:
     """Merge every rank's `manifest.rank{r}.json` into `manifest.json` (rank 0, after a barrier)."""
-    out = Path(out_dir)
-    parts = [Manifest.load(out / manifest_name(r, world_size)) for r in range(world_size)]
+    remote = Remote(os.fspath(out_dir)) if is_remote(out_dir) else None
+    out = remote.url if remote else local_path(out_dir)
+    if remote:
+        names = [manifest_name(r, world_size) for r in range(world_size)]
+        parts = [Manifest.from_bytes(remote.read(n), f"{out}/{n}") for n in names]
+    else:
+        parts = [Manifest.load(out / manifest_name(r, world_size)) for r in range(world_size)]
     if world_size == 1:
         return parts[0]
     if len({m.settings_hash for m in parts}) != 1:
@@ -313,7 +367,10 @@ def merge_rank_manifests(out_dir: str | os.PathLike, world_size: int) -> Manifes
                       meta=with_rows.meta, shards=sorted((s for m in parts for s in m.shards),
                                                          key=lambda s: (s.batch_start, s.rank)),
                       stats=stats, settings_hash=parts[0].settings_hash)
-    merged.save(out / MANIFEST)
+    if remote:
+        remote.write(MANIFEST, merged.to_bytes())
+    else:
+        merged.save(out / MANIFEST)
     return merged
 
 
@@ -329,19 +386,7 @@ def _shard_number(file: str) -> int:
 
 
 def _fsync_and_hash(path: Path) -> tuple[int, str]:
-    h = hashlib.sha256()
-    size = 0
     with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-            size += len(chunk)
+        size, digest = sha256_of(f)
         os.fsync(f.fileno())
-    return size, h.hexdigest()
-
-
-def _point_stats(t: torch.Tensor) -> PointStats:
-    flat = t.reshape(t.shape[0], -1).float()
-    finite = torch.isfinite(flat)
-    whole = finite.all(dim=1)
-    norms = flat[whole].norm(dim=1).double()
-    return PointStats(int((~finite).sum()), int(whole.sum()), float(norms.sum()), float((norms**2).sum()))
+    return size, digest

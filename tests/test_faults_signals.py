@@ -1,0 +1,164 @@
+"""Rejected and interrupted runs (issue 14, items 3 and 4).
+
+A run refused for a bad argument, an empty or missing data source or an unloadable model leaves no
+trace on disk, so the corrected command then runs into the same --out. A real SIGINT / SIGTERM at
+several moments of an extraction stops it with exit code 130 and one line; the store keeps only
+whole shards that an uninterrupted run also cuts, and the same command then finishes a store that
+equals the uninterrupted one byte for byte (every shard and manifest.json).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from fault_log import record
+from faultkit import write_corpus
+
+from hookscope.cli import main
+from hookscope.store import open_store
+
+HERE = Path(__file__).parent
+MAX_TOKENS = "300"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt", docs=40)
+
+
+def cli_args(model: Path, corpus: Path, out: Path, **overrides: str) -> list[str]:
+    opts = {"--points": "blocks.1.resid_post,blocks.0.mlp.post", "--data": str(corpus), "--context": "32",
+            "--batch-size": "4", "--dtype": "float16", "--shard-rows": "150", **overrides}
+    flags = [x for kv in opts.items() for x in kv]
+    return ["extract", str(model), "--out", str(out), *flags, "--no-progress"]
+
+
+def tree(path: Path) -> dict[str, str]:
+    """Every file under `path` with its SHA-256: what a run left on disk."""
+    if not path.exists():
+        return {}
+    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dirs, corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference") / "store"
+    assert main(cli_args(tiny_dirs["gpt2"], corpus, out)) == 0
+    return out
+
+
+# -- rejected runs ------------------------------------------------------------------------------
+
+REJECTED = {
+    "--batch-size 0": lambda d: {"--batch-size": "0"},
+    "--context 0": lambda d: {"--context": "0"},
+    "--max-tokens 0": lambda d: {"--max-tokens": "0"},
+    "an empty data file": lambda d: {"--data": str(_write(d / "empty.txt", ""))},
+    "a data file of blank lines": lambda d: {"--data": str(_write(d / "blank.txt", "\n \n\n"))},
+    "a data file that does not exist": lambda d: {"--data": str(d / "nope.txt")},
+    "a data file of an unsupported type": lambda d: {"--data": str(_write(d / "data.csv", "a,b\n"))},
+    "a point the model does not have": lambda d: {"--points": "blocks.9.resid_post"},
+}
+
+
+def _write(path: Path, text: str) -> Path:
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("bad", [*REJECTED, "a model that cannot be loaded"])
+def test_rejected_run_leaves_no_trace_and_the_corrected_command_runs(tiny_dirs, corpus, tmp_path, capsys,
+                                                                      bad):
+    """Before: a 0-row manifest.json locked in the bad settings and the corrected command was
+    refused (`batch_size: stored 0, given 8`)."""
+    out = tmp_path / "store"
+    args = cli_args(tiny_dirs["gpt2"], corpus, out, **{"--max-tokens": MAX_TOKENS,
+                                                         **REJECTED.get(bad, lambda d: {})(tmp_path)})
+    if bad == "a model that cannot be loaded":
+        args[1] = str(tmp_path / "no-such-model")
+    code = main(args)
+    err = capsys.readouterr().err
+    left = out.exists()  # no directory, no manifest, no shard
+    again = main(cli_args(tiny_dirs["gpt2"], corpus, out, **{"--max-tokens": MAX_TOKENS}))
+    capsys.readouterr()
+    rows = len(open_store(out, verify=True)) if again == 0 else 0
+    record("rejected", f"new store: {bad}", survived=int(code == 2 and not left and again == 0 and rows > 0))
+    assert code == 2 and err.startswith("hookscope: error: ") and "Traceback" not in err, err
+    assert not left
+    assert again == 0 and rows > 0  # the corrected command, into the same --out
+
+
+def test_rejected_run_leaves_an_existing_store_untouched(tiny_dirs, corpus, tmp_path, capsys):
+    out = tmp_path / "store"
+    assert main(cli_args(tiny_dirs["gpt2"], corpus, out, **{"--max-tokens": MAX_TOKENS})) == 0
+    before = tree(out)
+    for bad, wrong in REJECTED.items():
+        wrong_args = {"--max-tokens": MAX_TOKENS, **wrong(tmp_path)}
+        code = main(cli_args(tiny_dirs["gpt2"], corpus, out, **wrong_args))
+        untouched = tree(out) == before
+        record("rejected", f"existing store: {bad}", survived=int(code == 2 and untouched))
+        assert code == 2 and untouched, bad
+    capsys.readouterr()
+
+
+def _default_sigint() -> None:
+    """A shell starts background jobs (and so, maybe, this test run) with SIGINT ignored, and a
+    child inherits that: give it back the default, as a terminal's Ctrl-C would find it."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+# -- interrupts ---------------------------------------------------------------------------------
+
+# (signal, where it lands: see tests/kill_driver.py): os.replace 1 is the manifest stamp at open,
+# then per shard its rename and the manifest replace; forward counts module calls, tokenize
+# tokenizer calls, batch the batches handed to the writer; save and fsync run in the writer thread
+SIGNALS = [
+    ("INT", "tokenize:1", "while the first batch is tokenized (nothing written yet)"),
+    ("INT", "replace:1:after", "right after the store is stamped (no shard yet)"),
+    ("INT", "forward:40", "in the middle of a forward pass"),
+    ("INT", "batch:3", "as a batch is queued (the writer thread mid-shard)"),
+    ("INT", "save:2", "while the writer thread saves a shard"),
+    ("INT", "rename:3:after", "right after a shard's rename, before its manifest"),
+    ("INT", "fsync:6", "inside an fsync (writer thread)"),
+    ("INT", "batch:14", "late in the run"),
+    ("TERM", "batch:5", "as a batch is queued"),
+    ("TERM", "forward:300", "in the middle of a forward pass"),
+]
+
+
+@pytest.mark.parametrize(("sig", "at", "what"), SIGNALS, ids=[f"{s}-{a}" for s, a, _ in SIGNALS])
+def test_interrupt_then_resume_equals_uninterrupted(tiny_dirs, corpus, reference, tmp_path, sig, at, what):
+    """Before: ~40 lines of KeyboardInterrupt traceback, and the resumed store had 5 shards instead
+    of 4 (the interrupted run flushed a partial shard)."""
+    out = tmp_path / "store"
+    args = cli_args(tiny_dirs["gpt2"], corpus, out)
+    run = subprocess.run([sys.executable, str(HERE / "kill_driver.py"), "cli", sig, at, *args], text=True,
+                         capture_output=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
+                         preexec_fn=_default_sigint)
+    ref = open_store(reference)
+    stopped = open_store(out).manifest.shards if (out / "manifest.json").exists() else []
+    committed = [(s.file, s.sha256) for s in stopped]
+    rows = sum(s.rows for s in stopped)
+    last_line = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else ""
+    clean = (run.returncode == 130 and "Traceback" not in run.stderr
+             and last_line == f"hookscope: interrupted after {rows:,} rows; run the same command to resume")
+    whole_shards = committed == [(s.file, s.sha256) for s in ref.manifest.shards[:len(committed)]]
+    no_debris = tree(out / "shards") == {Path(f).name: sha for f, sha in committed}
+    again = main(args)  # the same command
+    same = again == 0 and tree(out) == tree(reference)
+    record("interrupt", f"SIG{sig} {what}", survived=int(clean and whole_shards and no_debris and same),
+           rows_checked=len(ref), rows_lost=max(len(ref) - len(open_store(out)), 0) if again == 0 else None,
+           rows_duplicated=max(len(open_store(out)) - len(ref), 0) if again == 0 else None)
+    assert run.returncode == 130, run.stderr[-3000:]
+    assert clean, run.stderr[-3000:]
+    assert whole_shards  # only shards an uninterrupted run also cuts
+    assert len(committed) < ref.num_shards  # it really stopped before the end
+    assert no_debris  # no partial shard, no .tmp file
+    assert again == 0 and tree(out) == tree(reference)  # byte for byte: every shard and manifest.json

@@ -1,0 +1,221 @@
+"""Stores at a URL, against a real S3-compatible server on 127.0.0.1 (moto's standalone server,
+started and stopped here): extraction equals the local store byte for byte, SIGKILL / SIGINT and
+resume, orphans, hostile objects, and a torchrun job whose two ranks write to one URL.
+
+Skipped when `moto[server]` and `s3fs` are not installed (`pip install 'hookscope[s3-test]'`)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+
+from faultkit import write_corpus  # noqa: E402
+
+from hookscope.cli import main  # noqa: E402
+from hookscope.errors import StoreError  # noqa: E402
+from hookscope.store import open_store  # noqa: E402
+
+HERE = Path(__file__).parent
+CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+               "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def s3(tmp_path_factory):
+    """An S3 server on a free loopback port for this module; its endpoint set for s3fs (botocore
+    reads AWS_ENDPOINT_URL) in this process and in every child."""
+    port = _free_port()
+    log = tmp_path_factory.mktemp("moto") / "server.log"
+    with open(log, "wb") as out:
+        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                                  stdout=out, stderr=subprocess.STDOUT)
+    endpoint = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            break
+        except OSError:
+            if server.poll() is not None or time.monotonic() > deadline:
+                server.kill()
+                pytest.fail(f"the moto server did not start: {log.read_text()[-2000:]}")
+            time.sleep(0.2)
+    saved = {k: os.environ.get(k) for k in [*CREDENTIALS, "AWS_ENDPOINT_URL"]}
+    os.environ.update(CREDENTIALS, AWS_ENDPOINT_URL=endpoint)
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield s3fs.S3FileSystem()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.terminate()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+
+
+_buckets = iter(range(10**6))
+
+
+@pytest.fixture
+def bucket(s3) -> str:
+    name = f"hookscope-{os.getpid()}-{next(_buckets)}"
+    s3.mkdir(name)
+    return name
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt", docs=30)
+
+
+def cli_args(model: Path, corpus: Path, out: str, **overrides: str) -> list[str]:
+    opts = {"--points": "blocks.1.resid_post,blocks.0.mlp.post", "--data": str(corpus), "--context": "32",
+            "--batch-size": "4", "--dtype": "float16", "--shard-rows": "150", **overrides}
+    return ["extract", str(model), "--out", out, *[x for kv in opts.items() for x in kv], "--no-progress"]
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dirs, corpus, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("reference") / "store"
+    assert main(cli_args(tiny_dirs["gpt2"], corpus, str(out))) == 0
+    return out
+
+
+def local_objects(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def s3_objects(s3, url: str) -> dict[str, str]:
+    root = url.removeprefix("s3://")
+    s3.invalidate_cache()
+    return {p.removeprefix(root + "/"): hashlib.sha256(s3.cat_file(p)).hexdigest()
+            for p in sorted(s3.find(root))}
+
+
+def env() -> dict[str, str]:
+    return {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def test_extract_to_s3_equals_the_local_store(s3, bucket, tiny_dirs, corpus, reference, capsys):
+    url = f"s3://{bucket}/run/store"
+    assert main(cli_args(tiny_dirs["gpt2"], corpus, url)) == 0
+    assert s3_objects(s3, url) == local_objects(reference)  # every object byte for byte, nothing else
+    remote, local = open_store(url, verify=True), open_store(reference)
+    assert len(remote) == len(local) > 0 and remote.num_shards == local.num_shards > 3
+    for name in local.manifest.columns:
+        assert torch.equal(remote.tensor(name), local.tensor(name))
+    # the shuffled dataset reads a URL unchanged: the same rows in the same order as locally
+    got = [r.clone() for r in remote.dataset("blocks.1.resid_post", seed=3, buffer_rows=300)][:400]
+    want = list(local.dataset("blocks.1.resid_post", seed=3, buffer_rows=300))[:400]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    capsys.readouterr()
+    assert main(["inspect", url]) == 0
+    assert "verified" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("sig", "at"), [("KILL", "batch:4"), ("KILL", "save:2"), ("KILL", "upload:3:after"),
+                                         ("KILL", "upload:2:before"), ("KILL", "put:4:before"),
+                                         ("KILL", "put:1:after"), ("INT", "upload:3:after"),
+                                         ("TERM", "batch:6")])
+def test_killed_then_resumed_equals_uninterrupted(s3, bucket, tiny_dirs, corpus, reference, sig, at):
+    """A kill at any moment, including between a shard's upload and the manifest PUT that commits
+    it: readers see only listed shards, the resume deletes the orphan, and the finished store
+    equals an uninterrupted one object for object."""
+    url = f"s3://{bucket}/store"
+    args = cli_args(tiny_dirs["gpt2"], corpus, url)
+    run = subprocess.run([sys.executable, str(HERE / "kill_driver.py"), "cli", sig, at, *args], text=True,
+                         capture_output=True, timeout=600, env=env(),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    assert run.returncode == (-9 if sig == "KILL" else 130), run.stderr[-3000:]
+    partial = open_store(url, verify=True)  # a consistent store: only what the manifest lists
+    if sig == "INT":  # an interrupt still commits the shard it had uploaded, and no partial one
+        assert run.stderr.strip().splitlines()[-1].startswith("hookscope: interrupted after ")
+    listed = {s.file for s in partial.manifest.shards}
+    shards = {k for k in s3_objects(s3, url) if k.startswith("shards/")}
+    if (sig, at) == ("KILL", "upload:3:after"):  # the third shard was uploaded but never committed
+        assert shards - listed == {"shards/shard-r000-000002.safetensors"}
+    assert main(args) == 0  # the same command
+    assert s3_objects(s3, url) == local_objects(reference)  # orphan gone, everything byte for byte
+
+
+HOSTILE = ["truncated", "two shards exchanged", "shard from another store", "manifest lies about a SHA-256",
+           "a listed shard deleted"]
+
+
+@pytest.mark.parametrize("fault", HOSTILE)
+def test_hostile_objects_are_refused(s3, bucket, tiny_dirs, corpus, capsys, fault):
+    url = f"s3://{bucket}/store"
+    args = cli_args(tiny_dirs["gpt2"], corpus, url, **{"--max-tokens": "800"})
+    assert main(args) == 0
+    root = f"{bucket}/store"
+    first, second = (f"{root}/shards/shard-r000-00000{i}.safetensors" for i in (0, 1))
+    if fault == "truncated":
+        s3.pipe_file(first, s3.cat_file(first)[:-100])
+    elif fault == "two shards exchanged":
+        a, b = s3.cat_file(first), s3.cat_file(second)
+        s3.pipe_file(first, b)
+        s3.pipe_file(second, a)
+    elif fault == "shard from another store":
+        other = f"s3://{bucket}/other"
+        other_args = {"--max-tokens": "800", "--context": "16"}
+        assert main(cli_args(tiny_dirs["gpt2"], corpus, other, **other_args)) == 0
+        s3.pipe_file(first, s3.cat_file(f"{bucket}/other/shards/shard-r000-000000.safetensors"))
+    elif fault == "manifest lies about a SHA-256":
+        text = s3.cat_file(f"{root}/manifest.json").decode()
+        sha = open_store(url).manifest.shards[0].sha256
+        s3.pipe_file(f"{root}/manifest.json", text.replace(sha, "0" * 64).encode())
+    else:
+        s3.rm_file(second)
+    capsys.readouterr()
+    with pytest.raises(StoreError, match="shard-r000-00000[01]"):
+        open_store(url, verify=True)
+    assert main(["inspect", url]) == 2
+    assert "shard-r000-00000" in capsys.readouterr().err
+
+
+def test_torchrun_two_ranks_write_to_one_url(s3, bucket, tiny_dirs, corpus, reference):
+    url = f"s3://{bucket}/store"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "hookscope.cli",
+           *cli_args(tiny_dirs["gpt2"], corpus, url)]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env())
+    assert run.returncode == 0, run.stderr[-3000:]
+    names = set(s3_objects(s3, url))
+    assert {"manifest.json", "manifest.rank0.json", "manifest.rank1.json"} <= names
+    two, one = open_store(url, verify=True), open_store(reference)
+    assert two.manifest.world_size == 2 and {s.rank for s in two.manifest.shards} == {0, 1}
+
+    def rows(store):
+        key = torch.stack([store.tensor("seq_ids"), store.tensor("doc_ids"), store.tensor("positions")], 1)
+        order = sorted(range(len(key)), key=lambda i: tuple(key[i].tolist()))
+        return key[order], store.tensor("blocks.1.resid_post")[order]
+
+    (k2, v2), (k1, v1) = rows(two), rows(one)
+    assert torch.equal(k2, k1) and torch.equal(v2, v1)
