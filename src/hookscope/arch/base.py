@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor, nn
 
-from ..errors import UnknownPointError
+from ..errors import HookscopeError, UnknownPointError
 from ..names import MODULE_PREFIX, expand, parse_module_path
 
 
@@ -78,6 +78,15 @@ class PointSpec:
     # after use, so they can be read (the model switches to eager while hooked) but not edited
     needs_eager: bool = False
 
+    def require_writable(self, what: str) -> None:
+        """Refuse edits / gradients on a point whose value the model never reads back."""
+        if self.needs_eager:
+            raise HookscopeError(
+                f"{what} on {self.name}: Hugging Face attention returns its weights after using them, so "
+                "changing them changes nothing; edit attn.q / attn.k / attn.z instead "
+                "(or use a TransformerLens model)"
+            )
+
 
 @dataclass
 class Arch:
@@ -120,6 +129,17 @@ class Arch:
     def module(self, model: nn.Module, spec: PointSpec) -> nn.Module:
         if self.modules is not None and spec.module in self.modules:
             return self.modules[spec.module]
+        # the registered-submodule walk: plain dict lookups, about 10x cheaper than get_submodule's
+        # getattr per step, and never stale (a replaced submodule is found as it is now)
+        module = model
+        try:
+            if spec.module:
+                for step in spec.module.split("."):
+                    module = module._modules[step]
+            if module is not None:
+                return module
+        except (KeyError, AttributeError):
+            pass
         try:
             return model.get_submodule(spec.module)
         except AttributeError:
