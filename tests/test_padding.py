@@ -33,7 +33,8 @@ def padded(loaded: hs.Loaded, side: str) -> dict[str, Tensor]:
 def block_output(model: nn.Module, block: nn.Module, inputs: dict[str, Tensor]) -> Tensor:
     """The block's output on `inputs`, by a plain forward hook."""
     kept = []
-    handle = block.register_forward_hook(lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out))
+    handle = block.register_forward_hook(
+        lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out))
     try:
         with torch.inference_mode():
             model(**inputs)
@@ -124,7 +125,8 @@ def test_steer_at_last_writes_each_rows_last_real_token(tiny):
     batch = padded(loaded, "right")
     vector = torch.randn(loaded.model.config.n_embd)
     lengths = batch["attention_mask"].sum(1)
-    with hs.edit(loaded.model, hs.steer(point, vector, positions="last")), hs.capture(loaded.model, point) as cap:
+    steer = hs.steer(point, vector, positions="last")
+    with hs.edit(loaded.model, steer), hs.capture(loaded.model, point) as cap:
         loaded.model(**batch)
     clean = hs.collect(loaded.model, batch, point)[point]
     want = clean.clone()

@@ -42,7 +42,7 @@ from torch import nn
 from .arch import PointSpec, state_of
 from .capture import Capture
 from .errors import HookscopeError
-from .hooks import Hook, Held, hold
+from .hooks import Held, Hook, hold
 
 if TYPE_CHECKING:
     from torch import Tensor

@@ -254,36 +254,36 @@ class Hooks:
 
     def forward(self, point: str | PointSpec, fn: HookFn, *, prepend: bool = False) -> Hook:
         """Call `fn(activation, hook)` when the point runs; a returned tensor replaces it."""
-        return self._attach(point, fn, prepend=prepend)
+        spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
+        module = self.arch.module(self.model, spec)
+        handles: list = [_eager_attention(self.model)] if spec.needs_eager else []
+        hook = Hook(spec, fn, "forward", handles)
+        if spec.io == "output":
+            torch_hook = _module_hook(spec, fn, hook)
+            # (no keyword unless needed: torch's keyword handling costs ~10% of an attach)
+            handles.append(module.register_forward_hook(torch_hook, prepend=True) if prepend
+                           else module.register_forward_hook(torch_hook))
+        else:
+            handles.append(module.register_forward_pre_hook(_module_hook(spec, fn, hook), prepend=prepend,
+                                                            with_kwargs=True))
+        self._hooks.append(hook)
+        return hook
 
     def grad(self, point: str | PointSpec, fn: Callable[[Tensor, Hook], Tensor | None]) -> Hook:
         """Call `fn(grad, hook)` with d loss / d activation during backward; a returned tensor
         replaces the gradient. Uses a tensor hook (cheaper than a module backward hook)."""
         spec = self._spec(point)
         spec.require_writable("a gradient hook")
-        hook = self._attach(spec, _grad_capture(fn), untraceable="a gradient hook cannot be traced into "
-                            "a compiled graph")
+        hook = self._attach_untraceable(spec, _grad_capture(fn),
+                                        untraceable="a gradient hook cannot be traced into a compiled graph")
         hook.kind, hook.fn = "grad", fn
         return hook
 
-    def _attach(self, point: str | PointSpec, fn: HookFn, *, prepend: bool = False,
-                untraceable: str | None = None) -> Hook:
-        """`untraceable`: why `fn` cannot run inside a compiled graph; a layer on top (the compile
-        layer) then keeps the point out of any graph while the hook is attached."""
-        spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
-        module = self.arch.module(self.model, spec)
-        handles: list = []
-        hook = Hook(spec, fn, "forward", handles)
-        torch_hook = _module_hook(spec, fn, hook)
-        if spec.needs_eager:
-            handles.append(_eager_attention(self.model))
-        if untraceable is not None:
-            handles.extend(self._untraceable(spec, untraceable))
-        if spec.io == "output":
-            handles.append(module.register_forward_hook(torch_hook, prepend=prepend))
-        else:
-            handles.append(module.register_forward_pre_hook(torch_hook, prepend=prepend, with_kwargs=True))
-        self._hooks.append(hook)
+    def _attach_untraceable(self, point: str | PointSpec, fn: HookFn, *, untraceable: str) -> Hook:
+        """A forward hook whose `fn` cannot run inside a compiled graph (`untraceable` says why):
+        a layer on top (the compile layer) keeps the point out of any graph while it is attached."""
+        hook = self.forward(point, fn)
+        hook._handles.extend(self._untraceable(hook.spec, untraceable))
         return hook
 
     def module_backward(self, point: str | PointSpec, fn: Callable) -> Hook:

@@ -137,7 +137,8 @@ class Selection:
         padding-aware "last") and the move to the device. `rest.take(first.take(x))` keeps what
         `take(x)` keeps."""
         heads_static = not isinstance(self.heads, Tensor)
-        pos_static = heads_static and self.token_mask is None and not isinstance(self.positions, (Tensor, str))
+        pos_static = (heads_static and self.token_mask is None
+                      and not isinstance(self.positions, (Tensor, str)))
         first = Selection(self.positions if pos_static else None, self.heads if heads_static else None,
                           None, self.dtype, None)
         rest = Selection(None if pos_static else self.positions, None if heads_static else self.heads,

@@ -35,15 +35,27 @@ class ModelState:
     holds: dict[Any, list] = field(default_factory=dict)
 
 
-_STATE: weakref.WeakKeyDictionary[nn.Module, ModelState] = weakref.WeakKeyDictionary()
+# id(model) -> state, with a weak reference to check that the id still names that model (ids are
+# reused after a model is freed) and a finalizer that drops the entry with the model. A plain dict
+# lookup: half the cost of a WeakKeyDictionary's, which builds a weak reference per lookup, and
+# every hook set and capture does one.
+_STATE: dict[int, tuple[weakref.ref, ModelState]] = {}
 
 
 def state_of(model: nn.Module) -> ModelState:
     """The model's registry entry, made on first use."""
-    state = _STATE.get(model)
-    if state is None:
-        state = _STATE[model] = ModelState()
+    entry = _STATE.get(id(model))
+    if entry is not None and entry[0]() is model:
+        return entry[1]
+    key, state = id(model), ModelState()
+    _STATE[key] = (weakref.ref(model, lambda ref, key=key: _forget(key, ref)), state)
     return state
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _STATE.get(key)
+    if entry is not None and entry[0] is ref:
+        del _STATE[key]
 
 
 def arch_of(model: nn.Module) -> Arch:

@@ -8,6 +8,7 @@ tensor with the canonical part replaced, so edits and gradients flow through the
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -133,9 +134,8 @@ class Arch:
         # getattr per step, and never stale (a replaced submodule is found as it is now)
         module = model
         try:
-            if spec.module:
-                for step in spec.module.split("."):
-                    module = module._modules[step]
+            for step in _steps(spec.module):
+                module = module._modules[step]
             if module is not None:
                 return module
         except (KeyError, AttributeError):
@@ -147,6 +147,11 @@ class Arch:
                 f"point {spec.name!r}: the model has no module {spec.module!r}"
                 " (print(model) shows the module tree)"
             ) from None
+
+
+@functools.lru_cache(maxsize=4096)
+def _steps(path: str) -> tuple[str, ...]:
+    return tuple(path.split(".")) if path else ()
 
 
 Entry = tuple[str, str, View | None] | tuple[str, str, View | None, dict]
