@@ -534,3 +534,23 @@ def test_capture_is_a_copy(options, index):
     with hs.capture(model, "blocks.0.resid_post", **options) as cap:  # no stop: mul_(0) runs
         model(x)
     assert torch.equal(cap["blocks.0.resid_post"], before[index])  # the value before mul_(0)
+
+
+def test_the_name_asked_for_is_a_key_of_what_comes_back(gpt2, ids):
+    """A plain name keeps its spelling (a hook_ alias too), a pattern gives canonical keys, and any
+    spelling of a captured point reads it (issue 13, item 2)."""
+    want = reference(gpt2, ids, ["blocks.0.resid_post", "blocks.1.resid_post", "blocks.2.resid_post"])
+    acts = hs.collect(gpt2, ids, ["blocks.0.hook_resid_post", "blocks.*.resid_post"])
+    assert list(acts) == ["blocks.0.hook_resid_post", "blocks.1.resid_post", "blocks.2.resid_post"]
+    assert torch.equal(acts["blocks.0.hook_resid_post"], want["blocks.0.resid_post"])
+    assert torch.equal(acts["blocks.0.resid_post"], want["blocks.0.resid_post"])  # other spelling
+    assert "blocks.0.resid_post" in acts and acts.get("blocks.2.hook_resid_post") is not None
+    assert torch.equal(acts["blocks.2.resid_post"], want["blocks.2.resid_post"])
+    with pytest.raises(KeyError):
+        acts["blocks.0.resid_pre"]
+    with hs.capture(gpt2, "blocks.1.hook_resid_post") as cap:
+        gpt2(ids)
+    assert list(cap) == ["blocks.1.hook_resid_post"]
+    assert torch.equal(cap["blocks.1.hook_resid_post"], want["blocks.1.resid_post"])
+    assert torch.equal(cap["blocks.1.resid_post"], want["blocks.1.resid_post"])
+    assert "blocks.1.resid_post" in cap and "blocks.0.resid_post" not in cap

@@ -189,3 +189,33 @@ def test_edit_errors(gpt2, ids):
     ):
         gpt2(ids)
     assert hook_count(gpt2) == 0
+
+
+def test_mean_ablation_averages_over_the_position_dim_wherever_it_is():
+    """attn.pattern is [batch, head, query, key]: its position dim is 2, so a mean ablation
+    averages over batch and queries, per head and key (issue 13, item 5). The reference is the
+    same edit written as a TransformerLens hook."""
+    tl = pytest.importorskip("transformer_lens")
+    cfg = tl.HookedTransformerConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=50, n_ctx=16,
+                                     act_fn="gelu", seed=0)
+    model = tl.HookedTransformer(cfg).eval()
+    toks = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(0))
+
+    def mean_over_queries(pattern: Tensor, hook) -> Tensor:
+        return pattern.mean(dim=(0, 2), keepdim=True).expand_as(pattern)
+
+    with torch.no_grad():
+        want = model.run_with_hooks(toks, fwd_hooks=[("blocks.0.attn.hook_pattern", mean_over_queries)])
+        with hs.edit(model, hs.ablate("blocks.0.attn.pattern", "mean")):
+            got = model(toks)
+        clean = model(toks)
+    assert torch.equal(got, want)
+    assert not torch.allclose(got, clean)
+
+    def mean_over_heads(pattern: Tensor, hook) -> Tensor:  # what averaging dims (0, 1) did
+        return pattern.mean(dim=(0, 1), keepdim=True).expand_as(pattern)
+
+    with torch.no_grad():
+        wrong = model.run_with_hooks(toks, fwd_hooks=[("blocks.0.attn.hook_pattern", mean_over_heads)])
+    assert not torch.allclose(got, wrong)
+    assert hook_count(model) == 0

@@ -121,3 +121,14 @@ def test_grad_errors(gpt2, ids):
         h.grad("blocks.0.resid_post", lambda grad, hook: None)
         gpt2(ids)
     assert hook_count(gpt2) == 0
+
+
+def test_grads_are_keyed_by_the_names_asked_for(gpt2, ids):
+    want = reference_grads(gpt2, ids)
+    got = hs.grads(gpt2, ids, ["blocks.1.hook_resid_post", "blocks.*.mlp.post"], loss_fn)
+    assert list(got) == ["blocks.1.hook_resid_post", "blocks.0.mlp.post", "blocks.1.mlp.post",
+                         "blocks.2.mlp.post"]
+    assert torch.equal(got["blocks.1.hook_resid_post"], want["blocks.1.resid_post"])
+    assert got["blocks.1.resid_post"] is got["blocks.1.hook_resid_post"]  # any spelling reads it
+    assert torch.equal(got["blocks.1.mlp.post"], want["blocks.1.mlp.post"])
+    assert hook_count(gpt2) == 0

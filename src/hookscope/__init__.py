@@ -7,11 +7,18 @@
     g = hs.grads(model, ids, "blocks.*.resid_post", loss_fn)
     with hs.edit(model, hs.ablate("blocks.2.attn.z", heads=[0])):
         out = model(ids)
+
+This file is the public surface: every name a user needs is imported here and listed in
+`__all__`, one name per concept. Rooms and their one-way imports: docs/architecture.md.
 """
 
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as _version
+
+from . import compile  # noqa: A004  (the compile policy layer: hs.compile.apply(model, "blocks"))
 from .arch import Arch, PointSpec, arch_of
-from .capture import Capture, PointInfo, capture, collect, grads, points
-from .edit import ablate, edit, patch, steer
+from .capture import Capture, PointDict, PointInfo, capture, collect, grads, points
+from .edit import Ablate, Edit, Edits, Patch, Steer, ablate, edit, patch, steer
 from .errors import (
     DataError,
     HookscopeError,
@@ -25,14 +32,31 @@ from .experts import ablate_expert, force_route
 from .hooks import Hook, Hooks, add_hook, hooks
 from .models import Loaded, load
 from .profiling import ProfileReport, profile
-from .store import open_store
+from .selection import Selection
+from .store import ActivationDataset, Store, open_store
 
-__version__ = "0.1.0"
+try:
+    __version__ = _version("hookscope")
+except PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
 
 __all__ = [
-    "Arch", "PointSpec", "arch_of", "Capture", "PointInfo", "capture", "collect", "grads", "points",
-    "ablate", "edit", "patch", "steer", "Hook", "Hooks", "add_hook", "hooks", "Loaded", "load",
+    # models and their points
+    "load", "Loaded", "points", "PointInfo", "arch_of", "Arch", "PointSpec",
+    # hooks
+    "hooks", "Hooks", "Hook", "add_hook",
+    # capture (collect stops early; a `with capture(...)` block runs the whole model)
+    "collect", "capture", "Capture", "grads", "PointDict", "Selection",
+    # edits
+    "edit", "Edits", "Edit", "ablate", "Ablate", "patch", "Patch", "steer", "Steer",
+    # the activation store
+    "open_store", "Store", "ActivationDataset",
+    # profiling and the compile policy
+    "profile", "ProfileReport", "compile",
+    # errors
     "HookscopeError", "UnknownPointError", "PointNotReachedError", "SelectionError", "ModelLoadError",
-    "StoreError", "DataError", "profile", "ProfileReport", "open_store",
+    "StoreError", "DataError",
+    # mixture-of-experts routing edits
     "ablate_expert", "force_route",
+    "__version__",
 ]

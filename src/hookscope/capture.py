@@ -7,14 +7,20 @@ device asked for, and stop the forward pass right after the last needed point ha
         logits = model(ids)                                         # full pass; no stop
     cap["blocks.3.resid_post"]
 
-Early stop raises a private exception from the hook of the last point; it is caught by
-`Capture.run` / `collect`, which therefore never see layers after it run. A point that never ran
-is an error when read, never a silent gap.
+Which one stops early: `collect` (and `Capture.run`) stop after the last needed point unless told
+`stop=False`; a `with hs.capture(...)` block runs the whole model unless told `stop=True`.
 
-Under a compile policy (`hookscope.compile`), a point inside a compiled region is captured in two
-halves: the hook traced into the graph only selects and copies (`_Deferred`); the region's own
-forward hook, which runs eagerly, files the copy by name, moves it to its device and stops the
-pass. So the graph has no break, and one graph serves every layer.
+Early stop raises a private exception from the hook of the last point; it is caught by
+`Capture.run` / `collect` (or, with stop=True, by the `with` block), which therefore never see
+layers after it run. A point that never ran is an error when read, never a silent gap.
+
+Keys: what you get back answers to the names you asked for. A plain name is a key as you wrote
+it (`blocks.0.hook_resid_post` stays `blocks.0.hook_resid_post`), a pattern gives one key per
+point it matched, in canonical spelling; any other spelling of a captured point reads it too.
+
+There is one path: a hook per point keeps `selection.take(act)`. Under a compile policy, the
+compile layer takes over the points inside compiled regions through one seam
+(`hooks.Layer.split_capture`); this module never imports it.
 """
 
 from __future__ import annotations
@@ -29,11 +35,14 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .arch import Arch, PointSpec, arch_of
-from .compile import clones_outputs, region_of
+from .arch import Arch, PointSpec, arch_of, state_of
 from .errors import PointNotReachedError, SelectionError
-from .hooks import Hook, Hooks, call_model, require_writable
-from .selection import Heads, Positions, select_heads, select_positions, select_tokens
+from .hooks import Hook, Hooks, grad_leaf
+from .inputs import attention_mask_of, call_model
+from .names import canonical, is_pattern
+from .selection import Heads, Positions, Selection
+
+_ROOT = PointSpec(name="<root>", module="", io="input")
 
 
 class _StopForward(BaseException):
@@ -54,22 +63,57 @@ def _takes_use_cache(cls: type) -> bool:
     return "use_cache" in inspect.signature(cls.forward).parameters
 
 
-class _Deferred:
-    """The traced hook of a point inside a compiled region: it keeps the selected copy in `value`
-    and nothing else. No name, no host copy, no raise: those would break the graph, and the
-    per-layer name would make each layer a graph of its own. `Capture._flush` does the rest."""
+def keyed_specs(arch: Arch, points: str | Sequence[str]) -> dict[str, PointSpec]:
+    """{key: spec} for names and patterns: a plain name keeps the spelling it was asked by, a
+    pattern gives one canonical key per point it matched. A point asked twice is kept once,
+    under its first key."""
+    if isinstance(points, str):
+        points = [p for p in points.split(",") if p.strip()] if "," in points else [points]
+    out: dict[str, PointSpec] = {}
+    seen: set[str] = set()
+    for raw in points:
+        name = raw.strip()
+        if is_pattern(canonical(name)):
+            pairs = [(s.name, s) for s in arch.resolve(name)]
+        else:
+            pairs = [(name, arch.spec(name))]
+        for key, spec in pairs:
+            if spec.name not in seen:
+                seen.add(spec.name)
+                out[key] = spec
+    return out
 
-    __slots__ = ("capture", "spec", "value")
 
-    def __init__(self, capture: Capture, spec: PointSpec):
-        self.capture, self.spec, self.value = capture, spec, None
+class PointDict(dict):
+    """A dict of point -> tensor, keyed by the names asked for, that also answers to any other
+    spelling of the same points (`blocks.0.resid_post` and `blocks.0.hook_resid_post`)."""
 
-    def __call__(self, act: Tensor, hook: Hook) -> None:
-        self.value = self.capture._take(act, self.spec)
+    def _alias(self, key: Any) -> Any:
+        if isinstance(key, str):
+            name = canonical(key)
+            for k in self:
+                if canonical(k) == name:
+                    return k
+        return None
+
+    def __missing__(self, key: Any) -> Tensor:
+        alias = self._alias(key)
+        if alias is None:
+            raise KeyError(key)
+        return dict.__getitem__(self, alias)
+
+    def __contains__(self, key: object) -> bool:
+        return dict.__contains__(self, key) or self._alias(key) is not None
+
+    def get(self, key: Any, default: Any = None) -> Any:
+        return self[key] if key in self else default
 
 
 class Capture(Mapping[str, Tensor]):
-    """Hooks that keep copies of chosen activations. Use as a `with` block; read like a dict."""
+    """Hooks that keep copies of chosen activations. Use as a `with` block; read like a dict.
+
+    `attention_mask`: the batch's mask, for `positions="last"` (each row's last real token); when
+    left out, the `attention_mask=` the model is called with is used."""
 
     def __init__(
         self,
@@ -84,25 +128,25 @@ class Capture(Mapping[str, Tensor]):
         stop: bool | None = None,
         inference: bool = True,
         accumulate: bool = False,
+        attention_mask: Tensor | None = None,
         arch: Arch | None = None,
     ):
-        if token_mask is not None and positions is not None:
-            raise SelectionError("give either positions= or token_mask=, not both")
         self.model = model
         self.arch = arch or arch_of(model)
-        self.specs: list[PointSpec] = self.arch.resolve(points)
-        self.positions, self.heads, self.token_mask = positions, heads, token_mask
-        self.dtype = dtype
-        self.device = torch.device(device) if device is not None else None
+        self.selection = Selection.of(positions, heads, token_mask, dtype, device)
+        self._keys = keyed_specs(self.arch, points)
+        self.specs: list[PointSpec] = list(self._keys.values())
+        self._key_of = {spec.name: key for key, spec in self._keys.items()}
         self.stop = stop  # None: stop only inside run() / collect(), where nobody sees the cut
         self.inference, self.accumulate = inference, accumulate
-        self._hooks = Hooks(model, self.arch)
-        self._store: dict[str, list[Tensor]] = {}
+        self.attention_mask = attention_mask
+        self.hooks = Hooks(model, self.arch)
+        self._kept: dict[str, list[Tensor]] = {}  # canonical name -> parts (one per pass)
         self._pending: set[str] = set()
-        self._stop_now = False
-        self._events: list = []
+        self._stopping = stop is True  # raise after the last pending point of a pass
+        self.pass_mask: Tensor | None = None  # the attention mask of the pass running now
+        self.events: list = []  # CUDA events of non-blocking host copies
         self._mode: contextlib.ExitStack | None = None
-        self._deferred: list[_Deferred] = []
 
     # lifecycle -----------------------------------------------------------------------------
 
@@ -111,23 +155,11 @@ class Capture(Mapping[str, Tensor]):
         if self.inference:
             self._mode.enter_context(torch.inference_mode())
         try:
-            regions: dict[str, list[_Deferred]] = {}
-            for spec in self.specs:
-                region = region_of(self.model, spec.module)
-                if region is None:
-                    self._hooks.forward(spec, self._keep)
-                else:
-                    deferred = _Deferred(self, spec)
-                    self._hooks.forward(spec, deferred)
-                    regions.setdefault(region, []).append(deferred)
-            for region, deferred in regions.items():
-                self._deferred += deferred
-                self._hooks.module_forward(
-                    PointSpec(name=f"<compiled {region or 'model'}>", module=region, io="output"),
-                    lambda module, args, output, d=deferred: self._flush(d))
-            # a new forward pass starts: every point is pending again
-            self._hooks.module_pre_forward(PointSpec(name="<root>", module="", io="input"),
-                                           lambda module, args, kwargs: self._start_pass())
+            layer = state_of(self.model).layer
+            plain = self.specs if layer is None else layer.split_capture(self, self.specs)
+            for spec in plain:
+                self.hooks.forward(spec, self._keep)
+            self.hooks.module_pre_forward(_ROOT, self._start_pass)  # a new pass: all pending again
         except BaseException:
             self._close()
             raise
@@ -138,7 +170,7 @@ class Capture(Mapping[str, Tensor]):
         return exc_type is _StopForward  # a user-requested stop=True ends the `with` body quietly
 
     def _close(self) -> None:
-        self._hooks.remove()
+        self.hooks.remove()
         if self._mode is not None:
             self._mode.close()
             self._mode = None
@@ -148,112 +180,46 @@ class Capture(Mapping[str, Tensor]):
         """Run the model on `inputs`, stopping after the last point unless stop=False.
         Returns the model output, or None when the pass was stopped early. Unless stop=False, a
         Hugging Face decoder runs without building its key/value cache (see `_builds_kv_cache`)."""
-        self._stop_now = self.stop is not False
-        options = {"use_cache": False} if self._stop_now and _builds_kv_cache(self.model) else {}
+        self._stopping = self.stop is not False
+        options = {"use_cache": False} if self._stopping and _builds_kv_cache(self.model) else {}
         try:
             output = call_model(self.model, inputs, **options)
         except _StopForward:
             output = None
         finally:
-            self._stop_now = bool(self.stop)
+            self._stopping = self.stop is True
         # only after a pass that ended normally: an error raised mid-pass must reach the caller
         self._check_all_ran()
         return output
 
     # hooks ---------------------------------------------------------------------------------
 
-    def _start_pass(self) -> None:
+    def _start_pass(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         self._pending = {s.name for s in self.specs}
-        for deferred in self._deferred:
-            deferred.value = None
-        if self.stop is True:
-            self._stop_now = True
+        mask = self.attention_mask
+        if mask is None and self.selection.wants_attention_mask:
+            mask = attention_mask_of(kwargs)
+        self.pass_mask = mask
 
     def _keep(self, act: Tensor, hook: Hook) -> None:
-        self._file(hook.spec.name, self._select(act, hook.spec))
+        self.file(hook.spec.name, self.selection.take(act, hook.spec, attention_mask=self.pass_mask,
+                                                      events=self.events))
 
-    def _flush(self, deferred: list[_Deferred]) -> None:
-        """After a compiled region returned (eagerly): file what its traced hooks kept."""
-        for d in deferred:
-            if d.value is not None:
-                kept, d.value = d.value, None
-                self._file(d.spec.name, self._finish(kept, d.spec))
-
-    def _file(self, name: str, kept: Tensor) -> None:
+    def file(self, name: str, kept: Tensor) -> None:
+        """Keep `kept` as this pass's value of point `name`; stop the pass if it was the last one
+        pending (and stopping was asked for)."""
         if self.accumulate:
-            self._store.setdefault(name, []).append(kept)
+            self._kept.setdefault(name, []).append(kept)
         else:
-            self._store[name] = [kept]
+            self._kept[name] = [kept]
         self._pending.discard(name)
-        if self._stop_now and not self._pending:
+        if self._stopping and not self._pending:
             raise _StopForward
 
-    def _select(self, act: Tensor, spec: PointSpec) -> Tensor:
-        x = select_heads(act, self.heads, spec.head_dim)
-        if self.token_mask is not None:
-            x = select_tokens(x, self.token_mask, spec.pos_dim)
-        else:
-            x = select_positions(x, self.positions, spec.pos_dim)
-        # compare storages: views made under inference_mode have no _base, and a view at an
-        # offset (positions=1) has a different data_ptr
-        shares_memory = x.untyped_storage().data_ptr() == act.untyped_storage().data_ptr()
-        # integer points (router indices, expert token indices) keep their dtype: a float cast
-        # would silently round indices above 256 in bfloat16
-        if self.dtype is not None and x.dtype != self.dtype and x.is_floating_point():
-            x = x.to(self.dtype)  # cast on the device, before the copy: fewer bytes to move
-            shares_memory = False
-        if self.device is not None and x.device != self.device:
-            x = self._to_device(x)
-        elif shares_memory:
-            # never keep a view of the live activation: a later in-place op would rewrite it
-            x = x.clone()
-        return x
-
-    def _in_graph(self) -> tuple[bool, bool]:
-        """Which selections a compiled graph can make: those given as Python values (a tensor
-        selection is data; a token mask gives a data-dependent shape). Heads go first."""
-        heads = not isinstance(self.heads, Tensor)
-        return heads, heads and self.token_mask is None and not isinstance(self.positions, Tensor)
-
-    def _take(self, act: Tensor, spec: PointSpec) -> Tensor:
-        """The traced half: static selections, the cast, and always a copy (the activation lives on
-        inside the graph)."""
-        heads, positions = self._in_graph()
-        x = select_heads(act, self.heads, spec.head_dim) if heads else act
-        if positions:
-            x = select_positions(x, self.positions, spec.pos_dim)
-        cast = self.dtype is not None and x.dtype != self.dtype and x.is_floating_point()
-        return x.to(self.dtype) if cast else x.clone()
-
-    def _finish(self, x: Tensor, spec: PointSpec) -> Tensor:
-        """The eager half, after the region returned: the other selections and the device."""
-        heads, positions = self._in_graph()
-        if not heads:
-            x = select_heads(x, self.heads, spec.head_dim)
-        if not positions:
-            x = select_tokens(x, self.token_mask, spec.pos_dim) if self.token_mask is not None \
-                else select_positions(x, self.positions, spec.pos_dim)
-        if self.device is not None and x.device != self.device:
-            return self._to_device(x)
-        if heads and positions and clones_outputs(self.model):
-            x = x.clone()  # still the graph's output: under CUDA graphs the next replay overwrites it
-        return x
-
-    def _to_device(self, x: Tensor) -> Tensor:
-        if x.is_cuda and self.device.type == "cpu":
-            # pinned host buffer + non-blocking copy; synchronised before anyone reads it
-            buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-            buf.copy_(x, non_blocking=True)
-            event = torch.cuda.Event()
-            event.record()
-            self._events.append(event)
-            return buf
-        return x.to(self.device, non_blocking=True, copy=True)
-
     def _sync(self) -> None:
-        for event in self._events:
+        for event in self.events:
             event.synchronize()
-        self._events.clear()
+        self.events.clear()
 
     def _check_all_ran(self) -> None:
         if self._pending:
@@ -267,26 +233,31 @@ class Capture(Mapping[str, Tensor]):
     # reading -------------------------------------------------------------------------------
 
     def __getitem__(self, name: str) -> Tensor:
-        key = self._key(name)
+        spec = self._keys.get(name) or self._spec_of(name)
         self._sync()
-        parts = self._store.get(key)
+        parts = self._kept.get(spec.name)
         if not parts:
-            raise PointNotReachedError(f"point {key!r} has not run since the capture started")
-        return parts[-1] if len(parts) == 1 else torch.cat(parts, dim=0)
+            raise PointNotReachedError(f"point {name!r} has not run since the capture started")
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
 
-    def _key(self, name: str) -> str:
-        if name in self._store:
-            return name
+    def _spec_of(self, name: str) -> PointSpec:
         spec = self.arch.spec(name)
-        if spec.name not in {s.name for s in self.specs}:
-            raise KeyError(f"{spec.name!r} is not one of the captured points: {[s.name for s in self.specs]}")
-        return spec.name
+        if spec.name not in self._key_of:
+            raise KeyError(f"{spec.name!r} is not one of the captured points: {list(self._keys)}")
+        return spec
 
     def __iter__(self) -> Iterator[str]:
-        return iter([s.name for s in self.specs if s.name in self._store])
+        return iter([key for key, spec in self._keys.items() if spec.name in self._kept])
 
     def __len__(self) -> int:
-        return sum(1 for s in self.specs if s.name in self._store)
+        return sum(1 for spec in self.specs if spec.name in self._kept)
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            self[name]  # type: ignore[index]
+        except (KeyError, PointNotReachedError):
+            return False
+        return True
 
 
 def capture(model: nn.Module, points: str | Sequence[str], **options: Any) -> Capture:
@@ -299,7 +270,7 @@ def collect(model: nn.Module, inputs: Any, points: str | Sequence[str], **option
     needed point runs."""
     with Capture(model, points, **options) as cap:
         cap.run(inputs)
-    return {name: cap[name] for name in cap}
+    return PointDict((key, cap[key]) for key in cap)
 
 
 def grads(
@@ -310,33 +281,34 @@ def grads(
     *,
     arch: Arch | None = None,
 ) -> dict[str, Tensor]:
-    """d loss / d activation at each point, where `loss = loss_fn(model_output)` is a scalar."""
+    """d loss / d activation at each point, where `loss = loss_fn(model_output)` is a scalar.
+    Keyed like `collect`: by the names asked for."""
     arch = arch or arch_of(model)
-    specs = arch.resolve(points)
-    for spec in specs:
-        require_writable(spec, "a gradient")
+    keys = keyed_specs(arch, points)
+    for spec in keys.values():
+        spec.require_writable("a gradient")
     kept: dict[str, Tensor] = {}
 
     def keep(act: Tensor, hook: Hook) -> Tensor:
-        if not act.requires_grad:
-            act = act.detach().requires_grad_()
-        kept[hook.spec.name] = act
+        act = kept[hook.spec.name] = grad_leaf(act, hook)
         return act  # written back (through the view), so everything downstream depends on it
 
     with Hooks(model, arch) as h, torch.enable_grad():
-        for spec in specs:
+        for spec in keys.values():
             # autograd cannot differentiate with respect to a tensor a compiled graph only returned
-            h.forward(spec, keep, eager="a gradient with respect to a point inside a compiled region")
+            h._attach_untraceable(spec, keep,
+                                  untraceable="a gradient with respect to a point inside a compiled region")
         output = call_model(model, inputs)
-    missing = [s.name for s in specs if s.name not in kept]
+    missing = [s.name for s in keys.values() if s.name not in kept]
     if missing:
         raise PointNotReachedError(f"point(s) {', '.join(missing)} never ran in the forward pass")
     loss = loss_fn(output)
     if not isinstance(loss, Tensor) or loss.numel() != 1:
         raise SelectionError("loss_fn must return a scalar tensor")
-    values = torch.autograd.grad(loss, [kept[s.name] for s in specs], allow_unused=True)
-    return {s.name: (g if g is not None else torch.zeros_like(kept[s.name]))
-            for s, g in zip(specs, values, strict=True)}
+    leaves = [kept[s.name] for s in keys.values()]
+    values = torch.autograd.grad(loss, leaves, allow_unused=True)
+    return PointDict((key, g if g is not None else torch.zeros_like(leaf))
+                     for key, g, leaf in zip(keys, values, leaves, strict=True))
 
 
 @dataclass(frozen=True)

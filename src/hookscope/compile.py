@@ -15,8 +15,15 @@ copy to the host without a graph break or a recompile per layer. Hooks on module
 region are traced into its graph: `apply` sets `torch._dynamo.config.skip_nnmodule_hook_guards
 = False` (process-wide) so that hooks attached after the first compiled call fire, at the cost
 of one recompile per distinct set of hooks (cached, so the same capture again is free).
-`region_of` tells the hook machinery which side of that line a point is on, and `hold_eager`
-runs a region eagerly while a hook that dynamo cannot compile (a gradient hook) is attached.
+
+A layer on top of the core: this module imports hooks and capture, never the reverse. `apply`
+registers a `_Compiled` as the model's layer (`arch.state_of(model).layer`), the one seam through
+which the core asks it two things (`hooks.Layer`): keep an untraceable hook (a gradient hook) out
+of the graph, which `hold_eager` does by running its region eagerly while the hook is attached;
+and take over a capture's points inside compiled regions, captured in two halves: the hook
+traced into the graph only selects and copies (`_Deferred`); the region's own forward hook, which
+runs eagerly, files the copy by name, moves it to its device and stops the pass. So the graph has
+no break, and one graph serves every layer. `region_of` says which side of the line a point is on.
 """
 
 from __future__ import annotations
@@ -24,7 +31,6 @@ from __future__ import annotations
 import os
 import types
 import warnings
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -33,9 +39,14 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import nn
 
+from .arch import PointSpec, state_of
+from .capture import Capture
 from .errors import HookscopeError
+from .hooks import Held, Hook, hold
 
 if TYPE_CHECKING:
+    from torch import Tensor
+
     from .arch import Arch
 
 POLICIES = ("off", "blocks", "full")
@@ -63,17 +74,79 @@ class _Region:
     module: nn.Module
     compiled: Callable  # the compiled forward, bound to `module`
     instance_forward: Any  # what module.__dict__["forward"] held before (None: the class's)
-    holds: int = 0
 
 
 @dataclass
 class _Compiled:
+    """A compiled model's policy and regions; registered as its layer (see `hooks.Layer`)."""
+
     policy: str
     mode: str | None
     regions: dict[str, _Region] = field(default_factory=dict)
 
+    def region_of(self, module_path: str) -> str | None:
+        for region in self.regions:
+            if region == "" and module_path != "":
+                return region
+            if region and module_path.startswith(region + "."):
+                return region
+        return None
 
-_STATE: weakref.WeakKeyDictionary[nn.Module, _Compiled] = weakref.WeakKeyDictionary()
+    # the seam -------------------------------------------------------------------------------
+
+    def untraceable(self, model: nn.Module, spec: PointSpec, reason: str) -> Held | None:
+        region = self.region_of(spec.module)
+        return None if region is None else hold_eager(model, region, reason)
+
+    def split_capture(self, capture: Capture, specs: list[PointSpec]) -> list[PointSpec]:
+        """Points inside a region: a traced hook keeps the static part of the selection (and a
+        copy); the region's own forward hook, eager, does the rest and files it."""
+        first, rest = capture.selection.split()
+        # still the graph's output after a full in-graph selection: under CUDA graphs the next
+        # replay overwrites it, so the eager half copies it
+        copy = "always" if self.mode in CUDAGRAPH_MODES else "never"
+        plain: list[PointSpec] = []
+        regions: dict[str, list[_Deferred]] = {}
+        for spec in specs:
+            region = self.region_of(spec.module)
+            if region is None:
+                plain.append(spec)
+                continue
+            deferred = _Deferred(first, spec)
+            capture.hooks.forward(spec, deferred)
+            regions.setdefault(region, []).append(deferred)
+
+        def flush(deferred: list[_Deferred]) -> None:
+            for d in deferred:
+                if d.value is not None:
+                    kept, d.value = d.value, None
+                    capture.file(d.spec.name, rest.take(kept, d.spec, attention_mask=capture.pass_mask,
+                                                        copy=copy, events=capture.events))
+
+        for region, deferred in regions.items():
+            capture.hooks.module_forward(
+                PointSpec(name=f"<compiled {region or 'model'}>", module=region, io="output"),
+                lambda module, args, output, d=deferred: flush(d))
+        return plain
+
+
+class _Deferred:
+    """The traced hook of a point inside a compiled region: it keeps the selected copy in `value`
+    and nothing else. No name, no host copy, no raise: those would break the graph, and the
+    per-layer name would make each layer a graph of its own."""
+
+    __slots__ = ("selection", "spec", "value")
+
+    def __init__(self, selection: Any, spec: PointSpec):
+        self.selection, self.spec, self.value = selection, spec, None
+
+    def __call__(self, act: Tensor, hook: Hook) -> None:
+        self.value = self.selection.take(act, self.spec, copy="always")
+
+
+def _compiled(model: nn.Module) -> _Compiled | None:
+    layer = state_of(model).layer
+    return layer if isinstance(layer, _Compiled) else None
 
 
 def apply(
@@ -95,7 +168,7 @@ def apply(
     policy = resolve_policy(policy)
     if policy == "off":
         return model
-    done = _STATE.get(model)
+    done = _compiled(model)
     if done is not None:
         if done.policy == policy:
             return model
@@ -120,7 +193,7 @@ def apply(
             compiled = torch.compile(module.forward, **options)
         module.forward = compiled
         state.regions[path] = _Region(module, compiled, instance_forward)
-    _STATE[model] = state
+    state_of(model).layer = state
     return model
 
 
@@ -147,47 +220,21 @@ def _class_forward(module: nn.Module) -> Callable | None:
 
 def policy_of(model: nn.Module) -> str:
     """The policy `apply` compiled this model with ("off" if it did not)."""
-    state = _STATE.get(model)
+    state = _compiled(model)
     return state.policy if state is not None else "off"
 
 
 def region_of(model: nn.Module, module_path: str) -> str | None:
     """The compiled region whose graph runs the hooks of the module at `module_path`, or None
     when they run eagerly (not compiled, or on the region's own module)."""
-    state = _STATE.get(model)
-    if state is None:
-        return None
-    for region in state.regions:
-        if region == "" and module_path != "":
-            return region
-        if region and module_path.startswith(region + "."):
-            return region
-    return None
+    state = _compiled(model)
+    return None if state is None else state.region_of(module_path)
 
 
 def clones_outputs(model: nn.Module) -> bool:
     """Whether the model's compiled outputs are CUDA-graph buffers that the next call overwrites."""
-    state = _STATE.get(model)
+    state = _compiled(model)
     return state is not None and state.mode in CUDAGRAPH_MODES
-
-
-class _EagerHold:
-    """While held, a region runs its original (eager) forward. Acts as a hook handle."""
-
-    def __init__(self, region: _Region):
-        self.region = region
-        region.holds += 1
-        if region.holds == 1:
-            _set_forward(region.module, region.instance_forward)
-        self._released = False
-
-    def remove(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        self.region.holds -= 1
-        if self.region.holds == 0:
-            self.region.module.forward = self.region.compiled
 
 
 def _set_forward(module: nn.Module, forward: Any) -> None:
@@ -197,11 +244,20 @@ def _set_forward(module: nn.Module, forward: Any) -> None:
         module.forward = forward
 
 
-def hold_eager(model: nn.Module, region: str, reason: str) -> _EagerHold:
+def hold_eager(model: nn.Module, region: str, reason: str) -> Held:
     """Run `region` eagerly until the returned handle is removed; warns once per reason."""
     warn_once(f"{reason}; hookscope runs {'the whole model' if region == '' else 'that block'} "
               "eagerly while it is attached (policy blocks / full)")
-    return _EagerHold(_STATE[model].regions[region])
+    state = _compiled(model)
+    if state is None or region not in state.regions:
+        raise HookscopeError(f"no compiled region {region!r} in this model")
+    target = state.regions[region]
+
+    def switch() -> Callable[[], None]:
+        _set_forward(target.module, target.instance_forward)
+        return lambda: setattr(target.module, "forward", target.compiled)
+
+    return hold(model, ("eager region", region), switch)
 
 
 _WARNED: set[str] = set()

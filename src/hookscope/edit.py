@@ -13,36 +13,41 @@ activations are left untouched.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
 from .arch import PointSpec, arch_of
 from .errors import SelectionError
-from .hooks import Hook, Hooks, require_writable
+from .hooks import Hook, Hooks
+from .inputs import attention_mask_of
 from .names import canonical
-from .selection import Heads, Positions, region_mask
+from .selection import Heads, Positions, Selection
 
 
 @dataclass(frozen=True)
 class Edit:
-    """Replace the selected region of a point's activation with `value(act)`."""
+    """Replace the selected region of a point's activation with `value(act, spec)`. An edit is a
+    hook function, `edit(act, hook) -> new act`, usable with `Hooks.forward` as it is."""
 
     point: str
     positions: Positions = None
     heads: Heads = None
+    selection: Selection = field(init=False, repr=False, compare=False)
 
-    def value(self, act: Tensor) -> Tensor:  # what the selected region becomes (broadcastable)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "selection", Selection.of(self.positions, self.heads))
+
+    def value(self, act: Tensor, spec: PointSpec) -> Tensor:  # what the selected region becomes
         raise NotImplementedError
 
-    def __call__(self, act: Tensor, hook: Hook) -> Tensor:
+    def __call__(self, act: Tensor, hook: Hook, *, attention_mask: Tensor | None = None) -> Tensor:
         spec = hook.spec
-        new = self.value(act).to(act.dtype)
+        new = self.value(act, spec).to(act.dtype)
         if self.positions is None and self.heads is None:
             return new.expand_as(act) if new.shape != act.shape else new
-        mask = region_mask(act, self.positions, self.heads, spec.pos_dim, spec.head_dim)
-        return torch.where(mask, new, act)
+        return torch.where(self.selection.region(act, spec, attention_mask=attention_mask), new, act)
 
 
 @dataclass(frozen=True)
@@ -50,14 +55,17 @@ class Ablate(Edit):
     how: str = "zero"  # "zero" | "mean"
     mean: Tensor | None = None  # a precomputed mean (e.g. over a reference dataset)
 
-    def value(self, act: Tensor) -> Tensor:
+    def value(self, act: Tensor, spec: PointSpec) -> Tensor:
         if self.how == "zero":
             return torch.zeros_like(act)
         if self.how == "mean":
             if self.mean is not None:
                 return self.mean.to(act.device)
-            # mean over batch and positions of this very input, per feature (and per head)
-            return act.mean(dim=(0, 1), keepdim=True)
+            # mean over the batch and the positions of this very input, per feature (and per
+            # head): the position dim is wherever the point has it ([batch, head, q, k] for
+            # attn.pattern averages over queries, not heads)
+            dims = (0,) if spec.pos_dim is None else (0, spec.pos_dim % act.ndim)
+            return act.mean(dim=dims, keepdim=True)
         raise SelectionError(f"ablate how={self.how!r}: use 'zero' or 'mean'")
 
 
@@ -65,7 +73,7 @@ class Ablate(Edit):
 class Patch(Edit):
     source: Tensor | None = None
 
-    def value(self, act: Tensor) -> Tensor:
+    def value(self, act: Tensor, spec: PointSpec) -> Tensor:
         src = self.source
         if src.shape != act.shape:
             raise SelectionError(
@@ -80,7 +88,7 @@ class Steer(Edit):
     vector: Tensor | None = None
     scale: float = 1.0
 
-    def value(self, act: Tensor) -> Tensor:
+    def value(self, act: Tensor, spec: PointSpec) -> Tensor:
         return act + self.scale * self.vector.to(act.device, act.dtype)
 
 
@@ -113,23 +121,33 @@ def _same_point(a: str, b: str) -> bool:
 
 
 class Edits(Hooks):
-    """Hooks that apply edits while the `with` block runs."""
+    """Hooks that apply edits while the `with` block runs. An edit at positions="last" writes
+    each row's last real token when the model is called with `attention_mask=`."""
 
     def __init__(self, model: nn.Module, edits: tuple[Edit, ...]):
         super().__init__(model, arch_of(model))
         self.edits = edits
         self._specs: list[PointSpec] = [self.arch.spec(e.point) for e in edits]  # validate names now
         for spec in self._specs:
-            require_writable(spec, "an edit")
+            spec.require_writable("an edit")
+        self._mask: Tensor | None = None
 
     def __enter__(self) -> Edits:
         try:
             for spec, e in zip(self._specs, self.edits, strict=True):
-                self.forward(spec, e)
+                if e.selection.wants_attention_mask:
+                    self.forward(spec, lambda act, hook, e=e: e(act, hook, attention_mask=self._mask))
+                else:
+                    self.forward(spec, e)
+            if any(e.selection.wants_attention_mask for e in self.edits):
+                self.module_pre_forward(PointSpec(name="<root>", module="", io="input"), self._start_pass)
         except BaseException:
             self.remove()
             raise
         return self
+
+    def _start_pass(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self._mask = attention_mask_of(kwargs)
 
 
 def edit(model: nn.Module, *edits: Edit) -> Edits:

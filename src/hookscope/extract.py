@@ -27,6 +27,7 @@ from .capture import Capture
 from .data import ReadMeter, batches, iter_documents, pack, pack_policy, source_chars, source_fingerprint
 from .errors import DataError, HookscopeError
 from .images import extract_images, is_image_source
+from .inputs import max_positions  # its room is inputs.py; cli.py imports it from here
 from .models import load
 from .store import ShardWriter, merge_rank_manifests
 from .store.manifest import count_nonfinite
@@ -112,23 +113,6 @@ def settings_for(cfg: ExtractConfig, loaded, points: list[str], world_size: int)
         "text_field": cfg.text_field,
         "world_size": world_size,
     }
-
-
-_POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions")  # GPT-2, BERT, OPT-like
-
-
-def max_positions(model: torch.nn.Module) -> int | None:
-    """The longest input a model with a learned position-embedding table takes; None for rotary or
-    relative positions, which have no hard limit."""
-    if not any(name.rsplit(".", 1)[-1] in _POSITION_TABLES and isinstance(m, torch.nn.Embedding)
-               for name, m in model.named_modules()):
-        return None
-    config = getattr(model, "config", None)
-    for key in ("n_positions", "max_position_embeddings"):
-        value = getattr(config, key, None)
-        if isinstance(value, int):
-            return value
-    return None
 
 
 def _dist_info() -> tuple[int, int]:

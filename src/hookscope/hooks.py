@@ -12,17 +12,16 @@ a `functools.partial` holding a dict of GPU tensors attaches as fast as a bare f
 
 from __future__ import annotations
 
-import weakref
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Callable
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor, nn
 
-from .arch import Arch, PointSpec, arch_of
+from .arch import Arch, PointSpec, arch_of, state_of
 from .arch.base import Call
-from .compile import hold_eager, region_of
 from .errors import HookscopeError
+from .inputs import call_model  # noqa: F401  (its room is inputs.py; profiling imports it from here)
 
 HookFn = Callable[[Tensor, "Hook"], Tensor | None]
 
@@ -69,29 +68,99 @@ def describe(fn: Callable) -> str:
     return f"{type(fn).__qualname__} instance"
 
 
-def call_model(model: nn.Module, inputs: Any, **options: Any) -> Any:
-    """Run `model` on a tensor (input ids), a mapping (keyword inputs) or a tuple (positional);
-    `options` are extra keyword arguments, which a mapping's own keys override."""
-    if isinstance(inputs, Mapping):
-        return model(**{**options, **inputs})
-    if isinstance(inputs, tuple):
-        return model(*inputs, **options)
-    return model(inputs, **options)
+# --- the seam to a layer on top (the compile layer) -------------------------------------------
 
 
-# --- reading and replacing the tensor a point names ---------------------------------------
+class Layer(Protocol):
+    """What a layer on top of the core may change about how hooks run, registered per model in
+    `arch.state_of(model).layer` (the compile layer registers one when it compiles a model). The
+    core calls these two methods and nothing else; it never imports the layer."""
+
+    def untraceable(self, model: nn.Module, spec: PointSpec, reason: str) -> Any | None:
+        """A handle (`.remove()`) that keeps the hooks of `spec` out of any compiled graph while
+        held, or None if they run eagerly anyway. `reason` says why (it may be warned once)."""
+
+    def split_capture(self, capture: Any, specs: list[PointSpec]) -> list[PointSpec]:
+        """Attach `capture`'s hooks for the specs it takes over; return the specs left to the
+        capture's own (plain) path."""
 
 
-def _pick_output(output: Any, item: int | None) -> Tensor:
-    if item is None:  # the whole output: the point's view reads several parts of it (arch/moe.py)
-        return output
+class Held:
+    """A handle on a reference-counted switch (see `hold`)."""
+
+    __slots__ = ("_entry", "_holds", "_key")
+
+    def __init__(self, holds: dict, key: Any):
+        self._holds, self._key, self._entry = holds, key, holds[key]
+
+    def remove(self) -> None:
+        entry, self._entry = self._entry, None
+        if entry is None:
+            return  # already released
+        entry[0] -= 1
+        if entry[0] == 0:
+            del self._holds[self._key]
+            entry[1]()
+
+
+def hold(model: nn.Module, key: Any, switch: Callable[[], Callable[[], None]]) -> Held:
+    """A reference-counted switch on `model`: the first holder of `key` calls `switch()`, which
+    flips something and returns how to flip it back; removing the last holder's handle does that.
+    Acts as a hook handle, so a hook that needs the switch holds it exactly as long as it lives."""
+    holds = state_of(model).holds
+    entry = holds.get(key)
+    if entry is None:
+        entry = holds[key] = [0, None]
+        try:
+            entry[1] = switch()
+        except BaseException:
+            del holds[key]
+            raise
+    entry[0] += 1
+    return Held(holds, key)
+
+
+def _eager_attention(model: nn.Module) -> Held:
+    """While any hook needs attention weights, the model runs eager attention (the only
+    implementation that materialises them); its own kernel comes back with the last such hook."""
+    config = getattr(model, "config", None)
+    if config is None or not hasattr(config, "_attn_implementation"):
+        raise HookscopeError("attn.pattern needs a Hugging Face model (config._attn_implementation)")
+
+    def switch() -> Callable[[], None]:
+        before = config._attn_implementation
+        config._attn_implementation = "eager"
+        return lambda: setattr(config, "_attn_implementation", before)
+
+    return hold(model, "eager attention", switch)
+
+
+# --- which tensor a module call carries (one rule, also used by profiling) -------------------
+
+
+def output_tensor(output: Any, item: int = 0) -> Tensor | None:
+    """The activation a module returns: the output itself, or element `item` of a tuple / list /
+    `ModelOutput` (attention modules return (out, weights)); None if that is not a tensor."""
     if isinstance(output, Tensor):
         return output
-    if isinstance(output, (tuple, list)):
-        return output[item]
     if hasattr(output, "to_tuple"):  # transformers ModelOutput
-        return output.to_tuple()[item]
-    raise HookscopeError(f"cannot read a tensor from a module output of type {type(output).__name__}")
+        output = output.to_tuple()
+    if isinstance(output, (tuple, list)) and item < len(output) and isinstance(output[item], Tensor):
+        return output[item]
+    return None
+
+
+def input_tensor(args: tuple, kwargs: dict) -> tuple[Tensor, Any] | None:
+    """The activation entering a module, and where it sits (0, or a keyword). Hugging Face layers
+    take it as a keyword (`hidden_states=`), so pre-hooks see kwargs too."""
+    if args and isinstance(args[0], Tensor):
+        return args[0], 0
+    if isinstance(kwargs.get("hidden_states"), Tensor):
+        return kwargs["hidden_states"], "hidden_states"
+    for key, value in kwargs.items():
+        if isinstance(value, Tensor):
+            return value, key
+    return None
 
 
 def _replace_output(output: Any, item: int | None, new: Tensor) -> Any:
@@ -108,19 +177,6 @@ def _replace_output(output: Any, item: int | None, new: Tensor) -> Any:
     raise HookscopeError(f"cannot replace a tensor in a module output of type {type(output).__name__}")
 
 
-def _pick_input(args: tuple, kwargs: dict) -> tuple[Tensor, Any]:
-    """The activation entering a module. Hugging Face layers take it as a keyword
-    (`hidden_states=`), so pre-hooks see kwargs too."""
-    if args and isinstance(args[0], Tensor):
-        return args[0], 0
-    if isinstance(kwargs.get("hidden_states"), Tensor):
-        return kwargs["hidden_states"], "hidden_states"
-    for key, value in kwargs.items():
-        if isinstance(value, Tensor):
-            return value, key
-    raise HookscopeError("the module was called with no tensor input to read")
-
-
 def _replace_input(args: tuple, kwargs: dict, where: Any, new: Tensor) -> tuple[tuple, dict]:
     if where == 0:
         return (new, *args[1:]), kwargs
@@ -135,7 +191,13 @@ def _module_hook(spec: PointSpec, fn: HookFn, hook: Hook) -> Callable:
 
     if spec.io == "output":
         def on_output(module: nn.Module, args: tuple, output: Any) -> Any:
-            raw = output if isinstance(output, Tensor) else _pick_output(output, item)
+            if item is None:  # the whole output: the point's view reads several parts of it (arch/moe.py)
+                raw = output
+            else:
+                raw = output if isinstance(output, Tensor) else output_tensor(output, item)
+            if raw is None:
+                raise HookscopeError(f"{spec.name}: cannot read a tensor from a module output of type "
+                                     f"{type(output).__name__}")
             new = fn(get(raw) if get else raw, hook)
             if new is None:
                 return None
@@ -147,7 +209,10 @@ def _module_hook(spec: PointSpec, fn: HookFn, hook: Hook) -> Callable:
         if item is None:  # the whole call: the view reads the module and all its arguments
             new = fn(get(Call(module, args, kwargs)), hook)
             return None if new is None else put(Call(module, args, kwargs), new)[1:]
-        raw, where = _pick_input(args, kwargs)
+        found = input_tensor(args, kwargs)
+        if found is None:
+            raise HookscopeError(f"{spec.name}: the module was called with no tensor input to read")
+        raw, where = found
         new = fn(get(raw) if get else raw, hook)
         if new is None:
             return None
@@ -156,65 +221,27 @@ def _module_hook(spec: PointSpec, fn: HookFn, hook: Hook) -> Callable:
     return on_input
 
 
-def require_writable(spec: PointSpec, what: str) -> None:
-    """Refuse edits / gradients on a point whose value the model never reads back."""
-    if spec.needs_eager:
+def grad_leaf(act: Tensor, hook: Hook) -> Tensor:
+    """The activation as a tensor autograd can differentiate with respect to: itself, or (frozen
+    weights, token inputs) a fresh leaf that requires grad. The hook must return it, so that the
+    rest of the forward uses it (a sliced view, one head of a fused q|k|v, is written back)."""
+    if not torch.is_grad_enabled():
         raise HookscopeError(
-            f"{what} on {spec.name}: Hugging Face attention returns its weights after using them, so "
-            "changing them changes nothing; edit attn.q / attn.k / attn.z instead "
-            "(or use a TransformerLens model)"
+            f"gradient hook on {hook.point}: the forward pass ran with gradients off "
+            "(torch.no_grad / inference_mode); run it with gradients on"
         )
+    return act if act.requires_grad else act.detach().requires_grad_()
 
 
 def _grad_capture(fn: Callable[[Tensor, Hook], Tensor | None]) -> HookFn:
-    """Turn a gradient hook into a forward hook that registers it on the activation.
-
-    The activation must be the tensor the rest of the forward uses, so a sliced view (one head
-    of a fused q|k|v) is written back through `put`; a point that does not require grad yet
-    (frozen weights, token inputs) gets a fresh leaf that does.
-    """
+    """Turn a gradient hook into a forward hook that registers it on the activation."""
 
     def forward(act: Tensor, hook: Hook) -> Tensor:
-        if not torch.is_grad_enabled():
-            raise HookscopeError(
-                f"gradient hook on {hook.point}: the forward pass ran with gradients off "
-                "(torch.no_grad / inference_mode); run it with gradients on"
-            )
-        if not act.requires_grad:
-            act = act.detach().requires_grad_()
+        act = grad_leaf(act, hook)
         act.register_hook(lambda grad: fn(grad, hook))
         return act
 
     return forward
-
-
-class _EagerAttention:
-    """While any hook needs attention weights, the model runs eager attention (the only
-    implementation that materialises them); the model's own kernel comes back when the last
-    such hook is removed. Acts as one more handle of the hook that needs it."""
-
-    _holders: weakref.WeakKeyDictionary[nn.Module, list] = weakref.WeakKeyDictionary()
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-        config = getattr(model, "config", None)
-        if config is None or not hasattr(config, "_attn_implementation"):
-            raise HookscopeError("attn.pattern needs a Hugging Face model (config._attn_implementation)")
-        state = self._holders.setdefault(model, [0, config._attn_implementation])
-        if state[0] == 0:
-            state[1] = config._attn_implementation
-            config._attn_implementation = "eager"
-        state[0] += 1
-        self._released = False
-
-    def remove(self) -> None:
-        if self._released:
-            return
-        self._released = True
-        state = self._holders[self.model]
-        state[0] -= 1
-        if state[0] == 0:
-            self.model.config._attn_implementation = state[1]
 
 
 class Hooks:
@@ -232,69 +259,73 @@ class Hooks:
 
     # attaching -----------------------------------------------------------------------------
 
-    def forward(self, point: str | PointSpec, fn: HookFn, *, prepend: bool = False,
-                eager: str | None = None) -> Hook:
-        """Call `fn(activation, hook)` when the point runs; a returned tensor replaces it.
-
-        `eager`: why `fn` cannot be traced by torch.compile; if the point sits inside a compiled
-        region (see `hookscope.compile`), that region then runs eagerly while the hook is attached."""
+    def forward(self, point: str | PointSpec, fn: HookFn, *, prepend: bool = False) -> Hook:
+        """Call `fn(activation, hook)` when the point runs; a returned tensor replaces it."""
         spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
         module = self.arch.module(self.model, spec)
-        handles: list = []
+        handles: list = [_eager_attention(self.model)] if spec.needs_eager else []
         hook = Hook(spec, fn, "forward", handles)
-        torch_hook = _module_hook(spec, fn, hook)
-        if spec.needs_eager:
-            handles.append(_EagerAttention(self.model))
-        if eager is not None:
-            handles.extend(self._hold_eager(spec, eager))
         if spec.io == "output":
-            handles.append(module.register_forward_hook(torch_hook, prepend=prepend))
+            torch_hook = _module_hook(spec, fn, hook)
+            # (no keyword unless needed: torch's keyword handling costs ~10% of an attach)
+            handles.append(module.register_forward_hook(torch_hook, prepend=True) if prepend
+                           else module.register_forward_hook(torch_hook))
         else:
-            handles.append(module.register_forward_pre_hook(torch_hook, prepend=prepend, with_kwargs=True))
+            handles.append(module.register_forward_pre_hook(_module_hook(spec, fn, hook), prepend=prepend,
+                                                            with_kwargs=True))
         self._hooks.append(hook)
         return hook
 
     def grad(self, point: str | PointSpec, fn: Callable[[Tensor, Hook], Tensor | None]) -> Hook:
         """Call `fn(grad, hook)` with d loss / d activation during backward; a returned tensor
         replaces the gradient. Uses a tensor hook (cheaper than a module backward hook)."""
-        spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
-        require_writable(spec, "a gradient hook")
-        hook = self.forward(spec, _grad_capture(fn),
-                            eager="a gradient hook cannot be traced into a compiled graph")
+        spec = self._spec(point)
+        spec.require_writable("a gradient hook")
+        hook = self._attach_untraceable(spec, _grad_capture(fn),
+                                        untraceable="a gradient hook cannot be traced into a compiled graph")
         hook.kind, hook.fn = "grad", fn
+        return hook
+
+    def _attach_untraceable(self, point: str | PointSpec, fn: HookFn, *, untraceable: str) -> Hook:
+        """A forward hook whose `fn` cannot run inside a compiled graph (`untraceable` says why):
+        a layer on top (the compile layer) keeps the point out of any graph while it is attached."""
+        hook = self.forward(point, fn)
+        hook._handles.extend(self._untraceable(hook.spec, untraceable))
         return hook
 
     def module_backward(self, point: str | PointSpec, fn: Callable) -> Hook:
         """A full backward hook on the point's module: `fn(module, grad_input, grad_output)`."""
-        spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
+        spec = self._spec(point)
         module = self.arch.module(self.model, spec)
         handles = [module.register_full_backward_hook(fn),
-                   *self._hold_eager(spec, "a module backward hook cannot be traced into a compiled graph")]
+                   *self._untraceable(spec, "a module backward hook cannot be traced into a compiled graph")]
         hook = Hook(spec, fn, "backward", handles)
         self._hooks.append(hook)
         return hook
 
     def module_forward(self, point: str | PointSpec, fn: Callable) -> Hook:
         """A plain forward hook on the point's module: `fn(module, args, output)`."""
-        spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
-        module = self.arch.module(self.model, spec)
-        handles = [module.register_forward_hook(fn)]
+        spec = self._spec(point)
+        handles = [self.arch.module(self.model, spec).register_forward_hook(fn)]
         hook = Hook(spec, fn, "forward", handles)
         self._hooks.append(hook)
         return hook
 
-    def _hold_eager(self, spec: PointSpec, reason: str) -> list:
-        region = region_of(self.model, spec.module)
-        return [] if region is None else [hold_eager(self.model, region, reason)]
-
     def module_pre_forward(self, point: str | PointSpec, fn: Callable) -> Hook:
         """A plain pre-forward hook on the point's module: `fn(module, args, kwargs)`."""
-        spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
-        module = self.arch.module(self.model, spec)
-        handles = [module.register_forward_pre_hook(fn, with_kwargs=True)]
+        spec = self._spec(point)
+        handles = [self.arch.module(self.model, spec).register_forward_pre_hook(fn, with_kwargs=True)]
         hook = Hook(spec, fn, "pre-forward", handles)
         self._hooks.append(hook)
         return hook
+
+    def _spec(self, point: str | PointSpec) -> PointSpec:
+        return point if isinstance(point, PointSpec) else self.arch.spec(point)
+
+    def _untraceable(self, spec: PointSpec, reason: str) -> list:
+        layer = state_of(self.model).layer
+        handle = layer.untraceable(self.model, spec, reason) if layer is not None else None
+        return [] if handle is None else [handle]
 
     # removing ------------------------------------------------------------------------------
 

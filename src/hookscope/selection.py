@@ -1,13 +1,26 @@
-"""Which part of an activation to keep or edit: positions, heads, a token mask.
+"""Which part of an activation to keep or edit: one frozen `Selection` value.
 
-Shared by capture (what to keep) and edit (where to write). Selections are validated against
-the activation's shape, so a bad one is a clear error rather than an IndexError deep in torch.
+    sel = Selection.of(positions="last", heads=[0, 2], dtype=torch.bfloat16, device="cpu")
+    kept = sel.take(act, spec, attention_mask=mask)     # capture: what to keep, as a copy
+    where = sel.region(act, spec)                        # edit: a bool mask of where to write
+
+`Selection.of` parses and checks the raw options once, with one error wording, so capture, edits
+and generation all accept (and refuse) the same things. What depends on the activation (a range
+against its size, a token mask against its shape) is checked in `take` / `region`, so a bad
+selection is a clear `SelectionError` rather than an IndexError deep in torch.
+
+`positions="last"` is each row's last real token when an attention mask is known (given to the
+capture, or passed to the model as `attention_mask=`), for left and right padding alike; with no
+mask it is the last position (-1). On an encoder such as BERT the last real token is `[SEP]`
+(the first, position 0, is `[CLS]`).
 """
 
 from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -17,126 +30,299 @@ from .errors import SelectionError
 Positions = None | int | slice | Sequence[int] | Tensor | str
 Heads = None | int | Sequence[int] | Tensor
 
+_POSITIONS_HELP = "use 'last', an int, a slice, a non-empty list of ints or a 1-D integer tensor"
+_HEADS_HELP = "use an int, a non-empty list of ints or a 1-D integer tensor"
 
-def _index(sel: int | Sequence[int] | Tensor, size: int, what: str, device: torch.device) -> Tensor:
-    if _is_int(sel) or (isinstance(sel, (list, tuple)) and sel and all(_is_int(v) for v in sel)):
-        # plain ints are checked in Python: a check on a tensor would break a torch.compile graph
-        values = [int(sel)] if _is_int(sel) else [int(v) for v in sel]
-        if not all(-size <= v < size for v in values):
-            raise SelectionError(f"{what} selection {values} out of range for size {size}")
-        return torch.tensor([v % size for v in values], dtype=torch.long, device=device)
+
+class Dims(Protocol):
+    """Where the position and head dims of a point are (a `PointSpec` is one)."""
+
+    pos_dim: int | None
+    head_dim: int | None
+
+
+@dataclass(frozen=True, eq=False)
+class Selection:
+    """Positions, heads or a token mask to keep, and the dtype / device to keep them in.
+    Build it with `Selection.of(...)`, which checks every option."""
+
+    positions: Positions = None  # ints / lists are stored as tuples; "last" stays a string
+    heads: Heads = None
+    token_mask: Tensor | None = None
+    dtype: torch.dtype | None = None
+    device: torch.device | None = None
+
+    @classmethod
+    def of(cls, positions: Positions = None, heads: Heads = None, token_mask: Tensor | None = None,
+           dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Selection:
+        if token_mask is not None and positions is not None:
+            raise SelectionError("give either positions= or token_mask=, not both")
+        if token_mask is not None and (not isinstance(token_mask, Tensor) or token_mask.dtype != torch.bool
+                                       or token_mask.ndim != 2):
+            raise SelectionError("token_mask must be a bool tensor [batch, pos], got "
+                                 + (f"{token_mask.dtype} {tuple(token_mask.shape)}"
+                                    if isinstance(token_mask, Tensor) else type(token_mask).__name__))
+        if dtype is not None and not isinstance(dtype, torch.dtype):
+            raise SelectionError(f"dtype={dtype!r}: use a torch.dtype such as torch.bfloat16")
+        return cls(_parse(positions, "position", _POSITIONS_HELP), _parse(heads, "head", _HEADS_HELP),
+                   token_mask, dtype, torch.device(device) if device is not None else None)
+
+    @property
+    def empty(self) -> bool:
+        """Keeps everything, as it is."""
+        return (self.positions is None and self.heads is None and self.token_mask is None
+                and self.dtype is None and self.device is None)
+
+    @property
+    def wants_attention_mask(self) -> bool:
+        """Whether `take` reads the attention mask (only "last" depends on padding)."""
+        return isinstance(self.positions, str)
+
+    # capture: what to keep ---------------------------------------------------------------------
+
+    def take(self, act: Tensor, spec: Dims, *, attention_mask: Tensor | None = None,
+             copy: str = "auto", events: list | None = None) -> Tensor:
+        """The selected part of `act`, cast and moved, and never a view of `act`.
+
+        copy: "auto" copies only if the result would share memory with `act`; "always" copies
+        unless a cast or a move already did (no storage check: it runs inside a compiled graph);
+        "never" hands back what the selections made (the caller owns `act`).
+        `events`: CUDA events of pinned, non-blocking host copies are appended (sync before use)."""
+        x = self.select(act, spec, attention_mask=attention_mask)
+        fresh = copy == "never"
+        if not fresh and copy == "auto":
+            # compare storages: views made under inference_mode have no _base, and a view at an
+            # offset (positions=1) has a different data_ptr
+            fresh = x.untyped_storage().data_ptr() != act.untyped_storage().data_ptr()
+        # integer points (router indices, expert token indices) keep their dtype: a float cast
+        # would silently round indices above 256 in bfloat16
+        if self.dtype is not None and x.dtype != self.dtype and x.is_floating_point():
+            x, fresh = x.to(self.dtype), True  # cast on the device, before the copy: fewer bytes to move
+        if self.device is not None and x.device != self.device:
+            return _to_device(x, self.device, events)
+        return x if fresh else x.clone()  # never keep a view: a later in-place op would rewrite it
+
+    def select(self, act: Tensor, spec: Dims, *, attention_mask: Tensor | None = None) -> Tensor:
+        """Heads, then positions or the token mask (no cast, no copy)."""
+        x = act
+        if self.heads is not None:
+            if spec.head_dim is None:
+                raise SelectionError("this point has no head dimension: "
+                                     "heads= works on attn.q|k|v|z (and attn.pattern)")
+            x = x.index_select(spec.head_dim, _index(self.heads, x.shape[spec.head_dim], "head", x.device))
+        if self.token_mask is not None:
+            return _select_tokens(x, self.token_mask, spec.pos_dim)
+        if self.positions is None:
+            return x
+        pos_dim = _pos_dim(spec, x)
+        size = x.shape[pos_dim]
+        positions = self.positions
+        if isinstance(positions, str):  # "last"
+            if attention_mask is None:
+                positions = -1
+            else:
+                return _per_row(x, last_real(attention_mask, x.shape[0], size), pos_dim)
+        if _is_int(positions):
+            _check_range([positions], size, "position")
+            return x.select(pos_dim, int(positions))
+        if isinstance(positions, slice):
+            return x[(slice(None),) * pos_dim + (positions,)]
+        if isinstance(positions, Tensor) and positions.ndim == 1 and positions.numel() == x.shape[0] \
+                and pos_dim == 1:
+            # one position per row (an explicit [batch] LongTensor)
+            return _per_row(x, _index(positions, size, "per-row position", x.device), pos_dim)
+        return x.index_select(pos_dim, _index(positions, size, "position", x.device))
+
+    def split(self) -> tuple[Selection, Selection]:
+        """(first, rest): `first` holds what a compiled graph can do (selections given as Python
+        values, and the cast); `rest` the data-dependent selections (a tensor, a token mask,
+        padding-aware "last") and the move to the device. `rest.take(first.take(x))` keeps what
+        `take(x)` keeps."""
+        heads_static = not isinstance(self.heads, Tensor)
+        pos_static = (heads_static and self.token_mask is None
+                      and not isinstance(self.positions, (Tensor, str)))
+        first = Selection(self.positions if pos_static else None, self.heads if heads_static else None,
+                          None, self.dtype, None)
+        rest = Selection(None if pos_static else self.positions, None if heads_static else self.heads,
+                         self.token_mask, None, self.device)
+        return first, rest
+
+    # edits: where to write ---------------------------------------------------------------------
+
+    def region(self, act: Tensor, spec: Dims, *, attention_mask: Tensor | None = None) -> Tensor:
+        """A bool mask, broadcastable to `act`, that is True where (positions, heads) select."""
+        if self.token_mask is not None:
+            return self._mask_along(_token_region(act, self.token_mask, spec.pos_dim), act, spec)
+        mask = torch.ones((1,) * act.ndim, dtype=torch.bool, device=act.device)
+        if self.positions is not None:
+            pos_dim = _pos_dim(spec, act)
+            size = act.shape[pos_dim]
+            positions = self.positions
+            if isinstance(positions, str) and attention_mask is not None:
+                rows = last_real(attention_mask, act.shape[0], size).to(act.device)
+                keep = torch.zeros(act.shape[0], size, dtype=torch.bool, device=act.device)
+                keep[torch.arange(act.shape[0], device=act.device), rows] = True
+                mask = mask & self._mask_along(keep, act, spec)
+            else:
+                keep = torch.zeros(size, dtype=torch.bool, device=act.device)
+                if isinstance(positions, slice):
+                    keep[positions] = True
+                else:
+                    keep[_index(-1 if isinstance(positions, str) else positions, size, "position",
+                                act.device)] = True
+                mask = mask & _along(keep, act.ndim, pos_dim)
+        if self.heads is not None:
+            if spec.head_dim is None:
+                raise SelectionError("this point has no head dimension: "
+                                     "heads= works on attn.q|k|v|z (and attn.pattern)")
+            head_dim = spec.head_dim % act.ndim
+            keep = torch.zeros(act.shape[head_dim], dtype=torch.bool, device=act.device)
+            keep[_index(self.heads, act.shape[head_dim], "head", act.device)] = True
+            mask = mask & _along(keep, act.ndim, head_dim)
+        return mask
+
+    @staticmethod
+    def _mask_along(keep: Tensor, act: Tensor, spec: Dims) -> Tensor:
+        """A [batch, pos] mask shaped to broadcast against `act` (batch dim 0, pos at pos_dim)."""
+        pos_dim = _pos_dim(spec, act)
+        shape = [1] * act.ndim
+        shape[0], shape[pos_dim] = keep.shape
+        return keep.view(shape)
+
+
+# --- parsing (once, in `Selection.of`) ---------------------------------------------------------
+
+
+def _parse(sel: Any, what: str, help_text: str) -> Any:
+    if sel is None:
+        return None
+    if isinstance(sel, str):
+        if what == "position" and sel == "last":
+            return sel
+        raise SelectionError(f"{what}s={sel!r}: {help_text}")
+    if isinstance(sel, bool):
+        raise SelectionError(f"{what}s={sel!r}: {help_text}")
+    if _is_int(sel):
+        return int(sel)
+    if isinstance(sel, slice):
+        if what != "position":
+            raise SelectionError(f"{what}s={sel!r}: {help_text}")
+        bounds = (sel.start, sel.stop, sel.step)
+        if not all(v is None or _is_int(v) for v in bounds) or (sel.step is not None and sel.step < 1):
+            raise SelectionError(f"{what}s={sel!r}: a slice needs int bounds and a positive step "
+                                 "(torch cannot step back)")
+        return sel
+    if isinstance(sel, (list, tuple)) and sel and all(_is_int(v) for v in sel):
+        return tuple(int(v) for v in sel)
     try:
         idx = sel if isinstance(sel, Tensor) else torch.as_tensor(sel)  # numpy arrays, nested lists
     except (TypeError, ValueError, RuntimeError, OverflowError):
         idx = None
     # no cast: it would silently turn a bool mask, floats or text into other indices
     if idx is None or idx.dtype.is_floating_point or idx.dtype.is_complex or idx.dtype == torch.bool:
-        raise SelectionError(f"{what} selection {sel!r}: use an int, a non-empty list of ints or a 1-D "
-                             "integer tensor")
-    idx = idx.long()
+        raise SelectionError(f"{what}s={_short(sel)}: {help_text}")
     if idx.ndim != 1 or idx.numel() == 0:
-        raise SelectionError(f"{what} selection must be a non-empty int or list of ints, "
-                             f"got shape {tuple(idx.shape)}")
-    if idx.min() < -size or idx.max() >= size:
-        raise SelectionError(f"{what} selection {idx.tolist()} out of range for size {size}")
-    return (idx % size).to(device)
+        raise SelectionError(f"{what}s: got shape {tuple(idx.shape)}; {help_text}")
+    return idx.long()
+
+
+def _short(sel: Any) -> str:
+    text = repr(sel)
+    return text if len(text) < 80 else text[:77] + "..."
 
 
 def _is_int(v: object) -> bool:
     return isinstance(v, numbers.Integral) and not isinstance(v, bool)  # numpy ints too, not True / False
 
 
-def _check_slice(s: slice) -> None:
-    bounds = (s.start, s.stop, s.step)
-    if not all(v is None or _is_int(v) for v in bounds) or (s.step is not None and s.step < 1):
-        raise SelectionError(f"positions={s!r}: a slice needs int bounds and a positive step (torch cannot "
-                             "step back)")
+# --- checks against the activation -------------------------------------------------------------
 
 
-def select_positions(x: Tensor, positions: Positions, pos_dim: int | None) -> Tensor:
-    """Keep chosen token positions. As in Python indexing, an int (or "last", i.e. -1) drops the
-    position dim and a slice or list keeps it; a LongTensor [batch] picks one position per row
-    (the last real token of right-padded rows, say) and drops the dim."""
-    if positions is None:
-        return x
-    if pos_dim is None:
+def _check_range(values: Sequence[int], size: int, what: str) -> None:
+    if not all(-size <= v < size for v in values):
+        raise SelectionError(f"{what} selection {list(values)} out of range for size {size}")
+
+
+def _index(sel: int | tuple[int, ...] | Tensor, size: int, what: str, device: torch.device) -> Tensor:
+    if not isinstance(sel, Tensor):
+        # plain ints are checked in Python: a check on a tensor would break a torch.compile graph
+        values = [sel] if _is_int(sel) else list(sel)
+        _check_range(values, size, what)
+        return torch.tensor([v % size for v in values], dtype=torch.long, device=device)
+    if sel.min() < -size or sel.max() >= size:
+        raise SelectionError(f"{what} selection {sel.tolist()} out of range for size {size}")
+    return (sel % size).to(device)
+
+
+def _pos_dim(spec: Dims, x: Tensor) -> int:
+    if spec.pos_dim is None:
         raise SelectionError("this point has no position dimension; leave positions=None")
-    size = x.shape[pos_dim]
-    if isinstance(positions, str):
-        if positions != "last":
-            raise SelectionError(f"positions={positions!r}: use 'last', an int, a slice, a list or a tensor")
-        positions = -1
-    if isinstance(positions, bool):
-        raise SelectionError(f"positions={positions!r}: use 'last', an int, a slice, a list or a tensor")
-    if _is_int(positions):
-        if not -size <= positions < size:
-            raise SelectionError(f"position selection {positions} out of range for size {size}")
-        return x.select(pos_dim, int(positions))
-    if isinstance(positions, slice):
-        _check_slice(positions)
-        return x[(slice(None),) * (pos_dim % x.ndim) + (positions,)]
-    if isinstance(positions, Tensor) and positions.ndim == 1 and positions.numel() == x.shape[0] \
-            and pos_dim % x.ndim == 1 and positions.dtype in (torch.int32, torch.int64):
-        idx = _index(positions, size, "per-row position", x.device)
-        return x[torch.arange(x.shape[0], device=x.device), idx]
-    return x.index_select(pos_dim, _index(positions, size, "position", x.device))
+    return spec.pos_dim % x.ndim
 
 
-def select_heads(x: Tensor, heads: Heads, head_dim: int | None) -> Tensor:
-    if heads is None:
-        return x
-    if head_dim is None:
-        raise SelectionError("this point has no head dimension: "
-                             "heads= works on attn.q|k|v|z (and attn.pattern)")
-    return x.index_select(head_dim, _index(heads, x.shape[head_dim], "head", x.device))
+def _along(keep: Tensor, ndim: int, dim: int) -> Tensor:
+    shape = [1] * ndim
+    shape[dim] = keep.numel()
+    return keep.view(shape)
 
 
-def select_tokens(x: Tensor, mask: Tensor | None, pos_dim: int | None) -> Tensor:
+def _per_row(x: Tensor, rows: Tensor, pos_dim: int) -> Tensor:
+    """x with one position per batch row (rows: [batch] indices); the position dim is dropped."""
+    rows = rows.to(x.device)
+    if x.shape[0] == 1 and rows.numel() > 1:
+        x = x.expand(rows.numel(), *x.shape[1:])  # batch-shared points (HF position embeddings)
+    return x.movedim(pos_dim, 1)[torch.arange(x.shape[0], device=x.device), rows]
+
+
+def last_real(attention_mask: Tensor, batch: int, size: int) -> Tensor:
+    """Each row's last real (mask 1) position: [batch] indices, for left or right padding."""
+    mask = attention_mask
+    if not isinstance(mask, Tensor) or mask.ndim != 2 or mask.shape[0] != batch or mask.shape[1] != size:
+        shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+        raise SelectionError(f"positions='last': the attention mask has shape {shape}, the activation "
+                             f"has {batch} rows of {size} positions; pass the mask of this very batch")
+    real = mask != 0
+    if not bool(real.any(dim=1).all()):
+        raise SelectionError("positions='last': a row of the attention mask has no real token")
+    # the highest index holding a real token: flip, find the first one, count back
+    return size - 1 - real.flip(1).int().argmax(dim=1)
+
+
+def _select_tokens(x: Tensor, mask: Tensor, pos_dim: int | None) -> Tensor:
     """Keep the tokens where mask [batch, pos] is True, as rows: [n_tokens, ...]."""
-    if mask is None:
-        return x
-    if not isinstance(mask, Tensor):
-        raise SelectionError(f"token_mask must be a bool tensor [batch, pos], got {type(mask).__name__}")
     if pos_dim is None or pos_dim % x.ndim != 1:
         raise SelectionError("token_mask needs a [batch, pos, ...] activation")
-    if x.shape[0] == 1 and mask.ndim == 2 and mask.shape[0] > 1:
+    if x.shape[0] == 1 and mask.shape[0] > 1:
         x = x.expand(mask.shape[0], *x.shape[1:])  # batch-shared points (HF position embeddings)
-    if mask.dtype != torch.bool or tuple(mask.shape) != tuple(x.shape[:2]):
+    _check_token_mask(mask, x)
+    return x[mask.to(x.device)]
+
+
+def _token_region(x: Tensor, mask: Tensor, pos_dim: int | None) -> Tensor:
+    if pos_dim is None:
+        raise SelectionError("token_mask needs a [batch, pos, ...] activation")
+    pos_dim = pos_dim % x.ndim
+    if mask.shape[0] != x.shape[0] or mask.shape[1] != x.shape[pos_dim]:
+        raise SelectionError(f"token_mask must be a bool tensor of shape {(x.shape[0], x.shape[pos_dim])} "
+                             f"(batch, pos), got {mask.dtype} {tuple(mask.shape)}")
+    return mask.to(x.device)
+
+
+def _check_token_mask(mask: Tensor, x: Tensor) -> None:
+    if tuple(mask.shape) != tuple(x.shape[:2]):
         raise SelectionError(
             f"token_mask must be a bool tensor of shape {tuple(x.shape[:2])} (batch, pos), "
             f"got {mask.dtype} {tuple(mask.shape)}"
         )
-    return x[mask.to(x.device)]
 
 
-def region_mask(x: Tensor, positions: Positions, heads: Heads, pos_dim: int | None,
-                head_dim: int | None) -> Tensor:
-    """A bool mask, broadcastable to x, that is True where (positions, heads) select."""
-    mask = torch.ones((1,) * x.ndim, dtype=torch.bool, device=x.device)
-    if positions is not None:
-        if pos_dim is None:
-            raise SelectionError("this point has no position dimension; leave positions=None")
-        if isinstance(positions, str):
-            if positions != "last":
-                raise SelectionError(f"positions={positions!r}: use 'last', an int, a slice, a list")
-            positions = -1
-        size = x.shape[pos_dim]
-        keep = torch.zeros(size, dtype=torch.bool, device=x.device)
-        if isinstance(positions, slice):
-            _check_slice(positions)
-            keep[positions] = True
-        else:
-            keep[_index(positions, size, "position", x.device)] = True
-        shape = [1] * x.ndim
-        shape[pos_dim] = size
-        mask = mask & keep.view(shape)
-    if heads is not None:
-        if head_dim is None:
-            raise SelectionError("this point has no head dimension: heads= works on per-head points")
-        size = x.shape[head_dim]
-        keep = torch.zeros(size, dtype=torch.bool, device=x.device)
-        keep[_index(heads, size, "head", x.device)] = True
-        shape = [1] * x.ndim
-        shape[head_dim] = size
-        mask = mask & keep.view(shape)
-    return mask
+def _to_device(x: Tensor, device: torch.device, events: list | None) -> Tensor:
+    if x.is_cuda and device.type == "cpu" and events is not None:
+        # pinned host buffer + non-blocking copy; the caller synchronises before anyone reads it
+        buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        buf.copy_(x, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        events.append(event)
+        return buf
+    return x.to(device, non_blocking=True, copy=True)

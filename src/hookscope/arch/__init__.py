@@ -1,12 +1,16 @@
-"""Which family a model belongs to, and its table of points.
+"""Which family a model belongs to, and its table of points; and the one per-model registry.
 
 `arch_of(model)` is cached per model object: building a table is cheap, but capture calls it on
-every forward pass, where microseconds count.
+every forward pass, where microseconds count. The cache is one field of `ModelState`, the only
+place hookscope keeps anything per model (the layers above add their own fields' values: the
+compile layer its seam, the hooks their reference-counted holds).
 """
 
 from __future__ import annotations
 
 import weakref
+from dataclasses import dataclass, field
+from typing import Any
 
 from torch import nn
 
@@ -27,18 +31,52 @@ from . import (
 )
 from .base import Arch, PointSpec, View
 
-__all__ = ["Arch", "PointSpec", "View", "arch_of", "FAMILIES"]
+__all__ = ["Arch", "PointSpec", "View", "arch_of", "state_of", "ModelState", "FAMILIES"]
 
 FAMILIES = (gpt2, llama, gpt_neox, bert, moe, vit, clip, dinov2, mamba, rwkv)
 _BY_MODEL_TYPE = {mt: fam for fam in FAMILIES for mt in fam.MODEL_TYPES}
-_CACHE: weakref.WeakKeyDictionary[nn.Module, Arch] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class ModelState:
+    """Everything hookscope remembers about one model object (dropped with the model)."""
+
+    arch: Arch | None = None
+    # set by a layer on top of the core (the compile layer) to change how hooks run inside its
+    # compiled regions; the core only calls it (see `hooks.Layer`), never imports it
+    layer: Any = None
+    # reference-counted switches (`hooks.hold`): key -> [holders, undo]
+    holds: dict[Any, list] = field(default_factory=dict)
+
+
+# id(model) -> state, with a weak reference to check that the id still names that model (ids are
+# reused after a model is freed) and a finalizer that drops the entry with the model. A plain dict
+# lookup: half the cost of a WeakKeyDictionary's, which builds a weak reference per lookup, and
+# every hook set and capture does one.
+_STATE: dict[int, tuple[weakref.ref, ModelState]] = {}
+
+
+def state_of(model: nn.Module) -> ModelState:
+    """The model's registry entry, made on first use."""
+    entry = _STATE.get(id(model))
+    if entry is not None and entry[0]() is model:
+        return entry[1]
+    key, state = id(model), ModelState()
+    _STATE[key] = (weakref.ref(model, lambda ref, key=key: _forget(key, ref)), state)
+    return state
+
+
+def _forget(key: int, ref: weakref.ref) -> None:
+    entry = _STATE.get(key)
+    if entry is not None and entry[0] is ref:
+        del _STATE[key]
 
 
 def arch_of(model: nn.Module) -> Arch:
-    arch = _CACHE.get(model)
-    if arch is None:
-        arch = _CACHE[model] = _detect(model)
-    return arch
+    state = state_of(model)
+    if state.arch is None:
+        state.arch = _detect(model)
+    return state.arch
 
 
 def _detect(model: nn.Module) -> Arch:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.autograd.profiler import record_function
 
 from ..arch import Arch, PointSpec
-from ..hooks import Hook, Hooks
+from ..hooks import Hook, Hooks, input_tensor, output_tensor
 
 profiler_enabled = torch._C._autograd._profiler_enabled
 
@@ -48,19 +48,9 @@ def backward_label(index: int) -> str:
 
 
 def first_tensor(value: Any) -> Tensor | None:
-    """The activation in a module's inputs or output: a tensor, the first tensor of a tuple /
-    list / dict / ModelOutput, or a `hidden_states=` keyword (Hugging Face layers)."""
-    if isinstance(value, Tensor):
-        return value
-    if isinstance(value, dict):
-        if isinstance(value.get("hidden_states"), Tensor):
-            return value["hidden_states"]
-        value = list(value.values())
-    elif hasattr(value, "to_tuple"):
-        value = value.to_tuple()
-    if isinstance(value, (tuple, list)):
-        return next((v for v in value if isinstance(v, Tensor)), None)
-    return None
+    """The activation a module returns (or a model's first output): the rule of
+    `hooks.output_tensor`, so profiling and hooks read the same tensor."""
+    return output_tensor(value)
 
 
 def block_labels(arch: Arch, *, backward: bool) -> list[str]:
@@ -177,7 +167,8 @@ class BlockLabels:
                 return
             opened.append(record_function(label).__enter__())
             if marks is not None and torch.is_grad_enabled():
-                x = first_tensor(args) if args else first_tensor(kwargs)
+                found = input_tensor(args, kwargs)
+                x = found[0] if found is not None else None
                 if x is not None and x.requires_grad:
                     marks.close_on(x, bw_label)
 
@@ -185,7 +176,7 @@ class BlockLabels:
             if not opened:
                 return
             if marks is not None and torch.is_grad_enabled():
-                y = first_tensor(output)
+                y = output_tensor(output)
                 if y is not None and y.requires_grad:
                     marks.open_on(y, bw_label)
             opened.pop().__exit__(None, None, None)
