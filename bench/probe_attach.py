@@ -48,5 +48,6 @@ for _r in range(25):
     hs_.append(b)
     rw.append(a)
 print(
-    f"raw {statistics.median(rw):.2f} us  hookscope {statistics.median(hs_):.2f} us  median ratio {statistics.median(rs):.2f}"
+    f"raw {statistics.median(rw):.2f} us  hookscope {statistics.median(hs_):.2f} us  "
+    f"median ratio {statistics.median(rs):.2f}"
 )
