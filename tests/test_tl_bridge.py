@@ -411,7 +411,6 @@ def test_early_stop_runs_no_later_block(bridges):
 # --- what engineer A's core work brings (issue 13 items 2 and 5) -------------------------------
 
 
-@pytest.mark.xfail(reason="needs a-core: results keyed by the name asked for (issue 13 item 2)", strict=True)
 def test_results_are_keyed_by_the_name_asked_for(bridges):
     bridge = bridges["gpt2"]
     ids = ids_for(bridge)
@@ -421,7 +420,6 @@ def test_results_are_keyed_by_the_name_asked_for(bridges):
         assert torch.equal(hs.collect(bridge, ids, name)[name], cache[name])
 
 
-@pytest.mark.xfail(reason="needs a-core: mean ablation over the position dim (issue 13 item 5)", strict=True)
 def test_mean_ablation_of_a_pattern_averages_positions(bridges):
     bridge = bridges["gpt2"]
     ids = ids_for(bridge)

@@ -147,7 +147,6 @@ def test_edits_equal_run_with_hooks(tl, toks):
     assert hook_count(tl) == 0
 
 
-@pytest.mark.xfail(reason="needs a-core: results keyed by the name asked for (issue 13 item 2)", strict=True)
 def test_results_are_keyed_by_the_name_asked_for(tl, toks):
     _, cache = tl.run_with_cache(toks)
     for name in ("blocks.0.hook_resid_post", "blocks.1.attn.hook_z"):
@@ -157,7 +156,6 @@ def test_results_are_keyed_by_the_name_asked_for(tl, toks):
     assert list(cap) == ["blocks.0.hook_resid_post"]
 
 
-@pytest.mark.xfail(reason="needs a-core: mean ablation over the position dim (issue 13 item 5)", strict=True)
 def test_mean_ablation_of_a_pattern_averages_positions(tl, toks):
     def mean_over_queries(pattern, hook):  # [batch, head, query, key]: positions are dim 2
         return pattern.mean(dim=(0, 2), keepdim=True).expand_as(pattern)
