@@ -21,6 +21,7 @@ from .errors import (
     StoreError,
     UnknownPointError,
 )
+from .generate import Generation, generate
 from .hooks import Hook, Hooks, add_hook, hooks
 from .models import Loaded, load
 from .profiling import ProfileReport, profile
@@ -34,3 +35,4 @@ __all__ = [
     "HookscopeError", "UnknownPointError", "PointNotReachedError", "SelectionError", "ModelLoadError",
     "StoreError", "DataError", "profile", "ProfileReport", "open_store",
 ]
+__all__ += ["generate", "Generation"]
