@@ -11,7 +11,7 @@ exactly NEW tokens; capture and steer act on blocks.5.resid_post, blocks.1 on th
   hand_capture    generate with a plain register_forward_hook appending each step's output
   hs_capture      hs.generate(model, ids, POINT): aligned [1, T, d] (one more cached step for the last token)
   hs_steer        hs.generate(model, ids, edits=[hs.steer(POINT, v)])
-  nnsight_capture nnsight .generate() saving the point's output at every step (tracer.all())
+  nnsight_capture nnsight .generate() saving the point's output at every step (tracer.iter[:NEW])
   nnsight_steer   nnsight .generate() adding v at every step
   tl3_plain       TransformerLens 3.9 HookedTransformer.generate (its own KV cache)
   tl3_capture     ... with a forward hook appending each step's hook_resid_post
@@ -92,21 +92,24 @@ def make_run(config: str, model_name: str, new: int):
     if config == "hs_steer":
         return lambda: hs.generate(model, ids, edits=[hs.steer(point, vector)], **greedy).sequences
     if config.startswith("nnsight_"):
-        from nnsight import NNsight
+        from nnsight import TransformersModel
+        from transformers import AutoTokenizer
 
-        wrapped = NNsight(model)
+        wrapped = TransformersModel(model, tokenizer=AutoTokenizer.from_pretrained(path))
         envoy = wrapped.transformer.h[layer]
 
         def run():
+            # a bounded loop over the `new` forward passes (an open tracer.all() loop cuts the
+            # statements after it); min_new_tokens makes the count exact
             with wrapped.generate(ids, **greedy) as tracer:
                 if config == "nnsight_capture":
-                    saved = [].save()
-                    with tracer.all():
+                    saved = list().save()
+                    for _ in tracer.iter[:new]:
                         saved.append(envoy.output)
                 else:
-                    with tracer.all():
+                    for _ in tracer.iter[:new]:
                         envoy.output = envoy.output + vector
-                out = wrapped.generator.output.save()
+                out = tracer.result.save()
             return out
         return run
     raise SystemExit(f"unknown config {config!r}")
@@ -130,7 +133,8 @@ def worker(config: str, model_name: str, new: int, runs: int) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--case", default=None, help="run one configuration in this process (worker)")
     parser.add_argument("--model", default="small", choices=sorted(MODELS))
     parser.add_argument("--quick", action="store_true")
@@ -169,7 +173,8 @@ def main() -> None:
             continue
         med = common.median(r["ms_per_token"])
         ratio = f"{med / base:.3f}" if base else "-"
-        print(f"{config:<16} {med:9.2f} {ratio:>7}  {min(r['ms_per_token']):.2f}-{max(r['ms_per_token']):.2f}")
+        low, high = min(r["ms_per_token"]), max(r["ms_per_token"])
+        print(f"{config:<16} {med:9.2f} {ratio:>7}  {low:.2f}-{high:.2f}")
     steer = {c: results[c].get("tokens") for c in configs if c.endswith("steer") and results[c].get("tokens")}
     if len(set(map(tuple, steer.values()))) > 1:
         print("note: steered tokens differ between tools:", {c: t[:PROMPT + 4] for c, t in steer.items()})

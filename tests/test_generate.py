@@ -170,7 +170,8 @@ def test_eos_masks_the_positions_after_it(gpt2):
         assert mask[1].all()
     assert gen["blocks.0.resid_post"].shape[:2] == seqs.shape
     ref = teacher_forced(gpt2, seqs, inputs["attention_mask"])
-    torch.testing.assert_close(gen["blocks.0.resid_post"][mask], ref.hidden_states[1][mask], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(gen["blocks.0.resid_post"][mask], ref.hidden_states[1][mask],
+                               atol=ATOL, rtol=RTOL)
 
 
 @pytest.mark.parametrize("edit_on", ["both", "prompt", "generated"])
@@ -343,3 +344,38 @@ def test_without_the_kv_cache(gpt2):
     assert torch.equal(cached.sequences, uncached.sequences)
     torch.testing.assert_close(uncached["blocks.1.resid_post"][cached.mask],
                                cached["blocks.1.resid_post"][cached.mask], atol=ATOL, rtol=RTOL)
+
+
+def test_cli_prints_text_and_writes_captures(tmp_path, capsys):
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from hookscope.cli import main
+    from hookscope.testing import save_tiny
+
+    path = save_tiny("gpt2", tmp_path / "model", n_layers=2, d_model=32, n_heads=4)
+    vector = torch.randn(32, generator=torch.Generator().manual_seed(0)) * 5
+    save_file({"v": vector}, str(tmp_path / "v.safetensors"))
+    out = tmp_path / "caps.safetensors"
+    prompts = ["The quick brown fox", "Paris is"]
+    rc = main(["generate", str(path), "--prompt", prompts[0], "--prompt", prompts[1], "--max-new-tokens", "4",
+               "--points", "blocks.1.resid_post", "--out", str(out),
+               "--steer", f"blocks.0.resid_post:{tmp_path / 'v.safetensors'}:2", "--edit-on", "generated"])
+    assert rc == 0
+    printed = capsys.readouterr().out.splitlines()
+    # the same call from Python, left-padded as the CLI pads
+    model, tok, _ = hs.load(str(path))
+    tok.padding_side, tok.pad_token = "left", tok.eos_token
+    inputs = tok(prompts, return_tensors="pt", padding=True)
+    steer = hs.steer("blocks.0.resid_post", vector, scale=2)
+    gen = hs.generate(model, inputs, "blocks.1.resid_post", edits=[steer],
+                      edit_on="generated", max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert printed == [p + t for p, t in zip(prompts, gen.text(tok), strict=True)]
+    with safe_open(str(out), "pt") as f:
+        assert torch.equal(f.get_tensor("sequences"), gen.sequences)
+        assert torch.equal(f.get_tensor("mask"), gen.mask)
+        torch.testing.assert_close(f.get_tensor("blocks.1.resid_post"), gen["blocks.1.resid_post"])
+        assert int(f.metadata()["prompt_length"]) == gen.prompt_length
+    missing = "blocks.0.resid_post:missing.safetensors:1"
+    assert main(["generate", str(path), "--prompt", "x", "--steer", missing]) == 2
+    assert "cannot read steering vector" in capsys.readouterr().err

@@ -1,4 +1,7 @@
 """hs.generate under the compile policy `blocks` (one small test: compiling is slow on 2 cores).
+It uses dynamo's "eager" backend, as most of tests/test_compile.py does: dynamo traces the hooks
+inside each block, guards and recompiles exactly as under inductor, but generates no code
+(inductor took ~10 min here on a loaded machine).
 
 `blocks` turns `config.use_cache` off (a plain forward's cache is waste there); generate reads
 its own `generation_config.use_cache`, so it still decodes with the KV cache. Checked here: the
@@ -8,17 +11,28 @@ from __future__ import annotations
 
 import copy
 
+import pytest
 import torch
 
 import hookscope as hs
-from hookscope.compile import apply
+from hookscope.compile import apply, compile_stats, reset_stats
 from hookscope.hooks import hook_count
 from hookscope.testing import build_tiny
 
 
-def test_generate_under_blocks_equals_eager():
+@pytest.fixture
+def fresh_dynamo(monkeypatch):
+    torch._dynamo.reset()
+    monkeypatch.setattr(torch._dynamo.config, "skip_nnmodule_hook_guards",
+                        torch._dynamo.config.skip_nnmodule_hook_guards)
+    yield
+    torch._dynamo.reset()
+
+
+def test_generate_under_blocks_equals_eager(fresh_dynamo):
     eager = build_tiny("gpt2", n_layers=2, d_model=32, n_heads=4, seed=5)
-    compiled = apply(copy.deepcopy(eager), "blocks", backend="inductor")
+    compiled = apply(copy.deepcopy(eager), "blocks", backend="eager")
+    reset_stats()
     assert compiled.config.use_cache is False  # what `blocks` does today ...
     inputs = {"input_ids": torch.tensor([[1, 1, 7, 42, 99], [5, 17, 300, 8, 61]]),
               "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])}
@@ -32,6 +46,8 @@ def test_generate_under_blocks_equals_eager():
                                    edit_on="generated", **opts))
     want, got = results
     assert hook_count(compiled) == before
+    stats = compile_stats()
+    assert stats["frames_compiled"] > 0 and stats["frames_failed"] == 0, stats  # it really ran compiled
     assert torch.equal(got.sequences, want.sequences)
     assert not torch.equal(want.sequences, eager.generate(**inputs, **opts))  # the steering matters
     for point in points:

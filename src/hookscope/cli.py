@@ -172,7 +172,8 @@ def _steer_arg(value: str):
     try:
         scale = float(parts[2])
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--steer {value!r}: the scale {parts[2]!r} is not a number") from None
+        raise argparse.ArgumentTypeError(f"--steer {value!r}: the scale {parts[2]!r} is not a "
+                                         "number") from None
     return parts[0], parts[1], scale
 
 
@@ -192,7 +193,8 @@ def _read_vector(path: str):
     except (OSError, ValueError) as e:
         raise HookscopeError(f"cannot read steering vector {path}: {e}") from e
     except Exception as e:  # safetensors raises its own error type for a malformed file
-        raise HookscopeError(f"cannot read steering vector {path}: {e} (give a .safetensors or .npy file)") from e
+        raise HookscopeError(f"cannot read steering vector {path}: {e} (give a .safetensors or .npy "
+                             "file)") from e
     if len(tensors) != 1:
         raise HookscopeError(f"{path} holds {len(tensors)} tensors ({', '.join(tensors)}); a steering vector "
                              "file must hold exactly one")

@@ -135,7 +135,8 @@ def generate(
     kept = {name: _Kept(positions) for name in point_names}
     for e in edits:
         if not callable(e) or not isinstance(getattr(e, "point", None), str):
-            raise HookscopeError(f"edits= takes hs.steer / hs.ablate / hs.patch values, got {type(e).__name__}")
+            raise HookscopeError("edits= takes hs.steer / hs.ablate / hs.patch values, got "
+                                 f"{type(e).__name__}")
     step_edits = [_StepEdit(e, edit_on, steps, arch.spec(e.point)) for e in edits]
     kwargs = {**extra, **generate_kwargs}
     if specs:
@@ -190,7 +191,8 @@ def _split_inputs(inputs: Any) -> tuple[Tensor, Tensor | None, dict]:
     if ids.shape[1] == 0:
         raise HookscopeError("the prompt is empty; give at least one token")
     if mask is not None and tuple(mask.shape) != tuple(ids.shape):
-        raise HookscopeError(f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}")
+        raise HookscopeError(f"attention_mask {tuple(mask.shape)} does not match input_ids "
+                             f"{tuple(ids.shape)}")
     if mask is not None and ids.shape[0] > 1 and bool((mask[:, -1] == 0).any()):
         raise HookscopeError("the batch is right-padded: a decoder generates after the last column, so pad "
                              "on the left (tokenizer.padding_side = 'left')")
@@ -199,7 +201,8 @@ def _split_inputs(inputs: Any) -> tuple[Tensor, Tensor | None, dict]:
 
 def _check_point(spec: PointSpec) -> None:
     if spec.needs_eager:
-        raise SelectionError(f"{spec.name}: attention weights grow with the key length at every step; capture "
+        raise SelectionError(f"{spec.name}: attention weights grow with the key length at every step; "
+                             "capture "
                              "them with hs.collect over gen.sequences (a teacher-forced pass) instead")
     if spec.pos_dim != 1:
         raise SelectionError(f"{spec.name} has no [batch, pos, ...] layout, so it cannot be aligned to "
@@ -358,7 +361,8 @@ class _Kept:
     def _plan(self, positions: Positions) -> None:
         if isinstance(positions, str):
             if positions != "last":
-                raise SelectionError(f"positions={positions!r}: use 'last', an int, a slice, a list or a tensor")
+                raise SelectionError(f"positions={positions!r}: use 'last', an int, a slice, a list or a "
+                                     "tensor")
             self.tail = 1
             return
         if isinstance(positions, slice):
@@ -440,7 +444,8 @@ class _StepEdit:
     def __init__(self, edit: Any, edit_on: str, steps: _Steps, spec: PointSpec):
         self.edit, self.edit_on, self.steps, self.spec = edit, edit_on, steps, spec
         if spec.pos_dim != 1:
-            raise SelectionError(f"edit on {spec.name}: the point has no [batch, pos, ...] layout to follow during "
+            raise SelectionError(f"edit on {spec.name}: the point has no [batch, pos, ...] layout to follow "
+                                 "during "
                                  "generation; use a canonical point name (hs.points(model))")
         positions = getattr(edit, "positions", None)
         self.positions: set[int] | None = None
