@@ -104,7 +104,7 @@ def cmd_extract(args) -> int:
         context=args.context, batch_size=args.batch_size, dtype=args.dtype, drop_bos=not args.keep_bos,
         max_tokens=args.max_tokens, device=args.device, shard_rows=args.shard_rows,
         on_nonfinite=args.on_nonfinite, revision=args.revision, progress=not args.no_progress,
-        device_map=args.device_map,
+        device_map=args.device_map, generate=args.generate,
     )
     print(extract(cfg))
     return 0
@@ -341,6 +341,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-map", default=None,
                    help="'auto' spreads a model bigger than one device (accelerate)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--generate", type=_at_least(0), default=0, metavar="N",
+                   help="also store N greedy tokens the model generates after each sequence")
     p.set_defaults(run=cmd_extract)
 
     p = sub.add_parser("profile", help="where time and memory go, per block and hooked point")
