@@ -112,6 +112,20 @@ def test_sampling_with_a_seed_gives_the_tokens_of_plain_generate(gpt2):
                                atol=ATOL, rtol=RTOL)
 
 
+def test_num_return_sequences(gpt2):
+    inputs = prompt_batch()
+    opts = dict(max_new_tokens=4, do_sample=True, num_return_sequences=2, pad_token_id=1)
+    torch.manual_seed(5)
+    plain = gpt2.generate(**inputs, **opts)
+    torch.manual_seed(5)
+    gen = hs.generate(gpt2, inputs, "blocks.0.resid_post", **opts)
+    assert torch.equal(plain, gen.sequences) and gen.sequences.shape[0] == 4
+    ref = teacher_forced(gpt2, gen.sequences, inputs["attention_mask"].repeat_interleave(2, 0))
+    assert gen.mask[:, :5].tolist() == inputs["attention_mask"].repeat_interleave(2, 0).bool().tolist()
+    torch.testing.assert_close(gen["blocks.0.resid_post"][gen.mask], ref.hidden_states[1][gen.mask],
+                               atol=ATOL, rtol=RTOL)
+
+
 def test_selections_match_collect_semantics(gpt2):
     inputs = prompt_batch()
     opts = dict(max_new_tokens=NEW, do_sample=False, pad_token_id=1)

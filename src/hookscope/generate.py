@@ -118,6 +118,11 @@ def generate(
         if value is not None and not (key == "num_beams" and value == 1) and value is not False:
             raise HookscopeError(f"hs.generate does not support {key}={value!r}: {why}, so captures and "
                                  "edits cannot follow token positions; use greedy or sampling decoding")
+    config = generate_kwargs.get("generation_config") or getattr(model, "generation_config", None)
+    beams = generate_kwargs.get("num_beams") or getattr(config, "num_beams", None) or 1
+    if beams > 1:
+        raise HookscopeError(f"hs.generate does not support num_beams={beams} (from the arguments or the "
+                             f"generation config): {_UNSUPPORTED['num_beams']}; pass num_beams=1")
     if not hasattr(model, "generate"):
         raise HookscopeError(f"{type(model).__name__} has no generate(); hs.generate needs a Hugging Face "
                              "causal LM (AutoModelForCausalLM)")
@@ -160,6 +165,10 @@ def generate(
         stack.enter_context(_root_hooks(model, steps, step_edits, cap, kept))
         output = model.generate(input_ids, **kwargs)
         sequences = output.sequences if hasattr(output, "sequences") else output
+        if attention_mask is not None and sequences.shape[0] != attention_mask.shape[0]:
+            # num_return_sequences: generate repeats each prompt row that many times
+            repeats = sequences.shape[0] // attention_mask.shape[0]
+            attention_mask = attention_mask.repeat_interleave(repeats, 0)
         if specs and steps.filled < sequences.shape[1]:
             _final_step(model, output, sequences, attention_mask, extra)
     total = sequences.shape[1]
