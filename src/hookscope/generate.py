@@ -126,14 +126,22 @@ def generate(
     if not hasattr(model, "generate"):
         raise HookscopeError(f"{type(model).__name__} has no generate(); hs.generate needs a Hugging Face "
                              "causal LM (AutoModelForCausalLM)")
-    if _is_transformer_lens(model):
-        raise HookscopeError("hs.generate drives Hugging Face generate(); for a TransformerLens "
-                             "HookedTransformer, load the Hugging Face model instead (same weights)")
+    lens = _is_transformer_lens(model)
     input_ids, attention_mask, extra = _split_inputs(inputs)
+    if lens and attention_mask is not None:
+        if not bool(attention_mask.all()):
+            raise HookscopeError("a padded batch through TransformerLens generate is not supported: give "
+                                 "rows of equal length, generate them one by one, or use the Hugging Face "
+                                 "model")
+        attention_mask = None
     arch = arch_of(model)
     specs = arch.resolve(points) if points else []
     for spec in specs:
         _check_point(spec)
+        if lens and not spec.module.startswith(_LENS_IN_FORWARD):
+            raise SelectionError(f"{spec.name}: TransformerLens generate embeds tokens outside its forward "
+                                 "passes, so this point cannot follow the steps; capture blocks.* / ln_final "
+                                 "points (or run hs.collect over gen.sequences)")
     point_names = [s.name for s in specs]
 
     steps = _Steps(prompt_length=input_ids.shape[1])
@@ -148,7 +156,10 @@ def generate(
         kwargs["return_dict_in_generate"] = True  # its cache runs the last token (see _final_step)
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
-    if "logits" in point_names and "logits_to_keep" in _forward_parameters(type(model)):
+    if lens:
+        kwargs.pop("return_dict_in_generate", None)
+        kwargs.setdefault("verbose", False)
+    elif "logits" in point_names and "logits_to_keep" in _forward_parameters(type(model)):
         # generate computes the prompt's logits at its last position only; logits are asked for here
         kwargs.setdefault("logits_to_keep", 0)
 
@@ -162,7 +173,9 @@ def generate(
             cap = stack.enter_context(capture(model, point_names, heads=heads, dtype=dtype, device=device,
                                               stop=False))
         # registered after the capture's own root hooks, so the step's captures are filed when ours runs
-        stack.enter_context(_root_hooks(model, steps, step_edits, cap, kept))
+        # TransformerLens generate calls model.forward, not model(): hook its first and last modules
+        first, last = (model.blocks[0], model.unembed) if lens else (model, model)
+        stack.enter_context(_root_hooks(first, last, steps, step_edits, cap, kept))
         output = model.generate(input_ids, **kwargs)
         sequences = output.sequences if hasattr(output, "sequences") else output
         if attention_mask is not None and sequences.shape[0] != attention_mask.shape[0]:
@@ -170,12 +183,19 @@ def generate(
             repeats = sequences.shape[0] // attention_mask.shape[0]
             attention_mask = attention_mask.repeat_interleave(repeats, 0)
         if specs and steps.filled < sequences.shape[1]:
-            _final_step(model, output, sequences, attention_mask, extra)
+            if lens:  # no cache comes back: the whole sequence once more, its new position kept
+                with torch.inference_mode():
+                    model(sequences)
+            else:
+                _final_step(model, output, sequences, attention_mask, extra)
+    # made under the capture's inference_mode: a plain copy can feed a later pass with gradients
+    sequences = sequences.clone()
     total = sequences.shape[1]
     if specs and steps.filled != total:
         raise HookscopeError(f"internal: captured {steps.filled} positions for a sequence of {total}; "
                              "this decoding mode does not run one forward pass per token")
-    mask = _real_tokens(sequences, attention_mask, steps.prompt_length, _eos_ids(model, generate_kwargs))
+    eos = _lens_eos_ids(model, generate_kwargs) if lens else _eos_ids(model, generate_kwargs)
+    mask = _real_tokens(sequences, attention_mask, steps.prompt_length, eos)
     activations = {name: k.result(total, sequences.shape[0]) for name, k in kept.items()}
     return Generation(sequences, mask, steps.prompt_length, activations,
                       output if generate_kwargs.get("return_dict_in_generate") else None)
@@ -248,7 +268,23 @@ def _real_tokens(sequences: Tensor, attention_mask: Tensor | None, prompt_length
 
 
 def _is_transformer_lens(model: nn.Module) -> bool:
-    return any(c.__module__.startswith("transformer_lens") for c in type(model).__mro__)
+    return any(c.__module__.startswith("transformer_lens") for c in type(model).__mro__) \
+        and hasattr(model, "blocks") and hasattr(model, "unembed")
+
+
+# modules a HookedTransformer runs inside each forward pass of its generate
+_LENS_IN_FORWARD = ("blocks.", "ln_final", "unembed")
+
+
+def _lens_eos_ids(model: nn.Module, generate_kwargs: dict) -> list[int]:
+    if not generate_kwargs.get("stop_at_eos", True):
+        return []
+    eos = generate_kwargs.get("eos_token_id")
+    if eos is None:
+        eos = getattr(getattr(model, "tokenizer", None), "eos_token_id", None)
+    if eos is None:
+        return []
+    return [int(eos)] if isinstance(eos, int) else [int(v) for v in eos]
 
 
 # --- following the forward passes ----------------------------------------------------------------
@@ -282,11 +318,12 @@ def _input_length(args: tuple, kwargs: dict) -> int | None:
 
 
 @contextlib.contextmanager
-def _root_hooks(model: nn.Module, steps: _Steps, step_edits: list[_StepEdit], cap: Any,
+def _root_hooks(first: nn.Module, last: nn.Module, steps: _Steps, step_edits: list[_StepEdit], cap: Any,
                 kept: dict[str, _Kept]) -> Iterator[None]:
     """A pre-hook that tells the edits which positions this pass covers, and a forward hook that
-    files each point's capture at those positions. Plain torch hooks on the root module, which
-    runs eagerly under every compile policy (a `full` policy compiles its forward, not its hooks)."""
+    files each point's capture at those positions. Plain torch hooks on the root module (on a
+    HookedTransformer, whose generate calls `forward` directly: before its first block, after its
+    unembed), which run eagerly under every compile policy (`full` compiles forward, not hooks)."""
 
     def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
         length = _input_length(args, kwargs)
@@ -306,8 +343,8 @@ def _root_hooks(model: nn.Module, steps: _Steps, step_edits: list[_StepEdit], ca
             keeper.add(chunk[:, steps.filled - lo:], steps.filled)
         steps.filled = hi
 
-    handles = [model.register_forward_pre_hook(before, with_kwargs=True),
-               model.register_forward_hook(after, with_kwargs=True)]
+    handles = [first.register_forward_pre_hook(before, with_kwargs=True),
+               last.register_forward_hook(after, with_kwargs=True)]
     try:
         yield
     finally:
