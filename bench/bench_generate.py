@@ -165,7 +165,7 @@ def main() -> None:
             results[config]["tokens"] = out["tokens"]
     base = common.median(results["hf"]["ms_per_token"]) if results.get("hf", {}).get("ms_per_token") else None
     print(f"model {args.model}, batch 1, prompt {PROMPT}, {new} new tokens greedy; load 1-min during runs: "
-          f"{min(loads)}-{max(loads)}")
+          f"{min(loads, key=float)}-{max(loads, key=float)}")
     print(f"{'config':<16} {'ms/token':>9} {'x hf':>7}  range")
     for config, r in results.items():
         if "error" in r and not r["ms_per_token"]:
