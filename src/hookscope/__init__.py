@@ -29,6 +29,7 @@ from .errors import (
     UnknownPointError,
 )
 from .experts import ablate_expert, force_route
+from .generate import Generation, generate
 from .hooks import Hook, Hooks, add_hook, hooks
 from .models import Loaded, load
 from .profiling import ProfileReport, profile
@@ -47,6 +48,8 @@ __all__ = [
     "hooks", "Hooks", "Hook", "add_hook",
     # capture (collect stops early; a `with capture(...)` block runs the whole model)
     "collect", "capture", "Capture", "grads", "PointDict", "Selection",
+    # generation (captures and edits aligned to token positions)
+    "generate", "Generation",
     # edits
     "edit", "Edits", "Edit", "ablate", "Ablate", "patch", "Patch", "steer", "Steer",
     # the activation store

@@ -6,6 +6,7 @@
     hookscope inspect DIR                    summarise and verify a store
     hookscope profile [MODEL]                time and memory per block, trace, picture
     hookscope top DIR --point P --unit N     the contexts where a unit (or SAE feature) is largest
+    hookscope generate MODEL --prompt TEXT   generate text, capturing / steering points on the way
 """
 
 from __future__ import annotations
@@ -121,7 +122,7 @@ def cmd_extract(args) -> int:
         context=args.context, batch_size=args.batch_size, dtype=args.dtype, drop_bos=not args.keep_bos,
         max_tokens=args.max_tokens, device=args.device, shard_rows=args.shard_rows,
         on_nonfinite=args.on_nonfinite, revision=args.revision, progress=not args.no_progress,
-        device_map=args.device_map,
+        device_map=args.device_map, generate=args.generate,
     )
     try:
         print(extract(cfg))
@@ -258,6 +259,94 @@ def cmd_top(args) -> int:
     return 0
 
 
+def _steer_arg(value: str):
+    """POINT:VECTOR_FILE:SCALE (split from the right: a point name may hold colons)."""
+    parts = value.rsplit(":", 2)
+    if len(parts) != 3 or not parts[0] or not parts[1]:
+        raise argparse.ArgumentTypeError(f"--steer {value!r}: use POINT:VECTOR_FILE:SCALE, "
+                                         "e.g. blocks.3.resid_post:vec.safetensors:4")
+    try:
+        scale = float(parts[2])
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--steer {value!r}: the scale {parts[2]!r} is not a "
+                                         "number") from None
+    return parts[0], parts[1], scale
+
+
+def _read_vector(path: str):
+    """A steering vector from a .safetensors file (one tensor) or a .npy file; never a pickle."""
+    import numpy as np
+    import torch
+
+    from .errors import HookscopeError
+
+    try:
+        if path.endswith(".npy"):
+            return torch.from_numpy(np.load(path, allow_pickle=False))
+        from safetensors.torch import load_file
+
+        tensors = load_file(path)
+    except (OSError, ValueError) as e:
+        raise HookscopeError(f"cannot read steering vector {path}: {e}") from e
+    except Exception as e:  # safetensors raises its own error type for a malformed file
+        raise HookscopeError(f"cannot read steering vector {path}: {e} (give a .safetensors or .npy "
+                             "file)") from e
+    if len(tensors) != 1:
+        raise HookscopeError(f"{path} holds {len(tensors)} tensors ({', '.join(tensors)}); a steering vector "
+                             "file must hold exactly one")
+    return next(iter(tensors.values()))
+
+
+def cmd_generate(args) -> int:
+    import torch
+
+    import hookscope as hs
+
+    from .errors import HookscopeError
+
+    loaded = _load(args)
+    tok = loaded.tokenizer
+    if tok is None:
+        raise HookscopeError("this model has no tokenizer; call hs.generate from Python with token ids")
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"  # a decoder continues after the last column
+    inputs = dict(tok(args.prompt, return_tensors="pt", padding=True))
+    inputs.pop("token_type_ids", None)
+    inputs = {k: v.to(args.device) for k, v in inputs.items()}
+    edits = [hs.steer(point, _read_vector(path), scale=scale) for point, path, scale in args.steer]
+    points = [p for p in args.points.split(",") if p] if args.points else []
+    if args.out and not points:
+        raise HookscopeError("--out writes captures: give --points too")
+    options = {"max_new_tokens": args.max_new_tokens, "pad_token_id": tok.pad_token_id}
+    if args.sample:
+        torch.manual_seed(args.seed)
+        options.update(do_sample=True, temperature=args.temperature, top_k=args.top_k)
+    else:
+        options.update(do_sample=False)
+    dtype = getattr(torch, args.dtype) if args.dtype else None
+    gen = hs.generate(loaded.model, inputs, points, edits=edits, edit_on=args.edit_on,
+                      positions=args.positions, dtype=dtype, device="cpu", **options)
+    for prompt, text in zip(args.prompt, gen.text(tok), strict=True):
+        print(f"{prompt}{text}")
+    if args.out:
+        from safetensors import SafetensorError
+        from safetensors.torch import save_file
+
+        tensors = {name: act.contiguous() for name, act in gen.activations.items()}
+        tensors.update(sequences=gen.sequences.cpu().contiguous(), mask=gen.mask.cpu().contiguous())
+        metadata = {"model": loaded.name, "prompt_length": str(gen.prompt_length),
+                    "positions": str(args.positions), "edit_on": args.edit_on,
+                    "steer": ";".join(f"{p}:{f}:{s}" for p, f, s in args.steer)}
+        try:
+            save_file(tensors, args.out, metadata=metadata)
+        except (OSError, SafetensorError) as e:
+            raise HookscopeError(f"cannot write --out {args.out}: {e}") from e
+        shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items())
+        print(f"captures written to {args.out}: {shapes}", file=sys.stderr)
+    return 0
+
+
 def _device(value: str) -> str:
     """A device this machine has: cpu, cuda, cuda:N or mps."""
     import torch
@@ -369,6 +458,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--device-map", default=None,
                    help="'auto' spreads a model bigger than one device (accelerate)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--generate", type=_at_least(0), default=0, metavar="N",
+                   help="also store N greedy tokens the model generates after each sequence")
     p.set_defaults(run=cmd_extract)
 
     p = sub.add_parser("profile", help="where time and memory go, per block and hooked point")
@@ -401,6 +492,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tokenizer", default=None, help="tokenizer path or id (default: the store's model)")
     p.add_argument("--no-progress", action="store_true")
     p.set_defaults(run=cmd_top)
+
+    p = sub.add_parser("generate", help="generate text, capturing and steering points at every token")
+    model_args(p)
+    p.add_argument("--prompt", action="append", required=True,
+                   help="prompt text (repeat for a batch; prompts are left-padded)")
+    p.add_argument("--max-new-tokens", type=_at_least(1), default=20)
+    p.add_argument("--points", default=None, help="point name(s) to capture, comma-separated or a glob")
+    p.add_argument("--positions", type=_positions, default=None,
+                   help="sequence positions to keep: all | last | N | A:B | i,j,k")
+    p.add_argument("--dtype", default=None, choices=["float32", "float16", "bfloat16"])
+    p.add_argument("--out", default=None,
+                   help="write captures (+ sequences, mask) to this .safetensors file")
+    p.add_argument("--steer", type=_steer_arg, action="append", default=[],
+                   help="POINT:VECTOR_FILE:SCALE, add SCALE x the vector (.safetensors / .npy) at POINT")
+    p.add_argument("--edit-on", default="both", choices=["both", "prompt", "generated"],
+                   help="which positions the steering applies to")
+    p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=50)
+    p.set_defaults(run=cmd_generate)
 
     p = sub.add_parser("inspect", help="summarise and check a store")
     p.add_argument("dir", help="store directory or URL")

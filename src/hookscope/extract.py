@@ -54,6 +54,7 @@ class ExtractConfig:
     on_nonfinite: str = "warn"  # "warn" | "error"
     revision: str | None = None
     progress: bool = True
+    generate: int = 0  # --generate N: also store N greedy tokens after each sequence (generate.py)
 
 
 @dataclass
@@ -112,6 +113,7 @@ def settings_for(cfg: ExtractConfig, loaded, points: list[str], world_size: int)
         "python": list(sys.version_info[:2]) if cfg.data.startswith("builtin:") else None,
         "text_field": cfg.text_field,
         "world_size": world_size,
+        **({"generate": cfg.generate} if cfg.generate else {}),  # absent: stores made before keep their hash
     }
 
 
@@ -190,6 +192,9 @@ def _extract(cfg: ExtractConfig, opened: list[ShardWriter]) -> ExtractSummary:
     if longest is not None and cfg.context > longest:
         raise HookscopeError(f"context {cfg.context} is longer than the model's {longest} positions; use "
                              f"--context {longest} or less")
+    if cfg.generate and longest is not None and cfg.context + cfg.generate > longest:
+        raise HookscopeError(f"--context {cfg.context} + --generate {cfg.generate} is longer than the "
+                             f"model's {longest} positions; lower one of them")
 
     settings = settings_for(cfg, loaded, points, world_size)
     documents = ReadMeter(iter_documents(cfg.data, text_field=cfg.text_field), source_chars(cfg.data))
@@ -201,17 +206,24 @@ def _extract(cfg: ExtractConfig, opened: list[ShardWriter]) -> ExtractSummary:
         keep = _keep_mask(cfg, batch)
         inputs = {"input_ids": batch["input_ids"].to(device),
                   "attention_mask": batch["attention_mask"].to(device)}
-        with Capture(loaded.model, points, token_mask=keep.to(device), dtype=dtype, device="cpu") as cap:
-            cap.run(inputs)
-            acts = {name: cap[name] for name in points}
+        if cfg.generate:  # the model's own continuations: prompt + generated rows per sequence
+            from .generate import generate_rows
+
+            acts, meta = generate_rows(loaded.model, {**batch, **inputs}, points, cfg.generate,
+                                       keep.to(device), dtype=dtype)
+        else:
+            with Capture(loaded.model, points, token_mask=keep.to(device), dtype=dtype,
+                         device="cpu") as cap:
+                cap.run(inputs)
+                acts = {name: cap[name] for name in points}
+            meta = {
+                "token_ids": batch["input_ids"][keep],
+                "doc_ids": batch["doc_ids"][keep],
+                "positions": batch["doc_positions"][keep],
+                "seq_ids": batch["seq_ids"].unsqueeze(1).expand_as(keep)[keep],
+            }
         _check_finite(acts, cfg.on_nonfinite, index)
-        meta = {
-            "token_ids": batch["input_ids"][keep],
-            "doc_ids": batch["doc_ids"][keep],
-            "positions": batch["doc_positions"][keep],
-            "seq_ids": batch["seq_ids"].unsqueeze(1).expand_as(keep)[keep],
-        }
-        return acts, meta, int(keep.sum())
+        return acts, meta, len(meta["token_ids"])
 
     # The first batch of this rank is read and run before the store is opened: an empty or bad
     # data source, or a point the forward pass never reaches, is refused with nothing written.

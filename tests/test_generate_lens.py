@@ -1,0 +1,61 @@
+"""hs.generate on a TransformerLens 3.9 HookedTransformer (its own generate and KV cache), against
+`run_with_cache` over the final tokens and TL's own `model.hooks(fwd_hooks=...)` steering."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("transformer_lens")
+from transformer_lens import HookedTransformer, HookedTransformerConfig  # noqa: E402
+
+import hookscope as hs  # noqa: E402
+from hookscope.hooks import hook_count  # noqa: E402
+
+OPTS = dict(max_new_tokens=5, do_sample=False, stop_at_eos=False)
+
+
+@pytest.fixture(scope="module")
+def tl() -> HookedTransformer:
+    cfg = HookedTransformerConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=100, n_ctx=32,
+                                  act_fn="gelu", seed=0)
+    return HookedTransformer(cfg).eval()
+
+
+def test_captures_equal_tl_own_hooks_and_run_with_cache(tl):
+    """With TL's KV cache, what its blocks compute for new tokens differs from a full forward (TL
+    3.9 here: up to ~2.4 on a random model, from the first new token on; its own hooks see the same
+    values as ours), so that path is compared with TL's own hooks; without the cache, with
+    run_with_cache over the final tokens."""
+    toks = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(0))
+    seen = []
+    with tl.hooks(fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: seen.append(act.clone()))]):
+        expected = tl.generate(toks, verbose=False, **OPTS).clone()
+    gen = hs.generate(tl, toks, ["blocks.0.resid_post", "blocks.1.attn.z"], **OPTS)
+    assert torch.equal(gen.sequences, expected)
+    assert gen.sequences.shape == (2, 11) and gen.mask.all()
+    steps = torch.cat(seen, dim=1)  # TL's generate never runs its last token: 10 of 11 positions
+    torch.testing.assert_close(gen["blocks.0.resid_post"][:, :10], steps, atol=1e-6, rtol=1e-5)
+    _, cache = tl.run_with_cache(gen.sequences)
+    torch.testing.assert_close(gen["blocks.0.resid_post"][:, :6], cache["blocks.0.hook_resid_post"][:, :6],
+                               atol=1e-5, rtol=1e-4)
+
+    plain = hs.generate(tl, toks, ["blocks.0.resid_post", "blocks.1.attn.z"], use_past_kv_cache=False, **OPTS)
+    _, cache = tl.run_with_cache(plain.sequences)
+    for point, name in [("blocks.0.resid_post", "blocks.0.hook_resid_post"),
+                        ("blocks.1.attn.z", "blocks.1.attn.hook_z")]:
+        torch.testing.assert_close(plain[point], cache[name], atol=1e-5, rtol=1e-4)
+
+
+def test_steer_equals_tl_hooks(tl):
+    toks = torch.randint(0, 100, (2, 6), generator=torch.Generator().manual_seed(1))
+    vector = torch.randn(32, generator=torch.Generator().manual_seed(2)) * 8
+    with tl.hooks(fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act + vector)]):
+        expected = tl.generate(toks, verbose=False, **OPTS)
+    assert not torch.equal(expected, tl.generate(toks, verbose=False, **OPTS))
+    before = hook_count(tl)
+    gen = hs.generate(tl, toks, edits=[hs.steer("blocks.0.resid_post", vector)], **OPTS)
+    assert torch.equal(gen.sequences, expected)
+    assert hook_count(tl) == before
+    with pytest.raises(hs.SelectionError, match="outside its forward"):
+        hs.generate(tl, toks, "embed", **OPTS)
