@@ -16,7 +16,7 @@ from torch.overrides import TorchFunctionMode
 import hookscope as hs
 from hookscope.errors import HookscopeError
 from hookscope.experts import ablate_expert, force_route
-from hookscope.hooks import _pick_input, _pick_output
+from hookscope.hooks import input_tensor, output_tensor
 from hookscope.testing import MOE_FAMILIES, save_tiny
 
 N_EXPERTS, TOP_K = 4, 2
@@ -43,11 +43,11 @@ def _reference(model, specs, ids):
         module = model.get_submodule(spec.module)
         if spec.io == "output":
             def fn(m, a, out, spec=spec):
-                got[spec.name] = _pick_output(out, spec.item).detach().clone()
+                got[spec.name] = output_tensor(out, spec.item).detach().clone()
             handles.append(module.register_forward_hook(fn))
         else:
             def fn(m, a, kw, spec=spec):
-                got[spec.name] = _pick_input(a, kw)[0].detach().clone()
+                got[spec.name] = input_tensor(a, kw)[0].detach().clone()
             handles.append(module.register_forward_pre_hook(fn, with_kwargs=True))
     try:
         with torch.no_grad():

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import hookscope as hs
-from hookscope.hooks import _pick_input, _pick_output
+from hookscope.hooks import input_tensor, output_tensor
 from hookscope.testing import SSM_FAMILIES, save_tiny
 
 N_LAYERS = 3
@@ -36,10 +36,10 @@ def test_every_point_equals_a_forward_hook(ssm):
         module = model.get_submodule(spec.module)
         if spec.io == "output":
             handles.append(module.register_forward_hook(
-                lambda m, a, out, s=spec: got.__setitem__(s.name, _pick_output(out, s.item).clone())))
+                lambda m, a, out, s=spec: got.__setitem__(s.name, output_tensor(out, s.item).clone())))
         else:
             handles.append(module.register_forward_pre_hook(
-                lambda m, a, kw, s=spec: got.__setitem__(s.name, _pick_input(a, kw)[0].clone()),
+                lambda m, a, kw, s=spec: got.__setitem__(s.name, input_tensor(a, kw)[0].clone()),
                 with_kwargs=True))
     try:
         with torch.no_grad():

@@ -12,7 +12,7 @@ from PIL import Image
 import hookscope as hs
 from hookscope.errors import DataError
 from hookscope.extract import ExtractConfig, extract
-from hookscope.hooks import _pick_input, _pick_output
+from hookscope.hooks import input_tensor, output_tensor
 from hookscope.images import load_processor
 from hookscope.testing import VISION_FAMILIES, save_tiny
 
@@ -53,11 +53,11 @@ def _reference(model, specs, pixels):
         module = model.get_submodule(spec.module)
         if spec.io == "output":
             def fn(m, a, out, spec=spec):
-                got[spec.name] = _pick_output(out, spec.item).detach().clone()
+                got[spec.name] = output_tensor(out, spec.item).detach().clone()
             handles.append(module.register_forward_hook(fn))
         else:
             def fn(m, a, kw, spec=spec):
-                got[spec.name] = _pick_input(a, kw)[0].detach().clone()
+                got[spec.name] = input_tensor(a, kw)[0].detach().clone()
             handles.append(module.register_forward_pre_hook(fn, with_kwargs=True))
     try:
         with torch.no_grad():
@@ -214,10 +214,10 @@ def _reference_inputs(model, specs, inputs):
         module = model.get_submodule(spec.module)
         if spec.io == "output":
             handles.append(module.register_forward_hook(
-                lambda m, a, out, s=spec: got.__setitem__(s.name, _pick_output(out, s.item).clone())))
+                lambda m, a, out, s=spec: got.__setitem__(s.name, output_tensor(out, s.item).clone())))
         else:
             handles.append(module.register_forward_pre_hook(
-                lambda m, a, kw, s=spec: got.__setitem__(s.name, _pick_input(a, kw)[0].clone()),
+                lambda m, a, kw, s=spec: got.__setitem__(s.name, input_tensor(a, kw)[0].clone()),
                 with_kwargs=True))
     try:
         with torch.no_grad():

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from .arch import Arch, PointSpec, arch_of, state_of
-from .errors import PointNotReachedError, SelectionError
+from .errors import HookscopeError, PointNotReachedError, SelectionError
 from .hooks import Hook, Hooks, grad_leaf
 from .inputs import attention_mask_of, call_model
 from .names import canonical, is_pattern
@@ -86,14 +86,29 @@ def keyed_specs(arch: Arch, points: str | Sequence[str]) -> dict[str, PointSpec]
 
 class PointDict(dict):
     """A dict of point -> tensor, keyed by the names asked for, that also answers to any other
-    spelling of the same points (`blocks.0.resid_post` and `blocks.0.hook_resid_post`)."""
+    spelling of the same points (`blocks.0.resid_post` and `blocks.0.hook_resid_post`). Other
+    spellings are resolved by the model's own table when it is known (a TransformerLens 4 bridge
+    has aliases that `names.canonical` cannot fold), else by `names.canonical`."""
+
+    def __init__(self, items: Any = (), *, arch: Arch | None = None):
+        super().__init__(items)
+        self._arch = arch
+
+    def _point(self, key: str) -> str | None:
+        if self._arch is None:
+            return canonical(key)
+        try:
+            return self._arch.spec(key).name
+        except (KeyError, HookscopeError):
+            return None
 
     def _alias(self, key: Any) -> Any:
         if isinstance(key, str):
-            name = canonical(key)
-            for k in self:
-                if canonical(k) == name:
-                    return k
+            name = self._point(key)
+            if name is not None:
+                for k in self:
+                    if self._point(k) == name:
+                        return k
         return None
 
     def __missing__(self, key: Any) -> Tensor:
@@ -270,7 +285,7 @@ def collect(model: nn.Module, inputs: Any, points: str | Sequence[str], **option
     needed point runs."""
     with Capture(model, points, **options) as cap:
         cap.run(inputs)
-    return PointDict((key, cap[key]) for key in cap)
+    return PointDict(((key, cap[key]) for key in cap), arch=cap.arch)
 
 
 def grads(
@@ -307,8 +322,8 @@ def grads(
         raise SelectionError("loss_fn must return a scalar tensor")
     leaves = [kept[s.name] for s in keys.values()]
     values = torch.autograd.grad(loss, leaves, allow_unused=True)
-    return PointDict((key, g if g is not None else torch.zeros_like(leaf))
-                     for key, g, leaf in zip(keys, values, leaves, strict=True))
+    return PointDict(((key, g if g is not None else torch.zeros_like(leaf))
+                      for key, g, leaf in zip(keys, values, leaves, strict=True)), arch=arch)
 
 
 @dataclass(frozen=True)
