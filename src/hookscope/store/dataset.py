@@ -15,6 +15,7 @@ gather (`index_select`) from the loaded window: no per-row Python work and no se
 
 from __future__ import annotations
 
+import sys
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -212,6 +213,7 @@ class ActivationDataset(IterableDataset):
                 yield epoch, None if shards is None else self._load(shards), order
             return
         pool = ThreadPoolExecutor(1, thread_name_prefix="hookscope-prefetch")
+        finalizing = sys.is_finalizing  # held here: module globals may be gone when Python exits
         queue: deque[tuple[int, torch.Tensor | None, Future | None]] = deque()
 
         def pull() -> bool:
@@ -232,7 +234,8 @@ class ActivationDataset(IterableDataset):
                 epoch, order, future = queue.popleft()
                 yield epoch, None if future is None else future.result(), order
         finally:
-            pool.shutdown(wait=False, cancel_futures=True)  # an abandoned iterator stops reading
+            if not finalizing():  # at exit, concurrent.futures joins its threads itself
+                pool.shutdown(wait=False, cancel_futures=True)  # an abandoned iterator stops reading
 
     def _windows(self, epoch: int) -> list[list[int]]:
         n = self.store.num_shards

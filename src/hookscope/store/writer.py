@@ -24,6 +24,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import StoreError
+from .card import write_card
 from .manifest import (
     MANIFEST,
     SHARDS_DIR,
@@ -72,6 +73,7 @@ class ShardWriter:
         try:  # stamps the settings into the directory now, and proves it is writable before any compute
             self._remove_orphans()
             self.manifest.save(self._manifest_path)
+            write_card(self.out)  # README.md: datasets.load_dataset(DIR) fails clearly, not misreads
         except OSError as e:
             raise StoreError(f"cannot write to the store directory {self.out}: {e}; make it writable (or "
                              "free space) or choose another --out, and re-run") from e
