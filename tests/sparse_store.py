@@ -16,7 +16,8 @@ D, ATOMS, ACTIVE = 32, 64, 3
 
 def sparse_rows(n: int, seed: int = 0) -> torch.Tensor:
     g = torch.Generator().manual_seed(seed)
-    atoms = torch.nn.functional.normalize(torch.randn(ATOMS, D, generator=torch.Generator().manual_seed(99)), dim=1)
+    fixed = torch.Generator().manual_seed(99)
+    atoms = torch.nn.functional.normalize(torch.randn(ATOMS, D, generator=fixed), dim=1)
     picks = torch.rand(n, ATOMS, generator=g).argsort(dim=1)[:, :ACTIVE]
     weights = 1 + torch.rand(n, ACTIVE, generator=g) * 2
     return torch.einsum("na,nad->nd", weights, atoms[picks])

@@ -48,8 +48,9 @@ def test_sae_trainer_takes_the_endless_dataset(store, tmp_path):
     before = fvu(lambda v: sae.decode(sae.encode(v)), x)
     batch, epochs = 128, 5
     data = store.dataset(POINT, batch_size=batch, drop_last=True, repeat=True)
-    trainer = SAETrainer(SAETrainerConfig(total_training_samples=epochs * len(store), train_batch_size_samples=batch,
-                                          lr=3e-3, lr_end=3e-3, save_final_checkpoint=False), sae, iter(data))
+    cfg = SAETrainerConfig(total_training_samples=epochs * len(store), train_batch_size_samples=batch,
+                           lr=3e-3, lr_end=3e-3, save_final_checkpoint=False)
+    trainer = SAETrainer(cfg, sae, iter(data))
     sae = trainer.fit()  # 5 epochs: no StopIteration escapes
     steps = epochs * len(store) // batch
     assert trainer.n_training_steps == steps and trainer.n_training_samples == epochs * len(store)
@@ -69,7 +70,8 @@ def test_saelens_reads_the_export_as_its_own_cache(store, tmp_path):
     acts_store = ActivationsStore(
         model=None, dataset=None, streaming=False, hook_name=done.hook_name, hook_head_index=None,
         context_size=done.context_size, d_in=done.d_in, n_batches_in_buffer=4, total_training_tokens=10**6,
-        store_batch_size_prompts=8, train_batch_size_tokens=64, prepend_bos=False, normalize_activations="none",
+        store_batch_size_prompts=8, train_batch_size_tokens=64, prepend_bos=False,
+        normalize_activations="none",
         device=torch.device("cpu"), dtype="float32", cached_activations_path=done.path)
     rows = store.tensor(POINT)
     tokens = store.tensor("token_ids")

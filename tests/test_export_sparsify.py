@@ -14,7 +14,7 @@ from itertools import islice
 import pytest
 import torch
 
-sparsify = pytest.importorskip("sparsify", reason="eai-sparsify is part of the dev extra (pip install -e '.[dev]')")
+sparsify = pytest.importorskip("sparsify", reason="eai-sparsify is in the dev extra: pip install -e '.[dev]'")
 
 from sparse_store import POINT, fvu, make_sparse_store  # noqa: E402
 

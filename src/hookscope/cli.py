@@ -306,7 +306,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="saelens: one example per sequence, the column named after the TransformerLens hook; "
                         "hf: one example per row (token)")
     p.add_argument("--out", required=True, help="new directory to write (datasets.load_from_disk reads it)")
-    p.add_argument("--point", default=None, help="saelens: the point to export (default: the store's only one)")
+    p.add_argument("--point", default=None,
+                   help="saelens: the point to export (default: the store's only one)")
     p.add_argument("--hook-name", default=None, help="saelens: column / hook name (default: the TL name)")
     p.add_argument("--context-size", type=_at_least(1), default=None,
                    help="saelens: rows per example (default: the extraction context)")

@@ -40,7 +40,8 @@ def export_hf(store: Store, out: str | os.PathLike, columns: Sequence[str] | Non
     names = list(store.manifest.columns) if columns is None else list(columns)
     unknown = [n for n in names if n not in store.manifest.columns]
     if unknown:
-        raise StoreError(f"{store.path}: no column {unknown[0]!r}; the store has {list(store.manifest.columns)}")
+        raise StoreError(f"{store.path}: no column {unknown[0]!r}; "
+                         f"the store has {list(store.manifest.columns)}")
     if not store.num_shards:
         raise StoreError(f"{store.path}: the store holds no rows yet; nothing to export")
     cols = store.manifest.columns
@@ -52,5 +53,6 @@ def export_hf(store: Store, out: str | os.PathLike, columns: Sequence[str] | Non
     with rows_progress(len(store), "export hf", progress) as bar:
         tables = ({n: arrow_column(t, features[n]) for n, t in store.load_shard(i, names).items()}
                   for i in range(store.num_shards))
-        return write_dataset(out, features, tables, store.num_shards, description=describe(store, "one row per token"),
+        return write_dataset(out, features, tables, store.num_shards,
+                             description=describe(store, "one row per token"),
                              sidecar=sidecar, overwrite=overwrite, progress=bar)

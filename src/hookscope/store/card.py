@@ -14,7 +14,8 @@ from pathlib import Path
 
 CARD = "README.md"
 NOT_A_DATASET = ("This is a hookscope activation store, not a datasets folder - read it with "
-                 "hookscope.open_store(DIR), or convert it with hookscope export DIR --format hf --out NEW_DIR")
+                 "hookscope.open_store(DIR), "
+                 "or convert it with hookscope export DIR --format hf --out NEW_DIR")
 
 _TEXT = f"""---
 configs:

@@ -123,7 +123,8 @@ class ActivationDataset(IterableDataset):
                              "num_workers=0 or 1 (windows are already prefetched in a background thread)")
         if self.repeat and len(self) == 0:
             raise StoreError(f"repeat=True over {self.rows_per_epoch} rows per epoch"
-                             + (f" in batches of {self.batch_size} with drop_last=True" if self.drop_last else "")
+                             + (f" in batches of {self.batch_size} with drop_last=True"
+                                if self.drop_last else "")
                              + " would loop forever without yielding: use a larger store or split, or a "
                              "smaller batch_size")
         windows = self._prefetched(self._plan())
