@@ -1,12 +1,17 @@
-"""Train a sparse autoencoder on stored activations, and resume it exactly from a checkpoint.
+"""Train a SAELens sparse autoencoder on stored activations, and resume it exactly from a checkpoint.
 
 1. Extract `blocks.L.resid_post` of a corpus into a sharded store (`hookscope extract`, here through
    its Python API). Running the script again finds the store complete and skips the work.
-2. Train a small SAE (ReLU encoder, linear decoder, L1 penalty on the features) from
-   `hs.open_store(...).dataset(...)`: rows shuffled across shards, memory-mapped.
-3. Halfway, save a checkpoint: SAE weights, optimizer state and the reader's cursor
-   (`data.state_dict()`). Then restart from that checkpoint in fresh objects, as after a crash: the
-   resumed run sees the same batches and reaches the same losses, bit for bit.
+2. Train a SAELens `StandardTrainingSAE` with SAELens's own `SAETrainer`, fed by
+   `iter(store.dataset(point, batch_size=B, repeat=True))`: rows shuffled across shards, the next
+   window read in the background, epoch after epoch with no hand-written generator. The SAE's
+   config names the model and the TransformerLens hook, so SAELens tools know where it belongs.
+3. SAELens checkpoints the run halfway (weights, optimizer, activation scaler, counters); its
+   `save_checkpoint_fn` adds the reader's cursor (`data.state_dict()`). Restart from it in fresh
+   objects, as after a crash: the resumed SAE ends with the same weights, bit for bit, as the
+   uninterrupted one.
+4. Report SAELens's own metrics (explained variance, L0, MSE) on rows held out of training
+   (`split="val"`), before and after training, and a picture of the features' firing rates.
 
     python examples/sae_from_store.py [--model PATH] [--tokens N] [--steps N] [--out DIR]
 """
@@ -14,54 +19,32 @@
 from __future__ import annotations
 
 import argparse
-import math
+import json
+import warnings
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from matplotlib.figure import Figure
-from torch import nn
+from sae_lens import SAETrainer, StandardTrainingSAE, StandardTrainingSAEConfig
+from sae_lens.config import SAETrainerConfig
+from sae_lens.saes.sae import SAEMetadata, TrainStepInput
 
 import hookscope as hs
+from hookscope.export import tl_hook_name
 from hookscope.extract import ExtractConfig, extract
 
 
-class SparseAutoencoder(nn.Module):
-    def __init__(self, d_model: int, n_features: int):
-        super().__init__()
-        self.encoder = nn.Linear(d_model, n_features)
-        self.decoder = nn.Linear(n_features, d_model)
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        features = F.relu(self.encoder(x - self.decoder.bias))
-        return self.decoder(features), features
-
-
-def forever(data):
-    """Batches across epochs: the dataset moves to the next epoch (a new order) by itself."""
-    while True:
-        yield from data
-
-
-def train(sae, opt, data, steps: range, *, l1: float, scale: float, checkpoint: Path | None = None,
-          checkpoint_at: int | None = None) -> list[float]:
-    """Train for `steps`; returns the reconstruction loss (fraction of variance unexplained) per step."""
-    losses = []
-    # zip(steps, ...) with the range first: no batch is drawn after the last step
-    for step, x in zip(steps, forever(data)):  # noqa: B905 (forever() never ends)
-        x = x.float() * scale
-        recon, features = sae(x)
-        mse = (recon - x).square().sum(-1).mean()
-        # L1 weighted by the decoder's column norms: shrinking features and growing the decoder gains nothing
-        loss = mse + l1 * (features * sae.decoder.weight.norm(dim=0)).sum(-1).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(float(mse.detach() / (x - x.mean(0)).square().sum(-1).mean()))
-        if step + 1 == checkpoint_at:
-            state = {"sae": sae.state_dict(), "opt": opt.state_dict(), "data": data.state_dict()}
-            torch.save(state, checkpoint)
-    return losses
+def saelens_metrics(trainer: SAETrainer, x: torch.Tensor) -> dict[str, float]:
+    """SAELens's own per-step metrics (`build_train_step_log_dict`) on rows `x`, without training."""
+    sae = trainer.sae
+    sae.eval()
+    with torch.no_grad():
+        out = sae.training_forward_pass(TrainStepInput(
+            sae_in=x, dead_neuron_mask=None, coefficients=trainer.get_coefficients(), n_training_steps=0,
+            is_logging_step=False))
+    log = trainer.build_train_step_log_dict(out, trainer.n_training_samples)
+    keep = ("metrics/explained_variance", "metrics/l0", "losses/mse_loss", "losses/l1_loss")
+    return {k.split("/")[1]: float(log[k]) for k in keep if k in log}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -73,7 +56,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--context", type=int, default=128)
     p.add_argument("--shard-rows", type=int, default=16384)
     p.add_argument("--expansion", type=int, default=4, help="features per model dimension")
-    p.add_argument("--l1", type=float, default=3.0, help="sparsity penalty")
+    p.add_argument("--l1", type=float, default=1.0, help="SAELens's l1_coefficient")
+    p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--batch-size", type=int, default=512)
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--out", default="out/sae_from_store")
@@ -87,56 +71,87 @@ def main(argv: list[str] | None = None) -> dict:
     print(summary)
     store = hs.open_store(out / "store")
     d_model = store.points[point].shape[0]
-    scale = math.sqrt(d_model) / store.stats[point].norm_mean  # rows of norm ~sqrt(d): entries ~1
+    # held-out rows for the metrics: the "val" split never reaches the trainer
+    held_out = next(iter(store.dataset(point, split="val", seed=1, batch_size=4096))).float()
 
-    def fresh(seed: int):
+    def fresh(seed: int, checkpoints: Path | None = None) -> tuple[SAETrainer, hs.store.ActivationDataset]:
         torch.manual_seed(seed)
-        sae = SparseAutoencoder(d_model, args.expansion * d_model)
-        opt = torch.optim.Adam(sae.parameters(), lr=1e-3)
-        data = store.dataset(point, shuffle=True, seed=0, batch_size=args.batch_size, drop_last=True)
-        return sae, opt, data
+        sae = StandardTrainingSAE(StandardTrainingSAEConfig(
+            d_in=d_model, d_sae=args.expansion * d_model, l1_coefficient=args.l1,
+            normalize_activations="expected_average_only_in",  # SAELens scales rows to norm sqrt(d_in)
+            metadata=SAEMetadata(model_name=store.manifest.settings["model"], hook_name=tl_hook_name(point),
+                                 context_size=store.manifest.settings["context"])))
+        data = store.dataset(point, split="train", seed=0, batch_size=args.batch_size, drop_last=True,
+                             repeat=True)
+        cfg = SAETrainerConfig(total_training_samples=args.steps * args.batch_size,
+                               train_batch_size_samples=args.batch_size, lr=args.lr, lr_end=args.lr,
+                               n_batches_for_norm_estimate=10, dead_feature_window=max(1, args.steps // 4),
+                               feature_sampling_window=args.steps + 1,
+                               n_checkpoints=1 if checkpoints else 0,
+                               checkpoint_path=str(checkpoints) if checkpoints else None)
 
-    half, checkpoint = args.steps // 2, out / "checkpoint.pt"
-    sae, opt, data = fresh(seed=0)
-    losses = train(sae, opt, data, range(args.steps), l1=args.l1, scale=scale,
-                   checkpoint=checkpoint, checkpoint_at=half)
+        def save_cursor(checkpoint_path: Path | None) -> None:  # SAELens calls it after each checkpoint
+            (checkpoint_path / "reader.json").write_text(json.dumps(data.state_dict()))
 
-    # "crash" and resume: new objects, a different seed, everything restored from the checkpoint
-    sae2, opt2, data2 = fresh(seed=1)
-    state = torch.load(checkpoint, weights_only=True)
-    sae2.load_state_dict(state["sae"])
-    opt2.load_state_dict(state["opt"])
-    data2.load_state_dict(state["data"])
-    resumed = train(sae2, opt2, data2, range(half, args.steps), l1=args.l1, scale=scale)
+        return SAETrainer(cfg, sae, iter(data), save_checkpoint_fn=save_cursor), data
 
-    window = max(1, args.steps // 20)
-    first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
-    with torch.no_grad():
-        x = next(iter(store.dataset(point, seed=1, batch_size=4096))).float() * scale
-        active = float((sae(x)[1] > 0).float().sum(-1).mean())
-    print(f"{len(store):,} rows of {point}, SAE {d_model} -> {args.expansion * d_model} features")
-    print(f"reconstruction loss (fraction of variance unexplained): {first:.4f} over the first {window} "
-          f"steps, {last:.4f} over the last {window}; {active:.1f} features active per token")
-    same = resumed == losses[half:]
-    cursors = [(d.state_dict()["epoch"], d.state_dict()["position"]) for d in (data, data2)]
-    print(f"resumed from step {half}: {'the same' if same else 'DIFFERENT'} {len(resumed)} losses as the "
-          f"uninterrupted run; reader cursor (epoch, row) at the end: {cursors[0]} vs {cursors[1]}")
+    # the uninterrupted run; SAELens checkpoints it halfway (weights, optimizer, scaler, counters) and
+    # save_cursor adds the reader's cursor to the checkpoint
+    checkpoints = out / "checkpoints"
+    trainer, data = fresh(seed=0, checkpoints=checkpoints)
+    before = saelens_metrics(trainer, held_out)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # SAELens warns that wandb logging is off
+        sae = trainer.fit()
+    after = saelens_metrics(trainer, held_out)
 
+    # "crash" and resume: fresh objects (another seed), everything restored from the halfway checkpoint
+    (half_dir,) = [p for p in checkpoints.iterdir() if p.is_dir()]
+    resumed, resumed_data = fresh(seed=1)
+    resumed.sae.load_weights_from_checkpoint(half_dir)
+    resumed.load_trainer_state(half_dir)
+    resumed_data.load_state_dict(json.loads((half_dir / "reader.json").read_text()))
+    resumed.data_provider = iter(resumed_data)  # continues from the restored cursor
+    half = resumed.n_training_steps
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        resumed.fit()
+    same = all(torch.equal(a, b) for a, b in zip(sae.state_dict().values(),
+                                                  resumed.sae.state_dict().values(), strict=True))
+
+    sae.save_model(str(out / "sae"))
+    saved = json.loads((out / "sae" / "cfg.json").read_text())
+    print(f"{len(store):,} rows of {point}; SAELens SAE {d_model} -> {args.expansion * d_model} features, "
+          f"{args.steps} steps of {args.batch_size} rows "
+          f"({args.steps * args.batch_size / len(store):.1f} epochs)")
+    print(f"SAELens metrics on {len(held_out):,} held-out rows: explained variance "
+          f"{before['explained_variance']:.3f} -> {after['explained_variance']:.3f}, "
+          f"L0 {before['l0']:.1f} -> {after['l0']:.1f}, "
+          f"MSE {before['mse_loss']:.4g} -> {after['mse_loss']:.4g}")
+    print(f"saved to {out / 'sae'}: model_name={saved['metadata']['model_name']!r}, "
+          f"hook_name={saved['metadata']['hook_name']!r}")
+    cursors = [(d.state_dict()["epoch"], d.state_dict()["position"]) for d in (data, resumed_data)]
+    print(f"resumed from step {half}: {'the same' if same else 'DIFFERENT'} final weights as the "
+          "uninterrupted "
+          f"run; reader cursor (epoch, row) at the end: {cursors[0]} vs {cursors[1]}")
+
+    rates = trainer.log_feature_sparsity  # log10 of each feature's firing rate (SAELens's own)
     fig = Figure(figsize=(6.5, 3.6), layout="constrained")
     ax = fig.add_subplot()
-    ax.plot(range(args.steps), losses, color="#4C72B0", lw=1, label="uninterrupted run")
-    ax.plot(range(half, args.steps), resumed, color="#DD8452", lw=1, ls="--", label=f"resumed at step {half}")
-    ax.set_yscale("log")
-    ax.set_xlabel("step")
-    ax.set_ylabel("fraction of variance unexplained")
-    ax.legend(fontsize=8)
-    ax.set_title(f"SAE on {point} ({Path(args.model or 'all-MiniLM-L6-v2').name}, {len(store):,} tokens)\n"
-                 f"{active:.0f} of {args.expansion * d_model} features active per token", fontsize=9)
-    fig.savefig(out / "sae_loss.png", dpi=100)
-    print(f"picture: {out / 'sae_loss.png'}")
-    return {"losses": losses, "resumed": resumed, "half": half, "active_features": active,
-            "cursor": data.state_dict(), "resumed_cursor": data2.state_dict(),
-            "picture": out / "sae_loss.png"}
+    ax.hist(rates.clamp(min=-10).numpy(), bins=50, color="#4C72B0")
+    ax.set_xlabel("log10 firing rate per token (SAELens feature sparsity)")
+    ax.set_ylabel("features")
+    model_name = Path(args.model or "all-MiniLM-L6-v2").name
+    ax.set_title(f"SAELens SAE on {point} ({model_name}, {len(store):,} tokens)\n"
+                 f"held-out explained variance {after['explained_variance']:.3f}, L0 {after['l0']:.1f}",
+                 fontsize=9)
+    fig.savefig(out / "sae_sparsity.png", dpi=100)
+    print(f"picture: {out / 'sae_sparsity.png'}")
+    dead = int(trainer.dead_neurons.sum())
+    return {"before": before, "after": after, "same_weights": same, "cursor": data.state_dict(),
+            "resumed_cursor": resumed_data.state_dict(), "metadata": saved["metadata"], "dead": dead,
+            "epochs": args.steps * args.batch_size / len(store), "picture": out / "sae_sparsity.png",
+            "log_feature_sparsity": rates}
 
 
 if __name__ == "__main__":

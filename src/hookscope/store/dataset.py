@@ -6,11 +6,19 @@ interleaved) are loaded and yielded in a seeded random permutation. Position p o
 stream goes to rank p % world_size. Everything is a pure function of (seed, epoch) and the store,
 so the sampler's state is just (epoch, rows yielded): restoring it skips whole windows without
 reading them and yields exactly the remaining rows.
+
+Reading overlaps consuming: while one window is handed out, a background thread reads the next
+one (whole shards, sequentially, which is what disks and page caches are fast at) into memory, so
+a trainer sees in-memory gather speed rather than waiting at every window boundary. A batch is one
+gather (`index_select`) from the loaded window: no per-row Python work and no second copy.
 """
 
 from __future__ import annotations
 
+import sys
+from collections import deque
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -22,7 +30,9 @@ from ..errors import StoreError
 if TYPE_CHECKING:
     from .reader import Store
 
-_CHUNK = 4096  # rows gathered at once from a loaded window
+_CHUNK = 4096  # rows gathered at once from a loaded window when yielding single rows
+# (epoch, loaded columns of a window or None at an epoch's end, this rank's row order in the window)
+_Window = tuple[int, "dict[str, torch.Tensor] | None", "torch.Tensor | None"]
 
 
 class ActivationDataset(IterableDataset):
@@ -32,7 +42,11 @@ class ActivationDataset(IterableDataset):
     `split="train"` / `"val"` keeps the rows whose hashed global index falls above / below
     `val_fraction` (fixed per row, independent of the seed). `rank` / `world_size` give each
     data-parallel process a disjoint share; together they cover every row once per epoch. After
-    an epoch is exhausted the dataset moves to the next epoch (a new order). `state_dict()` is the
+    an epoch is exhausted the dataset moves to the next epoch (a new order); with `repeat=True` one
+    `iter()` goes on through epoch after epoch, endlessly (what SAELens's `SAETrainer`,
+    dictionary_learning's `trainSAE` and other trainers that call `next()` want), while
+    `state_dict()` and `len()` still count one epoch. `prefetch=True` reads the next window in a
+    background thread (two windows of `buffer_rows` rows in memory). `state_dict()` is the
     cursor; with a DataLoader worker the copy in the worker advances, not this one, so build the
     state from the rows you consumed: `load_state_dict({"epoch": e, "position": rows_seen, ...})`.
     """
@@ -40,7 +54,7 @@ class ActivationDataset(IterableDataset):
     def __init__(self, store: Store, point: str | Sequence[str], *, shuffle: bool = True, seed: int = 0,
                  buffer_rows: int = 1 << 18, split: str | None = None, val_fraction: float = 0.1,
                  rank: int = 0, world_size: int = 1, epoch: int = 0, batch_size: int | None = None,
-                 drop_last: bool = False):
+                 drop_last: bool = False, repeat: bool = False, prefetch: bool = True):
         super().__init__()
         self.names = [point] if isinstance(point, str) else list(point)
         store._check_names(self.names)
@@ -59,6 +73,7 @@ class ActivationDataset(IterableDataset):
         self.split, self.val_fraction = split, val_fraction
         self.rank, self.world_size = rank, world_size
         self.batch_size, self.drop_last = batch_size, drop_last
+        self.repeat, self.prefetch = repeat, prefetch
         self.epoch, self.position = epoch, 0
         self._kept = [int(self._keep_mask(i).sum()) if split else s.rows
                       for i, s in enumerate(store.manifest.shards)]
@@ -105,56 +120,123 @@ class ActivationDataset(IterableDataset):
         info = get_worker_info()
         if info is not None and info.num_workers > 1:
             raise StoreError("an ActivationDataset splits work by rank, not by DataLoader worker: use "
-                             "num_workers=0 or 1 (reads are memory-mapped and cheap)")
-        epoch = self.epoch
-        chunks = self._chunks(epoch, self.position)
+                             "num_workers=0 or 1 (windows are already prefetched in a background thread)")
+        if self.repeat and len(self) == 0:
+            raise StoreError(f"repeat=True over {self.rows_per_epoch} rows per epoch"
+                             + (f" in batches of {self.batch_size} with drop_last=True"
+                                if self.drop_last else "")
+                             + " would loop forever without yielding: use a larger store or split, or a "
+                             "smaller batch_size")
+        windows = self._prefetched(self._plan())
         if self.batch_size is None:
-            for chunk in chunks:
-                for j in range(len(next(iter(chunk.values())))):
+            return self._rows(windows)
+        return self._batches(windows)
+
+    def _rows(self, windows: Iterator[_Window]) -> Iterator[Any]:
+        for epoch, data, order in windows:
+            if data is None:  # the epoch is spent
+                self.epoch, self.position = epoch + 1, 0
+                continue
+            for s in range(0, len(order), _CHUNK):
+                chunk = _gather(data, order[s : s + _CHUNK])
+                for j in range(len(chunk[self.names[0]])):
                     self.position += 1
                     yield self._out({k: v[j] for k, v in chunk.items()})
-        else:
-            yield from self._batches(chunks)
-        self.epoch, self.position = epoch + 1, 0
+            data = chunk = None  # let the window go before the next is handed over
 
-    def _batches(self, chunks: Iterator[dict[str, torch.Tensor]]) -> Iterator[Any]:
+    def _batches(self, windows: Iterator[_Window]) -> Iterator[Any]:
+        """Each batch is one gather from a loaded window (no further copy), except the few that
+        straddle two windows, which are gathered in two parts and joined."""
         size = self.batch_size
-        held: dict[str, torch.Tensor] = {}
-        at = 0  # rows of `held` already yielded
-        for chunk in chunks:
-            held = {k: torch.cat([held[k][at:], v]) if held else v for k, v in chunk.items()}
+        assert size is not None
+        parts: list[dict[str, torch.Tensor]] = []  # the start of a batch that straddles windows
+        held = 0  # rows in `parts`
+        for epoch, data, order in windows:
+            if data is None:  # the epoch is spent: its last, short batch unless drop_last
+                if held and not self.drop_last:
+                    self.position += held
+                    yield self._out(_join(parts))
+                parts, held = [], 0
+                self.epoch, self.position = epoch + 1, 0
+                continue
             at = 0
-            while len(held[self.names[0]]) - at >= size:
+            if held:
+                at = min(size - held, len(order))
+                parts.append(_gather(data, order[:at]))
+                held += at
+                if held < size:
+                    data = None
+                    continue
                 self.position += size
-                yield self._out({k: v[at : at + size] for k, v in held.items()})
+                yield self._out(_join(parts))
+                parts, held = [], 0
+            while len(order) - at >= size:
+                self.position += size
+                yield self._out(_gather(data, order[at : at + size]))
                 at += size
-        rest = len(held[self.names[0]]) - at if held else 0
-        if rest and not self.drop_last:
-            self.position += rest
-            yield self._out({k: v[at:] for k, v in held.items()})
+            if at < len(order):
+                parts, held = [_gather(data, order[at:])], len(order) - at
+            data = None  # let the window go before the next is handed over
 
     def _out(self, columns: dict[str, torch.Tensor]) -> Any:
         return columns[self.names[0]] if self.single else columns
 
-    def _chunks(self, epoch: int, skip: int) -> Iterator[dict[str, torch.Tensor]]:
-        """This rank's rows of the epoch, after the first `skip`, as dicts of gathered tensors."""
-        start = 0  # position of the window's first kept row in the epoch's stream (all ranks)
-        for w, shards in enumerate(self._windows(epoch)):
-            kept = sum(self._kept[i] for i in shards)
-            mine = self._mine(start, start + kept)
-            if skip >= mine:  # restored cursor: pass over whole windows without reading them
-                skip -= mine
+    def _plan(self) -> Iterator[tuple[int, list[int] | None, torch.Tensor | None]]:
+        """What to read, without reading it: (epoch, shards of a window, this rank's row order in the
+        window) for every window that has rows left for this rank, and (epoch, None, None) when an
+        epoch ends. One epoch from the cursor; with `repeat`, the following epochs after it."""
+        epoch, skip = self.epoch, self.position
+        while True:
+            start = 0  # position of the window's first kept row in the epoch's stream (all ranks)
+            for w, shards in enumerate(self._windows(epoch)):
+                kept = sum(self._kept[i] for i in shards)
+                mine = self._mine(start, start + kept)
+                if skip >= mine:  # restored cursor: pass over whole windows without reading them
+                    skip -= mine
+                    start += kept
+                    continue
+                local = self._window_order(epoch, w, shards)[
+                    (self.rank - start) % self.world_size :: self.world_size]
+                yield epoch, shards, torch.from_numpy(local[skip:])
+                skip = 0
                 start += kept
-                continue
-            local = self._window_order(epoch, w, shards)[
-                (self.rank - start) % self.world_size :: self.world_size]
-            local = torch.from_numpy(local[skip:])
-            skip = 0
-            start += kept
-            data = self._load(shards)
-            for s in range(0, len(local), _CHUNK):
-                idx = local[s : s + _CHUNK]
-                yield {k: v[idx] for k, v in data.items()}
+            yield epoch, None, None
+            if not self.repeat:
+                return
+            epoch, skip = epoch + 1, 0
+
+    def _prefetched(self, plan: Iterator[tuple[int, list[int] | None, torch.Tensor | None]]
+                    ) -> Iterator[_Window]:
+        """The plan's windows, loaded: with `prefetch`, window n+1 is read into memory by a
+        background thread while window n is consumed (two windows in memory at most)."""
+        if not self.prefetch:
+            for epoch, shards, order in plan:
+                yield epoch, None if shards is None else self._load(shards), order
+            return
+        pool = ThreadPoolExecutor(1, thread_name_prefix="hookscope-prefetch")
+        finalizing = sys.is_finalizing  # held here: module globals may be gone when Python exits
+        queue: deque[tuple[int, torch.Tensor | None, Future | None]] = deque()
+
+        def pull() -> bool:
+            item = next(plan, None)
+            if item is None:
+                return False
+            epoch, shards, order = item
+            queue.append((epoch, order, None if shards is None else pool.submit(self._load, shards)))
+            return True
+
+        try:
+            more = pull()
+            while queue:
+                # one window is being read ahead of the one handed out (an epoch's end marker is no
+                # read, so the next epoch's first window is read while this epoch's last is consumed)
+                while more and all(future is None for _, _, future in list(queue)[1:]):
+                    more = pull()
+                epoch, order, future = queue.popleft()
+                yield epoch, None if future is None else future.result(), order
+        finally:
+            if not finalizing():  # at exit, concurrent.futures joins its threads itself
+                pool.shutdown(wait=False, cancel_futures=True)  # an abandoned iterator stops reading
 
     def _windows(self, epoch: int) -> list[list[int]]:
         n = self.store.num_shards
@@ -193,6 +275,14 @@ class ActivationDataset(IterableDataset):
     def _mine(self, a: int, b: int) -> int:
         """How many stream positions in [a, b) belong to this rank."""
         return _below(b, self.rank, self.world_size) - _below(a, self.rank, self.world_size)
+
+
+def _gather(data: dict[str, torch.Tensor], order: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {k: torch.index_select(v, 0, order) for k, v in data.items()}
+
+
+def _join(parts: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
 
 
 def _below(x: int, rank: int, world: int) -> int:

@@ -13,7 +13,7 @@ import json
 import os
 import re
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -207,31 +207,37 @@ class Store:
 
     def to_hf_dataset(self, names: Sequence[str] | None = None, *,
                       cache_dir: str | None = None) -> datasets.Dataset:
-        """A Hugging Face `datasets.Dataset` with one example per row (built shard by shard through
-        the datasets cache, `cache_dir` or its default, so memory stays flat); bfloat16 becomes float32."""
+        """A Hugging Face `datasets.Dataset` with one example per row, memory-mapped from a folder
+        written once by `hookscope.export.export_hf` under `cache_dir` (default: the datasets cache)
+        and reused while the store is unchanged. Fixed-shape features; bfloat16 becomes float32."""
         try:
             import datasets
         except ImportError as e:
             raise StoreError("to_hf_dataset needs the `datasets` package: "
                              "pip install 'hookscope[datasets]'") from e
+        from ..export import export_hf  # the export room builds on this one; imported only here
+
         names = list(self.manifest.columns) if names is None else list(names)
         self._check_names(names)
-        key = hashlib.sha256(json.dumps(self.manifest.to_json(), sort_keys=True).encode()).hexdigest()
-        where = self.path if isinstance(self.path, str) else str(self.path.resolve())
-        kwargs = {"path": where, "names": tuple(names),  # a list would be split
-                  "key": key}
-        return datasets.Dataset.from_generator(_hf_rows, gen_kwargs=kwargs, cache_dir=cache_dir)
+        key = hashlib.sha256(json.dumps([self.manifest.to_json(), names], sort_keys=True).encode())
+        key = key.hexdigest()
+        folder = Path(cache_dir or datasets.config.HF_DATASETS_CACHE) / "hookscope" / key[:32]
+        if not (folder / "state.json").is_file():
+            export_hf(self, folder, names, overwrite=folder.exists(), progress=False)
+        return datasets.load_from_disk(str(folder))
 
     def dataset(self, point: str | Sequence[str], *, shuffle: bool = True, seed: int = 0,
                 buffer_rows: int = 1 << 18, split: str | None = None, val_fraction: float = 0.1,
                 rank: int = 0, world_size: int = 1, epoch: int = 0, batch_size: int | None = None,
-                drop_last: bool = False) -> ActivationDataset:
-        """A shuffled `IterableDataset` over column(s) `point`; see `ActivationDataset`."""
+                drop_last: bool = False, repeat: bool = False, prefetch: bool = True) -> ActivationDataset:
+        """A shuffled `IterableDataset` over column(s) `point`; see `ActivationDataset`
+        (`repeat=True`: one `iter()` runs through epoch after epoch, for trainers that call `next()`)."""
         from .dataset import ActivationDataset
 
         return ActivationDataset(self, point, shuffle=shuffle, seed=seed, buffer_rows=buffer_rows,
                                  split=split, val_fraction=val_fraction, rank=rank, world_size=world_size,
-                                 epoch=epoch, batch_size=batch_size, drop_last=drop_last)
+                                 epoch=epoch, batch_size=batch_size, drop_last=drop_last, repeat=repeat,
+                                 prefetch=prefetch)
 
     def top(self, point: str, unit: int, **kwargs: Any) -> Any:
         """The top-activating contexts of `unit` of `point` (see hookscope.top.top; g-top's room)."""
@@ -243,15 +249,6 @@ class Store:
         if unknown:
             raise StoreError(f"{self.path}: no column {unknown[0]!r}; "
                              f"the store has {list(self.manifest.columns)}")
-
-
-def _hf_rows(path: str, names: tuple[str, ...], key: str) -> Iterator[dict[str, Any]]:
-    del key  # only part of the datasets cache fingerprint: a changed store gets a new cache entry
-    store = open_store(path)
-    for i in range(store.num_shards):
-        cols = {k: _numpy(v) for k, v in store.load_shard(i, names).items()}
-        for r in range(store.manifest.shards[i].rows):
-            yield {k: v[r] for k, v in cols.items()}
 
 
 def _numpy(t: torch.Tensor) -> np.ndarray:

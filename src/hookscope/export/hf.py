@@ -1,0 +1,58 @@
+"""A store as a Hugging Face `datasets` folder, one example per row (token).
+
+`datasets.load_from_disk(OUT)` memory-maps it. Columns keep their per-row shape as fixed-size Arrow
+types and their dtype where Arrow has it; bfloat16 becomes float32 (exact, twice the bytes); the
+store's settings travel in the dataset's `info.description` and in `hookscope_export.json`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import StoreError
+from ..store import Store
+from .arrow import arrow_column, arrow_dtype, feature, write_dataset
+from .progress import rows_progress
+
+
+def store_info(store: Store) -> dict[str, Any]:
+    """Which store an export came from, and the settings that shaped its rows."""
+    m = store.manifest
+    return {"path": str(Path(store.path).resolve()), "rows": len(store), "settings_hash": m.settings_hash,
+            "settings": m.settings}
+
+
+def describe(store: Store, layout: str) -> str:
+    return (f"Activations exported by hookscope from the store {Path(store.path).name} ({layout}). "
+            f"Store settings (JSON): {json.dumps(store.manifest.settings, sort_keys=True)}")
+
+
+def export_hf(store: Store, out: str | os.PathLike, columns: Sequence[str] | None = None, *,
+              overwrite: bool = False, progress: bool = True) -> Path:
+    """Write column(s) `columns` (default: every column) of `store` as a `datasets` folder with one
+    example per row, in store order; one Arrow file per shard, written once. Returns `out`."""
+    names = list(store.manifest.columns) if columns is None else list(columns)
+    unknown = [n for n in names if n not in store.manifest.columns]
+    if unknown:
+        raise StoreError(f"{store.path}: no column {unknown[0]!r}; "
+                         f"the store has {list(store.manifest.columns)}")
+    if not store.num_shards:
+        raise StoreError(f"{store.path}: the store holds no rows yet; nothing to export")
+    cols = store.manifest.columns
+    dtypes = {n: getattr(torch, cols[n].dtype) for n in names}
+    features = {n: feature(cols[n].shape, arrow_dtype(dtypes[n])) for n in names}
+    sidecar = {"format": "hookscope-export", "layout": "rows", "store": store_info(store),
+               "columns": {n: {"shape": list(cols[n].shape), "store_dtype": cols[n].dtype,
+                               "dtype": arrow_dtype(dtypes[n])} for n in names}}
+    with rows_progress(len(store), "export hf", progress) as bar:
+        tables = ({n: arrow_column(t, features[n]) for n, t in store.load_shard(i, names).items()}
+                  for i in range(store.num_shards))
+        return write_dataset(out, features, tables, store.num_shards,
+                             description=describe(store, "one row per token"),
+                             sidecar=sidecar, overwrite=overwrite, progress=bar)

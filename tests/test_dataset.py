@@ -1,0 +1,156 @@
+"""The store's dataset as trainers use it: endless iteration (`repeat=True`) with an exact cursor,
+and the background prefetch of the next window (same rows, same order, read ahead, no leaked thread).
+
+The reference for every order is the plain one-epoch dataset (tests/test_store.py checks that one
+against the rows written); column "x" of the store holds each row's own index.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from itertools import islice
+
+import pytest
+import torch
+
+from hookscope.errors import StoreError
+from hookscope.store import ShardWriter, open_store
+
+
+@pytest.fixture(scope="module")
+def id_store(tmp_path_factory):
+    """200 rows in 8 shards of 25; column "x" holds each row's own index."""
+    out = tmp_path_factory.mktemp("ids") / "s"
+    with ShardWriter(out, {"ids": True}, shard_rows=25) as w:
+        for b in range(40):
+            ids = torch.arange(b * 5, b * 5 + 5)
+            w.write(b, {"x": ids.float()[:, None].repeat(1, 3)}, {"token_ids": ids})
+    return open_store(out)
+
+
+def ids_of(items) -> list[int]:
+    out = []
+    for item in items:
+        x = item["x"] if isinstance(item, dict) else item
+        out += x.reshape(-1, 3)[:, 0].long().tolist()
+    return out
+
+
+def epochs(store, first: int, n: int, **kw) -> list[int]:
+    """Rows of epochs first..first+n-1, each from its own one-epoch dataset."""
+    return [i for e in range(first, first + n) for i in ids_of(store.dataset("x", epoch=e, **kw))]
+
+
+def test_repeat_runs_epoch_after_epoch_with_an_exact_cursor(id_store):
+    kw = {"seed": 3, "buffer_rows": 60}
+    ds = id_store.dataset("x", repeat=True, **kw)
+    assert len(ds) == 200  # len counts one epoch
+    rows = ids_of(islice(iter(ds), 530))
+    assert rows == epochs(id_store, 0, 3, **kw)[:530]
+    assert ds.state_dict()["epoch"] == 2 and ds.state_dict()["position"] == 130
+    # the cursor resumes a fresh endless reader exactly where this one stopped
+    fresh = id_store.dataset("x", repeat=True, **kw)
+    fresh.load_state_dict(json.loads(json.dumps(ds.state_dict())))
+    assert ids_of(islice(iter(fresh), 270)) == epochs(id_store, 2, 3, **kw)[130:400]
+    assert fresh.state_dict()["epoch"] == 3 and fresh.state_dict()["position"] == 200
+
+
+@pytest.mark.parametrize("drop_last", [False, True])
+def test_repeat_in_batches_keeps_each_epochs_batches(id_store, drop_last: bool):
+    kw = {"seed": 1, "buffer_rows": 50, "batch_size": 32, "drop_last": drop_last}
+    batches = list(islice(iter(id_store.dataset("x", repeat=True, **kw)), 3 * (6 + (not drop_last))))
+    one_epoch = [b.shape[0] for b in id_store.dataset("x", **kw)]
+    assert [b.shape[0] for b in batches] == one_epoch * 3  # no batch mixes two epochs
+    assert ids_of(batches) == [i for e in range(3) for i in ids_of(id_store.dataset("x", epoch=e, **kw))]
+
+
+def test_repeat_a_resumed_cursor_at_the_end_of_an_epoch(id_store):
+    kw = {"seed": 4, "buffer_rows": 40, "batch_size": 50, "repeat": True}
+    ds = id_store.dataset("x", **kw)
+    it = iter(ds)
+    first = [next(it) for _ in range(4)]  # exactly one epoch
+    assert ds.state_dict()["epoch"] == 0 and ds.state_dict()["position"] == 200
+    fresh = id_store.dataset("x", **kw)
+    fresh.load_state_dict(ds.state_dict())
+    assert ids_of(first) + ids_of(islice(iter(fresh), 4)) == epochs(id_store, 0, 2, seed=4, buffer_rows=40)
+
+
+def test_repeat_with_nothing_to_yield_is_refused(id_store):
+    with pytest.raises(StoreError, match="loop forever"):
+        next(iter(id_store.dataset("x", batch_size=500, drop_last=True, repeat=True)))
+    # without repeat the same dataset is simply empty
+    assert list(id_store.dataset("x", batch_size=500, drop_last=True)) == []
+
+
+@pytest.mark.parametrize("kw", [
+    {"seed": 2, "buffer_rows": 60},
+    {"seed": 2, "buffer_rows": 30, "batch_size": 32},
+    {"seed": 2, "buffer_rows": 1, "batch_size": 7, "drop_last": True},
+    {"seed": 5, "buffer_rows": 50, "batch_size": 16, "rank": 1, "world_size": 3, "split": "train"},
+    {"shuffle": False, "batch_size": 64},
+])
+def test_prefetch_changes_nothing_but_timing(id_store, kw):
+    with_prefetch = list(id_store.dataset("x", **kw))
+    without = list(id_store.dataset("x", prefetch=False, **kw))
+    assert [t.shape for t in with_prefetch] == [t.shape for t in without]
+    assert all(torch.equal(a, b) for a, b in zip(with_prefetch, without, strict=True))
+    # and batches straddling windows hold exactly the rows of the row-by-row stream
+    rows_kw = {k: v for k, v in kw.items() if k not in ("batch_size", "drop_last")}
+    flat = ids_of(id_store.dataset("x", **rows_kw))
+    assert ids_of(with_prefetch) == flat[: len(ids_of(with_prefetch))]
+
+
+def test_the_next_window_is_read_while_the_current_one_is_consumed(id_store, monkeypatch):
+    ds = id_store.dataset("x", seed=0, buffer_rows=50, batch_size=10)  # windows of 2 shards
+    windows = ds._windows(0)
+    requested: list[int] = []
+    real = type(id_store).load_shard
+
+    def recording(self, i, names=None):
+        requested.append(i)
+        return real(self, i, names)
+
+    monkeypatch.setattr(type(id_store), "load_shard", recording)
+    it = iter(ds)
+    next(it)  # one batch of the first window taken, the rest of it not yet consumed
+    deadline = time.monotonic() + 10
+    while len(requested) < 4 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert requested == windows[0] + windows[1]
+    # without prefetch nothing beyond the first window is read yet
+    requested.clear()
+    it2 = iter(id_store.dataset("x", seed=0, buffer_rows=50, batch_size=10, prefetch=False))
+    next(it2)
+    time.sleep(0.1)
+    assert requested == windows[0]
+    del it, it2
+
+
+def test_an_abandoned_iterator_leaves_no_reading_thread(id_store):
+    def readers() -> int:
+        return sum(t.name.startswith("hookscope-prefetch") for t in threading.enumerate())
+
+    for _ in range(5):
+        next(iter(id_store.dataset("x", seed=1, buffer_rows=25, batch_size=8, repeat=True)))
+    it = iter(id_store.dataset("x", seed=1, buffer_rows=25, batch_size=8, repeat=True))
+    next(it)
+    assert readers() >= 1  # a live iterator is reading ahead
+    del it
+    deadline = time.monotonic() + 10  # an in-flight read finishes, then its thread ends
+    while readers() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert readers() == 0
+
+
+def test_a_dataloader_worker_gets_whole_batches(id_store):
+    """num_workers=1 with the dataset's own batches (`batch_size=None` in the DataLoader): each
+    batch crosses the process boundary as one tensor, in the order the dataset makes."""
+    ds = id_store.dataset("x", seed=6, buffer_rows=50, batch_size=32)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1)
+    got = list(loader)
+    assert [b.shape for b in got] == [(32, 3)] * 6 + [(8, 3)]
+    assert ids_of(got) == ids_of(id_store.dataset("x", seed=6, buffer_rows=50, batch_size=32))
+    with pytest.raises(StoreError, match="num_workers=0 or 1"):
+        list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2))
