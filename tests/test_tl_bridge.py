@@ -244,7 +244,7 @@ def test_optional_points_stay_out_of_patterns(bridges):
     arch = hs.arch_of(bridge)
     assert "blocks.0.attn.result" in arch.optional
     assert "blocks.0.attn.result" not in [s.name for s in arch.resolve("blocks.0.attn.*")]
-    assert tl_bridge.optional_points(bridge)["blocks.0.attn.result"] == "bridge.set_use_attn_result(True)"
+    assert tl_bridge.optional_points(arch)["blocks.0.attn.result"] == "bridge.set_use_attn_result(True)"
 
 
 # --- heads: selections and edits address heads -----------------------------------------------

@@ -9,7 +9,6 @@ goes to rank i % world_size; each rank writes its own shards and rank 0 merges t
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import itertools
 import json
 import os
@@ -30,7 +29,7 @@ from .images import extract_images, is_image_source
 from .inputs import max_positions  # its room is inputs.py; cli.py imports it from here
 from .models import load
 from .store import ShardWriter, merge_rank_manifests
-from .store.manifest import count_nonfinite
+from .summary import ExtractSummary, check_finite, sha256_text
 
 DEFAULT_DATA = "builtin:stdlib-docstrings"
 DEFAULT_POINT = "blocks.3.resid_post"
@@ -57,40 +56,10 @@ class ExtractConfig:
     generate: int = 0  # --generate N: also store N greedy tokens after each sequence (generate.py)
 
 
-@dataclass
-class ExtractSummary:
-    out: str
-    rows: int
-    new_rows: int
-    batches_done: int
-    batches_skipped: int
-    seconds: float
-    bytes_written: int
-    nonfinite: dict[str, int]
-
-    def __str__(self) -> str:
-        rate = self.new_rows / self.seconds if self.seconds > 0 else 0.0
-        lines = [
-            f"wrote {self.new_rows:,} rows in {self.seconds:.1f} s ({rate:,.0f} rows/s, "
-            f"{self.bytes_written / 2**20:,.1f} MiB); store holds {self.rows:,} rows -> {self.out}",
-        ]
-        if self.batches_skipped:
-            lines.append(f"resumed: skipped {self.batches_skipped} batches already on disk")
-        bad = {k: v for k, v in self.nonfinite.items() if v}
-        if bad:
-            lines.append("non-finite values (NaN/Inf) per point: "
-                         + ", ".join(f"{k}: {v}" for k, v in bad.items()))
-        return "\n".join(lines)
-
-
-def _sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
 def _tokenizer_hash(tokenizer: Any) -> str:
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    return _sha256_text(text)
+    return sha256_text(text)
 
 
 def settings_for(cfg: ExtractConfig, loaded, points: list[str], world_size: int) -> dict:
@@ -99,7 +68,7 @@ def settings_for(cfg: ExtractConfig, loaded, points: list[str], world_size: int)
         "model": loaded.name,
         "revision": cfg.revision,
         "model_class": type(loaded.model).__name__,
-        "config_sha256": _sha256_text(loaded.model.config.to_json_string(use_diff=False)),
+        "config_sha256": sha256_text(loaded.model.config.to_json_string(use_diff=False)),
         "tokenizer_sha256": _tokenizer_hash(loaded.tokenizer),
         "points": points,
         "dtype": cfg.dtype,
@@ -222,7 +191,7 @@ def _extract(cfg: ExtractConfig, opened: list[ShardWriter]) -> ExtractSummary:
                 "positions": batch["doc_positions"][keep],
                 "seq_ids": batch["seq_ids"].unsqueeze(1).expand_as(keep)[keep],
             }
-        _check_finite(acts, cfg.on_nonfinite, index)
+        check_finite(acts, cfg.on_nonfinite, index)
         return acts, meta, len(meta["token_ids"])
 
     # The first batch of this rank is read and run before the store is opened: an empty or bad
@@ -297,18 +266,6 @@ def _keep_mask(cfg: ExtractConfig, batch: dict[str, torch.Tensor]) -> torch.Tens
 
 def _kept(cfg: ExtractConfig, batch: dict[str, torch.Tensor]) -> int:
     return int(_keep_mask(cfg, batch).sum())
-
-
-def _check_finite(acts: dict[str, torch.Tensor], policy: str, index: int) -> None:
-    if policy != "error":
-        return  # the writer counts them per point; the summary reports them
-    for name, act in acts.items():
-        bad = count_nonfinite(act)
-        if bad:
-            raise HookscopeError(
-                f"batch {index}: {bad} non-finite values (NaN/Inf) at {name}; nothing of this batch was "
-                "written (earlier batches are safe). Re-run with --on-nonfinite warn to keep them"
-            )
 
 
 class _Progress:

@@ -24,6 +24,7 @@ from .capture import Capture
 from .errors import DataError, HookscopeError
 from .models import load
 from .store import ShardWriter
+from .summary import ExtractSummary, check_finite, sha256_text
 
 PREFIX = "images:"
 SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -132,7 +133,6 @@ def extract_images(cfg: Any) -> Any:
     """`extract` for an image folder (cfg: an `ExtractConfig`); returns an `ExtractSummary`."""
     from tqdm.auto import tqdm
 
-    from .extract import ExtractSummary, _check_finite, _sha256_text
 
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise HookscopeError("image extraction runs in one process; run it without torchrun")
@@ -146,8 +146,8 @@ def extract_images(cfg: Any) -> Any:
     settings = {
         "model": loaded.name,
         "model_class": type(loaded.model).__name__,
-        "config_sha256": _sha256_text(loaded.model.config.to_json_string(use_diff=False)),
-        "image_processor_sha256": _sha256_text(processor.to_json_string()),
+        "config_sha256": sha256_text(loaded.model.config.to_json_string(use_diff=False)),
+        "image_processor_sha256": sha256_text(processor.to_json_string()),
         "points": points,
         "dtype": cfg.dtype,
         "batch_size": cfg.batch_size,
@@ -177,7 +177,7 @@ def extract_images(cfg: Any) -> Any:
             acts = {name: a.flatten(0, 1) for name, a in acts.items()}  # [image * token, ...]
             meta = {"doc_ids": torch.tensor(index).repeat_interleave(n_tokens),
                     **{k: v.repeat(len(index)) for k, v in trace.items()}}
-            _check_finite(acts, cfg.on_nonfinite, batch)
+            check_finite(acts, cfg.on_nonfinite, batch)
             writer.write(batch, acts, meta)
             done += 1
             new_rows += len(index) * n_tokens

@@ -186,9 +186,7 @@ def _names(hook_points: dict[int, nn.Module], keys: dict[int, list[str]]) -> tup
     return primary, aliases
 
 
-def optional_points(model: nn.Module) -> dict[str, str]:
-    """Points of a bridge that a plain forward does not fire -> the call that switches each on
-    ("" where nothing does)."""
-    from . import arch_of
-
-    return {name: point.needs for name, point in arch_of(model).optional.items()}
+def optional_points(arch: Arch) -> dict[str, str]:
+    """Points of a bridge's table (`hs.arch_of(bridge)`) that a plain forward does not fire -> the
+    call that switches each on ("" where nothing does)."""
+    return {name: point.needs for name, point in arch.optional.items()}

@@ -11,14 +11,16 @@ import json
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import StoreError
-from ..store import Store
 from .arrow import arrow_column, arrow_dtype, feature, write_dataset
 from .progress import rows_progress
+
+if TYPE_CHECKING:  # the store room is below this one; a Store is passed in, never imported
+    from ..store import Store
 
 
 def store_info(store: Store) -> dict[str, Any]:

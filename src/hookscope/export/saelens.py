@@ -23,15 +23,17 @@ import os
 import re
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import StoreError
-from ..store import Store
 from .arrow import SIDECAR, arrow_column, arrow_dtype, feature, import_datasets, write_dataset
 from .hf import describe, store_info
 from .progress import rows_progress
+
+if TYPE_CHECKING:  # the store room is below this one; a Store is passed in, never imported
+    from ..store import Store
 
 # canonical point suffix -> TransformerLens hook name suffix, where it is not just "hook_" + last part
 _TL_SPELLING = {"attn.out": "hook_attn_out", "mlp.out": "hook_mlp_out", "attn.in": "hook_attn_in",

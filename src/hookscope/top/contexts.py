@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import StoreError
-from ..store import Store
 from .encoders import Encoder
+
+if TYPE_CHECKING:  # the store room is below this one; a Store is passed in, never imported
+    from ..store import Store
 
 _PAIR_CHUNK = 8192  # (row, unit) pairs evaluated at once for an SAE
 

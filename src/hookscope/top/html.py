@@ -13,13 +13,15 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreError
-from ..store import Store
 from .contexts import Gatherer, build_contexts
 from .encoders import Encoder
 from .index import TopIndex, hist_edges
+
+if TYPE_CHECKING:  # the store room is below this one; a Store is passed in, never imported
+    from ..store import Store
 
 MAX_UNITS = 4096  # a page for more units than this gets too big to open; choose some with `units`
 _UNIT_BATCH = 64  # units whose contexts are built at once

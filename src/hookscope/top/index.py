@@ -31,15 +31,17 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from ..errors import StoreError
-from ..store import Store
 from .encoders import Encoder, neurons
+
+if TYPE_CHECKING:  # the store room is below this one; a Store is passed in, never imported
+    from ..store import Store
 
 INDEX_FORMAT = "hookscope-top"
 INDEX_VERSION = 1

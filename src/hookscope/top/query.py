@@ -5,15 +5,17 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..errors import StoreError
-from ..store import Store
 from .contexts import Context, build_contexts
 from .encoders import Encoder, load_encoder, neurons
 from .index import DEFAULT_INDEX_K, TopIndex, check_point, get_index, hist_edges
+
+if TYPE_CHECKING:  # the store room is below this one; a Store is passed in, never imported
+    from ..store import Store
 
 
 @dataclass
