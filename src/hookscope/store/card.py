@@ -39,6 +39,11 @@ a Hugging Face `datasets` folder: `datasets.load_dataset` on it fails on purpose
 """
 
 
+def card_bytes() -> bytes:
+    """The card's bytes, for a store at a URL (written with one PUT)."""
+    return _TEXT.encode("utf-8")
+
+
 def write_card(root: str | os.PathLike) -> None:
     """Write the card unless the store already has one (atomic: a reader sees all of it or none)."""
     path = Path(root) / CARD

@@ -25,7 +25,7 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import StoreError
-from .card import write_card
+from .card import CARD, card_bytes, write_card
 from .fs import Remote, is_remote, local_path, sha256_of
 from .manifest import (
     MANIFEST,
@@ -80,8 +80,11 @@ class ShardWriter:
         try:  # stamps the settings into the directory now, and proves it is writable before any compute
             self._remove_orphans()
             self._save_manifest(self.manifest)
-            if self._remote is None:  # README.md: datasets.load_dataset(DIR) fails clearly, not misreads
+            # README.md: datasets.load_dataset(DIR) fails clearly rather than misreading the store
+            if self._remote is None:
                 write_card(self.out)
+            elif self._remote.size(CARD) is None:
+                self._remote.write(CARD, card_bytes())
         except OSError as e:
             raise StoreError(f"cannot write to the store directory {self.out}: {e}; make it writable (or "
                              "free space) or choose another --out, and re-run") from e
