@@ -133,15 +133,12 @@ def extract_images(cfg: Any) -> Any:
     """`extract` for an image folder (cfg: an `ExtractConfig`); returns an `ExtractSummary`."""
     from tqdm.auto import tqdm
 
-
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise HookscopeError("image extraction runs in one process; run it without torchrun")
     folder, names = list_images(cfg.data)
     loaded = load(cfg.model, device=cfg.device, revision=cfg.revision, tokenizer=False)
     processor = load_processor(loaded.name)
-    dtype = getattr(torch, cfg.dtype, None)
-    if not isinstance(dtype, torch.dtype):
-        raise HookscopeError(f"unknown dtype {cfg.dtype!r}: use float32, float16 or bfloat16")
+    dtype = getattr(torch, cfg.dtype)  # extract.validate_config has checked it
     points = [s.name for s in loaded.arch.resolve(cfg.points)]
     settings = {
         "model": loaded.name,
