@@ -7,9 +7,23 @@ BASE = "model"
 LAYERS = "layers"
 
 
-def table(config, prefix: str, lm_head: str | None) -> Arch:
+def attention(config, mid_norm: str = "post_attention_layernorm") -> dict:
+    """The residual stream into the block and its self-attention, as Llama-style decoders name
+    them (grouped-query k / v heads); shared with the MoE decoders, whose attention is the same."""
     H = config.num_attention_heads
     KV = getattr(config, "num_key_value_heads", None) or H
+    return {
+        "resid_pre": ("layers.{L}", "input", None),
+        "attn.q": ("layers.{L}.self_attn.q_proj", "output", heads(H)),
+        "attn.k": ("layers.{L}.self_attn.k_proj", "output", heads(KV)),
+        "attn.v": ("layers.{L}.self_attn.v_proj", "output", heads(KV)),
+        "attn.z": ("layers.{L}.self_attn.o_proj", "input", heads(H)),
+        "attn.out": ("layers.{L}.self_attn", "output", None),
+        "resid_mid": (f"layers.{{L}}.{mid_norm}", "input", None),
+    }
+
+
+def table(config, prefix: str, lm_head: str | None) -> Arch:
     # Gemma 2/3 normalise the attention output before the residual add, so the residual stream
     # between attention and MLP enters pre_feedforward_layernorm instead.
     mid_norm = ("pre_feedforward_layernorm" if config.model_type in ("gemma2", "gemma3_text")
@@ -18,13 +32,7 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
         config.model_type, prefix, config.num_hidden_layers, "layers.{L}",
         top={"embed": ("embed_tokens", "output", None)},
         per_layer={
-            "resid_pre": ("layers.{L}", "input", None),
-            "attn.q": ("layers.{L}.self_attn.q_proj", "output", heads(H)),
-            "attn.k": ("layers.{L}.self_attn.k_proj", "output", heads(KV)),
-            "attn.v": ("layers.{L}.self_attn.v_proj", "output", heads(KV)),
-            "attn.z": ("layers.{L}.self_attn.o_proj", "input", heads(H)),
-            "attn.out": ("layers.{L}.self_attn", "output", None),
-            "resid_mid": (f"layers.{{L}}.{mid_norm}", "input", None),
+            **attention(config, mid_norm),
             "mlp.pre": ("layers.{L}.mlp.gate_proj", "output", None),
             "mlp.pre_linear": ("layers.{L}.mlp.up_proj", "output", None),
             "mlp.post": ("layers.{L}.mlp.down_proj", "input", None),
@@ -33,5 +41,5 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
         },
         final={"ln_final": ("norm", "output", None),
                **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
-        n_heads=H, d_model=config.hidden_size,
+        n_heads=config.num_attention_heads, d_model=config.hidden_size,
     )

@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import HookscopeError
-from .base import Arch, Call, View, build, heads
+from . import llama
+from .base import Arch, Call, View, build
 
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 BASE = "model"
@@ -113,16 +114,7 @@ def is_sparse(config, layer: int) -> bool:
 
 def table(config, prefix: str, lm_head: str | None) -> Arch:
     H = config.num_attention_heads
-    KV = getattr(config, "num_key_value_heads", None) or H
-    attention = {
-        "resid_pre": ("layers.{L}", "input", None),
-        "attn.q": ("layers.{L}.self_attn.q_proj", "output", heads(H)),
-        "attn.k": ("layers.{L}.self_attn.k_proj", "output", heads(KV)),
-        "attn.v": ("layers.{L}.self_attn.v_proj", "output", heads(KV)),
-        "attn.z": ("layers.{L}.self_attn.o_proj", "input", heads(H)),
-        "attn.out": ("layers.{L}.self_attn", "output", None),
-        "resid_mid": ("layers.{L}.post_attention_layernorm", "input", None),
-    }
+    attention = llama.attention(config)
     sparse = dict(attention)
     if getattr(config, "shared_expert_intermediate_size", 0):  # Qwen2-MoE: runs before the router
         shared = "layers.{L}.mlp.shared_expert"
