@@ -38,7 +38,7 @@ if TYPE_CHECKING:
     from .dataset import ActivationDataset
 
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
-_HEADER_GET = 64 << 10  # the first ranged GET of a remote shard: its header is a few KiB, so one GET does
+_HEADER_GET = 16 << 10  # the first ranged GET of a remote shard: its header is a few KiB, so one GET does
 # safetensors' dtype codes, by the torch dtype names the manifest uses
 _SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
                        "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
