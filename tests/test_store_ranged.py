@@ -176,7 +176,8 @@ def damage(fs, root: str, fault: str) -> None:
         fs.pipe_file(second, a)
     elif fault == "manifest lies about a shard's size":
         manifest = json.loads(fs.cat_file(f"{root}/manifest.json"))
-        manifest["shards"][0]["bytes"] -= 1
+        manifest["shards"][0]["bytes"] -= 1  # the totals follow, so the manifest adds up
+        manifest["bytes"] -= 1
         fs.pipe_file(f"{root}/manifest.json", json.dumps(manifest).encode())
     elif fault == "manifest lies about a shard's rows":
         manifest = json.loads(fs.cat_file(f"{root}/manifest.json"))
