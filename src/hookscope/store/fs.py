@@ -15,7 +15,6 @@ import hashlib
 import os
 import threading
 from collections import OrderedDict
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -177,16 +176,19 @@ def _takes_refresh(fs: Any) -> bool:
         return False
 
 
-class BlockCache:
-    """Byte ranges of a store's objects, read with ranged GETs in fixed-size aligned blocks and kept
-    in memory (bounded by bytes, least recently used evicted).
+Extent = tuple[int, int]  # [start, end) of one tensor's bytes in an object: blocks are cut from its start
 
-    A read fetches only the blocks it touches that are not held, all in one concurrent batch (one
-    GET per block on an async filesystem such as s3fs), so a range costs at most two blocks more
-    than its own bytes; the block around a row is its readahead. `prefetch` reads blocks in a
-    background thread; a read that wants a block being prefetched waits for it instead of asking
-    twice. Every GET must return exactly the bytes asked for: a short answer means the object is
-    shorter than the manifest says (truncated or replaced), and is an error naming the object."""
+
+class BlockCache:
+    """Byte ranges of a store's objects, read with ranged GETs and kept in memory in blocks
+    (bounded by bytes, least recently used evicted; thread-safe).
+
+    Blocks are cut from the start of the extent a range lies in (one column of one shard), so a
+    whole column is fetched exactly, and a window of rows costs at most two part-blocks more than
+    its own bytes; the rest of the block around a row is its readahead. A read fetches the blocks
+    it touches that are not held in one concurrent batch (one GET per block; s3fs, gcsfs and adlfs
+    send them at once). Every GET must return exactly the bytes asked for: a short answer means the
+    object is shorter than listed (truncated or replaced), an error naming the object."""
 
     def __init__(self, remote: Remote, sizes: dict[str, int], *, block_bytes: int | None = None,
                  max_bytes: int | None = None):
@@ -197,97 +199,63 @@ class BlockCache:
             os.environ.get("HOOKSCOPE_CACHE_BYTES", 1 << 30))
         if self.block < 1 or self.max_bytes < 0:
             raise StoreError(f"block size ({self.block}) must be >= 1 and cache size ({self.max_bytes}) >= 0")
-        self._blocks: OrderedDict[tuple[str, int], bytes] = OrderedDict()  # oldest first
+        self._blocks: OrderedDict[tuple[str, Extent, int], bytes] = OrderedDict()  # oldest first
         self._held = 0
-        self._pending: dict[tuple[str, int], Future] = {}
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(2, thread_name_prefix="hookscope-readahead")
 
-    def read(self, rel: str, start: int, end: int) -> bytes:
-        """Bytes [start, end) of object `rel`."""
-        return self.read_many(rel, [(start, end)])[0]
-
-    def read_many(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-        """Several ranges of one object, their missing blocks fetched in one concurrent batch."""
-        wanted = sorted({b for start, end in ranges for b in self._span(rel, start, end)})
-        got = self._gather(rel, wanted)
+    def read_many(self, rel: str, ranges: list[tuple[Extent, int, int]]) -> list[bytes]:
+        """Bytes [start, end) of object `rel` for each (extent, start, end), the range inside the
+        extent; the missing blocks of all of them fetched in one concurrent batch."""
+        keys = []
+        for extent, start, end in ranges:
+            size = self.sizes.get(rel)
+            if size is None or not 0 <= extent[0] <= start <= end <= extent[1] <= size:
+                raise StoreError(f"{self.remote.url}/{rel}: bytes {start}-{end} of extent {extent} asked "
+                                 f"for, but the object has {size} bytes")
+            keys.append([(rel, extent, b) for b in self._span(extent, start, end)])
+        got: dict[tuple[str, Extent, int], bytes] = {}
+        with self._lock:
+            for key in {k for ks in keys for k in ks}:
+                if key in self._blocks:
+                    self._blocks.move_to_end(key)
+                    got[key] = self._blocks[key]
+        missing = sorted({k for ks in keys for k in ks} - got.keys())
+        if missing:
+            got.update(self._fetch(rel, missing))
         out = []
-        for start, end in ranges:
-            first = start // self.block
-            joined = b"".join(got[b] for b in self._span(rel, start, end))
-            out.append(joined[start - first * self.block : end - first * self.block])
+        for (extent, start, end), ks in zip(ranges, keys, strict=True):
+            first = extent[0] + ks[0][2] * self.block if ks else start
+            out.append(b"".join(got[k] for k in ks)[start - first : end - first])
         return out
 
-    def prefetch(self, rel: str, ranges: list[tuple[int, int]]) -> None:
-        """Start reading `ranges` of `rel` into the cache in the background; errors are left for
-        the foreground read of the same bytes to raise."""
-        with self._lock:
-            missing = sorted({b for start, end in ranges for b in self._span(rel, start, end)
-                              if (rel, b) not in self._blocks and (rel, b) not in self._pending})
-            if not missing:
-                return
-            future = self._pool.submit(self._fetch, rel, missing)
-            for b in missing:
-                self._pending[(rel, b)] = future
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=False, cancel_futures=True)
+    def clear(self) -> None:
         with self._lock:
             self._blocks.clear()
             self._held = 0
 
-    def _span(self, rel: str, start: int, end: int) -> range:
-        size = self.sizes.get(rel)
-        if size is None or not 0 <= start <= end <= size:
-            raise StoreError(f"{self.remote.url}/{rel}: bytes {start}-{end} asked for, but the object has "
-                             f"{size} bytes")
-        return range(start // self.block, -(-end // self.block)) if end > start else range(0)
+    @property
+    def held(self) -> int:
+        """Bytes held now."""
+        return self._held
 
-    def _gather(self, rel: str, wanted: list[int]) -> dict[int, bytes]:
-        got: dict[int, bytes] = {}
-        waits: list[Future] = []
-        missing = []
-        with self._lock:
-            for b in wanted:
-                if (rel, b) in self._blocks:
-                    self._blocks.move_to_end((rel, b))
-                    got[b] = self._blocks[(rel, b)]
-                elif (rel, b) in self._pending:
-                    waits.append(self._pending[(rel, b)])
-                else:
-                    missing.append(b)
-        if missing:
-            got.update(self._fetch(rel, missing))
-        for future in waits:
-            try:
-                got.update({b: data for b, data in future.result().items() if b in wanted})
-            except Exception:  # noqa: BLE001 - the prefetch failed: read those blocks here and raise
-                pass
-        left = [b for b in wanted if b not in got]
-        if left:
-            got.update(self._fetch(rel, left))
-        return got
+    def _span(self, extent: Extent, start: int, end: int) -> range:
+        if end <= start:
+            return range(0)
+        return range((start - extent[0]) // self.block, -(-(end - extent[0]) // self.block))
 
-    def _fetch(self, rel: str, blocks: list[int]) -> dict[int, bytes]:
-        size = self.sizes[rel]
-        ranges = [(b * self.block, min((b + 1) * self.block, size)) for b in blocks]
-        try:
-            datas = self.remote.read_ranges(rel, ranges)
-        finally:
-            with self._lock:
-                for b in blocks:
-                    self._pending.pop((rel, b), None)
-        got = {}
-        for b, (start, end), data in zip(blocks, ranges, datas, strict=True):
+    def _fetch(self, rel: str, keys: list[tuple[str, Extent, int]]) -> dict[tuple[str, Extent, int], bytes]:
+        ranges = [(ext[0] + b * self.block, min(ext[0] + (b + 1) * self.block, ext[1])) for _, ext, b in keys]
+        datas = self.remote.read_ranges(rel, ranges)
+        for (start, end), data in zip(ranges, datas, strict=True):
             if len(data) != end - start:
                 raise StoreError(f"{self.remote.url}/{rel}: bytes {start}-{end} came back as {len(data)} "
-                                 f"bytes: the object is shorter than the {size} the store listed (truncated "
-                                 "or replaced while being read); re-open the store")
-            got[b] = data
+                                 f"bytes: the object is shorter than the {self.sizes[rel]} listed when the "
+                                 "store was opened (truncated or replaced while read); re-open the store")
+        got = dict(zip(keys, datas, strict=True))
         with self._lock:
-            for b, data in got.items():
-                if (rel, b) not in self._blocks:
-                    self._blocks[(rel, b)] = data
+            for key, data in got.items():
+                if key not in self._blocks:
+                    self._blocks[key] = data
                     self._held += len(data)
             while self._held > self.max_bytes and self._blocks:
                 _, old = self._blocks.popitem(last=False)

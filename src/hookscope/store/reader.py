@@ -21,6 +21,7 @@ import re
 import threading
 import weakref
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -29,7 +30,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import StoreError
-from .fs import BlockCache, Remote, is_remote, local_path, sha256_of
+from .fs import BlockCache, Extent, Remote, is_remote, local_path, sha256_of
 from .manifest import IDENTITY, MANIFEST, SHARDS_DIR, Column, Manifest, PointStats, ShardEntry, shard_identity
 
 if TYPE_CHECKING:
@@ -100,11 +101,13 @@ class Store:
         self.manifest = manifest
         self.remote = remote
         self._blocks = BlockCache(remote, sizes or {}) if remote else None
-        if self._blocks is not None:  # the readahead threads and cached blocks go when the store does
-            weakref.finalize(self, self._blocks.close)
         self._headers: dict[int, tuple[int, dict[str, Any]]] = {}  # remote shard -> (data offset, header)
-        self._last_scanned = -1  # the last remote shard read whole: a sequential scan reads ahead
         self._header_lock = threading.Lock()
+        self._last_scanned = -1  # the last remote shard read whole: a sequential scan reads ahead
+        self._ahead: dict[int, Future] = {}  # remote shard -> its readahead, header and columns
+        self._readahead = ThreadPoolExecutor(1, thread_name_prefix="hookscope-readahead") if remote else None
+        if self._readahead is not None:  # stop reading ahead when the store goes
+            weakref.finalize(self, self._readahead.shutdown, wait=False, cancel_futures=True)
         self._starts = [0]
         for s in manifest.shards:
             self._starts.append(self._starts[-1] + s.rows)
@@ -155,11 +158,13 @@ class Store:
         self._check_names(names)
         if self._blocks is None:
             return self._load_local(self.path / entry.file, entry, names)
-        out = self._load_remote(i, names, 0, entry.rows)
+        ahead = self._ahead.pop(i, None)
+        if ahead is not None:  # being read ahead: let it finish (its errors are raised below, by this read)
+            ahead.exception()
         if i + 1 < self.num_shards and i in (0, self._last_scanned + 1):  # a sequential scan: read ahead
             self._read_ahead(i + 1, names)
         self._last_scanned = i
-        return out
+        return self._load_remote(i, names, 0, entry.rows)
 
     def rows(self, start: int, stop: int, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
         """Rows [start, stop) of columns `names` (default all), in store order, as tensors. On a URL
@@ -188,27 +193,30 @@ class Store:
         entry = self.manifest.shards[i]
         ranges = self._column_ranges(i, names, lo, hi)
         datas = self._blocks.read_many(entry.file, ranges)
-        return {name: _tensor(data, self.manifest.columns[name], hi - lo) for name, data in zip(names, datas,
-                                                                                               strict=True)}
+        return {name: _tensor(data, self.manifest.columns[name], hi - lo)
+                for name, data in zip(names, datas, strict=True)}
 
-    def _column_ranges(self, i: int, names: list[str], lo: int, hi: int) -> list[tuple[int, int]]:
+    def _column_ranges(self, i: int, names: list[str], lo: int, hi: int) -> list[tuple[Extent, int, int]]:
+        """(the column's extent in the object, start, end) of rows [lo, hi) of each column."""
         data_start, header = self._remote_header(i)
         ranges = []
         for name in names:
-            begin = data_start + header[name]["data_offsets"][0]
+            begin, end = (data_start + o for o in header[name]["data_offsets"])
             row = _row_bytes(self.manifest.columns[name])
-            ranges.append((begin + lo * row, begin + hi * row))
+            ranges.append(((begin, end), begin + lo * row, begin + hi * row))
         return ranges
 
     def _read_ahead(self, i: int, names: list[str]) -> None:
-        """Start fetching columns `names` of shard `i` in the background. A damaged shard is
-        reported when it is read, not here."""
+        """Fetch shard `i`'s header and columns `names` into the block cache in the background. A
+        damaged shard is reported when it is read, not here."""
+        assert self._readahead is not None
+        if i not in self._ahead:
+            self._ahead[i] = self._readahead.submit(self._fetch_ahead, i, names)
+
+    def _fetch_ahead(self, i: int, names: list[str]) -> None:
         assert self._blocks is not None
-        try:
-            ranges = self._column_ranges(i, names, 0, self.manifest.shards[i].rows)
-        except StoreError:
-            return
-        self._blocks.prefetch(self.manifest.shards[i].file, ranges)
+        ranges = self._column_ranges(i, names, 0, self.manifest.shards[i].rows)
+        self._blocks.read_many(self.manifest.shards[i].file, ranges)
 
     def _remote_header(self, i: int) -> tuple[int, dict[str, Any]]:
         """(offset of the first data byte, safetensors header) of remote shard `i`: one small ranged
