@@ -99,22 +99,36 @@ class Remote:
     def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
         """Byte ranges [start, end) of object `rel`: one ranged GET each, concurrent where the
         filesystem is asynchronous (s3fs, gcsfs, adlfs)."""
-        if not ranges:
-            return []
-        path = self.path(rel)
-        try:
-            datas = self.fs.cat_ranges([path] * len(ranges), [a for a, _ in ranges], [b for _, b in ranges],
-                                       on_error="return")
-        except OSError as e:
-            raise StoreError(f"{self.url}/{rel}: cannot read it ({e})") from e
+        datas = self.read_parts([(rel, start, end) for start, end in ranges])
         for data in datas:
+            if isinstance(data, StoreError):
+                raise data
+        return datas  # type: ignore[return-value]
+
+    def read_parts(self, parts: list[tuple[str, int, int]]) -> list[bytes | StoreError]:
+        """Bytes [start, end) of each (object, start, end), in one concurrent batch of ranged GETs;
+        a part that fails is a StoreError in its place, so one damaged object spoils no other."""
+        if not parts:
+            return []
+        try:
+            datas = self.fs.cat_ranges([self.path(rel) for rel, _, _ in parts], [a for _, a, _ in parts],
+                                       [b for _, _, b in parts], on_error="return")
+        except OSError as e:
+            raise StoreError(f"{self.url}: cannot read {parts[0][0]} ({e})") from e
+        out: list[bytes | StoreError] = []
+        for (rel, _, _), data in zip(parts, datas, strict=True):
             if isinstance(data, FileNotFoundError):
-                raise StoreError(f"{self.url}/{rel}: listed in the manifest but missing") from data
-            if isinstance(data, BaseException):
-                raise StoreError(f"{self.url}/{rel}: cannot read it ({data}); if it is shorter than the "
-                                 "manifest says, it was truncated or replaced") from data
-        self._count(sum(len(d) for d in datas), len(datas))
-        return datas
+                err = StoreError(f"{self.url}/{rel}: listed in the manifest but missing")
+            elif isinstance(data, BaseException):
+                err = StoreError(f"{self.url}/{rel}: cannot read it ({data}); if it is shorter than the "
+                                 "manifest says, it was truncated or replaced")
+            else:
+                out.append(data)
+                continue
+            err.__cause__ = data
+            out.append(err)
+        self._count(sum(len(d) for d in out if isinstance(d, bytes)), len(parts))
+        return out
 
     def sizes(self, rel: str = "") -> dict[str, int]:
         """Name -> bytes of the objects directly under `rel` ({} if there are none): one listing."""

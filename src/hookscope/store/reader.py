@@ -13,6 +13,7 @@ The whole-shard SHA-256 needs every byte, so only `verify()` checks it (docs/sto
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import json
 import math
@@ -21,7 +22,7 @@ import re
 import threading
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,8 @@ if TYPE_CHECKING:
 
 _MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 _HEADER_GET = 16 << 10  # the first ranged GET of a remote shard: its header is a few KiB, so one GET does
+_HEADER_BATCH = 16  # a remote header is fetched with those of the next shards not known yet: one round trip
+_READ_AHEAD = 2  # shards whose columns a sequential scan of a remote store fetches ahead
 # safetensors' dtype codes, by the torch dtype names the manifest uses
 _SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
                        "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
@@ -102,10 +105,13 @@ class Store:
         self.remote = remote
         self._blocks = BlockCache(remote, sizes or {}) if remote else None
         self._headers: dict[int, tuple[int, dict[str, Any]]] = {}  # remote shard -> (data offset, header)
+        self._heads: dict[int, bytes] = {}  # remote shard -> first bytes, fetched with another's, unchecked
         self._header_lock = threading.Lock()
+        self._fetching = threading.Lock()
         self._last_scanned = -1  # the last remote shard read whole: a sequential scan reads ahead
         self._ahead: dict[int, Future] = {}  # remote shard -> its readahead, header and columns
-        self._readahead = ThreadPoolExecutor(1, thread_name_prefix="hookscope-readahead") if remote else None
+        self._readahead = ThreadPoolExecutor(_READ_AHEAD, thread_name_prefix="hookscope-readahead") \
+            if remote else None
         if self._readahead is not None:  # stop reading ahead when the store goes
             weakref.finalize(self, self._readahead.shutdown, wait=False, cancel_futures=True)
         self._starts = [0]
@@ -160,9 +166,12 @@ class Store:
             return self._load_local(self.path / entry.file, entry, names)
         ahead = self._ahead.pop(i, None)
         if ahead is not None:  # being read ahead: let it finish (its errors are raised below, by this read)
-            ahead.exception()
-        if i + 1 < self.num_shards and i in (0, self._last_scanned + 1):  # a sequential scan: read ahead
-            self._read_ahead(i + 1, names)
+            with contextlib.suppress(CancelledError):
+                ahead.exception()
+        if i in (0, self._last_scanned + 1):  # a sequential scan: read the next shards ahead
+            self._remote_header(i)  # first: its batch brings the next shards' headers too
+            for j in range(i + 1, min(i + 1 + _READ_AHEAD, self.num_shards)):
+                self._read_ahead(j, names)
         self._last_scanned = i
         return self._load_remote(i, names, 0, entry.rows)
 
@@ -209,7 +218,11 @@ class Store:
     def _read_ahead(self, i: int, names: list[str]) -> None:
         """Fetch shard `i`'s header and columns `names` into the block cache in the background. A
         damaged shard is reported when it is read, not here."""
-        assert self._readahead is not None
+        assert self._readahead is not None and self._blocks is not None
+        rows = self.manifest.shards[i].rows
+        if rows * sum(_row_bytes(self.manifest.columns[n]) for n in names) * _READ_AHEAD \
+                > self._blocks.max_bytes // 2:  # it would push out what it was fetched for
+            return
         if i not in self._ahead:
             self._ahead[i] = self._readahead.submit(self._fetch_ahead, i, names)
 
@@ -235,7 +248,16 @@ class Store:
                              "truncated or was replaced; re-run the extraction into a new store")
         if size < 8:
             raise StoreError(f"{where}: {size} bytes, too short for a safetensors header: truncated")
-        head = self._get(entry.file, 0, min(size, _HEADER_GET), where)
+        with self._fetching:  # one batch of heads at a time: threads reading ahead would ask twice
+            with self._header_lock:
+                if i in self._headers:
+                    return self._headers[i]
+                head = self._heads.pop(i, None)
+            if head is None:
+                head = self._fetch_heads(i)
+        if len(head) != min(size, _HEADER_GET):
+            raise StoreError(f"{where}: its first {min(size, _HEADER_GET)} bytes came back as {len(head)}: "
+                             "the object is shorter than listed (truncated or replaced); re-open the store")
         n = int.from_bytes(head[:8], "little")
         _check_header_length(where, n, size)
         raw = head[8 : 8 + n]
@@ -257,6 +279,27 @@ class Store:
         with self._header_lock:
             self._headers[i] = (8 + n, header)
         return 8 + n, header
+
+    def _fetch_heads(self, i: int) -> bytes:
+        """Remote shard `i`'s first bytes (its header, unchecked). The next shards whose headers
+        are not known yet, and whose listed size is right, come in the same concurrent batch: a
+        scan, sequential or shuffled, waits one round trip per batch of headers, not per shard."""
+        assert self.remote is not None and self._blocks is not None
+        shards, sizes = self.manifest.shards, self._blocks.sizes
+        batch = [i] + [j for j in range(i + 1, min(i + _HEADER_BATCH, len(shards)))
+                       if j not in self._headers and j not in self._heads
+                       and sizes.get(shards[j].file) == shards[j].bytes][: _HEADER_BATCH - 1]
+        datas = self.remote.read_parts([(shards[j].file, 0, min(sizes[shards[j].file], _HEADER_GET))
+                                        for j in batch])
+        with self._header_lock:
+            for j, data in zip(batch[1:], datas[1:], strict=True):
+                if isinstance(data, bytes):
+                    self._heads[j] = data
+            while len(self._heads) > 4 * _HEADER_BATCH:  # heads of shards never read: keep a few
+                self._heads.pop(next(iter(self._heads)))
+        if isinstance(datas[0], StoreError):
+            raise datas[0]
+        return datas[0]
 
     def _get(self, rel: str, start: int, end: int, where: str) -> bytes:
         assert self.remote is not None
@@ -316,6 +359,7 @@ class Store:
         try:
             with self._header_lock:
                 self._headers.pop(i, None)  # check the object as it is now
+                self._heads.pop(i, None)
             self._remote_header(i)
             size, digest = self.remote.sha256(entry.file)
         except StoreError as e:
