@@ -1,7 +1,7 @@
 """Reading a store at a URL (a local S3-compatible server) vs a local directory, before and after
 ranged reads (issue 18 item 2); optionally, extraction to the URL vs to a directory (item 1).
 
-    .venv/bin/python bench/bench_store_url.py            # reads, moto and s3rver: ~5 min on 2 loaded cores
+    .venv/bin/python bench/bench_store_url.py            # reads, moto and s3rver: ~5.5 min on 2 loaded cores
     .venv/bin/python bench/bench_store_url.py --servers moto --extract-runs 3   # + extraction, moto only
 
 Reads: one synthetic store (seeded random bfloat16 rows; two points of d 1024, `a` and `b`, plus the
@@ -169,7 +169,7 @@ def load() -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", type=int, default=5, help="rounds of the read configurations")
+    parser.add_argument("--runs", type=int, default=4, help="rounds of the read configurations")
     parser.add_argument("--shards", type=int, default=8, help="shards in the read store (~16.1 MiB each)")
     parser.add_argument("--servers", default="moto,s3rver", help="S3 servers to read from: moto, s3rver")
     parser.add_argument("--before", default=BEFORE, help="commit whose reader is 'before'")
