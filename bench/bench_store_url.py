@@ -76,7 +76,9 @@ for name, where, endpoint, mode in json.loads(sys.argv[1]):
             rows += len(batch)
     t2 = time.perf_counter()
     assert rows == len(store), (rows, len(store))
-    out.append({"name": name, "open_s": t1 - t0, "rows_per_s": rows / (t2 - t1)})
+    fetched = getattr(getattr(store, "remote", None), "bytes_read", None)  # counted by the ranged reader only
+    out.append({"name": name, "open_s": t1 - t0, "rows_per_s": rows / (t2 - t1),
+                "mib_fetched": None if fetched is None else fetched / 2**20})
     del store
 print(json.dumps(out))
 """
@@ -223,6 +225,8 @@ def main() -> None:
         report["reads"] = {
             "rows_per_s": med, "ratios": ratios,
             "open_s": {k: statistics.median(x["open_s"] for x in v) for k, v in sorted(runs.items())},
+            "mib_fetched_after": {k: v[-1]["mib_fetched"] for k, v in sorted(runs.items())
+                                  if k.startswith("after/") and "/local/" not in k},
             "store": {"rows": args.shards * SHARD_ROWS, "shards": args.shards,
                       "mib": sum(p.stat().st_size for p in local.rglob("*")) / 2**20},
             "runs": {k: [x["rows_per_s"] for x in v] for k, v in sorted(runs.items())},

@@ -135,6 +135,9 @@ def test_the_block_cache_is_bounded_and_serves_repeats(pair, monkeypatch):
     assert torch.equal(store.load_shard(1, ["p"])["p"], first)  # held: no new GET
     assert fetched(store)[1] == requests
 
+    monkeypatch.setenv("HOOKSCOPE_CACHE_BYTES", "3 blocks")
+    with pytest.raises(StoreError, match="HOOKSCOPE_CACHE_BYTES"):
+        open_store(url)
     monkeypatch.setenv("HOOKSCOPE_CACHE_BYTES", str(3 * BLOCK))
     small = open_store(url)
     small.tensor("p")

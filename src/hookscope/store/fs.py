@@ -6,6 +6,7 @@ fsync, rename, fsync the directory. Any other URL (`s3://`, `gs://`, `az://`, `h
 `[azure]`, `[hf]`). Object stores have no atomic rename, so there a shard object is uploaded under
 its final name first and the manifest object, written in one PUT, is the commit point: a shard
 that the manifest does not list does not exist for readers, and the next writer deletes it.
+Reading a URL uses ranged GETs through `BlockCache` (only the bytes asked for, kept in memory).
 """
 
 from __future__ import annotations
@@ -190,6 +191,16 @@ def _takes_refresh(fs: Any) -> bool:
         return False
 
 
+def _env_bytes(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise StoreError(f"${name}={text!r}: give a number of bytes, e.g. {default}") from None
+
+
 Extent = tuple[int, int]  # [start, end) of one tensor's bytes in an object: blocks are cut from its start
 
 
@@ -208,9 +219,9 @@ class BlockCache:
                  max_bytes: int | None = None):
         self.remote = remote
         self.sizes = sizes  # rel -> object size, as listed when the store was opened
-        self.block = block_bytes or int(os.environ.get("HOOKSCOPE_BLOCK_BYTES", 4 << 20))
-        self.max_bytes = max_bytes if max_bytes is not None else int(
-            os.environ.get("HOOKSCOPE_CACHE_BYTES", 1 << 30))
+        # 8 MiB: the size of ranged GET that object stores serve at full speed, few enough requests
+        self.block = block_bytes or _env_bytes("HOOKSCOPE_BLOCK_BYTES", 8 << 20)
+        self.max_bytes = max_bytes if max_bytes is not None else _env_bytes("HOOKSCOPE_CACHE_BYTES", 1 << 30)
         if self.block < 1 or self.max_bytes < 0:
             raise StoreError(f"block size ({self.block}) must be >= 1 and cache size ({self.max_bytes}) >= 0")
         self._blocks: OrderedDict[tuple[str, Extent, int], bytes] = OrderedDict()  # oldest first
