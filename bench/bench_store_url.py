@@ -1,7 +1,7 @@
 """Reading a store at a URL (a local S3-compatible server) vs a local directory, before and after
 ranged reads (issue 18 item 2); optionally, extraction to the URL vs to a directory (item 1).
 
-    .venv/bin/python bench/bench_store_url.py            # reads, moto and s3rver: ~5.5 min on 2 loaded cores
+    .venv/bin/python bench/bench_store_url.py            # reads, moto and s3rver: ~4 min on 2 loaded cores
     .venv/bin/python bench/bench_store_url.py --servers moto --extract-runs 3   # + extraction, moto only
 
 Reads: one synthetic store (seeded random bfloat16 rows; two points of d 1024, `a` and `b`, plus the
