@@ -1,11 +1,29 @@
-"""Extraction to a store at a URL (a local S3-compatible server) vs to a local directory, and
-reading it back (issue 18). Every run is a fresh process; local and S3 runs alternate.
+"""Reading a store at a URL (a local S3-compatible server) vs a local directory, before and after
+ranged reads (issue 18 item 2); optionally, extraction to the URL vs to a directory (item 1).
 
-    .venv/bin/python bench/bench_store_url.py --runs 3 --max-tokens 40000
+    .venv/bin/python bench/bench_store_url.py            # reads, moto and s3rver: ~4 min on 2 loaded cores
+    .venv/bin/python bench/bench_store_url.py --servers moto --extract-runs 3   # + extraction, moto only
 
-The S3 server is moto's standalone server on a free 127.0.0.1 port, started and stopped here
-(`pip install 'moto[server]' s3fs`). It runs in-process Python: a slow S3, not a fast one, so the
-ratio is a floor for what a real object store with spare bandwidth gives.
+Reads: one synthetic store (seeded random bfloat16 rows; two points of d 1024, `a` and `b`, plus the
+four int64 meta columns extraction writes; 4,096-row shards of ~16.1 MiB, 8 shards) is written to a
+local directory and copied object for object to each S3 server. Point `a` is read
+  - seq: every shard in order (`store.load_shard(i, ["a"])`), summing each;
+  - shuffled: `store.dataset("a", batch_size=1024, buffer_rows=16384)` (windows of 4 shards), one
+    epoch, summing each batch;
+with the code of this tree ("after") and of the commit named by --before (default: the commit
+before ranged reads, which downloaded whole shards into a local cache; taken with `git archive`).
+Each round runs one fresh process per code version, which reads local / each server / local ...
+alternately, every read through a freshly opened store (so no cache is reused), and the rounds
+alternate the two versions: load falls on all alike. Figures are medians over rounds; ratios are of
+medians. Rates count the reading only (the store already open); the open time is printed beside.
+
+Two S3-compatible servers on free 127.0.0.1 ports, started and stopped here, both on the same
+cores, neither a real object store:
+  - moto's standalone server (`moto[server]`, in the dev extra): in-process Python that answers a
+    ranged GET by reading and copying the WHOLE object and then slicing it (moto/s3/responses.py
+    `_handle_range_header`), so every ranged GET costs a full-object read on the server;
+  - s3rver 3.7.1 (Node; objects in files, ranges streamed from the file), installed with npm into
+    bench/out/s3rver on first use; skipped when `npm` is missing.
 """
 
 from __future__ import annotations
@@ -19,38 +37,125 @@ import socket
 import statistics
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
+from io import BytesIO
 from pathlib import Path
 
+REPO = Path(__file__).resolve().parent.parent
+BEFORE = "667a82f"  # main before ranged reads: a remote shard was downloaded whole, then memory-mapped
+S3RVER = REPO / "bench" / "out" / "s3rver"
+POINT_DIM, SHARD_ROWS = 1024, 4096
 EXTRACT = ["--points", "blocks.3.resid_post", "--context", "128", "--batch-size", "8", "--dtype", "float16",
            "--shard-rows", "4096", "--no-progress"]
+# argv: JSON list of [name, where, endpoint or "", mode]; prints one JSON list of results
 READ = """
-import sys, time
+import json, os, sys, time
+import torch
+torch.set_num_threads(2)
 from hookscope.store import open_store
-t = time.perf_counter()
-store = open_store(sys.argv[1])
-rows = 0
-for i in range(store.num_shards):
-    rows += store.load_shard(i, ["blocks.3.resid_post"])["blocks.3.resid_post"].float().sum(1).shape[0]
-print(rows / (time.perf_counter() - t))
+out = []
+for name, where, endpoint, mode in json.loads(sys.argv[1]):
+    if endpoint:  # each server has its own endpoint; s3fs reads it from the environment
+        import s3fs
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+        s3fs.S3FileSystem.clear_instance_cache()
+    t0 = time.perf_counter()
+    store = open_store(where)
+    t1 = time.perf_counter()
+    rows = 0
+    if mode == "seq":
+        for i in range(store.num_shards):
+            a = store.load_shard(i, ["a"])["a"]
+            a.float().sum()
+            rows += len(a)
+    else:
+        for batch in store.dataset("a", batch_size=1024, buffer_rows=16384, seed=0):
+            batch.float().sum()
+            rows += len(batch)
+    t2 = time.perf_counter()
+    assert rows == len(store), (rows, len(store))
+    fetched = getattr(getattr(store, "remote", None), "bytes_read", None)  # counted by the ranged reader only
+    out.append({"name": name, "open_s": t1 - t0, "rows_per_s": rows / (t2 - t1),
+                "mib_fetched": None if fetched is None else fetched / 2**20})
+    del store
+print(json.dumps(out))
 """
 
 
-def start_s3() -> tuple[subprocess.Popen, str]:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        return s.getsockname()[1]
+
+
+def wait_for(server: subprocess.Popen, port: int, what: str) -> None:
     for _ in range(300):
         try:
             socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return server, f"http://127.0.0.1:{port}"
+            return
         except OSError:
+            if server.poll() is not None:
+                break
             time.sleep(0.2)
     server.kill()
-    raise SystemExit("the moto server did not start")
+    raise SystemExit(f"{what} did not start")
+
+
+def start_moto() -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(server, port, "the moto server")
+    return server, f"http://127.0.0.1:{port}"
+
+
+def start_s3rver(data: Path) -> tuple[subprocess.Popen, str] | None:
+    exe = S3RVER / "node_modules" / ".bin" / "s3rver"
+    if not exe.exists():
+        if shutil.which("npm") is None:
+            print("no npm: s3rver skipped", flush=True)
+            return None
+        subprocess.run(["npm", "install", "--prefix", str(S3RVER), "--no-audit", "--no-fund", "s3rver@3.7.1"],
+                       check=True, capture_output=True)
+    port = free_port()
+    server = subprocess.Popen([str(exe), "-d", str(data), "-a", "127.0.0.1", "-p", str(port), "-s",
+                               "--no-vhost-buckets"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    wait_for(server, port, "s3rver")
+    return server, f"http://127.0.0.1:{port}"
+
+
+def write_store(out: Path, shards: int) -> None:
+    import torch
+
+    from hookscope.store import ShardWriter
+
+    gen = torch.Generator().manual_seed(0)
+    rows = SHARD_ROWS // 4  # four batches a shard
+    with ShardWriter(out, {"bench": "store_url", "shards": shards}, shard_rows=SHARD_ROWS) as w:
+        for i in range(4 * shards):
+            points = {p: torch.randn(rows, POINT_DIM, generator=gen).to(torch.bfloat16) for p in ("a", "b")}
+            meta = {k: torch.arange(rows) + i * rows
+                    for k in ("token_ids", "doc_ids", "positions", "seq_ids")}
+            w.write(i, points, meta)
+
+
+def checkout(ref: str, into: Path) -> Path:
+    """The `src` tree of commit `ref`, extracted under `into`."""
+    run = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", ref, "src"], capture_output=True,
+                         check=True)
+    with tarfile.open(fileobj=BytesIO(run.stdout)) as tar:
+        tar.extractall(into, filter="data")
+    return into / "src"
+
+
+def read_round(src: Path, reads: list[list[str]], env: dict[str, str]) -> list[dict]:
+    run = subprocess.run([sys.executable, "-c", READ, json.dumps(reads)], capture_output=True, text=True,
+                         env={**env, "PYTHONPATH": str(src)}, check=False)
+    if run.returncode:
+        raise SystemExit(f"{src}: a read failed:\n{run.stderr[-3000:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
 
 
 def extract_rate(out: str, max_tokens: int, env: dict[str, str]) -> float:
@@ -60,41 +165,93 @@ def extract_rate(out: str, max_tokens: int, env: dict[str, str]) -> float:
     return int(m.group(1).replace(",", "")) / float(m.group(2))
 
 
+def load() -> str:
+    return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--max-tokens", type=int, default=40000)
+    parser.add_argument("--runs", type=int, default=4, help="rounds of the read configurations")
+    parser.add_argument("--shards", type=int, default=8, help="shards in the read store (~16.1 MiB each)")
+    parser.add_argument("--servers", default="moto,s3rver", help="S3 servers to read from: moto, s3rver")
+    parser.add_argument("--before", default=BEFORE, help="commit whose reader is 'before'")
+    parser.add_argument("--extract-runs", type=int, default=0, help="rounds of extraction, local vs moto")
+    parser.add_argument("--max-tokens", type=int, default=40000, help="tokens per extraction run")
     args = parser.parse_args()
-    server, endpoint = start_s3()
-    env = {**os.environ, "AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench",
-           "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint}
-    os.environ.update(env)
-    import s3fs
-
-    s3fs.S3FileSystem().mkdir("bench")
     tmp = Path(tempfile.mkdtemp(prefix="hookscope-bench-"))
-    result: dict[str, list[float]] = {"local": [], "s3": [], "read_local": [], "read_s3": []}
+    servers: dict[str, tuple[subprocess.Popen, str]] = {}
+    report: dict = {"load_at_start": load()}
+    env = {**os.environ, "AWS_DEFAULT_REGION": "us-east-1", "OMP_NUM_THREADS": "2",
+           # moto takes any credentials; s3rver wants its own
+           "AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER"}
+    os.environ.update(env)
     try:
-        for i in range(args.runs):
-            local, url = str(tmp / f"local{i}"), f"s3://bench/store{i}"
-            result["local"].append(extract_rate(local, args.max_tokens, env))
-            result["s3"].append(extract_rate(url, args.max_tokens, env))
-            for key, where in (("read_local", local), ("read_s3", url)):
-                out = subprocess.run([sys.executable, "-c", READ, where], capture_output=True, text=True,
-                                     env=env, check=True)
-                result[key].append(float(out.stdout.strip()))
-            print(f"run {i}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in result.items())
-                  + f"; load {Path('/proc/loadavg').read_text().split()[:3]}", flush=True)
-            shutil.rmtree(local)
+        for name in args.servers.split(","):
+            if name not in ("moto", "s3rver"):
+                raise SystemExit(f"unknown server {name!r}: use moto, s3rver")
+            started = start_moto() if name == "moto" else start_s3rver(tmp / "s3rver")
+            if started is not None:
+                servers[name] = started
+        import s3fs
+
+        local = tmp / "store"
+        write_store(local, args.shards)
+        for _, endpoint in servers.values():
+            os.environ["AWS_ENDPOINT_URL"] = endpoint
+            s3fs.S3FileSystem.clear_instance_cache()
+            fs = s3fs.S3FileSystem()
+            fs.mkdir("bench")
+            fs.put(str(local) + "/", "bench/store", recursive=True)
+        code = {"after": REPO / "src", "before": checkout(args.before, tmp / "before")}
+        places = [("local", str(local), "")] + [(n, "s3://bench/store", e) for n, (_, e) in servers.items()]
+        reads = [[f"{w}/{m}", where, endpoint, m]
+                 for m in ("seq", "shuffled") for w, where, endpoint in places]
+        runs: dict[str, list[dict[str, float]]] = {}
+        for r in range(args.runs):
+            for c in (("after", "before") if r % 2 == 0 else ("before", "after")):
+                for result in read_round(code[c], reads, env):
+                    runs.setdefault(f"{c}/{result['name']}", []).append(result)
+            last = ", ".join(f"{k} {v[-1]['rows_per_s']:,.0f}" for k, v in sorted(runs.items()))
+            print(f"round {r}: {last} rows/s; load {load()}", flush=True)
+        med = {k: statistics.median(x["rows_per_s"] for x in v) for k, v in sorted(runs.items())}
+        ratios = {}
+        for server in servers:
+            for m in ("seq", "shuffled"):
+                for c in ("after", "before"):
+                    ratios[f"{c}/{server}/{m} over {c}/local/{m}"] = (med[f"{c}/{server}/{m}"]
+                                                                      / med[f"{c}/local/{m}"])
+                ratios[f"after/{server}/{m} over before/{server}/{m}"] = (med[f"after/{server}/{m}"]
+                                                                         / med[f"before/{server}/{m}"])
+        report["reads"] = {
+            "rows_per_s": med, "ratios": ratios,
+            "open_s": {k: statistics.median(x["open_s"] for x in v) for k, v in sorted(runs.items())},
+            "mib_fetched_after": {k: v[-1]["mib_fetched"] for k, v in sorted(runs.items())
+                                  if k.startswith("after/") and "/local/" not in k},
+            "store": {"rows": args.shards * SHARD_ROWS, "shards": args.shards,
+                      "mib": sum(p.stat().st_size for p in local.rglob("*")) / 2**20},
+            "runs": {k: [x["rows_per_s"] for x in v] for k, v in sorted(runs.items())},
+        }
+        if args.extract_runs:
+            if "moto" not in servers:
+                raise SystemExit("--extract-runs needs the moto server (--servers moto)")
+            env["AWS_ENDPOINT_URL"] = servers["moto"][1]
+            rates: dict[str, list[float]] = {"local": [], "s3": []}
+            for i in range(args.extract_runs):
+                rates["local"].append(extract_rate(str(tmp / f"x{i}"), args.max_tokens, env))
+                rates["s3"].append(extract_rate(f"s3://bench/x{i}", args.max_tokens, env))
+                shutil.rmtree(tmp / f"x{i}")
+                print(f"extract {i}: local {rates['local'][-1]:,.0f}, s3 {rates['s3'][-1]:,.0f} tokens/s; "
+                      f"load {load()}", flush=True)
+            ext = {k: statistics.median(v) for k, v in rates.items()}
+            report["extract"] = {"tokens_per_s": ext, "s3_over_local": ext["s3"] / ext["local"],
+                                 "runs": rates}
     finally:
-        server.terminate()
-        server.wait(10)
+        for server, _ in servers.values():
+            server.terminate()
+            server.wait(10)
         shutil.rmtree(tmp, ignore_errors=True)
-    med = {k: statistics.median(v) for k, v in result.items()}
-    print(json.dumps({"runs": result, "median": med,
-                      "extract_s3_over_local": med["s3"] / med["local"],
-                      "read_s3_over_local": med["read_s3"] / med["read_local"],
-                      "loadavg": Path("/proc/loadavg").read_text().split()[:3]}, indent=1))
+    report["load_at_end"] = load()
+    print(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ fsync, rename, fsync the directory. Any other URL (`s3://`, `gs://`, `az://`, `h
 `[azure]`, `[hf]`). Object stores have no atomic rename, so there a shard object is uploaded under
 its final name first and the manifest object, written in one PUT, is the commit point: a shard
 that the manifest does not list does not exist for readers, and the next writer deletes it.
+Reading a URL uses ranged GETs through `BlockCache` (only the bytes asked for, kept in memory).
 """
 
 from __future__ import annotations
@@ -13,8 +14,6 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
-import shutil
-import tempfile
 import threading
 from collections import OrderedDict
 from pathlib import Path
@@ -69,6 +68,8 @@ class Remote:
         except ValueError as e:
             raise StoreError(f"{url}: not a store URL fsspec knows ({e})") from e
         self.url, self.fs, self.root = url.rstrip("/"), fs, root.rstrip("/")
+        self.bytes_read = self.requests = 0  # what reads have fetched, for tests and benchmarks
+        self._stats_lock = threading.Lock()
 
     def __str__(self) -> str:
         return self.url
@@ -88,11 +89,75 @@ class Remote:
 
     def read(self, rel: str) -> bytes:
         try:
-            return self.fs.cat_file(self.path(rel))
+            data = self.fs.cat_file(self.path(rel))
         except FileNotFoundError:
             raise
         except OSError as e:
             raise StoreError(f"{self.url}/{rel}: cannot read it ({e})") from e
+        self._count(len(data), 1)
+        return data
+
+    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Byte ranges [start, end) of object `rel`: one ranged GET each, concurrent where the
+        filesystem is asynchronous (s3fs, gcsfs, adlfs)."""
+        datas = self.read_parts([(rel, start, end) for start, end in ranges])
+        for data in datas:
+            if isinstance(data, StoreError):
+                raise data
+        return datas  # type: ignore[return-value]
+
+    def read_parts(self, parts: list[tuple[str, int, int]]) -> list[bytes | StoreError]:
+        """Bytes [start, end) of each (object, start, end), in one concurrent batch of ranged GETs;
+        a part that fails is a StoreError in its place, so one damaged object spoils no other."""
+        if not parts:
+            return []
+        try:
+            datas = self.fs.cat_ranges([self.path(rel) for rel, _, _ in parts], [a for _, a, _ in parts],
+                                       [b for _, _, b in parts], on_error="return")
+        except OSError as e:
+            raise StoreError(f"{self.url}: cannot read {parts[0][0]} ({e})") from e
+        out: list[bytes | StoreError] = []
+        for (rel, _, _), data in zip(parts, datas, strict=True):
+            if isinstance(data, FileNotFoundError):
+                err = StoreError(f"{self.url}/{rel}: listed in the manifest but missing")
+            elif isinstance(data, BaseException):
+                err = StoreError(f"{self.url}/{rel}: cannot read it ({data}); if it is shorter than the "
+                                 "manifest says, it was truncated or replaced")
+            else:
+                out.append(data)
+                continue
+            err.__cause__ = data
+            out.append(err)
+        self._count(sum(len(d) for d in out if isinstance(d, bytes)), len(parts))
+        return out
+
+    def sizes(self, rel: str = "") -> dict[str, int]:
+        """Name -> bytes of the objects directly under `rel` ({} if there are none): one listing."""
+        try:
+            found = self.fs.ls(self.path(rel), detail=True, refresh=True)
+        except FileNotFoundError:
+            return {}
+        except OSError as e:
+            raise StoreError(f"{self.url}: cannot list {rel or 'the store'} ({e})") from e
+        return {f["name"].rstrip("/").rsplit("/", 1)[-1]: int(f.get("size") or 0)
+                for f in found if f.get("type", "file") == "file"}
+
+    def sha256(self, rel: str) -> tuple[int, str]:
+        """(bytes, hex SHA-256) of object `rel`, streamed: nothing is kept."""
+        try:
+            with self.fs.open(self.path(rel), "rb", block_size=CHUNK) as f:
+                size, digest = sha256_of(f)
+        except FileNotFoundError:
+            raise StoreError(f"{self.url}/{rel}: listed in the manifest but missing") from None
+        except OSError as e:
+            raise StoreError(f"{self.url}/{rel}: cannot read it ({e})") from e
+        self._count(size, 1)
+        return size, digest
+
+    def _count(self, nbytes: int, requests: int) -> None:
+        with self._stats_lock:
+            self.bytes_read += nbytes
+            self.requests += requests
 
     def size(self, rel: str) -> int | None:
         """Bytes in object `rel`, None if there is no such object."""
@@ -112,9 +177,6 @@ class Remote:
     def upload(self, local: Path, rel: str) -> None:
         self.fs.put_file(str(local), self.path(rel))
 
-    def download(self, rel: str, local: Path) -> None:
-        self.fs.get_file(self.path(rel), str(local))
-
     def remove(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(rel))
@@ -129,79 +191,98 @@ def _takes_refresh(fs: Any) -> bool:
         return False
 
 
-class ShardCache:
-    """Remote shards copied to a local directory (bounded by bytes, least recently used evicted) so
-    that safetensors can memory-map them; `prefetch` starts a copy in the background."""
+def _env_bytes(name: str, default: int) -> int:
+    text = os.environ.get(name)
+    if text is None:
+        return default
+    try:
+        return int(text)
+    except ValueError:
+        raise StoreError(f"${name}={text!r}: give a number of bytes, e.g. {default}") from None
 
-    def __init__(self, remote: Remote, max_bytes: int | None = None, directory: str | None = None):
+
+Extent = tuple[int, int]  # [start, end) of one tensor's bytes in an object: blocks are cut from its start
+
+
+class BlockCache:
+    """Byte ranges of a store's objects, read with ranged GETs and kept in memory in blocks
+    (bounded by bytes, least recently used evicted; thread-safe).
+
+    Blocks are cut from the start of the extent a range lies in (one column of one shard), so a
+    whole column is fetched exactly, and a window of rows costs at most two part-blocks more than
+    its own bytes; the rest of the block around a row is its readahead. A read fetches the blocks
+    it touches that are not held in one concurrent batch (one GET per block; s3fs, gcsfs and adlfs
+    send them at once). Every GET must return exactly the bytes asked for: a short answer means the
+    object is shorter than listed (truncated or replaced), an error naming the object."""
+
+    def __init__(self, remote: Remote, sizes: dict[str, int], *, block_bytes: int | None = None,
+                 max_bytes: int | None = None):
         self.remote = remote
-        self.max_bytes = max_bytes if max_bytes is not None else int(
-            os.environ.get("HOOKSCOPE_CACHE_BYTES", 8 << 30))
-        base = directory or os.environ.get("HOOKSCOPE_CACHE_DIR")
-        self.dir = Path(tempfile.mkdtemp(prefix="hookscope-cache-", dir=base))
-        self._files: OrderedDict[str, int] = OrderedDict()  # rel -> bytes, oldest first
-        self._pending: dict[str, threading.Thread] = {}
-        self._errors: dict[str, BaseException] = {}
+        self.sizes = sizes  # rel -> object size, as listed when the store was opened
+        # 8 MiB: the size of ranged GET that object stores serve at full speed, few enough requests
+        self.block = block_bytes or _env_bytes("HOOKSCOPE_BLOCK_BYTES", 8 << 20)
+        self.max_bytes = max_bytes if max_bytes is not None else _env_bytes("HOOKSCOPE_CACHE_BYTES", 1 << 30)
+        if self.block < 1 or self.max_bytes < 0:
+            raise StoreError(f"block size ({self.block}) must be >= 1 and cache size ({self.max_bytes}) >= 0")
+        self._blocks: OrderedDict[tuple[str, Extent, int], bytes] = OrderedDict()  # oldest first
+        self._held = 0
         self._lock = threading.Lock()
 
-    def get(self, rel: str) -> Path:
-        """The local copy of object `rel` (downloaded now, or waited for if being prefetched)."""
+    def read_many(self, rel: str, ranges: list[tuple[Extent, int, int]]) -> list[bytes]:
+        """Bytes [start, end) of object `rel` for each (extent, start, end), the range inside the
+        extent; the missing blocks of all of them fetched in one concurrent batch."""
+        keys = []
+        for extent, start, end in ranges:
+            size = self.sizes.get(rel)
+            if size is None or not 0 <= extent[0] <= start <= end <= extent[1] <= size:
+                raise StoreError(f"{self.remote.url}/{rel}: bytes {start}-{end} of extent {extent} asked "
+                                 f"for, but the object has {size} bytes")
+            keys.append([(rel, extent, b) for b in self._span(extent, start, end)])
+        got: dict[tuple[str, Extent, int], bytes] = {}
         with self._lock:
-            thread = self._pending.get(rel)
-        if thread is not None:
-            thread.join()
+            for key in {k for ks in keys for k in ks}:
+                if key in self._blocks:
+                    self._blocks.move_to_end(key)
+                    got[key] = self._blocks[key]
+        missing = sorted({k for ks in keys for k in ks} - got.keys())
+        if missing:
+            got.update(self._fetch(rel, missing))
+        out = []
+        for (extent, start, end), ks in zip(ranges, keys, strict=True):
+            first = extent[0] + ks[0][2] * self.block if ks else start
+            out.append(b"".join(got[k] for k in ks)[start - first : end - first])
+        return out
+
+    def clear(self) -> None:
         with self._lock:
-            if rel in self._errors:
-                raise self._errors.pop(rel)
-            if rel in self._files:
-                self._files.move_to_end(rel)
-                return self._local(rel)
-        self._fetch(rel)
-        return self._local(rel)
+            self._blocks.clear()
+            self._held = 0
 
-    def prefetch(self, rel: str) -> None:
+    @property
+    def held(self) -> int:
+        """Bytes held now."""
+        return self._held
+
+    def _span(self, extent: Extent, start: int, end: int) -> range:
+        if end <= start:
+            return range(0)
+        return range((start - extent[0]) // self.block, -(-(end - extent[0]) // self.block))
+
+    def _fetch(self, rel: str, keys: list[tuple[str, Extent, int]]) -> dict[tuple[str, Extent, int], bytes]:
+        ranges = [(ext[0] + b * self.block, min(ext[0] + (b + 1) * self.block, ext[1])) for _, ext, b in keys]
+        datas = self.remote.read_ranges(rel, ranges)
+        for (start, end), data in zip(ranges, datas, strict=True):
+            if len(data) != end - start:
+                raise StoreError(f"{self.remote.url}/{rel}: bytes {start}-{end} came back as {len(data)} "
+                                 f"bytes: the object is shorter than the {self.sizes[rel]} listed when the "
+                                 "store was opened (truncated or replaced while read); re-open the store")
+        got = dict(zip(keys, datas, strict=True))
         with self._lock:
-            if rel in self._files or rel in self._pending:
-                return
-            thread = threading.Thread(target=self._fetch_quietly, args=(rel,), daemon=True,
-                                      name="hookscope-prefetch")
-            self._pending[rel] = thread
-        thread.start()
-
-    def close(self) -> None:
-        for thread in list(self._pending.values()):
-            thread.join()
-        shutil.rmtree(self.dir, ignore_errors=True)
-
-    def _local(self, rel: str) -> Path:
-        return self.dir / rel.replace("/", "__")
-
-    def _fetch_quietly(self, rel: str) -> None:
-        try:
-            self._fetch(rel)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller at get()
-            with self._lock:
-                self._errors[rel] = e
-        finally:
-            with self._lock:
-                self._pending.pop(rel, None)
-
-    def _fetch(self, rel: str) -> None:
-        local = self._local(rel)
-        tmp = local.with_name(local.name + f".{threading.get_ident()}.part")
-        try:
-            self.remote.download(rel, tmp)
-        except FileNotFoundError:
-            tmp.unlink(missing_ok=True)
-            raise StoreError(f"{self.remote.url}/{rel}: listed in the manifest but missing") from None
-        except OSError as e:
-            tmp.unlink(missing_ok=True)
-            raise StoreError(f"{self.remote.url}/{rel}: cannot download it ({e})") from e
-        size = tmp.stat().st_size
-        os.replace(tmp, local)
-        with self._lock:
-            self._files[rel] = size
-            self._files.move_to_end(rel)
-            while sum(self._files.values()) > self.max_bytes and len(self._files) > 1:
-                old, _ = self._files.popitem(last=False)
-                self._local(old).unlink(missing_ok=True)  # an mmap of it stays valid until dropped
+            for key, data in got.items():
+                if key not in self._blocks:
+                    self._blocks[key] = data
+                    self._held += len(data)
+            while self._held > self.max_bytes and self._blocks:
+                _, old = self._blocks.popitem(last=False)
+                self._held -= len(old)
+        return got
