@@ -106,6 +106,8 @@ def generate(
     """Generate with `model.generate(**generate_kwargs)`, capturing `points` and applying `edits`
     (from `hs.steer` / `hs.ablate` / `hs.patch`) at every step.
 
+    `model`: a Hugging Face causal LM, a TransformerLens 3 `HookedTransformer` (its own generate;
+    a padded batch needs its tokenizer's pad id) or a TransformerLens 4 `TransformerBridge`.
     `inputs`: input ids [batch, P], or a tokenizer's output (a mapping with `input_ids` and
     `attention_mask`; pad on the left for a batch of different lengths). `edit_on`: "prompt",
     "generated" or "both". `positions` / `heads` / `dtype` / `device`: as in `hs.collect`, with
