@@ -24,7 +24,8 @@ in an order rotated each repetition (ABC, BCA, CAB, ...), and every group holds 
 measured seconds apart in the same process, and a ratio is the median of those paired ratios
 (ROUNDS processes x REPS repetitions of them), with their spread (min-max and interquartile)
 printed beside it: load that changes between processes cancels out, and the spread says how far
-the ratio can be trusted.
+the ratio can be trusted. The same pairs are also compared in process CPU time (one thread: the
+work done, which load stretches far less than wall time).
 
   group hf       hf              plain Hugging Face generate: the floor (in every group)
                  hand_capture    generate + a plain register_forward_hook appending each step's output
@@ -37,7 +38,7 @@ the ratio can be trusted.
   group tl3      tl3_plain       TransformerLens 3.9 HookedTransformer.generate (its own KV cache)
                  tl3_capture     ... + model.hooks appending each step's hook_resid_post
                  tl3_steer       ... + model.hooks adding the vector
-Writes raw figures (every paired time) to bench/out/generate-latest.json.
+Writes raw figures (every paired time) to bench/out/generate-MODEL-latest.json, after every process.
 """
 
 from __future__ import annotations
@@ -176,15 +177,17 @@ def worker(group: str, model_name: str, new: int, reps: int) -> dict:
         for config, fn in runs.items():  # warm-up, and the tokens for the cross-check
             tokens[config] = _tokens(fn())
     seconds: dict[str, list[float]] = {c: [] for c in configs}
+    cpu: dict[str, list[float]] = {c: [] for c in configs}
     for rep in range(reps):
         order = configs[rep % len(configs):] + configs[:rep % len(configs)]
         for config in order:
             gc.collect()
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             with torch.inference_mode():
                 runs[config]()
             seconds[config].append(time.perf_counter() - start)
-    return {"seconds": seconds, "tokens": tokens}
+            cpu[config].append(time.process_time() - start_cpu)
+    return {"seconds": seconds, "cpu": cpu, "tokens": tokens}
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:
@@ -224,6 +227,7 @@ def main() -> None:
     # repetition in the same process
     ms: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {}
+    cpu_ratios: dict[str, list[float]] = {}  # the same pairs in process CPU time (1 thread: the work done)
     tokens: dict[str, list[int]] = {}
     errors: dict[str, str] = {}
     loads: list[str] = []
@@ -238,25 +242,32 @@ def main() -> None:
             if "error" in out:
                 errors[group] = out["error"]
                 continue
-            base = out["seconds"]["hf"]
+            base, base_cpu = out["seconds"]["hf"], out["cpu"]["hf"]
             for config, secs in out["seconds"].items():
                 ms.setdefault(config, []).extend(s / new * 1e3 for s in secs)
                 ratios.setdefault(config, []).extend(s / b for s, b in zip(secs, base, strict=True))
+                cpu_ratios.setdefault(config, []).extend(
+                    s / b for s, b in zip(out["cpu"][config], base_cpu, strict=True))
                 tokens.setdefault(config, out["tokens"][config])
+            # after every process: a stopped run keeps what it measured
+            _save(args, new, rounds, reps, loads, ms, ratios, cpu_ratios, errors)
     loads.append(open("/proc/loadavg").read().split()[0])
     print(f"model {args.model}, batch 1, prompt {PROMPT}, {new} new greedy tokens; {rounds} process(es) per "
           f"group x {reps} paired repetitions, {args.threads} thread(s); {time.time() - started:.0f} s; "
           f"1-min load between "
           f"processes {min(loads, key=float)}-{max(loads, key=float)}")
     print(f"{'config':<16} {'ms/token':>9} {'(range)':>15}  {'x hf (paired)':>13}  {'ratio range':>13}  "
-          f"{'ratio IQR':>11}")
+          f"{'ratio IQR':>11}  {'CPU x hf':>8}  {'CPU IQR':>11}")
     for config in [c for g in groups for c in GROUPS[g] if c != "hf" or g == groups[0]]:
         if config not in ms:
             continue
         m, r = ms[config], ratios[config]
         low_q, high_q = _quartiles(r)
+        c = cpu_ratios[config]
+        low_c, high_c = _quartiles(c)
         print(f"{config:<16} {statistics.median(m):9.2f} {min(m):7.2f}-{max(m):<7.2f}  "
-              f"{statistics.median(r):13.3f}  {min(r):6.3f}-{max(r):<6.3f}  {low_q:5.3f}-{high_q:<5.3f}")
+              f"{statistics.median(r):13.3f}  {min(r):6.3f}-{max(r):<6.3f}  {low_q:5.3f}-{high_q:<5.3f}  "
+              f"{statistics.median(c):8.3f}  {low_c:5.3f}-{high_c:<5.3f}")
     for group, error in errors.items():
         print(f"group {group}: error: {error[:300]}")
     steered = {c: t for c, t in tokens.items() if c.endswith("steer") and t}
@@ -269,13 +280,18 @@ def main() -> None:
                                                        "tl3_capture") and t}
     if len(set(map(tuple, plain.values()))) > 1:
         print("note: unsteered tokens differ:", {c: t[PROMPT:PROMPT + 6] for c, t in plain.items()})
+    _save(args, new, rounds, reps, loads, ms, ratios, cpu_ratios, errors,
+          versions=common.run_fresh(sys.executable, common.BENCH_DIR / "core_cases.py", ["versions"]))
+
+
+def _save(args, new, rounds, reps, loads, ms, ratios, cpu_ratios, errors, versions=None) -> None:
     out_dir = common.OUT_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     record = {"model": args.model, "new": new, "rounds": rounds, "reps": reps, "threads": args.threads,
-              "loads": loads,
-              "ms_per_token": ms, "paired_ratio": ratios, "errors": errors,
-              "versions": common.run_fresh(sys.executable, common.BENCH_DIR / "core_cases.py", ["versions"])}
-    (out_dir / "generate-latest.json").write_text(json.dumps(record, indent=1))
+              "loads": loads, "ms_per_token": ms, "paired_ratio": ratios,
+              "paired_cpu_ratio": cpu_ratios, "errors": errors,
+              "versions": versions}
+    (out_dir / f"generate-{args.model}-latest.json").write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

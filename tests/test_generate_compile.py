@@ -21,11 +21,13 @@ from hookscope.testing import build_tiny
 
 
 @pytest.fixture
-def fresh_dynamo(monkeypatch):
+def fresh_dynamo():
+    # saved and set back by hand: monkeypatch's undo deletes the attribute (it is not in the
+    # config module's __dict__), which hides the setting and makes the next read raise
     torch._dynamo.reset()
-    monkeypatch.setattr(torch._dynamo.config, "skip_nnmodule_hook_guards",
-                        torch._dynamo.config.skip_nnmodule_hook_guards)
+    saved = torch._dynamo.config.skip_nnmodule_hook_guards
     yield
+    torch._dynamo.config.skip_nnmodule_hook_guards = saved
     torch._dynamo.reset()
 
 
