@@ -1,29 +1,52 @@
-"""Generation with hooks (issue 16): per-token latency of greedy generation, hookscope and its
-peers side by side on the same weights, every configuration in fresh processes, 2 threads.
+"""Generation with hooks (issue 16): per-token latency of greedy generation with one captured
+point and with one steering edit, against plain Hugging Face `generate`, nnsight `.generate()`
+and TransformerLens 3.9 `generate` on the same weights. One command, ~4-6 min on a quiet 2-core
+machine (longer under load):
 
-    .venv-bench/bin/python bench/bench_generate.py                 # full run
-    .venv-bench/bin/python bench/bench_generate.py --quick         # smoke run
-    .venv-bench/bin/python bench/bench_generate.py --model tiny    # the tiny GPT-2 (overhead-bound)
+    .venv-bench/bin/python bench/bench_generate.py              # GPT-2-small shape, 64 new tokens
+    .venv-bench/bin/python bench/bench_generate.py --quick      # smoke run (~1 min)
+    .venv-bench/bin/python bench/bench_generate.py --model tiny # the tiny GPT-2: per-call overhead only
 
-Configurations (batch 1, a 16-token random prompt, NEW greedy tokens, EOS off so every run makes
-exactly NEW tokens; capture and steer act on blocks.5.resid_post, blocks.1 on the tiny model):
-  hf              plain Hugging Face generate: the floor
-  hand_capture    generate with a plain register_forward_hook appending each step's output
-  hs_capture      hs.generate(model, ids, POINT): aligned [1, T, d] (one more cached step for the last token)
-  hs_steer        hs.generate(model, ids, edits=[hs.steer(POINT, v)])
-  nnsight_capture nnsight .generate() saving the point's output at every step (tracer.iter[:NEW])
-  nnsight_steer   nnsight .generate() adding v at every step
-  tl3_plain       TransformerLens 3.9 HookedTransformer.generate (its own KV cache)
-  tl3_capture     ... with a forward hook appending each step's hook_resid_post
-  tl3_steer       ... with a forward hook adding v
-Prints ms per generated token (median over processes x runs) and ratios to `hf`; writes raw
-figures to bench/out/generate-latest.json.
+Batch 1, a 16-token random prompt, NEW greedy tokens with EOS off (`min_new_tokens`,
+`stop_at_eos=False`), so every run makes exactly NEW tokens; capture and steer act on
+blocks.5.resid_post (blocks.1 on the tiny model). One thread by default (`--threads`): a batch-1
+decoding step is small, and on a shared machine a second OpenMP thread mostly waits for a core at
+every barrier (GPT-2-small here, load ~6: 170-190 ms/token with 1 thread, 550-910 with 2).
+TransformerLens gets the model's tokenizer, as from_pretrained would give it: without one, its
+KV-cache generate (3.9) embeds each new token at a wrong position and its tokens drift from the
+other tools' (it then builds the attention mask the cached path needs from the tokenizer).
+
+Built to survive a noisy machine. The configurations are split into three groups, each run in
+its own fresh process, and the groups alternate, process after process (hf, nnsight, tl3, hf,
+nnsight, tl3, ...). Inside a process every configuration of its group runs once per repetition,
+in an order rotated each repetition (ABC, BCA, CAB, ...), and every group holds a plain HF
+`generate` on its own copy of the weights. So each timed run has a plain-`generate` partner
+measured seconds apart in the same process, and a ratio is the median of those paired ratios
+(ROUNDS processes x REPS repetitions of them), with their spread (min-max and interquartile)
+printed beside it: load that changes between processes cancels out, and the spread says how far
+the ratio can be trusted. The same pairs are also compared in process CPU time (one thread: the
+work done, which load stretches far less than wall time).
+
+  group hf       hf              plain Hugging Face generate: the floor (in every group)
+                 hand_capture    generate + a plain register_forward_hook appending each step's output
+                 hs_capture      hs.generate(model, ids, POINT): aligned [1, T, d] (one more cached
+                                 step runs the last token, which generate never feeds back)
+                 hand_steer      generate + a plain forward hook adding the vector
+                 hs_steer        hs.generate(model, ids, edits=[hs.steer(POINT, v)])
+  group nnsight  nnsight_capture nnsight .generate() saving the point's output at every step
+                 nnsight_steer   nnsight .generate() adding the vector at every step
+  group tl3      tl3_plain       TransformerLens 3.9 HookedTransformer.generate (its own KV cache)
+                 tl3_capture     ... + model.hooks appending each step's hook_resid_post
+                 tl3_steer       ... + model.hooks adding the vector
+Writes raw figures (every paired time) to bench/out/generate-MODEL-latest.json, after every process.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -32,11 +55,17 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
 
-CONFIGS = ("hf", "hand_capture", "hs_capture", "hs_steer", "nnsight_capture", "nnsight_steer",
-           "tl3_plain", "tl3_capture", "tl3_steer")
+GROUPS = {
+    "hf": ("hf", "hand_capture", "hs_capture", "hand_steer", "hs_steer"),
+    "nnsight": ("hf", "nnsight_capture", "nnsight_steer"),
+    "tl3": ("hf", "tl3_plain", "tl3_capture", "tl3_steer"),
+}
 PROMPT = 16
-SETTINGS = {"full": {"new": 32, "runs": 5, "rounds": 3}, "quick": {"new": 8, "runs": 2, "rounds": 1}}
+SETTINGS = {"full": {"new": 64, "rounds": 2, "reps": 4}, "quick": {"new": 16, "rounds": 1, "reps": 2}}
 MODELS = {"small": (common.GPT2_SMALL_DIR, 5), "tiny": (common.TINY_DIR, 1)}
+
+
+_SHARED: dict = {}  # the Hugging Face model the plain, hand-written and hookscope runs share
 
 
 def steering_vector(d_model: int):
@@ -46,7 +75,9 @@ def steering_vector(d_model: int):
 
 
 def make_run(config: str, model_name: str, new: int):
-    """A zero-argument call that generates `new` tokens as `config` does; returns the token ids."""
+    """A zero-argument call that generates `new` tokens as `config` does; returns the token ids
+    [1, PROMPT + new]. The Hugging Face configurations share one copy of the weights (each removes
+    its hooks after a run); nnsight and TransformerLens load their own (from the same files)."""
     import torch
 
     import hookscope as hs
@@ -56,7 +87,10 @@ def make_run(config: str, model_name: str, new: int):
     greedy = dict(max_new_tokens=new, min_new_tokens=new, do_sample=False, pad_token_id=0)
 
     if config.startswith("tl3_"):
+        from transformers import AutoTokenizer
+
         model = common.load_tl3(path)
+        model.set_tokenizer(AutoTokenizer.from_pretrained(path), default_padding_side="right")
         ids = common.input_ids(model.cfg.d_vocab, 1, PROMPT)
         vector = steering_vector(model.cfg.d_model)
         kept = []
@@ -71,17 +105,27 @@ def make_run(config: str, model_name: str, new: int):
                                       verbose=False, use_past_kv_cache=True)
         return run
 
-    model = common.load_hf(path)
+    if config.startswith("nnsight_"):
+        model = common.load_hf(path)  # nnsight wraps it: not the copy plain generate runs on
+    else:
+        model = _SHARED.get(path) or _SHARED.setdefault(path, common.load_hf(path))
     ids = common.input_ids(model.config.vocab_size, 1, PROMPT)
     vector = steering_vector(model.config.n_embd)
     block = model.transformer.h[layer]
     if config == "hf":
         return lambda: model.generate(ids, **greedy)
-    if config == "hand_capture":
+    if config in ("hand_capture", "hand_steer"):
+        def keep(module, args, out):
+            kept.append((out if isinstance(out, torch.Tensor) else out[0]).detach().clone())
+
+        def add(module, args, out):
+            return out + vector if isinstance(out, torch.Tensor) else (out[0] + vector, *out[1:])
+
+        kept: list = []
+
         def run():
-            kept = []
-            handle = block.register_forward_hook(lambda m, a, out: kept.append(
-                (out if isinstance(out, torch.Tensor) else out[0]).detach().clone()))
+            kept.clear()
+            handle = block.register_forward_hook(keep if config == "hand_capture" else add)
             try:
                 return model.generate(ids, **greedy)
             finally:
@@ -115,76 +159,139 @@ def make_run(config: str, model_name: str, new: int):
     raise SystemExit(f"unknown config {config!r}")
 
 
-def worker(config: str, model_name: str, new: int, runs: int) -> dict:
+def _tokens(result) -> list[int] | None:
     import torch
 
-    fn = make_run(config, model_name, new)
+    seq = result if isinstance(result, torch.Tensor) else getattr(result, "sequences", None)
+    return seq[0].tolist() if isinstance(seq, torch.Tensor) else None
+
+
+def worker(group: str, model_name: str, new: int, reps: int) -> dict:
+    """Every configuration of `group`, `reps` times each in rotated order; seconds per run."""
+    import torch
+
+    configs = GROUPS[group]
+    runs = {c: make_run(c, model_name, new) for c in configs}
+    tokens = {}
     with torch.inference_mode():
-        tokens = fn()  # warm-up, and the tokens for the cross-check
-    times = []
-    for _ in range(runs):
-        start = time.perf_counter()
-        with torch.inference_mode():
-            fn()
-        times.append(time.perf_counter() - start)
-    first = tokens if isinstance(tokens, torch.Tensor) else getattr(tokens, "sequences", None)
-    return {"ms_per_token": [t / new * 1e3 for t in times],
-            "tokens": first[0].tolist() if isinstance(first, torch.Tensor) else None}
+        for config, fn in runs.items():  # warm-up, and the tokens for the cross-check
+            tokens[config] = _tokens(fn())
+    seconds: dict[str, list[float]] = {c: [] for c in configs}
+    cpu: dict[str, list[float]] = {c: [] for c in configs}
+    for rep in range(reps):
+        order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+        for config in order:
+            gc.collect()
+            start, start_cpu = time.perf_counter(), time.process_time()
+            with torch.inference_mode():
+                runs[config]()
+            seconds[config].append(time.perf_counter() - start)
+            cpu[config].append(time.process_time() - start_cpu)
+    return {"seconds": seconds, "cpu": cpu, "tokens": tokens}
+
+
+def _quartiles(values: list[float]) -> tuple[float, float]:
+    if len(values) < 4:
+        return min(values), max(values)
+    q = statistics.quantiles(values, n=4)
+    return q[0], q[2]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--case", default=None, help="run one configuration in this process (worker)")
+    parser.add_argument("--group", default=None, help="run one group in this process (worker)")
     parser.add_argument("--model", default="small", choices=sorted(MODELS))
     parser.add_argument("--quick", action="store_true")
-    parser.add_argument("--only", default=None, help="comma-separated configurations")
-    parser.add_argument("--new", type=int, default=None)
-    parser.add_argument("--runs", type=int, default=None)
+    parser.add_argument("--only", default=None, help="comma-separated groups (hf, nnsight, tl3)")
+    parser.add_argument("--new", type=int, default=None, help="new tokens per run")
+    parser.add_argument("--rounds", type=int, default=None, help="fresh processes per group")
+    parser.add_argument("--reps", type=int, default=None,
+                        help="repetitions of each configuration per process")
+    parser.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per process")
     args = parser.parse_args()
     settings = SETTINGS["quick" if args.quick else "full"]
-    new = args.new or settings["new"]
-    runs = args.runs or settings["runs"]
-    if args.case:
+    new, rounds, reps = args.new or settings["new"], args.rounds or settings["rounds"], \
+        args.reps or settings["reps"]
+    if args.group:
         common.setup_process()
-        common.emit(worker(args.case, args.model, new, runs))
+        import torch
+
+        torch.set_num_threads(args.threads)
+        common.emit(worker(args.group, args.model, new, reps))
         return
     common.run_fresh(sys.executable, common.BENCH_DIR / "core_cases.py", ["prepare"])
-    configs = args.only.split(",") if args.only else list(CONFIGS)
-    results: dict[str, dict] = {c: {"ms_per_token": []} for c in configs}
-    loads = []
-    for _ in range(settings["rounds"]):  # interleaved, so a change of load falls on every config alike
-        for config in configs:
+    groups = args.only.split(",") if args.only else list(GROUPS)
+    started = time.time()
+    # per configuration: its runs' ms/token, and its ratio to the plain-generate run of the same
+    # repetition in the same process
+    ms: dict[str, list[float]] = {}
+    ratios: dict[str, list[float]] = {}
+    cpu_ratios: dict[str, list[float]] = {}  # the same pairs in process CPU time (1 thread: the work done)
+    tokens: dict[str, list[int]] = {}
+    errors: dict[str, str] = {}
+    loads: list[str] = []
+    for _ in range(rounds):
+        for group in groups:  # groups alternate, process after process
             loads.append(open("/proc/loadavg").read().split()[0])
-            out = common.run_fresh(sys.executable, Path(__file__), ["--case", config, "--model", args.model,
-                                                                   "--new", str(new), "--runs", str(runs)])
+            out = common.run_fresh(sys.executable, Path(__file__),
+                                   ["--group", group, "--model", args.model, "--new", str(new), "--reps",
+                                    str(reps), "--threads", str(args.threads)],
+                                   env={"OMP_NUM_THREADS": str(args.threads),
+                                        "MKL_NUM_THREADS": str(args.threads)})
             if "error" in out:
-                results[config]["error"] = out["error"]
+                errors[group] = out["error"]
                 continue
-            results[config]["ms_per_token"] += out["ms_per_token"]
-            results[config]["tokens"] = out["tokens"]
-    base = common.median(results["hf"]["ms_per_token"]) if results.get("hf", {}).get("ms_per_token") else None
-    print(f"model {args.model}, batch 1, prompt {PROMPT}, {new} new tokens greedy; load 1-min during runs: "
-          f"{min(loads, key=float)}-{max(loads, key=float)}")
-    print(f"{'config':<16} {'ms/token':>9} {'x hf':>7}  range")
-    for config, r in results.items():
-        if "error" in r and not r["ms_per_token"]:
-            print(f"{config:<16} error: {r['error'][:160]}")
+            base, base_cpu = out["seconds"]["hf"], out["cpu"]["hf"]
+            for config, secs in out["seconds"].items():
+                ms.setdefault(config, []).extend(s / new * 1e3 for s in secs)
+                ratios.setdefault(config, []).extend(s / b for s, b in zip(secs, base, strict=True))
+                cpu_ratios.setdefault(config, []).extend(
+                    s / b for s, b in zip(out["cpu"][config], base_cpu, strict=True))
+                tokens.setdefault(config, out["tokens"][config])
+            # after every process: a stopped run keeps what it measured
+            _save(args, new, rounds, reps, loads, ms, ratios, cpu_ratios, errors)
+    loads.append(open("/proc/loadavg").read().split()[0])
+    print(f"model {args.model}, batch 1, prompt {PROMPT}, {new} new greedy tokens; {rounds} process(es) per "
+          f"group x {reps} paired repetitions, {args.threads} thread(s); {time.time() - started:.0f} s; "
+          f"1-min load between "
+          f"processes {min(loads, key=float)}-{max(loads, key=float)}")
+    print(f"{'config':<16} {'ms/token':>9} {'(range)':>15}  {'x hf (paired)':>13}  {'ratio range':>13}  "
+          f"{'ratio IQR':>11}  {'CPU x hf':>8}  {'CPU IQR':>11}")
+    for config in [c for g in groups for c in GROUPS[g] if c != "hf" or g == groups[0]]:
+        if config not in ms:
             continue
-        med = common.median(r["ms_per_token"])
-        ratio = f"{med / base:.3f}" if base else "-"
-        low, high = min(r["ms_per_token"]), max(r["ms_per_token"])
-        print(f"{config:<16} {med:9.2f} {ratio:>7}  {low:.2f}-{high:.2f}")
-    steer = {c: results[c].get("tokens") for c in configs if c.endswith("steer") and results[c].get("tokens")}
-    if len(set(map(tuple, steer.values()))) > 1:
-        print("note: steered tokens differ between tools:", {c: t[:PROMPT + 4] for c, t in steer.items()})
-    elif steer:
-        print(f"steered tokens agree across {', '.join(steer)}")
+        m, r = ms[config], ratios[config]
+        low_q, high_q = _quartiles(r)
+        c = cpu_ratios[config]
+        low_c, high_c = _quartiles(c)
+        print(f"{config:<16} {statistics.median(m):9.2f} {min(m):7.2f}-{max(m):<7.2f}  "
+              f"{statistics.median(r):13.3f}  {min(r):6.3f}-{max(r):<6.3f}  {low_q:5.3f}-{high_q:<5.3f}  "
+              f"{statistics.median(c):8.3f}  {low_c:5.3f}-{high_c:<5.3f}")
+    for group, error in errors.items():
+        print(f"group {group}: error: {error[:300]}")
+    steered = {c: t for c, t in tokens.items() if c.endswith("steer") and t}
+    if len(set(map(tuple, steered.values()))) > 1:
+        print("note: steered tokens differ between tools:",
+              {c: t[PROMPT:PROMPT + 6] for c, t in steered.items()})
+    elif steered:
+        print(f"steered tokens agree across {', '.join(steered)}")
+    plain = {c: t for c, t in tokens.items() if c in ("hf", "hs_capture", "hand_capture", "tl3_plain",
+                                                       "tl3_capture") and t}
+    if len(set(map(tuple, plain.values()))) > 1:
+        print("note: unsteered tokens differ:", {c: t[PROMPT:PROMPT + 6] for c, t in plain.items()})
+    _save(args, new, rounds, reps, loads, ms, ratios, cpu_ratios, errors,
+          versions=common.run_fresh(sys.executable, common.BENCH_DIR / "core_cases.py", ["versions"]))
+
+
+def _save(args, new, rounds, reps, loads, ms, ratios, cpu_ratios, errors, versions=None) -> None:
     out_dir = common.OUT_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
-    record = {"model": args.model, "new": new, "runs": runs, "loads": loads, "results": results,
-              "versions": common.run_fresh(sys.executable, common.BENCH_DIR / "core_cases.py", ["versions"])}
-    (out_dir / "generate-latest.json").write_text(json.dumps(record, indent=1))
+    record = {"model": args.model, "new": new, "rounds": rounds, "reps": reps, "threads": args.threads,
+              "loads": loads, "ms_per_token": ms, "paired_ratio": ratios,
+              "paired_cpu_ratio": cpu_ratios, "errors": errors,
+              "versions": versions}
+    (out_dir / f"generate-{args.model}-latest.json").write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from .arch import PointSpec, arch_of
+from .arch.tl_bridge import is_bridge
 from .capture import capture
 from .errors import HookscopeError, SelectionError
 from .hooks import Hook, hooks
@@ -105,6 +106,8 @@ def generate(
     """Generate with `model.generate(**generate_kwargs)`, capturing `points` and applying `edits`
     (from `hs.steer` / `hs.ablate` / `hs.patch`) at every step.
 
+    `model`: a Hugging Face causal LM, a TransformerLens 3 `HookedTransformer` (its own generate;
+    a padded batch needs its tokenizer's pad id) or a TransformerLens 4 `TransformerBridge`.
     `inputs`: input ids [batch, P], or a tokenizer's output (a mapping with `input_ids` and
     `attention_mask`; pad on the left for a batch of different lengths). `edit_on`: "prompt",
     "generated" or "both". `positions` / `heads` / `dtype` / `device`: as in `hs.collect`, with
@@ -126,14 +129,20 @@ def generate(
     if not hasattr(model, "generate"):
         raise HookscopeError(f"{type(model).__name__} has no generate(); hs.generate needs a Hugging Face "
                              "causal LM (AutoModelForCausalLM)")
-    lens = _is_transformer_lens(model)
+    # "lens": a TransformerLens 3 HookedTransformer (its generate embeds outside forward and calls
+    # forward directly); "bridge": a TransformerLens 4 TransformerBridge (its generate calls the
+    # bridge like a Hugging Face model's does, one pass per token, and takes an attention mask)
+    bridge = is_bridge(model)
+    lens = not bridge and _is_transformer_lens(model)
     input_ids, attention_mask, extra = _split_inputs(inputs)
+    given_ids = input_ids
+    if (lens or bridge) and attention_mask is not None and bool(attention_mask.all()):
+        attention_mask = None  # what TransformerLens assumes anyway: its unpadded path, unchanged
     if lens and attention_mask is not None:
-        if not bool(attention_mask.all()):
-            raise HookscopeError("a padded batch through TransformerLens generate is not supported: give "
-                                 "rows of equal length, generate them one by one, or use the Hugging Face "
-                                 "model")
-        attention_mask = None
+        # on token input, prepend_bos only tells TL whether a leading pad id is a BOS to keep
+        generate_kwargs.setdefault("prepend_bos", False)
+        input_ids = _lens_padded_prompt(model, input_ids, attention_mask,
+                                        bool(generate_kwargs["prepend_bos"]))
     arch = arch_of(model)
     specs = arch.resolve(points) if points else []
     for spec in specs:
@@ -156,12 +165,15 @@ def generate(
         kwargs["return_dict_in_generate"] = True  # its cache runs the last token (see _final_step)
     if attention_mask is not None:
         kwargs["attention_mask"] = attention_mask
-    if lens:
+    if lens or bridge:
         kwargs.pop("return_dict_in_generate", None)
         kwargs.setdefault("verbose", False)
     elif "logits" in point_names and "logits_to_keep" in _forward_parameters(type(model)):
         # generate computes the prompt's logits at its last position only; logits are asked for here
         kwargs.setdefault("logits_to_keep", 0)
+    if lens and attention_mask is not None:
+        kwargs.pop("attention_mask")  # HookedTransformer.generate reads the padding off the pad tokens
+        kwargs["padding_side"] = "left"
 
     with contextlib.ExitStack() as stack:
         # edits first: a capture on an edited point then sees the value the model goes on with
@@ -183,18 +195,19 @@ def generate(
             repeats = sequences.shape[0] // attention_mask.shape[0]
             attention_mask = attention_mask.repeat_interleave(repeats, 0)
         if specs and steps.filled < sequences.shape[1]:
-            if lens:  # no cache comes back: the whole sequence once more, its new position kept
-                with torch.inference_mode():
-                    model(sequences)
+            if lens or bridge:  # no cache comes back: the whole sequence once more, its new position kept
+                _full_pass(model, sequences, attention_mask)
             else:
                 _final_step(model, output, sequences, attention_mask, extra)
     # made under the capture's inference_mode: a plain copy can feed a later pass with gradients
     sequences = sequences.clone()
+    if given_ids is not input_ids:  # the prompt as given (its padding ids were swapped for generate)
+        sequences[:, :given_ids.shape[1]] = given_ids.to(sequences.device)
     total = sequences.shape[1]
     if specs and steps.filled != total:
         raise HookscopeError(f"internal: captured {steps.filled} positions for a sequence of {total}; "
                              "this decoding mode does not run one forward pass per token")
-    eos = _lens_eos_ids(model, generate_kwargs) if lens else _eos_ids(model, generate_kwargs)
+    eos = _lens_eos_ids(model, generate_kwargs) if lens or bridge else _eos_ids(model, generate_kwargs)
     mask = _real_tokens(sequences, attention_mask, steps.prompt_length, eos)
     activations = {name: k.result(total, sequences.shape[0]) for name, k in kept.items()}
     return Generation(sequences, mask, steps.prompt_length, activations,
@@ -280,11 +293,49 @@ def _lens_eos_ids(model: nn.Module, generate_kwargs: dict) -> list[int]:
     if not generate_kwargs.get("stop_at_eos", True):
         return []
     eos = generate_kwargs.get("eos_token_id")
+    if eos is None:  # a bridge's adapter may name the stop tokens (chat turn ends) in its config
+        eos = getattr(model.cfg, "eos_token_id", None) if is_bridge(model) else None
     if eos is None:
         eos = getattr(getattr(model, "tokenizer", None), "eos_token_id", None)
     if eos is None:
         return []
     return [int(eos)] if isinstance(eos, int) else [int(v) for v in eos]
+
+
+def _lens_padded_prompt(model: nn.Module, input_ids: Tensor, attention_mask: Tensor,
+                        prepend_bos: bool) -> Tensor:
+    """A left-padded batch for HookedTransformer.generate, which takes no attention mask: it reads
+    the padding off the leading pad tokens (its tokenizer's pad id). Padding positions get that
+    id, and the mask generate will derive is checked to be the one given."""
+    tokenizer = getattr(model, "tokenizer", None)
+    pad = getattr(tokenizer, "pad_token_id", None)
+    if pad is None:
+        raise HookscopeError("a padded batch through HookedTransformer.generate needs the model's "
+                             "tokenizer (generate reads the padding off its pad token): "
+                             "model.set_tokenizer(tokenizer), or give rows of equal length / generate them "
+                             "one by one")
+    from transformer_lens.utils import get_attention_mask
+
+    ids = input_ids.masked_fill(attention_mask == 0, pad)
+    derived = get_attention_mask(tokenizer, ids, prepend_bos, padding_side="left")
+    if not torch.equal(derived.to(attention_mask.device).bool(), attention_mask.bool()):
+        raise HookscopeError("HookedTransformer.generate would not see this padding: it treats only "
+                             f"leading pad tokens (id {pad}) as padding, so a left-padded batch whose first "
+                             "real token is the pad id (or whose mask has holes) cannot be generated "
+                             "faithfully; generate such rows one by one")
+    return ids
+
+
+def _full_pass(model: nn.Module, sequences: Tensor, attention_mask: Tensor | None) -> None:
+    """A TransformerLens model's pass over the whole final sequence (its generate returns no
+    cache), with the prompt's padding masked, so the last token's activations are filed."""
+    call: dict[str, Any] = {}
+    if attention_mask is not None:
+        full = torch.ones_like(sequences)
+        full[:, :attention_mask.shape[1]] = attention_mask.to(sequences.device)
+        call["attention_mask"] = full
+    with torch.inference_mode():
+        model(sequences, **call)
 
 
 # --- following the forward passes ----------------------------------------------------------------

@@ -1,0 +1,132 @@
+"""hs.generate on a TransformerLens 4 `TransformerBridge` (its own generate, KV cache and
+attention mask), against references independent of hookscope: the bridge's own `generate`
+(tokens), its `run_with_cache` over each row's final sequence (captures), and its own
+`model.hooks(fwd_hooks=...)` (steering).
+
+The bridge's generate calls the bridge once per step, like a Hugging Face model's, so prompt and
+generated positions are captured in its forward passes (the last token in one more full pass).
+Tolerance: float32, atol 1e-5 / rtol 1e-4 (KV-cache steps against one full pass: rounding only).
+
+Runs in the `tl4` test environment (scripts/test-all); elsewhere it skips, saying why. With
+HOOKSCOPE_REQUIRE_TL=4 a missing TransformerLens 4 is a failure, never a silent skip.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+
+import pytest
+import torch
+
+import hookscope as hs
+from hookscope.hooks import hook_count
+
+
+def _tl_version() -> str | None:
+    try:
+        return importlib.metadata.version("transformer-lens")
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+TL_VERSION = _tl_version()
+if os.environ.get("HOOKSCOPE_REQUIRE_TL") == "4":
+    assert TL_VERSION is not None and TL_VERSION.startswith("4."), (
+        f"the tl4 test environment must have TransformerLens 4.x, found {TL_VERSION}")
+elif TL_VERSION is None or not TL_VERSION.startswith("4."):
+    pytest.skip(f"needs TransformerLens 4.x (TransformerBridge); this environment has "
+                f"{TL_VERSION or 'no TransformerLens'}: run `scripts/test-all tl4`", allow_module_level=True)
+
+from transformer_lens.model_bridge import TransformerBridge  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+ATOL, RTOL = 1e-5, 1e-4
+OPTS = dict(max_new_tokens=5, do_sample=False, stop_at_eos=False)
+# our point -> the bridge's own hook name, for run_with_cache
+POINTS = {"embed": "hook_embed", "blocks.0.resid_post": "blocks.0.hook_resid_post",
+          "blocks.1.attn.z": "blocks.1.attn.hook_z", "blocks.1.mlp.out": "blocks.1.hook_mlp_out"}
+
+
+@pytest.fixture(scope="module")
+def bridges(tiny_dirs) -> dict[str, TransformerBridge]:
+    out = {}
+    for key in ("gpt2", "llama"):
+        path = str(tiny_dirs[key])
+        out[key] = TransformerBridge.boot_transformers(
+            path, hf_model=AutoModelForCausalLM.from_pretrained(path),
+            tokenizer=AutoTokenizer.from_pretrained(path), device="cpu").eval()
+    return out
+
+
+def padded_batch():
+    """Two prompts of different lengths, left-padded (pad id 1, mask 0)."""
+    return {"input_ids": torch.tensor([[1, 1, 7, 42, 99], [5, 17, 300, 8, 61]]),
+            "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])}
+
+
+def hooks_on(bridge) -> int:
+    """Torch hooks on the bridge's HookPoints and its root, where hookscope attaches."""
+    modules = [bridge, *{id(hp): hp for hp in bridge.hook_dict.values()}.values()]
+    return sum(hook_count(m) - sum(hook_count(c) for c in m.children()) for m in modules)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_padded_batch_captures_equal_run_with_cache_row_by_row(bridges, family):
+    bridge = bridges[family]
+    inputs = padded_batch()
+    gen = hs.generate(bridge, inputs, list(POINTS), **OPTS)
+    expected = bridge.generate(inputs["input_ids"], attention_mask=inputs["attention_mask"], verbose=False,
+                               **OPTS)
+    assert torch.equal(gen.sequences, expected)
+    assert gen.sequences.shape == (2, 10)
+    assert gen.mask.tolist() == [[False, False] + [True] * 8, [True] * 10]
+    cfg = bridge.cfg
+    assert gen["blocks.1.attn.z"].shape == (2, 10, cfg.n_heads, cfg.d_head)
+    for b in range(2):
+        real = inputs["attention_mask"][b].bool()
+        one = hs.generate(bridge, inputs["input_ids"][b:b + 1, real], list(POINTS), **OPTS)
+        # the padded row generates what the row alone does ...
+        assert torch.equal(gen.sequences[b, gen.mask[b]], one.sequences[0])
+        _, cache = bridge.run_with_cache(one.sequences)
+        for point, name in POINTS.items():
+            # ... and at every real position computes what one forward over its final tokens does
+            torch.testing.assert_close(one[point][0], cache[name][0], atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(gen[point][b][gen.mask[b]], cache[name][0], atol=ATOL, rtol=RTOL)
+
+
+@pytest.mark.parametrize("edit_on", ["both", "generated"])
+def test_steer_gives_the_tokens_of_the_bridge_own_hooks(bridges, edit_on):
+    bridge = bridges["gpt2"]
+    ids = torch.tensor([[5, 17, 300, 8, 61], [9, 8, 7, 6, 5]])
+    vector = torch.randn(bridge.cfg.d_model, generator=torch.Generator().manual_seed(2)) * 8
+
+    def add(act, hook):
+        # the prompt pass covers all 5 prompt positions; each later pass one new token
+        return act + vector if edit_on == "both" or act.shape[1] == 1 else act
+
+    with bridge.hooks(fwd_hooks=[("blocks.0.hook_resid_post", add)]):
+        expected = bridge.generate(ids, verbose=False, **OPTS)
+    assert not torch.equal(expected, bridge.generate(ids, verbose=False, **OPTS))  # the vector matters
+    before = hooks_on(bridge)
+    gen = hs.generate(bridge, ids, "blocks.1.resid_pre", edits=[hs.steer("blocks.0.resid_post", vector)],
+                      edit_on=edit_on, **OPTS)
+    assert torch.equal(gen.sequences, expected)
+    assert hooks_on(bridge) == before
+    # what the next block reads is the steered stream: a teacher-forced pass with the same hook
+    with bridge.hooks(fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act + vector)]):
+        _, cache = bridge.run_with_cache(gen.sequences)
+    new = slice(5, None) if edit_on == "generated" else slice(0, None)
+    torch.testing.assert_close(gen["blocks.1.resid_pre"][:, new], cache["blocks.1.hook_resid_pre"][:, new],
+                               atol=ATOL, rtol=RTOL)
+
+
+def test_no_hook_remains_after_generation_raises(bridges):
+    bridge = bridges["gpt2"]
+    before = hooks_on(bridge)
+    with pytest.raises(hs.SelectionError, match="source covers"):
+        hs.generate(bridge, padded_batch(), "blocks.0.resid_post",
+                    edits=[hs.patch("blocks.0.resid_post", torch.zeros(2, 3, bridge.cfg.d_model))], **OPTS)
+    assert hooks_on(bridge) == before
+    gen = hs.generate(bridge, padded_batch(), "blocks.0.resid_post", **OPTS)  # and it still works
+    assert gen["blocks.0.resid_post"].shape == (2, 10, bridge.cfg.d_model)
