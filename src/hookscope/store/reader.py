@@ -23,7 +23,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import StoreError
 from .fs import Remote, ShardCache, is_remote, local_path, sha256_of
-from .manifest import IDENTITY, MANIFEST, SHARDS_DIR, Column, Manifest, PointStats, ShardEntry, shard_identity
+from .manifest import IDENTITY, MANIFEST, SHARDS_DIR, Column, Manifest, PointStats, ShardEntry
 
 if TYPE_CHECKING:
     import datasets
@@ -293,7 +293,7 @@ def _read_header(path: Path, size: int) -> dict[str, Any]:
 def _check_identity(path: Path, header: dict[str, Any], entry: ShardEntry, settings_hash: str) -> None:
     meta = header.get("__metadata__")
     got = meta.get(IDENTITY) if isinstance(meta, dict) else None
-    want = shard_identity(settings_hash, entry.batch_start, entry.batch_end, entry.rank)[IDENTITY]
+    want = entry.identity(settings_hash)
     if got == want:
         return
     if got is None:
