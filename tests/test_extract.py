@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from elastic_kit import assert_same_rows_as, run_elastic
 
 import hookscope as hs
 from hookscope.data import batches, iter_documents, pack
@@ -185,6 +186,18 @@ def test_torchrun_two_processes_same_rows(tiny_dirs, corpus, reference_store, tm
 
     (k2, v2), (k1, v1) = rows(two), rows(one)
     assert torch.equal(k2, k1) and torch.equal(v2, v1)
+
+
+@pytest.mark.parametrize(("first", "then"), [(2, 1), (1, 2)])
+def test_elastic_resume_with_another_number_of_processes(tiny_dirs, corpus, reference_store, tmp_path,
+                                                           first, then):
+    """Started by `first` processes, killed, finished by `then`: the rows of an uninterrupted run."""
+    out = tmp_path / "store"
+    cli = ["extract", str(tiny_dirs["gpt2"]), "--out", str(out), "--points",
+           "blocks.1.resid_post,blocks.0.mlp.post", "--data", str(corpus), "--context", "32",
+           "--batch-size", "4", "--shard-rows", "150", "--no-progress"]
+    run_elastic(cli, first, then)
+    assert_same_rows_as(out, reference_store, first, then)
 
 
 def test_cli_extract_and_inspect(tiny_dirs, corpus, tmp_path, capsys):
