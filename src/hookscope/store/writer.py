@@ -285,9 +285,15 @@ class ShardWriter:
         rows = next(iter(tensors.values())).shape[0]
         entry = ShardEntry(f"{SHARDS_DIR}/{name}", rows, sha, size, runs, self.rank, self.generation,
                            dict(stats))
-        shards = sorted([*self.manifest.shards, entry], key=lambda s: s.batch_start)
+        old = self.manifest
+        shards = [*old.shards, entry]
+        if len(shards) > 1 and shards[-2].batch_start > entry.batch_start:  # among earlier attempts' shards
+            shards.sort(key=lambda s: s.batch_start)
+            totals = summed_stats(shards)
+        else:  # appended: the same sums as summed_stats(shards), without going over every shard again
+            totals = {**old.stats, **{k: old.stats.get(k, PointStats()).merge(s) for k, s in stats.items()}}
         new = dataclasses.replace(
-            self.manifest, shards=shards, stats=summed_stats(shards),
+            old, shards=shards, stats=totals,
             points={k: c for k, c in self._layout.items() if k in stats},
             meta={k: c for k, c in self._layout.items() if k not in stats},
         )
