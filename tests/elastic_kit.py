@@ -31,9 +31,9 @@ def in_batch_order(store) -> dict[str, torch.Tensor]:
     return {name: store.tensor(name)[order] for name in store.manifest.columns}
 
 
-def run_elastic(cli: list[str], first: int, then: int, kill_at: str = "batch:6") -> None:
-    """`hookscope cli...` with `first` processes, each SIGKILLed at `kill_at`; then the same
-    command with `then` processes, to the end."""
+def run_elastic(cli: list[str], first: int, then: int, kill_at: str) -> None:
+    """`hookscope cli...` with `first` processes, each SIGKILLed at `kill_at` (kill_driver.py's
+    sites); then the same command with `then` processes, to the end."""
     environ = {**os.environ, "OMP_NUM_THREADS": "1"}
     killed = [str(HERE / "kill_driver.py"), "cli", "KILL", kill_at, *cli]
     cmd = [*_torchrun(first), *killed] if first > 1 else [sys.executable, *killed]

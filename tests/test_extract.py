@@ -196,7 +196,7 @@ def test_elastic_resume_with_another_number_of_processes(tiny_dirs, corpus, refe
     cli = ["extract", str(tiny_dirs["gpt2"]), "--out", str(out), "--points",
            "blocks.1.resid_post,blocks.0.mlp.post", "--data", str(corpus), "--context", "32",
            "--batch-size", "4", "--shard-rows", "150", "--no-progress"]
-    run_elastic(cli, first, then)
+    run_elastic(cli, first, then, kill_at="manifest-replace:2:after")  # each rank: after its first shard
     assert_same_rows_as(out, reference_store, first, then)
 
 

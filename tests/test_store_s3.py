@@ -228,7 +228,8 @@ def test_elastic_resume_on_a_url(s3, bucket, tiny_dirs, corpus, reference, first
     """Started by `first` processes writing to the URL, killed, finished by `then`: the rows of an
     uninterrupted run, and no object that no manifest lists."""
     url = f"s3://{bucket}/store"
-    run_elastic(cli_args(tiny_dirs["gpt2"], corpus, url), first, then)
+    # each rank is killed once its first shard is committed
+    run_elastic(cli_args(tiny_dirs["gpt2"], corpus, url), first, then, kill_at="manifest-put:2:after")
     assert_same_rows_as(url, reference, first, then)
     listed = {s.file for s in open_store(url).manifest.shards}
     assert {k for k in s3_objects(s3, url) if k.startswith("shards/")} == listed
