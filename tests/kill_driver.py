@@ -19,7 +19,9 @@ event of that site to die at, counted from 1 over the whole run:
     tokenize:N                       inside the N-th call to the tokenizer
     upload:N:before|after            around the N-th shard upload (a store at a URL; after it, the
                                      object exists but no manifest lists it yet)
-    put:N:before|after               around the N-th manifest PUT (a store at a URL; 1 is the stamp)
+    put:N:before|after               around the N-th PUT (a store at a URL; 1 is the manifest stamp)
+    manifest-put:N:before|after      around the N-th PUT of a manifest object (1 is the stamp at open,
+                                     then one per committed shard; the store card is not counted)
     never                            run to the end
     count                            run to the end, counting every site's events
 
@@ -51,7 +53,7 @@ from hookscope.store import fs as fs_module
 from hookscope.store import writer as writer_module
 
 SITES = ("replace", "rename", "manifest-replace", "save", "manifest-write", "fsync", "batch", "forward",
-         "tokenize", "upload", "put")
+         "tokenize", "upload", "put", "manifest-put")
 
 
 SIGNAL = signal.SIGKILL  # what die() sends; `cli` mode may choose SIGINT or SIGTERM
@@ -139,11 +141,13 @@ def arm(kill_at: str) -> Plan:
         real_upload(self, *args, **kwargs)
         plan.at(due, "after")
 
-    def put(self, *args, **kwargs):
-        due = plan.event("put")
-        plan.at(due, "before")
-        real_put(self, *args, **kwargs)
-        plan.at(due, "after")
+    def put(self, rel, *args, **kwargs):
+        due = [plan.event("put")]
+        if rel.startswith("manifest"):
+            due.append(plan.event("manifest-put"))
+        plan.at(any(due), "before")
+        real_put(self, rel, *args, **kwargs)
+        plan.at(any(due), "after")
 
     fs_module.Remote.upload, fs_module.Remote.write = upload, put
     os.replace, os.fsync, writer_module.save_file = replace, fsync, save_file

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from elastic_kit import assert_same_rows_as, run_elastic
 
 import hookscope as hs
 from hookscope.data import batches, iter_documents, pack
@@ -107,7 +108,7 @@ def test_resume_after_sigkill_equals_uninterrupted(tiny_dirs, corpus, reference_
     assert killed.returncode == -9, killed.stderr[-2000:]  # it really died by SIGKILL, mid-run
     partial = open_store(out)
     assert partial.num_shards < open_store(reference_store).num_shards
-    committed = sum(len(s.batches(1)) for s in partial.manifest.shards)
+    committed = sum(len(s.batch_indices()) for s in partial.manifest.shards)
     summary = extract(ExtractConfig(**cfg))  # the same command again
     assert summary.batches_skipped == committed  # exactly the committed batches are skipped
     assert shard_digests(out) == shard_digests(reference_store)  # byte for byte
@@ -185,6 +186,18 @@ def test_torchrun_two_processes_same_rows(tiny_dirs, corpus, reference_store, tm
 
     (k2, v2), (k1, v1) = rows(two), rows(one)
     assert torch.equal(k2, k1) and torch.equal(v2, v1)
+
+
+@pytest.mark.parametrize(("first", "then"), [(2, 1), (1, 2)])
+def test_elastic_resume_with_another_number_of_processes(tiny_dirs, corpus, reference_store, tmp_path,
+                                                           first, then):
+    """Started by `first` processes, killed, finished by `then`: the rows of an uninterrupted run."""
+    out = tmp_path / "store"
+    cli = ["extract", str(tiny_dirs["gpt2"]), "--out", str(out), "--points",
+           "blocks.1.resid_post,blocks.0.mlp.post", "--data", str(corpus), "--context", "32",
+           "--batch-size", "4", "--shard-rows", "150", "--no-progress"]
+    run_elastic(cli, first, then, kill_at="manifest-replace:2:after")  # each rank: after its first shard
+    assert_same_rows_as(out, reference_store, first, then)
 
 
 def test_cli_extract_and_inspect(tiny_dirs, corpus, tmp_path, capsys):

@@ -226,7 +226,7 @@ CASES: dict[str, tuple[Callable[[Path, Path], None], bool]] = {
     "manifest: a dtype that is no dtype": (lie(lambda m: m["meta"]["token_ids"].update(dtype="os")), True),
     "manifest: no shards, and a dtype that is no dtype": (
         lie(lambda m: (m.update(shards=[]), m["points"][RESID].update(dtype="os"))), True),
-    "manifest: a shard's batches wrong": (lie(lambda m: m["shards"][1].update(batch_start=0, batch_end=1)),
+    "manifest: a shard's batches wrong": (lie(lambda m: m["shards"][1].update(batches=[[0, 1, 1]])),
                                           True),
     "manifest nested 100,000 deep": (deep_manifest, True),
     "manifest with a 5,000-digit number": (big_number_manifest, True),

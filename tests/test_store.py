@@ -388,10 +388,8 @@ def test_ranks_write_their_own_shards_and_merge_to_the_same_rows(tmp_path: Path,
         write_all(out, [i for i in range(N_BATCHES) if i % 2 == rank], rank=rank, world_size=2)
     with pytest.raises(StoreError, match="only per-rank manifests"):
         open_store(out)
-    with pytest.raises(StoreError, match="written by 2 process"):  # nor resumed by one process
-        ShardWriter(out, SETTINGS)
-    with pytest.raises(StoreError, match="belongs to rank 1"):
-        ShardWriter(out, SETTINGS, rank=0, world_size=2).write(1, *make_batch(1))
+    with pytest.raises(StoreError, match="belongs to rank 1"):  # (other world sizes: test_store_elastic.py)
+        ShardWriter(out, SETTINGS, rank=0, world_size=2).write(13, *make_batch(13))
     merged = merge_rank_manifests(out, 2)
     assert {s.rank for s in merged.shards} == {0, 1}
     assert all(Path(s.file).name.startswith(f"shard-r{s.rank:03d}-") for s in merged.shards)
@@ -408,8 +406,9 @@ def test_ranks_write_their_own_shards_and_merge_to_the_same_rows(tmp_path: Path,
                           s.tensor("blocks.1.resid_post").float().sum(1).tolist(), strict=True))
 
     assert rows(both) == rows(one)
-    with pytest.raises(StoreError, match="2 process"):
-        ShardWriter(out, SETTINGS)
+    with ShardWriter(out, SETTINGS) as w:  # one process may take over: a new attempt with nothing to do
+        assert (w.generation, w.done_batches) == (1, frozenset(range(N_BATCHES)))
+    assert open_store(out, verify=True).manifest.shards == merged.shards
 
 
 # -- the shuffled dataset -------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """Stores at a URL, against a real S3-compatible server on 127.0.0.1 (moto's standalone server,
 started and stopped here): extraction equals the local store byte for byte, SIGKILL / SIGINT and
-resume, orphans, hostile objects, and a torchrun job whose two ranks write to one URL.
+resume, orphans, hostile objects, a torchrun job whose two ranks write to one URL, and elastic
+resumes (started by 2 processes and finished by 1, and 1 -> 2).
 
 Skipped when `moto[server]` and `s3fs` are not installed (`pip install 'hookscope[s3-test]'`)."""
 
@@ -21,6 +22,7 @@ import torch
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
+from elastic_kit import assert_same_rows_as, run_elastic  # noqa: E402
 from faultkit import write_corpus  # noqa: E402
 
 from hookscope.cli import main  # noqa: E402
@@ -219,3 +221,15 @@ def test_torchrun_two_ranks_write_to_one_url(s3, bucket, tiny_dirs, corpus, refe
 
     (k2, v2), (k1, v1) = rows(two), rows(one)
     assert torch.equal(k2, k1) and torch.equal(v2, v1)
+
+
+@pytest.mark.parametrize(("first", "then"), [(2, 1), (1, 2)])
+def test_elastic_resume_on_a_url(s3, bucket, tiny_dirs, corpus, reference, first, then):
+    """Started by `first` processes writing to the URL, killed, finished by `then`: the rows of an
+    uninterrupted run, and no object that no manifest lists."""
+    url = f"s3://{bucket}/store"
+    # each rank is killed once its first shard is committed
+    run_elastic(cli_args(tiny_dirs["gpt2"], corpus, url), first, then, kill_at="manifest-put:2:after")
+    assert_same_rows_as(url, reference, first, then)
+    listed = {s.file for s in open_store(url).manifest.shards}
+    assert {k for k in s3_objects(s3, url) if k.startswith("shards/")} == listed

@@ -147,6 +147,8 @@ def cmd_inspect(args) -> int:
     for key in ("model", "data", "context", "batch_size", "dtype", "drop_bos", "world_size"):
         if key in settings:
             print(f"  {key}: {settings[key]}")
+    if m.world_size > 1 or m.generation:  # the settings no longer hold it (a resume may change it)
+        print(f"  processes: {m.world_size}" + (f" (in attempt {m.generation + 1})" if m.generation else ""))
     print("  points:")
     for name, col in store.points.items():
         st = store.stats.get(name)

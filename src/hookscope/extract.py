@@ -3,7 +3,9 @@
 One forward pass per batch captures every point (stopped after the last one); the writer thread
 turns captures into shards while the next batch computes. Re-running the same command resumes:
 batches already committed to the manifest are skipped, exactly once. Under `torchrun`, batch i
-goes to rank i % world_size; each rank writes its own shards and rank 0 merges the manifests.
+goes to rank i % world_size; each rank writes its own shards and rank 0 merges the manifests. A
+resume may use another number of processes: the batches not yet committed are dealt among them
+(store/resume.py), and the finished store holds the same rows.
 """
 
 from __future__ import annotations
@@ -24,11 +26,12 @@ import torch
 
 from .capture import Capture
 from .data import ReadMeter, batches, iter_documents, pack, pack_policy, source_chars, source_fingerprint
-from .errors import DataError, HookscopeError
+from .errors import DataError, HookscopeError, StoreError
 from .images import extract_images, is_image_source
 from .inputs import max_positions  # its room is inputs.py; cli.py imports it from here
 from .models import load
 from .store import ShardWriter, merge_rank_manifests
+from .store.resume import deal_for
 from .summary import ExtractSummary, check_finite, sha256_text
 
 DEFAULT_DATA = "builtin:stdlib-docstrings"
@@ -62,8 +65,9 @@ def _tokenizer_hash(tokenizer: Any) -> str:
     return sha256_text(text)
 
 
-def settings_for(cfg: ExtractConfig, loaded, points: list[str], world_size: int) -> dict:
-    """Everything that shapes the stored rows: a store made with other settings is refused."""
+def settings_for(cfg: ExtractConfig, loaded, points: list[str]) -> dict:
+    """Everything that shapes the stored rows: a store made with other settings is refused. The
+    number of processes does not shape them: a store started by N processes is finished by M."""
     return {
         "model": loaded.name,
         "revision": cfg.revision,
@@ -81,7 +85,6 @@ def settings_for(cfg: ExtractConfig, loaded, points: list[str], world_size: int)
         # the builtin corpus is this Python's own docstrings: another version, another corpus
         "python": list(sys.version_info[:2]) if cfg.data.startswith("builtin:") else None,
         "text_field": cfg.text_field,
-        "world_size": world_size,
         **({"generate": cfg.generate} if cfg.generate else {}),  # absent: stores made before keep their hash
     }
 
@@ -165,7 +168,9 @@ def _extract(cfg: ExtractConfig, opened: list[ShardWriter]) -> ExtractSummary:
         raise HookscopeError(f"--context {cfg.context} + --generate {cfg.generate} is longer than the "
                              f"model's {longest} positions; lower one of them")
 
-    settings = settings_for(cfg, loaded, points, world_size)
+    settings = settings_for(cfg, loaded, points)
+    # which batches this rank goes through: read from the store's manifests, nothing written yet
+    deal = deal_for(cfg.out, settings, world_size)
     documents = ReadMeter(iter_documents(cfg.data, text_field=cfg.text_field), source_chars(cfg.data))
     sequences = pack(documents, loaded.tokenizer, context=cfg.context, max_tokens=cfg.max_tokens)
     started = time.perf_counter()
@@ -197,7 +202,7 @@ def _extract(cfg: ExtractConfig, opened: list[ShardWriter]) -> ExtractSummary:
     # The first batch of this rank is read and run before the store is opened: an empty or bad
     # data source, or a point the forward pass never reaches, is refused with nothing written.
     # On a resume it may be a batch already on disk; one forward pass is the price of that check.
-    ours = ((i, b) for i, b in enumerate(batches(sequences, cfg.batch_size)) if i % world_size == rank)
+    ours = ((i, b) for i, b in enumerate(batches(sequences, cfg.batch_size)) if deal.visits(i, rank))
     first = next(ours, None)
     if first is None and rank == 0:
         raise DataError(f"data source {cfg.data!r} gives no tokens to extract; point --data at some text")
@@ -208,6 +213,9 @@ def _extract(cfg: ExtractConfig, opened: list[ShardWriter]) -> ExtractSummary:
         writer = ShardWriter(cfg.out, settings, shard_rows=cfg.shard_rows, rank=rank, world_size=world_size)
         opened.append(writer)
         with writer:  # on an interrupt it commits whole shards only (see ShardWriter.__exit__)
+            if writer.deal != deal:  # the store changed since it was read above
+                raise StoreError(f"{cfg.out} changed while this run started: is another run writing to "
+                                 "it? Stop every other run on this store and re-run the command")
             for index, batch in itertools.chain([first] if first else [], ours):
                 if index in writer.done_batches:
                     skipped += 1

@@ -3,7 +3,9 @@
 The manifest is the single source of truth: a shard file not listed in it does not exist as far as
 readers and resuming writers are concerned. It is replaced atomically (tmp + fsync + rename), so a
 crash at any moment leaves either the old or the new manifest, never half of one.
-See docs/store-format.md for the format on one page.
+Every shard entry is self-contained (its batch indices, the attempt and rank that wrote it, its
+statistics), so the manifests of several ranks and attempts merge by taking the union of their
+entries. See docs/store-format.md for the format on one page.
 """
 
 from __future__ import annotations
@@ -21,23 +23,55 @@ import torch
 from ..errors import StoreError
 
 FORMAT = "hookscope-store"
-VERSION = 1
+VERSION = 2  # 2: shards list their batches explicitly and carry their own stats (elastic resume)
 MANIFEST = "manifest.json"
 SHARDS_DIR = "shards"
 IDENTITY = "hookscope.shard"  # the shard's __metadata__ key naming its place in its store
 
 
-def shard_identity(settings_hash: str, batch_start: int, batch_end: int, rank: int) -> dict[str, str]:
+Runs = tuple[tuple[int, int, int], ...]  # (first, last, step) runs of batch indices, increasing
+
+
+def runs_of(indices: list[int]) -> Runs:
+    """Increasing batch indices as (first, last, step) runs, greedily: [0, 2, 4, 5] gives
+    (0, 4, 2), (5, 5, 1)."""
+    runs, i = [], 0
+    while i < len(indices):
+        if i + 1 == len(indices):
+            runs.append((indices[i], indices[i], 1))
+            break
+        step, j = indices[i + 1] - indices[i], i + 1
+        while j + 1 < len(indices) and indices[j + 1] - indices[j] == step:
+            j += 1
+        runs.append((indices[i], indices[j], step))
+        i = j + 1
+    return tuple(runs)
+
+
+def _show_runs(runs: Runs, steps: bool = True) -> str:
+    return ",".join(f"{a}-{b}" + (f"/{s}" if steps and s != 1 else "") for a, b, s in runs)
+
+
+def shard_identity(settings_hash: str, batches: Runs, rank: int) -> dict[str, str]:
     """What a shard's safetensors `__metadata__` says about where it belongs. A reader refuses a
     shard whose identity differs from its manifest entry: one copied from another store, or moved
     within this one, would otherwise read as valid rows. One key: safetensors writes metadata keys
-    in a random order, and shards must be byte-identical from run to run."""
-    return {IDENTITY: f"batches {batch_start}-{batch_end} of rank {rank}, settings {settings_hash}"}
+    in a random order, and shards must be byte-identical from run to run. A shard of one process
+    holding batches 0 to 7 says `batches 0-7 of rank 0, settings HASH`, as in format version 1."""
+    return {IDENTITY: f"batches {_show_runs(batches)} of rank {rank}, settings {settings_hash}"}
 
 
-def manifest_name(rank: int, world_size: int) -> str:
-    """`manifest.json` for a single process; `manifest.rank{r}.json` per rank under torchrun."""
-    return MANIFEST if world_size == 1 else f"manifest.rank{rank}.json"
+def manifest_name(rank: int, world_size: int, generation: int = 0) -> str:
+    """`manifest.json` for a single process; `manifest.rank{r}.json` per rank under torchrun, and
+    `manifest.rank{r}.gen{g}.json` for the ranks of a later attempt with another world size."""
+    if world_size == 1:
+        return MANIFEST
+    return f"manifest.rank{rank}.json" if generation == 0 else f"manifest.rank{rank}.gen{generation}.json"
+
+
+def shard_prefix(rank: int, generation: int = 0) -> str:
+    """The start of every shard file name of `rank` in attempt `generation` (0: as in version 1)."""
+    return f"shard-r{rank:03d}-" if generation == 0 else f"shard-g{generation:03d}-r{rank:03d}-"
 
 
 def canonical_json(value: Any) -> str:
@@ -87,12 +121,36 @@ class ShardEntry:
     rows: int
     sha256: str
     bytes: int
-    batch_start: int  # first and last batch index in this shard (inclusive), stepping by world_size
-    batch_end: int
+    batches: Runs  # the batch indices the shard holds, in row order, as (first, last, step) runs
     rank: int
+    generation: int = 0  # the attempt (a run of one world size) that wrote it
+    stats: dict[str, PointStats] | None = field(default=None, hash=False)  # None: format version 1
+    legacy: bool = field(default=False, compare=False, repr=False)  # read from format version 1
 
-    def batches(self, world_size: int) -> range:
-        return range(self.batch_start, self.batch_end + 1, world_size)
+    @property
+    def batch_start(self) -> int:
+        return self.batches[0][0]
+
+    @property
+    def batch_end(self) -> int:
+        return self.batches[-1][1]
+
+    def batch_indices(self) -> list[int]:
+        return [b for first, last, step in self.batches for b in range(first, last + 1, step)]
+
+    def identity(self, settings_hash: str) -> str:
+        """The identity string the shard file's metadata must hold (see `shard_identity`)."""
+        if self.legacy:  # version 1 wrote first-last only, the step being the world size
+            runs = _show_runs(self.batches, steps=False)
+            return f"batches {runs} of rank {self.rank}, settings {settings_hash}"
+        return shard_identity(settings_hash, self.batches, self.rank)[IDENTITY]
+
+    def to_json(self) -> dict[str, Any]:
+        out = {"file": self.file, "rows": self.rows, "sha256": self.sha256, "bytes": self.bytes,
+               "batches": [list(r) for r in self.batches], "rank": self.rank, "generation": self.generation}
+        if self.stats is not None:
+            out["stats"] = {k: vars(s).copy() for k, s in self.stats.items()}
+        return out
 
 
 def count_nonfinite(t: torch.Tensor) -> int:
@@ -134,15 +192,26 @@ class PointStats:
         return math.sqrt(max(self.norm_sumsq / self.norm_count - self.norm_mean**2, 0.0))
 
 
+def summed_stats(shards: list[ShardEntry]) -> dict[str, PointStats]:
+    """Per-point statistics of `shards`, added in list order (the order fixes the float sums)."""
+    total: dict[str, PointStats] = {}
+    for s in shards:
+        for name, st in (s.stats or {}).items():
+            total[name] = total.get(name, PointStats()).merge(st)
+    return total
+
+
 @dataclass
 class Manifest:
     settings: dict[str, Any]
-    world_size: int = 1
+    world_size: int = 1  # of the attempt that wrote this manifest (the latest one, once merged)
     points: dict[str, Column] = field(default_factory=dict)  # activations, one per hook point
     meta: dict[str, Column] = field(default_factory=dict)  # token_ids, doc_ids, positions, seq_ids
     shards: list[ShardEntry] = field(default_factory=list)
     stats: dict[str, PointStats] = field(default_factory=dict)
     settings_hash: str = ""
+    generation: int = 0  # the attempt that wrote it: 0, then 1, 2... each time the world size changes
+    version: int = VERSION  # 1 for a store written before elastic resume: readable, not resumable
 
     def __post_init__(self) -> None:
         if not self.settings_hash:
@@ -162,7 +231,7 @@ class Manifest:
 
     def done_batches(self, rank: int | None = None) -> set[int]:
         """Batch indices committed to shards (of one rank, or of all)."""
-        return {b for s in self.shards if rank is None or s.rank == rank for b in s.batches(self.world_size)}
+        return {b for s in self.shards if rank is None or s.rank == rank for b in s.batch_indices()}
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -170,13 +239,14 @@ class Manifest:
             "version": VERSION,
             "settings_hash": self.settings_hash,
             "settings": self.settings,
+            "generation": self.generation,
             "world_size": self.world_size,
             "rows": self.rows,
             "bytes": self.bytes,
             "points": {k: {"shape": list(c.shape), "dtype": c.dtype} for k, c in self.points.items()},
             "meta": {k: {"shape": list(c.shape), "dtype": c.dtype} for k, c in self.meta.items()},
             "stats": {k: vars(s).copy() for k, s in self.stats.items()},
-            "shards": [vars(s).copy() for s in self.shards],
+            "shards": [s.to_json() for s in self.shards],
         }
 
     def to_bytes(self) -> bytes:
@@ -228,23 +298,32 @@ class Manifest:
         _expect(raw, dict, "manifest")
         if raw.get("format") != FORMAT:
             raise ValueError(f"'format' is {raw.get('format')!r}, expected {FORMAT!r}")
-        if raw.get("version") != VERSION:
-            raise ValueError(f"format version {raw.get('version')!r}; this hookscope reads version {VERSION}")
+        version = raw.get("version")
+        if version not in (1, VERSION) or isinstance(version, bool):
+            raise ValueError(f"format version {version!r}; this hookscope reads versions 1 and {VERSION}")
         settings = _expect(raw["settings"], dict, "settings")
         stored_hash = _expect(raw["settings_hash"], str, "settings_hash")
         if stored_hash != settings_hash(settings):
             raise ValueError("settings_hash does not match the settings (edited by hand?)")
+        world_size = _int(raw["world_size"], "world_size", minimum=1)
+        raw_shards = _expect(raw["shards"], list, "shards")
+        shards = ([_shard_v1(s, i, world_size) for i, s in enumerate(raw_shards)] if version == 1
+                  else [_shard(s, i) for i, s in enumerate(raw_shards)])
         m = cls(
             settings=settings,
-            world_size=_int(raw["world_size"], "world_size", minimum=1),
+            world_size=world_size,
             points=_columns(raw["points"], "points"),
             meta=_columns(raw["meta"], "meta"),
-            shards=[_shard(s, i) for i, s in enumerate(_expect(raw["shards"], list, "shards"))],
-            stats={k: _stats(v, k) for k, v in _expect(raw["stats"], dict, "stats").items()},
+            shards=shards,
+            stats={k: _stats(v, f"stats.{k}") for k, v in _expect(raw["stats"], dict, "stats").items()},
             settings_hash=stored_hash,
+            generation=0 if version == 1 else _int(raw["generation"], "generation"),
+            version=version,
         )
         if _int(raw["rows"], "rows") != m.rows or _int(raw["bytes"], "bytes") != m.bytes:
             raise ValueError("totals 'rows'/'bytes' disagree with the shard list")
+        if version != 1 and m.stats != summed_stats(m.shards):
+            raise ValueError("'stats' disagree with the sum of the shards' stats")
         if len({s.file for s in m.shards}) != len(m.shards):
             raise ValueError("a shard file is listed twice")
         row_bytes = sum(math.prod(c.shape) * getattr(torch, c.dtype).itemsize for c in m.columns.values())
@@ -290,8 +369,7 @@ def _columns(raw: Any, what: str) -> dict[str, Column]:
     return out
 
 
-def _shard(raw: Any, i: int) -> ShardEntry:
-    w = f"shards[{i}]"
+def _shard_common(raw: Any, w: str) -> tuple[str, int, str, int, int]:
     _expect(raw, dict, w)
     file = _expect(raw["file"], str, f"{w}.file")
     if not file.startswith(SHARDS_DIR + "/") or ".." in file or not file.endswith(".safetensors"):
@@ -299,19 +377,43 @@ def _shard(raw: Any, i: int) -> ShardEntry:
     sha = _expect(raw["sha256"], str, f"{w}.sha256")
     if len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha):
         raise ValueError(f"{w}.sha256 {sha!r} is not a hex SHA-256")
-    entry = ShardEntry(file, _int(raw["rows"], f"{w}.rows"), sha, _int(raw["bytes"], f"{w}.bytes"),
-                       _int(raw["batch_start"], f"{w}.batch_start"), _int(raw["batch_end"], f"{w}.batch_end"),
-                       _int(raw["rank"], f"{w}.rank"))
-    if entry.batch_end < entry.batch_start:
-        raise ValueError(f"{w}: batch_end < batch_start")
-    return entry
+    rows, size, rank = (_int(raw[k], f"{w}.{k}") for k in ("rows", "bytes", "rank"))
+    return file, rows, sha, size, rank
 
 
-def _stats(raw: Any, name: str) -> PointStats:
-    _expect(raw, dict, f"stats.{name}")
+def _shard(raw: Any, i: int) -> ShardEntry:
+    w = f"shards[{i}]"
+    file, rows, sha, size, rank = _shard_common(raw, w)
+    runs = []
+    for j, run in enumerate(_expect(raw["batches"], list, f"{w}.batches")):
+        if not isinstance(run, list) or len(run) != 3:
+            raise ValueError(f"{w}.batches[{j}] should be [first, last, step]")
+        first, last, step = (_int(x, f"{w}.batches[{j}]") for x in run)
+        if last < first or step < 1 or (last - first) % step or (runs and first <= runs[-1][1]):
+            raise ValueError(f"{w}.batches[{j}] {run} is not an increasing run after the ones before it")
+        runs.append((first, last, step))
+    if not runs:
+        raise ValueError(f"{w}.batches is empty")
+    stats = {k: _stats(v, f"{w}.stats.{k}") for k, v in _expect(raw["stats"], dict, f"{w}.stats").items()}
+    generation = _int(raw["generation"], f"{w}.generation")
+    return ShardEntry(file, rows, sha, size, tuple(runs), rank, generation, stats)
+
+
+def _shard_v1(raw: Any, i: int, world_size: int) -> ShardEntry:
+    """A version 1 entry: batch_start..batch_end stepping by the world size."""
+    w = f"shards[{i}]"
+    file, rows, sha, size, rank = _shard_common(raw, w)
+    start, end = _int(raw["batch_start"], f"{w}.batch_start"), _int(raw["batch_end"], f"{w}.batch_end")
+    if end < start or (end - start) % world_size:
+        raise ValueError(f"{w}: batch_start..batch_end ({start}..{end}) is no run of step {world_size}")
+    return ShardEntry(file, rows, sha, size, ((start, end, world_size),), rank, legacy=True)
+
+
+def _stats(raw: Any, where: str) -> PointStats:
+    _expect(raw, dict, where)
     floats = [raw[k] for k in ("norm_sum", "norm_sumsq")]
     for k, v in zip(("norm_sum", "norm_sumsq"), floats, strict=True):
         if not isinstance(v, int | float) or isinstance(v, bool):
-            raise TypeError(f"stats.{name}.{k} should be a number")
-    return PointStats(_int(raw["nonfinite"], f"stats.{name}.nonfinite"),
-                      _int(raw["norm_count"], f"stats.{name}.norm_count"), float(floats[0]), float(floats[1]))
+            raise TypeError(f"{where}.{k} should be a number")
+    return PointStats(_int(raw["nonfinite"], f"{where}.nonfinite"),
+                      _int(raw["norm_count"], f"{where}.norm_count"), float(floats[0]), float(floats[1]))

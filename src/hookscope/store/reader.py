@@ -32,7 +32,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import StoreError
 from .fs import BlockCache, Extent, Remote, is_remote, local_path, sha256_of
-from .manifest import IDENTITY, MANIFEST, SHARDS_DIR, Column, Manifest, PointStats, ShardEntry, shard_identity
+from .manifest import IDENTITY, MANIFEST, SHARDS_DIR, Column, Manifest, PointStats, ShardEntry
 
 if TYPE_CHECKING:
     import datasets
@@ -71,8 +71,8 @@ def open_store(path: str | os.PathLike, *, verify: bool = False) -> Store:
     return store
 
 
-_UNMERGED = ("{root}: only per-rank manifests here; the torchrun job did not finish. Re-run it (it "
-             "resumes), or merge them with hookscope.store.merge_rank_manifests(path, world_size)")
+_UNMERGED = ("{root}: only per-rank manifests here; the torchrun job did not finish. Re-run it with any "
+             "number of processes (it resumes), or merge them with hookscope.store.merge_rank_manifests(path)")
 
 
 def _open_remote(remote: Remote, verify: bool) -> Store:
@@ -504,7 +504,7 @@ def _tensor(data: bytes, col: Column, rows: int) -> torch.Tensor:
 def _check_identity(path: Path | str, header: dict[str, Any], entry: ShardEntry, settings_hash: str) -> None:
     meta = header.get("__metadata__")
     got = meta.get(IDENTITY) if isinstance(meta, dict) else None
-    want = shard_identity(settings_hash, entry.batch_start, entry.batch_end, entry.rank)[IDENTITY]
+    want = entry.identity(settings_hash)
     if got == want:
         return
     if got is None:

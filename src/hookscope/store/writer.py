@@ -5,7 +5,8 @@ the manifest is then replaced atomically; and a batch counts as done only once t
 the shard holding it. Shards are cut at batch boundaries only, so every committed shard holds whole
 batches, and a resumed run that skips `done_batches` writes each batch exactly once. Because the
 cut points depend only on the sequence of batches, a resumed store equals an uninterrupted one
-shard for shard.
+shard for shard. A resume with another number of ranks re-deals the batches not yet committed
+(see store/resume.py).
 """
 
 from __future__ import annotations
@@ -36,9 +37,12 @@ from .manifest import (
     ShardEntry,
     fsync_dir,
     manifest_name,
-    settings_diff,
+    runs_of,
     shard_identity,
+    shard_prefix,
+    summed_stats,
 )
+from .resume import is_manifest, plan, read_manifests, read_plan
 
 _STOP = object()
 
@@ -49,8 +53,11 @@ class ShardWriter:
     `write(i, tensors, meta)` queues batch `i` (a bounded queue: the caller blocks when the disk
     falls behind, so memory stays flat); `close()` flushes the rest and reports any error from the
     writer thread. Under torchrun each rank writes `shard-r{rank:03d}-*` files and its own
-    `manifest.rank{rank}.json`, owns the batches with `i % world_size == rank`, and rank 0 calls
-    `merge_rank_manifests` once every rank has closed.
+    `manifest.rank{rank}.json`, writes the batches for which `owns(i)` is true (`i % world_size ==
+    rank` in a fresh store), and rank 0 calls `merge_rank_manifests` once every rank has closed.
+    Opening a store started with another number of ranks begins a new attempt ("generation" g >= 1:
+    files `shard-g{g:03d}-r{rank:03d}-*`, `manifest.rank{rank}.gen{g}.json`) that deals the batches
+    no one has committed; `done_batches` are those to skip.
     """
 
     def __init__(self, out_dir: str | os.PathLike, settings: dict[str, Any], *, shard_rows: int = 65536,
@@ -67,16 +74,26 @@ class ShardWriter:
             "HOOKSCOPE_STAGING_DIR"))) if self._remote else None
         self._shards = self._staging if self._remote else self.out / SHARDS_DIR
         self._file_mode = 0o666 & ~_umask()  # safetensors creates 0600 files; a store is meant to be shared
-        self._prefix = f"shard-r{rank:03d}-"
-        self._manifest_name = manifest_name(rank, world_size)
-        self._manifest_path = Path(self.out) / self._manifest_name
         self._check_is_store_dir()
         try:
             self._shards.mkdir(parents=True, exist_ok=True)
         except OSError as e:
             raise StoreError(f"cannot create the store directory {self.out}: {e}; "
                              "choose a writable --out") from e
-        self.manifest = self._open_manifest(settings)
+        found = read_plan(self.out, self._remote, settings, world_size)
+        self.deal = found.deal
+        self.generation = found.deal.generation
+        self._prefix = shard_prefix(rank, self.generation)
+        self._manifest_name = manifest_name(rank, world_size, self.generation)
+        self._manifest_path = Path(self.out) / self._manifest_name
+        self._listed = {Path(s.file).name for s in found.shards}  # by any manifest: not debris
+        own = found.own(rank)
+        # one process keeps the whole store's manifest.json (earlier attempts' shards too); a rank
+        # of several keeps its own shards only, and the merge unites them
+        shards = sorted([*found.inherited(), *own], key=lambda s: s.batch_start) if world_size == 1 else own
+        self.manifest = Manifest(settings=settings, world_size=world_size, generation=self.generation,
+                                 points=found.points if shards else {}, meta=found.meta if shards else {},
+                                 shards=shards, stats=summed_stats(shards))
         try:  # stamps the settings into the directory now, and proves it is writable before any compute
             self._remove_orphans()
             self._save_manifest(self.manifest)
@@ -88,11 +105,12 @@ class ShardWriter:
         except OSError as e:
             raise StoreError(f"cannot write to the store directory {self.out}: {e}; make it writable (or "
                              "free space) or choose another --out, and re-run") from e
-        self.done_batches: frozenset[int] = frozenset(self.manifest.done_batches(rank))
+        # to skip: what earlier attempts committed, and this rank's own shards of this attempt
+        self.done_batches: frozenset[int] = frozenset(found.deal.done_before).union(
+            *(s.batch_indices() for s in own))
         self.bytes_written = 0  # this session, for a progress bar
-        self._layout: dict[str, Column] = self.manifest.columns
-        self._next_shard = 1 + max((_shard_number(s.file) for s in self.manifest.shards if s.rank == rank),
-                                   default=-1)
+        self._layout = {**found.points, **found.meta}  # every rank's batches must match the store's columns
+        self._next_shard = 1 + max((_shard_number(s.file) for s in own), default=-1)
         self._last_batch: int | None = None
         self._error: BaseException | None = None
         self._error_reported = False
@@ -117,6 +135,10 @@ class ShardWriter:
     def nonfinite(self) -> dict[str, int]:
         """NaN/Inf values per point, committed so far."""
         return {name: s.nonfinite for name, s in self.manifest.stats.items()}
+
+    def owns(self, batch_index: int) -> bool:
+        """Whether this writer is to write batch `batch_index` (not done, and dealt to this rank)."""
+        return batch_index not in self.done_batches and self.deal.owner(batch_index) == self.rank
 
     def write(self, batch_index: int, tensors: Mapping[str, torch.Tensor],
               meta: Mapping[str, torch.Tensor] | None = None) -> None:
@@ -166,11 +188,11 @@ class ShardWriter:
             exc.add_note(f"and the store writer failed too: {e}")
 
     def _check_index(self, i: int) -> None:
-        if i % self.world_size != self.rank:
-            raise StoreError(f"batch {i} belongs to rank {i % self.world_size}, "
-                             f"not to this writer (rank {self.rank})")
         if i in self.done_batches:
             raise StoreError(f"batch {i} is already in the store; skip the batches in writer.done_batches")
+        if self.deal.owner(i) != self.rank:
+            raise StoreError(f"batch {i} belongs to rank {self.deal.owner(i)}, not to this writer "
+                             f"(rank {self.rank}); write the batches for which owns(i) is true")
         if self._last_batch is not None and i <= self._last_batch:
             raise StoreError(f"batch {i} after batch {self._last_batch}: write batches in increasing order")
 
@@ -225,8 +247,9 @@ class ShardWriter:
             self._error = e
 
     def _take(self, index: int, batch: dict[str, torch.Tensor], points: tuple[str, ...]) -> None:
-        if self._pending and index != self._pending[-1][0] + self.world_size:
-            self._flush()  # a gap in the batch indices: each shard covers one unbroken run of batches
+        if self._pending and (self.deal.position(index)
+                              != self.deal.position(self._pending[-1][0]) + self.world_size):
+            self._flush()  # a batch of this rank was left out: a shard holds an unbroken run of them
         self._pending.append((index, batch))
         for name in points:
             self._pending_stats[name] = self._pending_stats.get(name, PointStats()).merge(
@@ -244,7 +267,8 @@ class ShardWriter:
         tensors = {k: torch.cat([b[k] for _, b in pending]) for k in pending[0][1]}
         name = f"{self._prefix}{self._next_shard:06d}.safetensors"
         final, tmp = self._shards / name, self._shards / (name + ".tmp")
-        identity = shard_identity(self.manifest.settings_hash, pending[0][0], pending[-1][0], self.rank)
+        runs = runs_of([i for i, _ in pending])
+        identity = shard_identity(self.manifest.settings_hash, runs, self.rank)
         try:
             save_file(tensors, tmp, metadata=identity)
             os.chmod(tmp, self._file_mode)
@@ -259,11 +283,17 @@ class ShardWriter:
             tmp.unlink(missing_ok=True)
             raise
         rows = next(iter(tensors.values())).shape[0]
-        entry = ShardEntry(f"{SHARDS_DIR}/{name}", rows, sha, size, pending[0][0], pending[-1][0], self.rank)
+        entry = ShardEntry(f"{SHARDS_DIR}/{name}", rows, sha, size, runs, self.rank, self.generation,
+                           dict(stats))
         old = self.manifest
-        merged = {k: old.stats.get(k, PointStats()).merge(s) for k, s in stats.items()}
+        shards = [*old.shards, entry]
+        if len(shards) > 1 and shards[-2].batch_start > entry.batch_start:  # among earlier attempts' shards
+            shards.sort(key=lambda s: s.batch_start)
+            totals = summed_stats(shards)
+        else:  # appended: the same sums as summed_stats(shards), without going over every shard again
+            totals = {**old.stats, **{k: old.stats.get(k, PointStats()).merge(s) for k, s in stats.items()}}
         new = dataclasses.replace(
-            old, shards=[*old.shards, entry], stats={**old.stats, **merged},
+            old, shards=shards, stats=totals,
             points={k: c for k, c in self._layout.items() if k in stats},
             meta={k: c for k, c in self._layout.items() if k not in stats},
         )
@@ -274,7 +304,7 @@ class ShardWriter:
             self._remote.remove(entry.file) if self._remote else final.unlink(missing_ok=True)
             raise
         self.manifest = new  # rebinding, so the caller's thread always sees a whole manifest
-        self.done_batches = self.done_batches | set(entry.batches(self.world_size))
+        self.done_batches = self.done_batches | set(entry.batch_indices())
         self.bytes_written += size
         self._next_shard += 1
 
@@ -288,17 +318,10 @@ class ShardWriter:
         else:
             return
         foreign = [n for n in names if n != SHARDS_DIR and not n.startswith("manifest")]
-        has_manifest = any(_is_manifest(n) for n in names)
+        has_manifest = any(is_manifest(n) for n in names)
         if foreign and not has_manifest:
             raise StoreError(f"{self.out} is not empty and is not a hookscope store "
                              f"(it holds {sorted(foreign)[:5]}); choose a new or empty --out directory")
-
-    def _manifests(self) -> list[tuple[str, Manifest]]:
-        """Every manifest in the store (ours, the merged one, other ranks'), by name."""
-        if self._remote:
-            names = [n for n in self._remote.list() if _is_manifest(n)]
-            return [(n, Manifest.from_bytes(self._remote.read(n), f"{self.out}/{n}")) for n in names]
-        return [(p.name, Manifest.load(p)) for p in sorted(self.out.glob("manifest*.json"))]
 
     def _manifest_exists(self) -> bool:
         if self._remote:
@@ -311,68 +334,53 @@ class ShardWriter:
         else:
             manifest.save(self._manifest_path)
 
-    def _open_manifest(self, settings: dict[str, Any]) -> Manifest:
-        fresh = Manifest(settings=settings, world_size=self.world_size)
-        existing = None
-        for name, m in self._manifests():
-            if m.settings_hash != fresh.settings_hash:
-                diff = "\n  ".join(settings_diff(m.settings, fresh.settings))
-                raise StoreError(
-                    f"{self.out} already holds a store made with different settings:\n  {diff}\n"
-                    f"Use a new --out directory, or delete {self.out} to start over."
-                )
-            if m.world_size != self.world_size:
-                raise StoreError(f"{self.out} was written by {m.world_size} process(es), "
-                                 f"not {self.world_size}; resume with the same number of processes, "
-                                 "or use a new --out directory")
-            if name == self._manifest_name:
-                existing = m
-        return existing or fresh
-
     def _remove_orphans(self) -> None:
-        """Delete this rank's leftovers of a crash: `.tmp` files and shards the manifest never listed."""
-        listed = {Path(s.file).name for s in self.manifest.shards}
+        """Delete leftovers of a crash: this rank's `.tmp` files and the shards no manifest lists,
+        and (rank 0) those of earlier attempts, whose processes have stopped."""
+        def debris(name: str) -> bool:
+            if not name.startswith(self._prefix) and (self.rank != 0 or not name.startswith("shard-")
+                                                      or _of_generation(name, self.generation)):
+                return False  # another rank's of this attempt: it may be writing it right now
+            return name.endswith(".tmp") or name not in self._listed
+
         if self._remote:
             for name in self._remote.list(SHARDS_DIR):
-                if name.startswith(self._prefix) and name not in listed:
+                if debris(name):
                     self._remote.remove(f"{SHARDS_DIR}/{name}")
             return
-        for path in self._shards.glob(self._prefix + "*"):
-            if path.name.endswith(".tmp") or path.name not in listed:
+        for path in self._shards.iterdir():
+            if debris(path.name):
                 path.unlink(missing_ok=True)
         self._manifest_path.with_name(self._manifest_path.name + ".tmp").unlink(missing_ok=True)
 
 
-def _is_manifest(name: str) -> bool:
-    return name.startswith("manifest") and name.endswith(".json")
+def _of_generation(name: str, generation: int) -> bool:
+    """Whether shard file `name` was written by attempt `generation`."""
+    return bool(re.match(r"shard-r\d{3}-" if generation == 0 else rf"shard-g{generation:03d}-", name))
 
 
-def merge_rank_manifests(out_dir: str | os.PathLike, world_size: int) -> Manifest:
-    """Merge every rank's `manifest.rank{r}.json` into `manifest.json` (rank 0, after a barrier)."""
+def merge_rank_manifests(out_dir: str | os.PathLike, world_size: int | None = None) -> Manifest:
+    """Unite every manifest in the store (each rank's, of every attempt) into `manifest.json`: its
+    shards ordered by first batch, stats summed. Rank 0 calls it once every rank has closed;
+    `world_size`, if given, must be that of the latest attempt."""
     remote = Remote(os.fspath(out_dir)) if is_remote(out_dir) else None
     out = remote.url if remote else local_path(out_dir)
-    if remote:
-        names = [manifest_name(r, world_size) for r in range(world_size)]
-        parts = [Manifest.from_bytes(remote.read(n), f"{out}/{n}") for n in names]
-    else:
-        parts = [Manifest.load(out / manifest_name(r, world_size)) for r in range(world_size)]
-    if world_size == 1:
-        return parts[0]
-    if len({m.settings_hash for m in parts}) != 1:
-        raise StoreError(f"{out}: the ranks' manifests were written with different settings; "
-                         "re-run all ranks")
-    layouts = {(tuple(m.points.items()), tuple(m.meta.items())) for m in parts if m.shards}
-    if len(layouts) > 1:
-        raise StoreError(f"{out}: the ranks wrote different columns (points, shapes or dtypes)")
-    with_rows = next((m for m in parts if m.shards), parts[0])
-    stats: dict[str, PointStats] = {}
-    for m in parts:
-        for k, s in m.stats.items():
-            stats[k] = stats.get(k, PointStats()).merge(s)
-    merged = Manifest(settings=parts[0].settings, world_size=world_size, points=with_rows.points,
-                      meta=with_rows.meta, shards=sorted((s for m in parts for s in m.shards),
-                                                         key=lambda s: (s.batch_start, s.rank)),
-                      stats=stats, settings_hash=parts[0].settings_hash)
+    manifests = read_manifests(out, remote)
+    if not manifests:
+        raise StoreError(f"{out}: no manifest here; is this a hookscope store?")
+    latest = max((m for _, m in manifests), key=lambda m: m.generation)
+    if world_size is not None and world_size != latest.world_size:
+        raise StoreError(f"{out}: its latest run had {latest.world_size} process(es), not {world_size}")
+    names = {name for name, _ in manifests}
+    missing = [r for r in range(latest.world_size)
+               if manifest_name(r, latest.world_size, latest.generation) not in names]
+    if missing:
+        raise StoreError(f"{out}: rank {missing[0]} of the latest run left no manifest; re-run the job "
+                         "(it resumes) to finish the store")
+    united = plan(manifests, latest.settings, latest.world_size, str(out))
+    merged = Manifest(settings=latest.settings, world_size=latest.world_size, generation=latest.generation,
+                      points=united.points, meta=united.meta, shards=united.shards,
+                      stats=summed_stats(united.shards), settings_hash=latest.settings_hash)
     if remote:
         remote.write(MANIFEST, merged.to_bytes())
     else:

@@ -1,0 +1,141 @@
+"""Which batches a store already holds, and which rank writes each of the others (elastic resume).
+
+A store is written by one or more *attempts* (generations 0, 1, 2...). A resume with the world size
+of the latest attempt continues it: each rank picks up its own manifest. A resume with another
+world size starts the next attempt, which deals the batches that no earlier attempt committed:
+the j-th of them (counting up from batch 0, skipping done ones) goes to rank j % world_size.
+Every rank of an attempt computes the same deal from the committed manifests alone, without
+talking to the others: ranks of the new attempt add only shards of the new generation, which do not
+change what was done before it. (The processes of the old attempt must have stopped.)
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import StoreError
+from .fs import Remote, is_remote, local_path
+from .manifest import VERSION, Column, Manifest, ShardEntry, settings_diff, settings_hash
+
+
+@dataclass(frozen=True)
+class Deal:
+    """How the `world_size` ranks of attempt `generation` split the batches not done before it."""
+
+    generation: int
+    world_size: int
+    done_before: tuple[int, ...]  # sorted: the batches committed by earlier attempts
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_done", frozenset(self.done_before))
+
+    def position(self, batch: int) -> int:
+        """Where `batch` stands among the batches this attempt deals (0 for the first)."""
+        return batch - bisect.bisect_left(self.done_before, batch)
+
+    def owner(self, batch: int) -> int | None:
+        """The rank that writes `batch`, or None if an earlier attempt did."""
+        return None if batch in self._done else self.position(batch) % self.world_size
+
+    def visits(self, batch: int, rank: int) -> bool:
+        """Whether `rank` goes through `batch`: it writes it, or (done before) counts it as skipped.
+        Every batch is visited by exactly one rank, and batch 0 by rank 0."""
+        owner = self.owner(batch)
+        return (batch % self.world_size if owner is None else owner) == rank
+
+
+@dataclass
+class Plan:
+    """A store's committed state as seen by a new run: every shard, and the deal for this run."""
+
+    deal: Deal
+    shards: list[ShardEntry]  # every committed shard of every attempt, by first batch
+    points: dict[str, Column]
+    meta: dict[str, Column]
+
+    def own(self, rank: int) -> list[ShardEntry]:
+        """The shards `rank` of this attempt committed before (when it continues an attempt)."""
+        return [s for s in self.shards if s.generation == self.deal.generation and s.rank == rank]
+
+    def inherited(self) -> list[ShardEntry]:
+        return [s for s in self.shards if s.generation < self.deal.generation]
+
+
+def read_manifests(out: Path | str, remote: Remote | None) -> list[tuple[str, Manifest]]:
+    """Every manifest in the store (the merged one and every rank's of every attempt), by name."""
+    if remote is not None:
+        names = [n for n in remote.list() if is_manifest(n)]
+        return [(n, Manifest.from_bytes(remote.read(n), f"{remote.url}/{n}")) for n in names]
+    out = Path(out)
+    return [(p.name, Manifest.load(p)) for p in sorted(out.glob("manifest*.json"))] if out.is_dir() else []
+
+
+def is_manifest(name: str) -> bool:
+    return name.startswith("manifest") and name.endswith(".json")
+
+
+def union_shards(manifests: list[tuple[str, Manifest]], where: str) -> list[ShardEntry]:
+    """The shards listed by any manifest, by first batch; the same file must be listed the same
+    everywhere, and no batch may be in two shards."""
+    by_file: dict[str, ShardEntry] = {}
+    for name, m in manifests:
+        for s in m.shards:
+            seen = by_file.setdefault(s.file, s)
+            if seen != s:
+                raise StoreError(f"{where}: {name} lists {s.file} differently from another manifest; the "
+                                 "store is damaged. Re-run the extraction into a new directory")
+    shards = sorted(by_file.values(), key=lambda s: s.batch_start)
+    holder: dict[int, str] = {}
+    for s in shards:
+        for b in s.batch_indices():
+            if holder.setdefault(b, s.file) != s.file:
+                raise StoreError(f"{where}: batch {b} is in both {holder[b]} and {s.file}; the store is "
+                                 "damaged. Re-run the extraction into a new directory")
+    return shards
+
+
+def plan(manifests: list[tuple[str, Manifest]], settings: dict[str, Any], world_size: int,
+         where: str) -> Plan:
+    """Check that `manifests` belong to a store made with `settings`, and deal the rest."""
+    wanted = settings_hash(settings)
+    for name, m in manifests:
+        if m.version != VERSION:
+            raise StoreError(
+                f"{where} was written by an older hookscope (store format {m.version}, in {name}): it opens "
+                "for reading, but this version cannot resume or extend it. Finish it with the hookscope "
+                "that started it, or use a new --out directory")
+        if m.settings_hash != wanted:
+            diff = "\n  ".join(settings_diff(m.settings, settings))
+            raise StoreError(f"{where} already holds a store made with different settings:\n  {diff}\n"
+                             f"Use a new --out directory, or delete {where} to start over.")
+    shards = union_shards(manifests, where)
+    layouts = {(tuple(m.points.items()), tuple(m.meta.items())) for _, m in manifests if m.shards}
+    if len(layouts) > 1:
+        raise StoreError(f"{where}: the manifests hold different columns (points, shapes or dtypes); "
+                         "the store is damaged. Re-run the extraction into a new directory")
+    points, meta = (dict(c) for c in next(iter(layouts))) if layouts else ({}, {})
+    latest = max((m.generation for _, m in manifests), default=None)
+    if latest is None:
+        generation = 0
+    else:
+        sizes = {m.world_size for _, m in manifests if m.generation == latest}
+        if len(sizes) != 1:
+            raise StoreError(f"{where}: the manifests of attempt {latest} disagree on its number of "
+                             f"processes ({sorted(sizes)}); the store is damaged")
+        generation = latest if sizes == {world_size} else latest + 1
+    done_before = sorted(b for s in shards if s.generation < generation for b in s.batch_indices())
+    return Plan(Deal(generation, world_size, tuple(done_before)), shards, points, meta)
+
+
+def read_plan(out: Path | str, remote: Remote | None, settings: dict[str, Any], world_size: int) -> Plan:
+    return plan(read_manifests(out, remote), settings, world_size, str(remote.url if remote else out))
+
+
+def deal_for(out_dir: str | os.PathLike, settings: dict[str, Any], world_size: int) -> Deal:
+    """The deal a writer opening `out_dir` now would get, read without writing anything."""
+    remote = Remote(os.fspath(out_dir)) if is_remote(out_dir) else None
+    return read_plan(remote.url if remote else local_path(out_dir), remote, settings, world_size).deal
