@@ -8,8 +8,9 @@ so the sampler's state is just (epoch, rows yielded): restoring it skips whole w
 reading them and yields exactly the remaining rows.
 
 Reading overlaps consuming, and nothing is copied twice: a window's shards are memory-mapped
-and, in a background thread, brought into memory (`madvise(MADV_POPULATE_READ)`: the page cache
-reads whole files sequentially, page tables are filled) while the previous window is consumed. A
+and, in a background thread, brought into memory (each page touched in file order: the page
+cache reads the files sequentially and the page tables are filled) while the previous window is
+consumed. A
 batch is gathered straight from the mapped shards into its own tensor (`index_select` per shard,
 the batch's rows grouped by shard), so a trainer gets in-memory gather speed: the same single copy
 per row as gathering from a tensor already in RAM. The mappings are kept from epoch to epoch while
@@ -26,7 +27,6 @@ batch is gathered straight into shared memory (the DataLoader then passes a hand
 
 from __future__ import annotations
 
-import ctypes
 import os
 import sys
 from collections import deque
@@ -395,26 +395,17 @@ def _ram_bytes() -> int:
         return 0
 
 
-_MADV_WILLNEED, _MADV_POPULATE_READ = 3, 22  # Linux; POPULATE_READ since 5.14
 _PAGE = 4096
-try:  # ctypes releases the GIL during the call: the consumer runs while pages are read
-    _madvise = ctypes.CDLL(None, use_errno=True).madvise if sys.platform.startswith("linux") else None
-except (OSError, AttributeError):
-    _madvise = None
-if _madvise is not None:
-    _madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    _madvise.restype = ctypes.c_int
 
 
 def _populate(t: torch.Tensor) -> None:
-    """Bring a memory-mapped tensor's pages into memory and into the page tables now (sequential
-    reads of the file), so that gathering from it later neither waits for the disk nor faults."""
-    if _madvise is None or t.numel() == 0:
-        return
-    start = t.data_ptr() & ~(_PAGE - 1)
-    length = t.data_ptr() + t.numel() * t.element_size() - start
-    if _madvise(start, length, _MADV_POPULATE_READ) != 0:  # an older kernel: at least read ahead
-        _madvise(start, length, _MADV_WILLNEED)
+    """Bring a memory-mapped tensor's pages into memory and into the page tables now, reading the
+    file front to back (the kernel reads ahead and maps 16 cached pages per fault), so gathering
+    from it later neither waits for the disk nor faults. One byte per page is touched by a torch
+    reduction, which releases the GIL: the consumer keeps running. (`MADV_POPULATE_READ` was
+    measured 1.5-5x slower than this, warm and cold.)"""
+    if t.numel():
+        t.reshape(-1).view(torch.uint8)[::_PAGE].max()
 
 
 def _join(parts: list[dict[str, torch.Tensor]], empty: _Alloc) -> dict[str, torch.Tensor]:
