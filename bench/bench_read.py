@@ -51,8 +51,8 @@ POINT = "blocks.0.resid_post"
 EPOCHS = 3  # warm cases: steady state over 3 epochs (cold: one epoch, right after dropping the cache)
 
 
-def store_dir(d: int, dtype: str) -> Path:
-    return OUT / f"store-{d}-{dtype}"
+def store_dir(d: int, dtype: str, quick: bool = False) -> Path:
+    return OUT / f"store-{d}-{dtype}-{SHAPES[d]['rows'] // (8 if quick else 1)}"
 
 
 def build_store(d: int, dtype: str, quick: bool) -> Path:
@@ -60,7 +60,7 @@ def build_store(d: int, dtype: str, quick: bool) -> Path:
 
     from hookscope.store import ShardWriter
 
-    out = store_dir(d, dtype)
+    out = store_dir(d, dtype, quick)
     if (out / "manifest.json").exists():
         return out
     shape = SHAPES[d]
@@ -73,6 +73,11 @@ def build_store(d: int, dtype: str, quick: bool) -> Path:
             x = torch.randn(per, d, generator=g).to(getattr(torch, dtype))
             w.write(b, {POINT: x}, {"token_ids": torch.arange(b * per, (b + 1) * per)})
     return out
+
+
+def saelens_dir(rows: int) -> Path:
+    """SAELens's cached-activations folder exported from the 768 float16 store of `rows` rows."""
+    return OUT / f"saelens-768-float16-{rows}"
 
 
 def drop_cache(path: Path) -> None:
@@ -103,14 +108,13 @@ def before_src(rev: str) -> Path:
     return out / "src"
 
 
-def measure(case: str, d: int, dtype: str, cache: str) -> dict:
-    """One pass over the store in this process; rows/s."""
+def measure(case: str, d: int, dtype: str, cache: str, path: Path) -> dict:
+    """One pass over the store at `path` in this process; rows/s."""
     import numpy as np
     import torch
 
     import hookscope as hs
 
-    path = store_dir(d, dtype)
     store = hs.open_store(path)
     rows = len(store)
     buffer_rows = SHAPES[d]["buffer_rows"] // (8 if rows < SHAPES[d]["rows"] else 1)
@@ -153,7 +157,7 @@ def measure(case: str, d: int, dtype: str, cache: str) -> dict:
     return {"rows_per_s": n / seconds, "gib_per_s": n * d * 2 / seconds / 2**30, "hookscope": hs.__file__}
 
 
-def measure_saelens(source: str, steps: int) -> dict:
+def measure_saelens(source: str, steps: int, train: bool = True) -> dict:
     import torch
     from sae_lens import SAETrainer, StandardTrainingSAE, StandardTrainingSAEConfig
     from sae_lens.config import SAETrainerConfig
@@ -168,7 +172,7 @@ def measure_saelens(source: str, steps: int) -> dict:
     if source == "hookscope":
         data = iter(store.dataset(POINT, batch_size=BATCH, drop_last=True, repeat=True, buffer_rows=65_536))
     else:
-        cache = saelens_config(OUT / "saelens-768-float16")
+        cache = saelens_config(saelens_dir(len(store)))
         data = ActivationsStore(
             model=None, dataset=None, streaming=False, hook_name=cache.hook_name, hook_head_index=None,
             context_size=cache.context_size, d_in=cache.d_in, n_batches_in_buffer=64,
@@ -179,6 +183,11 @@ def measure_saelens(source: str, steps: int) -> dict:
     cfg = SAETrainerConfig(total_training_samples=steps * BATCH, train_batch_size_samples=BATCH, lr=1e-4,
                            lr_end=1e-4)
     batch = next(data)  # the first read (opening, first window) is not what this measures
+    if not train:  # the data path alone: batches as SAETrainer.step receives them
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            next(data).to(torch.float32)
+        return {"samples_per_s": steps * BATCH / (time.perf_counter() - t0)}
     trainer = SAETrainer(cfg, sae, data)
     trainer.step(batch.float())
     trainer.n_training_samples = 0
@@ -206,7 +215,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="1/8 of the rows (a smoke run)")
     p.add_argument("--saelens", action="store_true", help="also SAELens training samples/s")
     p.add_argument("--saelens-only", action="store_true")
-    p.add_argument("--steps", type=int, default=24, help="SAELens training steps per run")
+    p.add_argument("--steps", type=int, default=16, help="SAELens training steps per run")
     p.add_argument("--before-src", type=Path, help=f"src/ of the 'before' checkout (default: main at "
                    f"{BEFORE_REV}, exported from git)")
     p.add_argument("--cases", default=",".join(f"{c}/{k}" for c, k in CASES))
@@ -217,10 +226,10 @@ def main() -> None:
     if args.one:
         kind, *rest = args.one
         if kind == "read":
-            case, d, dtype, cache = rest
-            print(json.dumps(measure(case, int(d), dtype, cache)))
+            case, d, dtype, cache, path = rest
+            print(json.dumps(measure(case, int(d), dtype, cache, Path(path))))
         else:
-            print(json.dumps(measure_saelens(rest[0], int(rest[1]))))
+            print(json.dumps(measure_saelens(rest[0], int(rest[1]), rest[2] == "train")))
         return
     sys.path.insert(0, str(BENCH_DIR.parent / "src"))
     OUT.mkdir(parents=True, exist_ok=True)
@@ -233,12 +242,12 @@ def main() -> None:
     if not args.saelens_only:
         for d in dims:
             for dtype in dtypes:
-                build_store(d, dtype, args.quick)
+                path = build_store(d, dtype, args.quick)
                 runs: dict[str, list[dict]] = {}
                 for _ in range(args.runs):  # rounds: every case once per round (ABAB), fresh processes
                     for case, cache in cases:
                         src = before if case.startswith("before") else None
-                        one = ["read", case, str(d), dtype, cache]
+                        one = ["read", case, str(d), dtype, cache, str(path)]
                         runs.setdefault(f"{case}/{cache}", []).append(fresh(one, src))
                 row = {k: statistics.median(r["rows_per_s"] for r in v) for k, v in runs.items()}
                 floor = max(v for k, v in row.items() if k.startswith("floor"))
@@ -256,21 +265,24 @@ def main() -> None:
         import hookscope as hs
         from hookscope.export import export_saelens
 
-        build_store(768, "float16", args.quick)
-        cache = OUT / "saelens-768-float16"
+        build_store(768, "float16", False)
+        cache = saelens_dir(len(hs.open_store(store_dir(768, "float16"))))
         if not (cache / "state.json").exists():
             export_saelens(hs.open_store(store_dir(768, "float16")), cache, context_size=128, progress=False)
-        rates = {}
+        rates: dict[str, list[float]] = {}
         for _ in range(args.runs):  # alternate, so load drifts hit both
             for source in ("hookscope", "saelens-cache"):
-                rate = fresh(["saelens", source, str(args.steps)])["samples_per_s"]
-                rates.setdefault(source, []).append(rate)
+                for what, steps in (("train", args.steps), ("data", 8 * args.steps)):
+                    rate = fresh(["saelens", source, str(steps), what])["samples_per_s"]
+                    rates.setdefault(f"{source}/{what}", []).append(rate)
         med = {k: statistics.median(v) for k, v in rates.items()}
-        print(f"\nSAELens SAETrainer.fit, d_in 768 -> 1536, batches of {BATCH}, {args.steps} steps: "
-              "samples/s")
+        print(f"\nSAELens SAETrainer.fit, d_in 768 -> 1536, batches of {BATCH}, {args.steps} steps (train), "
+              "or the batches alone (data): samples/s")
         for k, v in rates.items():
-            print(f"  {k:14s} median {med[k]:9,.0f}  runs {[round(x) for x in v]}")
-        print(f"  ratio hookscope / SAELens cache: {med['hookscope'] / med['saelens-cache']:.2f}x")
+            print(f"  {k:20s} median {med[k]:11,.0f}  runs {[round(x) for x in v]}")
+        for what in ("train", "data"):
+            print(f"  ratio hookscope / SAELens cache, {what}: "
+                  f"{med[f'hookscope/{what}'] / med[f'saelens-cache/{what}']:.2f}x")
         results["saelens"] = rates
     print(f"load after: {open('/proc/loadavg').read().split()[:3]}")
     (OUT / "results.json").write_text(json.dumps(results, indent=1))
