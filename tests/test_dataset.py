@@ -206,3 +206,66 @@ def test_a_worker_makes_its_batches_in_shared_memory(id_store):
     loader = torch.utils.data.DataLoader(_SharedProbe(ds), batch_size=None, num_workers=1)
     assert [bool(x) for x in loader] == [True] * 7
     assert not any(b.is_shared() for b in ds)
+
+
+@pytest.fixture(scope="module")
+def mixed_store(tmp_path_factory):
+    """100 rows in shards of 16 (the last short): bfloat16 (n, 5), float16 (n, 2, 3), and
+    token_ids holding each row's global index."""
+    out = tmp_path_factory.mktemp("mixed") / "s"
+    g = torch.Generator().manual_seed(0)
+    with ShardWriter(out, {"mixed": True}, shard_rows=16) as w:
+        for b in range(25):
+            w.write(b, {"a": torch.randn(4, 5, generator=g).to(torch.bfloat16),
+                        "h": torch.randn(4, 2, 3, generator=g).half()},
+                    {"token_ids": torch.arange(b * 4, b * 4 + 4)})
+    return open_store(out)
+
+
+@pytest.mark.parametrize("kw", [
+    {"batch_size": 13, "buffer_rows": 40},
+    {"batch_size": 13, "buffer_rows": 40, "shuffle": False},
+    {"batch_size": 7, "buffer_rows": 1, "drop_last": True},  # a window per shard
+    {"buffer_rows": 33},  # row by row
+    {"batch_size": 32, "buffer_rows": 1000, "rank": 1, "world_size": 2, "split": "val", "val_fraction": 0.5},
+])
+def test_every_row_is_the_stores_bytes(mixed_store, kw):
+    """Each yielded row, any dtype or shape, is bit for bit the row the store holds (compared with
+    `store.tensor`, the columns read whole in store order), matched through its token id."""
+    whole = {k: mixed_store.tensor(k) for k in ("a", "h")}
+    ds = mixed_store.dataset(["a", "h", "token_ids"], seed=3, **kw)
+    items = list(ds)
+    seen = []
+    for item in items:
+        ids = item["token_ids"].reshape(-1)
+        for k in ("a", "h"):
+            got = item[k].reshape(len(ids), *whole[k].shape[1:])
+            assert got.dtype == whole[k].dtype
+            assert torch.equal(got.view(torch.int16), whole[k][ids].view(torch.int16))
+        seen += ids.tolist()
+    assert len(seen) == len(set(seen))  # no row twice
+    assert len(seen) == (len(ds) * kw["batch_size"] if kw.get("drop_last") else ds.rows_per_epoch)
+
+
+def test_mappings_are_kept_across_epochs_only_when_they_fit(mixed_store, monkeypatch):
+    """Shards are mapped once per iterator while the columns fit in half the RAM (later epochs
+    touch no new mapping), once per window otherwise; the rows are the same either way."""
+    from hookscope.store import dataset as dataset_module
+
+    opened: list[int] = []
+    real = type(mixed_store).load_shard
+
+    def recording(self, i, names=None):
+        opened.append(i)
+        return real(self, i, names)
+
+    monkeypatch.setattr(type(mixed_store), "load_shard", recording)
+    kw = {"seed": 1, "buffer_rows": 40, "batch_size": 10, "repeat": True}
+    kept = list(islice(iter(mixed_store.dataset("a", **kw)), 30))  # 3 epochs of 10 batches
+    assert sorted(opened) == list(range(mixed_store.num_shards))
+    opened.clear()
+    monkeypatch.setattr(dataset_module, "_ram_bytes", lambda: 0)
+    dropped = list(islice(iter(mixed_store.dataset("a", **kw)), 30))
+    # once per epoch (and the next epoch's first window, read ahead)
+    assert all(3 <= opened.count(i) <= 4 for i in range(mixed_store.num_shards))
+    assert all(torch.equal(a, b) for a, b in zip(kept, dropped, strict=True))
