@@ -11,8 +11,8 @@ Reading overlaps consuming, and nothing is copied twice: a window's shards are m
 and, in a background thread, brought into memory (each page touched in file order: the page
 cache reads the files sequentially and the page tables are filled) while the previous window is
 consumed. A
-batch is gathered straight from the mapped shards into its own tensor (`index_select` per shard,
-the batch's rows grouped by shard), so a trainer gets in-memory gather speed: the same single copy
+batch is gathered straight from the mapped shards into its own tensor (one `take` per shard, the
+batch's rows grouped by shard), so a trainer gets in-memory gather speed: the same single copy
 per row as gathering from a tensor already in RAM. The mappings are kept from epoch to epoch while
 the columns read fit in half the RAM (later epochs then touch no page table at all).
 
@@ -59,10 +59,13 @@ class ActivationDataset(IterableDataset):
     an epoch is exhausted the dataset moves to the next epoch (a new order); with `repeat=True` one
     `iter()` goes on through epoch after epoch, endlessly (what SAELens's `SAETrainer`,
     dictionary_learning's `trainSAE` and other trainers that call `next()` want), while
-    `state_dict()` and `len()` still count one epoch. `prefetch=True` reads the next window in a
-    background thread (two windows of `buffer_rows` rows in memory). `state_dict()` is the
-    cursor; with a DataLoader worker the copy in the worker advances, not this one, so build the
-    state from the rows you consumed: `load_state_dict({"epoch": e, "position": rows_seen, ...})`.
+    `state_dict()` and `len()` still count one epoch. `prefetch=True` brings the next window's
+    pages into memory in a background thread (the page cache holds them; no copy is made). Inside
+    a batch, rows come grouped by shard (the batch is its slice of the row stream as a set).
+    `state_dict()` is the cursor; with DataLoader workers (any number: batch b is worker
+    b % num_workers's, so the loader's output is the single-process stream) the copies in the
+    workers advance, not this one, so build the state from the rows you consumed:
+    `load_state_dict({"epoch": e, "position": rows_seen, ...})`.
     """
 
     def __init__(self, store: Store, point: str | Sequence[str], *, shuffle: bool = True, seed: int = 0,
