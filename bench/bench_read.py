@@ -223,6 +223,7 @@ def main() -> None:
     p.add_argument("--dtypes", default="float16,bfloat16")
     p.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # progress shows when redirected to a file
     if args.one:
         kind, *rest = args.one
         if kind == "read":
