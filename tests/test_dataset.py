@@ -261,7 +261,10 @@ def test_mappings_are_kept_across_epochs_only_when_they_fit(mixed_store, monkeyp
 
     monkeypatch.setattr(type(mixed_store), "load_shard", recording)
     kw = {"seed": 1, "buffer_rows": 40, "batch_size": 10, "repeat": True}
-    kept = list(islice(iter(mixed_store.dataset("a", **kw)), 30))  # 3 epochs of 10 batches
+    ds = mixed_store.dataset("a", **kw)
+    kept = list(islice(iter(ds), 30))  # 3 epochs of 10 batches
+    assert sorted(opened) == list(range(mixed_store.num_shards))
+    next(iter(ds))  # a new iterator of the same dataset (the next epoch of a plain loop) too
     assert sorted(opened) == list(range(mixed_store.num_shards))
     opened.clear()
     monkeypatch.setattr(dataset_module, "_ram_bytes", lambda: 0)

@@ -92,8 +92,12 @@ class ActivationDataset(IterableDataset):
         self.batch_size, self.drop_last = batch_size, drop_last
         self.repeat, self.prefetch = repeat, prefetch
         self.epoch, self.position = epoch, 0
+        self._mapper: _Mapper | None = None
         self._kept = [int(self._keep_mask(i).sum()) if split else s.rows
                       for i, s in enumerate(store.manifest.shards)]
+
+    def __getstate__(self) -> dict[str, Any]:  # to a DataLoader worker: no mappings, it maps its own
+        return {**self.__dict__, "_mapper": None}
 
     # -- the cursor -------------------------------------------------------------------------------
 
@@ -241,7 +245,9 @@ class ActivationDataset(IterableDataset):
     def _prefetched(self, plan: _Plan) -> Iterator[_Window]:
         """The plan's windows, mapped: with `prefetch`, window n+1 is mapped and brought into memory
         by a background thread while window n is consumed."""
-        mapper = _Mapper(self.store, self.names)
+        if self._mapper is None:  # one per dataset: each epoch's iter() finds the shards mapped
+            self._mapper = _Mapper(self.store, self.names)
+        mapper = self._mapper
         if not self.prefetch:
             for epoch, shards, order in plan:
                 yield epoch, None if shards is None else mapper.window(shards), order
@@ -365,7 +371,7 @@ def _take(source: torch.Tensor, rows: np.ndarray, out: torch.Tensor) -> None:
 
 
 class _Mapper:
-    """Maps shards for one iterator and brings each window into memory before it is used. The
+    """Maps shards for a dataset and brings each window into memory before it is used. The
     mappings are kept (page tables filled, so later epochs fault no page) while the columns read
     fit in half the RAM; otherwise a window's mappings go with it."""
 
@@ -381,12 +387,12 @@ class _Mapper:
         parts = []
         for i in shards:
             columns = self.mapped.get(i)
-            if columns is None:
+            if columns is None:  # a new mapping: read it in now (a kept one stays mapped)
                 columns = self.store.load_shard(i, self.names)  # checked against the manifest
+                for t in columns.values():
+                    _populate(t)
                 if self.keep:
                     self.mapped[i] = columns
-            for t in columns.values():
-                _populate(t)
             parts.append(columns)
         return _MappedWindow(parts, [self.store.manifest.shards[i].rows for i in shards])
 
