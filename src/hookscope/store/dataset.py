@@ -316,7 +316,11 @@ _Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
 def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    return torch.empty(shape, dtype=dtype)
+    """A new batch, allocated by numpy: numpy asks for transparent huge pages on large arrays, so a
+    32 MiB batch (4,096 x 4,096 float16) costs 16 page faults instead of 8,192 (torch's allocator
+    gets fresh 4 KiB pages from the kernel for every batch that size: 2.5x the gather's time)."""
+    size = torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.empty(shape, dtype=_SAME_SIZE_NP[size])).view(dtype)
 
 
 def _empty_shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -358,6 +362,7 @@ class _MappedWindow:
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_SAME_SIZE_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
 def _take(source: torch.Tensor, rows: np.ndarray, out: torch.Tensor) -> None:
