@@ -1,26 +1,30 @@
-"""Reading a store for training: rows/s and GiB/s against the in-RAM gather floor, and SAELens
-training from a store against SAELens's own cache of the same activations.
+"""Reading a store for training: rows/s and GiB/s against the in-RAM gather floor, before (main at
+667a82f) and after, and SAELens training from a store against SAELens's own cache of the same
+activations.
 
-Cases (each measurement in a fresh process, the median of `--runs` processes):
+Cases (each measurement in a fresh process; rounds interleave the cases, ABAB, so load drifts hit
+them all; the median of `--runs` processes):
 
-- floor: the whole column already in RAM, gathered in a random order in batches of 4,096
-  (`index_select`): what a trainer could get with no disk and no file format at all.
-- before: the dataset as it was before issue 17 (each window loaded when reached, batches joined
-  with `torch.cat`), loaded from git history (`--before-rev`).
-- after: `store.dataset(point, batch_size=4096)` with `shuffle=True` (the next window read in a
-  background thread); `sequential`: `shuffle=False`; `loader1`: after, through a `DataLoader`
-  with one worker process (`batch_size=None`).
+- floor: the whole column already in RAM, gathered in a random order in batches of 4,096 with
+  torch's `index_select` (torch's default threads); floor-np: the same with numpy's `take` on one
+  thread. The ratio is to the faster of the two: what a trainer could get with no disk and no
+  file format at all. disk: the shard files read front to back with the page cache dropped (the
+  disk's own speed, which bounds every cold case: cold cases also show their ratio to it).
+- before: `store.dataset(point, batch_size=4096)` of main at 667a82f (exported from git into
+  bench/out/read/src-667a82f, or `--before-src DIR`), in a process whose PYTHONPATH puts it first;
+  after: this checkout's. `shuffle=True` unless named `seq` (`shuffle=False`).
+- loader2: after, through `DataLoader(ds, batch_size=None, num_workers=2)`.
 - warm: shard files in the page cache (read once before), 3 epochs in one pass; cold: every
-  shard file dropped from the page cache with `posix_fadvise(DONTNEED)` right before the pass
-  (the files are fsynced by the
-  writer, so their pages are clean and really dropped).
+  shard file dropped from the page cache with `posix_fadvise(DONTNEED)` (after `fsync`, so the
+  pages are clean and really dropped; no root needed) right before a one-epoch pass.
 
-For d_model 768 and 4096, float16 and bfloat16. Each store holds 384-512 MiB in 16 shards, read
-in 4 windows. `--saelens`: SAELens `SAETrainer.fit` samples/s fed by `iter(store.dataset(...,
-repeat=True))` against SAELens's `ActivationsStore` over `hookscope export --format saelens` of
-the same store (SAELens's own reader: `datasets` + its mixing buffer).
+d_model 768 (262,144 rows, 384 MiB) and 4096 (131,072 rows, 1 GiB), float16 and bfloat16, shards
+of 16,384 / 4,096 rows, windows (`buffer_rows`) of 65,536 / 16,384 rows. `--saelens`: SAELens
+`SAETrainer.fit` samples/s fed by `iter(store.dataset(..., repeat=True))` against SAELens's
+`ActivationsStore` over `hookscope export --format saelens` of the same store.
 
-    .venv/bin/python bench/bench_read.py [--runs 3] [--quick] [--saelens]
+    .venv/bin/python bench/bench_read.py            # the reading matrix, ~6-8 min on a quiet machine
+    .venv/bin/python bench/bench_read.py --saelens-only   # SAELens samples/s, ~3 min
 """
 
 from __future__ import annotations
@@ -38,13 +42,17 @@ BENCH_DIR = Path(__file__).resolve().parent
 OUT = BENCH_DIR / "out" / "read"
 BATCH = 4096
 SHAPES = {768: {"rows": 262_144, "shard_rows": 16_384, "buffer_rows": 65_536},
-          4096: {"rows": 65_536, "shard_rows": 4_096, "buffer_rows": 16_384}}
+          4096: {"rows": 131_072, "shard_rows": 4_096, "buffer_rows": 16_384}}
+BEFORE_REV = "667a82f"  # main before this session's reading work
+CASES = [("floor", "warm"), ("floor-np", "warm"), ("disk", "cold"), ("before", "warm"), ("after", "warm"),
+         ("before-seq", "warm"), ("after-seq", "warm"), ("loader2", "warm"), ("before", "cold"),
+         ("after", "cold")]
 POINT = "blocks.0.resid_post"
 EPOCHS = 3  # warm cases: steady state over 3 epochs (cold: one epoch, right after dropping the cache)
 
 
-def store_dir(d: int, dtype: str) -> Path:
-    return OUT / f"store-{d}-{dtype}"
+def store_dir(d: int, dtype: str, quick: bool = False) -> Path:
+    return OUT / f"store-{d}-{dtype}-{SHAPES[d]['rows'] // (8 if quick else 1)}"
 
 
 def build_store(d: int, dtype: str, quick: bool) -> Path:
@@ -52,7 +60,7 @@ def build_store(d: int, dtype: str, quick: bool) -> Path:
 
     from hookscope.store import ShardWriter
 
-    out = store_dir(d, dtype)
+    out = store_dir(d, dtype, quick)
     if (out / "manifest.json").exists():
         return out
     shape = SHAPES[d]
@@ -65,6 +73,11 @@ def build_store(d: int, dtype: str, quick: bool) -> Path:
             x = torch.randn(per, d, generator=g).to(getattr(torch, dtype))
             w.write(b, {POINT: x}, {"token_ids": torch.arange(b * per, (b + 1) * per)})
     return out
+
+
+def saelens_dir(rows: int) -> Path:
+    """SAELens's cached-activations folder exported from the 768 float16 store of `rows` rows."""
+    return OUT / f"saelens-768-float16-{rows}"
 
 
 def drop_cache(path: Path) -> None:
@@ -84,50 +97,55 @@ def warm_cache(path: Path) -> None:
                 pass
 
 
-def old_dataset_class(rev: str):
-    """The ActivationDataset of git revision `rev`, imported from its source."""
-    import importlib.util
-
-    src = subprocess.run(["git", "show", f"{rev}:src/hookscope/store/dataset.py"], cwd=BENCH_DIR.parent,
-                         check=True, capture_output=True, text=True).stdout
-    src = src.replace("from ..errors import", "from hookscope.errors import")
-    path = OUT / f"dataset_{rev}.py"
-    path.write_text(src)
-    spec = importlib.util.spec_from_file_location(f"dataset_{rev}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.ActivationDataset
+def before_src(rev: str) -> Path:
+    """`src/` of git revision `rev`, exported once under bench/out/read/."""
+    out = OUT / f"src-{rev}"
+    if not (out / "src" / "hookscope" / "__init__.py").exists():
+        out.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", rev, "src"], cwd=BENCH_DIR.parent, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    return out / "src"
 
 
-def measure(case: str, d: int, dtype: str, cache: str, before_rev: str) -> dict:
-    """One pass over the store in this process; rows/s."""
+def measure(case: str, d: int, dtype: str, cache: str, path: Path) -> dict:
+    """One pass over the store at `path` in this process; rows/s."""
+    import numpy as np
     import torch
 
     import hookscope as hs
 
-    torch.set_num_threads(2)
-    path = store_dir(d, dtype)
     store = hs.open_store(path)
     rows = len(store)
     buffer_rows = SHAPES[d]["buffer_rows"] // (8 if rows < SHAPES[d]["rows"] else 1)
     epochs = 1 if cache == "cold" else EPOCHS
-    if case == "floor":
+    if case == "disk":  # the disk's own speed: every shard file read front to back, nothing else
+        drop_cache(path)
+        t0 = time.perf_counter()
+        for f in sorted((path / "shards").glob("*.safetensors")):
+            with open(f, "rb", buffering=0) as fh:
+                while fh.read(1 << 24):
+                    pass
+        seconds, n = time.perf_counter() - t0, rows * epochs
+    elif case.startswith("floor"):
         x = store.tensor(POINT).clone()  # in RAM, not mapped
+        xn = x.view(torch.int16).numpy()
         t0 = time.perf_counter()
         n = 0
         for _ in range(epochs):
             perm = torch.randperm(rows)
             for s in range(0, rows, BATCH):
-                n += torch.index_select(x, 0, perm[s : s + BATCH]).shape[0]
+                if case == "floor":
+                    n += torch.index_select(x, 0, perm[s : s + BATCH]).shape[0]
+                else:
+                    index = perm[s : s + BATCH].numpy()
+                    n += np.take(xn, index, axis=0, mode="clip").shape[0]  # a new batch, as a reader makes
         seconds = time.perf_counter() - t0
     else:
-        if case == "before":
-            old = old_dataset_class(before_rev)
-            ds = old(store, POINT, shuffle=True, batch_size=BATCH, buffer_rows=buffer_rows)
-        else:
-            ds = store.dataset(POINT, shuffle=case != "sequential", batch_size=BATCH, buffer_rows=buffer_rows)
-        if case == "loader1":
-            ds = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1)
+        ds = store.dataset(POINT, shuffle=not case.endswith("-seq"), batch_size=BATCH,
+                           buffer_rows=buffer_rows)
+        if case == "loader2":
+            ds = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
         (drop_cache if cache == "cold" else warm_cache)(path)
         t0 = time.perf_counter()
         n = 0
@@ -136,10 +154,10 @@ def measure(case: str, d: int, dtype: str, cache: str, before_rev: str) -> dict:
                 n += batch.shape[0]
         seconds = time.perf_counter() - t0
     assert n == rows * epochs, (n, rows)
-    return {"rows_per_s": n / seconds, "gib_per_s": n * d * 2 / seconds / 2**30}
+    return {"rows_per_s": n / seconds, "gib_per_s": n * d * 2 / seconds / 2**30, "hookscope": hs.__file__}
 
 
-def measure_saelens(source: str, steps: int) -> dict:
+def measure_saelens(source: str, steps: int, train: bool = True) -> dict:
     import torch
     from sae_lens import SAETrainer, StandardTrainingSAE, StandardTrainingSAEConfig
     from sae_lens.config import SAETrainerConfig
@@ -154,7 +172,7 @@ def measure_saelens(source: str, steps: int) -> dict:
     if source == "hookscope":
         data = iter(store.dataset(POINT, batch_size=BATCH, drop_last=True, repeat=True, buffer_rows=65_536))
     else:
-        cache = saelens_config(OUT / "saelens-768-float16")
+        cache = saelens_config(saelens_dir(len(store)))
         data = ActivationsStore(
             model=None, dataset=None, streaming=False, hook_name=cache.hook_name, hook_head_index=None,
             context_size=cache.context_size, d_in=cache.d_in, n_batches_in_buffer=64,
@@ -165,6 +183,11 @@ def measure_saelens(source: str, steps: int) -> dict:
     cfg = SAETrainerConfig(total_training_samples=steps * BATCH, train_batch_size_samples=BATCH, lr=1e-4,
                            lr_end=1e-4)
     batch = next(data)  # the first read (opening, first window) is not what this measures
+    if not train:  # the data path alone: batches as SAETrainer.step receives them
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            next(data).to(torch.float32)
+        return {"samples_per_s": steps * BATCH / (time.perf_counter() - t0)}
     trainer = SAETrainer(cfg, sae, data)
     trainer.step(batch.float())
     trainer.n_training_samples = 0
@@ -174,10 +197,16 @@ def measure_saelens(source: str, steps: int) -> dict:
     return {"samples_per_s": steps * BATCH / seconds}
 
 
-def fresh(args: list[str]) -> dict:
+def fresh(args: list[str], src: Path | None = None) -> dict:
+    env = dict(os.environ)
+    if src is not None:  # this hookscope first on the path (ahead of the editable install)
+        env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     out = subprocess.run([sys.executable, __file__, "--one", *args], check=True, capture_output=True,
-                         text=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+                         text=True, env=env)
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    if src is not None and "hookscope" in result:
+        assert result["hookscope"].startswith(str(src)), (result["hookscope"], src)
+    return result
 
 
 def main() -> None:
@@ -186,19 +215,22 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="1/8 of the rows (a smoke run)")
     p.add_argument("--saelens", action="store_true", help="also SAELens training samples/s")
     p.add_argument("--saelens-only", action="store_true")
-    p.add_argument("--steps", type=int, default=24, help="SAELens training steps per run")
-    p.add_argument("--before-rev", default="75a6189", help="git revision of the dataset before issue 17")
+    p.add_argument("--steps", type=int, default=16, help="SAELens training steps per run")
+    p.add_argument("--before-src", type=Path, help=f"src/ of the 'before' checkout (default: main at "
+                   f"{BEFORE_REV}, exported from git)")
+    p.add_argument("--cases", default=",".join(f"{c}/{k}" for c, k in CASES))
     p.add_argument("--dims", default="768,4096")
     p.add_argument("--dtypes", default="float16,bfloat16")
     p.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
+    sys.stdout.reconfigure(line_buffering=True)  # progress shows when redirected to a file
     if args.one:
         kind, *rest = args.one
         if kind == "read":
-            case, d, dtype, cache, rev = rest
-            print(json.dumps(measure(case, int(d), dtype, cache, rev)))
+            case, d, dtype, cache, path = rest
+            print(json.dumps(measure(case, int(d), dtype, cache, Path(path))))
         else:
-            print(json.dumps(measure_saelens(rest[0], int(rest[1]))))
+            print(json.dumps(measure_saelens(rest[0], int(rest[1]), rest[2] == "train")))
         return
     sys.path.insert(0, str(BENCH_DIR.parent / "src"))
     OUT.mkdir(parents=True, exist_ok=True)
@@ -206,44 +238,52 @@ def main() -> None:
     results = {}
     dims = [int(x) for x in args.dims.split(",")]
     dtypes = args.dtypes.split(",")
+    before = args.before_src or before_src(BEFORE_REV)
+    cases = [tuple(c.split("/")) for c in args.cases.split(",")]
     if not args.saelens_only:
         for d in dims:
             for dtype in dtypes:
-                build_store(d, dtype, args.quick)
-                row = {}
-                cases = [("floor", "warm"), ("before", "warm"), ("after", "warm"), ("sequential", "warm"),
-                         ("loader1", "warm"), ("before", "cold"), ("after", "cold")]
-                for case, cache in cases:
-                    one = ["read", case, str(d), dtype, cache, args.before_rev]
-                    runs = [fresh(one) for _ in range(args.runs)]
-                    row[f"{case}/{cache}"] = statistics.median(r["rows_per_s"] for r in runs)
-                    row[f"{case}/{cache} GiB/s"] = statistics.median(r["gib_per_s"] for r in runs)
-                floor = row["floor/warm"]
-                print(f"\nd_model {d}, {dtype}: rows/s (ratio to the in-RAM floor)")
+                path = build_store(d, dtype, args.quick)
+                runs: dict[str, list[dict]] = {}
+                for _ in range(args.runs):  # rounds: every case once per round (ABAB), fresh processes
+                    for case, cache in cases:
+                        src = before if case.startswith("before") else None
+                        one = ["read", case, str(d), dtype, cache, str(path)]
+                        runs.setdefault(f"{case}/{cache}", []).append(fresh(one, src))
+                row = {k: statistics.median(r["rows_per_s"] for r in v) for k, v in runs.items()}
+                floor = max(v for k, v in row.items() if k.startswith("floor"))
+                disk = row.get("disk/cold")
+                print(f"\nd_model {d}, {dtype} (load now {os.getloadavg()[0]:.1f}): rows/s, ratio to the "
+                      "faster in-RAM floor")
                 for key, value in row.items():
-                    if not key.endswith("GiB/s"):
-                        print(f"  {key:18s} {value / 1e6:7.3f} M rows/s  {row[key + ' GiB/s']:6.2f} GiB/s  "
-                              f"{value / floor:5.2f}x")
-                results[f"{d}-{dtype}"] = row
+                    gib = statistics.median(r["gib_per_s"] for r in runs[key])
+                    each = [round(r["rows_per_s"] / 1e6, 3) for r in runs[key]]
+                    vs_disk = f" ({value / disk:4.2f}x disk)" if disk and key.endswith("/cold") else ""
+                    print(f"  {key:18s} {value / 1e6:7.3f} M rows/s  {gib:6.2f} GiB/s  "
+                          f"{value / floor:5.2f}x{vs_disk}  runs {each}")
+                results[f"{d}-{dtype}"] = {"median_rows_per_s": row, "floor": floor, "runs": runs}
     if args.saelens or args.saelens_only:
         import hookscope as hs
         from hookscope.export import export_saelens
 
-        build_store(768, "float16", args.quick)
-        cache = OUT / "saelens-768-float16"
+        build_store(768, "float16", False)
+        cache = saelens_dir(len(hs.open_store(store_dir(768, "float16"))))
         if not (cache / "state.json").exists():
             export_saelens(hs.open_store(store_dir(768, "float16")), cache, context_size=128, progress=False)
-        rates = {}
+        rates: dict[str, list[float]] = {}
         for _ in range(args.runs):  # alternate, so load drifts hit both
             for source in ("hookscope", "saelens-cache"):
-                rate = fresh(["saelens", source, str(args.steps)])["samples_per_s"]
-                rates.setdefault(source, []).append(rate)
+                for what, steps in (("train", args.steps), ("data", 8 * args.steps)):
+                    rate = fresh(["saelens", source, str(steps), what])["samples_per_s"]
+                    rates.setdefault(f"{source}/{what}", []).append(rate)
         med = {k: statistics.median(v) for k, v in rates.items()}
-        print(f"\nSAELens SAETrainer.fit, d_in 768 -> 1536, batches of {BATCH}, {args.steps} steps: "
-              "samples/s")
+        print(f"\nSAELens SAETrainer.fit, d_in 768 -> 1536, batches of {BATCH}, {args.steps} steps (train), "
+              "or the batches alone (data): samples/s")
         for k, v in rates.items():
-            print(f"  {k:14s} median {med[k]:9,.0f}  runs {[round(x) for x in v]}")
-        print(f"  ratio hookscope / SAELens cache: {med['hookscope'] / med['saelens-cache']:.2f}x")
+            print(f"  {k:20s} median {med[k]:11,.0f}  runs {[round(x) for x in v]}")
+        for what in ("train", "data"):
+            print(f"  ratio hookscope / SAELens cache, {what}: "
+                  f"{med[f'hookscope/{what}'] / med[f'saelens-cache/{what}']:.2f}x")
         results["saelens"] = rates
     print(f"load after: {open('/proc/loadavg').read().split()[:3]}")
     (OUT / "results.json").write_text(json.dumps(results, indent=1))

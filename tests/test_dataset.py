@@ -38,6 +38,20 @@ def ids_of(items) -> list[int]:
     return out
 
 
+def batch_sets(batches) -> list[list[int]]:
+    """Each batch's row ids, sorted: inside a batch rows come grouped by shard, so a batch is
+    compared with its slice of the row-by-row stream as a set."""
+    return [sorted(ids_of([b])) for b in batches]
+
+
+def slices(rows: list[int], sizes: list[int]) -> list[list[int]]:
+    out, at = [], 0
+    for n in sizes:
+        out.append(sorted(rows[at : at + n]))
+        at += n
+    return out
+
+
 def epochs(store, first: int, n: int, **kw) -> list[int]:
     """Rows of epochs first..first+n-1, each from its own one-epoch dataset."""
     return [i for e in range(first, first + n) for i in ids_of(store.dataset("x", epoch=e, **kw))]
@@ -74,7 +88,8 @@ def test_repeat_a_resumed_cursor_at_the_end_of_an_epoch(id_store):
     assert ds.state_dict()["epoch"] == 0 and ds.state_dict()["position"] == 200
     fresh = id_store.dataset("x", **kw)
     fresh.load_state_dict(ds.state_dict())
-    assert ids_of(first) + ids_of(islice(iter(fresh), 4)) == epochs(id_store, 0, 2, seed=4, buffer_rows=40)
+    got = first + list(islice(iter(fresh), 4))
+    assert batch_sets(got) == slices(epochs(id_store, 0, 2, seed=4, buffer_rows=40), [50] * 8)
 
 
 def test_repeat_with_nothing_to_yield_is_refused(id_store):
@@ -99,7 +114,10 @@ def test_prefetch_changes_nothing_but_timing(id_store, kw):
     # and batches straddling windows hold exactly the rows of the row-by-row stream
     rows_kw = {k: v for k, v in kw.items() if k not in ("batch_size", "drop_last")}
     flat = ids_of(id_store.dataset("x", **rows_kw))
-    assert ids_of(with_prefetch) == flat[: len(ids_of(with_prefetch))]
+    if "batch_size" in kw:
+        assert batch_sets(with_prefetch) == slices(flat, [len(t) for t in with_prefetch])
+    else:  # row by row: exactly the stream's order
+        assert ids_of(with_prefetch) == flat
 
 
 def test_the_next_window_is_read_while_the_current_one_is_consumed(id_store, monkeypatch):
@@ -144,13 +162,113 @@ def test_an_abandoned_iterator_leaves_no_reading_thread(id_store):
     assert readers() == 0
 
 
-def test_a_dataloader_worker_gets_whole_batches(id_store):
-    """num_workers=1 with the dataset's own batches (`batch_size=None` in the DataLoader): each
-    batch crosses the process boundary as one tensor, in the order the dataset makes."""
+@pytest.mark.parametrize("workers", [1, 2, 3])
+def test_dataloader_workers_make_the_single_process_stream(id_store, workers: int):
+    """`batch_size=None` in the DataLoader, the dataset's own batches: batch b is made by worker
+    b % workers, so the loader's in-order output is exactly the batches one process makes."""
+    kw = {"seed": 6, "buffer_rows": 50, "batch_size": 32}
+    loader = torch.utils.data.DataLoader(id_store.dataset("x", **kw), batch_size=None, num_workers=workers)
+    got, want = list(loader), list(id_store.dataset("x", **kw))
+    assert [b.shape for b in got] == [b.shape for b in want] == [(32, 3)] * 6 + [(8, 3)]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    # endless, across epochs, and with the cursor restored mid-epoch
+    endless = id_store.dataset("x", repeat=True, **kw)
+    endless.load_state_dict({"epoch": 1, "position": 96})
+    loader = torch.utils.data.DataLoader(endless, batch_size=None, num_workers=workers)
+    got = list(islice(iter(loader), 10))
+    want = list(id_store.dataset("x", epoch=1, **kw))[3:] + list(id_store.dataset("x", epoch=2, **kw))[:6]
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and len(got) == 10
+
+
+def test_dataloader_workers_share_rows_one_by_one(id_store):
+    """Row by row with the DataLoader batching: every row of the epoch exactly once."""
+    loader = torch.utils.data.DataLoader(id_store.dataset("x", seed=2, buffer_rows=60), batch_size=16,
+                                         num_workers=2)
+    assert sorted(ids_of(loader)) == list(range(200))
+
+
+class _SharedProbe(torch.utils.data.IterableDataset):
+    """Says, from inside the worker, whether each batch was made in shared memory."""
+
+    def __init__(self, ds):
+        super().__init__()
+        self.ds = ds
+
+    def __iter__(self):
+        for batch in self.ds:
+            yield torch.tensor(batch.is_shared())
+
+
+def test_a_worker_makes_its_batches_in_shared_memory(id_store):
+    """So the DataLoader sends a handle instead of first copying each batch into shared memory
+    (batches straddling two windows included); in the main process they are ordinary tensors."""
     ds = id_store.dataset("x", seed=6, buffer_rows=50, batch_size=32)
-    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=1)
-    got = list(loader)
-    assert [b.shape for b in got] == [(32, 3)] * 6 + [(8, 3)]
-    assert ids_of(got) == ids_of(id_store.dataset("x", seed=6, buffer_rows=50, batch_size=32))
-    with pytest.raises(StoreError, match="num_workers=0 or 1"):
-        list(torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2))
+    loader = torch.utils.data.DataLoader(_SharedProbe(ds), batch_size=None, num_workers=1)
+    assert [bool(x) for x in loader] == [True] * 7
+    assert not any(b.is_shared() for b in ds)
+
+
+@pytest.fixture(scope="module")
+def mixed_store(tmp_path_factory):
+    """100 rows in shards of 16 (the last short): bfloat16 (n, 5), float16 (n, 2, 3), and
+    token_ids holding each row's global index."""
+    out = tmp_path_factory.mktemp("mixed") / "s"
+    g = torch.Generator().manual_seed(0)
+    with ShardWriter(out, {"mixed": True}, shard_rows=16) as w:
+        for b in range(25):
+            w.write(b, {"a": torch.randn(4, 5, generator=g).to(torch.bfloat16),
+                        "h": torch.randn(4, 2, 3, generator=g).half()},
+                    {"token_ids": torch.arange(b * 4, b * 4 + 4)})
+    return open_store(out)
+
+
+@pytest.mark.parametrize("kw", [
+    {"batch_size": 13, "buffer_rows": 40},
+    {"batch_size": 13, "buffer_rows": 40, "shuffle": False},
+    {"batch_size": 7, "buffer_rows": 1, "drop_last": True},  # a window per shard
+    {"buffer_rows": 33},  # row by row
+    {"batch_size": 32, "buffer_rows": 1000, "rank": 1, "world_size": 2, "split": "val", "val_fraction": 0.5},
+])
+def test_every_row_is_the_stores_bytes(mixed_store, kw):
+    """Each yielded row, any dtype or shape, is bit for bit the row the store holds (compared with
+    `store.tensor`, the columns read whole in store order), matched through its token id."""
+    whole = {k: mixed_store.tensor(k) for k in ("a", "h")}
+    ds = mixed_store.dataset(["a", "h", "token_ids"], seed=3, **kw)
+    items = list(ds)
+    seen = []
+    for item in items:
+        ids = item["token_ids"].reshape(-1)
+        for k in ("a", "h"):
+            got = item[k].reshape(len(ids), *whole[k].shape[1:])
+            assert got.dtype == whole[k].dtype
+            assert torch.equal(got.view(torch.int16), whole[k][ids].view(torch.int16))
+        seen += ids.tolist()
+    assert len(seen) == len(set(seen))  # no row twice
+    assert len(seen) == (len(ds) * kw["batch_size"] if kw.get("drop_last") else ds.rows_per_epoch)
+
+
+def test_mappings_are_kept_across_epochs_only_when_they_fit(mixed_store, monkeypatch):
+    """Shards are mapped once per iterator while the columns fit in half the RAM (later epochs
+    touch no new mapping), once per window otherwise; the rows are the same either way."""
+    from hookscope.store import dataset as dataset_module
+
+    opened: list[int] = []
+    real = type(mixed_store).load_shard
+
+    def recording(self, i, names=None):
+        opened.append(i)
+        return real(self, i, names)
+
+    monkeypatch.setattr(type(mixed_store), "load_shard", recording)
+    kw = {"seed": 1, "buffer_rows": 40, "batch_size": 10, "repeat": True}
+    ds = mixed_store.dataset("a", **kw)
+    kept = list(islice(iter(ds), 30))  # 3 epochs of 10 batches
+    assert sorted(opened) == list(range(mixed_store.num_shards))
+    next(iter(ds))  # a new iterator of the same dataset (the next epoch of a plain loop) too
+    assert sorted(opened) == list(range(mixed_store.num_shards))
+    opened.clear()
+    monkeypatch.setattr(dataset_module, "_ram_bytes", lambda: 0)
+    dropped = list(islice(iter(mixed_store.dataset("a", **kw)), 30))
+    # once per epoch (and the next epoch's first window, read ahead)
+    assert all(3 <= opened.count(i) <= 4 for i in range(mixed_store.num_shards))
+    assert all(torch.equal(a, b) for a, b in zip(kept, dropped, strict=True))
