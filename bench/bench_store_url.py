@@ -177,7 +177,11 @@ def main() -> None:
     parser.add_argument("--before", default=BEFORE, help="commit whose reader is 'before'")
     parser.add_argument("--extract-runs", type=int, default=0, help="rounds of extraction, local vs moto")
     parser.add_argument("--max-tokens", type=int, default=40000, help="tokens per extraction run")
+    parser.add_argument("--write-store", metavar="DIR", help=argparse.SUPPRESS)  # child: write the store
     args = parser.parse_args()
+    if args.write_store:
+        write_store(Path(args.write_store), args.shards)
+        return
     tmp = Path(tempfile.mkdtemp(prefix="hookscope-bench-"))
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     report: dict = {"load_at_start": load()}
@@ -195,14 +199,16 @@ def main() -> None:
         import s3fs
 
         local = tmp / "store"
-        write_store(local, args.shards)
+        code = {"after": REPO / "src", "before": checkout(args.before, tmp / "before")}
+        # written by the "before" tree: its format (1) is one both readers take (after reads 1 and 2)
+        subprocess.run([sys.executable, __file__, "--write-store", str(local), "--shards", str(args.shards)],
+                       env={**env, "PYTHONPATH": str(code["before"])}, check=True)
         for _, endpoint in servers.values():
             os.environ["AWS_ENDPOINT_URL"] = endpoint
             s3fs.S3FileSystem.clear_instance_cache()
             fs = s3fs.S3FileSystem()
             fs.mkdir("bench")
             fs.put(str(local) + "/", "bench/store", recursive=True)
-        code = {"after": REPO / "src", "before": checkout(args.before, tmp / "before")}
         places = [("local", str(local), "")] + [(n, "s3://bench/store", e) for n, (_, e) in servers.items()]
         reads = [[f"{w}/{m}", where, endpoint, m]
                  for m in ("seq", "shuffled") for w, where, endpoint in places]
