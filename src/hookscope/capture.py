@@ -311,8 +311,8 @@ def grads(
     with Hooks(model, arch) as h, torch.enable_grad():
         for spec in keys.values():
             # autograd cannot differentiate with respect to a tensor a compiled graph only returned
-            h._attach_untraceable(spec, keep,
-                                  untraceable="a gradient with respect to a point inside a compiled region")
+            h.untraceable_forward(spec, keep,
+                                  reason="a gradient with respect to a point inside a compiled region")
         output = call_model(model, inputs)
     missing = [s.name for s in keys.values() if s.name not in kept]
     if missing:
