@@ -48,7 +48,7 @@ def imports_of(path: Path) -> set[str]:
                 target = node.module or ""
             if not target.startswith("hookscope"):
                 continue
-            for alias in node.names:  # `from . import compile` imports the module hookscope.compile
+            for alias in node.names:  # `from . import compiling` imports the module hookscope.compiling
                 sub = f"{target}.{alias.name}"
                 found.add(sub if (SRC.parent / (sub.replace(".", "/") + ".py")).exists()
                           or (SRC.parent / sub.replace(".", "/")).is_dir() else target)
@@ -69,7 +69,7 @@ ALLOWED = {
     "hooks": {"arch", "inputs", "errors"},
     "capture": {"hooks", "arch", "selection", "inputs", "names", "errors"},
     "edit": {"hooks", "arch", "selection", "inputs", "names", "errors"},
-    "compile": {"hooks", "capture", "arch", "errors"},
+    "compiling": {"hooks", "capture", "arch", "errors"},
 }
 
 
@@ -84,7 +84,7 @@ def test_core_rooms_import_one_way(room):
 
 def test_hooks_and_capture_never_import_the_compile_layer():
     for module in ("hookscope.hooks", "hookscope.capture", "hookscope.edit", "hookscope.selection"):
-        assert not any(room_of(t) == "compile" for t in GRAPH[module]), module
+        assert not any(room_of(t) == "compiling" for t in GRAPH[module]), module
 
 
 def cycles() -> list[list[str]]:
@@ -124,17 +124,8 @@ def cycles() -> list[list[str]]:
     return found
 
 
-# Circles in rooms other engineers are reworking (issue 15 lists them); remove an entry when its
-# circle is gone, and the test then keeps it gone.
-KNOWN = [
-    ["hookscope.profiling.render", "hookscope.profiling.report"],  # profiling/ is issue 14's room
-]
-
-
 def test_no_import_circles():
-    found = cycles()
-    unexpected = [c for c in found if c not in KNOWN]
-    assert not unexpected, f"import circles: {unexpected}"
+    assert cycles() == [], "import circles (lazy imports inside functions count too)"
 
 
 def test_the_public_surface_is_listed_once():
