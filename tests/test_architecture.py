@@ -4,6 +4,8 @@ functions included, and fail on an import against the flow or a circle."""
 from __future__ import annotations
 
 import ast
+import builtins
+import inspect
 from pathlib import Path
 
 import pytest
@@ -138,3 +140,18 @@ def test_the_public_surface_is_listed_once():
     # what the public functions hand back is public too
     for cls in ("Capture", "Edits", "Store", "ActivationDataset", "Loaded", "Selection", "PointDict"):
         assert cls in hs.__all__, cls
+
+
+def test_no_module_and_no_public_keyword_shadows_a_builtin():
+    shadowed = set(dir(builtins))
+    assert not [p for p in SRC.rglob("*.py") if p.stem in shadowed]
+    assert not hasattr(hs, "compile")  # the policy is hs.compile_model; the module hs.compiling
+    assert hs.compile_model is hs.compiling.compile_model
+    for name in hs.__all__:
+        obj = getattr(hs, name)
+        try:
+            parameters = inspect.signature(obj).parameters if callable(obj) else {}
+        except (TypeError, ValueError):  # exception classes have no signature to read
+            continue
+        bad = [p for p in parameters if p in shadowed]
+        assert not bad, f"hs.{name} takes {bad}, named like Python builtins"
