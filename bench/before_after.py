@@ -105,7 +105,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="processes per case and tree (default 2)")
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument("--report", action="store_true", help="only print the tables of the last run's JSON")
     args = parser.parse_args()
+    if args.report:
+        saved = json.loads((common.OUT_DIR / "before-after-latest.json").read_text())
+        report(saved["results"])
+        report_compile(saved.get("compile", {}))
+        return
     started = time.time()
     trees = {"before": tree_of(args.before, common.OUT_DIR), "after": tree_of(args.after, common.OUT_DIR)}
     for label, tree in trees.items():
@@ -132,6 +138,10 @@ def main() -> None:
                         pooled[key] = value
                 print(f"round {rnd} {label:<6} {case:<22} {time.perf_counter() - start:6.1f} s  load "
                       f"{r['load']:.1f}  {r.get('error', '')[:200]}", flush=True)
+    out = common.OUT_DIR / "before-after-latest.json"
+    meta = {"trees": {k: str(v) for k, v in trees.items()}, "rounds": args.rounds}
+    out.write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
+    report(results)  # before the compile step, which takes minutes more
     compiled: dict = {}
     if not args.skip_compile:
         cache = common.OUT_DIR / "inductor-before-after"  # warm after the first process: one cache for both
@@ -140,10 +150,8 @@ def main() -> None:
             compiled[label] = run_compile(args.python, trees[label], cache)
             print(f"compile {label:<6} {time.perf_counter() - start:6.1f} s  load {os.getloadavg()[0]:.1f}  "
                   f"{compiled[label].get('error', '')[:300]}", flush=True)
-    report(results, compiled)
-    out = common.OUT_DIR / "before-after-latest.json"
-    out.write_text(json.dumps({"trees": {k: str(v) for k, v in trees.items()}, "results": results,
-                               "compile": compiled, "rounds": args.rounds,
+        report_compile(compiled)
+    out.write_text(json.dumps({**meta, "results": results, "compile": compiled,
                                "load_after": os.getloadavg()}, indent=1) + "\n")
     print(f"\nwrote {out}; took {(time.time() - started) / 60:.1f} min; load now {os.getloadavg()}")
 
@@ -156,7 +164,7 @@ def median_of(result: dict) -> float | None:
     return None
 
 
-def report(results: dict, compiled: dict) -> None:
+def report(results: dict) -> None:
     print("\n== cases (median over the processes' runs: us per op for a / small, ms for b; load median)")
     print(f"{'case':<24}{'before':>12}{'after':>12}{'after/before':>14}")
     for case, _, _ in CASES:
@@ -173,6 +181,9 @@ def report(results: dict, compiled: dict) -> None:
         verdict = "" if target is None or cells[1] is None else ("met" if cells[1] <= target else "MISSED")
         print(f"{what:<40}{fmt(cells[0], '.3f'):>9}{fmt(cells[1], '.3f'):>9}"
               f"{'<= ' + str(target) if target else '':>9}  {verdict}")
+
+
+def report_compile(compiled: dict) -> None:
     if compiled:
         print(f"\n== compile steady state, {COMPILE_ROUNDS} rounds in one process per tree "
               "(median ms; x off)")
