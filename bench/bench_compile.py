@@ -7,7 +7,7 @@ capture hooks on, and cold vs warm compile caches.
 
 Every configuration runs in a fresh process. "cold" gets an empty TORCHINDUCTOR_CACHE_DIR; "warm"
 is a second process on the directory the cold run filled; "mega" is a fresh process on a new empty
-directory that first loads the single file `hookscope.compile.save_cache` wrote in the cold run
+directory that first loads the single file `hookscope.compiling.save_cache` wrote in the cold run
 (the way to carry compiled code to a new machine or container).
 
 `--interleaved ROUNDS` measures the steady state differently: the three policies on three copies
@@ -36,6 +36,20 @@ import common  # noqa: E402
 BOUNDARY, TRACED = "blocks.5.resid_post", "blocks.5.mlp.post"
 
 
+def policy_layer():
+    """(the compile-policy module, its compile function): `hookscope.compiling.compile_model`, or
+    on a tree from before issue 15 (`--src`), `hookscope.compile.apply`."""
+    try:
+        from hookscope import compiling
+
+        return compiling, compiling.compile_model
+    except ImportError:
+        import importlib
+
+        old = importlib.import_module("hookscope.compile")
+        return old, old.apply
+
+
 def phases_of(model, ids) -> dict:
     """What is timed: a plain forward, and a capture at each point."""
     import torch
@@ -59,8 +73,7 @@ def child(policy: str, runs: int, save: str | None, load: str | None) -> dict:
     common.setup_process()
     import torch
 
-    from hookscope import compile as hc
-
+    hc, compile_model = policy_layer()
     if load:
         hc.load_cache(load)
     model = common.load_hf()
@@ -77,7 +90,7 @@ def child(policy: str, runs: int, save: str | None, load: str | None) -> dict:
         result["inductor_first_use_s"] = time.perf_counter() - start
     hc.reset_stats()
     start = time.perf_counter()
-    hc.apply(model, policy)
+    compile_model(model, policy)
     for name, fn in phases.items():
         got = fn()  # compiles what this call needs
         first = time.perf_counter() - start  # forward: apply + first call; captures: first call
@@ -111,10 +124,9 @@ def interleaved(rounds: int) -> dict:
     import time
 
     common.setup_process()
-    from hookscope import compile as hc
-
+    hc, compile_model = policy_layer()
     policies = ("off", "blocks", "full")
-    models = {policy: hc.apply(common.load_hf(), policy) for policy in policies}
+    models = {policy: compile_model(common.load_hf(), policy) for policy in policies}
     ids = common.input_ids(models["off"].config.vocab_size)
     phases = {policy: phases_of(model, ids) for policy, model in models.items()}
     for by_phase in phases.values():  # compile and warm up
@@ -164,7 +176,10 @@ def main() -> None:
     parser.add_argument("--report", action="store_true", help="only print the table of an earlier --json")
     parser.add_argument("--interleaved", type=int, metavar="ROUNDS",
                         help="instead: steady state of all policies in one process, taking turns")
+    parser.add_argument("--src", metavar="DIR", help="time the hookscope in DIR/src (another checkout)")
     args = parser.parse_args()
+    if args.src:
+        common.use_source(args.src)
     if args.child:
         common.emit(child(args.child, args.runs, args.save, args.load))
         return

@@ -247,7 +247,11 @@ def main() -> None:
                         help=f"section b: only these configurations, e.g. 'floor,tl4_hookscope,tl4_filter' "
                              f"(of {', '.join(B_CONFIGS)})")
     parser.add_argument("--write-baseline", action="store_true", help=f"save the ratios to {BASELINE.name}")
+    parser.add_argument("--src", metavar="DIR", help="time the hookscope in DIR/src (another checkout) "
+                        "instead of the installed one; bench/before_after.py compares two")
     args = parser.parse_args()
+    if args.src:
+        common.use_source(args.src)
     mode = "quick" if args.quick else "full"
     sections = set(args.only.split(","))
     common.OUT_DIR.mkdir(exist_ok=True)

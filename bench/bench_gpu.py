@@ -226,10 +226,10 @@ def compile_case(model, ids, point: str, policy: str, args) -> dict:
     import torch
 
     import hookscope as hs
-    from hookscope import compile as compile_policy
+    from hookscope import compiling as compile_policy
 
     eager_s = timed(lambda: hs.collect(model, ids, point)[point], args.device, args.runs)
-    compile_policy.apply(model, policy)
+    compile_policy.compile_model(model, policy)
     start = time.perf_counter()
     hs.collect(model, ids, point)
     sync(args.device)

@@ -200,6 +200,22 @@ def peak_extra_rss(fn: Callable[[], Any]) -> int:
 # --- fresh processes -------------------------------------------------------------------------
 
 
+def source_env(tree: str | Path) -> dict[str, str]:
+    """Environment for a child that must import hookscope from `tree`/src (another checkout, e.g.
+    the code before a change) ahead of the installed one."""
+    src = str(Path(tree).resolve() / "src")
+    rest = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": src + (os.pathsep + rest if rest else "")}
+
+
+def use_source(tree: str | Path) -> None:
+    """Import hookscope from `tree`/src in this process and every child it starts (`--src`)."""
+    if not (Path(tree) / "src" / "hookscope").is_dir():
+        raise SystemExit(f"--src {tree}: no src/hookscope there")
+    os.environ.update(source_env(tree))
+    sys.path.insert(0, str(Path(tree).resolve() / "src"))
+
+
 def run_fresh(python: str, script: Path, args: list[str], env: dict[str, str] | None = None,
               timeout: float = 1800) -> dict:
     """Run `python script args` in a new process; its last stdout line is a JSON object."""

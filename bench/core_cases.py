@@ -300,6 +300,9 @@ def versions() -> dict:
             found[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
             found[dist] = None
+    import hookscope
+
+    found["hookscope_file"] = hookscope.__file__  # which source tree this process runs (--src)
     return found
 
 

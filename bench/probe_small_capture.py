@@ -1,6 +1,15 @@
 """Probe (issue 15): `with hs.capture(...)` around a full forward vs the plain forward, tiny GPT-2
-(3 layers, d_model 64), 1 x 16 tokens; interleaved rounds, thread CPU time, median ratio."""
+(3 layers, d_model 64), 1 x 16 tokens, 1 thread. The configurations take turns in rounds of 30
+calls within one process, timed in thread CPU time, so a shared machine's load falls on all alike;
+prints medians per call and the median over rounds of each configuration / plain in the same round.
+A plain `register_forward_hook` that clones the output is the reference for what any hook costs.
+Run with PYTHONPATH=<old checkout>/src to time an older hookscope the same way.
 
+    .venv/bin/python bench/probe_small_capture.py [ROUNDS]      # default 60, ~1 min on a quiet core
+"""
+
+import statistics
+import sys
 import time
 
 import torch
@@ -10,8 +19,9 @@ from hookscope.testing import build_tiny
 
 torch.set_num_threads(1)
 model = build_tiny("gpt2", n_layers=3, d_model=64, n_heads=4).eval()
-ids = torch.randint(1, 100, (1, 16))
-P = "blocks.1.resid_post"
+ids = torch.randint(1, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+POINT = "blocks.1.resid_post"
+block = model.transformer.h[1]
 
 
 def plain():
@@ -19,25 +29,40 @@ def plain():
         return model(ids)
 
 
-def cap():
-    with hs.capture(model, P) as c:
+def capture():
+    with hs.capture(model, POINT) as cap:
         model(ids)
-    return c[P]
+    return cap[POINT]
 
 
-def per(op, n=300):
-    for _ in range(30):
-        op()
-    t = time.thread_time()
-    for _ in range(n):
-        op()
-    return (time.thread_time() - t) / n * 1e6
+def raw_hook():
+    kept = {}
+    handle = block.register_forward_hook(lambda m, a, out: kept.__setitem__("x", out.clone()))
+    try:
+        with torch.inference_mode():
+            model(ids)
+    finally:
+        handle.remove()
+    return kept["x"]
 
 
-rs = []
-for _r in range(7):
-    a = per(plain)
-    b = per(cap)
-    rs.append(b / a)
-rs.sort()
-print(f"plain {a:.0f} us capture {b:.0f} us  median ratio {rs[3]:.3f} all {[round(x, 3) for x in rs]}")
+CONFIGS = {"plain": plain, "capture": capture, "raw_hook": raw_hook}
+assert torch.equal(capture(), raw_hook())
+for _ in range(50):
+    for fn in CONFIGS.values():
+        fn()
+per_call: dict[str, list[float]] = {name: [] for name in CONFIGS}
+for _ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 60):
+    for name, fn in CONFIGS.items():
+        start = time.thread_time_ns()
+        for _ in range(30):
+            fn()
+        per_call[name].append((time.thread_time_ns() - start) / 30 / 1e3)
+line = [f"{hs.__file__}"]
+for name in CONFIGS:
+    line.append(f"{name} {statistics.median(per_call[name]):.0f} us")
+for name in ("capture", "raw_hook"):
+    ratios = [a / b for a, b in zip(per_call[name], per_call["plain"], strict=True)]
+    q = statistics.quantiles(ratios, n=4)
+    line.append(f"{name}/plain {statistics.median(ratios):.3f} (quartiles {q[0]:.3f}-{q[2]:.3f})")
+print("  ".join(line))

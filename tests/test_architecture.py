@@ -4,6 +4,8 @@ functions included, and fail on an import against the flow or a circle."""
 from __future__ import annotations
 
 import ast
+import builtins
+import inspect
 from pathlib import Path
 
 import pytest
@@ -48,7 +50,7 @@ def imports_of(path: Path) -> set[str]:
                 target = node.module or ""
             if not target.startswith("hookscope"):
                 continue
-            for alias in node.names:  # `from . import compile` imports the module hookscope.compile
+            for alias in node.names:  # `from . import compiling` imports the module hookscope.compiling
                 sub = f"{target}.{alias.name}"
                 found.add(sub if (SRC.parent / (sub.replace(".", "/") + ".py")).exists()
                           or (SRC.parent / sub.replace(".", "/")).is_dir() else target)
@@ -69,7 +71,7 @@ ALLOWED = {
     "hooks": {"arch", "inputs", "errors"},
     "capture": {"hooks", "arch", "selection", "inputs", "names", "errors"},
     "edit": {"hooks", "arch", "selection", "inputs", "names", "errors"},
-    "compile": {"hooks", "capture", "arch", "errors"},
+    "compiling": {"hooks", "capture", "arch", "errors"},
 }
 
 
@@ -84,7 +86,7 @@ def test_core_rooms_import_one_way(room):
 
 def test_hooks_and_capture_never_import_the_compile_layer():
     for module in ("hookscope.hooks", "hookscope.capture", "hookscope.edit", "hookscope.selection"):
-        assert not any(room_of(t) == "compile" for t in GRAPH[module]), module
+        assert not any(room_of(t) == "compiling" for t in GRAPH[module]), module
 
 
 def cycles() -> list[list[str]]:
@@ -124,17 +126,8 @@ def cycles() -> list[list[str]]:
     return found
 
 
-# Circles in rooms other engineers are reworking (issue 15 lists them); remove an entry when its
-# circle is gone, and the test then keeps it gone.
-KNOWN = [
-    ["hookscope.profiling.render", "hookscope.profiling.report"],  # profiling/ is issue 14's room
-]
-
-
 def test_no_import_circles():
-    found = cycles()
-    unexpected = [c for c in found if c not in KNOWN]
-    assert not unexpected, f"import circles: {unexpected}"
+    assert cycles() == [], "import circles (lazy imports inside functions count too)"
 
 
 def test_the_public_surface_is_listed_once():
@@ -147,3 +140,18 @@ def test_the_public_surface_is_listed_once():
     # what the public functions hand back is public too
     for cls in ("Capture", "Edits", "Store", "ActivationDataset", "Loaded", "Selection", "PointDict"):
         assert cls in hs.__all__, cls
+
+
+def test_no_module_and_no_public_keyword_shadows_a_builtin():
+    shadowed = set(dir(builtins))
+    assert not [p for p in SRC.rglob("*.py") if p.stem in shadowed]
+    assert not hasattr(hs, "compile")  # the policy is hs.compile_model; the module hs.compiling
+    assert hs.compile_model is hs.compiling.compile_model
+    for name in hs.__all__:
+        obj = getattr(hs, name)
+        try:
+            parameters = inspect.signature(obj).parameters if callable(obj) else {}
+        except (TypeError, ValueError):  # exception classes have no signature to read
+            continue
+        bad = [p for p in parameters if p in shadowed]
+        assert not bad, f"hs.{name} takes {bad}, named like Python builtins"

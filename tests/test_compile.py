@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hookscope as hs
-from hookscope import compile as hc
+from hookscope import compiling as hc
 from hookscope.hooks import hook_count
 from hookscope.testing import build_tiny
 
@@ -90,9 +90,9 @@ def test_off_never_calls_torch_compile(monkeypatch):
     ids = ids_for(model)
     want = hs.collect(model, ids, "blocks.1.attn.q")
     monkeypatch.setenv(hc.ENV_VAR, "off")
-    assert hc.apply(model) is model
+    assert hc.compile_model(model) is model
     monkeypatch.setenv(hc.ENV_VAR, "full")
-    assert hc.apply(model, "off") is model  # the argument wins over the environment
+    assert hc.compile_model(model, "off") is model  # the argument wins over the environment
     assert calls == []
     assert hc.policy_of(model) == "off"
     assert all("forward" not in m.__dict__ for m in model.modules())
@@ -103,7 +103,7 @@ def test_env_var_selects_blocks_one_compile_call_for_all_layers(monkeypatch):
     calls = recording_compile(monkeypatch)
     model = tiny("llama")
     monkeypatch.setenv(hc.ENV_VAR, "blocks")
-    hc.apply(model, mode="max-autotune-no-cudagraphs", dynamic=False)
+    hc.compile_model(model, mode="max-autotune-no-cudagraphs", dynamic=False)
     layers = model.model.layers
     assert hc.policy_of(model) == "blocks"
     assert len(calls) == 1  # one torch.compile serves every layer
@@ -120,18 +120,18 @@ def test_env_var_selects_blocks_one_compile_call_for_all_layers(monkeypatch):
 def test_apply_is_idempotent_and_refuses_a_second_policy(monkeypatch):
     calls = recording_compile(monkeypatch)
     model = tiny("gpt2")
-    hc.apply(model, "full")
-    hc.apply(model, "full")
+    hc.compile_model(model, "full")
+    hc.compile_model(model, "full")
     assert len(calls) == 1
     assert hc.region_of(model, "transformer.h.0.mlp") == "" and hc.region_of(model, "") is None
     with pytest.raises(hs.HookscopeError, match="already compiled with policy 'full'"):
-        hc.apply(model, "blocks")
+        hc.compile_model(model, "blocks")
 
 
 def test_blocks_needs_repeated_blocks():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     with pytest.raises(hs.HookscopeError, match="no repeated blocks"):
-        hc.apply(model, "blocks", backend=FAST)
+        hc.compile_model(model, "blocks", backend=FAST)
 
 
 # --- captures, gradients, edits equal eager -------------------------------------------------
@@ -156,7 +156,7 @@ def test_captures_equal_eager_without_breaks_or_repeat_recompiles(family, policy
     ids = ids_for(model)
     want = [hs.collect(model, ids, points, **opts) for points, opts in CASES]
     hooks_before = hook_count(model)
-    hc.apply(model, policy, backend=FAST)
+    hc.compile_model(model, policy, backend=FAST)
     for points, opts in CASES:  # each new set of hooks compiles once ...
         hs.collect(model, ids, points, **opts)
     first = hc.compile_stats()
@@ -172,7 +172,7 @@ def test_captures_equal_eager_without_breaks_or_repeat_recompiles(family, policy
 def test_one_graph_serves_every_layer_under_blocks():
     model = tiny("gpt2")
     ids = ids_for(model)
-    hc.apply(model, "blocks", backend=FAST)
+    hc.compile_model(model, "blocks", backend=FAST)
     hs.collect(model, ids, "blocks.0.resid_pre")  # the hook-free block graph
     hc.reset_stats()
     hs.collect(model, ids, "blocks.*.attn.z")  # the same traced hook on both layers
@@ -188,7 +188,7 @@ def test_captures_equal_eager_under_inductor(family, policy):
     points = ["embed", "blocks.0.attn.q", "blocks.1.mlp.post", "blocks.1.resid_post", "logits"]
     opts = {"positions": [0, -1], "stop": False}
     want = hs.collect(model, ids, points, **opts)
-    hc.apply(model, policy)
+    hc.compile_model(model, policy)
     assert_same(hs.collect(model, ids, points, **opts), want)
     hc.reset_stats()
     assert_same(hs.collect(model, ids, points, **opts), want)
@@ -199,7 +199,7 @@ def test_captures_equal_eager_under_inductor(family, policy):
 def test_capture_stops_after_the_block_of_the_last_point_under_blocks():
     model = tiny("gpt2")
     ids = ids_for(model)
-    hc.apply(model, "blocks", backend=FAST)
+    hc.compile_model(model, "blocks", backend=FAST)
     later = {"calls": 0}
 
     def count(module, args):
@@ -228,7 +228,7 @@ def test_gradients_under_blocks_equal_eager():
     points = ["blocks.0.resid_post", "blocks.1.resid_pre"]  # block boundaries: stay compiled
     want = hs.grads(model, ids, points, loss_fn)
     inner_want = hs.grads(model, ids, "blocks.1.attn.v", loss_fn)
-    hc.apply(model, "blocks", backend=FAST)
+    hc.compile_model(model, "blocks", backend=FAST)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         got = hs.grads(model, ids, points, loss_fn)
@@ -257,7 +257,7 @@ def test_gradient_hook_under_blocks_equals_eager():
         return kept["g"]
 
     want = run()
-    hc.apply(model, "blocks", backend=FAST)
+    hc.compile_model(model, "blocks", backend=FAST)
     with pytest.warns(UserWarning, match="gradient hook cannot be traced"):
         got = run()
     torch.testing.assert_close(got, want)
@@ -282,7 +282,7 @@ def test_edits_equal_eager(policy):
     want = edited()
     with torch.no_grad():
         assert not torch.allclose(model(ids).logits, want)  # the edits do change the output
-    hc.apply(model, policy, backend=FAST)
+    hc.compile_model(model, policy, backend=FAST)
     torch.testing.assert_close(edited(), want)
     hc.reset_stats()
     torch.testing.assert_close(edited(), want)

@@ -205,7 +205,7 @@ def test_compiled_captures_equal_eager_on_cuda(model_dirs, policy):
     eager = load(model_dirs, "gpt2", "cuda")
     ids = token_ids(eager, "cuda")
     want = hs.collect(eager, ids, "blocks.*.resid_post", stop=False)
-    compiled = hs.load(str(model_dirs["gpt2"]), device="cuda", compile=policy).model
+    compiled = hs.load(str(model_dirs["gpt2"]), device="cuda", compile_policy=policy).model
     for _ in range(2):  # the second call runs the cached graph
         got = hs.collect(compiled, ids, "blocks.*.resid_post", stop=False)
         for name, ref in want.items():
@@ -217,12 +217,12 @@ def test_compiled_captures_equal_eager_on_cuda(model_dirs, policy):
 def test_reduce_overhead_captures_survive_the_next_replay(model_dirs):
     """Under CUDA graphs the compiled outputs live in a pool the next replay overwrites: a capture
     must be a copy that keeps its values."""
-    from hookscope import compile as policy
+    from hookscope import compiling as policy
 
     model = load(model_dirs, "gpt2", "cuda")
     ids_a, ids_b = token_ids(model, "cuda"), token_ids(model, "cuda").flip(0)
     want_a = plain_resid_post(model, ids_a)[-1]
-    policy.apply(model, "full", mode="reduce-overhead")
+    policy.compile_model(model, "full", mode="reduce-overhead")
     for _ in range(3):  # warm up and record the graph
         hs.collect(model, ids_a, "blocks.2.resid_post", stop=False)
     first = hs.collect(model, ids_a, "blocks.2.resid_post", stop=False)["blocks.2.resid_post"]

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import hookscope as hs
-from hookscope.compile import apply, compile_stats, reset_stats
+from hookscope.compiling import compile_model, compile_stats, reset_stats
 from hookscope.hooks import hook_count
 from hookscope.testing import build_tiny
 
@@ -33,7 +33,7 @@ def fresh_dynamo():
 
 def test_generate_under_blocks_equals_eager(fresh_dynamo):
     eager = build_tiny("gpt2", n_layers=2, d_model=32, n_heads=4, seed=5)
-    compiled = apply(copy.deepcopy(eager), "blocks", backend="eager")
+    compiled = compile_model(copy.deepcopy(eager), "blocks", backend="eager")
     reset_stats()
     assert compiled.config.use_cache is False  # what `blocks` does today ...
     inputs = {"input_ids": torch.tensor([[1, 1, 7, 42, 99], [5, 17, 300, 8, 61]]),

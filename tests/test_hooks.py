@@ -93,6 +93,15 @@ def test_a_hook_replaces_the_activation(gpt2, ids):
     assert hook_count(gpt2) == 0
 
 
+def test_an_attach_registers_the_hook_itself_and_nothing_else(gpt2):
+    block = gpt2.transformer.h[1]
+    with hs.hooks(gpt2) as h:
+        hook = h.forward("blocks.1.resid_post", lambda act, hook: None)
+        # no wrapper in between: torch holds the Hook object, which reads the point's view
+        assert list(block._forward_hooks.values()) == [hook] and hook_count(gpt2) == 1
+    assert not hook.attached and hook_count(gpt2) == 0
+
+
 def test_permanent_hook_stays_until_removed(gpt2, ids):
     want = plain_output(gpt2, gpt2.transformer.h[1], ids)
     seen = []

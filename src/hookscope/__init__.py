@@ -7,6 +7,7 @@
     g = hs.grads(model, ids, "blocks.*.resid_post", loss_fn)
     with hs.edit(model, hs.ablate("blocks.2.attn.z", heads=[0])):
         out = model(ids)
+    hs.compile_model(model, "blocks")                     # or hs.load(..., compile_policy="blocks")
 
 This file is the public surface: every name a user needs is imported here and listed in
 `__all__`, one name per concept. Rooms and their one-way imports: docs/architecture.md.
@@ -15,9 +16,10 @@ This file is the public surface: every name a user needs is imported here and li
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from . import compile  # noqa: A004  (the compile policy layer: hs.compile.apply(model, "blocks"))
+from . import compiling  # the compile policy layer, its counters and caches: hs.compiling.compile_stats()
 from .arch import Arch, PointSpec, arch_of
 from .capture import Capture, PointDict, PointInfo, capture, collect, grads, points
+from .compiling import compile_model
 from .edit import Ablate, Edit, Edits, Patch, Steer, ablate, edit, patch, steer
 from .errors import (
     DataError,
@@ -55,7 +57,7 @@ __all__ = [
     # the activation store
     "open_store", "Store", "ActivationDataset",
     # profiling and the compile policy
-    "profile", "ProfileReport", "compile",
+    "profile", "ProfileReport", "compile_model", "compiling",
     # errors
     "HookscopeError", "UnknownPointError", "PointNotReachedError", "SelectionError", "ModelLoadError",
     "StoreError", "DataError",

@@ -25,7 +25,6 @@ compile layer takes over the points inside compiled regions through one seam
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import inspect
 from collections.abc import Iterator, Mapping, Sequence
@@ -68,6 +67,9 @@ def keyed_specs(arch: Arch, points: str | Sequence[str]) -> dict[str, PointSpec]
     pattern gives one canonical key per point it matched. A point asked twice is kept once,
     under its first key."""
     if isinstance(points, str):
+        spec = arch.specs.get(points)
+        if spec is not None:  # one point by its canonical name: the common case, in one lookup
+            return {points: spec}
         points = [p for p in points.split(",") if p.strip()] if "," in points else [points]
     out: dict[str, PointSpec] = {}
     seen: set[str] = set()
@@ -124,57 +126,86 @@ class PointDict(dict):
         return self[key] if key in self else default
 
 
-class Capture(Mapping[str, Tensor]):
+class Kept(Mapping[str, Tensor]):
+    """What a capture kept, read like a dict: keyed by the names asked for, and any other spelling
+    of a captured point reads it too. With `accumulate`, each pass adds a part; a read
+    concatenates them along the batch dim."""
+
+    def __init__(self, arch: Arch, keys: dict[str, PointSpec], accumulate: bool):
+        self.arch, self._keys, self.accumulate = arch, keys, accumulate
+        self._key_of = {spec.name: key for key, spec in keys.items()}
+        self._parts: dict[str, list[Tensor]] = {}  # canonical name -> parts (one per pass)
+        self.events: list = []  # CUDA events of non-blocking host copies: waited for before a read
+
+    def keep(self, name: str, value: Tensor) -> None:
+        if self.accumulate:
+            self._parts.setdefault(name, []).append(value)
+        else:
+            self._parts[name] = [value]
+
+    def sync(self) -> None:
+        for event in self.events:
+            event.synchronize()
+        self.events.clear()
+
+    def __getitem__(self, name: str) -> Tensor:
+        spec = self._keys.get(name) or self.arch.spec(name)
+        if spec.name not in self._key_of:
+            raise KeyError(f"{spec.name!r} is not one of the captured points: {list(self._keys)}")
+        self.sync()
+        parts = self._parts.get(spec.name)
+        if not parts:
+            raise PointNotReachedError(f"point {name!r} has not run since the capture started")
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter([key for key, spec in self._keys.items() if spec.name in self._parts])
+
+    def __len__(self) -> int:
+        return sum(1 for name in self._key_of if name in self._parts)
+
+    def __contains__(self, name: object) -> bool:
+        try:
+            self[name]  # type: ignore[index]
+        except (KeyError, PointNotReachedError):
+            return False
+        return True
+
+
+class Capture(Kept):
     """Hooks that keep copies of chosen activations. Use as a `with` block; read like a dict.
 
     `attention_mask`: the batch's mask, for `positions="last"` (each row's last real token); when
     left out, the `attention_mask=` the model is called with is used."""
 
-    def __init__(
-        self,
-        model: nn.Module,
-        points: str | Sequence[str],
-        *,
-        positions: Positions = None,
-        heads: Heads = None,
-        token_mask: Tensor | None = None,
-        dtype: torch.dtype | None = None,
-        device: torch.device | str | None = None,
-        stop: bool | None = None,
-        inference: bool = True,
-        accumulate: bool = False,
-        attention_mask: Tensor | None = None,
-        arch: Arch | None = None,
-    ):
-        self.model = model
-        self.arch = arch or arch_of(model)
+    def __init__(self, model: nn.Module, points: str | Sequence[str], *, positions: Positions = None,
+                 heads: Heads = None, token_mask: Tensor | None = None, dtype: torch.dtype | None = None,
+                 device: torch.device | str | None = None, stop: bool | None = None, inference: bool = True,
+                 accumulate: bool = False, attention_mask: Tensor | None = None, arch: Arch | None = None):
+        arch = arch if arch is not None else arch_of(model)
+        super().__init__(arch, keyed_specs(arch, points), accumulate)
+        self.model, self.inference, self.attention_mask = model, inference, attention_mask
         self.selection = Selection.of(positions, heads, token_mask, dtype, device)
-        self._keys = keyed_specs(self.arch, points)
         self.specs: list[PointSpec] = list(self._keys.values())
-        self._key_of = {spec.name: key for key, spec in self._keys.items()}
         self.stop = stop  # None: stop only inside run() / collect(), where nobody sees the cut
-        self.inference, self.accumulate = inference, accumulate
-        self.attention_mask = attention_mask
-        self.hooks = Hooks(model, self.arch)
-        self._kept: dict[str, list[Tensor]] = {}  # canonical name -> parts (one per pass)
-        self._pending: set[str] = set()
         self._stopping = stop is True  # raise after the last pending point of a pass
+        self.hooks = Hooks(model, arch)
+        self._pending: set[str] = set()
         self.pass_mask: Tensor | None = None  # the attention mask of the pass running now
-        self.events: list = []  # CUDA events of non-blocking host copies
-        self._mode: contextlib.ExitStack | None = None
-
-    # lifecycle -----------------------------------------------------------------------------
+        self._mode: Any = None  # the inference_mode context while the `with` block runs
 
     def __enter__(self) -> Capture:
-        self._mode = contextlib.ExitStack()
         if self.inference:
-            self._mode.enter_context(torch.inference_mode())
+            self._mode = torch.inference_mode()
+            self._mode.__enter__()
         try:
             layer = state_of(self.model).layer
-            plain = self.specs if layer is None else layer.split_capture(self, self.specs)
-            for spec in plain:
+            for spec in self.specs if layer is None else layer.split_capture(self, self.specs):
                 self.hooks.forward(spec, self._keep)
-            self.hooks.module_pre_forward(_ROOT, self._start_pass)  # a new pass: all pending again
+            # a hook on the root only where a pass needs its own start: to stop it, or to read its mask
+            if self.stop is True or (self.attention_mask is None and self.selection.wants_attention_mask):
+                self.hooks.module_pre_forward(_ROOT, self._start_pass)
+            self._start_pass(self.model, (), {})
         except BaseException:
             self._close()
             raise
@@ -186,16 +217,17 @@ class Capture(Mapping[str, Tensor]):
 
     def _close(self) -> None:
         self.hooks.remove()
-        if self._mode is not None:
-            self._mode.close()
-            self._mode = None
-        self._sync()
+        mode, self._mode = self._mode, None
+        if mode is not None:
+            mode.__exit__(None, None, None)
+        self.sync()
 
     def run(self, inputs: Any) -> Any:
         """Run the model on `inputs`, stopping after the last point unless stop=False.
         Returns the model output, or None when the pass was stopped early. Unless stop=False, a
         Hugging Face decoder runs without building its key/value cache (see `_builds_kv_cache`)."""
         self._stopping = self.stop is not False
+        self._start_pass(self.model, (), inputs if isinstance(inputs, Mapping) else {})
         options = {"use_cache": False} if self._stopping and _builds_kv_cache(self.model) else {}
         try:
             output = call_model(self.model, inputs, **options)
@@ -203,14 +235,14 @@ class Capture(Mapping[str, Tensor]):
             output = None
         finally:
             self._stopping = self.stop is True
-        # only after a pass that ended normally: an error raised mid-pass must reach the caller
-        self._check_all_ran()
+        if self._pending:  # only after a pass that ended normally: an error mid-pass must reach the caller
+            missing, self._pending = ", ".join(sorted(self._pending)), set()
+            raise PointNotReachedError(f"point(s) {missing} never ran in this forward pass; check the "
+                                       "model's execution path (e.g. an encoder-only model has no logits)")
         return output
 
-    # hooks ---------------------------------------------------------------------------------
-
-    def _start_pass(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._pending = {s.name for s in self.specs}
+    def _start_pass(self, module: nn.Module, args: tuple, kwargs: Mapping) -> None:
+        self._pending = set(self._key_of)
         mask = self.attention_mask
         if mask is None and self.selection.wants_attention_mask:
             mask = attention_mask_of(kwargs)
@@ -223,56 +255,10 @@ class Capture(Mapping[str, Tensor]):
     def file(self, name: str, kept: Tensor) -> None:
         """Keep `kept` as this pass's value of point `name`; stop the pass if it was the last one
         pending (and stopping was asked for)."""
-        if self.accumulate:
-            self._kept.setdefault(name, []).append(kept)
-        else:
-            self._kept[name] = [kept]
+        self.keep(name, kept)
         self._pending.discard(name)
         if self._stopping and not self._pending:
             raise _StopForward
-
-    def _sync(self) -> None:
-        for event in self.events:
-            event.synchronize()
-        self.events.clear()
-
-    def _check_all_ran(self) -> None:
-        if self._pending:
-            missing = sorted(self._pending)
-            self._pending = set()
-            raise PointNotReachedError(
-                f"point(s) {', '.join(missing)} never ran in this forward pass; check the model's "
-                "execution path (e.g. an encoder-only model has no logits)"
-            )
-
-    # reading -------------------------------------------------------------------------------
-
-    def __getitem__(self, name: str) -> Tensor:
-        spec = self._keys.get(name) or self._spec_of(name)
-        self._sync()
-        parts = self._kept.get(spec.name)
-        if not parts:
-            raise PointNotReachedError(f"point {name!r} has not run since the capture started")
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=0)
-
-    def _spec_of(self, name: str) -> PointSpec:
-        spec = self.arch.spec(name)
-        if spec.name not in self._key_of:
-            raise KeyError(f"{spec.name!r} is not one of the captured points: {list(self._keys)}")
-        return spec
-
-    def __iter__(self) -> Iterator[str]:
-        return iter([key for key, spec in self._keys.items() if spec.name in self._kept])
-
-    def __len__(self) -> int:
-        return sum(1 for spec in self.specs if spec.name in self._kept)
-
-    def __contains__(self, name: object) -> bool:
-        try:
-            self[name]  # type: ignore[index]
-        except (KeyError, PointNotReachedError):
-            return False
-        return True
 
 
 def capture(model: nn.Module, points: str | Sequence[str], **options: Any) -> Capture:
@@ -311,8 +297,8 @@ def grads(
     with Hooks(model, arch) as h, torch.enable_grad():
         for spec in keys.values():
             # autograd cannot differentiate with respect to a tensor a compiled graph only returned
-            h._attach_untraceable(spec, keep,
-                                  untraceable="a gradient with respect to a point inside a compiled region")
+            h.untraceable_forward(spec, keep,
+                                  reason="a gradient with respect to a point inside a compiled region")
         output = call_model(model, inputs)
     missing = [s.name for s in keys.values() if s.name not in kept]
     if missing:

@@ -198,14 +198,14 @@ def cmd_profile(args) -> int:
 
     import hookscope as hs
 
-    from .compile import compile_stats, reset_stats
+    from .compiling import compile_stats, reset_stats
     from .extract import max_positions
     from .profiling.report import writable_dir
 
     _quiet_transformers()
     if args.out:
         writable_dir(args.out)  # before minutes of profiling, not after
-    loaded = hs.load(args.model, device=args.device, dtype=args.dtype, compile=args.compile)
+    loaded = hs.load(args.model, device=args.device, dtype=args.dtype, compile_policy=args.compile)
     longest = max_positions(loaded.model)
     if longest is not None and args.seq > longest:
         raise hs.HookscopeError(f"--seq {args.seq} is longer than the model's {longest} positions; "

@@ -21,18 +21,24 @@ from torch import Tensor, nn
 from .arch import Arch, PointSpec, arch_of, state_of
 from .arch.base import Call
 from .errors import HookscopeError
-from .inputs import call_model  # noqa: F401  (its room is inputs.py; profiling imports it from here)
 
 HookFn = Callable[[Tensor, "Hook"], Tensor | None]
 
 
 class Hook:
-    """A handle on one attached hook."""
+    """A handle on one attached hook; `remove()` detaches it.
 
-    __slots__ = ("spec", "fn", "kind", "_handles")
+    For `Hooks.forward` the Hook is itself the callable torch runs (an `_OnOutput` / `_OnInput`):
+    attaching one makes one object and one torch handle, no closure, no list; nothing names it."""
 
-    def __init__(self, spec: PointSpec, fn: Callable, kind: str, handles: list):
-        self.spec, self.fn, self.kind, self._handles = spec, fn, kind, handles
+    __slots__ = ("spec", "fn", "kind", "_run", "_handle", "_held")
+
+    def __init__(self, spec: PointSpec, fn: Callable, kind: str):
+        # fn: what the hook is, as shown in its name; _run: what is called (a wrapper, for a
+        # gradient hook or a profiler label, may stand between them)
+        self.spec, self.fn, self.kind, self._run = spec, fn, kind, fn
+        self._handle: Any = None  # the torch handle
+        self._held: list | None = None  # further handles that live as long as the hook (holds)
 
     @property
     def point(self) -> str:
@@ -43,14 +49,23 @@ class Hook:
         """A readable label, built on demand (never at attach time)."""
         return f"{self.kind} hook {describe(self.fn)} on {self.spec.name}"
 
+    def hold(self, handle: Any) -> None:
+        """Remove `handle` (anything with `.remove()`) when this hook is removed."""
+        if self._held is None:
+            self._held = []
+        self._held.append(handle)
+
     def remove(self) -> None:
-        for handle in self._handles:
+        handle, self._handle = self._handle, None
+        if handle is not None:
             handle.remove()
-        self._handles.clear()
+        held, self._held = self._held, None
+        for other in held or ():
+            other.remove()
 
     @property
     def attached(self) -> bool:
-        return bool(self._handles)
+        return self._handle is not None
 
     def __repr__(self) -> str:
         return f"<{self.name}>"
@@ -183,42 +198,48 @@ def _replace_input(args: tuple, kwargs: dict, where: Any, new: Tensor) -> tuple[
     return args, {**kwargs, where: new}
 
 
-def _module_hook(spec: PointSpec, fn: HookFn, hook: Hook) -> Callable:
-    """The torch-level hook: read the canonical view, call fn, write back what it returns."""
-    view, item = spec.view, spec.item
-    get = view.get if view else None
-    put = view.put if view else None
+class _OnOutput(Hook):
+    """A hook on a module's output, called by torch as `hook(module, args, output)`: reads the
+    point's canonical view, calls fn, writes back what it returns."""
 
-    if spec.io == "output":
-        def on_output(module: nn.Module, args: tuple, output: Any) -> Any:
-            if item is None:  # the whole output: the point's view reads several parts of it (arch/moe.py)
-                raw = output
-            else:
-                raw = output if isinstance(output, Tensor) else output_tensor(output, item)
-            if raw is None:
-                raise HookscopeError(f"{spec.name}: cannot read a tensor from a module output of type "
-                                     f"{type(output).__name__}")
-            new = fn(get(raw) if get else raw, hook)
-            if new is None:
-                return None
-            return _replace_output(output, item, put(raw, new) if put else new)
+    __slots__ = ()
 
-        return on_output
+    def __call__(self, module: nn.Module, args: tuple, output: Any) -> Any:
+        spec = self.spec
+        item, view = spec.item, spec.view
+        if item is None:  # the whole output: the point's view reads several parts of it (arch/moe.py)
+            raw = output
+        else:
+            raw = output if isinstance(output, Tensor) else output_tensor(output, item)
+        if raw is None:
+            raise HookscopeError(f"{spec.name}: cannot read a tensor from a module output of type "
+                                 f"{type(output).__name__}")
+        new = self._run(raw if view is None else view.get(raw), self)
+        if new is None:
+            return None
+        return _replace_output(output, item, new if view is None else view.put(raw, new))
 
-    def on_input(module: nn.Module, args: tuple, kwargs: dict) -> Any:
+
+class _OnInput(Hook):
+    """A hook on a module's input, called by torch as `hook(module, args, kwargs)` (a pre-forward
+    hook with kwargs)."""
+
+    __slots__ = ()
+
+    def __call__(self, module: nn.Module, args: tuple, kwargs: dict) -> Any:
+        spec = self.spec
+        item, view = spec.item, spec.view
         if item is None:  # the whole call: the view reads the module and all its arguments
-            new = fn(get(Call(module, args, kwargs)), hook)
-            return None if new is None else put(Call(module, args, kwargs), new)[1:]
+            new = self._run(view.get(Call(module, args, kwargs)), self)
+            return None if new is None else view.put(Call(module, args, kwargs), new)[1:]
         found = input_tensor(args, kwargs)
         if found is None:
             raise HookscopeError(f"{spec.name}: the module was called with no tensor input to read")
         raw, where = found
-        new = fn(get(raw) if get else raw, hook)
+        new = self._run(raw if view is None else view.get(raw), self)
         if new is None:
             return None
-        return _replace_input(args, kwargs, where, put(raw, new) if put else new)
-
-    return on_input
+        return _replace_input(args, kwargs, where, new if view is None else view.put(raw, new))
 
 
 def grad_leaf(act: Tensor, hook: Hook) -> Tensor:
@@ -254,7 +275,7 @@ class Hooks:
 
     def __init__(self, model: nn.Module, arch: Arch | None = None):
         self.model = model
-        self.arch = arch or arch_of(model)
+        self.arch = arch if arch is not None else arch_of(model)
         self._hooks: list[Hook] = []
 
     # attaching -----------------------------------------------------------------------------
@@ -263,16 +284,16 @@ class Hooks:
         """Call `fn(activation, hook)` when the point runs; a returned tensor replaces it."""
         spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
         module = self.arch.module(self.model, spec)
-        handles: list = [_eager_attention(self.model)] if spec.needs_eager else []
-        hook = Hook(spec, fn, "forward", handles)
         if spec.io == "output":
-            torch_hook = _module_hook(spec, fn, hook)
+            hook: Hook = _OnOutput(spec, fn, "forward")
+            if spec.needs_eager:
+                hook.hold(_eager_attention(self.model))
             # (no keyword unless needed: torch's keyword handling costs ~10% of an attach)
-            handles.append(module.register_forward_hook(torch_hook, prepend=True) if prepend
-                           else module.register_forward_hook(torch_hook))
+            hook._handle = (module.register_forward_hook(hook, prepend=True) if prepend
+                            else module.register_forward_hook(hook))
         else:
-            handles.append(module.register_forward_pre_hook(_module_hook(spec, fn, hook), prepend=prepend,
-                                                            with_kwargs=True))
+            hook = _OnInput(spec, fn, "forward")
+            hook._handle = module.register_forward_pre_hook(hook, prepend=prepend, with_kwargs=True)
         self._hooks.append(hook)
         return hook
 
@@ -281,51 +302,52 @@ class Hooks:
         replaces the gradient. Uses a tensor hook (cheaper than a module backward hook)."""
         spec = self._spec(point)
         spec.require_writable("a gradient hook")
-        hook = self._attach_untraceable(spec, _grad_capture(fn),
-                                        untraceable="a gradient hook cannot be traced into a compiled graph")
+        hook = self.untraceable_forward(spec, _grad_capture(fn),
+                                        reason="a gradient hook cannot be traced into a compiled graph")
         hook.kind, hook.fn = "grad", fn
         return hook
 
-    def _attach_untraceable(self, point: str | PointSpec, fn: HookFn, *, untraceable: str) -> Hook:
-        """A forward hook whose `fn` cannot run inside a compiled graph (`untraceable` says why):
-        a layer on top (the compile layer) keeps the point out of any graph while it is attached."""
+    def untraceable_forward(self, point: str | PointSpec, fn: HookFn, *, reason: str) -> Hook:
+        """A forward hook whose `fn` cannot run inside a compiled graph (`reason` says why): a
+        layer on top (the compile layer) keeps the point out of any graph while it is attached."""
         hook = self.forward(point, fn)
-        hook._handles.extend(self._untraceable(hook.spec, untraceable))
+        self._hold_untraceable(hook, reason)
         return hook
 
     def module_backward(self, point: str | PointSpec, fn: Callable) -> Hook:
         """A full backward hook on the point's module: `fn(module, grad_input, grad_output)`."""
         spec = self._spec(point)
-        module = self.arch.module(self.model, spec)
-        handles = [module.register_full_backward_hook(fn),
-                   *self._untraceable(spec, "a module backward hook cannot be traced into a compiled graph")]
-        hook = Hook(spec, fn, "backward", handles)
-        self._hooks.append(hook)
+        hook = self._keep(Hook(spec, fn, "backward"),
+                          self.arch.module(self.model, spec).register_full_backward_hook(fn))
+        self._hold_untraceable(hook, "a module backward hook cannot be traced into a compiled graph")
         return hook
 
     def module_forward(self, point: str | PointSpec, fn: Callable) -> Hook:
         """A plain forward hook on the point's module: `fn(module, args, output)`."""
         spec = self._spec(point)
-        handles = [self.arch.module(self.model, spec).register_forward_hook(fn)]
-        hook = Hook(spec, fn, "forward", handles)
-        self._hooks.append(hook)
-        return hook
+        module = self.arch.module(self.model, spec)
+        return self._keep(Hook(spec, fn, "forward"), module.register_forward_hook(fn))
 
     def module_pre_forward(self, point: str | PointSpec, fn: Callable) -> Hook:
         """A plain pre-forward hook on the point's module: `fn(module, args, kwargs)`."""
         spec = self._spec(point)
-        handles = [self.arch.module(self.model, spec).register_forward_pre_hook(fn, with_kwargs=True)]
-        hook = Hook(spec, fn, "pre-forward", handles)
+        module = self.arch.module(self.model, spec)
+        handle = module.register_forward_pre_hook(fn, with_kwargs=True)
+        return self._keep(Hook(spec, fn, "pre-forward"), handle)
+
+    def _keep(self, hook: Hook, handle: Any) -> Hook:
+        hook._handle = handle
         self._hooks.append(hook)
         return hook
 
     def _spec(self, point: str | PointSpec) -> PointSpec:
         return point if isinstance(point, PointSpec) else self.arch.spec(point)
 
-    def _untraceable(self, spec: PointSpec, reason: str) -> list:
+    def _hold_untraceable(self, hook: Hook, reason: str) -> None:
         layer = state_of(self.model).layer
-        handle = layer.untraceable(self.model, spec, reason) if layer is not None else None
-        return [] if handle is None else [handle]
+        handle = layer.untraceable(self.model, hook.spec, reason) if layer is not None else None
+        if handle is not None:
+            hook.hold(handle)
 
     # removing ------------------------------------------------------------------------------
 
@@ -338,7 +360,8 @@ class Hooks:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.remove()
+        while self._hooks:
+            self._hooks.pop().remove()
 
     def __iter__(self):
         return iter(list(self._hooks))

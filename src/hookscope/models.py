@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from .arch import Arch, arch_of
-from .compile import apply as apply_compile_policy
+from .compiling import compile_model
 from .errors import ModelLoadError
 from .hub import OFFLINE_HELP, unreachable_reason
 
@@ -70,7 +70,7 @@ def load(
     revision: str | None = None,
     attn_implementation: str | None = None,
     device_map: str | dict | None = None,
-    compile: str | None = None,
+    compile_policy: str | None = None,
     tokenizer: bool = True,
 ) -> Loaded:
     """Load a Hugging Face model (causal LM head when it has one) in eval mode.
@@ -115,7 +115,7 @@ def load(
     if device_map is None:
         model.to(device)
     model.eval()
-    apply_compile_policy(model, compile)
+    compile_model(model, compile_policy)
     tok = None
     if tokenizer:
         try:

@@ -55,6 +55,8 @@ class Selection:
     @classmethod
     def of(cls, positions: Positions = None, heads: Heads = None, token_mask: Tensor | None = None,
            dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Selection:
+        if positions is None and heads is None and token_mask is None and dtype is None and device is None:
+            return _EVERYTHING  # frozen, so one value serves every capture that keeps everything
         if token_mask is not None and positions is not None:
             raise SelectionError("give either positions= or token_mask=, not both")
         if token_mask is not None and (not isinstance(token_mask, Tensor) or token_mask.dtype != torch.bool
@@ -90,7 +92,7 @@ class Selection:
         `events`: CUDA events of pinned, non-blocking host copies are appended (sync before use)."""
         x = self.select(act, spec, attention_mask=attention_mask)
         fresh = copy == "never"
-        if not fresh and copy == "auto":
+        if not fresh and copy == "auto" and x is not act:  # (act itself: shares its own storage)
             # compare storages: views made under inference_mode have no _base, and a view at an
             # offset (positions=1) has a different data_ptr
             fresh = x.untyped_storage().data_ptr() != act.untyped_storage().data_ptr()
@@ -326,3 +328,6 @@ def _to_device(x: Tensor, device: torch.device, events: list | None) -> Tensor:
         events.append(event)
         return buf
     return x.to(device, non_blocking=True, copy=True)
+
+
+_EVERYTHING = Selection()

@@ -8,7 +8,6 @@ tensor with the canonical part replaced, so edits and gradients flow through the
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -91,6 +90,11 @@ class PointSpec:
     # attention weights of Hugging Face models: only computed by eager attention, and returned
     # after use, so they can be read (the model switches to eager while hooked) but not edited
     needs_eager: bool = False
+    # `module` split at the dots, once: attaching a hook walks it (see `Arch.module`)
+    steps: tuple[str, ...] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "steps", tuple(self.module.split(".")) if self.module else ())
 
     def require_writable(self, what: str) -> None:
         """Refuse edits / gradients on a point whose value the model never reads back."""
@@ -141,6 +145,9 @@ class Arch:
         return [self.spec(n) for n in expand(names, self.names, self.aliases, self.optional)]
 
     def spec(self, name: str) -> PointSpec:
+        found = self.specs.get(name)  # the common case first: one dict lookup (attach time counts)
+        if found is not None:
+            return found
         if name.startswith(MODULE_PREFIX):
             mp = parse_module_path(name)
             return PointSpec(name=f"{MODULE_PREFIX}{mp.path}:{mp.io}", module=mp.path, io=mp.io, pos_dim=None)
@@ -165,13 +172,14 @@ class Arch:
         return point.spec
 
     def module(self, model: nn.Module, spec: PointSpec) -> nn.Module:
-        if self.modules is not None and spec.module in self.modules:
-            return self.modules[spec.module]
+        path = spec.module
+        if self.modules is not None and path in self.modules:
+            return self.modules[path]
         # the registered-submodule walk: plain dict lookups, about 10x cheaper than get_submodule's
         # getattr per step, and never stale (a replaced submodule is found as it is now)
         module = model
         try:
-            for step in _steps(spec.module):
+            for step in spec.steps:
                 module = module._modules[step]
             if module is not None:
                 return module
@@ -184,11 +192,6 @@ class Arch:
                 f"point {spec.name!r}: the model has no module {spec.module!r}"
                 " (print(model) shows the module tree)"
             ) from None
-
-
-@functools.lru_cache(maxsize=4096)
-def _steps(path: str) -> tuple[str, ...]:
-    return tuple(path.split(".")) if path else ()
 
 
 Entry = tuple[str, str, View | None] | tuple[str, str, View | None, dict]

@@ -12,7 +12,7 @@ import html
 import io
 from typing import TYPE_CHECKING
 
-from .report import op_cells, op_header, row_cells, row_header
+from .table import op_cells, op_header, row_cells, row_header
 
 if TYPE_CHECKING:
     from .report import ProfileReport

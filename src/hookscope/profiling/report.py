@@ -10,6 +10,8 @@ from typing import Any
 
 from ..errors import HookscopeError
 from .events import OpRow, Row, relative_spread
+from .render import html_page, plot_png, plot_svg
+from .table import op_cells, op_header, row_cells, row_header, text_table
 from .trace import write_trace
 
 WIDE_SPREAD = 0.25  # slowest - fastest step over the median: beyond it, the summary warns
@@ -122,7 +124,7 @@ class ProfileReport:
                          "(hook rows are part of their block's time)")
         else:
             lines.append("no repeated blocks found in this model: rows cover hooked points only")
-        lines += ["", _table(self.rows, on_device)]
+        lines += ["", text_table(row_header(on_device), [row_cells(r, on_device) for r in self.rows])]
         if self.hook_overhead is not None:
             lines += ["", (f"hooks cost {self.hook_overhead:+.1%} per step: "
                            f"{_ms(self.step_time_s)} with them, "
@@ -136,7 +138,7 @@ class ProfileReport:
             lines += ["", *self.warnings]
         clock = "device" if on_device else "CPU"
         lines += ["", self.memory_note, "", f"top operators by self {clock} time, per step:",
-                  _ops_table(self.top_ops, on_device)]
+                  text_table(op_header(on_device), [op_cells(o, on_device) for o in self.top_ops])]
         return "\n".join(lines)
 
     def write(self, out_dir: str | Path) -> dict[str, Path]:
@@ -144,8 +146,6 @@ class ProfileReport:
         extra package needed), time_per_block.png (only when matplotlib is installed), report.html
         (the picture inline) and, on CUDA, memory_snapshot.pickle; returns {kind: path}.
         An --out that cannot be written raises HookscopeError, naming it."""
-        from .render import html_page, plot_png, plot_svg
-
         if self.profiler is None:
             raise HookscopeError("this report has no profiler run attached; make it with hs.profile(...)")
         out = writable_dir(out_dir)
@@ -197,52 +197,3 @@ def _spread_note(times: list[float]) -> str:
 
 def _ms(seconds: float | None) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.2f} ms"
-
-
-def mib(nbytes: float | None) -> str:
-    return "-" if nbytes is None else f"{nbytes / 2**20:+.2f} MiB"
-
-
-def row_cells(row: Row, on_device: bool) -> list[str]:
-    cells = [row.name, row.kind, f"{row.calls:g}", f"{row.self_s * 1e3:.3f}", f"{row.total_s * 1e3:.3f}"]
-    if on_device:
-        cells += [f"{row.device_s * 1e3:.3f}", mib(row.device_mem_bytes)]
-    spread = "-" if row.spread is None else f"{row.spread:.0%}"
-    return cells + [spread, f"{row.share:.1%}", mib(row.cpu_mem_bytes)]
-
-
-def row_header(on_device: bool) -> list[str]:
-    head = ["point", "kind", "calls", "self ms", "total ms"]
-    if on_device:
-        head += ["device ms", "device mem"]
-    return head + ["spread", "share", "CPU mem"]
-
-
-def op_cells(op: OpRow, on_device: bool) -> list[str]:
-    cells = [op.name, f"{op.calls:g}", f"{op.self_s * 1e3:.3f}", f"{op.total_s * 1e3:.3f}"]
-    if on_device:
-        cells.append(f"{op.self_device_s * 1e3:.3f}")
-    return cells + [mib(op.self_cpu_mem_bytes)]
-
-
-def op_header(on_device: bool) -> list[str]:
-    device = ["self device ms"] if on_device else []
-    return ["operator", "calls", "self ms", "total ms", *device, "self CPU mem"]
-
-
-def _aligned(header: list[str], body: list[list[str]]) -> str:
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-
-    def fmt(cells: list[str]) -> str:
-        pairs = enumerate(zip(cells, widths, strict=True))
-        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in pairs)
-
-    return "\n".join([fmt(header), fmt(["-" * w for w in widths]), *map(fmt, body)])
-
-
-def _table(rows: list[Row], on_device: bool) -> str:
-    return _aligned(row_header(on_device), [row_cells(r, on_device) for r in rows])
-
-
-def _ops_table(ops: list[OpRow], on_device: bool) -> str:
-    return _aligned(op_header(on_device), [op_cells(o, on_device) for o in ops])

@@ -21,7 +21,8 @@ from torch.profiler import ProfilerActivity, schedule
 
 from ..arch import Arch, arch_of
 from ..errors import HookscopeError
-from ..hooks import Hooks, call_model
+from ..hooks import Hooks
+from ..inputs import call_model
 from .events import build_rows, cpu_threads, label_totals, top_ops
 from .labels import STEP, BlockLabels, LabelledHooks, block_labels, first_tensor
 from .report import ProfileReport

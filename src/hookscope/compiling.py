@@ -1,6 +1,10 @@
 """torch.compile as a policy: `off` (default), `blocks` (regional) or `full`.
 
-    model = hs.compile.apply(model, "blocks")      # or HOOKSCOPE_COMPILE=blocks
+    model = hs.compile_model(model, "blocks")      # or HOOKSCOPE_COMPILE=blocks
+    hs.load(path, compile_policy="blocks")          # the same, at load time
+
+The module is `compiling` (not `compile`, which would shadow the builtin); its compiler counters
+and cache helpers are `hs.compiling.compile_stats()`, `.save_cache(path)`, ...
 
 off     nothing is compiled: instant start, plain Python stack traces.
 blocks  the repeated blocks' `forward` goes through ONE torch.compile call, so the graph traced
@@ -12,11 +16,11 @@ module's own hooks, so they would be traced into the graph. Compiling `forward` 
 the region's own module (a block's resid_pre / resid_post; the root under `full`) running
 eagerly around the compiled graph, where a capture can stop the forward, read point names and
 copy to the host without a graph break or a recompile per layer. Hooks on modules *inside* a
-region are traced into its graph: `apply` sets `torch._dynamo.config.skip_nnmodule_hook_guards
+region are traced into its graph: `compile_model` sets `torch._dynamo.config.skip_nnmodule_hook_guards
 = False` (process-wide) so that hooks attached after the first compiled call fire, at the cost
 of one recompile per distinct set of hooks (cached, so the same capture again is free).
 
-A layer on top of the core: this module imports hooks and capture, never the reverse. `apply`
+A layer on top of the core: this module imports hooks and capture, never the reverse. `compile_model`
 registers a `_Compiled` as the model's layer (`arch.state_of(model).layer`), the one seam through
 which the core asks it two things (`hooks.Layer`): keep an untraceable hook (a gradient hook) out
 of the graph, which `hold_eager` does by running its region eagerly while the hook is attached;
@@ -149,7 +153,7 @@ def _compiled(model: nn.Module) -> _Compiled | None:
     return layer if isinstance(layer, _Compiled) else None
 
 
-def apply(
+def compile_model(
     model: nn.Module,
     policy: str | None = None,
     *,
@@ -219,7 +223,7 @@ def _class_forward(module: nn.Module) -> Callable | None:
 
 
 def policy_of(model: nn.Module) -> str:
-    """The policy `apply` compiled this model with ("off" if it did not)."""
+    """The policy `compile_model` compiled this model with ("off" if it did not)."""
     state = _compiled(model)
     return state.policy if state is not None else "off"
 
@@ -329,5 +333,5 @@ def load_cache(path: str | Path) -> bool:
     """Preload the artifacts `save_cache` wrote; call before the first compiled forward."""
     path = Path(path)
     if not path.is_file():
-        raise HookscopeError(f"no compile cache at {path}; write one with hookscope.compile.save_cache")
+        raise HookscopeError(f"no compile cache at {path}; write one with hookscope.compiling.save_cache")
     return torch.compiler.load_cache_artifacts(path.read_bytes()) is not None
