@@ -72,7 +72,7 @@ def test_patch_under_blocks_equals_eager(fresh_dynamo):
     the prompt (the whole prompt pass patched) and at chosen sequence positions (one step patched,
     the others left alone), and both differ from generating without it."""
     eager = build_tiny("gpt2", n_layers=2, d_model=32, n_heads=4, seed=6)
-    compiled = apply(copy.deepcopy(eager), "blocks", backend="eager")
+    compiled = compile_model(copy.deepcopy(eager), "blocks", backend="eager")
     reset_stats()
     inputs = {"input_ids": torch.tensor([[1, 1, 7, 42, 99], [5, 17, 300, 8, 61]]),
               "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])}

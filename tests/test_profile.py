@@ -366,7 +366,7 @@ def test_relative_spread():
 
 
 def test_uneven_steps_show_a_spread_per_row_and_a_warning():
-    small = build_tiny("gpt2")  # steps of a few ms: a 200 ms sleep in every other call dominates, even at load 10
+    small = build_tiny("gpt2")  # steps of a few ms: a 200 ms sleep in every other call dominates at load 10
     ids = torch.randint(0, 512, (2, 16))
     calls = []
 

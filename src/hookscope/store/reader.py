@@ -71,8 +71,9 @@ def open_store(path: str | os.PathLike, *, verify: bool = False) -> Store:
     return store
 
 
-_UNMERGED = ("{root}: only per-rank manifests here; the torchrun job did not finish. Re-run it with any "
-             "number of processes (it resumes), or merge them with hookscope.store.merge_rank_manifests(path)")
+_UNMERGED = ("{root}: only per-rank manifests here; the torchrun job did not finish. Re-run it with "
+             "any number of processes (it resumes), or merge them with "
+             "hookscope.store.merge_rank_manifests(path)")
 
 
 def _open_remote(remote: Remote, verify: bool) -> Store:
