@@ -126,6 +126,22 @@ def test_the_shuffled_dataset_reads_a_url_unchanged(pair):
     assert fetched(fresh)[0] <= fresh.num_shards * (HEADER_GET + 2 * BLOCK) + len(local) * NARROW * 2
 
 
+def test_a_window_read_ahead_is_fetched_in_the_background_and_served_from_the_cache(pair):
+    url, local_dir = pair
+    store, local = open_store(url), open_store(local_dir)
+    assert store.num_shards >= 4
+    store.read_ahead([3, 1], ["q"])  # what the shuffled dataset asks for before a window
+    settle(store)
+    ahead = fetched(store)
+    assert ahead[0] > 0  # fetched before any load
+    for i in (3, 1):  # not a sequential scan: no further readahead of its own
+        assert torch.equal(store.load_shard(i, ["q"])["q"], local.load_shard(i, ["q"])["q"])
+    assert fetched(store) == ahead  # both shards came from the cache: no request after the readahead
+    local.read_ahead([0, 1], ["q"])  # a local store: nothing to fetch, nothing fails
+    with pytest.raises(StoreError, match="no column"):
+        store.read_ahead([0], ["nope"])
+
+
 def test_the_block_cache_is_bounded_and_serves_repeats(pair, monkeypatch):
     url, _ = pair
     store = open_store(url)

@@ -389,6 +389,8 @@ class _Mapper:
         self.keep = row_bytes * len(store) <= _ram_bytes() // 2
 
     def window(self, shards: list[int]) -> _MappedWindow:
+        # on a URL the window's shards are fetched concurrently, not one after another
+        self.store.read_ahead([i for i in shards if i not in self.mapped], self.names)
         parts = []
         for i in shards:
             columns = self.mapped.get(i)

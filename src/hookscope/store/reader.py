@@ -176,6 +176,20 @@ class Store:
         self._last_scanned = i
         return self._load_remote(i, names, 0, entry.rows)
 
+    def read_ahead(self, shards: Sequence[int], names: Sequence[str] | None = None) -> None:
+        """On a URL, start fetching columns `names` of `shards` into the block cache in the background,
+        so a window of shards comes in concurrently and `load_shard` then waits only for what is left.
+        A local store needs nothing (its pages come from the page cache)."""
+        if self._blocks is None:
+            return
+        names = list(self.manifest.columns) if names is None else list(names)
+        self._check_names(names)
+        row = sum(_row_bytes(self.manifest.columns[n]) for n in names)
+        if sum(self.manifest.shards[i].rows for i in shards) * row > self._blocks.max_bytes // 2:
+            return  # they would push each other out of the cache before being read
+        for i in shards:
+            self._read_ahead(i, names)
+
     def rows(self, start: int, stop: int, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
         """Rows [start, stop) of columns `names` (default all), in store order, as tensors. On a URL
         only those rows' bytes are fetched (a column's rows are contiguous in a shard)."""
