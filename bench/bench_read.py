@@ -232,13 +232,15 @@ def main() -> None:
         else:
             print(json.dumps(measure_saelens(rest[0], int(rest[1]), rest[2] == "train")))
         return
-    sys.path.insert(0, str(BENCH_DIR.parent / "src"))
     OUT.mkdir(parents=True, exist_ok=True)
     print(f"load before: {open('/proc/loadavg').read().split()[:3]}")
     results = {}
     dims = [int(x) for x in args.dims.split(",")]
     dtypes = args.dtypes.split(",")
     before = args.before_src or before_src(BEFORE_REV)
+    # this process writes the stores with the "before" tree: its store format (1) is one both trees
+    # read (the after tree writes format 2 since elastic resume, which the before reader refuses)
+    sys.path.insert(0, str(before))
     cases = [tuple(c.split("/")) for c in args.cases.split(",")]
     if not args.saelens_only:
         for d in dims:
