@@ -13,29 +13,14 @@ import time
 from itertools import islice
 
 import pytest
+import test_store
 import torch
 
 from hookscope.errors import StoreError
 from hookscope.store import ShardWriter, open_store
 
-
-@pytest.fixture(scope="module")
-def id_store(tmp_path_factory):
-    """200 rows in 8 shards of 25; column "x" holds each row's own index."""
-    out = tmp_path_factory.mktemp("ids") / "s"
-    with ShardWriter(out, {"ids": True}, shard_rows=25) as w:
-        for b in range(40):
-            ids = torch.arange(b * 5, b * 5 + 5)
-            w.write(b, {"x": ids.float()[:, None].repeat(1, 3)}, {"token_ids": ids})
-    return open_store(out)
-
-
-def ids_of(items) -> list[int]:
-    out = []
-    for item in items:
-        x = item["x"] if isinstance(item, dict) else item
-        out += x.reshape(-1, 3)[:, 0].long().tolist()
-    return out
+id_store = test_store.id_store  # the fixture: 200 rows in 8 shards of 25, "x" holds each row's index
+ids_of = test_store.ids_of
 
 
 def batch_sets(batches) -> list[list[int]]:
