@@ -5,18 +5,23 @@ activations.
 Cases (each measurement in a fresh process; rounds interleave the cases, ABAB, so load drifts hit
 them all; the median of `--runs` processes):
 
-- floor: the whole column already in RAM, gathered in a random order in batches of 4,096 with
-  torch's `index_select` (torch's default threads); floor-np: the same with numpy's `take` on one
-  thread. The ratio is to the faster of the two: what a trainer could get with no disk and no
-  file format at all. disk: the shard files read front to back with the page cache dropped (the
-  disk's own speed, which bounds every cold case: cold cases also show their ratio to it).
-- before: `store.dataset(point, batch_size=4096)` of main at 667a82f (exported from git into
-  bench/out/read/src-667a82f, or `--before-src DIR`), in a process whose PYTHONPATH puts it first;
-  after: this checkout's. `shuffle=True` unless named `seq` (`shuffle=False`).
+- floor: the whole column already in RAM (allocated by numpy, which asks for huge pages), gathered
+  in a random order in batches of 4,096 with torch's `index_select` (torch's default threads);
+  floor-np: the same with numpy's `take` on one thread. The ratio is to the faster of the two: what
+  a trainer could get with no disk and no file format at all. disk: the shard files read front
+  to back with the page cache dropped (the disk's own speed, which bounds every cold case: cold
+  cases also show their ratio to it).
+- before: `store.dataset(point, batch_size=4096)` of main at `--before-rev` (default 6d2f093;
+  exported from git into bench/out/read/src-REV, or `--before-src DIR`), in a process whose
+  PYTHONPATH puts it first; after: this checkout's. `shuffle=True` unless named `seq`
+  (`shuffle=False`).
 - loader2: after, through `DataLoader(ds, batch_size=None, num_workers=2)`.
-- warm: shard files in the page cache (read once before), 3 epochs in one pass; cold: every
-  shard file dropped from the page cache with `posix_fadvise(DONTNEED)` (after `fsync`, so the
-  pages are clean and really dropped; no root needed) right before a one-epoch pass.
+- warm: shard files in the page cache in 2 MiB pages, as a fresh extraction or an earlier reading
+  run leaves them (dropped, then read back through a mapping that asks for huge pages), 3 epochs
+  in one pass; warm4k: in the page cache in small pages, as `read()` leaves them (`cp`, `cat`, a
+  checksum of a cold store: dropped, then read front to back), 3 epochs; cold: every shard file
+  dropped from the page cache with `posix_fadvise(DONTNEED)` (after `fsync`, so the pages are
+  clean and really dropped; no root needed) right before a one-epoch pass.
 
 d_model 768 (262,144 rows, 384 MiB) and 4096 (131,072 rows, 1 GiB), float16 and bfloat16, shards
 of 16,384 / 4,096 rows, windows (`buffer_rows`) of 65,536 / 16,384 rows. `--saelens`: SAELens
@@ -43,10 +48,10 @@ OUT = BENCH_DIR / "out" / "read"
 BATCH = 4096
 SHAPES = {768: {"rows": 262_144, "shard_rows": 16_384, "buffer_rows": 65_536},
           4096: {"rows": 131_072, "shard_rows": 4_096, "buffer_rows": 16_384}}
-BEFORE_REV = "667a82f"  # main before this session's reading work
+BEFORE_REV = "6d2f093"  # main before the huge-page and per-window planning work
 CASES = [("floor", "warm"), ("floor-np", "warm"), ("disk", "cold"), ("before", "warm"), ("after", "warm"),
-         ("before-seq", "warm"), ("after-seq", "warm"), ("loader2", "warm"), ("before", "cold"),
-         ("after", "cold")]
+         ("before", "warm4k"), ("after", "warm4k"), ("before-seq", "warm"), ("after-seq", "warm"),
+         ("loader2", "warm"), ("before", "cold"), ("after", "cold")]
 POINT = "blocks.0.resid_post"
 EPOCHS = 3  # warm cases: steady state over 3 epochs (cold: one epoch, right after dropping the cache)
 
@@ -90,11 +95,28 @@ def drop_cache(path: Path) -> None:
             os.close(fd)
 
 
-def warm_cache(path: Path) -> None:
+def warm_cache(path: Path, huge: bool = True) -> None:
+    """Every shard file in the page cache: in 2 MiB pages (read back through a mapping that asks for
+    them, as the writer or a reading run leaves a file) or, `huge=False`, in small pages (`read()`)."""
+    import ctypes
+    import mmap
+
+    import numpy as np
+
+    drop_cache(path)
+    libc = ctypes.CDLL(None)
+    libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     for f in sorted((path / "shards").glob("*.safetensors")):
         with open(f, "rb") as fh:
-            while fh.read(1 << 24):
-                pass
+            if not huge:
+                while fh.read(1 << 24):
+                    pass
+                continue
+            with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                view = np.frombuffer(m, np.uint8)
+                libc.madvise(view.ctypes.data, len(view), mmap.MADV_HUGEPAGE)
+                int(view[::4096].max())
+                del view
 
 
 def before_src(rev: str) -> Path:
@@ -128,8 +150,8 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path) -> dict:
                     pass
         seconds, n = time.perf_counter() - t0, rows * epochs
     elif case.startswith("floor"):
-        x = store.tensor(POINT).clone()  # in RAM, not mapped
-        xn = x.view(torch.int16).numpy()
+        xn = np.array(store.tensor(POINT).view(torch.int16).numpy())  # in RAM (numpy: huge pages), not mapped
+        x = torch.from_numpy(xn).view(getattr(torch, dtype))
         t0 = time.perf_counter()
         n = 0
         for _ in range(epochs):
@@ -146,7 +168,10 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path) -> dict:
                            buffer_rows=buffer_rows)
         if case == "loader2":
             ds = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
-        (drop_cache if cache == "cold" else warm_cache)(path)
+        if cache == "cold":
+            drop_cache(path)
+        else:
+            warm_cache(path, huge=cache == "warm")
         t0 = time.perf_counter()
         n = 0
         for _ in range(epochs):  # each pass over the dataset is the next epoch (a new order)
@@ -216,8 +241,9 @@ def main() -> None:
     p.add_argument("--saelens", action="store_true", help="also SAELens training samples/s")
     p.add_argument("--saelens-only", action="store_true")
     p.add_argument("--steps", type=int, default=16, help="SAELens training steps per run")
-    p.add_argument("--before-src", type=Path, help=f"src/ of the 'before' checkout (default: main at "
-                   f"{BEFORE_REV}, exported from git)")
+    p.add_argument("--before-rev", default=BEFORE_REV, help="git revision whose src/ is 'before'")
+    p.add_argument("--before-src", type=Path, help="src/ of the 'before' checkout (default: --before-rev, "
+                   "exported from git)")
     p.add_argument("--cases", default=",".join(f"{c}/{k}" for c, k in CASES))
     p.add_argument("--dims", default="768,4096")
     p.add_argument("--dtypes", default="float16,bfloat16")
@@ -237,9 +263,9 @@ def main() -> None:
     results = {}
     dims = [int(x) for x in args.dims.split(",")]
     dtypes = args.dtypes.split(",")
-    before = args.before_src or before_src(BEFORE_REV)
-    # this process writes the stores with the "before" tree: its store format (1) is one both trees
-    # read (the after tree writes format 2 since elastic resume, which the before reader refuses)
+    before = args.before_src or before_src(args.before_rev)
+    # this process writes the stores with the "before" tree, so both trees read them (a tree before
+    # elastic resume reads format 1 only; a store written earlier, by 667a82f, is format 1 and kept)
     sys.path.insert(0, str(before))
     cases = [tuple(c.split("/")) for c in args.cases.split(",")]
     if not args.saelens_only:

@@ -257,3 +257,22 @@ def test_mappings_are_kept_across_epochs_only_when_they_fit(mixed_store, monkeyp
     # once per epoch (and the next epoch's first window, read ahead)
     assert all(3 <= opened.count(i) <= 4 for i in range(mixed_store.num_shards))
     assert all(torch.equal(a, b) for a, b in zip(kept, dropped, strict=True))
+
+
+@pytest.mark.parametrize("position", [0, 45, 96, 130])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_batches_are_their_slices_of_the_stream_from_any_cursor(id_store, position: int, workers: int):
+    """Each batch holds exactly its slice of the row-by-row stream (rows sorted by shard inside it,
+    worked out a window ahead), from a restored cursor on or off a batch boundary, across windows
+    and epochs, with DataLoader workers too."""
+    kw = {"seed": 9, "buffer_rows": 40, "batch_size": 16}
+    stream = ids_of(id_store.dataset("x", epoch=2, **{k: v for k, v in kw.items() if k != "batch_size"}))
+    stream += ids_of(id_store.dataset("x", epoch=3, **{k: v for k, v in kw.items() if k != "batch_size"}))
+    ds = id_store.dataset("x", repeat=True, **kw)
+    ds.load_state_dict({"epoch": 2, "position": position})
+    loader = ds if workers == 0 else torch.utils.data.DataLoader(ds, batch_size=None, num_workers=workers)
+    rest = stream[position:200]  # the resumed epoch's rows, then the next epoch's from its start
+    sizes = [16] * (len(rest) // 16) + ([len(rest) % 16] if len(rest) % 16 else [])
+    want = slices(rest, sizes) + slices(stream[200:], [16] * 12 + [8])
+    got = [sorted(ids_of([b])) for b in islice(iter(loader), len(want))]
+    assert got == want

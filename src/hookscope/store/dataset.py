@@ -7,14 +7,20 @@ stream goes to rank p % world_size. Everything is a pure function of (seed, epoc
 so the sampler's state is just (epoch, rows yielded): restoring it skips whole windows without
 reading them and yields exactly the remaining rows.
 
-Reading overlaps consuming, and nothing is copied twice: a window's shards are memory-mapped
-and, in a background thread, brought into memory (each page touched in file order: the page
-cache reads the files sequentially and the page tables are filled) while the previous window is
-consumed. A
-batch is gathered straight from the mapped shards into its own tensor (one `take` per shard, the
-batch's rows grouped by shard), so a trainer gets in-memory gather speed: the same single copy
-per row as gathering from a tensor already in RAM. The mappings are kept from epoch to epoch while
-the columns read fit in half the RAM (later epochs then touch no page table at all).
+Reading overlaps consuming, and nothing is copied twice: a background thread plans the next
+window (its row order; for each position its shard and shard row; each batch's positions sorted
+by shard), memory-maps its shards and brings them into memory (each page touched in file order:
+the page cache reads the files sequentially and the page tables are filled) while the previous
+window is consumed. A batch is then gathered straight from the mapped shards into its own tensor,
+one `index_select` per shard and nothing else, so a trainer gets in-memory gather speed: the same
+single copy per row as gathering from a tensor already in RAM. The mappings are kept from epoch to
+epoch while the columns read fit in half the RAM (later epochs then touch no page table at all).
+
+Page size matters at narrow rows: a shard the page cache holds in 2 MiB folios (as Linux leaves
+a file the writer has just written) is mapped with 2 MiB pages; one cached by `read()` in small
+folios with 4 KiB pages, a TLB miss per random row. Asking for huge pages (`MADV_HUGEPAGE`) would
+make cold reads fill 2 MiB folios, but measured slower on cold reads than it gains later, so the
+mappings take what the page cache has (bench/RESULTS.md).
 
 Inside a batch the rows come grouped by shard: a batch holds exactly the rows of its slice of the
 epoch's order (the row-by-row stream), but not in that slice's order, which costs a second copy
@@ -44,9 +50,12 @@ if TYPE_CHECKING:
     from .reader import Store
 
 _CHUNK = 4096  # rows gathered at once from a mapped window when yielding single rows
-# (epoch, the mapped window or None at an epoch's end, this rank's row order in the window)
-_Window = tuple[int, "_MappedWindow | None", "np.ndarray | None"]
-_Plan = Iterator[tuple[int, "list[int] | None", "np.ndarray | None"]]
+# (epoch, the mapped window with this rank's row order, or None at an epoch's end)
+_Item = tuple[int, "_MappedWindow | None"]
+# (window number, its shards, this rank's first position in it, positions already consumed, rows
+# this iterator hands out in the epoch before the window: where the window's batches start)
+_Job = tuple[int, list[int], int, int, int]
+_Plan = Iterator[tuple[int, "_Job | None"]]
 
 
 class ActivationDataset(IterableDataset):
@@ -153,27 +162,27 @@ class ActivationDataset(IterableDataset):
             return self._rows(windows, worker, workers, empty)
         return self._batches(windows, worker, workers, empty)
 
-    def _rows(self, windows: Iterator[_Window], worker: int, workers: int, empty: _Alloc) -> Iterator[Any]:
+    def _rows(self, windows: Iterator[_Item], worker: int, workers: int, empty: _Alloc) -> Iterator[Any]:
         k = 0  # rows of the stream met by this iterator; row k is worker k % workers's
-        for epoch, window, order in windows:
+        for epoch, window in windows:
             if window is None:  # the epoch is spent
                 self.epoch, self.position = epoch + 1, 0
                 continue
-            assert order is not None
-            for s in range(0, len(order), _CHUNK):
-                part = order[s : s + _CHUNK]
-                mine = part[(worker - k) % workers :: workers]
-                k += len(part)
-                self.position += len(part) - len(mine)  # rows other workers yield
+            for s in range(0, window.rows, _CHUNK):
+                end = min(s + _CHUNK, window.rows)
+                mine = slice(s + (worker - k) % workers, end, workers)
+                n = len(range(mine.start, end, workers))
+                k += end - s
+                self.position += end - s - n  # rows other workers yield
                 chunk, grouping = window.gather(mine, empty)
-                # chunk holds mine[grouping]: row j of `mine` is chunk row inverse[j]
-                inverse = range(len(mine)) if grouping is None else np.argsort(grouping).tolist()
+                # chunk holds the rows in `grouping` order: row j of `mine` is chunk row inverse[j]
+                inverse = range(n) if grouping is None else np.argsort(grouping).tolist()
                 for j in inverse:
                     self.position += 1
                     yield self._out({name: v[j] for name, v in chunk.items()})
             window = chunk = None  # let the window go before the next is handed over
 
-    def _batches(self, windows: Iterator[_Window], worker: int, workers: int,
+    def _batches(self, windows: Iterator[_Item], worker: int, workers: int,
                  empty: _Alloc) -> Iterator[Any]:
         """Each batch is gathered from the mapped window in one pass, except the few that straddle
         two windows, which are gathered in two parts and joined. Batches of other workers are
@@ -192,7 +201,7 @@ class ActivationDataset(IterableDataset):
             b, parts, held = b + 1, [], 0
             return out
 
-        for epoch, window, order in windows:
+        for epoch, window in windows:
             if window is None:  # the epoch is spent: its last, short batch unless drop_last
                 if held and not self.drop_last:
                     batch = finish()
@@ -201,12 +210,11 @@ class ActivationDataset(IterableDataset):
                 parts, held = [], 0
                 self.epoch, self.position = epoch + 1, 0
                 continue
-            assert order is not None
             at = 0
-            while at < len(order):
-                take = min(size - held, len(order) - at)
+            while at < window.rows:
+                take = min(size - held, window.rows - at)
                 if b % workers == worker:
-                    parts.append(window.gather(order[at : at + take], empty)[0])
+                    parts.append(window.gather(slice(at, at + take), empty)[0])
                 held += take
                 at += take
                 if held == size:
@@ -219,12 +227,13 @@ class ActivationDataset(IterableDataset):
         return columns[self.names[0]] if self.single else columns
 
     def _plan(self) -> _Plan:
-        """What to read, without reading it: (epoch, shards of a window, this rank's row order in the
-        window) for every window that has rows left for this rank, and (epoch, None, None) when an
-        epoch ends. One epoch from the cursor; with `repeat`, the following epochs after it."""
+        """What to read, without reading or shuffling it: (epoch, job) for every window that has
+        rows left for this rank (`_load` makes the job's window), and (epoch, None) when an epoch
+        ends. One epoch from the cursor; with `repeat`, the following epochs after it."""
         epoch, skip = self.epoch, self.position
         while True:
             start = 0  # position of the window's first kept row in the epoch's stream (all ranks)
+            handed = 0  # this rank's rows of the epoch this iterator hands out before the window
             for w, shards in enumerate(self._windows(epoch)):
                 kept = sum(self._kept[i] for i in shards)
                 mine = self._mine(start, start + kept)
@@ -232,36 +241,34 @@ class ActivationDataset(IterableDataset):
                     skip -= mine
                     start += kept
                     continue
-                local = self._window_order(epoch, w, shards)[
-                    (self.rank - start) % self.world_size :: self.world_size]
-                yield epoch, shards, np.ascontiguousarray(local[skip:], dtype=np.int64)
+                yield epoch, (w, shards, (self.rank - start) % self.world_size, skip, handed)
+                handed += mine - skip
                 skip = 0
                 start += kept
-            yield epoch, None, None
+            yield epoch, None
             if not self.repeat:
                 return
             epoch, skip = epoch + 1, 0
 
-    def _prefetched(self, plan: _Plan) -> Iterator[_Window]:
-        """The plan's windows, mapped: with `prefetch`, window n+1 is mapped and brought into memory
-        by a background thread while window n is consumed."""
+    def _prefetched(self, plan: _Plan) -> Iterator[_Item]:
+        """The plan's windows, shuffled and mapped: with `prefetch`, window n+1 is made by a
+        background thread while window n is consumed."""
         if self._mapper is None:  # one per dataset: each epoch's iter() finds the shards mapped
             self._mapper = _Mapper(self.store, self.names)
-        mapper = self._mapper
         if not self.prefetch:
-            for epoch, shards, order in plan:
-                yield epoch, None if shards is None else mapper.window(shards), order
+            for epoch, job in plan:
+                yield epoch, None if job is None else self._load(epoch, job)
             return
         pool = ThreadPoolExecutor(1, thread_name_prefix="hookscope-prefetch")
         finalizing = sys.is_finalizing  # held here: module globals may be gone when Python exits
-        queue: deque[tuple[int, np.ndarray | None, Future | None]] = deque()
+        queue: deque[tuple[int, Future | None]] = deque()
 
         def pull() -> bool:
             item = next(plan, None)
             if item is None:
                 return False
-            epoch, shards, order = item
-            queue.append((epoch, order, None if shards is None else pool.submit(mapper.window, shards)))
+            epoch, job = item
+            queue.append((epoch, None if job is None else pool.submit(self._load, epoch, job)))
             return True
 
         try:
@@ -269,13 +276,24 @@ class ActivationDataset(IterableDataset):
             while queue:
                 # one window is being read ahead of the one handed out (an epoch's end marker is no
                 # read, so the next epoch's first window is read while this epoch's last is consumed)
-                while more and all(future is None for _, _, future in list(queue)[1:]):
+                while more and all(future is None for _, future in list(queue)[1:]):
                     more = pull()
-                epoch, order, future = queue.popleft()
-                yield epoch, None if future is None else future.result(), order
+                epoch, future = queue.popleft()
+                yield epoch, None if future is None else future.result()
         finally:
             if not finalizing():  # at exit, concurrent.futures joins its threads itself
                 pool.shutdown(wait=False, cancel_futures=True)  # an abandoned iterator stops reading
+
+    def _load(self, epoch: int, job: _Job) -> _MappedWindow:
+        """A planned window: its shards mapped and in memory, this rank's rows in their shuffled
+        order, less the `skip` a restored cursor consumed already."""
+        w, shards, first, skip, handed = job
+        order = self._window_order(epoch, w, shards)[first :: self.world_size][skip:]
+        assert self._mapper is not None
+        # batches straddle windows: the first `batch_size - handed % batch_size` rows end a batch
+        batches = None if self.batch_size is None else (self.batch_size, handed % self.batch_size)
+        order = np.ascontiguousarray(order, dtype=np.int64)
+        return self._mapper.window(shards, order, not self.shuffle, batches)
 
     def _windows(self, epoch: int) -> list[list[int]]:
         n = self.store.num_shards
@@ -331,32 +349,51 @@ def _empty_shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class _MappedWindow:
-    """A window's shards as memory-mapped column tensors, and where each shard's rows start."""
+    """A window's shards as memory-mapped columns, and this rank's order of the window's rows: for
+    each position, its shard and its row in that shard (worked out once a window, by the thread
+    that maps it, so a batch only slices them)."""
 
-    def __init__(self, parts: list[dict[str, torch.Tensor]], sizes: list[int]):
-        self.parts = parts
-        self.starts = np.cumsum([0, *sizes], dtype=np.int64)
+    def __init__(self, parts: list[dict[str, torch.Tensor]], sizes: list[int], order: np.ndarray,
+                 ordered: bool, batches: tuple[int, int] | None):
+        self.dtypes = {k: v.dtype for k, v in parts[0].items()}
+        self.sources = [{k: _same_size_ints(v) for k, v in part.items()} for part in parts]
+        self.rows = len(order)
+        starts = np.cumsum([0, *sizes], dtype=np.int64)
+        small = np.uint16 if len(parts) < 1 << 16 else np.int64  # numpy radix-sorts small ints
+        shard_of = np.repeat(np.arange(len(parts), dtype=small), sizes)
+        self.shard = shard_of[order]
+        self.ordered = ordered or len(parts) == 1  # positions already in shard order
+        if batches is not None and not self.ordered:
+            # batch by batch (`batches` = (size, rows of a batch begun before the window)), the
+            # positions sorted by shard now, so that gathering a batch sorts nothing
+            size, begun = batches
+            batch = (np.arange(self.rows, dtype=np.int64) + begun) // size
+            grouped = np.argsort(batch * len(parts) + self.shard, kind="stable")
+            order, self.shard = order[grouped], self.shard[grouped]
+            self.ordered = True  # a batch's positions as a set are unchanged, now in shard order
+        self.local = torch.from_numpy(order - starts[self.shard])
 
-    def gather(self, rows: np.ndarray, empty: _Alloc) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
-        """Window rows `rows`, each column in one new tensor, grouped by shard: returns (columns,
-        grouping) with columns row k = window row rows[grouping[k]] (grouping None: in order)."""
-        out = {k: empty((len(rows), *v.shape[1:]), v.dtype) for k, v in self.parts[0].items()}
-        if len(self.parts) == 1:
-            for k, v in self.parts[0].items():
-                _take(v, rows, out[k])
-            return out, None
-        shard = np.searchsorted(self.starts, rows, side="right") - 1
+    def gather(self, positions: slice, empty: _Alloc) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
+        """The rows at `positions` of the order, each column in one new tensor, grouped by shard:
+        returns (columns, grouping) with columns row k = the row at position positions[grouping[k]]
+        (grouping None: in order)."""
+        shard, index = self.shard[positions], self.local[positions]
+        out = {k: empty((len(index), *v.shape[1:]), self.dtypes[k]) for k, v in self.sources[0].items()}
+        outs = {k: _same_size_ints(v) for k, v in out.items()}
         # a stable sort of small integers is a radix sort in numpy: linear in the batch
-        grouping = np.argsort(shard.astype(np.uint16) if len(self.parts) < 1 << 16 else shard, kind="stable")
-        if np.all(grouping[1:] > grouping[:-1]):  # already in shard order (shuffle=False)
-            grouping = None
-        ordered = shard if grouping is None else shard[grouping]
-        local = (rows if grouping is None else rows[grouping]) - self.starts[ordered]
+        grouping = None if self.ordered else np.argsort(shard, kind="stable")
+        if grouping is not None:
+            index = index[torch.from_numpy(grouping)]
+        elif positions.step not in (None, 1):
+            index = index.contiguous()
+        counts = np.bincount(shard, minlength=len(self.sources))
         at = 0
-        for j, count in enumerate(np.bincount(shard, minlength=len(self.parts)).tolist()):
+        for j, count in enumerate(counts.tolist()):
             if count:
-                for k, v in self.parts[j].items():
-                    _take(v, local[at : at + count], out[k][at : at + count])
+                for k, source in self.sources[j].items():
+                    # torch's gather, on its threads: 1.6-1.9x numpy's one-thread `take` on an idle
+                    # 2-core machine (a loaded one slows both; bench/RESULTS.md)
+                    torch.index_select(source, 0, index[at : at + count], out=outs[k][at : at + count])
                 at += count
         return out, grouping
 
@@ -365,14 +402,10 @@ _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64
 _SAME_SIZE_NP = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
 
-def _take(source: torch.Tensor, rows: np.ndarray, out: torch.Tensor) -> None:
-    """out[:] = source[rows], rows being whole rows of bytes: numpy's `take` on same-size integer
-    views (any dtype, bfloat16 included; no conversion). It runs on the calling thread only: torch's
-    `index_select` splits a gather over its thread pool, whose threads wait on each other at every
-    call and crawl when a core is busy (2-4x slower than one thread on a loaded 2-core machine)."""
-    size = source.element_size()
-    np.take(source.view(_SAME_SIZE_INT[size]).numpy(), rows, axis=0,
-            out=out.view(_SAME_SIZE_INT[size]).numpy(), mode="clip")  # "clip": no buffered copy of out
+def _same_size_ints(t: torch.Tensor) -> torch.Tensor:
+    """`t` viewed as integers of its element size: whole rows of bytes to gather (any dtype,
+    bfloat16 and bool included; no conversion, one gather kernel)."""
+    return t.view(_SAME_SIZE_INT[t.element_size()])
 
 
 class _Mapper:
@@ -388,7 +421,8 @@ class _Mapper:
                         .element_size() for c in columns)
         self.keep = row_bytes * len(store) <= _ram_bytes() // 2
 
-    def window(self, shards: list[int]) -> _MappedWindow:
+    def window(self, shards: list[int], order: np.ndarray, ordered: bool,
+               batches: tuple[int, int] | None) -> _MappedWindow:
         # on a URL the window's shards are fetched concurrently, not one after another
         self.store.read_ahead([i for i in shards if i not in self.mapped], self.names)
         parts = []
@@ -401,7 +435,8 @@ class _Mapper:
                 if self.keep:
                     self.mapped[i] = columns
             parts.append(columns)
-        return _MappedWindow(parts, [self.store.manifest.shards[i].rows for i in shards])
+        sizes = [self.store.manifest.shards[i].rows for i in shards]
+        return _MappedWindow(parts, sizes, order, ordered, batches)
 
 
 def _ram_bytes() -> int:
