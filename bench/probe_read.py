@@ -1,0 +1,72 @@
+"""Steady-state shuffled reading against the in-RAM floor, interleaved in one process.
+
+`bench_read.py` times each case in its own process (first epoch, mapping and page-table set-up
+included). This probe times what a long training run sees after its first epoch: in each round,
+one epoch of the faster floor (the column in numpy-allocated, huge-page memory, gathered in
+random batches of 4,096 by torch's `index_select` or numpy's `take`) and then one epoch of
+`store.dataset(...)` (mappings kept), and prints the median ratio of the rounds, so load drifts
+on a shared machine hit both sides of each ratio alike. Run it once per tree to compare trees:
+
+    PYTHONPATH=src .venv/bin/python bench/probe_read.py 768 float16 9
+    PYTHONPATH=bench/out/read/src-6d2f093/src .venv/bin/python bench/probe_read.py 768 float16 9
+
+It reads the stores `bench_read.py` builds (run that first).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+import hookscope as hs
+
+SHAPES = {768: (262_144, 65_536), 4096: (131_072, 16_384)}  # rows, buffer_rows (as bench_read.py)
+POINT, BATCH = "blocks.0.resid_post", 4096
+
+
+def main() -> None:
+    d, dtype, rounds = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    rows, buffer_rows = SHAPES[d]
+    store = hs.open_store(Path(__file__).parent / "out" / "read" / f"store-{d}-{dtype}-{rows}")
+    xn = np.array(store.tensor(POINT).view(torch.int16).numpy())  # numpy: huge pages
+    xt = torch.from_numpy(xn)
+    ds = store.dataset(POINT, batch_size=BATCH, buffer_rows=buffer_rows)
+
+    def floor_torch() -> float:
+        perm = torch.randperm(rows)
+        t0 = time.perf_counter()
+        for s in range(0, rows, BATCH):
+            torch.index_select(xt, 0, perm[s : s + BATCH])
+        return rows / (time.perf_counter() - t0)
+
+    def floor_numpy() -> float:
+        perm = np.random.permutation(rows)
+        t0 = time.perf_counter()
+        for s in range(0, rows, BATCH):
+            np.take(xn, perm[s : s + BATCH], axis=0, mode="clip")
+        return rows / (time.perf_counter() - t0)
+
+    def epoch() -> float:
+        t0 = time.perf_counter()
+        n = sum(len(b) for b in ds)
+        assert n == rows
+        return rows / (time.perf_counter() - t0)
+
+    first = epoch()
+    floors, ratios = [], []
+    for _ in range(rounds):
+        floor = max(floor_torch(), floor_numpy())
+        floors.append(floor)
+        ratios.append(epoch() / floor)
+    print(f"{hs.__file__}: d {d} {dtype}: first epoch {first / 1e6:.2f} M rows/s; floor median "
+          f"{statistics.median(floors) / 1e6:.2f} M; later epochs / floor median "
+          f"{statistics.median(ratios):.3f} (rounds {min(ratios):.2f}-{max(ratios):.2f})")
+
+
+if __name__ == "__main__":
+    main()
