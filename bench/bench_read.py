@@ -279,7 +279,7 @@ def main() -> None:
                         one = ["read", case, str(d), dtype, cache, str(path)]
                         runs.setdefault(f"{case}/{cache}", []).append(fresh(one, src))
                 row = {k: statistics.median(r["rows_per_s"] for r in v) for k, v in runs.items()}
-                floor = max(v for k, v in row.items() if k.startswith("floor"))
+                floor = max((v for k, v in row.items() if k.startswith("floor")), default=float("nan"))
                 disk = row.get("disk/cold")
                 print(f"\nd_model {d}, {dtype} (load now {os.getloadavg()[0]:.1f}): rows/s, ratio to the "
                       "faster in-RAM floor")
