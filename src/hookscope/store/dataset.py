@@ -368,7 +368,10 @@ class _MappedWindow:
             # positions sorted by shard now, so that gathering a batch sorts nothing
             size, begun = batches
             batch = (np.arange(self.rows, dtype=np.int64) + begun) // size
-            grouped = np.argsort(batch * len(parts) + self.shard, kind="stable")
+            key = batch * len(parts) + self.shard
+            if (self.rows - 1 + begun) // size * len(parts) + len(parts) <= 1 << 16:
+                key = key.astype(np.uint16)  # numpy radix-sorts 16-bit keys: 2x faster
+            grouped = np.argsort(key, kind="stable")
             order, self.shard = order[grouped], self.shard[grouped]
             self.ordered = True  # a batch's positions as a set are unchanged, now in shard order
         self.local = torch.from_numpy(order - starts[self.shard])
