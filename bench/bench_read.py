@@ -2,8 +2,9 @@
 667a82f) and after, and SAELens training from a store against SAELens's own cache of the same
 activations.
 
-Cases (each measurement in a fresh process; rounds interleave the cases, ABAB, so load drifts hit
-them all; the median of `--runs` processes):
+Cases (each measurement in a fresh process; rounds interleave the cases, the order reversed every
+other round (ABBA), so load drifts and order effects hit them all; the median of `--runs`
+processes; use an even `--runs`):
 
 - floor: the whole column already in RAM (allocated by numpy, which asks for huge pages), gathered
   in a random order in batches of 4,096 with torch's `index_select` (torch's default threads);
@@ -28,8 +29,8 @@ of 16,384 / 4,096 rows, windows (`buffer_rows`) of 65,536 / 16,384 rows. `--sael
 `SAETrainer.fit` samples/s fed by `iter(store.dataset(..., repeat=True))` against SAELens's
 `ActivationsStore` over `hookscope export --format saelens` of the same store.
 
-    .venv/bin/python bench/bench_read.py            # the reading matrix, ~6-8 min on a quiet machine
-    .venv/bin/python bench/bench_read.py --saelens-only   # SAELens samples/s, ~3 min
+    .venv/bin/python bench/bench_read.py            # the reading matrix, 4 rounds: ~20 min on a quiet 2-core machine
+    .venv/bin/python bench/bench_read.py --saelens-only   # SAELens samples/s, 4 rounds: ~6 min
 """
 
 from __future__ import annotations
@@ -236,7 +237,7 @@ def fresh(args: list[str], src: Path | None = None) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=4)
     p.add_argument("--quick", action="store_true", help="1/8 of the rows (a smoke run)")
     p.add_argument("--saelens", action="store_true", help="also SAELens training samples/s")
     p.add_argument("--saelens-only", action="store_true")
@@ -273,8 +274,10 @@ def main() -> None:
             for dtype in dtypes:
                 path = build_store(d, dtype, args.quick)
                 runs: dict[str, list[dict]] = {}
-                for _ in range(args.runs):  # rounds: every case once per round (ABAB), fresh processes
-                    for case, cache in cases:
+                for r in range(args.runs):  # rounds: every case once per round, fresh processes, the
+                    # order reversed every other round (ABBA): a cold read right after another cold read
+                    # measured slower here (whichever came second), so no case may always come second
+                    for case, cache in (cases if r % 2 == 0 else cases[::-1]):
                         src = before if case.startswith("before") else None
                         one = ["read", case, str(d), dtype, cache, str(path)]
                         runs.setdefault(f"{case}/{cache}", []).append(fresh(one, src))
