@@ -29,7 +29,7 @@ of 16,384 / 4,096 rows, windows (`buffer_rows`) of 65,536 / 16,384 rows. `--sael
 `SAETrainer.fit` samples/s fed by `iter(store.dataset(..., repeat=True))` against SAELens's
 `ActivationsStore` over `hookscope export --format saelens` of the same store.
 
-    .venv/bin/python bench/bench_read.py            # the reading matrix, 4 rounds: ~20 min on a quiet 2-core machine
+    .venv/bin/python bench/bench_read.py            # the reading matrix, 4 rounds: ~20 min
     .venv/bin/python bench/bench_read.py --saelens-only   # SAELens samples/s, 4 rounds: ~6 min
 """
 
