@@ -302,8 +302,8 @@ def main() -> None:
         if not (cache / "state.json").exists():
             export_saelens(hs.open_store(store_dir(768, "float16")), cache, context_size=128, progress=False)
         rates: dict[str, list[float]] = {}
-        for _ in range(args.runs):  # alternate, so load drifts hit both
-            for source in ("hookscope", "saelens-cache"):
+        for r in range(args.runs):  # alternate, the order reversed every other round (ABBA)
+            for source in ("hookscope", "saelens-cache")[:: 1 if r % 2 == 0 else -1]:
                 for what, steps in (("train", args.steps), ("data", 8 * args.steps)):
                     rate = fresh(["saelens", source, str(steps), what])["samples_per_s"]
                     rates.setdefault(f"{source}/{what}", []).append(rate)
