@@ -13,30 +13,14 @@ HOOKSCOPE_REQUIRE_TL=4 a missing TransformerLens 4 is a failure, never a silent 
 
 from __future__ import annotations
 
-import importlib.metadata
-import os
-
 import pytest
 import torch
+from tl_gate import require_transformer_lens
 
 import hookscope as hs
 from hookscope.hooks import hook_count
 
-
-def _tl_version() -> str | None:
-    try:
-        return importlib.metadata.version("transformer-lens")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-TL_VERSION = _tl_version()
-if os.environ.get("HOOKSCOPE_REQUIRE_TL") == "4":
-    assert TL_VERSION is not None and TL_VERSION.startswith("4."), (
-        f"the tl4 test environment must have TransformerLens 4.x, found {TL_VERSION}")
-elif TL_VERSION is None or not TL_VERSION.startswith("4."):
-    pytest.skip(f"needs TransformerLens 4.x (TransformerBridge); this environment has "
-                f"{TL_VERSION or 'no TransformerLens'}: run `scripts/test-all tl4`", allow_module_level=True)
+TL_VERSION = require_transformer_lens("4", "TransformerBridge", "tl4")
 
 from transformer_lens.model_bridge import TransformerBridge  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402

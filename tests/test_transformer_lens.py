@@ -9,34 +9,18 @@
 
 from __future__ import annotations
 
-import importlib.metadata
-import os
-
 import pytest
 import torch
+from tl_gate import require_transformer_lens
 from torch import nn
 
 import hookscope as hs
 from hookscope.hooks import hook_count
 from hookscope.names import canonical
 
-
-def _tl_version() -> str | None:
-    try:
-        return importlib.metadata.version("transformer-lens")
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 # The TransformerLens 3 suite (HookedTransformer); tests/test_tl_bridge.py is the 4.x one. With
 # HOOKSCOPE_REQUIRE_TL=3 (scripts/test-all, main environment) a missing 3.x fails, never skips.
-TL_VERSION = _tl_version()
-if os.environ.get("HOOKSCOPE_REQUIRE_TL") == "3":
-    assert TL_VERSION is not None and TL_VERSION.startswith("3."), (
-        f"the main test environment must have TransformerLens 3.x, found {TL_VERSION}")
-elif TL_VERSION is None or not TL_VERSION.startswith("3."):
-    pytest.skip(f"needs TransformerLens 3.x (HookedTransformer); this environment has "
-                f"{TL_VERSION or 'no TransformerLens'}: run `scripts/test-all main`", allow_module_level=True)
+TL_VERSION = require_transformer_lens("3", "HookedTransformer", "main")
 
 import transformer_lens  # noqa: E402, F401
 from transformer_lens import HookedTransformer, HookedTransformerConfig  # noqa: E402
