@@ -4,6 +4,7 @@ of a store that lived through a fault with one that did not."""
 from __future__ import annotations
 
 import hashlib
+import json
 import random
 from collections import Counter
 from pathlib import Path
@@ -120,3 +121,30 @@ def _inspect(path: str) -> str:
     except Exception as e:  # noqa: BLE001
         return f"crash: {type(e).__name__}: {e}"
     return f"{code}: {err.getvalue().strip()}"
+
+
+def damage(fs, root: str, fault: str) -> None:
+    """Damage the store at `root` on filesystem `fs` (any fsspec one) the way `fault` says."""
+    first, second = (f"{root}/shards/shard-r000-00000{i}.safetensors" for i in (0, 1))
+    if fault == "truncated":
+        fs.pipe_file(first, fs.cat_file(first)[:-100])
+    elif fault == "two shards exchanged":
+        a, b = fs.cat_file(first), fs.cat_file(second)
+        fs.pipe_file(first, b)
+        fs.pipe_file(second, a)
+    elif fault == "manifest lies about a shard's size":
+        manifest = json.loads(fs.cat_file(f"{root}/manifest.json"))
+        manifest["shards"][0]["bytes"] -= 1  # the totals follow, so the manifest adds up
+        manifest["bytes"] -= 1
+        fs.pipe_file(f"{root}/manifest.json", json.dumps(manifest).encode())
+    elif fault == "manifest lies about a shard's rows":
+        manifest = json.loads(fs.cat_file(f"{root}/manifest.json"))
+        manifest["shards"][0]["rows"] -= 1  # the totals follow, so the manifest adds up
+        manifest["rows"] -= 1
+        fs.pipe_file(f"{root}/manifest.json", json.dumps(manifest).encode())
+    elif fault == "header says another dtype":
+        data = fs.cat_file(first)  # the same length: JSON allows the space
+        assert b'"BF16"' in data
+        fs.pipe_file(first, data.replace(b'"BF16"', b'"I16" ', 1))
+    else:
+        raise AssertionError(fault)

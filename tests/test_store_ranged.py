@@ -8,12 +8,12 @@ test_store_s3.py and skip without `moto[server]` and `s3fs`."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import fsspec
 import pytest
 import torch
+from faultkit import damage
 
 from hookscope.errors import StoreError
 from hookscope.store import ShardWriter, open_store
@@ -181,32 +181,6 @@ def test_a_sequential_scan_reads_the_next_shard_ahead_and_a_jump_does_not(pair):
     settle(jumping)
     held = {rel for rel, _, _ in jumping._blocks._blocks}
     assert held == {jumping.manifest.shards[2].file}
-
-
-def damage(fs, root: str, fault: str) -> None:
-    first, second = (f"{root}/shards/shard-r000-00000{i}.safetensors" for i in (0, 1))
-    if fault == "truncated":
-        fs.pipe_file(first, fs.cat_file(first)[:-100])
-    elif fault == "two shards exchanged":
-        a, b = fs.cat_file(first), fs.cat_file(second)
-        fs.pipe_file(first, b)
-        fs.pipe_file(second, a)
-    elif fault == "manifest lies about a shard's size":
-        manifest = json.loads(fs.cat_file(f"{root}/manifest.json"))
-        manifest["shards"][0]["bytes"] -= 1  # the totals follow, so the manifest adds up
-        manifest["bytes"] -= 1
-        fs.pipe_file(f"{root}/manifest.json", json.dumps(manifest).encode())
-    elif fault == "manifest lies about a shard's rows":
-        manifest = json.loads(fs.cat_file(f"{root}/manifest.json"))
-        manifest["shards"][0]["rows"] -= 1  # the totals follow, so the manifest adds up
-        manifest["rows"] -= 1
-        fs.pipe_file(f"{root}/manifest.json", json.dumps(manifest).encode())
-    elif fault == "header says another dtype":
-        data = fs.cat_file(first)  # the same length: JSON allows the space
-        assert b'"BF16"' in data
-        fs.pipe_file(first, data.replace(b'"BF16"', b'"I16" ', 1))
-    else:
-        raise AssertionError(fault)
 
 
 RANGED_FAULTS = ["truncated", "two shards exchanged", "manifest lies about a shard's size",

@@ -23,7 +23,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 from elastic_kit import assert_same_rows_as, run_elastic  # noqa: E402
-from faultkit import write_corpus  # noqa: E402
+from faultkit import damage, write_corpus  # noqa: E402
 
 from hookscope.cli import main  # noqa: E402
 from hookscope.errors import StoreError  # noqa: E402
@@ -178,12 +178,8 @@ def test_hostile_objects_are_refused(s3, bucket, tiny_dirs, corpus, capsys, faul
     assert main(args) == 0
     root = f"{bucket}/store"
     first, second = (f"{root}/shards/shard-r000-00000{i}.safetensors" for i in (0, 1))
-    if fault == "truncated":
-        s3.pipe_file(first, s3.cat_file(first)[:-100])
-    elif fault == "two shards exchanged":
-        a, b = s3.cat_file(first), s3.cat_file(second)
-        s3.pipe_file(first, b)
-        s3.pipe_file(second, a)
+    if fault in ("truncated", "two shards exchanged"):
+        damage(s3, root, fault)
     elif fault == "shard from another store":
         other = f"s3://{bucket}/other"
         other_args = {"--max-tokens": "800", "--context": "16"}
