@@ -105,17 +105,25 @@ def test_prefetch_changes_nothing_but_timing(id_store, kw):
         assert ids_of(with_prefetch) == flat
 
 
+def record_shard_reads(store, monkeypatch) -> list[int]:
+    """The shards a dataset reads in, in order: through `column_offsets` (mapped side by side) or
+    `load_shard` (one by one)."""
+    reads: list[int] = []
+    for method in ("load_shard", "column_offsets"):
+        real = getattr(type(store), method)
+
+        def recording(self, i, names=None, real=real):
+            reads.append(i)
+            return real(self, i, names)
+
+        monkeypatch.setattr(type(store), method, recording)
+    return reads
+
+
 def test_the_next_window_is_read_while_the_current_one_is_consumed(id_store, monkeypatch):
     ds = id_store.dataset("x", seed=0, buffer_rows=50, batch_size=10)  # windows of 2 shards
     windows = ds._windows(0)
-    requested: list[int] = []
-    real = type(id_store).load_shard
-
-    def recording(self, i, names=None):
-        requested.append(i)
-        return real(self, i, names)
-
-    monkeypatch.setattr(type(id_store), "load_shard", recording)
+    requested = record_shard_reads(id_store, monkeypatch)
     it = iter(ds)
     next(it)  # one batch of the first window taken, the rest of it not yet consumed
     deadline = time.monotonic() + 10
@@ -237,14 +245,7 @@ def test_mappings_are_kept_across_epochs_only_when_they_fit(mixed_store, monkeyp
     touch no new mapping), once per window otherwise; the rows are the same either way."""
     from hookscope.store import dataset as dataset_module
 
-    opened: list[int] = []
-    real = type(mixed_store).load_shard
-
-    def recording(self, i, names=None):
-        opened.append(i)
-        return real(self, i, names)
-
-    monkeypatch.setattr(type(mixed_store), "load_shard", recording)
+    opened = record_shard_reads(mixed_store, monkeypatch)
     kw = {"seed": 1, "buffer_rows": 40, "batch_size": 10, "repeat": True}
     ds = mixed_store.dataset("a", **kw)
     kept = list(islice(iter(ds), 30))  # 3 epochs of 10 batches

@@ -41,10 +41,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.random  # noqa: F401  (else numpy imports it on first use: 10 ms in the first window)
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import StoreError
+from .strided import Runs
 
 if TYPE_CHECKING:
     from .reader import Store
@@ -349,55 +351,64 @@ def _empty_shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
 
 
 class _MappedWindow:
-    """A window's shards as memory-mapped columns, and this rank's order of the window's rows: for
-    each position, its shard and its row in that shard (worked out once a window, by the thread
-    that maps it, so a batch only slices them)."""
+    """A window's rows in memory-mapped tensors (`sources`: part j's tensor of each column), and this
+    rank's order of the window's rows: for each position, the part holding its row and the row there
+    (worked out once a window, by the thread that maps it, so a batch only slices them). A part is a
+    run of shards side by side in address space (strided.py: usually one part for all), or one shard."""
 
-    def __init__(self, parts: list[dict[str, torch.Tensor]], sizes: list[int], order: np.ndarray,
-                 ordered: bool, batches: tuple[int, int] | None):
-        self.dtypes = {k: v.dtype for k, v in parts[0].items()}
-        self.sources = [{k: _same_size_ints(v) for k, v in part.items()} for part in parts]
+    def __init__(self, sources: list[dict[str, torch.Tensor]], dtypes: dict[str, torch.dtype],
+                 part: np.ndarray, rows: dict[str, np.ndarray], order: np.ndarray, ordered: bool,
+                 batches: tuple[int, int] | None, hold: object = None):
+        """`part[r]` / `rows[name][r]`: the part and row of the window's row r (rows may be one array
+        for all columns); `ordered`: `order` is sequential. `hold` keeps the mappings alive."""
+        self.sources, self.dtypes, self.hold = sources, dtypes, hold
         self.rows = len(order)
-        starts = np.cumsum([0, *sizes], dtype=np.int64)
-        small = np.uint16 if len(parts) < 1 << 16 else np.int64  # numpy radix-sorts small ints
-        shard_of = np.repeat(np.arange(len(parts), dtype=small), sizes)
-        self.shard = shard_of[order]
-        self.ordered = ordered or len(parts) == 1  # positions already in shard order
-        if batches is not None and not self.ordered:
+        self.part = None if len(sources) == 1 else part[order]
+        # grouped: each batch's positions come in few runs of one part (so gathering needs no sort)
+        self.grouped = self.part is None or ordered
+        if batches is not None and not self.grouped:
             # batch by batch (`batches` = (size, rows of a batch begun before the window)), the
-            # positions sorted by shard now, so that gathering a batch sorts nothing
+            # positions sorted by part now, so that gathering a batch sorts nothing
             size, begun = batches
             batch = (np.arange(self.rows, dtype=np.int64) + begun) // size
-            key = batch * len(parts) + self.shard
-            if (self.rows - 1 + begun) // size * len(parts) + len(parts) <= 1 << 16:
+            key = batch * len(sources) + self.part
+            if (self.rows - 1 + begun) // size * len(sources) + len(sources) <= 1 << 16:
                 key = key.astype(np.uint16)  # numpy radix-sorts 16-bit keys: 2x faster
             grouped = np.argsort(key, kind="stable")
-            order, self.shard = order[grouped], self.shard[grouped]
-            self.ordered = True  # a batch's positions as a set are unchanged, now in shard order
-        self.local = torch.from_numpy(order - starts[self.shard])
+            order, self.part = order[grouped], self.part[grouped]
+            self.grouped = True  # a batch's positions as a set are unchanged, now in part order
+        index: dict[int, torch.Tensor] = {}  # columns sharing one `rows` array share one index
+        for name, r in rows.items():
+            if id(r) not in index:
+                index[id(r)] = torch.from_numpy(r[order])
+        self.index = {name: index[id(r)] for name, r in rows.items()}
 
     def gather(self, positions: slice, empty: _Alloc) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
-        """The rows at `positions` of the order, each column in one new tensor, grouped by shard:
+        """The rows at `positions` of the order, each column in one new tensor, grouped by part:
         returns (columns, grouping) with columns row k = the row at position positions[grouping[k]]
         (grouping None: in order)."""
-        shard, index = self.shard[positions], self.local[positions]
-        out = {k: empty((len(index), *v.shape[1:]), self.dtypes[k]) for k, v in self.sources[0].items()}
+        n = len(range(*positions.indices(self.rows)))
+        out = {k: empty((n, *v.shape[1:]), self.dtypes[k]) for k, v in self.sources[0].items()}
         outs = {k: _same_size_ints(v) for k, v in out.items()}
+        index = {k: v[positions] for k, v in self.index.items()}
+        if self.part is None:  # one part: the whole batch in one gather per column
+            for k, source in self.sources[0].items():
+                torch.index_select(source, 0, index[k].contiguous(), out=outs[k])
+            return out, None
+        part = self.part[positions]
         # a stable sort of small integers is a radix sort in numpy: linear in the batch
-        grouping = None if self.ordered else np.argsort(shard, kind="stable")
+        grouping = None if self.grouped else np.argsort(part, kind="stable")
         if grouping is not None:
-            index = index[torch.from_numpy(grouping)]
-        elif positions.step not in (None, 1):
-            index = index.contiguous()
-        counts = np.bincount(shard, minlength=len(self.sources))
-        at = 0
-        for j, count in enumerate(counts.tolist()):
-            if count:
-                for k, source in self.sources[j].items():
+            part = part[grouping]
+            at = torch.from_numpy(grouping)
+            index = {k: v[at] for k, v in index.items()}
+        cuts = [0, *(np.flatnonzero(part[1:] != part[:-1]) + 1).tolist(), n]
+        for a, b in zip(cuts, cuts[1:]):
+            if b > a:
+                for k, source in self.sources[int(part[a])].items():
                     # torch's gather, on its threads: 1.3x numpy's one-thread `take` from mapped
                     # shards (768 and 4096 columns, idle 2-core machine, into a numpy-allocated batch)
-                    torch.index_select(source, 0, index[at : at + count], out=outs[k][at : at + count])
-                at += count
+                    torch.index_select(source, 0, index[k][a:b].contiguous(), out=outs[k][a:b])
         return out, grouping
 
 
@@ -412,20 +423,31 @@ def _same_size_ints(t: torch.Tensor) -> torch.Tensor:
 
 
 class _Mapper:
-    """Maps shards for a dataset and brings each window into memory before it is used. The
-    mappings are kept (page tables filled, so later epochs fault no page) while the columns read
-    fit in half the RAM; otherwise a window's mappings go with it."""
+    """Maps shards for a dataset and brings each window into memory before it is used. On Linux a
+    column's shards are mapped side by side at one stride (strided.py), so a batch is one gather;
+    elsewhere, on a URL, or if that mapping fails, shard by shard. The mappings are kept (page tables
+    filled, so later epochs fault no page) while the columns read fit in half the RAM; otherwise a
+    window's mappings go with it."""
 
     def __init__(self, store: Store, names: list[str]):
         self.store, self.names = store, names
-        self.mapped: dict[int, dict[str, torch.Tensor]] = {}
-        columns = [store.manifest.columns[n] for n in names]
-        row_bytes = sum(int(np.prod(c.shape, dtype=np.int64)) * torch.empty((), dtype=getattr(torch, c.dtype))
-                        .element_size() for c in columns)
+        columns = {n: store.manifest.columns[n] for n in names}
+        self.dtypes = {n: getattr(torch, c.dtype) for n, c in columns.items()}
+        row_bytes = sum(int(np.prod(c.shape, dtype=np.int64)) * self.dtypes[n].itemsize
+                        for n, c in columns.items())
         self.keep = row_bytes * len(store) <= _ram_bytes() // 2
+        self.strided = Runs.supported() and store.remote is None
+        self.mapped: dict[int, dict[str, torch.Tensor]] = {}  # shard by shard: the kept shards
+        self.runs: dict[str, Runs] | None = None  # strided and kept: every shard's place, once mapped
+        self.placed: dict[int, dict[str, tuple[int, int]]] = {}  # shard -> column -> (run, first row)
 
     def window(self, shards: list[int], order: np.ndarray, ordered: bool,
                batches: tuple[int, int] | None) -> _MappedWindow:
+        if self.strided:
+            try:
+                return self._strided(shards, order, ordered, batches)
+            except OSError:  # no address space, or mmap refused: shard by shard from now on
+                self.strided, self.runs, self.placed = False, None, {}
         # on a URL the window's shards are fetched concurrently, not one after another
         self.store.read_ahead([i for i in shards if i not in self.mapped], self.names)
         parts = []
@@ -437,9 +459,47 @@ class _Mapper:
                     _populate(t)
                 if self.keep:
                     self.mapped[i] = columns
-            parts.append(columns)
+            parts.append({k: _same_size_ints(v) for k, v in columns.items()})
         sizes = [self.store.manifest.shards[i].rows for i in shards]
-        return _MappedWindow(parts, sizes, order, ordered, batches)
+        small = np.uint16 if len(parts) < 1 << 16 else np.int64  # numpy radix-sorts small ints
+        part = np.repeat(np.arange(len(parts), dtype=small), sizes)
+        rows = np.concatenate([np.arange(n, dtype=np.int64) for n in sizes]) if sizes else np.zeros(0, np.int64)
+        return _MappedWindow(parts, self.dtypes, part, dict.fromkeys(self.names, rows), order, ordered, batches)
+
+    def _strided(self, shards: list[int], order: np.ndarray, ordered: bool,
+                 batches: tuple[int, int] | None) -> _MappedWindow:
+        entries = self.store.manifest.shards
+        if self.keep:  # one layout for the store, filled as windows come
+            if self.runs is None:
+                self.runs = self._new_runs(range(len(entries)))
+            runs, placed = self.runs, self.placed
+        else:  # this window's own, unmapped with it
+            runs, placed = self._new_runs(shards), {}
+        for i in shards:
+            if i not in placed:
+                located = self.store.column_offsets(i, self.names)  # checked against the manifest
+                if located is None:  # a dtype it cannot check in the header: shard by shard
+                    raise OSError("not mappable")
+                path, offsets = located
+                placed[i] = {n: runs[n].add(path, offsets[n]) for n in self.names}
+                for n, (run, first) in placed[i].items():
+                    _populate(runs[n].tensor(run)[first : first + entries[i].rows])
+        # a part: one combination of runs (one per column); almost always a single one
+        keys = [tuple(placed[i][n][0] for n in self.names) for i in shards]
+        distinct = list(dict.fromkeys(keys))
+        sources = [{n: runs[n].tensor(run) for n, run in zip(self.names, key)} for key in distinct]
+        sizes = [entries[i].rows for i in shards]
+        small = np.uint16 if len(distinct) < 1 << 16 else np.int64
+        part = np.repeat(np.array([distinct.index(k) for k in keys], dtype=small), sizes)
+        rows = {n: np.concatenate([np.arange(placed[i][n][1], placed[i][n][1] + entries[i].rows, dtype=np.int64)
+                                   for i in shards]) for n in self.names}
+        return _MappedWindow(sources, self.dtypes, part, rows, order, ordered, batches, hold=runs)
+
+    def _new_runs(self, shards: Sequence[int]) -> dict[str, Runs]:
+        entries = self.store.manifest.shards
+        file_bytes = sum(entries[i].bytes for i in shards)
+        return {n: Runs(file_bytes, len(shards), tuple(self.store.manifest.columns[n].shape), self.dtypes[n])
+                for n in self.names}
 
 
 def _ram_bytes() -> int:

@@ -280,17 +280,7 @@ class Store:
             raw += self._get(entry.file, len(head), 8 + n, where)
         header = _parse_header(where, raw, size - 8 - n)
         _check_identity(where, header, entry, self.manifest.settings_hash)
-        for name, col in self.manifest.columns.items():
-            info = header.get(name)
-            want = (_SAFETENSORS_DTYPES.get(col.dtype), [entry.rows, *col.shape])
-            got = (info.get("dtype"), info.get("shape")) if isinstance(info, dict) else None
-            if got != want:
-                raise StoreError(f"{where}: column {name!r} is {got} in the shard's header, the manifest "
-                                 f"says {want}: corrupt, or from another store")
-            start, end = info["data_offsets"]
-            if end - start != entry.rows * _row_bytes(col):
-                raise StoreError(f"{where}: column {name!r} spans {end - start} bytes, its {entry.rows} rows "
-                                 f"need {entry.rows * _row_bytes(col)}: corrupt")
+        _check_columns(where, header, entry, self.manifest.columns)
         with self._header_lock:
             self._headers[i] = (8 + n, header)
         return 8 + n, header
@@ -324,12 +314,23 @@ class Store:
                              "shorter than listed (truncated or replaced); re-open the store")
         return data
 
+    def column_offsets(self, i: int, names: Sequence[str]) -> tuple[Path, dict[str, int]] | None:
+        """Local shard `i`'s file and where each column of `names` starts in it (a byte offset),
+        after the checks `load_shard` makes (size, header, identity, dtypes, shapes, byte counts):
+        what mapping the file by hand needs. None on a URL (no file), or for a dtype safetensors has
+        no code for here."""
+        if self._blocks is not None or any(self.manifest.columns[n].dtype not in _SAFETENSORS_DTYPES
+                                           for n in names):
+            return None
+        entry = self.manifest.shards[i]
+        path = self.path / entry.file
+        data_start, header = _read_header(path, _checked_size(path, entry))
+        _check_identity(path, header, entry, self.manifest.settings_hash)
+        _check_columns(path, header, entry, {n: self.manifest.columns[n] for n in names})
+        return path, {n: data_start + header[n]["data_offsets"][0] for n in names}
+
     def _load_local(self, path: Path, entry: ShardEntry, names: list[str]) -> dict[str, torch.Tensor]:
-        size = _file_size(path)
-        if size != entry.bytes:
-            raise StoreError(f"{path}: {size} bytes but the manifest says {entry.bytes}: the shard is "
-                             "truncated or was replaced; re-run the extraction into a new directory")
-        header = _read_header(path, size)
+        _, header = _read_header(path, _checked_size(path, entry))
         try:
             with safe_open(path, framework="pt") as f:
                 out = {name: f.get_tensor(name) for name in names}
@@ -467,15 +468,24 @@ def _file_size(path: Path) -> int:
         raise StoreError(f"{path}: cannot read the shard ({e})") from e
 
 
-def _read_header(path: Path, size: int) -> dict[str, Any]:
-    """The safetensors JSON header, after checking that it and every tensor's bytes lie in the file."""
+def _checked_size(path: Path, entry: ShardEntry) -> int:
+    size = _file_size(path)
+    if size != entry.bytes:
+        raise StoreError(f"{path}: {size} bytes but the manifest says {entry.bytes}: the shard is "
+                         "truncated or was replaced; re-run the extraction into a new directory")
+    return size
+
+
+def _read_header(path: Path, size: int) -> tuple[int, dict[str, Any]]:
+    """(offset of the first data byte, the safetensors JSON header), after checking that the header
+    and every tensor's bytes lie in the file."""
     if size < 8:
         raise StoreError(f"{path}: {size} bytes, too short for a safetensors header: truncated")
     with open(path, "rb") as f:
         n = int.from_bytes(f.read(8), "little")
         _check_header_length(path, n, size)
         raw = f.read(n)
-    return _parse_header(path, raw, size - 8 - n)
+    return 8 + n, _parse_header(path, raw, size - 8 - n)
 
 
 def _check_header_length(where: Path | str, n: int, size: int) -> None:
@@ -514,6 +524,23 @@ def _tensor(data: bytes, col: Column, rows: int) -> torch.Tensor:
     if not data:
         return torch.empty((rows, *col.shape), dtype=dtype)
     return torch.frombuffer(bytearray(data), dtype=dtype).reshape(rows, *col.shape)
+
+
+def _check_columns(where: Path | str, header: dict[str, Any], entry: ShardEntry,
+                   columns: dict[str, Column]) -> None:
+    """Each of `columns` is in the header with the manifest's dtype and shape, spanning exactly its
+    rows' bytes."""
+    for name, col in columns.items():
+        info = header.get(name)
+        want = (_SAFETENSORS_DTYPES.get(col.dtype), [entry.rows, *col.shape])
+        got = (info.get("dtype"), info.get("shape")) if isinstance(info, dict) else None
+        if got != want:
+            raise StoreError(f"{where}: column {name!r} is {got} in the shard's header, the manifest "
+                             f"says {want}: corrupt, or from another store")
+        start, end = info["data_offsets"]
+        if end - start != entry.rows * _row_bytes(col):
+            raise StoreError(f"{where}: column {name!r} spans {end - start} bytes, its {entry.rows} rows "
+                             f"need {entry.rows * _row_bytes(col)}: corrupt")
 
 
 def _check_identity(path: Path | str, header: dict[str, Any], entry: ShardEntry, settings_hash: str) -> None:
