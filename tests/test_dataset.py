@@ -56,6 +56,22 @@ def test_repeat_runs_epoch_after_epoch_with_an_exact_cursor(id_store):
     assert fresh.state_dict()["epoch"] == 3 and fresh.state_dict()["position"] == 200
 
 
+@pytest.mark.parametrize("batch_size", [None, 16])
+def test_a_plain_loop_over_epochs_gets_each_epoch_whole(id_store, batch_size):
+    """Each iter() after the first finds its first window read ahead (while the epoch before ended);
+    the epochs are those of fresh datasets, and a cursor moved in between is obeyed, not the window
+    read ahead."""
+    kw = {"seed": 5, "buffer_rows": 60, "batch_size": batch_size}
+    ds = id_store.dataset("x", **kw)
+    got = [ids_of(ds) for _ in range(3)]
+    assert ds._ahead is not None and ds._ahead[0][0] == 3  # epoch 3's first window, read ahead
+    assert got == [ids_of(id_store.dataset("x", epoch=e, **kw)) for e in range(3)]
+    ds.load_state_dict({"epoch": 7, "position": 48})
+    fresh = id_store.dataset("x", **kw)
+    fresh.load_state_dict({"epoch": 7, "position": 48})
+    assert ids_of(ds) == ids_of(fresh)
+
+
 @pytest.mark.parametrize("drop_last", [False, True])
 def test_repeat_in_batches_keeps_each_epochs_batches(id_store, drop_last: bool):
     kw = {"seed": 1, "buffer_rows": 50, "batch_size": 32, "drop_last": drop_last}

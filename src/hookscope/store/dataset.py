@@ -34,7 +34,7 @@ batch is gathered straight into shared memory (the DataLoader then passes a hand
 from __future__ import annotations
 
 import os
-import sys
+import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -104,11 +104,15 @@ class ActivationDataset(IterableDataset):
         self.repeat, self.prefetch = repeat, prefetch
         self.epoch, self.position = epoch, 0
         self._mapper: _Mapper | None = None
+        self._reader: ThreadPoolExecutor | None = None  # the thread that reads windows ahead
+        # ((epoch, job), its window being read): the next epoch's first window, read ahead while an
+        # iterator's last window was consumed, for the next iter() (a plain loop over epochs)
+        self._ahead: tuple[tuple[int, _Job], Future] | None = None
         self._kept = [int(self._keep_mask(i).sum()) if split else s.rows
                       for i, s in enumerate(store.manifest.shards)]
 
     def __getstate__(self) -> dict[str, Any]:  # to a DataLoader worker: no mappings, it maps its own
-        return {**self.__dict__, "_mapper": None}
+        return {**self.__dict__, "_mapper": None, "_reader": None, "_ahead": None}
 
     # -- the cursor -------------------------------------------------------------------------------
 
@@ -159,7 +163,7 @@ class ActivationDataset(IterableDataset):
         # in a DataLoader worker: this worker's share of the stream, gathered into shared memory
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
         empty = _empty if info is None else _empty_shared
-        windows = self._prefetched(self._plan())
+        windows = self._prefetched(self._plan(self.epoch, self.position))
         if self.batch_size is None:
             return self._rows(windows, worker, workers, empty)
         return self._batches(windows, worker, workers, empty)
@@ -228,11 +232,11 @@ class ActivationDataset(IterableDataset):
     def _out(self, columns: dict[str, torch.Tensor]) -> Any:
         return columns[self.names[0]] if self.single else columns
 
-    def _plan(self) -> _Plan:
+    def _plan(self, epoch: int, skip: int) -> _Plan:
         """What to read, without reading or shuffling it: (epoch, job) for every window that has
         rows left for this rank (`_load` makes the job's window), and (epoch, None) when an epoch
-        ends. One epoch from the cursor; with `repeat`, the following epochs after it."""
-        epoch, skip = self.epoch, self.position
+        ends. One epoch from the cursor (epoch, rows already yielded); with `repeat`, the following
+        epochs after it."""
         while True:
             start = 0  # position of the window's first kept row in the epoch's stream (all ranks)
             handed = 0  # this rank's rows of the epoch this iterator hands out before the window
@@ -261,16 +265,24 @@ class ActivationDataset(IterableDataset):
             for epoch, job in plan:
                 yield epoch, None if job is None else self._load(epoch, job)
             return
-        pool = ThreadPoolExecutor(1, thread_name_prefix="hookscope-prefetch")
-        finalizing = sys.is_finalizing  # held here: module globals may be gone when Python exits
+        if self._reader is None:  # one thread per dataset, kept from iterator to iterator
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="hookscope-prefetch")
+            weakref.finalize(self, self._reader.shutdown, wait=False, cancel_futures=True)
+        pool = self._reader
         queue: deque[tuple[int, Future | None]] = deque()
+
+        def read(epoch: int, job: _Job) -> Future:
+            ahead, self._ahead = self._ahead, None
+            if ahead is not None and ahead[0] == (epoch, job):  # read ahead by the previous iterator
+                return ahead[1]
+            return pool.submit(self._load, epoch, job)
 
         def pull() -> bool:
             item = next(plan, None)
             if item is None:
                 return False
             epoch, job = item
-            queue.append((epoch, None if job is None else pool.submit(self._load, epoch, job)))
+            queue.append((epoch, None if job is None else read(epoch, job)))
             return True
 
         try:
@@ -280,11 +292,21 @@ class ActivationDataset(IterableDataset):
                 # read, so the next epoch's first window is read while this epoch's last is consumed)
                 while more and all(future is None for _, future in list(queue)[1:]):
                     more = pull()
+                    if not more:  # this iterator's last window: the next iter()'s first, read ahead
+                        self._read_next_epoch_ahead(queue[-1][0] + 1)
                 epoch, future = queue.popleft()
                 yield epoch, None if future is None else future.result()
         finally:
-            if not finalizing():  # at exit, concurrent.futures joins its threads itself
-                pool.shutdown(wait=False, cancel_futures=True)  # an abandoned iterator stops reading
+            for _, future in queue:  # an abandoned iterator stops reading (a read under way ends)
+                if future is not None:
+                    future.cancel()
+
+    def _read_next_epoch_ahead(self, epoch: int) -> None:
+        if self.repeat or self._reader is None:
+            return
+        first = next(self._plan(epoch, 0))
+        if first[1] is not None:
+            self._ahead = (first, self._reader.submit(self._load, *first))
 
     def _load(self, epoch: int, job: _Job) -> _MappedWindow:
         """A planned window: its shards mapped and in memory, this rank's rows in their shuffled
