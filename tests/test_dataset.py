@@ -12,6 +12,7 @@ import threading
 import time
 from itertools import islice
 
+import numpy as np
 import pytest
 import test_store
 import torch
@@ -54,6 +55,29 @@ def test_repeat_runs_epoch_after_epoch_with_an_exact_cursor(id_store):
     fresh.load_state_dict(json.loads(json.dumps(ds.state_dict())))
     assert ids_of(islice(iter(fresh), 270)) == epochs(id_store, 2, 3, **kw)[130:400]
     assert fresh.state_dict()["epoch"] == 3 and fresh.state_dict()["position"] == 200
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_the_stream_is_its_documented_definition(id_store, world_size):
+    """Written out from the definition (docs/store-format.md): the shards in a seeded order,
+    grouped into windows of at least `buffer_rows` rows, each window's rows in a seeded
+    permutation, position p to rank p % world_size. x holds each row's global index."""
+    seed, epoch, buffer_rows = 4, 2, 60
+    shard_order = np.random.default_rng([seed, epoch, 2]).permutation(8)
+    windows, current = [], []
+    for i in shard_order.tolist():
+        current.append(i)
+        if 25 * len(current) >= buffer_rows:
+            windows, current = [*windows, current], []
+    windows += [current] if current else []
+    stream = []
+    for w, shards in enumerate(windows):
+        rows = np.concatenate([np.arange(25 * i, 25 * i + 25) for i in shards])
+        stream += rows[np.random.default_rng([seed, epoch, w, 3]).permutation(len(rows))].tolist()
+    for rank in range(world_size):
+        ds = id_store.dataset("x", seed=seed, epoch=epoch, buffer_rows=buffer_rows, rank=rank,
+                              world_size=world_size)
+        assert ids_of(ds) == stream[rank::world_size]
 
 
 @pytest.mark.parametrize("batch_size", [None, 16])

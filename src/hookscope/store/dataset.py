@@ -312,12 +312,15 @@ class ActivationDataset(IterableDataset):
         """A planned window: its shards mapped and in memory, this rank's rows in their shuffled
         order, less the `skip` a restored cursor consumed already."""
         w, shards, first, skip, handed = job
-        order = self._window_order(epoch, w, shards)[first :: self.world_size][skip:]
         assert self._mapper is not None
+        layout = self._mapper.layout(shards)
+        located = layout.located if self.split is None else layout.located[self._kept_rows(shards)]
+        if self.shuffle:  # permuting where the rows lie is permuting the rows: one pass, no lookup after
+            located = _rng(self.seed, epoch, w).permutation(located)
+        located = np.ascontiguousarray(located[first :: self.world_size][skip:])
         # batches straddle windows: the first `batch_size - handed % batch_size` rows end a batch
         batches = None if self.batch_size is None else (self.batch_size, handed % self.batch_size)
-        order = np.ascontiguousarray(order, dtype=np.int64)
-        return self._mapper.window(shards, order, not self.shuffle, batches)
+        return _MappedWindow(layout, located, not self.shuffle, batches)
 
     def _windows(self, epoch: int) -> list[list[int]]:
         n = self.store.num_shards
@@ -331,16 +334,10 @@ class ActivationDataset(IterableDataset):
                 current, rows = [], 0
         return windows + [current] if current else windows
 
-    def _window_order(self, epoch: int, w: int, shards: list[int]) -> np.ndarray:
-        """Row indices into the window's concatenated shards: kept rows, permuted when shuffling."""
-        sizes = [self.store.manifest.shards[i].rows for i in shards]
-        if self.split is None:
-            local = np.arange(sum(sizes))
-        else:
-            offsets = np.cumsum([0, *sizes])
-            local = np.concatenate([np.flatnonzero(self._keep_mask(i)) + offsets[j]
-                                    for j, i in enumerate(shards)])
-        return local[_rng(self.seed, epoch, w).permutation(len(local))] if self.shuffle else local
+    def _kept_rows(self, shards: list[int]) -> np.ndarray:
+        """Indices into the window's concatenated shards of the rows in this split."""
+        offsets = np.cumsum([0, *(self.store.manifest.shards[i].rows for i in shards)])
+        return np.concatenate([np.flatnonzero(self._keep_mask(i)) + offsets[j] for j, i in enumerate(shards)])
 
     def _keep_mask(self, i: int) -> np.ndarray:
         """Which rows of shard `i` are in this split."""
@@ -372,37 +369,72 @@ def _empty_shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(nbytes), 0, shape)
 
 
-class _MappedWindow:
-    """A window's rows in memory-mapped tensors (`sources`: part j's tensor of each column), and this
-    rank's order of the window's rows: for each position, the part holding its row and the row there
-    (worked out once a window, by the thread that maps it, so a batch only slices them). A part is a
-    run of shards side by side in address space (strided.py: usually one part for all), or one shard."""
+_SHIFT = 40  # a located row: part << _SHIFT | row (rows of a part < 2**40)
+
+
+def _located(parts: Sequence[int], firsts: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
+    """Where each row of shards placed at (part, first row) with `sizes` rows lies, packed."""
+    if not sizes:
+        return np.zeros(0, np.int64)
+    return np.concatenate([np.arange(f, f + n, dtype=np.int64) + (p << _SHIFT)
+                           for p, f, n in zip(parts, firsts, sizes)])
+
+
+class _Layout:
+    """Where a window's rows lie. `sources[j]` holds part j's tensor of each column (a part: shards
+    mapped side by side at one stride, strided.py, or one shard). `located[r]` says where the
+    window's row r is: `part << _SHIFT | row` when all columns have it at the same row (one column,
+    or shards mapped one by one); else r itself, with its part in `parts[r]` and its row in each
+    column in `rows[name][r]`. `hold` keeps the mappings alive."""
 
     def __init__(self, sources: list[dict[str, torch.Tensor]], dtypes: dict[str, torch.dtype],
-                 part: np.ndarray, rows: dict[str, np.ndarray], order: np.ndarray, ordered: bool,
-                 batches: tuple[int, int] | None, hold: object = None):
-        """`part[r]` / `rows[name][r]`: the part and row of the window's row r (rows may be one array
-        for all columns); `ordered`: `order` is sequential. `hold` keeps the mappings alive."""
-        self.sources, self.dtypes, self.hold = sources, dtypes, hold
-        self.rows = len(order)
-        self.part = None if len(sources) == 1 else part[order]
+                 located: np.ndarray, parts: np.ndarray | None = None,
+                 rows: dict[str, np.ndarray] | None = None, hold: object = None):
+        self.sources, self.dtypes, self.located = sources, dtypes, located
+        self.parts, self.rows, self.hold = parts, rows, hold
+
+    def decode(self, located: np.ndarray) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
+        """(the part of each of `located`, None if there is one part; its row in each column)."""
+        small = np.uint16 if len(self.sources) < 1 << 16 else np.int64  # numpy radix-sorts small ints
+        if self.rows is None:
+            if len(self.sources) == 1:
+                return None, dict.fromkeys(self.dtypes, located)
+            rows = located & ((1 << _SHIFT) - 1)
+            return (located >> _SHIFT).astype(small), dict.fromkeys(self.dtypes, rows)
+        assert self.parts is not None
+        part = None if len(self.sources) == 1 else self.parts[located].astype(small)
+        return part, {name: r[located] for name, r in self.rows.items()}
+
+
+class _MappedWindow:
+    """A window's mapped columns and this rank's rows of it in their order: for each position, the
+    part holding its row and the row there (worked out once a window, by the thread that maps it,
+    so a batch only slices them)."""
+
+    def __init__(self, layout: _Layout, located: np.ndarray, ordered: bool, batches: tuple[int, int] | None):
+        """`located`: the window's rows for this rank, in order (see _Layout); `ordered`: sequential."""
+        self.sources, self.dtypes, self.hold = layout.sources, layout.dtypes, layout
+        self.rows = len(located)
+        self.part, rows = layout.decode(located)
         # grouped: each batch's positions come in few runs of one part (so gathering needs no sort)
         self.grouped = self.part is None or ordered
         if batches is not None and not self.grouped:
+            assert self.part is not None
             # batch by batch (`batches` = (size, rows of a batch begun before the window)), the
             # positions sorted by part now, so that gathering a batch sorts nothing
             size, begun = batches
+            parts = len(self.sources)
             batch = (np.arange(self.rows, dtype=np.int64) + begun) // size
-            key = batch * len(sources) + self.part
-            if (self.rows - 1 + begun) // size * len(sources) + len(sources) <= 1 << 16:
+            key = batch * parts + self.part
+            if (self.rows - 1 + begun) // size * parts + parts <= 1 << 16:
                 key = key.astype(np.uint16)  # numpy radix-sorts 16-bit keys: 2x faster
             grouped = np.argsort(key, kind="stable")
-            order, self.part = order[grouped], self.part[grouped]
+            self.part = self.part[grouped]
+            rows = {name: r[grouped] for name, r in rows.items()}
             self.grouped = True  # a batch's positions as a set are unchanged, now in part order
-        index: dict[int, torch.Tensor] = {}  # columns sharing one `rows` array share one index
-        for name, r in rows.items():
-            if id(r) not in index:
-                index[id(r)] = torch.from_numpy(r[order])
+        index: dict[int, torch.Tensor] = {}  # columns sharing one rows array share one index
+        for r in rows.values():
+            index.setdefault(id(r), torch.from_numpy(r))
         self.index = {name: index[id(r)] for name, r in rows.items()}
 
     def gather(self, positions: slice, empty: _Alloc) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
@@ -463,16 +495,16 @@ class _Mapper:
         self.runs: dict[str, Runs] | None = None  # strided and kept: every shard's place, once mapped
         self.placed: dict[int, dict[str, tuple[int, int]]] = {}  # shard -> column -> (run, first row)
 
-    def window(self, shards: list[int], order: np.ndarray, ordered: bool,
-               batches: tuple[int, int] | None) -> _MappedWindow:
+    def layout(self, shards: list[int]) -> _Layout:
+        """The window of `shards`: mapped, in memory, and where each of its rows lies."""
         if self.strided:
             try:
-                return self._strided(shards, order, ordered, batches)
+                return self._strided(shards)
             except OSError:  # no address space, or mmap refused: shard by shard from now on
                 self.strided, self.runs, self.placed = False, None, {}
         # on a URL the window's shards are fetched concurrently, not one after another
         self.store.read_ahead([i for i in shards if i not in self.mapped], self.names)
-        parts = []
+        sources = []
         for i in shards:
             columns = self.mapped.get(i)
             if columns is None:  # a new mapping: read it in now (a kept one stays mapped)
@@ -481,15 +513,11 @@ class _Mapper:
                     _populate(t)
                 if self.keep:
                     self.mapped[i] = columns
-            parts.append({k: _same_size_ints(v) for k, v in columns.items()})
+            sources.append({k: _same_size_ints(v) for k, v in columns.items()})
         sizes = [self.store.manifest.shards[i].rows for i in shards]
-        small = np.uint16 if len(parts) < 1 << 16 else np.int64  # numpy radix-sorts small ints
-        part = np.repeat(np.arange(len(parts), dtype=small), sizes)
-        rows = np.concatenate([np.arange(n, dtype=np.int64) for n in sizes]) if sizes else np.zeros(0, np.int64)
-        return _MappedWindow(parts, self.dtypes, part, dict.fromkeys(self.names, rows), order, ordered, batches)
+        return _Layout(sources, self.dtypes, _located(range(len(shards)), [0] * len(shards), sizes))
 
-    def _strided(self, shards: list[int], order: np.ndarray, ordered: bool,
-                 batches: tuple[int, int] | None) -> _MappedWindow:
+    def _strided(self, shards: list[int]) -> _Layout:
         entries = self.store.manifest.shards
         if self.keep:  # one layout for the store, filled as windows come
             if self.runs is None:
@@ -510,12 +538,14 @@ class _Mapper:
         keys = [tuple(placed[i][n][0] for n in self.names) for i in shards]
         distinct = list(dict.fromkeys(keys))
         sources = [{n: runs[n].tensor(run) for n, run in zip(self.names, key)} for key in distinct]
+        part = [distinct.index(k) for k in keys]
         sizes = [entries[i].rows for i in shards]
-        small = np.uint16 if len(distinct) < 1 << 16 else np.int64
-        part = np.repeat(np.array([distinct.index(k) for k in keys], dtype=small), sizes)
-        rows = {n: np.concatenate([np.arange(placed[i][n][1], placed[i][n][1] + entries[i].rows, dtype=np.int64)
-                                   for i in shards]) for n in self.names}
-        return _MappedWindow(sources, self.dtypes, part, rows, order, ordered, batches, hold=runs)
+        if len(self.names) == 1:
+            firsts = [placed[i][self.names[0]][1] for i in shards]
+            return _Layout(sources, self.dtypes, _located(part, firsts, sizes), hold=runs)
+        rows = {n: _located([0] * len(shards), [placed[i][n][1] for i in shards], sizes) for n in self.names}
+        parts = np.repeat(np.array(part, dtype=np.int64), sizes)
+        return _Layout(sources, self.dtypes, np.arange(len(parts), dtype=np.int64), parts, rows, hold=runs)
 
     def _new_runs(self, shards: Sequence[int]) -> dict[str, Runs]:
         entries = self.store.manifest.shards
