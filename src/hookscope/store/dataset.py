@@ -8,13 +8,17 @@ so the sampler's state is just (epoch, rows yielded): restoring it skips whole w
 reading them and yields exactly the remaining rows.
 
 Reading overlaps consuming, and nothing is copied twice: a background thread plans the next
-window (its row order; for each position its shard and shard row; each batch's positions sorted
-by shard), memory-maps its shards and brings them into memory (each page touched in file order:
-the page cache reads the files sequentially and the page tables are filled) while the previous
-window is consumed. A batch is then gathered straight from the mapped shards into its own tensor,
-one `index_select` per shard and nothing else, so a trainer gets in-memory gather speed: the same
-single copy per row as gathering from a tensor already in RAM. The mappings are kept from epoch to
-epoch while the columns read fit in half the RAM (later epochs then touch no page table at all).
+window (its rows' places, shuffled: for each position the part and row it is gathered from; each
+batch's positions sorted by part when there are several), maps its shards and brings them into
+memory (each page touched in file order: the page cache reads the files sequentially and the page
+tables are filled) while the previous window is consumed. When an iterator's epoch ends, the next
+epoch's first window is read ahead the same way, for the next `iter()`. A batch is then gathered
+straight from the mapped shards into its own tensor, one `index_select` per part, so a trainer gets
+in-memory gather speed: the same single copy per row as gathering from a tensor already in RAM.
+On Linux a column's shards are mapped side by side at one row stride (strided.py), so a window is
+one part and a batch one `index_select`; elsewhere, or at a URL, each shard is a part. The mappings
+are kept from epoch to epoch while the columns read fit in half the RAM (later epochs then touch no
+page table at all).
 
 Page size matters at narrow rows: a shard the page cache holds in 2 MiB folios (as Linux leaves
 a file the writer has just written) is mapped with 2 MiB pages; one cached by `read()` in small
@@ -22,7 +26,7 @@ folios with 4 KiB pages, a TLB miss per random row. Asking for huge pages (`MADV
 make cold reads fill 2 MiB folios, but measured slower on cold reads than it gains later, so the
 mappings take what the page cache has (bench/RESULTS.md).
 
-Inside a batch the rows come grouped by shard: a batch holds exactly the rows of its slice of the
+Inside a batch the rows come grouped by part: a batch holds exactly the rows of its slice of the
 epoch's order (the row-by-row stream), but not in that slice's order, which costs a second copy
 to restore and means nothing to a training step. Row-by-row iteration yields the exact order.
 
@@ -72,7 +76,8 @@ class ActivationDataset(IterableDataset):
     dictionary_learning's `trainSAE` and other trainers that call `next()` want), while
     `state_dict()` and `len()` still count one epoch. `prefetch=True` brings the next window's
     pages into memory in a background thread (the page cache holds them; no copy is made). Inside
-    a batch, rows come grouped by shard (the batch is its slice of the row stream as a set).
+    a batch, rows come grouped by part (the batch is its slice of the row stream as a set; one part
+    unless shards are mapped one by one or their headers differ in length, see strided.py).
     `state_dict()` is the cursor; with DataLoader workers (any number: batch b is worker
     b % num_workers's, so the loader's output is the single-process stream) the copies in the
     workers advance, not this one, so build the state from the rows you consumed:
