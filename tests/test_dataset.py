@@ -213,6 +213,23 @@ def test_dataloader_workers_make_the_single_process_stream(id_store, workers: in
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and len(got) == 10
 
 
+def test_workers_forked_from_a_dataset_already_read_make_their_own_reader(id_store):
+    """A dataset iterated in the main process holds a reading thread and the next epoch's first
+    window read ahead; forked workers inherit the objects but not the thread, so each must start
+    its own (else it waits forever for a read no thread will do)."""
+    kw = {"seed": 6, "buffer_rows": 50, "batch_size": 32}
+    ds = id_store.dataset("x", **kw)
+    first = list(ds)  # epoch 0 here; epoch 1's first window is now being read ahead
+    assert ds._reader is not None and ds._ahead is not None
+    ctx = "fork" if "fork" in torch.multiprocessing.get_all_start_methods() else None
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=ctx,
+                                         timeout=60)
+    got = list(loader)  # epoch 1, made by the workers
+    want = list(id_store.dataset("x", epoch=1, **kw))
+    assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and len(got) == len(want)
+    assert ids_of(first) == ids_of(id_store.dataset("x", epoch=0, **kw))
+
+
 def test_dataloader_workers_share_rows_one_by_one(id_store):
     """Row by row with the DataLoader batching: every row of the epoch exactly once."""
     loader = torch.utils.data.DataLoader(id_store.dataset("x", seed=2, buffer_rows=60), batch_size=16,
