@@ -7,10 +7,11 @@ random batches of 4,096 by torch's `index_select` or numpy's `take`) and then on
 `store.dataset(...)` (mappings kept), and prints the median ratio of the rounds, so load drifts
 on a shared machine hit both sides of each ratio alike. Run it once per tree to compare trees:
 
-    PYTHONPATH=src .venv/bin/python bench/probe_read.py 768 float16 9
+    PYTHONPATH=src .venv/bin/python bench/probe_read.py 768 float16 9 [warm4k]
     PYTHONPATH=bench/out/read/src-6d2f093/src .venv/bin/python bench/probe_read.py 768 float16 9
 
-It reads the stores `bench_read.py` builds (run that first).
+It reads the stores `bench_read.py` builds (run that first), after putting them in the page cache
+as `bench_read.py`'s warm case does (2 MiB folios; `warm4k`: small ones).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 import hookscope as hs
+from bench_read import warm_cache
 
 SHAPES = {768: (262_144, 65_536), 4096: (131_072, 16_384)}  # rows, buffer_rows (as bench_read.py)
 POINT, BATCH = "blocks.0.resid_post", 4096
@@ -32,7 +34,9 @@ POINT, BATCH = "blocks.0.resid_post", 4096
 def main() -> None:
     d, dtype, rounds = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     rows, buffer_rows = SHAPES[d]
-    store = hs.open_store(Path(__file__).parent / "out" / "read" / f"store-{d}-{dtype}-{rows}")
+    path = Path(__file__).parent / "out" / "read" / f"store-{d}-{dtype}-{rows}"
+    warm_cache(path, huge=sys.argv[4:] != ["warm4k"])
+    store = hs.open_store(path)
     xn = np.array(store.tensor(POINT).view(torch.int16).numpy())  # numpy: huge pages
     xt = torch.from_numpy(xn)
     ds = store.dataset(POINT, batch_size=BATCH, buffer_rows=buffer_rows)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import ctypes
 import math
+import mmap
 import os
 import sys
 import weakref
@@ -27,8 +28,10 @@ import torch
 _PAGE = 4096
 _HUGE = 2 << 20
 _MAX_SLACK = 64 << 20  # address space one file may skip to land 2 MiB aligned on the stride
-_PROT_NONE, _PROT_READ = 0, 1
-_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED, _MAP_ANONYMOUS, _MAP_NORESERVE = 0x01, 0x02, 0x10, 0x20, 0x4000
+# Linux's flags where Python's mmap module names them (MAP_FIXED it does not)
+_PROT_NONE, _PROT_READ = 0, mmap.PROT_READ
+_MAP_SHARED, _MAP_PRIVATE, _MAP_FIXED = mmap.MAP_SHARED, mmap.MAP_PRIVATE, 0x10
+_MAP_ANONYMOUS, _MAP_NORESERVE = getattr(mmap, "MAP_ANONYMOUS", 0x20), getattr(mmap, "MAP_NORESERVE", 0x4000)
 _FAILED = ctypes.c_void_p(-1).value
 _INTS = {1: np.uint8, 2: np.int16, 4: np.int32, 8: np.int64}
 
@@ -103,7 +106,7 @@ class _Run:
 
 class Runs:
     """One column's files, each placed in the first run that fits it: `add` returns (run, first
-    row), and `tensors[run]` holds the file's rows from that first row on. Each run reserves address
+    row), and `tensor(run)` holds the file's rows from that first row on. Each run reserves address
     space (not memory) for all `files` files of `file_bytes` bytes in all, with their slack."""
 
     def __init__(self, file_bytes: int, files: int, row_shape: tuple[int, ...], dtype: torch.dtype):
