@@ -1,6 +1,6 @@
-"""Reading a store for training: rows/s and GiB/s against the in-RAM gather floor, before (main at
-667a82f) and after, and SAELens training from a store against SAELens's own cache of the same
-activations.
+"""Reading a store for training: rows/s and GiB/s against the in-RAM gather floor, before (an
+earlier main, `--before-rev`) and after, and SAELens training from a store against SAELens's own
+cache of the same activations.
 
 Cases (each measurement in a fresh process; rounds interleave the cases, the order reversed every
 other round (ABBA), so load drifts and order effects hit them all; the median of `--runs`
@@ -12,7 +12,7 @@ processes; use an even `--runs`):
   a trainer could get with no disk and no file format at all. disk: the shard files read front
   to back with the page cache dropped (the disk's own speed, which bounds every cold case: cold
   cases also show their ratio to it).
-- before: `store.dataset(point, batch_size=4096)` of main at `--before-rev` (default 6d2f093;
+- before: `store.dataset(point, batch_size=4096)` of main at `--before-rev` (default 6e1d23a;
   exported from git into bench/out/read/src-REV, or `--before-src DIR`), in a process whose
   PYTHONPATH puts it first; after: this checkout's. `shuffle=True` unless named `seq`
   (`shuffle=False`).
@@ -49,7 +49,7 @@ OUT = BENCH_DIR / "out" / "read"
 BATCH = 4096
 SHAPES = {768: {"rows": 262_144, "shard_rows": 16_384, "buffer_rows": 65_536},
           4096: {"rows": 131_072, "shard_rows": 4_096, "buffer_rows": 16_384}}
-BEFORE_REV = "6d2f093"  # main before the huge-page and per-window planning work
+BEFORE_REV = "6e1d23a"  # main before shards were mapped side by side (store/strided.py)
 CASES = [("floor", "warm"), ("floor-np", "warm"), ("disk", "cold"), ("before", "warm"), ("after", "warm"),
          ("before", "warm4k"), ("after", "warm4k"), ("before-seq", "warm"), ("after-seq", "warm"),
          ("loader2", "warm"), ("before", "cold"), ("after", "cold")]

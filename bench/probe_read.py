@@ -8,7 +8,7 @@ random batches of 4,096 by torch's `index_select` or numpy's `take`) and then on
 on a shared machine hit both sides of each ratio alike. Run it once per tree to compare trees:
 
     PYTHONPATH=src .venv/bin/python bench/probe_read.py 768 float16 9 [warm4k]
-    PYTHONPATH=bench/out/read/src-6d2f093/src .venv/bin/python bench/probe_read.py 768 float16 9
+    PYTHONPATH=bench/out/read/src-6e1d23a/src .venv/bin/python bench/probe_read.py 768 float16 9
 
 It reads the stores `bench_read.py` builds (run that first), after putting them in the page cache
 as `bench_read.py`'s warm case does (2 MiB folios; `warm4k`: small ones).
@@ -23,9 +23,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from bench_read import warm_cache
 
 import hookscope as hs
-from bench_read import warm_cache
 
 SHAPES = {768: (262_144, 65_536), 4096: (131_072, 16_384)}  # rows, buffer_rows (as bench_read.py)
 POINT, BATCH = "blocks.0.resid_post", 4096

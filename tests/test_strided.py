@@ -37,19 +37,20 @@ def test_each_row_reads_back_as_the_files_bytes(tmp_path, row_shape, dtype):
     headers = [304, 296, 304, 4096, 8, 304, 5000, 296]  # equal, 8 apart, page sized, odd
     rows = [40, 40, 40, 7, 40, 1, 40, 33]
     files = [tmp_path / f"s{i}" for i in range(len(headers))]
-    written = [write_file(f, h, n, row_bytes, i) for i, (f, h, n) in enumerate(zip(files, headers, rows))]
+    written = [write_file(f, h, n, row_bytes, i)
+               for i, (f, h, n) in enumerate(zip(files, headers, rows, strict=True))]
     runs = Runs(sum(f.stat().st_size for f in files), len(files), row_shape, dtype)
-    placed = [runs.add(f, h) for f, h in zip(files, headers)]
-    for (run, first), data, n in zip(placed, written, rows):
+    placed = [runs.add(f, h) for f, h in zip(files, headers, strict=True)]
+    for (run, first), data, n in zip(placed, written, rows, strict=True):
         got = runs.tensor(run)[first : first + n].reshape(n, -1).view(torch.uint8).numpy()
         assert np.array_equal(got, data)
     # files whose columns start at the same offset share a run (and never overlap in it)
-    by_header = {}
-    for (run, first), h, n in zip(placed, headers, rows):
+    by_header: dict[int, set[int]] = {}
+    for (run, _), h in zip(placed, headers, strict=True):
         by_header.setdefault(h, set()).add(run)
     assert all(len(r) == 1 for r in by_header.values())
-    spans = sorted((run, first, first + n) for (run, first), n in zip(placed, rows))
-    assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:]))
+    spans = sorted((run, first, first + n) for (run, first), n in zip(placed, rows, strict=True))
+    assert all(a[0] != b[0] or a[2] <= b[1] for a, b in zip(spans, spans[1:], strict=False))
     # a page-multiple stride cannot absorb headers 8 bytes apart: they go to different runs
     if row_bytes % 4096 == 0:
         assert placed[0][0] != placed[1][0]
@@ -82,7 +83,8 @@ def gappy_store(path):
 @pytest.mark.parametrize("kw", [dict(batch_size=8), dict(batch_size=8, shuffle=False), dict(),
                                 dict(shuffle=False), dict(batch_size=5, split="train")])
 @pytest.mark.parametrize("keep", [True, False])
-def test_a_dataset_over_several_runs_yields_what_shard_by_shard_mapping_yields(tmp_path, monkeypatch, kw, keep):
+def test_a_dataset_over_several_runs_yields_what_shard_by_shard_mapping_yields(tmp_path, monkeypatch, kw,
+                                                                               keep):
     store = gappy_store(tmp_path / "s")
     if not keep:
         monkeypatch.setattr(dataset_module, "_ram_bytes", lambda: 0)
@@ -96,7 +98,7 @@ def test_a_dataset_over_several_runs_yields_what_shard_by_shard_mapping_yields(t
     one_by_one = list(plain)
     assert not plain._mapper.strided
     assert len(strided) == len(one_by_one) > 0
-    for a, b in zip(strided, one_by_one):
+    for a, b in zip(strided, one_by_one, strict=True):
         if "batch_size" in kw and kw.get("shuffle", True):  # a shuffled batch is its rows as a set,
             a, b = (by_token(t) for t in (a, b))  # grouped by part (runs here, shards there)
         assert torch.equal(a["x"], b["x"]) and torch.equal(a["token_ids"], b["token_ids"])

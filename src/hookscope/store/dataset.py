@@ -386,7 +386,7 @@ def _located(parts: Sequence[int], firsts: Sequence[int], sizes: Sequence[int]) 
     if not sizes:
         return np.zeros(0, np.int64)
     return np.concatenate([np.arange(f, f + n, dtype=np.int64) + (p << _SHIFT)
-                           for p, f, n in zip(parts, firsts, sizes)])
+                           for p, f, n in zip(parts, firsts, sizes, strict=True)])
 
 
 class _Layout:
@@ -466,7 +466,7 @@ class _MappedWindow:
             at = torch.from_numpy(grouping)
             index = {k: v[at] for k, v in index.items()}
         cuts = [0, *(np.flatnonzero(part[1:] != part[:-1]) + 1).tolist(), n]
-        for a, b in zip(cuts, cuts[1:]):
+        for a, b in zip(cuts, cuts[1:], strict=False):
             if b > a:
                 for k, source in self.sources[int(part[a])].items():
                     # torch's gather, on its threads: 1.3x numpy's one-thread `take` from mapped
@@ -546,7 +546,8 @@ class _Mapper:
         # a part: one combination of runs (one per column); almost always a single one
         keys = [tuple(placed[i][n][0] for n in self.names) for i in shards]
         distinct = list(dict.fromkeys(keys))
-        sources = [{n: runs[n].tensor(run) for n, run in zip(self.names, key)} for key in distinct]
+        sources = [{n: runs[n].tensor(run) for n, run in zip(self.names, key, strict=True)}
+                   for key in distinct]
         part = [distinct.index(k) for k in keys]
         sizes = [entries[i].rows for i in shards]
         if len(self.names) == 1:
