@@ -393,3 +393,27 @@ def test_cli_prints_text_and_writes_captures(tmp_path, capsys):
     missing = "blocks.0.resid_post:missing.safetensors:1"
     assert main(["generate", str(path), "--prompt", "x", "--steer", missing]) == 2
     assert "cannot read steering vector" in capsys.readouterr().err
+
+
+def test_an_empty_kv_cache_is_refused_not_generated_from(gpt2, monkeypatch):
+    """A model whose attention does not store into the cache it is given (TransformerLens 4.3's bridge
+    under transformers >= 5.24) computes each new token without its context: refused at the first
+    cached step, hooks gone, rather than wrong tokens and activations returned."""
+    from transformers import DynamicCache
+
+    ids = prompt_batch()["input_ids"][1:]
+    right = hs.generate(gpt2, ids, "blocks.1.resid_post", max_new_tokens=3)
+    monkeypatch.setattr(DynamicCache, "update", lambda self, key, value, *args, **kwargs: (key, value))
+    with torch.no_grad():  # what the broken cache does: the new token sees only itself
+        alone = gpt2(right.sequences[:, 5:6], past_key_values=DynamicCache(config=gpt2.config),
+                     output_hidden_states=True).hidden_states[2]
+    assert not torch.allclose(alone[:, 0], right["blocks.1.resid_post"][:, 5], atol=1e-3)
+    before = hook_count(gpt2)  # (transformers keeps hooks of its own once output_hidden_states was asked)
+    with pytest.raises(hs.HookscopeError, match="empty KV cache.*use_cache=False"):
+        hs.generate(gpt2, ids, "blocks.1.resid_post", max_new_tokens=3)
+    assert hook_count(gpt2) == before
+    # the way out it names: every step recomputes the whole sequence, and the captures are right again
+    uncached = hs.generate(gpt2, ids, "blocks.1.resid_post", max_new_tokens=3, use_cache=False)
+    assert torch.equal(uncached.sequences, right.sequences)
+    torch.testing.assert_close(uncached["blocks.1.resid_post"], right["blocks.1.resid_post"],
+                               atol=ATOL, rtol=RTOL)

@@ -114,3 +114,24 @@ def test_no_hook_remains_after_generation_raises(bridges):
     assert hooks_on(bridge) == before
     gen = hs.generate(bridge, padded_batch(), "blocks.0.resid_post", **OPTS)  # and it still works
     assert gen["blocks.0.resid_post"].shape == (2, 10, bridge.cfg.d_model)
+
+
+def test_a_bridge_whose_cache_stays_empty_is_refused(bridges, monkeypatch):
+    """TransformerLens 4.3's attention under transformers >= 5.24 never stores into the KV cache, so the
+    bridge's own generate computes each new token without its context. Simulated here on the pinned
+    transformers (the cache's `update` stores nothing): hs.generate refuses at the first cached step,
+    and `use_past_kv_cache=False`, which the error names, captures what run_with_cache computes."""
+    from transformers import DynamicCache
+
+    bridge = bridges["gpt2"]
+    ids = torch.tensor([[5, 17, 300, 8, 61], [9, 8, 7, 6, 5]])
+    before = hooks_on(bridge)
+    monkeypatch.setattr(DynamicCache, "update", lambda self, key, value, *args, **kwargs: (key, value))
+    with pytest.raises(hs.HookscopeError, match="empty KV cache.*use_past_kv_cache=False"):
+        hs.generate(bridge, ids, list(POINTS), **OPTS)
+    assert hooks_on(bridge) == before
+    gen = hs.generate(bridge, ids, list(POINTS), use_past_kv_cache=False, **OPTS)
+    assert torch.equal(gen.sequences, bridge.generate(ids, verbose=False, use_past_kv_cache=False, **OPTS))
+    _, cache = bridge.run_with_cache(gen.sequences)
+    for point, name in POINTS.items():
+        torch.testing.assert_close(gen[point], cache[name], atol=ATOL, rtol=RTOL)

@@ -368,6 +368,28 @@ def _input_length(args: tuple, kwargs: dict) -> int | None:
     return None
 
 
+_CACHE_KWARGS = ("past_key_values", "cache")  # the KV cache a step is given (transformers < / >= 5.24)
+
+
+def _check_cache_filled(kwargs: dict, filled: int) -> None:
+    """A one-token step reads the earlier positions from its KV cache: an empty cache means the model
+    computes the new token without its context, and every token and activation after the prompt is
+    wrong. TransformerLens 4.3's bridge does that with transformers >= 5.24 (its attention neither
+    fills nor reads the cache transformers gives it), silently; refuse instead. Only an empty cache
+    is refused: a sliding-window cache may hold fewer positions than were computed."""
+    for key in _CACHE_KWARGS:
+        cache = kwargs.get(key)
+        if cache is not None and callable(getattr(cache, "get_seq_length", None)):
+            if cache.get_seq_length() == 0:
+                raise HookscopeError(
+                    f"generate ran a one-token step after {filled} positions with an empty KV cache: the "
+                    "model computed the new token without its context, so its tokens and activations would "
+                    "be wrong. TransformerLens 4.3's TransformerBridge does this with transformers >= 5.24; "
+                    "pass use_past_kv_cache=False (a bridge) or use_cache=False (each step then recomputes "
+                    "the whole sequence), or install transformers<5.24")
+            return
+
+
 @contextlib.contextmanager
 def _root_hooks(first: nn.Module, last: nn.Module, steps: _Steps, step_edits: list[_StepEdit], cap: Any,
                 kept: dict[str, _Kept]) -> Iterator[None]:
@@ -381,6 +403,8 @@ def _root_hooks(first: nn.Module, last: nn.Module, steps: _Steps, step_edits: li
         if length is None:
             raise HookscopeError("cannot tell the sequence length of a forward pass during generate")
         steps.start(length)
+        if steps.window[1] - steps.window[0] == 1 and steps.filled > 0:
+            _check_cache_filled(kwargs, steps.filled)
         for step_edit in step_edits:
             step_edit.prepare()
 
