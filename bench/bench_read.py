@@ -8,11 +8,13 @@ processes; use an even `--runs`):
 
 - floor: the whole column already in RAM (allocated by numpy, which asks for huge pages), gathered
   in a random order in batches of 4,096 with torch's `index_select` (torch's default threads);
-  floor-np: the same with numpy's `take` on one thread. The ratio is to the faster of the two: what
-  a trainer could get with no disk and no file format at all. disk: the shard files read front
-  to back with the page cache dropped (the disk's own speed, which bounds every cold case: cold
-  cases also show their ratio to it).
-- before: `store.dataset(point, batch_size=4096)` of main at `--before-rev` (default 6e1d23a;
+  floor-np: the same with numpy's `take` on one thread; floor-out: torch's `index_select` into one
+  batch-sized buffer allocated once (no page faults for new batch memory; every batch overwrites the
+  last, which a reader cannot do while a consumer holds its batch). The ratio is to the fastest of
+  the three: what a trainer could get with no disk and no file format at all. disk: the shard
+  files read front to back with the page cache dropped (the disk's own speed, which bounds every
+  cold case: cold cases also show their ratio to it).
+- before: `store.dataset(point, batch_size=4096)` of main at `--before-rev` (default 1dec836;
   exported from git into bench/out/read/src-REV, or `--before-src DIR`), in a process whose
   PYTHONPATH puts it first; after: this checkout's. `shuffle=True` unless named `seq`
   (`shuffle=False`).
@@ -49,10 +51,10 @@ OUT = BENCH_DIR / "out" / "read"
 BATCH = 4096
 SHAPES = {768: {"rows": 262_144, "shard_rows": 16_384, "buffer_rows": 65_536},
           4096: {"rows": 131_072, "shard_rows": 4_096, "buffer_rows": 16_384}}
-BEFORE_REV = "6e1d23a"  # main before shards were mapped side by side (store/strided.py)
-CASES = [("floor", "warm"), ("floor-np", "warm"), ("disk", "cold"), ("before", "warm"), ("after", "warm"),
-         ("before", "warm4k"), ("after", "warm4k"), ("before-seq", "warm"), ("after-seq", "warm"),
-         ("loader2", "warm"), ("before", "cold"), ("after", "cold")]
+BEFORE_REV = "1dec836"  # main before batch memory was reused (store/dataset.py `_Recycler`)
+CASES = [("floor", "warm"), ("floor-np", "warm"), ("floor-out", "warm"), ("disk", "cold"), ("before", "warm"),
+         ("after", "warm"), ("before", "warm4k"), ("after", "warm4k"), ("before-seq", "warm"),
+         ("after-seq", "warm"), ("loader2", "warm"), ("before", "cold"), ("after", "cold")]
 POINT = "blocks.0.resid_post"
 EPOCHS = 3  # warm cases: steady state over 3 epochs (cold: one epoch, right after dropping the cache)
 
@@ -153,6 +155,7 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path) -> dict:
     elif case.startswith("floor"):
         xn = np.array(store.tensor(POINT).view(torch.int16).numpy())  # in RAM (numpy: huge pages), not mapped
         x = torch.from_numpy(xn).view(getattr(torch, dtype))
+        out = torch.from_numpy(np.empty((BATCH, d), np.int16)).view(x.dtype)  # floor-out's one batch
         t0 = time.perf_counter()
         n = 0
         for _ in range(epochs):
@@ -160,6 +163,8 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path) -> dict:
             for s in range(0, rows, BATCH):
                 if case == "floor":
                     n += torch.index_select(x, 0, perm[s : s + BATCH]).shape[0]
+                elif case == "floor-out":  # into memory faulted in once (rows divide into batches)
+                    n += torch.index_select(x, 0, perm[s : s + BATCH], out=out).shape[0]
                 else:
                     index = perm[s : s + BATCH].numpy()
                     n += np.take(xn, index, axis=0, mode="clip").shape[0]  # a new batch, as a reader makes

@@ -2,13 +2,14 @@
 
 `bench_read.py` times each case in its own process (first epoch, mapping and page-table set-up
 included). This probe times what a long training run sees after its first epoch: in each round,
-one epoch of the faster floor (the column in numpy-allocated, huge-page memory, gathered in
-random batches of 4,096 by torch's `index_select` or numpy's `take`) and then one epoch of
+one epoch of the fastest floor (the column in numpy-allocated, huge-page memory, gathered in
+random batches of 4,096 by torch's `index_select` or numpy's `take`, or by `index_select` into one
+batch buffer faulted in once) and then one epoch of
 `store.dataset(...)` (mappings kept), and prints the median ratio of the rounds, so load drifts
 on a shared machine hit both sides of each ratio alike. Run it once per tree to compare trees:
 
     PYTHONPATH=src .venv/bin/python bench/probe_read.py 768 float16 9 [warm4k]
-    PYTHONPATH=bench/out/read/src-6e1d23a/src .venv/bin/python bench/probe_read.py 768 float16 9
+    PYTHONPATH=bench/out/read/src-1dec836/src .venv/bin/python bench/probe_read.py 768 float16 9
 
 It reads the stores `bench_read.py` builds (run that first), after putting them in the page cache
 as `bench_read.py`'s warm case does (2 MiB folios; `warm4k`: small ones).
@@ -48,6 +49,15 @@ def main() -> None:
             torch.index_select(xt, 0, perm[s : s + BATCH])
         return rows / (time.perf_counter() - t0)
 
+    out = torch.from_numpy(np.empty((BATCH, *xt.shape[1:]), xn.dtype))  # floor_out's one batch, faulted once
+
+    def floor_out() -> float:
+        perm = torch.randperm(rows)
+        t0 = time.perf_counter()
+        for s in range(0, rows, BATCH):
+            torch.index_select(xt, 0, perm[s : s + BATCH], out=out)
+        return rows / (time.perf_counter() - t0)
+
     def floor_numpy() -> float:
         perm = np.random.permutation(rows)
         t0 = time.perf_counter()
@@ -64,7 +74,7 @@ def main() -> None:
     first = epoch()
     floors, ratios = [], []
     for _ in range(rounds):
-        floor = max(floor_torch(), floor_numpy())
+        floor = max(floor_torch(), floor_numpy(), floor_out())
         floors.append(floor)
         ratios.append(epoch() / floor)
     print(f"{hs.__file__}: d {d} {dtype}: first epoch {first / 1e6:.2f} M rows/s; floor median "

@@ -334,3 +334,41 @@ def test_batches_are_their_slices_of_the_stream_from_any_cursor(id_store, positi
     want = slices(rest, sizes) + slices(stream[200:], [16] * 12 + [8])
     got = [sorted(ids_of([b])) for b in islice(iter(loader), len(want))]
     assert got == want
+
+
+def test_batch_memory_is_reused_only_once_nothing_holds_it(id_store, monkeypatch):
+    """A batch is gathered into memory an earlier batch let go of (faulting fresh memory in costs as
+    much as the gather), never into one the consumer still holds: whole, as a view, or as its
+    `.numpy()`. The reference is the row-by-row stream, read one row at a time."""
+    kw = {"seed": 5, "buffer_rows": 60}
+    rows = epochs(id_store, 0, 2, **kw)
+    sizes = [16] * 12 + [8]  # 200 rows per epoch in batches of 16
+    expected = slices(rows[:200], sizes) + slices(rows[200:], sizes)
+
+    def two_epochs(keep):
+        ds = id_store.dataset("x", batch_size=16, **kw)
+        kept = [keep(b) for _ in range(2) for b in ds]
+        return ds, kept
+
+    # everything held, in three ways: nothing may be overwritten
+    for keep in (lambda b: b, lambda b: b[:], lambda b: b.numpy()):
+        _, kept = two_epochs(keep)
+        assert [sorted(torch.as_tensor(k)[:, 0].long().tolist()) for k in kept] == expected
+    # nothing held: after the first few, batches reuse memory (counted where numpy allocates it)
+    from hookscope.store import dataset
+
+    allocated = []
+    new_array = dataset._new_array
+    monkeypatch.setattr(dataset, "_new_array",
+                        lambda shape, dtype: allocated.append(shape) or new_array(shape, dtype))
+    ds = id_store.dataset("x", batch_size=16, **kw)
+    got = [sorted(b[:, 0].long().tolist()) for _ in range(2) for b in ds]
+    assert got == expected
+    assert 0 < allocated.count((16, 3)) <= 4  # 26 batches of 16 rows, at most the pool's 4 buffers
+    # a held batch stays as it was while later ones are made
+    it = iter(ds)
+    first = next(it)
+    snapshot = first.clone()
+    for _ in range(12):
+        next(it)
+    assert torch.equal(first, snapshot)

@@ -38,6 +38,8 @@ batch is gathered straight into shared memory (the DataLoader then passes a hand
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
@@ -114,6 +116,7 @@ class ActivationDataset(IterableDataset):
         # ((epoch, job), its window being read): the next epoch's first window, read ahead while an
         # iterator's last window was consumed, for the next iter() (a plain loop over epochs)
         self._ahead: tuple[tuple[int, _Job], Future] | None = None
+        self._recycler = _Recycler()  # batch memory reused from epoch to epoch (not in workers)
         self._kept = [int(self._keep_mask(i).sum()) if split else s.rows
                       for i, s in enumerate(store.manifest.shards)]
 
@@ -168,7 +171,7 @@ class ActivationDataset(IterableDataset):
         info = get_worker_info()
         # in a DataLoader worker: this worker's share of the stream, gathered into shared memory
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
-        empty = _empty if info is None else _empty_shared
+        empty = self._recycler if info is None else _empty_shared
         windows = self._prefetched(self._plan(self.epoch, self.position))
         if self.batch_size is None:
             return self._rows(windows, worker, workers, empty)
@@ -363,12 +366,57 @@ class ActivationDataset(IterableDataset):
 _Alloc = Callable[[tuple[int, ...], torch.dtype], torch.Tensor]
 
 
-def _empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A new batch, allocated by numpy: numpy asks for transparent huge pages on large arrays, so a
-    32 MiB batch (4,096 x 4,096 float16) costs 16 page faults instead of 8,192 (torch's allocator
-    gets fresh 4 KiB pages from the kernel for every batch that size: 2.5x the gather's time)."""
-    size = torch.empty((), dtype=dtype).element_size()
-    return torch.from_numpy(np.empty(shape, dtype=_SAME_SIZE_NP[size])).view(dtype)
+def _new_array(shape: tuple[int, ...], dtype: type) -> np.ndarray:
+    return np.empty(shape, dtype=dtype)  # numpy asks for transparent huge pages on large arrays
+
+
+def _refs(kept: list[np.ndarray], i: int) -> int:
+    return sys.getrefcount(kept[i])
+
+
+_UNHELD = _refs([np.empty(1)], 0)  # what _refs counts for an array only the list holds
+
+
+class _Recycler:
+    """New batches in memory that a batch let go of earlier, else newly allocated by numpy.
+
+    Faulting a fresh 32 MiB batch in (4,096 x 4,096 float16) costs as much as gathering its rows, and more
+    at random in a process's first epochs (bench/RESULTS.md); rewriting memory already faulted in costs
+    nothing extra. (A new batch comes from numpy, which asks for transparent huge pages: 16 page faults
+    for 32 MiB where torch's allocator takes 8,192.) A buffer is reused only when nothing outside this
+    pool refers to it: every tensor, view, `.numpy()` or DLPack capsule of a batch keeps its torch storage
+    alive, and the storage holds one reference to the numpy array under it, so an array whose only
+    reference is the pool's belongs to no live batch. A batch the consumer keeps is never overwritten; a
+    new one is allocated instead. At most `keep` buffers are kept, for the dataset's life (so each epoch
+    starts on memory already faulted in); a lock keeps two iterators on two threads from taking the same
+    one."""
+
+    def __init__(self, keep: int = 4):
+        self.keep = keep
+        self.kept: list[np.ndarray] = []
+        self.lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:  # to a DataLoader worker: an empty pool, no lock
+        return {"keep": self.keep}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__(state["keep"])
+
+    def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        ints, shape = _SAME_SIZE_NP[torch.empty((), dtype=dtype).element_size()], tuple(shape)
+        with self.lock:
+            unheld = None  # a free buffer of another shape, which a new one may replace
+            for i in range(len(self.kept)):  # by index: a loop variable would hold a reference too
+                if _refs(self.kept, i) == _UNHELD:
+                    if self.kept[i].shape == shape and self.kept[i].dtype == ints:
+                        return torch.from_numpy(self.kept[i]).view(dtype)
+                    unheld = i
+            array = _new_array(shape, ints)
+            if len(self.kept) < self.keep:
+                self.kept.append(array)
+            elif unheld is not None:
+                self.kept[unheld] = array
+            return torch.from_numpy(array).view(dtype)
 
 
 def _empty_shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
