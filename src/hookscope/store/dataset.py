@@ -14,7 +14,8 @@ memory (each page touched in file order: the page cache reads the files sequenti
 tables are filled) while the previous window is consumed. When an iterator's epoch ends, the next
 epoch's first window is read ahead the same way, for the next `iter()`. A batch is then gathered
 straight from the mapped shards into its own tensor, one `index_select` per part, so a trainer gets
-in-memory gather speed: the same single copy per row as gathering from a tensor already in RAM.
+in-memory gather speed: the same single copy per row as gathering from a tensor already in RAM. Its
+memory is that of an earlier batch nothing refers to any more, when there is one (`_Recycler`).
 On Linux a column's shards are mapped side by side at one row stride (strided.py), so a window is
 one part and a batch one `index_select`; elsewhere, or at a URL, each shard is a part. The mappings
 are kept from epoch to epoch while the columns read fit in half the RAM (later epochs then touch no
