@@ -372,3 +372,26 @@ def test_batch_memory_is_reused_only_once_nothing_holds_it(id_store, monkeypatch
     for _ in range(12):
         next(it)
     assert torch.equal(first, snapshot)
+
+
+def test_several_columns_reuse_memory_and_keep_their_bytes(mixed_store, monkeypatch):
+    """Three columns of three shapes and dtypes share the pool (four buffers a column): each batch
+    is the store's bytes, and after the first few each column's batches reuse memory."""
+    from hookscope.store import dataset
+
+    allocated = []
+    new_array = dataset._new_array
+    monkeypatch.setattr(dataset, "_new_array",
+                        lambda shape, dtype: allocated.append(shape) or new_array(shape, dtype))
+    whole = {k: mixed_store.tensor(k) for k in ("a", "h")}
+    ds = mixed_store.dataset(["a", "h", "token_ids"], seed=2, batch_size=10, buffer_rows=40, drop_last=True)
+    batches = 0
+    for _ in range(3):
+        for item in ds:
+            ids = item["token_ids"]
+            for k in ("a", "h"):
+                assert torch.equal(item[k].view(torch.int16), whole[k][ids].view(torch.int16))
+            batches += 1
+    assert batches == 30
+    for shape in ((10, 5), (10, 2, 3), (10,)):  # 30 batches of each column
+        assert 0 < allocated.count(shape) <= 4, (shape, allocated.count(shape))

@@ -117,7 +117,8 @@ class ActivationDataset(IterableDataset):
         # ((epoch, job), its window being read): the next epoch's first window, read ahead while an
         # iterator's last window was consumed, for the next iter() (a plain loop over epochs)
         self._ahead: tuple[tuple[int, _Job], Future] | None = None
-        self._recycler = _Recycler()  # batch memory reused from epoch to epoch (not in workers)
+        # batch memory reused from epoch to epoch (not in workers): four batches' worth of columns
+        self._recycler = _Recycler(keep=4 * len(self.names))
         self._kept = [int(self._keep_mask(i).sum()) if split else s.rows
                       for i, s in enumerate(store.manifest.shards)]
 
@@ -388,9 +389,9 @@ class _Recycler:
     pool refers to it: every tensor, view, `.numpy()` or DLPack capsule of a batch keeps its torch storage
     alive, and the storage holds one reference to the numpy array under it, so an array whose only
     reference is the pool's belongs to no live batch. A batch the consumer keeps is never overwritten; a
-    new one is allocated instead. At most `keep` buffers are kept, for the dataset's life (so each epoch
-    starts on memory already faulted in); a lock keeps two iterators on two threads from taking the same
-    one."""
+    new one is allocated instead. At most `keep` buffers are kept (a dataset keeps four a column), for
+    the dataset's life (so each epoch starts on memory already faulted in); a lock keeps two iterators
+    on two threads from taking the same one."""
 
     def __init__(self, keep: int = 4):
         self.keep = keep
