@@ -8,11 +8,12 @@ batch buffer faulted in once) and then one epoch of
 `store.dataset(...)` (mappings kept), and prints the median ratio of the rounds, so load drifts
 on a shared machine hit both sides of each ratio alike. Run it once per tree to compare trees:
 
-    PYTHONPATH=src .venv/bin/python bench/probe_read.py 768 float16 9 [warm4k]
+    PYTHONPATH=src .venv/bin/python bench/probe_read.py 768 float16 9 [warm4k] [--one-header]
     PYTHONPATH=bench/out/read/src-1dec836/src .venv/bin/python bench/probe_read.py 768 float16 9
 
 It reads the stores `bench_read.py` builds (run that first), after putting them in the page cache
-as `bench_read.py`'s warm case does (2 MiB folios; `warm4k`: small ones).
+as `bench_read.py`'s warm case does (2 MiB folios; `warm4k`: small ones). `--one-header` reads
+(and first builds) a twin store whose shard headers all have one length (see `one_header_store`).
 """
 
 from __future__ import annotations
@@ -32,11 +33,34 @@ SHAPES = {768: (262_144, 65_536), 4096: (131_072, 16_384)}  # rows, buffer_rows 
 POINT, BATCH = "blocks.0.resid_post", 4096
 
 
+def one_header_store(d: int, dtype: str) -> Path:
+    """A twin of bench_read.py's store whose shard headers all have one length: its batches are
+    numbered from 1000, so every shard's identity (`batches 1000-1003 of rank 0, ...`) has as many
+    digits as the next. In bench_read.py's stores shards 0-1 (batches 0-7) have headers 8 bytes
+    shorter, which puts their rows off the others' stride (a second run, store/strided.py)."""
+    from hookscope.store import ShardWriter
+
+    rows = SHAPES[d][0]
+    out = Path(__file__).parent / "out" / "read" / f"store-{d}-{dtype}-{rows}-one-header"
+    if not (out / "manifest.json").exists():
+        g = torch.Generator().manual_seed(0)
+        with ShardWriter(out, {"bench": "read", "d": d, "dtype": dtype, "one_header": True},
+                         shard_rows=16_384 if d == 768 else 4_096) as w:
+            per = (16_384 if d == 768 else 4_096) // 4
+            for b in range(rows // per):
+                x = torch.randn(per, d, generator=g).to(getattr(torch, dtype))
+                w.write(1000 + b, {POINT: x}, {"token_ids": torch.arange(b * per, (b + 1) * per)})
+    return out
+
+
 def main() -> None:
+    flags = {a for a in sys.argv[4:] if a.startswith("--")}
     d, dtype, rounds = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     rows, buffer_rows = SHAPES[d]
     path = Path(__file__).parent / "out" / "read" / f"store-{d}-{dtype}-{rows}"
-    warm_cache(path, huge=sys.argv[4:] != ["warm4k"])
+    if "--one-header" in flags:
+        path = one_header_store(d, dtype)
+    warm_cache(path, huge="warm4k" not in sys.argv[4:])
     store = hs.open_store(path)
     xn = np.array(store.tensor(POINT).view(torch.int16).numpy())  # numpy: huge pages
     xt = torch.from_numpy(xn)
@@ -77,7 +101,7 @@ def main() -> None:
         floor = max(floor_torch(), floor_numpy(), floor_out())
         floors.append(floor)
         ratios.append(epoch() / floor)
-    print(f"{hs.__file__}: d {d} {dtype}: first epoch {first / 1e6:.2f} M rows/s; floor median "
+    print(f"{hs.__file__} {path.name}: d {d} {dtype}: first epoch {first / 1e6:.2f} M rows/s; floor median "
           f"{statistics.median(floors) / 1e6:.2f} M; later epochs / floor median "
           f"{statistics.median(ratios):.3f} (rounds {min(ratios):.2f}-{max(ratios):.2f})")
 
