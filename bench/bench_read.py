@@ -59,27 +59,34 @@ POINT = "blocks.0.resid_post"
 EPOCHS = 3  # warm cases: steady state over 3 epochs (cold: one epoch, right after dropping the cache)
 
 
-def store_dir(d: int, dtype: str, quick: bool = False) -> Path:
-    return OUT / f"store-{d}-{dtype}-{SHAPES[d]['rows'] // (8 if quick else 1)}"
+def store_dir(d: int, dtype: str, quick: bool = False, first_batch: int = 0) -> Path:
+    one_header = "-one-header" if first_batch else ""
+    return OUT / f"store-{d}-{dtype}-{SHAPES[d]['rows'] // (8 if quick else 1)}{one_header}"
 
 
-def build_store(d: int, dtype: str, quick: bool) -> Path:
+def build_store(d: int, dtype: str, quick: bool, first_batch: int = 0) -> Path:
+    """The benchmark's store of random rows. `first_batch=1000` numbers its batches from 1000, so
+    every shard's identity (`batches 1000-1003 of rank 0, ...`) has as many digits as the next and
+    every header one length; numbered from 0, shards 0-1 (batches 0-7) have headers 8 bytes shorter,
+    which puts their rows off the others' stride (a second run, store/strided.py)."""
     import torch
 
     from hookscope.store import ShardWriter
 
-    out = store_dir(d, dtype, quick)
+    out = store_dir(d, dtype, quick, first_batch)
     if (out / "manifest.json").exists():
         return out
     shape = SHAPES[d]
     rows = shape["rows"] // (8 if quick else 1)
     g = torch.Generator().manual_seed(0)
-    with ShardWriter(out, {"bench": "read", "d": d, "dtype": dtype, "rows": rows},
-                     shard_rows=shape["shard_rows"]) as w:
+    settings = {"bench": "read", "d": d, "dtype": dtype, "rows": rows}
+    if first_batch:  # (the default stores keep the settings, and so the bytes, they always had)
+        settings["first_batch"] = first_batch
+    with ShardWriter(out, settings, shard_rows=shape["shard_rows"]) as w:
         per = shape["shard_rows"] // 4
         for b in range(rows // per):
             x = torch.randn(per, d, generator=g).to(getattr(torch, dtype))
-            w.write(b, {POINT: x}, {"token_ids": torch.arange(b * per, (b + 1) * per)})
+            w.write(first_batch + b, {POINT: x}, {"token_ids": torch.arange(b * per, (b + 1) * per)})
     return out
 
 
@@ -155,7 +162,8 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path) -> dict:
     elif case.startswith("floor"):
         xn = np.array(store.tensor(POINT).view(torch.int16).numpy())  # in RAM (numpy: huge pages), not mapped
         x = torch.from_numpy(xn).view(getattr(torch, dtype))
-        out = torch.from_numpy(np.empty((BATCH, d), np.int16)).view(x.dtype)  # floor-out's one batch
+        # floor-out's one batch, allocated (and faulted in by its first gather) once
+        out = torch.from_numpy(np.empty((BATCH, d), np.int16)).view(x.dtype) if case == "floor-out" else None
         t0 = time.perf_counter()
         n = 0
         for _ in range(epochs):

@@ -13,7 +13,7 @@ on a shared machine hit both sides of each ratio alike. Run it once per tree to 
 
 It reads the stores `bench_read.py` builds (run that first), after putting them in the page cache
 as `bench_read.py`'s warm case does (2 MiB folios; `warm4k`: small ones). `--one-header` reads
-(and first builds) a twin store whose shard headers all have one length (see `one_header_store`).
+(and first builds) a twin store whose shard headers all have one length (`build_store`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,10 @@ from __future__ import annotations
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import torch
-from bench_read import warm_cache
+from bench_read import build_store, store_dir, warm_cache
 
 import hookscope as hs
 
@@ -33,33 +32,11 @@ SHAPES = {768: (262_144, 65_536), 4096: (131_072, 16_384)}  # rows, buffer_rows 
 POINT, BATCH = "blocks.0.resid_post", 4096
 
 
-def one_header_store(d: int, dtype: str) -> Path:
-    """A twin of bench_read.py's store whose shard headers all have one length: its batches are
-    numbered from 1000, so every shard's identity (`batches 1000-1003 of rank 0, ...`) has as many
-    digits as the next. In bench_read.py's stores shards 0-1 (batches 0-7) have headers 8 bytes
-    shorter, which puts their rows off the others' stride (a second run, store/strided.py)."""
-    from hookscope.store import ShardWriter
-
-    rows = SHAPES[d][0]
-    out = Path(__file__).parent / "out" / "read" / f"store-{d}-{dtype}-{rows}-one-header"
-    if not (out / "manifest.json").exists():
-        g = torch.Generator().manual_seed(0)
-        with ShardWriter(out, {"bench": "read", "d": d, "dtype": dtype, "one_header": True},
-                         shard_rows=16_384 if d == 768 else 4_096) as w:
-            per = (16_384 if d == 768 else 4_096) // 4
-            for b in range(rows // per):
-                x = torch.randn(per, d, generator=g).to(getattr(torch, dtype))
-                w.write(1000 + b, {POINT: x}, {"token_ids": torch.arange(b * per, (b + 1) * per)})
-    return out
-
-
 def main() -> None:
     flags = {a for a in sys.argv[4:] if a.startswith("--")}
     d, dtype, rounds = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     rows, buffer_rows = SHAPES[d]
-    path = Path(__file__).parent / "out" / "read" / f"store-{d}-{dtype}-{rows}"
-    if "--one-header" in flags:
-        path = one_header_store(d, dtype)
+    path = build_store(d, dtype, False, first_batch=1000) if "--one-header" in flags else store_dir(d, dtype)
     warm_cache(path, huge="warm4k" not in sys.argv[4:])
     store = hs.open_store(path)
     xn = np.array(store.tensor(POINT).view(torch.int16).numpy())  # numpy: huge pages

@@ -403,7 +403,7 @@ def _root_hooks(first: nn.Module, last: nn.Module, steps: _Steps, step_edits: li
         if length is None:
             raise HookscopeError("cannot tell the sequence length of a forward pass during generate")
         steps.start(length)
-        if steps.window[1] - steps.window[0] == 1 and steps.filled > 0:
+        if length == 1 and steps.filled > 0:  # one new token, the rest read from the KV cache
             _check_cache_filled(kwargs, steps.filled)
         for step_edit in step_edits:
             step_edit.prepare()

@@ -424,7 +424,7 @@ class _Recycler:
 def _empty_shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     """A tensor in shared memory (what a DataLoader worker's batches should be made in: sending
     one then passes a handle instead of copying it into shared memory first)."""
-    nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size())
+    nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
     return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(nbytes), 0, shape)
 
 
