@@ -2,7 +2,7 @@
 
 Every test here takes a `device`. The "cpu" variant runs in the default suite, so the code of this
 file is exercised on every machine; the "cuda" variant skips with a stated reason where there is no
-CUDA device, and `scripts/gpu-suite` runs the whole file on one with HOOKSCOPE_REQUIRE_CUDA=1 (then a
+CUDA device, and `scripts/gpu-suite` runs the whole file on one with HOOKSCOPE_REQUIRE=cuda (then a
 missing device is a failure, not a skip). References are independent of hookscope: plain
 `register_forward_hook` captures, `torch.autograd.grad`, hand-written edit hooks, the model's own
 forward. On CUDA, hookscope and the reference run the same kernels in the same order, so values are
@@ -11,27 +11,20 @@ compared exactly; only the compiled paths (other kernels) use a tolerance, state
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from gate import skip_unless
 from torch import Tensor, nn
 
 import hookscope as hs
 from hookscope.hooks import hook_count
 from hookscope.testing import save_tiny
 
-HAS_CUDA = torch.cuda.is_available()
-REQUIRE_CUDA = os.environ.get("HOOKSCOPE_REQUIRE_CUDA") == "1"
-NO_CUDA = "no CUDA device on this machine: scripts/gpu-suite runs these on one"
-
-if REQUIRE_CUDA and not HAS_CUDA:  # the GPU suite must never pass by skipping everything
-    raise RuntimeError("HOOKSCOPE_REQUIRE_CUDA=1 but torch.cuda.is_available() is False "
-                       f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
-
 pytestmark = pytest.mark.cuda
-cuda_only = pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)
+# the GPU suite (HOOKSCOPE_REQUIRE=cuda) must never pass by skipping: there a missing device is an error
+cuda_only = skip_unless("cuda")
 DEVICES = ["cpu", pytest.param("cuda", marks=cuda_only)]
 SIZE = {"d_model": 64, "n_layers": 3, "n_heads": 4, "context": 64}
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gate import need
 from torch import Tensor, nn
 
 import hookscope as hs
@@ -195,7 +196,7 @@ def test_mean_ablation_averages_over_the_position_dim_wherever_it_is():
     """attn.pattern is [batch, head, query, key]: its position dim is 2, so a mean ablation
     averages over batch and queries, per head and key (issue 13, item 5). The reference is the
     same edit written as a TransformerLens hook."""
-    tl = pytest.importorskip("transformer_lens")
+    tl = need("tl3")
     cfg = tl.HookedTransformerConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=50, n_ctx=16,
                                      act_fn="gelu", seed=0)
     model = tl.HookedTransformer(cfg).eval()

@@ -13,8 +13,9 @@ import json
 
 import pytest
 import torch
+from gate import need
 
-pytest.importorskip("sae_lens", reason="sae-lens is part of the dev extra (pip install -e '.[dev]')")
+need("sae_lens")
 
 from sae_lens import (  # noqa: E402
     LanguageModelSAERunnerConfig,

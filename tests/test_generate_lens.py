@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gate import need
 
-pytest.importorskip("transformer_lens")
+need("tl3")
 from transformer_lens import HookedTransformer, HookedTransformerConfig  # noqa: E402
 
 import hookscope as hs  # noqa: E402

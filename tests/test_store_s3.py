@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from gate import need
 
-pytest.importorskip("s3fs")
-pytest.importorskip("moto.server")
+need("s3")
 
 from elastic_kit import assert_same_rows_as, run_elastic  # noqa: E402
 from faultkit import damage, write_corpus  # noqa: E402

@@ -23,9 +23,10 @@ from ..errors import StoreError
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough to hash at disk speed, small enough to stay flat in memory
 
-# the optional package behind each scheme, for the message when it is missing
+# the extra (pyproject.toml) behind each scheme, for the message when it is missing; hf:// needs none
+# (huggingface_hub, which transformers installs, brings its filesystem)
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure",
-           "abfss": "azure", "hf": "hf"}
+           "abfss": "azure"}
 
 
 def sha256_of(f: BinaryIO) -> tuple[int, str]:
