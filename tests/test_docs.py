@@ -190,3 +190,33 @@ def test_a_failing_block_is_named_by_file_and_line(tmp_path: Path):
     bare.write_text("```python notest\nimport cuda_only\n```\n")
     with pytest.raises(AssertionError, match="must say why"):
         run_page(python_blocks(bare))
+
+
+def test_a_block_that_needs_an_extra_names_it_when_the_extra_is_missing(tmp_path: Path):
+    """Where the extra is missing, the block must stop on a HookscopeError naming it: a deep
+    ModuleNotFoundError, an error naming nothing, or a block that runs anyway all fail the page."""
+    page = tmp_path / "page.md"
+    blocks = [
+        "# needs: pip install 'hookscope[datasets]'\nfrom hookscope.errors import StoreError\n"
+        "raise StoreError(\"needs datasets: pip install 'hookscope[datasets]'\")",
+        "# needs: pip install 'hookscope[datasets]'\nimport no_such_module_deep_inside",
+        "# needs: pip install 'hookscope[plot]'\nfrom hookscope.errors import StoreError\n"
+        "raise StoreError('no hint')",
+        "# needs: pip install 'hookscope[plot]'\nx = 1",
+    ]
+    page.write_text("".join(f"```python\n{code}\n```\n" for code in blocks))
+    named, deep, vague, runs = python_blocks(page)
+    assert named.needs == ["'hookscope[datasets]'"]
+    run_block(named, {}, without_extra="datasets")  # the error names the extra: what the page wants
+    for block, extra in ((deep, "datasets"), (vague, "plot")):
+        with pytest.raises(pytest.fail.Exception, match="failed: (ModuleNotFoundError|StoreError)"):
+            run_block(block, {}, without_extra=extra)
+    with pytest.raises(AssertionError, match="yet it ran"):
+        run_block(runs, {}, without_extra="plot")
+
+
+def test_a_block_that_needs_a_package_names_one_the_gate_knows(tmp_path: Path):
+    page = tmp_path / "page.md"
+    page.write_text("```python\n# needs: pip install left-pad\nx = 1\n```\n")
+    with pytest.raises(AssertionError, match="names neither a hookscope extra nor a package tests/gate.py"):
+        run_page(python_blocks(page))

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 from fault_log import record
-from faultkit import write_corpus
+from helpers import corpus_fixture, extract_cli_args
 
 from hookscope.cli import main
 from hookscope.store import open_store
@@ -27,16 +27,8 @@ HERE = Path(__file__).parent
 MAX_TOKENS = "300"
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt", docs=40)
-
-
-def cli_args(model: Path, corpus: Path, out: Path, **overrides: str) -> list[str]:
-    opts = {"--points": "blocks.1.resid_post,blocks.0.mlp.post", "--data": str(corpus), "--context": "32",
-            "--batch-size": "4", "--dtype": "float16", "--shard-rows": "150", **overrides}
-    flags = [x for kv in opts.items() for x in kv]
-    return ["extract", str(model), "--out", str(out), *flags, "--no-progress"]
+corpus = corpus_fixture(40)
+cli_args = extract_cli_args
 
 
 def tree(path: Path) -> dict[str, str]:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gate import need
+from helpers import token_ids
 
 import hookscope as hs
 from hookscope.hooks import hook_count
@@ -59,9 +60,7 @@ def hooks_on(bridge) -> int:
     return sum(hook_count(m) - sum(hook_count(c) for c in m.children()) for m in modules)
 
 
-def ids_for(bridge, batch: int = 2, length: int = 7, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, bridge.cfg.d_vocab, (batch, length), generator=g)
+ids_for = token_ids
 
 
 def test_environment_is_tl4():

