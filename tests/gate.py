@@ -27,7 +27,7 @@ CHROMEDRIVER = "chromedriver"
 @dataclass(frozen=True)
 class Need:
     what: str  # for the message
-    env: str  # the scripts/test-all environment that installs it
+    env: str  # the scripts/test-all environment that installs it ("gpu-suite": scripts/gpu-suite)
     modules: tuple[str, ...] = ()  # imported in order; need() returns the first
     dist: str | None = None  # its distribution (docs blocks name it: `# needs: pip install sae-lens`)
     major: str | None = None  # the major version dist must have
@@ -90,6 +90,11 @@ def _load(need: Need) -> tuple[ModuleType | None, str | None]:
     return (modules[0] if modules else None), problem
 
 
+def runner(spec: Need) -> str:
+    """The command that runs what `spec` gates."""
+    return "`scripts/gpu-suite`" if spec.env == "gpu-suite" else f"`scripts/test-all {spec.env}`"
+
+
 def problem(name: str) -> str | None:
     """What keeps `name` from running here, or None."""
     return _load(NEEDS[name])[1]
@@ -104,7 +109,7 @@ def need(name: str) -> ModuleType | None:
         return module
     if name in required():
         pytest.fail(f"{ENV_VAR} names {name} ({spec.what}) but {wrong}", pytrace=False)
-    pytest.skip(f"needs {spec.what}: {wrong}; `scripts/test-all {spec.env}` runs it", allow_module_level=True)
+    pytest.skip(f"needs {spec.what}: {wrong}; {runner(spec)} runs it", allow_module_level=True)
 
 
 def skip_unless(name: str) -> pytest.MarkDecorator:
@@ -115,4 +120,4 @@ def skip_unless(name: str) -> pytest.MarkDecorator:
     if wrong is not None and name in required():
         pytest.fail(f"{ENV_VAR} names {name} ({spec.what}) but {wrong}", pytrace=False)
     return pytest.mark.skipif(wrong is not None,
-                              reason=f"needs {spec.what}: {wrong}; `scripts/test-all {spec.env}` runs it")
+                              reason=f"needs {spec.what}: {wrong}; {runner(spec)} runs it")
