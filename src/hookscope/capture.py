@@ -268,7 +268,7 @@ def capture(model: nn.Module, points: str | Sequence[str], **options: Any) -> Ca
     return Capture(model, points, **options)
 
 
-def collect(model: nn.Module, inputs: Any, points: str | Sequence[str], **options: Any) -> dict[str, Tensor]:
+def collect(model: nn.Module, inputs: Any, points: str | Sequence[str], **options: Any) -> PointDict:
     """Run the model on `inputs` and return `{point: activation}`; no layer after the last
     needed point runs."""
     with Capture(model, points, **options) as cap:
@@ -283,7 +283,7 @@ def grads(
     loss_fn,
     *,
     arch: Arch | None = None,
-) -> dict[str, Tensor]:
+) -> PointDict:
     """d loss / d activation at each point, where `loss = loss_fn(model_output)` is a scalar.
     Keyed like `collect`: by the names asked for."""
     arch = arch or arch_of(model)
