@@ -102,7 +102,8 @@ def run_floor(clock: Clock, tokens: int) -> None:
 
 
 def run_extract(clock: Clock, tokens: int, shard_rows: int, out: Path) -> None:
-    import hookscope.extract
+    import importlib
+
     from hookscope.cli import main
     from hookscope.store import ShardWriter
 
@@ -118,7 +119,8 @@ def run_extract(clock: Clock, tokens: int, shard_rows: int, out: Path) -> None:
             super().close()
             clock.stop()
 
-    hookscope.extract.ShardWriter = TimedWriter
+    # the module, not the function `hookscope.extract` that the package exports under the same name
+    importlib.import_module("hookscope.extract").ShardWriter = TimedWriter
     if main(extract_argv(tokens, shard_rows, out)) != 0:
         raise SystemExit("hookscope extract failed")
 

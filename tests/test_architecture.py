@@ -139,15 +139,46 @@ def test_the_public_surface_is_listed_once():
 
     assert hs.__version__ == version("hookscope")
     # what the public functions hand back is public too
-    for cls in ("Capture", "Edits", "Store", "ActivationDataset", "Loaded", "Selection", "PointDict"):
+    for cls in ("Capture", "Edits", "Store", "ActivationDataset", "Loaded", "Selection", "PointDict",
+                "Generation", "ProfileReport", "PointInfo", "ExtractConfig", "ExtractSummary", "TopResult",
+                "Manifest", "Column", "PointStats", "SaelensExport"):
         assert cls in hs.__all__, cls
+    for verb in ("load", "points", "hooks", "collect", "capture", "grads", "generate", "edit", "extract",
+                 "open_store", "top", "export_saelens", "export_hf", "profile", "compile_model"):
+        assert callable(getattr(hs, verb)) and verb in hs.__all__, verb
+
+
+def test_the_public_verbs_say_what_they_return():
+    """Each verb's return annotation is the public type it hands back (evaluated in the verb's own
+    module: the annotations are strings under `from __future__ import annotations`)."""
+    want = {"collect": hs.PointDict, "grads": hs.PointDict, "capture": hs.Capture, "load": hs.Loaded,
+            "extract": hs.ExtractSummary, "generate": hs.Generation, "open_store": hs.Store,
+            "top": hs.TopResult, "export_saelens": hs.SaelensExport}
+    for verb, cls in want.items():
+        fn = getattr(hs, verb)
+        returned = fn.__annotations__["return"]
+        assert eval(returned, fn.__globals__) is cls, f"hs.{verb} is annotated to return {returned}"
+
+
+def test_the_extension_api_is_in_its_submodules_not_at_the_top():
+    import importlib
+
+    # the modules (hs.hooks is the function of the same name)
+    arch, compiling, hooks = (importlib.import_module(f"hookscope.{m}") for m in ("arch", "compiling",
+                                                                                   "hooks"))
+    for name, home in (("Arch", arch), ("PointSpec", arch), ("arch_of", arch), ("Hook", hooks),
+                       ("add_hook", hooks), ("compile_stats", compiling)):
+        assert name not in hs.__all__ and hasattr(home, name), name
+    assert "compiling" not in hs.__all__ and not hasattr(compiling, "clones_outputs")
 
 
 def test_no_module_and_no_public_keyword_shadows_a_builtin():
     shadowed = set(dir(builtins))
     assert not [p for p in SRC.rglob("*.py") if p.stem in shadowed]
-    assert not hasattr(hs, "compile")  # the policy is hs.compile_model; the module hs.compiling
-    assert hs.compile_model is hs.compiling.compile_model
+    assert not hasattr(hs, "compile")  # the policy is hs.compile_model; the module hookscope.compiling
+    from hookscope import compiling
+
+    assert hs.compile_model is compiling.compile_model
     for name in hs.__all__:
         obj = getattr(hs, name)
         try:
