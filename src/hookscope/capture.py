@@ -40,7 +40,7 @@ from .errors import HookscopeError, PointNotReachedError, SelectionError
 from .files import write_atomic
 from .hooks import Hook, Hooks, grad_leaf
 from .inputs import attention_mask_of, call_model
-from .names import canonical, is_pattern
+from .names import canonical, find_key, is_pattern
 from .selection import Heads, Positions, Selection
 
 _ROOT = PointSpec(name="<root>", module="", io="input")
@@ -107,13 +107,7 @@ class PointDict(dict):
             return None
 
     def _alias(self, key: Any) -> Any:
-        if isinstance(key, str):
-            name = self._point(key)
-            if name is not None:
-                for k in self:
-                    if self._point(k) == name:
-                        return k
-        return None
+        return find_key(self, key, self._point) if isinstance(key, str) else None
 
     def __missing__(self, key: Any) -> Tensor:
         alias = self._alias(key)

@@ -22,7 +22,7 @@ from .arch import PointSpec, arch_of
 from .errors import SelectionError
 from .hooks import Hook, Hooks
 from .inputs import attention_mask_of
-from .names import canonical
+from .names import find_key
 from .selection import Heads, Positions, Selection
 
 
@@ -104,20 +104,16 @@ def patch(point: str, source: Tensor | Mapping[str, Tensor], *, positions: Posit
           heads: Heads = None) -> Patch:
     """Write activations from another run (a tensor, or the dict `hs.collect` returns)."""
     if isinstance(source, Mapping):
-        matches = [v for k, v in source.items() if k == point or _same_point(k, point)]
-        if not matches:
+        key = find_key(source, point)
+        if key is None:
             raise SelectionError(f"patch {point}: the source has no such point; it has {list(source)}")
-        source = matches[0]
+        source = source[key]
     return Patch(point, positions, heads, source=source)
 
 
 def steer(point: str, vector: Tensor, *, scale: float = 1.0, positions: Positions = None) -> Steer:
     """Add `scale * vector` to a point (a steering vector on the residual stream, say)."""
     return Steer(point, positions, None, vector=vector, scale=scale)
-
-
-def _same_point(a: str, b: str) -> bool:
-    return canonical(a) == canonical(b)
 
 
 class Edits(Hooks):
