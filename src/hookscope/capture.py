@@ -36,14 +36,13 @@ import torch
 from torch import Tensor, nn
 
 from .arch import Arch, PointSpec, arch_of, state_of
+from .arch.base import ROOT
 from .errors import HookscopeError, PointNotReachedError, SelectionError
 from .files import write_atomic
 from .hooks import Hook, Hooks, grad_leaf
 from .inputs import attention_mask_of, call_model
 from .names import canonical, find_key, is_pattern
 from .selection import Heads, Positions, Selection
-
-_ROOT = PointSpec(name="<root>", module="", io="input")
 
 
 class _StopForward(BaseException):
@@ -200,7 +199,7 @@ class Capture(Kept):
                 self.hooks.forward(spec, self._keep)
             # a hook on the root only where a pass needs its own start: to stop it, or to read its mask
             if self.stop is True or (self.attention_mask is None and self.selection.wants_attention_mask):
-                self.hooks.module_pre_forward(_ROOT, self._start_pass)
+                self.hooks.module_pre_forward(ROOT, self._start_pass)
             self._start_pass(self.model, (), {})
         except BaseException:
             self._close()

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from .arch import PointSpec, arch_of
+from .arch.base import ROOT
 from .errors import SelectionError
 from .hooks import Hook, Hooks
 from .inputs import attention_mask_of
@@ -136,7 +137,7 @@ class Edits(Hooks):
                 else:
                     self.forward(spec, e)
             if any(e.selection.wants_attention_mask for e in self.edits):
-                self.module_pre_forward(PointSpec(name="<root>", module="", io="input"), self._start_pass)
+                self.module_pre_forward(ROOT, self._start_pass)
         except BaseException:
             self.remove()
             raise
