@@ -14,9 +14,9 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hookscope import data
-from hookscope.data import BUILTIN_STDLIB, batches, iter_documents, pack, pack_policy, source_fingerprint
 from hookscope.errors import DataError, StoreError
 from hookscope.hub import OFFLINE_VARIABLES
+from hookscope.sources import BUILTIN_STDLIB, batches, iter_documents, pack, pack_policy, source_fingerprint
 
 DOCS = [
     "The quick brown fox jumps over the lazy dog.",

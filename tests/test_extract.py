@@ -16,8 +16,8 @@ import torch
 from elastic_kit import assert_same_rows_as, run_elastic
 
 import hookscope as hs
-from hookscope.data import batches, iter_documents, pack
 from hookscope.extract import ExtractConfig, extract
+from hookscope.sources import batches, iter_documents, pack
 from hookscope.store import open_store
 
 HERE = Path(__file__).parent

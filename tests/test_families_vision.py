@@ -13,7 +13,7 @@ import hookscope as hs
 from hookscope.errors import DataError
 from hookscope.extract import ExtractConfig, extract
 from hookscope.hooks import input_tensor, output_tensor
-from hookscope.images import load_processor
+from hookscope.sources.images import load_processor
 from hookscope.testing import VISION_FAMILIES, save_tiny
 
 GRID = 4  # 32x32 pixels in 8x8 patches
