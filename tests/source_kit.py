@@ -5,6 +5,7 @@ as `ExtractConfig` fields and as `hookscope extract` flags."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -80,3 +81,16 @@ def make_case(source: str, tiny_dirs: dict[str, Path], root: Path, *, docs: int 
     merged = {**base, **fields}
     merged["model"] = str(merged["model"])
     return Case(source, merged)
+
+
+class PerSource(dict):
+    """source -> `make(source)`, made when a test first asks for it: a reference store is built
+    only for the sources the selected tests run."""
+
+    def __init__(self, make: Callable[[str], Any]):
+        super().__init__()
+        self.make = make
+
+    def __missing__(self, source: str) -> Any:
+        self[source] = value = self.make(source)
+        return value

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 from fault_log import record
-from source_kit import SOURCES, Case, make_case
+from source_kit import SOURCES, Case, PerSource, make_case
 
 from hookscope.cli import main
 from hookscope.store import open_store
@@ -47,14 +47,12 @@ def tree(path: Path) -> dict[str, str]:
 @pytest.fixture(scope="module")
 def references(cases, tmp_path_factory) -> dict[str, Path]:
     """Each source's uninterrupted store, made when a test first asks for it."""
-    class Lazy(dict):
-        def __missing__(self, source: str) -> Path:
-            out = tmp_path_factory.mktemp(f"reference-{source}") / "store"
-            assert main(cases[source].cli(out)) == 0
-            self[source] = out
-            return out
+    def make(source: str) -> Path:
+        out = tmp_path_factory.mktemp(f"reference-{source}") / "store"
+        assert main(cases[source].cli(out)) == 0
+        return out
 
-    return Lazy()
+    return PerSource(make)
 
 
 # -- rejected runs ------------------------------------------------------------------------------
