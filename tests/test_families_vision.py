@@ -150,6 +150,30 @@ def test_image_extraction_round_trips_and_traces_rows(vision, image_dir, tmp_pat
     assert again.new_rows == 0 and again.batches_skipped == 3 and again.rows == 5 * tokens
 
 
+def test_image_settings_are_those_stores_were_made_with(vision, image_dir, tmp_path):
+    """Key for key and in order, as b05e947's images.extract_images wrote them: old image stores
+    resume (another hash would refuse them)."""
+    import hashlib
+
+    family, path, model = vision
+    extract(ExtractConfig(out=str(tmp_path / "s"), model=str(path), points=["blocks.0.resid_post"],
+                          data=f"images:{image_dir}", progress=False))
+    names = ["more/pic3.png", "pic0.png", "pic1.png", "pic2.png", "pic4.png"]
+    files = hashlib.sha256()
+    for name in names:
+        files.update(name.encode() + b"\0" + hashlib.sha256((image_dir / name).read_bytes()).digest())
+    config = hs.load(str(path), tokenizer=False).model.config.to_json_string(use_diff=False)
+    processor = load_processor(str(path)).to_json_string()
+    want = {
+        "model": str(path), "model_class": type(model).__name__,
+        "config_sha256": hashlib.sha256(config.encode()).hexdigest(),
+        "image_processor_sha256": hashlib.sha256(processor.encode()).hexdigest(),
+        "points": ["blocks.0.resid_post"], "dtype": "float16", "batch_size": 8, "data": f"images:{image_dir}",
+        "images": names, "images_sha256": files.hexdigest(),
+    }
+    assert list(hs.open_store(tmp_path / "s").manifest.settings.items()) == list(want.items())
+
+
 def test_max_tokens_keeps_whole_images(vision, image_dir, tmp_path):
     """--max-tokens on images (ignored before): the first max_tokens // T images, T tokens each
     (whole images, as text keeps whole sequences); fewer than one image's tokens is refused."""
