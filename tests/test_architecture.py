@@ -145,7 +145,7 @@ def test_the_checker_sees_lazy_relative_and_package_imports():
     source = (
         "from typing import TYPE_CHECKING\n"
         "from .manifest import Manifest\n"
-        "from .. import images\n"
+        "from .. import progress\n"
         "import hookscope.capture\n"
         "if TYPE_CHECKING:\n"
         "    from ..models import Loaded\n"
@@ -154,7 +154,7 @@ def test_the_checker_sees_lazy_relative_and_package_imports():
     )
     found = imports_in(source, "hookscope.store.reader", is_package=False)
     assert {(i.target, i.lazy) for i in found} == {
-        ("hookscope.store.manifest", False), ("hookscope.images", False), ("hookscope.capture", False),
+        ("hookscope.store.manifest", False), ("hookscope.progress", False), ("hookscope.capture", False),
         ("hookscope.top", True)}
 
 
@@ -276,9 +276,9 @@ MAX_FUNCTION_LINES = 80
 # Still over the limits on main, each being split by another branch of issue 28 (store-fs: the store's
 # modules; extract-loop: data.py and the loop; generate-core: generate.py). The lead empties these
 # when those land; an entry no longer over its limit fails below, so that it is not forgotten.
-OVERSIZED_MODULES = {"hookscope.data", "hookscope.generate", "hookscope.store.dataset",
+OVERSIZED_MODULES = {"hookscope.generate", "hookscope.store.dataset",
                      "hookscope.store.manifest", "hookscope.store.reader", "hookscope.store.writer"}
-OVERSIZED_FUNCTIONS = {"hookscope.extract:_extract", "hookscope.generate:generate"}
+OVERSIZED_FUNCTIONS = {"hookscope.generate:generate"}
 
 
 def function_lengths(source: str, module: str) -> dict[str, int]:
