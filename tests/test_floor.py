@@ -52,15 +52,15 @@ def test_the_floor_environment_has_the_floor_versions():
 
 def test_a_family_that_needs_a_newer_transformers_says_so(tmp_path):
     """DINOv2's table follows transformers >= 5.18's module names: on an older one (the floor
-    environment's 5.17) its points are refused naming the version, elsewhere they are there."""
+    environment's 5.17) loading it is refused, naming the version; elsewhere its points are there."""
     import hookscope as hs
     from hookscope.errors import ModelLoadError
     from hookscope.testing import save_tiny
 
     path = save_tiny("dinov2", tmp_path / "dinov2", n_layers=2, d_model=32)
-    model = hs.load(str(path), tokenizer=False).model
     if Version(importlib.metadata.version("transformers")) < Version("5.18"):
         with pytest.raises(ModelLoadError, match=r"DINOv2 needs transformers >= 5\.18 .*pip install -U"):
-            hs.points(model)
+            hs.load(str(path), tokenizer=False)
     else:
+        model = hs.load(str(path), tokenizer=False).model
         assert "blocks.0.attn.q" in {p.name for p in hs.points(model)}
