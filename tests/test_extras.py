@@ -14,9 +14,9 @@ import pytest
 from sparse_store import make_sparse_store
 
 import hookscope as hs
-from hookscope.data import iter_documents
 from hookscope.errors import HookscopeError
 from hookscope.export import export_hf
+from hookscope.sources import iter_documents
 from hookscope.store.fs import _EXTRAS
 
 ROOT = Path(__file__).resolve().parent.parent
