@@ -21,6 +21,7 @@ from .arch import Arch, arch_of
 from .compiling import compile_model
 from .errors import ModelLoadError
 from .hub import OFFLINE_HELP, unreachable_reason
+from .weights import empty_model
 
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 
@@ -76,7 +77,9 @@ def load(
     """Load a Hugging Face model (causal LM head when it has one) in eval mode.
 
     `device_map="auto"` spreads a model bigger than one device over the GPUs (and CPU) through
-    accelerate; hooks work the same, since accelerate keeps the module tree."""
+    accelerate; hooks work the same, since accelerate keeps the module tree. `device="meta"`
+    reads no weights: every parameter stays on meta (buffers are real), for block streaming
+    (weights.py places them a block at a time)."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     source, local = resolve_source(name_or_path)
@@ -108,11 +111,14 @@ def load(
     if device_map is not None:
         kwargs["device_map"] = device_map
     try:
-        with _no_progress_bars():  # transformers 5 draws a bar while it loads the weights
-            model = auto.from_pretrained(source, **kwargs)
+        if str(device) == "meta":
+            model = empty_model(config, auto, kwargs.get("dtype"))
+        else:
+            with _no_progress_bars():  # transformers 5 draws a bar while it loads the weights
+                model = auto.from_pretrained(source, **kwargs)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model weights from {name_or_path!r}: {exc}") from exc
-    if device_map is None:
+    if device_map is None and str(device) != "meta":
         model.to(device)
     model.eval()
     compile_model(model, compile_policy)
