@@ -32,6 +32,7 @@ from .inputs import max_positions  # its room is inputs.py; cli.py imports it fr
 from .models import load
 from .store import ShardWriter, merge_rank_manifests
 from .store.resume import deal_for
+from .stream import parse_size, streamer_for
 from .summary import ExtractSummary, check_finite, sha256_text
 
 DEFAULT_DATA = "builtin:stdlib-docstrings"
@@ -57,6 +58,9 @@ class ExtractConfig:
     revision: str | None = None
     progress: bool = True
     generate: int = 0  # --generate N: also store N greedy tokens after each sequence (generate.py)
+    # --max-memory SIZE ("2GiB"): stream the blocks through chunks of batches, weights under SIZE
+    # (stream.py). Not a setting of the store: the rows are the same with it or without it
+    max_memory: str | int | None = None
 
 
 def _tokenizer_hash(tokenizer: Any) -> str:
@@ -131,6 +135,12 @@ def validate_config(cfg: ExtractConfig) -> None:
         raise HookscopeError("no points given; name at least one, e.g. --points blocks.3.resid_post")
     if not str(cfg.out).strip():
         raise HookscopeError("--out is empty; name the store directory to write")
+    if cfg.max_memory is not None:
+        parse_size(cfg.max_memory)
+        for flag, value in (("--generate", cfg.generate), ("--device-map", cfg.device_map)):
+            if value:
+                raise HookscopeError(f"--max-memory streams blocks through one device; it does not combine "
+                                     f"with {flag}: leave one of them out")
 
 
 def extract(cfg: ExtractConfig) -> ExtractSummary:
@@ -155,7 +165,9 @@ def _extract(cfg: ExtractConfig, opened: list[ShardWriter]) -> ExtractSummary:
     _init_distributed(world_size, cfg.device)
     device = (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cfg.device == "cuda" and world_size > 1
               else cfg.device)
-    loaded = load(cfg.model, device=device, revision=cfg.revision, device_map=cfg.device_map)
+    streamed = cfg.max_memory is not None  # then the weights stay on meta until a block runs
+    loaded = load(cfg.model, device="meta" if streamed else device, revision=cfg.revision,
+                  device_map=cfg.device_map)
     if cfg.device_map is not None:  # inputs go where the embeddings live
         device = str(loaded.model.get_input_embeddings().weight.device)
     dtype = getattr(torch, cfg.dtype)
@@ -190,25 +202,38 @@ def _extract(cfg: ExtractConfig, opened: list[ShardWriter]) -> ExtractSummary:
                          device="cpu") as cap:
                 cap.run(inputs)
                 acts = {name: cap[name] for name in points}
-            meta = {
-                "token_ids": batch["input_ids"][keep],
-                "doc_ids": batch["doc_ids"][keep],
-                "positions": batch["doc_positions"][keep],
-                "seq_ids": batch["seq_ids"].unsqueeze(1).expand_as(keep)[keep],
-            }
+            meta = _row_columns(batch, keep)
         check_finite(acts, cfg.on_nonfinite, index)
         return acts, meta, len(meta["token_ids"])
 
-    # The first batch of this rank is read and run before the store is opened: an empty or bad
-    # data source, or a point the forward pass never reaches, is refused with nothing written.
-    # On a resume it may be a batch already on disk; one forward pass is the price of that check.
+    progress = _Progress(cfg.progress and rank == 0, cfg, documents, world_size)
+    streamer = streamer_for(loaded, points, parse_size(cfg.max_memory), batch_size=cfg.batch_size,
+                            context=cfg.context, dtype=dtype, device=device, revision=cfg.revision,
+                            on_block=progress.stage) if streamed else None
+
+    def compute_chunk(chunk: list[tuple[int, dict]]) -> dict[int, tuple[dict, dict, int]]:
+        if streamer is None:
+            return {index: compute(index, batch) for index, batch in chunk}
+        keeps = [_keep_mask(cfg, batch) for _, batch in chunk]
+        inputs = [{"input_ids": b["input_ids"].to(device), "attention_mask": b["attention_mask"].to(device)}
+                  for _, b in chunk]
+        out, results = {}, streamer.run_chunk(inputs, [k.to(device) for k in keeps])
+        for (index, batch), keep, acts in zip(chunk, keeps, results, strict=True):
+            check_finite(acts, cfg.on_nonfinite, index)
+            out[index] = (acts, _row_columns(batch, keep), int(keep.sum()))
+        return out
+
+    # The first chunk of this rank (a batch, unless streaming) is read and run before the store is
+    # opened: an empty or bad data source, or a point the forward pass never reaches, is refused with
+    # nothing written. On a resume it may be a batch already on disk; one forward pass is the price of
+    # that check (a streamed run skips it there: it would read every block once more).
     ours = ((i, b) for i, b in enumerate(batches(sequences, cfg.batch_size)) if deal.visits(i, rank))
-    first = next(ours, None)
+    chunks = _chunked(ours, streamer.plan.chunk_batches if streamer else 1)
+    first = next(chunks, None)
     if first is None and rank == 0:
         raise DataError(f"data source {cfg.data!r} gives no tokens to extract; point --data at some text")
-    checked = (first[0], compute(*first)) if first is not None else None
-
-    progress = _Progress(cfg.progress and rank == 0, cfg, documents, world_size)
+    todo = [(i, b) for i, b in first or [] if i not in deal.done_before]
+    checked = compute_chunk(todo or (first[:1] if first and not streamed else []))
     try:
         writer = ShardWriter(cfg.out, settings, shard_rows=cfg.shard_rows, rank=rank, world_size=world_size)
         opened.append(writer)
@@ -216,20 +241,23 @@ def _extract(cfg: ExtractConfig, opened: list[ShardWriter]) -> ExtractSummary:
             if writer.deal != deal:  # the store changed since it was read above
                 raise StoreError(f"{cfg.out} changed while this run started: is another run writing to "
                                  "it? Stop every other run on this store and re-run the command")
-            for index, batch in itertools.chain([first] if first else [], ours):
-                if index in writer.done_batches:
-                    skipped += 1
-                    progress.update(_kept(cfg, batch), batch, writer.bytes_written)
-                    continue
-                if checked is not None and checked[0] == index:
-                    (acts, meta, rows), checked = checked[1], None
-                else:
-                    acts, meta, rows = compute(index, batch)
-                writer.write(index, acts, meta)
-                done += 1
-                new_rows += rows
-                progress.update(rows, batch, writer.bytes_written)
+            for chunk in itertools.chain([first] if first else [], chunks):
+                results, checked = checked, {}
+                results.update(compute_chunk([(i, b) for i, b in chunk
+                                              if i not in writer.done_batches and i not in results]))
+                for index, batch in chunk:
+                    if index in writer.done_batches:
+                        skipped += 1
+                        progress.update(_kept(cfg, batch), batch, writer.bytes_written)
+                        continue
+                    acts, meta, rows = results.pop(index)
+                    writer.write(index, acts, meta)
+                    done += 1
+                    new_rows += rows
+                    progress.update(rows, batch, writer.bytes_written)
     finally:
+        if streamer is not None:
+            streamer.close()
         # the last shard is on disk now: the bar ends on the summary's MiB
         progress.close(opened[0].bytes_written if opened else 0)
     total_rows = writer.total_rows
@@ -264,6 +292,21 @@ def _signals_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+def _chunked(pairs: Iterator[tuple[int, dict]], size: int) -> Iterator[list[tuple[int, dict]]]:
+    while chunk := list(itertools.islice(pairs, size)):
+        yield chunk
+
+
+def _row_columns(batch: dict[str, torch.Tensor], keep: torch.Tensor) -> dict[str, torch.Tensor]:
+    """Where each kept token comes from: the per-row columns of the store."""
+    return {
+        "token_ids": batch["input_ids"][keep],
+        "doc_ids": batch["doc_ids"][keep],
+        "positions": batch["doc_positions"][keep],
+        "seq_ids": batch["seq_ids"].unsqueeze(1).expand_as(keep)[keep],
+    }
+
+
 def _keep_mask(cfg: ExtractConfig, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """The tokens of a batch that become rows: real tokens, less BOS / CLS / SEP unless kept."""
     keep = batch["attention_mask"].bool()
@@ -288,21 +331,34 @@ class _Progress:
                        else cfg.max_tokens // cfg.context * cfg.context / world_size)
         self.rows = self.tokens = 0
         self.last_doc = -1
+        self.where, self.written = "", "0.0 MiB written"  # a streamed run: the block it is on
+
+    def stage(self, block: int, blocks: int) -> None:
+        """A streamed run started a block: shown beside the MiB written."""
+        if not self.enabled:
+            return
+        self.where = f"block {block + 1}/{blocks}, " if block < blocks else "after the blocks, "
+        self._open()
+        self.bar.set_postfix_str(self.where + self.written)
+
+    def _open(self) -> None:
+        if self.bar is None:
+            from tqdm.auto import tqdm
+
+            self.bar = tqdm(unit="row", unit_scale=True, desc="extract", dynamic_ncols=True)
 
     def update(self, rows: int, batch: dict[str, torch.Tensor], bytes_written: int) -> None:
         if not self.enabled:
             return
         tokens = int(batch["attention_mask"].sum())
         self.last_doc = max(self.last_doc, int(batch["doc_ids"].max()))  # packed up to this document
-        if self.bar is None:
-            from tqdm.auto import tqdm
-
-            self.bar = tqdm(unit="row", unit_scale=True, desc="extract", dynamic_ncols=True)
+        self._open()
         self.rows, self.tokens = self.rows + rows, self.tokens + tokens
         estimate = self._estimated_rows()
         if estimate is not None:
             self.bar.total = max(estimate, self.rows)
-        self.bar.set_postfix_str(f"{bytes_written / 2**20:,.1f} MiB written", refresh=False)
+        self.written = f"{bytes_written / 2**20:,.1f} MiB written"
+        self.bar.set_postfix_str(self.where + self.written, refresh=False)
         self.bar.update(rows)
 
     def _estimated_rows(self) -> int | None:

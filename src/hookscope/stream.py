@@ -33,6 +33,7 @@ from .arch import Arch
 from .capture import Capture, _builds_kv_cache
 from .errors import HookscopeError
 from .inputs import call_model
+from .models import Loaded, resolve_source
 from .names import MODULE_PREFIX
 from .weights import Checkpoint, names_under, nbytes, place, release, resident_bytes
 
@@ -99,9 +100,9 @@ def plan_stream(model: nn.Module, arch: Arch, points: list[str], max_memory: int
     fixed, largest = nbytes(model, resident), max(nbytes(model, b) for b in blocks)
     if fixed + largest > max_memory:
         raise HookscopeError(
-            f"--max-memory {_mib(max_memory)} holds less than the weights needed at once: {_mib(fixed)} outside "
-            f"the blocks + {_mib(largest)} for the largest block = {_mib(fixed + largest)}; give at least "
-            f"that (twice the block, {_mib(fixed + 2 * largest)}, also reads the next block ahead)")
+            f"--max-memory {_size(max_memory)} holds less than the weights needed at once: {_size(fixed)} "
+            f"outside the blocks + {_size(largest)} for the largest block = {_size(fixed + largest)}; give "
+            f"at least that (with the next block read ahead: {_size(fixed + 2 * largest)})")
     read_ahead = fixed + 2 * largest <= max_memory
     weight_limit = fixed + (2 if read_ahead else 1) * largest
     # a chunk's hidden states (a block's input and output) and kept rows take what the weights leave
@@ -143,8 +144,11 @@ def _width(model: nn.Module, arch: Arch) -> int:
     return int(arch.d_model or getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0) or 1)
 
 
-def _mib(n: int) -> str:
-    return f"{n / 2**20:,.0f} MiB"
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
 
 
 class BlockStreamer:
@@ -166,9 +170,13 @@ class BlockStreamer:
         self._ahead: tuple[int, Future] | None = None
         self._extras = -1  # the blocks' output format: -1 a tensor, else a tuple of 1 + extras
         self.peak_weight_bytes = 0
-        place(model, self._read(plan.resident))
-        if max(plan.stage_of.values()) == arch.n_layers and hasattr(model, "tie_weights"):
-            model.tie_weights()  # a tied output head shares the embedding just placed
+        self._final = max(plan.stage_of.values())
+        head = set(_output_embedding_names(model))
+        # a tied output head is saved once, as the input embedding
+        tied = [n for n in plan.resident if n in head and checkpoint.key(n) is None]
+        place(model, self._read([n for n in plan.resident if n not in tied]))
+        if tied:
+            model.tie_weights()
 
     def run_chunk(self, inputs: list[dict[str, Tensor]], keeps: list[Tensor]) -> list[dict[str, Tensor]]:
         acts: list[dict[str, Tensor]] = [{} for _ in inputs]
@@ -176,7 +184,7 @@ class BlockStreamer:
         stages = sorted(set(range(self.plan.last_block + 1)) | set(self.plan.stage_of.values()))
         for k in stages:
             if self.on_block is not None:
-                self.on_block(k, self.plan.last_block + 1)
+                self.on_block(k, self.arch.n_layers)
             in_block = k < self.arch.n_layers
             if in_block:
                 self._load(k)
@@ -219,11 +227,12 @@ class BlockStreamer:
               points: list[str], acts: dict[str, Tensor]) -> Tensor | None:
         """One batch through block k (blocks before it replaying `saved`); keeps `points` into `acts`
         and returns block k's output, the next block's input (None after the last block)."""
-        wants_output = k < self.plan.last_block
+        wants_output = k < self._final
         out: list[Tensor] = []
         with torch.inference_mode(), self._replaying(k, saved), contextlib.ExitStack() as stack:
-            cap = stack.enter_context(Capture(self.model, points, token_mask=keep, dtype=self.dtype,
-                                              device="cpu", stop=False if wants_output else None)) if points else None
+            cap = stack.enter_context(Capture(
+                self.model, points, token_mask=keep, dtype=self.dtype, device="cpu",
+                stop=False if wants_output else None)) if points else None
             if wants_output:
                 block = self.model.get_submodule(self.arch.block_paths[k])
                 stack.callback(block.register_forward_hook(self._stop_after(out)).remove)
@@ -231,7 +240,8 @@ class BlockStreamer:
                 with contextlib.suppress(_BlockDone):
                     call_model(self.model, batch, **options)
                 if not out:
-                    raise HookscopeError(f"block {k} ({self.arch.block_paths[k]}) never ran in the forward pass")
+                    raise HookscopeError(f"block {k} ({self.arch.block_paths[k]}) never ran in the forward "
+                                         "pass: this model cannot be streamed; run without --max-memory")
             else:
                 cap.run(batch)
             for point in points:
@@ -264,3 +274,20 @@ class BlockStreamer:
         finally:
             for parent, child, block in swapped:
                 parent._modules[child] = block
+
+
+def streamer_for(loaded: Loaded, points: list[str], max_memory: int, *, batch_size: int, context: int,
+                 dtype: torch.dtype, device: str | torch.device = "cpu", revision: str | None = None,
+                 on_block: Callable[[int, int], None] | None = None) -> BlockStreamer:
+    """The executor for a model loaded with `device="meta"` (its weights are read from its own
+    directory, or its snapshot in the Hugging Face cache)."""
+    plan = plan_stream(loaded.model, loaded.arch, points, max_memory, batch_size=batch_size, context=context,
+                       store_itemsize=dtype.itemsize)
+    source, local = resolve_source(loaded.name)
+    if not local:
+        from huggingface_hub import snapshot_download
+
+        source = snapshot_download(source, revision=revision, local_files_only=True)
+    checkpoint = Checkpoint(source, getattr(loaded.model, "base_model_prefix", ""))
+    return BlockStreamer(loaded.model, loaded.arch, checkpoint, plan, dtype=dtype, device=device,
+                         on_block=on_block)

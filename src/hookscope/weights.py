@@ -66,9 +66,9 @@ class Checkpoint:
         for name in names:
             key = self.key(name)
             if key is None:
-                raise ModelLoadError(f"{self.directory} holds no tensor for {name!r}: its tensor names do not "
-                                     "match this model's (a checkpoint in an older layout?); load it without "
-                                     "streaming and save it again with save_pretrained")
+                raise ModelLoadError(f"{self.directory} holds no tensor for {name!r}: its tensor names do "
+                                     "not match this model's (a layout transformers converts while loading, "
+                                     "such as fused experts?); run without streaming")
             tensor = self._handle(self.file_of[key]).get_tensor(key)
             if dtypes and name in dtypes and tensor.is_floating_point():
                 tensor = tensor.to(dtypes[name])
@@ -96,7 +96,7 @@ def names_under(model: nn.Module, prefix: str) -> list[str]:
     """The parameter names of the module at `prefix` ("" is the whole model), in full."""
     module = model.get_submodule(prefix) if prefix else model
     dot = prefix + "." if prefix else ""
-    return [dot + name for name, _ in module.named_parameters(remove_duplicate=False)]
+    return [dot + name for name, _ in module.named_parameters()]
 
 
 def place(model: nn.Module, tensors: dict[str, torch.Tensor]) -> None:
