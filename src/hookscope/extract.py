@@ -155,7 +155,8 @@ def _extract(cfg: ExtractConfig, opened: list[ShardWriter]) -> ExtractSummary:
     _init_distributed(world_size, cfg.device)
     device = (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cfg.device == "cuda" and world_size > 1
               else cfg.device)
-    loaded = load(cfg.model, device=device, revision=cfg.revision, device_map=cfg.device_map)
+    loaded = load(cfg.model, device=device, revision=cfg.revision, device_map=cfg.device_map,
+                  points=None if cfg.generate else cfg.points)  # only the weights the points need
     if cfg.device_map is not None:  # inputs go where the embeddings live
         device = str(loaded.model.get_input_embeddings().weight.device)
     dtype = getattr(torch, cfg.dtype)

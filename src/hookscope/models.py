@@ -161,6 +161,8 @@ def _load_partial(auto: Any, source: str, config: Any, kwargs: dict, points: str
     model = meta_model()
     arch = arch_of(model)
     if not arch.block_paths:  # no blocks to leave out: the plain load
+        if device_map is not None:
+            return auto.from_pretrained(source, **kwargs, device_map=device_map), None
         return auto.from_pretrained(source, **kwargs).to(device), None
     names = [points] if isinstance(points, str) else list(points)
     specs = arch.resolve(names)  # unknown names fail here, before any weight is read
