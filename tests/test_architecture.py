@@ -72,6 +72,7 @@ ALLOWED = {
     "capture": {"hooks", "arch", "selection", "inputs", "names", "errors"},
     "edit": {"hooks", "arch", "selection", "inputs", "names", "errors"},
     "compiling": {"hooks", "capture", "arch", "errors"},
+    "partial": {"arch", "errors"},
 }
 
 

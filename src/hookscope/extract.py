@@ -167,7 +167,8 @@ def _extract(cfg: ExtractConfig, opened: list[ShardWriter]) -> ExtractSummary:
               else cfg.device)
     streamed = cfg.max_memory is not None  # then the weights stay on meta until a block runs
     loaded = load(cfg.model, device="meta" if streamed else device, revision=cfg.revision,
-                  device_map=cfg.device_map)
+                  device_map=cfg.device_map,
+                  points=None if cfg.generate or streamed else cfg.points)  # only the weights the points need
     if cfg.device_map is not None:  # inputs go where the embeddings live
         device = str(loaded.model.get_input_embeddings().weight.device)
     dtype = getattr(torch, cfg.dtype)

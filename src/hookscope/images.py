@@ -136,7 +136,7 @@ def extract_images(cfg: Any) -> Any:
     if int(os.environ.get("WORLD_SIZE", 1)) > 1:
         raise HookscopeError("image extraction runs in one process; run it without torchrun")
     folder, names = list_images(cfg.data)
-    loaded = load(cfg.model, device=cfg.device, revision=cfg.revision, tokenizer=False)
+    loaded = load(cfg.model, device=cfg.device, revision=cfg.revision, tokenizer=False, points=cfg.points)
     processor = load_processor(loaded.name)
     dtype = getattr(torch, cfg.dtype)  # extract.validate_config has checked it
     points = [s.name for s in loaded.arch.resolve(cfg.points)]

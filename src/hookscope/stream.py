@@ -35,7 +35,7 @@ from .errors import HookscopeError
 from .inputs import call_model
 from .models import Loaded, resolve_source
 from .names import MODULE_PREFIX
-from .weights import Checkpoint, names_under, nbytes, place, release, resident_bytes
+from .partial import Checkpoint, checkpoint_files
 
 _UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
           "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -50,6 +50,24 @@ def parse_size(size: str | int) -> int:
     if not match or unit is None or float(match.group(1)) <= 0:
         raise HookscopeError(f"--max-memory {size!r}: give a size such as 2GiB, 500MB or 1.5GB")
     return int(float(match.group(1)) * unit)
+
+
+def names_under(model: nn.Module, prefix: str) -> list[str]:
+    """The parameter names of the module at `prefix` ("" is the whole model), in full."""
+    module = model.get_submodule(prefix) if prefix else model
+    dot = prefix + "." if prefix else ""
+    return [dot + name for name, _ in module.named_parameters()]
+
+
+def nbytes(model: nn.Module, names: list[str]) -> int:
+    """What parameters `names` take once materialized, on meta or not."""
+    params = dict(model.named_parameters())
+    return sum(params[n].numel() * params[n].element_size() for n in names)
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """What the model's parameters off meta take now (a tied weight counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
 
 
 class _BlockDone(BaseException):
@@ -164,19 +182,15 @@ class BlockStreamer:
                  on_block: Callable[[int, int], None] | None = None):
         self.model, self.arch, self.checkpoint, self.plan = model, arch, checkpoint, plan
         self.dtype, self.device, self.on_block = dtype, device, on_block
-        self._dtypes = {n: p.dtype for n, p in model.named_parameters(remove_duplicate=False)}
         self._loaded: set[int] = set()  # the blocks in the model now
+        self._placement = {"": str(device)}
         self._reader = ThreadPoolExecutor(1, thread_name_prefix="hookscope-read") if plan.read_ahead else None
         self._ahead: tuple[int, Future] | None = None
         self._extras = -1  # the blocks' output format: -1 a tensor, else a tuple of 1 + extras
         self.peak_weight_bytes = 0
         self._final = max(plan.stage_of.values())
-        head = set(_output_embedding_names(model))
-        # a tied output head is saved once, as the input embedding
-        tied = [n for n in plan.resident if n in head and checkpoint.key(n) is None]
-        place(model, self._read([n for n in plan.resident if n not in tied]))
-        if tied:
-            model.tie_weights()
+        resident = set(plan.resident)
+        checkpoint.materialize(model, lambda name: name in resident, self._placement)
 
     def run_chunk(self, inputs: list[dict[str, Tensor]], keeps: list[Tensor]) -> list[dict[str, Tensor]]:
         acts: list[dict[str, Tensor]] = [{} for _ in inputs]
@@ -192,7 +206,7 @@ class BlockStreamer:
             for b, (batch, keep) in enumerate(zip(inputs, keeps, strict=True)):
                 hidden[b] = self._pass(k, batch, keep, hidden[b], points, acts[b])
             if in_block and self.plan.last_block > 0:  # one block only: it stays for the next chunk
-                release(self.model, self.arch.block_paths[k])
+                self.checkpoint.release(self.model, [self.arch.block_paths[k]])
                 self._loaded.discard(k)
         return acts
 
@@ -200,9 +214,11 @@ class BlockStreamer:
         if self._reader is not None:
             self._reader.shutdown(wait=True, cancel_futures=True)
             self._ahead = None
+        self.checkpoint.close()
 
-    def _read(self, names: list[str]) -> dict[str, Tensor]:
-        return self.checkpoint.read(names, {n: self._dtypes[n] for n in names}, device=self.device)
+    def _wants(self, k: int) -> Callable[[str], bool]:
+        prefix = self.arch.block_paths[k] + "."
+        return lambda name: name.startswith(prefix)
 
     def _load(self, k: int) -> None:
         """Block k's weights into the model (from the read-ahead when it holds them), and the next
@@ -210,16 +226,14 @@ class BlockStreamer:
         if k in self._loaded:
             return  # still resident (a plan with one block)
         if self._ahead is not None and self._ahead[0] == k:
-            tensors = self._ahead[1].result()
-        else:
-            tensors = self._read(self.plan.blocks[k])
+            self._ahead[1].result()  # block k is in the page cache now
         self._ahead = None
-        place(self.model, tensors)
+        self.checkpoint.materialize(self.model, self._wants(k), self._placement)
         self._loaded.add(k)
         held = resident_bytes(self.model)
         if self._reader is not None and self.plan.last_block > 0:
             nxt = (k + 1) % (self.plan.last_block + 1)
-            self._ahead = (nxt, self._reader.submit(self._read, self.plan.blocks[nxt]))
+            self._ahead = (nxt, self._reader.submit(self.checkpoint.prefetch, self._wants(nxt)))
             held += nbytes(self.model, self.plan.blocks[nxt])
         self.peak_weight_bytes = max(self.peak_weight_bytes, held)
 
@@ -284,10 +298,7 @@ def streamer_for(loaded: Loaded, points: list[str], max_memory: int, *, batch_si
     plan = plan_stream(loaded.model, loaded.arch, points, max_memory, batch_size=batch_size, context=context,
                        store_itemsize=dtype.itemsize)
     source, local = resolve_source(loaded.name)
-    if not local:
-        from huggingface_hub import snapshot_download
-
-        source = snapshot_download(source, revision=revision, local_files_only=True)
-    checkpoint = Checkpoint(source, getattr(loaded.model, "base_model_prefix", ""))
+    files = checkpoint_files(source, revision=revision, local_files_only=local)
+    checkpoint = Checkpoint(loaded.model, files, next(iter(loaded.model.parameters())).dtype)
     return BlockStreamer(loaded.model, loaded.arch, checkpoint, plan, dtype=dtype, device=device,
                          on_block=on_block)
