@@ -46,8 +46,8 @@ from typing import Any
 
 import torch
 
-from hookscope import extract as extract_module
 from hookscope.extract import ExtractConfig, extract
+from hookscope.sources import text as text_source
 from hookscope.store import ShardWriter
 from hookscope.store import fs as fs_module
 from hookscope.store import writer as writer_module
@@ -95,7 +95,7 @@ def arm(kill_at: str) -> Plan:
     if plan.kind == "never":
         return plan
     real_replace, real_fsync, real_save = os.replace, os.fsync, writer_module.save_file
-    real_write, real_pack = ShardWriter.write, extract_module.pack
+    real_write, real_pack = ShardWriter.write, text_source.pack
 
     def replace(src, dst):
         due = [plan.event("replace")]
@@ -151,7 +151,7 @@ def arm(kill_at: str) -> Plan:
 
     fs_module.Remote.upload, fs_module.Remote.write = upload, put
     os.replace, os.fsync, writer_module.save_file = replace, fsync, save_file
-    ShardWriter.write, extract_module.pack = write, pack
+    ShardWriter.write, text_source.pack = write, pack
     torch.nn.modules.module.register_module_forward_pre_hook(forward)
     return plan
 

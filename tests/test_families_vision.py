@@ -1,7 +1,7 @@
 """Vision encoders (arch/vit.py, clip.py, dinov2.py) on tiny random-init models saved to disk with
 their image processor: every point equals a plain register_forward_hook reference, positions are
 CLS + patches, early stop skips later blocks, and `extract --data images:DIR` round-trips rows
-traced to their image and patch (hookscope.images)."""
+traced to their image and patch (hookscope.sources.images)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import hookscope as hs
 from hookscope.errors import DataError
 from hookscope.extract import ExtractConfig, extract
 from hookscope.hooks import input_tensor, output_tensor
-from hookscope.images import load_processor
+from hookscope.sources.images import load_processor
 from hookscope.testing import VISION_FAMILIES, save_tiny
 
 GRID = 4  # 32x32 pixels in 8x8 patches
@@ -148,6 +148,23 @@ def test_image_extraction_round_trips_and_traces_rows(vision, image_dir, tmp_pat
     # run again: every batch is on disk already, nothing is written twice
     again = extract(cfg)
     assert again.new_rows == 0 and again.batches_skipped == 3 and again.rows == 5 * tokens
+
+
+def test_max_tokens_keeps_whole_images(vision, image_dir, tmp_path):
+    """--max-tokens on images (ignored before): the first max_tokens // T images, T tokens each
+    (whole images, as text keeps whole sequences); fewer than one image's tokens is refused."""
+    family, path, model = vision
+    tokens = PREFIX[family] + GRID * GRID
+    cfg = ExtractConfig(out=str(tmp_path / "s"), model=str(path), points=["blocks.0.resid_post"],
+                        data=f"images:{image_dir}", batch_size=2, dtype="float32", progress=False,
+                        max_tokens=3 * tokens + tokens // 2)
+    summary = extract(cfg)
+    store = hs.open_store(tmp_path / "s")
+    assert summary.rows == len(store) == 3 * tokens
+    assert torch.equal(store.tensor("doc_ids"), torch.arange(3).repeat_interleave(tokens))
+    with pytest.raises(DataError, match=f"gives {tokens} tokens"):
+        extract(ExtractConfig(**{**cfg.__dict__, "out": str(tmp_path / "t"), "max_tokens": tokens - 1}))
+    assert not (tmp_path / "t").exists()
 
 
 def test_image_folder_errors(vision, tmp_path):

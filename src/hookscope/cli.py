@@ -54,7 +54,7 @@ def _encode(loaded, text: str):
 def cmd_points(args) -> int:
     import hookscope as hs
 
-    from . import images
+    from .sources import images
 
     text = args.text
     if images.has_image_processor(args.model):  # a vision encoder: shapes on a sample image
@@ -199,7 +199,7 @@ def cmd_profile(args) -> int:
     import hookscope as hs
 
     from .compiling import compile_stats, reset_stats
-    from .extract import max_positions
+    from .inputs import max_positions
     from .profiling.report import writable_dir
 
     _quiet_transformers()
@@ -232,8 +232,8 @@ def _store_tokenizer(store, override: str | None):
     from transformers import AutoTokenizer
 
     from .errors import HookscopeError
-    from .extract import _tokenizer_hash
     from .models import resolve_source
+    from .sources.identity import tokenizer_sha256
 
     name = override or store.manifest.settings.get("model")
     if not name:
@@ -249,7 +249,7 @@ def _store_tokenizer(store, override: str | None):
         raise HookscopeError(f"cannot load the tokenizer of {name!r} ({e}); "
                              "give --tokenizer PATH_OR_ID") from e
     recorded = store.manifest.settings.get("tokenizer_sha256")
-    if recorded and _tokenizer_hash(tok) != recorded:
+    if recorded and tokenizer_sha256(tok) != recorded:
         raise HookscopeError(f"the tokenizer of {name!r} is not the one this store was made with (its hash "
                              "differs from the manifest's tokenizer_sha256); give the right --tokenizer")
     return tok
@@ -467,6 +467,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(run=cmd_capture)
 
     from .extract import DEFAULT_DATA, DEFAULT_POINT
+    from .sources import DEFAULT_CONTEXT
 
     p = sub.add_parser("extract", help="stream chosen points of a dataset to a sharded store (resumable)")
     model_args(p)
@@ -479,12 +480,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help=".txt / .jsonl file, a directory of them, a saved HF dataset dir, hf:NAME[:split], "
                         f"or {DEFAULT_DATA} (default; built offline from Python's docstrings)")
     p.add_argument("--text-field", default="text", help="field holding the text in .jsonl / datasets")
-    p.add_argument("--context", type=int, default=128, help="tokens per packed sequence")
+    p.add_argument("--context", type=int, default=None,
+                   help=f"tokens per packed sequence (default {DEFAULT_CONTEXT}; not for images)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="float16", choices=["float32", "float16", "bfloat16"])
     p.add_argument("--keep-bos", action="store_true",
                    help="also store BOS / CLS / SEP tokens (dropped by default)")
-    p.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="stop after this many tokens (whole sequences; images: whole images)")
     p.add_argument("--shard-rows", type=int, default=65536, help="rows per shard file")
     p.add_argument("--on-nonfinite", default="warn", choices=["warn", "error"],
                    help="NaN/Inf activations: count and report (warn), or refuse to write them (error)")

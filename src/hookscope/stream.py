@@ -184,7 +184,7 @@ class BlockStreamer:
         self.dtype, self.device, self.on_block = dtype, device, on_block
         self._loaded: set[int] = set()  # the blocks in the model now
         self._placement = {"": str(device)}
-        self._reader = ThreadPoolExecutor(1, thread_name_prefix="hookscope-read") if plan.read_ahead else None
+        self._reader: ThreadPoolExecutor | None = None
         self._ahead: tuple[int, Future] | None = None
         self._extras = -1  # the blocks' output format: -1 a tensor, else a tuple of 1 + extras
         self.peak_weight_bytes = 0
@@ -211,10 +211,10 @@ class BlockStreamer:
         return acts
 
     def close(self) -> None:
+        """Stop the read-ahead thread (a later chunk starts another)."""
         if self._reader is not None:
             self._reader.shutdown(wait=True, cancel_futures=True)
-            self._ahead = None
-        self.checkpoint.close()
+        self._reader, self._ahead = None, None
 
     def _wants(self, k: int) -> Callable[[str], bool]:
         prefix = self.arch.block_paths[k] + "."
@@ -231,7 +231,9 @@ class BlockStreamer:
         self.checkpoint.materialize(self.model, self._wants(k), self._placement)
         self._loaded.add(k)
         held = resident_bytes(self.model)
-        if self._reader is not None and self.plan.last_block > 0:
+        if self.plan.read_ahead and self.plan.last_block > 0:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="hookscope-read")
             nxt = (k + 1) % (self.plan.last_block + 1)
             self._ahead = (nxt, self._reader.submit(self.checkpoint.prefetch, self._wants(nxt)))
             held += nbytes(self.model, self.plan.blocks[nxt])
