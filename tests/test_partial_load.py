@@ -224,7 +224,7 @@ def test_device_map_auto_sizes_the_needed_modules_alone(saved):
 
 def test_extract_loads_only_what_its_points_need(saved, tmp_path, monkeypatch):
     """The same shard bytes as from the whole model; the model it ran had block 2 on meta."""
-    import hookscope.extract as extract_module
+    import hookscope.extract.loop as extract_module  # where the one loop calls load
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"Document {i}: the residual stream, layer by layer." for i in range(12)))
