@@ -243,3 +243,34 @@ def test_cli_extract_and_inspect(tiny_dirs, corpus, tmp_path, capsys):
     assert main(["inspect", str(out)]) == 2
     assert shard.name in capsys.readouterr().err
 
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_settings_are_those_stores_were_made_with(tiny_dirs, cases, references):
+    """A store's settings, key for key and in order, as b05e947's extract.settings_for wrote them:
+    a store made before the sources room resumes (another hash would refuse it)."""
+    loaded = hs.load(cases["text"].fields["model"])
+    for source, extra in (("text", {}), ("generated", {"generate": 2})):
+        case = cases[source]
+        got = open_store(references[source]).manifest.settings
+        assert list(got.items()) == list({**_settings_of(case, loaded), **extra}.items())
+
+
+def _settings_of(case: Case, loaded: hs.Loaded) -> dict:
+    corpus = Path(case.fields["data"])
+    return {
+        "model": case.fields["model"], "revision": None, "model_class": "GPT2LMHeadModel",
+        "config_sha256": _sha256(loaded.model.config.to_json_string(use_diff=False).encode()),
+        "tokenizer_sha256": _sha256(loaded.tokenizer.backend_tokenizer.to_str().encode()),
+        "points": ["blocks.1.resid_post", "blocks.0.mlp.post"], "dtype": "float16", "context": 32,
+        "batch_size": 4, "drop_bos": True,
+        "packing": {"start": loaded.tokenizer.bos_token, "separator": loaded.tokenizer.eos_token,
+                    "rule": "start token opens every sequence; separator between documents"},
+        "data": str(corpus),
+        "data_fingerprint": {"kind": "file", "bytes": corpus.stat().st_size,
+                             "sha256": _sha256(corpus.read_bytes())},
+        "python": None, "text_field": "text",
+    }

@@ -1,12 +1,10 @@
-"""What names a model in a store's settings: hashes of its config, tokenizer and image processor.
-Public because a store's readers check them too (the CLI's `top` finds the store's tokenizer and
-refuses another one whose hash differs)."""
+"""What names a model in a store's settings: its name, class and the hash of its config (the
+tokenizer's hash is `models.tokenizer_hash`, which the store's readers check too)."""
 
 from __future__ import annotations
 
 import hashlib
-import json
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from ..models import Loaded
@@ -14,13 +12,6 @@ if TYPE_CHECKING:
 
 def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
-
-
-def tokenizer_sha256(tokenizer: Any) -> str:
-    """The hash of a tokenizer's full definition (a fast tokenizer's JSON, else its vocabulary)."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    return sha256_text(text)
 
 
 def model_identity(loaded: Loaded) -> dict[str, str]:

@@ -12,11 +12,12 @@ from torch import Tensor
 
 from ..errors import HookscopeError
 from ..inputs import max_positions
+from ..models import tokenizer_hash
 from .base import Rows, Run, Source
 from .columns import token_columns
 from .documents import iter_documents
 from .fingerprint import ReadMeter, source_chars, source_fingerprint
-from .identity import model_identity, tokenizer_sha256
+from .identity import model_identity
 from .packing import batches, pack, pack_policy
 
 if TYPE_CHECKING:
@@ -56,7 +57,7 @@ class TextSource(Source):
         cfg, loaded = self.cfg, self.loaded
         return {
             **{"model": loaded.name, "revision": cfg.revision, **model_identity(loaded)},
-            "tokenizer_sha256": tokenizer_sha256(loaded.tokenizer),
+            "tokenizer_sha256": tokenizer_hash(loaded.tokenizer),
             "points": self.points,
             "dtype": cfg.dtype,
             "context": self.context,
