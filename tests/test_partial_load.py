@@ -133,6 +133,11 @@ def test_a_point_past_the_load_is_a_clear_error(saved):
     with pytest.raises(PointNotLoadedError, match="reached model.layers.1"):
         with hs.capture(loaded.model, "blocks.0.resid_post"):
             loaded.model(ids)
+    # loaded through the last block: the final norm and head are what a pass must not reach
+    through_last = hs.load(str(saved["llama"]), tokenizer=False, points="blocks.2.resid_post").model
+    with pytest.raises(PointNotLoadedError, match="reached model.norm"):
+        with hs.capture(through_last, "blocks.2.resid_post"):
+            through_last(ids)
     # the points it was loaded for, and those before them, still work
     got = hs.collect(loaded.model, ids, ["embed", "blocks.0.attn.q", "module:model.layers.0.mlp:output"])
     assert set(got) == {"embed", "blocks.0.attn.q", "module:model.layers.0.mlp:output"}
@@ -163,7 +168,14 @@ def test_sharded_checkpoint(saved, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
-def test_dtype_conversion_equals_the_full_load_converted(saved, family):
+def test_dtype_conversion_equals_the_full_load_converted(saved, family, monkeypatch):
+    import hookscope.partial
+
+    monkeypatch.setattr(hookscope.partial, "_CHUNK_BYTES", 1000)  # many chunks per tensor
+    chunked = []
+    read_whole = hookscope.partial._Converting.__getitem__
+    monkeypatch.setattr(hookscope.partial._Converting, "__getitem__",
+                        lambda self, index: chunked.append(self.key) or read_whole(self, index))
     path = saved[family]
     full = plain_model(path, dtype=torch.bfloat16)
     loaded = hs.load(str(path), tokenizer=False, dtype=torch.bfloat16, points=["blocks.1.resid_post"])
@@ -172,6 +184,7 @@ def test_dtype_conversion_equals_the_full_load_converted(saved, family):
     want = hooked_output(full, "model.layers.1", ids)
     got = hs.collect(loaded.model, ids, "blocks.1.resid_post")["blocks.1.resid_post"]
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert len(chunked) > 10  # the float32 checkpoint was read in converted chunks
     # the weights themselves: the same bytes as transformers' own conversion
     state = dict(full.named_parameters())
     for name, param in loaded.model.named_parameters():
