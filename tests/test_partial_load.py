@@ -264,3 +264,22 @@ def test_extract_loads_only_what_its_points_need(saved, tmp_path, monkeypatch):
     assert len(partial) > 1 and partial == whole
     manifests = [json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("partial", "whole")]
     assert manifests[0]["settings"] == manifests[1]["settings"]
+
+
+def test_a_block_materialized_later_and_released(saved):
+    """What block streaming builds on: one block's weights in from the files, then back to meta."""
+    from hookscope.partial import Checkpoint, checkpoint_files
+
+    path = saved["llama"]
+    full = plain_model(path)
+    model = hs.load(str(path), tokenizer=False, points="blocks.0.resid_post").model
+    checkpoint = Checkpoint(model, checkpoint_files(str(path)), torch.float32)
+    block = "model.layers.2."
+    checkpoint.materialize(model, lambda name: name.startswith(block), {"": "cpu"})
+    full_state = dict(full.named_parameters())
+    brought = {n: p for n, p in model.named_parameters() if n.startswith(block)}
+    assert brought and all(torch.equal(p, full_state[n]) for n, p in brought.items())
+    assert off_meta(model) == expected_names("llama", full, through=0) | set(brought)
+    checkpoint.release(model, ["model.layers.2"])
+    checkpoint.close()
+    assert off_meta(model) == expected_names("llama", full, through=0)
