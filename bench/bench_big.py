@@ -72,6 +72,8 @@ def load_model(mode: str, point: str, folder: str):
 def worker(mode: str, point: str, runs: int) -> None:
     common.setup_process()
     import torch
+    import transformers.models.llama.modeling_llama  # noqa: F401  (imports are not the load's memory)
+    from transformers import AutoModelForCausalLM  # noqa: F401
 
     import hookscope as hs
 

@@ -133,6 +133,11 @@ def test_a_point_past_the_load_is_a_clear_error(saved):
     with pytest.raises(PointNotLoadedError, match="reached model.layers.1"):
         with hs.capture(loaded.model, "blocks.0.resid_post"):
             loaded.model(ids)
+    # loaded through the last block: the final norm and head are what a pass must not reach
+    through_last = hs.load(str(saved["llama"]), tokenizer=False, points="blocks.2.resid_post").model
+    with pytest.raises(PointNotLoadedError, match="reached model.norm"):
+        with hs.capture(through_last, "blocks.2.resid_post"):
+            through_last(ids)
     # the points it was loaded for, and those before them, still work
     got = hs.collect(loaded.model, ids, ["embed", "blocks.0.attn.q", "module:model.layers.0.mlp:output"])
     assert set(got) == {"embed", "blocks.0.attn.q", "module:model.layers.0.mlp:output"}
@@ -163,7 +168,14 @@ def test_sharded_checkpoint(saved, tmp_path):
 
 
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
-def test_dtype_conversion_equals_the_full_load_converted(saved, family):
+def test_dtype_conversion_equals_the_full_load_converted(saved, family, monkeypatch):
+    import hookscope.partial
+
+    monkeypatch.setattr(hookscope.partial, "_CHUNK_BYTES", 1000)  # many chunks per tensor
+    chunked = []
+    read_whole = hookscope.partial._Converting.__getitem__
+    monkeypatch.setattr(hookscope.partial._Converting, "__getitem__",
+                        lambda self, index: chunked.append(self.key) or read_whole(self, index))
     path = saved[family]
     full = plain_model(path, dtype=torch.bfloat16)
     loaded = hs.load(str(path), tokenizer=False, dtype=torch.bfloat16, points=["blocks.1.resid_post"])
@@ -172,6 +184,7 @@ def test_dtype_conversion_equals_the_full_load_converted(saved, family):
     want = hooked_output(full, "model.layers.1", ids)
     got = hs.collect(loaded.model, ids, "blocks.1.resid_post")["blocks.1.resid_post"]
     assert got.dtype == torch.bfloat16 and torch.equal(got, want)
+    assert len(chunked) > 10  # the float32 checkpoint was read in converted chunks
     # the weights themselves: the same bytes as transformers' own conversion
     state = dict(full.named_parameters())
     for name, param in loaded.model.named_parameters():
@@ -251,3 +264,22 @@ def test_extract_loads_only_what_its_points_need(saved, tmp_path, monkeypatch):
     assert len(partial) > 1 and partial == whole
     manifests = [json.loads((tmp_path / d / "manifest.json").read_text()) for d in ("partial", "whole")]
     assert manifests[0]["settings"] == manifests[1]["settings"]
+
+
+def test_a_block_materialized_later_and_released(saved):
+    """What block streaming builds on: one block's weights in from the files, then back to meta."""
+    from hookscope.partial import Checkpoint, checkpoint_files
+
+    path = saved["llama"]
+    full = plain_model(path)
+    model = hs.load(str(path), tokenizer=False, points="blocks.0.resid_post").model
+    checkpoint = Checkpoint(model, checkpoint_files(str(path)), torch.float32)
+    block = "model.layers.2."
+    checkpoint.materialize(model, lambda name: name.startswith(block), {"": "cpu"})
+    full_state = dict(full.named_parameters())
+    brought = {n: p for n, p in model.named_parameters() if n.startswith(block)}
+    assert brought and all(torch.equal(p, full_state[n]) for n, p in brought.items())
+    assert off_meta(model) == expected_names("llama", full, through=0) | set(brought)
+    checkpoint.release(model, ["model.layers.2"])
+    checkpoint.close()
+    assert off_meta(model) == expected_names("llama", full, through=0)

@@ -78,14 +78,20 @@ class PartialLoad:
             return True
         return any(owner == p or owner.startswith(p + ".") for p in self.block_paths[: self.through + 1])
 
-    def guard(self, model: nn.Module) -> Any:
-        """A pre-hook on the first block left on `meta`: a forward that reaches it (a pass that was
-        not stopped after its last point) gets this error instead of one from inside torch."""
+    def guard(self, model: nn.Module) -> list[Any]:
+        """Pre-hooks on the first modules left on `meta` (the next block; after the last block, the
+        final norm and head): a forward that reaches one (a pass not stopped after its last point)
+        gets this error instead of one from inside torch."""
         if self.everything:
-            return None
-        path = self.block_paths[self.through + 1]
+            return []
+        if self.through + 1 < len(self.block_paths):
+            paths = [self.block_paths[self.through + 1]]
+        else:
+            paths = [name for name, m in model.named_modules()
+                     if any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]
 
         def refuse(module: nn.Module, args: tuple, kwargs: dict) -> None:
+            path = next(p for p in paths if model.get_submodule(p) is module)
             raise PointNotLoadedError(
                 f"the forward pass reached {path}, whose weights were not loaded (the model was loaded "
                 f"with points={list(self.points)}, {self.loaded()}): stop the pass after the last "
@@ -93,7 +99,7 @@ class PartialLoad:
                 "without points="
             )
 
-        return model.get_submodule(path).register_forward_pre_hook(refuse, with_kwargs=True)
+        return [model.get_submodule(p).register_forward_pre_hook(refuse, with_kwargs=True) for p in paths]
 
 
 def plan(arch: Arch, specs: Iterable[PointSpec], prologue: set[str], points: Iterable[str]) -> PartialLoad:
@@ -175,9 +181,15 @@ class Checkpoint:
         self._slices = {key: h.get_slice(key) for h in self._handles for key in h.keys()}
         renamings = [m for m in self.mapping if isinstance(m, WeightRenaming)]
         converters = [m for m in self.mapping if isinstance(m, WeightConverter)]
-        state = model.state_dict()  # on meta: names and shapes only
+        state = model.state_dict()  # on meta: names, shapes and the dtypes the weights will have
         self._target = {key: rename_source_key(key, renamings, converters, model.base_model_prefix, state)[0]
                         for key in self._slices}
+        converting = {key: state[t].dtype for key, t in self._target.items() if t in state
+                      and _STORED.get(self._slices[key].get_dtype(), state[t].dtype) != state[t].dtype}
+        if converting and not model._get_dtype_plan(dtype):
+            files_of = {key: f for f, h in zip(files, self._handles, strict=True) for key in h.keys()}
+            for key, target_dtype in converting.items():
+                self._slices[key] = _Converting(files_of[key], key, self._slices[key], target_dtype)
 
     def materialize(self, model: nn.Module, wants: Callable[[str], bool], device_map: dict) -> None:
         """Read the tensors whose target `wants` names and put them in `model` (on their device
@@ -220,6 +232,38 @@ class Checkpoint:
     def close(self) -> None:
         self._slices.clear()
         self._handles.clear()
+
+
+_STORED = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
+_CHUNK_BYTES = 4 * 2**20
+
+
+class _Converting:
+    """A tensor that transformers' loader reads whole (`slice[...]`) and then converts, read
+    instead in row chunks converted one by one, each through its own short-lived memory map: the
+    pages a map has read stay resident until it is closed, so one map for the whole load would keep
+    every float32 page next to its bfloat16 copy (3x the converted weights at peak)."""
+
+    def __init__(self, file: str, key: str, stored: Any, dtype: torch.dtype):
+        self.file, self.key, self.dtype = file, key, dtype
+        self.shape, self.stored_dtype = stored.get_shape(), _STORED[stored.get_dtype()]
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        from safetensors import safe_open
+
+        out = torch.empty(self.shape, dtype=self.dtype)
+        rows = self.shape[0] if self.shape else 1
+        row_bytes = max(1, out[0].numel() if self.shape else 1) * self.stored_dtype.itemsize
+        step = max(1, _CHUNK_BYTES // row_bytes)
+        for start in range(0, rows, step):  # (a safetensors slice does not clip its end)
+            stop = min(start + step, rows)
+            with safe_open(self.file, framework="pt", device="cpu") as handle:
+                piece = handle.get_slice(self.key)
+                if self.shape:
+                    out[start:stop] = piece[start:stop]
+                else:
+                    out.copy_(piece[...])
+        return out[index]
 
 
 def _is_buffer(model: nn.Module, name: str) -> bool:
