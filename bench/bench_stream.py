@@ -73,15 +73,16 @@ def worker(mode: str) -> None:
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
         if mode == "offload":
-            tokens, chunk = offload_run(folder), None
+            tokens = offload_run(folder)
         else:
             summary = extract(ExtractConfig(
                 out=f"{folder}/store", model=str(bench_big.BIG_DIR), points=[POINT], data=corpus(folder),
                 context=CONTEXT, batch_size=BATCH, max_tokens=TOKENS, dtype="bfloat16", drop_bos=False,
                 progress=False, max_memory=limit_bytes() if mode == "stream" else None))
-            tokens, chunk = summary.total_rows, chunk_batches() if mode == "stream" else None
+            tokens = summary.rows
         seconds = time.perf_counter() - start
         _, peak = common.rss_bytes()
+    chunk = chunk_batches() if mode == "stream" else None
     common.emit({"mode": mode, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
                  "peak_extra": peak - before, "chunk_batches": chunk})
 

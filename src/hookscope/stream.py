@@ -177,10 +177,13 @@ class BlockStreamer:
     starts (the progress bar). `peak_weight_bytes`: the most weight memory held at once, read-ahead
     included."""
 
-    def __init__(self, model: nn.Module, arch: Arch, checkpoint: Checkpoint, plan: StreamPlan, *,
+    def __init__(self, model: nn.Module, arch: Arch, checkpoint: Callable[[], Checkpoint], plan: StreamPlan,
+                 *,
                  dtype: torch.dtype, device: str | torch.device = "cpu",
                  on_block: Callable[[int, int], None] | None = None):
-        self.model, self.arch, self.checkpoint, self.plan = model, arch, checkpoint, plan
+        # a checkpoint opened for each read and closed after it: the pages a memory map has read
+        # stay in the process until it is closed, and would add up to the whole model
+        self.model, self.arch, self.open_checkpoint, self.plan = model, arch, checkpoint, plan
         self.dtype, self.device, self.on_block = dtype, device, on_block
         self._loaded: set[int] = set()  # the blocks in the model now
         self._placement = {"": str(device)}
@@ -190,7 +193,7 @@ class BlockStreamer:
         self.peak_weight_bytes = 0
         self._final = max(plan.stage_of.values())
         resident = set(plan.resident)
-        checkpoint.materialize(model, lambda name: name in resident, self._placement)
+        self._materialize(lambda name: name in resident)
 
     def run_chunk(self, inputs: list[dict[str, Tensor]], keeps: list[Tensor]) -> list[dict[str, Tensor]]:
         acts: list[dict[str, Tensor]] = [{} for _ in inputs]
@@ -206,7 +209,7 @@ class BlockStreamer:
             for b, (batch, keep) in enumerate(zip(inputs, keeps, strict=True)):
                 hidden[b] = self._pass(k, batch, keep, hidden[b], points, acts[b])
             if in_block and self.plan.last_block > 0:  # one block only: it stays for the next chunk
-                self.checkpoint.release(self.model, [self.arch.block_paths[k]])
+                self._release(k)
                 self._loaded.discard(k)
         return acts
 
@@ -215,6 +218,19 @@ class BlockStreamer:
         if self._reader is not None:
             self._reader.shutdown(wait=True, cancel_futures=True)
         self._reader, self._ahead = None, None
+
+    def _materialize(self, wants: Callable[[str], bool]) -> None:
+        with contextlib.closing(self.open_checkpoint()) as checkpoint:
+            checkpoint.materialize(self.model, wants, self._placement)
+
+    @staticmethod
+    def _prefetch(checkpoint: Checkpoint, wants: Callable[[str], bool]) -> None:
+        with contextlib.closing(checkpoint):
+            checkpoint.prefetch(wants)
+
+    def _release(self, k: int) -> None:
+        with contextlib.closing(self.open_checkpoint()) as checkpoint:
+            checkpoint.release(self.model, [self.arch.block_paths[k]])
 
     def _wants(self, k: int) -> Callable[[str], bool]:
         prefix = self.arch.block_paths[k] + "."
@@ -228,14 +244,15 @@ class BlockStreamer:
         if self._ahead is not None and self._ahead[0] == k:
             self._ahead[1].result()  # block k is in the page cache now
         self._ahead = None
-        self.checkpoint.materialize(self.model, self._wants(k), self._placement)
+        self._materialize(self._wants(k))
         self._loaded.add(k)
         held = resident_bytes(self.model)
         if self.plan.read_ahead and self.plan.last_block > 0:
             if self._reader is None:
                 self._reader = ThreadPoolExecutor(1, thread_name_prefix="hookscope-read")
             nxt = (k + 1) % (self.plan.last_block + 1)
-            self._ahead = (nxt, self._reader.submit(self.checkpoint.prefetch, self._wants(nxt)))
+            # opened here: reading the model's names beside a pass that swaps blocks is not safe
+            self._ahead = (nxt, self._reader.submit(self._prefetch, self.open_checkpoint(), self._wants(nxt)))
             held += nbytes(self.model, self.plan.blocks[nxt])
         self.peak_weight_bytes = max(self.peak_weight_bytes, held)
 
@@ -301,6 +318,6 @@ def streamer_for(loaded: Loaded, points: list[str], max_memory: int, *, batch_si
                        store_itemsize=dtype.itemsize)
     source, local = resolve_source(loaded.name)
     files = checkpoint_files(source, revision=revision, local_files_only=local)
-    checkpoint = Checkpoint(loaded.model, files, next(iter(loaded.model.parameters())).dtype)
-    return BlockStreamer(loaded.model, loaded.arch, checkpoint, plan, dtype=dtype, device=device,
-                         on_block=on_block)
+    weights_dtype = next(iter(loaded.model.parameters())).dtype
+    return BlockStreamer(loaded.model, loaded.arch, lambda: Checkpoint(loaded.model, files, weights_dtype),
+                         plan, dtype=dtype, device=device, on_block=on_block)
