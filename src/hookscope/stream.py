@@ -133,20 +133,20 @@ def plan_stream(model: nn.Module, arch: Arch, points: list[str], max_memory: int
 def _stage(arch: Arch, point: str) -> int:
     """The block a point is read in: the one holding its module; before the first block: 0; after
     the last one: n_layers (a pass through stand-ins only)."""
-    spec = arch.spec(point)
-    for k, path in enumerate(arch.block_paths):
-        if spec.module == path or spec.module.startswith(path + "."):
-            return k
+    block = _block_of(arch, arch.spec(point).module)
+    if block is not None:
+        return block
     order = list(arch.specs)
     if point.startswith(MODULE_PREFIX) or point not in order:
         raise HookscopeError(f"{point}: under --max-memory, points are read block by block; name points of "
                              "the blocks (or embed / ln_final / logits), or run without --max-memory")
-    first_block = next(i for i, name in enumerate(order) if _stage_in_blocks(arch, arch.specs[name]))
-    return 0 if order.index(point) < first_block else arch.n_layers
+    first = next(i for i, name in enumerate(order) if _block_of(arch, arch.specs[name].module) is not None)
+    return 0 if order.index(point) < first else arch.n_layers  # in execution order: before or after
 
 
-def _stage_in_blocks(arch: Arch, spec) -> bool:
-    return any(spec.module == p or spec.module.startswith(p + ".") for p in arch.block_paths)
+def _block_of(arch: Arch, module: str) -> int | None:
+    return next((k for k, path in enumerate(arch.block_paths)
+                 if module == path or module.startswith(path + ".")), None)
 
 
 def _output_embedding_names(model: nn.Module) -> list[str]:
