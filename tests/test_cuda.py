@@ -291,3 +291,24 @@ def test_points_load_with_device_map_auto_spreads_the_needed_blocks(model_dirs):
     ids = token_ids(full, str(full.get_input_embeddings().weight.device))
     want = plain_resid_post(full, ids)[1]
     assert torch.equal(hs.collect(part, ids, "blocks.1.resid_post")["blocks.1.resid_post"], want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_streamed_extraction_equals_the_in_memory_one(model_dirs, device, tmp_path):
+    """--max-memory on the device: the same batch shapes run the same kernels, so the rows are
+    compared exactly (the in-memory extraction on the same device is the reference)."""
+    from hookscope.extract import ExtractConfig, extract
+    from hookscope.store import open_store
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Document {i}: the residual stream, layer by layer, block by block."
+                                  for i in range(40)))
+    stores = {}
+    for mode, limit in (("memory", None), ("streamed", "1MB")):
+        extract(ExtractConfig(out=str(tmp_path / mode), model=str(model_dirs["llama"]), data=str(corpus),
+                              points=["blocks.1.resid_post", "blocks.0.attn.z"], context=32, batch_size=4,
+                              dtype="float32", device=device, progress=False, max_memory=limit))
+        stores[mode] = open_store(tmp_path / mode)
+    for name in ("blocks.1.resid_post", "blocks.0.attn.z", "token_ids"):
+        assert torch.equal(stores["streamed"].tensor(name), stores["memory"].tensor(name))
+    assert len(stores["memory"]) > 200
