@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_padding import block_output
 from torch import nn
 
 import hookscope as hs
@@ -81,15 +82,7 @@ def inputs_for(family: str, vocab: int = 100) -> dict[str, torch.Tensor]:
 
 def hooked_output(model: nn.Module, module_path: str, inputs: dict) -> torch.Tensor:
     """A module's output through a bare torch forward hook (the first element of a tuple)."""
-    kept = []
-    handle = model.get_submodule(module_path).register_forward_hook(
-        lambda _m, _a, out: kept.append((out[0] if isinstance(out, tuple) else out).detach().clone()))
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        handle.remove()
-    return kept[0]
+    return block_output(model, model.get_submodule(module_path), inputs)
 
 
 def off_meta(model: nn.Module) -> set[str]:
