@@ -7,7 +7,8 @@ model's own hooks are never touched.
 A hook is a function `fn(activation, hook) -> new_activation | None` on the canonical tensor
 (e.g. `[batch, pos, head, d_head]` for `attn.q`). Nothing here ever calls `repr()` on `fn`:
 a `functools.partial` holding a dict of GPU tensors attaches as fast as a bare function.
-`Hook.name` builds a readable label only when someone asks for it.
+`Hook.name` builds a readable label only when someone asks for it. `hs.hooks` / `hs.Hooks` are
+public; the raw `Hook` and the permanent `add_hook` are extension API: import them from here.
 """
 
 from __future__ import annotations
@@ -277,13 +278,12 @@ class Hooks:
         self.model = model
         self.arch = arch if arch is not None else arch_of(model)
         self._hooks: list[Hook] = []
-        self._loaded = state_of(model).loaded  # a `points=` load: refuses points past its weights
 
     # attaching -----------------------------------------------------------------------------
 
     def forward(self, point: str | PointSpec, fn: HookFn, *, prepend: bool = False) -> Hook:
         """Call `fn(activation, hook)` when the point runs; a returned tensor replaces it."""
-        spec = self._spec(point)
+        spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
         module = self.arch.module(self.model, spec)
         if spec.io == "output":
             hook: Hook = _OnOutput(spec, fn, "forward")
@@ -342,10 +342,7 @@ class Hooks:
         return hook
 
     def _spec(self, point: str | PointSpec) -> PointSpec:
-        spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
-        if self._loaded is not None:
-            self._loaded.check(spec)
-        return spec
+        return point if isinstance(point, PointSpec) else self.arch.spec(point)
 
     def _hold_untraceable(self, hook: Hook, reason: str) -> None:
         layer = state_of(self.model).layer
