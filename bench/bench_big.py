@@ -78,6 +78,7 @@ def worker(mode: str, point: str, runs: int) -> None:
     import hookscope as hs
 
     ids = common.input_ids(SHAPE["vocab_size"], batch=BATCH, seq=SEQ)
+    warm_kernels()
     before, _ = common.rss_bytes()
     common.reset_rss_peak()
     with tempfile.TemporaryDirectory() as folder:
@@ -85,12 +86,28 @@ def worker(mode: str, point: str, runs: int) -> None:
         model = load_model(mode, point, folder)
         load_s = time.perf_counter() - start
         weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type != "meta")
-        times = common.time_runs(lambda: hs.collect(model, ids, point), runs)
+        times = common.time_runs(lambda: hs.collect(model, ids, point), runs)  # after one warm-up
         _, peak = common.rss_bytes()
         out = hs.collect(model, ids, point)[point]
     common.emit({"mode": mode, "point": point, "load_s": load_s, "weights": weights,
                  "peak_extra": peak - before, "tokens_per_s": BATCH * SEQ / common.median(times),
+                 "best_tokens_per_s": BATCH * SEQ / min(times),
                  "sum": float(out.float().sum()), "dtype": str(out.dtype), "torch": torch.__version__})
+
+
+def warm_kernels() -> None:
+    """One capture from a tiny bfloat16 Llama before the baseline is read, so the pages of library
+    code that the first forward touches (kernels, hookscope) are not counted as the load's memory."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import hookscope as hs
+
+    tiny = LlamaForCausalLM(LlamaConfig(**{**SHAPE, "hidden_size": 64, "intermediate_size": 128,
+                                           "num_hidden_layers": 2, "num_attention_heads": 4,
+                                           "num_key_value_heads": 4, "vocab_size": 256}))
+    tiny = tiny.to(torch.bfloat16).eval()
+    hs.collect(tiny, torch.zeros(BATCH, SEQ, dtype=torch.long), "blocks.1.resid_post")
 
 
 def activation_bytes() -> int:
@@ -110,7 +127,7 @@ def main() -> None:
         mode, point, runs = args.worker
         return worker(mode, point, int(runs))
     ensure_big_model()
-    runs = 1 if args.quick else 3
+    runs = 1 if args.quick else 5
     n = SHAPE["num_hidden_layers"]
     results = []
     for point in ("blocks.1.resid_post", f"blocks.{n // 2}.resid_post", f"blocks.{n - 1}.resid_post"):
@@ -128,20 +145,23 @@ def report(point: str, row: dict) -> None:
         if "error" in r:
             print(f"  {mode:8s} ERROR {r['error']}")
             continue
-        print(f"  {mode:8s} load {r['load_s']:6.2f} s  weights {r['weights'] / mib:7.1f} MiB  "
-              f"peak RSS +{r['peak_extra'] / mib:7.1f} MiB  {r['tokens_per_s']:8.1f} tokens/s  "
-              f"sum {r['sum']:.4g}")
+        print(f"  {mode:8s} load {r['load_s']:6.2f} s  weights in memory {r['weights'] / mib:7.1f} MiB  "
+              f"peak RSS +{r['peak_extra'] / mib:7.1f} MiB  tokens/s median {r['tokens_per_s']:6.1f} "
+              f"best {r['best_tokens_per_s']:6.1f}  sum {r['sum']:.4g}")
     full, part = row.get("full", {}), row.get("points", {})
     if "error" not in full and "error" not in part:
         needed = part["weights"] + activation_bytes()
         print(f"  points= peak / (weights + activations {needed / mib:.1f} MiB) = "
               f"{part['peak_extra'] / needed:.2f}x;"
               f" peak vs full load {part['peak_extra'] / full['peak_extra']:.2f}x;"
-              f" tokens/s vs full load {part['tokens_per_s'] / full['tokens_per_s']:.2f}x;"
+              f" tokens/s vs full load {part['tokens_per_s'] / full['tokens_per_s']:.2f}x median,"
+              f" {part['best_tokens_per_s'] / full['best_tokens_per_s']:.2f}x best;"
               f" same values: {part['sum'] == full['sum']}")
     offload = row.get("offload", {})
     if offload and "error" not in offload and "error" not in part:
-        print(f"  accelerate offload: tokens/s {offload['tokens_per_s'] / part['tokens_per_s']:.2f}x points=,"
+        print(f"  accelerate offload: tokens/s "
+              f"{offload['tokens_per_s'] / part['tokens_per_s']:.2f}x points= median,"
+              f" {offload['best_tokens_per_s'] / part['best_tokens_per_s']:.2f}x best,"
               f" peak RSS {offload['peak_extra'] / part['peak_extra']:.2f}x points=")
 
 

@@ -7,12 +7,14 @@ list of the parameters a point at block 1 needs (the embeddings, blocks 0 and 1,
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_padding import block_output
 from torch import nn
 
 import hookscope as hs
@@ -81,15 +83,7 @@ def inputs_for(family: str, vocab: int = 100) -> dict[str, torch.Tensor]:
 
 def hooked_output(model: nn.Module, module_path: str, inputs: dict) -> torch.Tensor:
     """A module's output through a bare torch forward hook (the first element of a tuple)."""
-    kept = []
-    handle = model.get_submodule(module_path).register_forward_hook(
-        lambda _m, _a, out: kept.append((out[0] if isinstance(out, tuple) else out).detach().clone()))
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        handle.remove()
-    return kept[0]
+    return block_output(model, model.get_submodule(module_path), inputs)
 
 
 def off_meta(model: nn.Module) -> set[str]:
@@ -237,12 +231,12 @@ def test_device_map_auto_sizes_the_needed_modules_alone(saved):
 
 def test_extract_loads_only_what_its_points_need(saved, tmp_path, monkeypatch):
     """The same shard bytes as from the whole model; the model it ran had block 2 on meta."""
-    import hookscope.extract.loop as extract_module  # where the one loop calls load
+    extract_loop = importlib.import_module("hookscope.extract.loop")  # hs.extract is the function
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"Document {i}: the residual stream, layer by layer." for i in range(12)))
     seen = []
-    real_load = extract_module.load
+    real_load = extract_loop.load
 
     def spying_load(*args, **kwargs):
         loaded = real_load(*args, **kwargs)
@@ -250,14 +244,14 @@ def test_extract_loads_only_what_its_points_need(saved, tmp_path, monkeypatch):
         return loaded
 
     def run(out: Path) -> dict[str, bytes]:
-        extract_module.extract(extract_module.ExtractConfig(
+        hs.extract(hs.ExtractConfig(
             out=str(out), model=str(saved["llama"]), points=["blocks.1.resid_post"], data=str(corpus),
             context=16, batch_size=2, dtype="float32", shard_rows=40, progress=False))
         return {p.name: p.read_bytes() for p in sorted((out / "shards").glob("*"))}
 
-    monkeypatch.setattr(extract_module, "load", spying_load)
+    monkeypatch.setattr(extract_loop, "load", spying_load)
     partial = run(tmp_path / "partial")
-    monkeypatch.setattr(extract_module, "load", lambda *a, **k: spying_load(*a, **{**k, "points": None}))
+    monkeypatch.setattr(extract_loop, "load", lambda *a, **k: spying_load(*a, **{**k, "points": None}))
     whole = run(tmp_path / "whole")
     full = plain_model(saved["llama"])
     assert seen == [expected_names("llama", full, through=1), set(dict(full.named_parameters()))]

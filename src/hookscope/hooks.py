@@ -278,13 +278,12 @@ class Hooks:
         self.model = model
         self.arch = arch if arch is not None else arch_of(model)
         self._hooks: list[Hook] = []
-        self._loaded = state_of(model).loaded  # a `points=` load: refuses points past its weights
 
     # attaching -----------------------------------------------------------------------------
 
     def forward(self, point: str | PointSpec, fn: HookFn, *, prepend: bool = False) -> Hook:
         """Call `fn(activation, hook)` when the point runs; a returned tensor replaces it."""
-        spec = self._spec(point)
+        spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
         module = self.arch.module(self.model, spec)
         if spec.io == "output":
             hook: Hook = _OnOutput(spec, fn, "forward")
@@ -343,10 +342,7 @@ class Hooks:
         return hook
 
     def _spec(self, point: str | PointSpec) -> PointSpec:
-        spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
-        if self._loaded is not None:
-            self._loaded.check(spec)
-        return spec
+        return point if isinstance(point, PointSpec) else self.arch.spec(point)
 
     def _hold_untraceable(self, hook: Hook, reason: str) -> None:
         layer = state_of(self.model).layer

@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .arch import Arch, arch_of, state_of
+from .arch import Arch, arch_of
 from .compiling import compile_model
 from .errors import ModelLoadError
 from .hub import OFFLINE_HELP, unreachable_reason
@@ -219,7 +219,7 @@ def _load_partial(auto: Any, source: str, config: Any, kwargs: dict, points: str
         checkpoint.close()
     if device_map is not None and len(set(placement.values())) > 1:
         _dispatch(model, partial, placement)
-    state_of(model).loaded = partial
+    arch.loaded = partial
     partial.guard(model)
     return model, partial
 

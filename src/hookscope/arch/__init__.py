@@ -51,8 +51,6 @@ class ModelState:
     layer: Any = None
     # reference-counted switches (`hooks.hold`): key -> [holders, undo]
     holds: dict[Any, list] = field(default_factory=dict)
-    # set by a `points=` load (`partial.PartialLoad`): which points the loaded weights can reach
-    loaded: Any = None
 
 
 # id(model) -> state, with a weak reference to check that the id still names that model (ids are
