@@ -37,7 +37,6 @@ handle it as it would a Ctrl-C or a scheduler's stop (no half-written files are 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import signal
@@ -52,9 +51,6 @@ from hookscope.sources import text as text_source
 from hookscope.store import ShardWriter
 from hookscope.store import fs as fs_module
 from hookscope.store import writer as writer_module
-
-# the module, not the function `hookscope.extract` that the package exports under the same name
-extract_module = importlib.import_module("hookscope.extract")
 
 SITES = ("replace", "rename", "manifest-replace", "save", "manifest-write", "fsync", "batch", "forward",
          "tokenize", "upload", "put", "manifest-put")
