@@ -37,6 +37,7 @@ from .models import Loaded, load
 from .profiling import ProfileReport, profile
 from .selection import Selection
 from .store import ActivationDataset, Store, open_store
+from .top import TopResult, top  # the function: hookscope.top's lower-level pieces stay importable from it
 
 try:
     __version__ = _version("hookscope")
@@ -55,7 +56,7 @@ __all__ = [
     # edits
     "edit", "Edits", "Edit", "ablate", "Ablate", "patch", "Patch", "steer", "Steer",
     # the activation store
-    "open_store", "Store", "ActivationDataset",
+    "open_store", "Store", "ActivationDataset", "top", "TopResult",
     # profiling and the compile policy
     "profile", "ProfileReport", "compile_model", "compiling",
     # errors
