@@ -44,7 +44,7 @@ def export_hf(store: Store, out: str | os.PathLike, columns: Sequence[str] | Non
               overwrite: bool = False, progress: bool = True) -> Path:
     """Write column(s) `columns` (default: every column) of `store` as a `datasets` folder with one
     example per row, in store order; one Arrow file per shard, written once. Returns `out`."""
-    names = _columns(store, columns)
+    names = store.column_names(columns)
     if not store.num_shards:
         raise StoreError(f"{store.path}: the store holds no rows yet; nothing to export")
     cols = store.manifest.columns
@@ -71,18 +71,10 @@ def to_hf_dataset(store: Store, columns: Sequence[str] | None = None, *,
     except ImportError as e:
         raise StoreError("to_hf_dataset needs the `datasets` package: "
                          "pip install 'hookscope[datasets]'") from e
-    names = _columns(store, columns)
+    names = store.column_names(columns)
     key = hashlib.sha256(json.dumps([store.manifest.to_json(), names], sort_keys=True).encode()).hexdigest()
     folder = Path(cache_dir or datasets.config.HF_DATASETS_CACHE) / "hookscope" / key[:32]
     if not (folder / "state.json").is_file():
         export_hf(store, folder, names, overwrite=folder.exists(), progress=False)
     return datasets.load_from_disk(str(folder))
 
-
-def _columns(store: Store, columns: Sequence[str] | None) -> list[str]:
-    names = list(store.manifest.columns) if columns is None else list(columns)
-    unknown = [n for n in names if n not in store.manifest.columns]
-    if unknown:
-        raise StoreError(f"{store.path}: no column {unknown[0]!r}; "
-                         f"the store has {list(store.manifest.columns)}")
-    return names

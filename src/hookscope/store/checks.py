@@ -90,6 +90,17 @@ def _parse(where: str, raw: bytes, data: int) -> dict[str, Any]:
                 or not 0 <= offsets[0] <= offsets[1] <= data):
             raise StoreError(f"{where}: tensor {name!r} has byte range {offsets} outside the {data} "
                              "data bytes: truncated or corrupt")
+    # safetensors lays the tensors end to end over exactly the data bytes (its own loader refuses
+    # anything else): an overlap, a gap or bytes after the last tensor mean the file was altered
+    end = 0
+    for start, stop in sorted(info["data_offsets"] for name, info in header.items()
+                              if name != "__metadata__"):
+        if start != end:
+            break
+        end = stop
+    if end != data:
+        raise StoreError(f"{where}: the tensors' byte ranges overlap, leave gaps, or stop before the end of "
+                         f"the {data} data bytes: corrupt")
     return header
 
 

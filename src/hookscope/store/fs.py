@@ -126,7 +126,14 @@ class FS:
 
     def read(self, rel: str) -> bytes:
         """The whole of file `rel` (FileNotFoundError if there is none)."""
-        raise NotImplementedError
+        try:
+            data = self._whole(rel)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise StoreError(f"{self.where(rel)}: cannot read it ({e})") from e
+        self._count(len(data), 1)
+        return data
 
     def read_parts(self, parts: list[Part]) -> list[bytes | StoreError]:
         """Bytes [start, end) of each (file, start, end); a part that fails is a StoreError in its
@@ -143,6 +150,19 @@ class FS:
 
     def sha256(self, rel: str) -> tuple[int, str]:
         """(bytes, hex SHA-256) of file `rel`, streamed: nothing is kept."""
+        try:
+            with self._open(rel) as f:
+                size, digest = sha256_of(f)
+        except OSError as e:
+            raise self._part_error(rel, e) from e
+        self._count(size, 1)
+        return size, digest
+
+    def _whole(self, rel: str) -> bytes:
+        raise NotImplementedError
+
+    def _open(self, rel: str) -> BinaryIO:
+        """File `rel` opened for reading from its start."""
         raise NotImplementedError
 
     def local(self, rel: str) -> Path | None:
@@ -210,13 +230,18 @@ class LocalFS(FS):
             raise StoreError(f"{self.where(rel)}: cannot list it ({e})") from e
 
     def sizes(self, rel: str = "") -> dict[str, int]:
+        out = {}
         try:
             with os.scandir(self.local(rel)) as found:
-                return {e.name: e.stat().st_size for e in found if e.is_file()}
+                for entry in found:
+                    with contextlib.suppress(FileNotFoundError):  # renamed away since the listing
+                        if entry.is_file():
+                            out[entry.name] = entry.stat().st_size
         except (FileNotFoundError, NotADirectoryError):
             return {}
         except OSError as e:
             raise StoreError(f"{self.where(rel)}: cannot list it ({e})") from e
+        return out
 
     def size(self, rel: str) -> int | None:
         try:
@@ -227,15 +252,11 @@ class LocalFS(FS):
             raise StoreError(f"{self.where(rel)}: cannot read it ({e})") from e
         return st.st_size if stat.S_ISREG(st.st_mode) else None
 
-    def read(self, rel: str) -> bytes:
-        try:
-            data = self.local(rel).read_bytes()
-        except FileNotFoundError:
-            raise
-        except OSError as e:
-            raise StoreError(f"{self.where(rel)}: cannot read it ({e})") from e
-        self._count(len(data), 1)
-        return data
+    def _whole(self, rel: str) -> bytes:
+        return self.local(rel).read_bytes()
+
+    def _open(self, rel: str) -> BinaryIO:
+        return open(self.local(rel), "rb")
 
     def read_parts(self, parts: list[Part]) -> list[bytes | StoreError]:
         out: list[bytes | StoreError] = []
@@ -248,15 +269,6 @@ class LocalFS(FS):
                 out.append(self._part_error(rel, e))
         self._count(sum(len(d) for d in out if isinstance(d, bytes)), len(parts))
         return out
-
-    def sha256(self, rel: str) -> tuple[int, str]:
-        try:
-            with open(self.local(rel), "rb") as f:
-                size, digest = sha256_of(f)
-        except OSError as e:
-            raise self._part_error(rel, e) from e
-        self._count(size, 1)
-        return size, digest
 
     def put(self, rel: str, data: bytes, *, durable: bool = True) -> None:
         atomic_write(self.local(rel), lambda tmp: tmp.write_bytes(data), durable=durable)
@@ -327,15 +339,11 @@ class RemoteFS(FS):
             raise StoreError(f"{self.where(rel)}: cannot read it ({e})") from e
         return int(info["size"]) if info.get("type", "file") == "file" else None
 
-    def read(self, rel: str) -> bytes:
-        try:
-            data = self.fs.cat_file(self.path(rel))
-        except FileNotFoundError:
-            raise
-        except OSError as e:
-            raise StoreError(f"{self.where(rel)}: cannot read it ({e})") from e
-        self._count(len(data), 1)
-        return data
+    def _whole(self, rel: str) -> bytes:
+        return self.fs.cat_file(self.path(rel))
+
+    def _open(self, rel: str) -> BinaryIO:
+        return self.fs.open(self.path(rel), "rb", block_size=CHUNK)
 
     def read_parts(self, parts: list[Part]) -> list[bytes | StoreError]:
         """One concurrent batch of ranged GETs, where the filesystem is asynchronous (s3fs, gcsfs,
@@ -351,15 +359,6 @@ class RemoteFS(FS):
                for (rel, _, _), d in zip(parts, datas, strict=True)]
         self._count(sum(len(d) for d in out if isinstance(d, bytes)), len(parts))
         return out
-
-    def sha256(self, rel: str) -> tuple[int, str]:
-        try:
-            with self.fs.open(self.path(rel), "rb", block_size=CHUNK) as f:
-                size, digest = sha256_of(f)
-        except OSError as e:
-            raise self._part_error(rel, e) from e
-        self._count(size, 1)
-        return size, digest
 
     def put(self, rel: str, data: bytes, *, durable: bool = True) -> None:
         """One PUT: on an object store the object appears whole or not at all."""
