@@ -6,6 +6,7 @@ store read back."""
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 
 import pytest
@@ -84,6 +85,27 @@ def location(request, tmp_path) -> str:
 def store(location):
     write(location)
     return open_store(location)
+
+
+# SHA-256 of each file of this store as b05e947's writer wrote it (before the filesystem interface):
+# the on-disk format is unchanged, byte for byte, on every backend
+SHARD = "shards/shard-r000-{:06d}.safetensors"
+WRITTEN_BY_B05E947 = {
+    "manifest.json": "40b26d7ec3e11be36a3860d9d7c1b5ecc42e9294299076d4d149cfd2ad29c5b9",
+    SHARD.format(0): "8da7e5468741ee8db6a4cccf9bb040b0f9496a487c25afd42bc0d625cd7296b2",
+    SHARD.format(1): "bb689ac7abae374595fea2e804117bf2abca248a3fac58fc80e1d2acbb5ce8d7",
+    SHARD.format(2): "3a4e704ea4c34cc3885f597cedc18f8c5eacc17059e58f93d6bb2817ad593111",
+    SHARD.format(3): "1d0090620b17428dda538431038189bbc71ad84c523de200f37ec6e87a087bb4",
+    SHARD.format(4): "85e567d596e053cea2a08a665455dec25414cc5fa6fe957d8d7aab0650ca83a5",
+}
+
+
+def test_the_files_are_those_the_earlier_writer_wrote(store, location):
+    fs = open_fs(location)
+    assert fs.list("shards") == sorted(name.removeprefix("shards/") for name in WRITTEN_BY_B05E947
+                                       if name.startswith("shards/"))
+    got = {name: hashlib.sha256(fs.read(name)).hexdigest() for name in WRITTEN_BY_B05E947}
+    assert got == WRITTEN_BY_B05E947
 
 
 def test_open_verify_and_read_rows(store, location):
