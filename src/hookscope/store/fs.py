@@ -21,11 +21,11 @@ import shutil
 import stat
 import tempfile
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import StoreError
+from ..files import fsync_dir, write_atomic
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough to hash at disk speed, small enough to stay flat in memory
 
@@ -50,38 +50,6 @@ def is_remote(location: str | os.PathLike) -> bool:
     """True for a URL other than file://: the store lives on an fsspec filesystem."""
     text = os.fspath(location)
     return "://" in text and not text.startswith("file://")
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable (POSIX needs the directory itself synced)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def atomic_write(path: str | os.PathLike, write: Callable[[Path], None], *, durable: bool = False) -> Path:
-    """Write `path` through `write(tmp)` and rename it into place: a reader or a crash sees the old
-    file or the new one, never half. `durable` also fsyncs the file and its directory (the store's
-    commits: shards and manifest use os.replace, what the fault tests count; other files os.rename).
-    The temporary file is removed on any failure, so a full disk gets its blocks back."""
-    path = Path(path)
-    tmp = path.with_name(path.name + ".tmp")
-    try:
-        write(tmp)
-        if durable:
-            with open(tmp, "rb+") as f:
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        else:
-            os.rename(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    if durable:
-        fsync_dir(path.parent)
-    return path
 
 
 def open_fs(location: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> FS:
@@ -271,7 +239,7 @@ class LocalFS(FS):
         return out
 
     def put(self, rel: str, data: bytes, *, durable: bool = True) -> None:
-        atomic_write(self.local(rel), lambda tmp: tmp.write_bytes(data), durable=durable)
+        write_atomic(self.local(rel), data, durable=durable)
 
     def put_file(self, local: Path, rel: str) -> None:
         final = self.local(rel)

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreError
-from ..store.fs import atomic_write
+from ..files import write_atomic
 from .contexts import Gatherer, build_contexts
 from .encoders import Encoder
 from .index import TopIndex, hist_edges
@@ -90,7 +90,7 @@ def write_page(path: str | os.PathLike, data: dict[str, Any]) -> Path:
     title = f"hookscope top: {data['point']}" + (" (SAE)" if data["source"].get("kind") == "sae" else "")
     html = _PAGE.replace("__TITLE__", _escape(title)).replace("__DATA__", blob)
     try:
-        atomic_write(path, lambda tmp: tmp.write_text(html, encoding="utf-8"))
+        write_atomic(path, html.encode("utf-8"))
     except OSError as e:
         raise StoreError(f"cannot write the page {path}: {e}") from e
     return path

@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import save
 
 from ..errors import StoreError
-from ..store.fs import atomic_write
+from ..files import write_atomic
 from .encoders import Encoder, neurons
 
 if TYPE_CHECKING:  # the store room is below this one; a Store is passed in, never imported
@@ -136,7 +136,7 @@ class TopIndex:
     def save(self, path: str | os.PathLike) -> None:
         """Write the index to the local file `path` (atomic: a reader sees all of it or none)."""
         Path(path).parent.mkdir(parents=True, exist_ok=True)
-        atomic_write(path, lambda tmp: tmp.write_bytes(self.to_bytes()))
+        write_atomic(path, self.to_bytes())
 
 
 def store_key(store: Store) -> dict[str, Any]:
