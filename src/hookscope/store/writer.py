@@ -67,7 +67,7 @@ class ShardWriter:
         self.out = self.fs.url
         self.rank, self.world_size, self.shard_rows = rank, world_size, shard_rows
         self._file_mode = 0o666 & ~_umask()  # safetensors creates 0600 files; a store is meant to be shared
-        self._check_is_store_dir()
+        found_at_open = self._check_is_store_dir()
         try:  # where a shard is written before it counts: the shards directory, or a local one for a URL
             self._staging = self.fs.staging(SHARDS_DIR)
         except OSError as e:
@@ -87,7 +87,7 @@ class ShardWriter:
                                  points=found.points if shards else {}, meta=found.meta if shards else {},
                                  shards=shards, stats=summed_stats(shards))
         try:  # stamps the settings into the directory now, and proves it is writable before any compute
-            self._remove_orphans()
+            self._remove_orphans(found_at_open)
             self.fs.put(self._manifest_name, self.manifest.to_bytes())
             # README.md: datasets.load_dataset(DIR) fails clearly rather than misreading the store
             if self.fs.size(CARD) is None:
@@ -294,14 +294,16 @@ class ShardWriter:
 
     # -- opening ----------------------------------------------------------------------------------
 
-    def _check_is_store_dir(self) -> None:
+    def _check_is_store_dir(self) -> list[str]:
+        """What the store directory holds (refused if it holds something other than a store)."""
         names = self.fs.list()
         foreign = [n for n in names if n != SHARDS_DIR and not n.startswith("manifest")]
         if foreign and not any(is_manifest(n) for n in names):
             raise StoreError(f"{self.out} is not empty and is not a hookscope store "
                              f"(it holds {sorted(foreign)[:5]}); choose a new or empty --out directory")
+        return names
 
-    def _remove_orphans(self) -> None:
+    def _remove_orphans(self, found_at_open: list[str]) -> None:
         """Delete leftovers of a crash: this rank's `.tmp` files and the shards no manifest lists,
         and (rank 0) those of earlier attempts, whose processes have stopped."""
         def debris(name: str) -> bool:
@@ -313,7 +315,8 @@ class ShardWriter:
         for name in self.fs.list(SHARDS_DIR):
             if debris(name):
                 self.fs.remove(f"{SHARDS_DIR}/{name}")
-        self.fs.remove(self._manifest_name + ".tmp")
+        if self._manifest_name + ".tmp" in found_at_open:  # a local manifest write cut short
+            self.fs.remove(self._manifest_name + ".tmp")
 
 
 def _of_generation(name: str, generation: int) -> bool:
