@@ -133,7 +133,7 @@ def arm(kill_at: str) -> Plan:
         if plan.event("forward"):
             die()
 
-    real_upload, real_put = fs_module.Remote.upload, fs_module.Remote.write
+    real_upload, real_put = fs_module.RemoteFS.put_file, fs_module.RemoteFS.put
 
     def upload(self, *args, **kwargs):
         due = plan.event("upload")
@@ -149,7 +149,7 @@ def arm(kill_at: str) -> Plan:
         real_put(self, rel, *args, **kwargs)
         plan.at(any(due), "after")
 
-    fs_module.Remote.upload, fs_module.Remote.write = upload, put
+    fs_module.RemoteFS.put_file, fs_module.RemoteFS.put = upload, put
     os.replace, os.fsync, writer_module.save_file = replace, fsync, save_file
     ShardWriter.write, text_source.pack = write, pack
     torch.nn.modules.module.register_module_forward_pre_hook(forward)
