@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 MODULE_PREFIX = "module:"
@@ -76,6 +76,17 @@ def layer_of(name: str) -> int | None:
     """The block index of a canonical per-layer name, else None."""
     m = _LAYER.match(name)
     return int(m.group(1)) if m else None
+
+
+def key_of(keys: Iterable[str], name: str, point_of: Callable[[str], str | None] = canonical) -> str | None:
+    """The key among `keys` that names the same point as `name` (its exact spelling first), or None.
+    `point_of` spells a name as its point: the model's own table where it is known (a TransformerLens
+    4 bridge has aliases `canonical` cannot fold), else `canonical`; None for no point."""
+    keys = list(keys)
+    if name in keys:
+        return name
+    point = point_of(name)
+    return None if point is None else next((k for k in keys if point_of(k) == point), None)
 
 
 def is_pattern(name: str) -> bool:
