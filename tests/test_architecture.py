@@ -72,6 +72,7 @@ ALLOWED = {
     "capture": {"hooks", "arch", "selection", "inputs", "names", "errors"},
     "edit": {"hooks", "arch", "selection", "inputs", "names", "errors"},
     "compiling": {"hooks", "capture", "arch", "errors"},
+    "generate": {"capture", "edit", "hooks", "arch", "selection", "inputs", "errors"},
 }
 
 

@@ -68,10 +68,11 @@ class Edit:
         keep = self.selection.at(offset).window(size)
         if allowed is not None:
             keep = keep & allowed
-        if not bool(keep.any()):
+        written = int(keep.sum())
+        if written == 0:
             return None
         heads = None if self.heads is None else Selection(heads=self.selection.heads)
-        return EditStep(self, None if bool(keep.all()) else keep, heads, self.part_at(offset, size, keep))
+        return EditStep(self, None if written == size else keep, heads, self.part_at(offset, size, keep))
 
     def part_at(self, offset: int, size: int, keep: Tensor) -> Tensor | None:
         """What `value` reads of the edit's own data on a pass over [offset, offset + size), where

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
@@ -78,7 +78,7 @@ class Selection:
     def at(self, offset: int) -> Selection:
         """This selection on a pass over the sequence positions from `offset` on (a generation step):
         `take`, `region` and `window` then count positions from the sequence's start."""
-        return replace(self, offset=offset)
+        return Selection(self.positions, self.heads, self.token_mask, self.dtype, self.device, offset)
 
     def from_start(self, what: str) -> Selection:
         """Itself, if its positions count from the sequence's start; else a `SelectionError` about
@@ -106,19 +106,19 @@ class Selection:
         """[size] bool: which positions of a pass over sequence positions [offset, offset + size) the
         positions name counting from the start (every one it may name, for a slice with a bound
         counted from the end); positions counted from the end alone name none (see `tail`)."""
-        seq = torch.arange(self.offset or 0, (self.offset or 0) + size)
-        p = self.positions
+        seq, p = range(self.offset or 0, (self.offset or 0) + size), self.positions
         if p is None or isinstance(p, str):
             return torch.full((size,), p is None, dtype=torch.bool)
-        if not isinstance(p, slice):
-            return torch.isin(seq, torch.tensor([v for v in _values(p) if v >= 0], dtype=torch.long))
+        if not isinstance(p, slice):  # (Python, not tensor ops: a step covers a position or a few)
+            named = {v for v in _values(p) if v >= 0}
+            return torch.tensor([q in named for q in seq], dtype=torch.bool)
         first, stop, step = p.start or 0, p.stop, p.step or 1
         if first < 0:  # a start known only at the end: within the tail, or anywhere before `stop`
+            first, step = 0, 1
             if stop is None or stop < 0:
                 return torch.zeros(size, dtype=torch.bool)
-            first, step = 0, 1
-        keep = (seq >= first) & ((seq - first) % step == 0)
-        return keep & (seq < stop) if stop is not None and stop >= 0 else keep
+        end = stop if stop is not None and stop >= 0 else seq.stop
+        return torch.tensor([first <= q < end and (q - first) % step == 0 for q in seq], dtype=torch.bool)
 
     @property
     def wants_attention_mask(self) -> bool:

@@ -37,10 +37,15 @@ class StepEdit:
         return cls(edit, spec, edit_on, prompt_length)
 
     def prepare(self, lo: int, hi: int) -> None:
+        """Decide what the edit writes on a pass over sequence positions [lo, hi)."""
         allowed: Tensor | None = None
         if self.edit_on != "both":
-            prompt = torch.arange(lo, hi) < self.prompt_length
-            allowed = prompt if self.edit_on == "prompt" else ~prompt
+            span = (0, self.prompt_length) if self.edit_on == "prompt" else (self.prompt_length, hi)
+            if hi <= span[0] or lo >= span[1]:  # the pass is all outside what edit_on allows
+                self.current = None
+                return
+            if lo < span[0] or hi > span[1]:  # (only a pass over prompt and generated tokens at once)
+                allowed = torch.tensor([span[0] <= q < span[1] for q in range(lo, hi)])
         self.current = self.edit.step(lo, hi - lo, allowed)
 
     def __call__(self, act: Tensor, hook: Hook) -> Tensor | None:

@@ -38,8 +38,8 @@ class Kept:
     def add(self, chunk: Tensor, start: int) -> None:
         """File the pass's `chunk` ([batch, n, ...]), which holds sequence positions from `start` on."""
         n = chunk.shape[1]
-        wanted = self.selection.at(start).window(n)
-        if bool(wanted.all()):
+        wanted = None if self.selection.positions is None else self.selection.at(start).window(n)
+        if wanted is None or bool(wanted.all()):
             self.chunks.append((chunk, list(range(start, start + n))))
         elif bool(wanted.any()):
             idx = wanted.nonzero().flatten()
