@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import hookscope as hs
+from hookscope.arch import arch_of
 from hookscope.errors import HookscopeError
 from hookscope.experts import ablate_expert, force_route
 from hookscope.hooks import input_tensor, output_tensor
@@ -60,8 +61,8 @@ def _reference(model, specs, ids):
 
 def test_points_named(moe):
     family, model = moe
-    names = hs.arch_of(model).names
-    assert hs.arch_of(model).family == family
+    names = arch_of(model).names
+    assert arch_of(model).family == family
     for suffix in ("mlp.router.logits", "mlp.router.weights", "mlp.router.indices", "mlp.router.routing",
                    "mlp.experts.3.post", "mlp.experts.0.tokens", "mlp.experts.out", "mlp.out", "attn.z"):
         assert f"blocks.1.{suffix}" in names
@@ -70,7 +71,7 @@ def test_points_named(moe):
 
 def test_plain_points_equal_forward_hooks(moe):
     family, model = moe
-    arch = hs.arch_of(model)
+    arch = arch_of(model)
     ids = _ids(model)
     specs = [s for s in arch.specs.values()
              if s.item is not None and not s.needs_eager]  # whole-call views: next tests
@@ -297,7 +298,7 @@ def test_qwen2_moe_dense_layers_get_dense_points(tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, mlp_only_layers=[0]).eval()
-    arch = hs.arch_of(model)
+    arch = arch_of(model)
     assert "blocks.0.mlp.pre" in arch.names and "blocks.0.mlp.router.logits" not in arch.names
     assert "blocks.1.mlp.router.logits" in arch.names and "blocks.1.mlp.pre" not in arch.names
     ids = _ids(model)

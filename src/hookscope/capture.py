@@ -25,6 +25,7 @@ compile layer takes over the points inside compiled regions through one seam
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -34,9 +35,10 @@ from torch import Tensor, nn
 
 from .arch import Arch, PointSpec, arch_of, state_of
 from .errors import HookscopeError, PointNotReachedError, SelectionError
+from .files import write_atomic
 from .hooks import Hook, Hooks, grad_leaf
 from .inputs import attention_mask_of, call_model, forward_parameters
-from .names import canonical, is_pattern, key_of
+from .names import canonical, find_key, is_pattern
 from .selection import Heads, Positions, Selection
 
 
@@ -97,7 +99,7 @@ class PointDict(dict):
             return None
 
     def _alias(self, key: Any) -> Any:
-        return key_of(self, key, self._point) if isinstance(key, str) else None
+        return find_key(self, key, self._point) if isinstance(key, str) else None
 
     def __missing__(self, key: Any) -> Tensor:
         alias = self._alias(key)
@@ -252,7 +254,7 @@ def capture(model: nn.Module, points: str | Sequence[str], **options: Any) -> Ca
     return Capture(model, points, **options)
 
 
-def collect(model: nn.Module, inputs: Any, points: str | Sequence[str], **options: Any) -> dict[str, Tensor]:
+def collect(model: nn.Module, inputs: Any, points: str | Sequence[str], **options: Any) -> PointDict:
     """Run the model on `inputs` and return `{point: activation}`; no layer after the last
     needed point runs."""
     with Capture(model, points, **options) as cap:
@@ -267,7 +269,7 @@ def grads(
     loss_fn,
     *,
     arch: Arch | None = None,
-) -> dict[str, Tensor]:
+) -> PointDict:
     """d loss / d activation at each point, where `loss = loss_fn(model_output)` is a scalar.
     Keyed like `collect`: by the names asked for."""
     arch = arch or arch_of(model)
@@ -326,3 +328,16 @@ def points(model: nn.Module, example: Any = None, *, pattern: str | None = None)
         PointInfo(s.name, s.module or "<root>", s.io, s.view.label if s.view else "", shapes.get(s.name))
         for s in specs
     ]
+
+
+def save_tensors(path: str | os.PathLike, tensors: Mapping[str, Tensor], *,
+                 metadata: dict[str, str] | None = None) -> None:
+    """Write captured tensors to a .safetensors file, whole or not at all, with the umask's mode
+    (safetensors' own `save_file` makes it 0600)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save
+
+    try:
+        write_atomic(path, save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
+    except (OSError, SafetensorError) as e:
+        raise HookscopeError(f"cannot write the captures to {path}: {e}") from e

@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from .arch import PointSpec, arch_of
 from .errors import SelectionError
 from .hooks import Hook, Hooks
-from .names import key_of
+from .names import find_key
 from .selection import Heads, Positions, Selection
 
 
@@ -171,7 +171,7 @@ def patch(point: str, source: Tensor | Mapping[str, Tensor], *, positions: Posit
           heads: Heads = None) -> Patch:
     """Write activations from another run (a tensor, or the dict `hs.collect` returns)."""
     if isinstance(source, Mapping):
-        key = point if point in source else key_of(source, point)  # (hs.collect's dict knows its aliases)
+        key = point if point in source else find_key(source, point)  # (hs.collect's dict knows its aliases)
         if key is None:
             raise SelectionError(f"patch {point}: the source has no such point; it has {list(source)}")
         source = source[key]

@@ -78,17 +78,6 @@ def layer_of(name: str) -> int | None:
     return int(m.group(1)) if m else None
 
 
-def key_of(keys: Iterable[str], name: str, point_of: Callable[[str], str | None] = canonical) -> str | None:
-    """The key among `keys` that names the same point as `name` (its exact spelling first), or None.
-    `point_of` spells a name as its point: the model's own table where it is known (a TransformerLens
-    4 bridge has aliases `canonical` cannot fold), else `canonical`; None for no point."""
-    keys = list(keys)
-    if name in keys:
-        return name
-    point = point_of(name)
-    return None if point is None else next((k for k in keys if point_of(k) == point), None)
-
-
 def is_pattern(name: str) -> bool:
     return any(ch in name for ch in "*?[")
 
@@ -153,3 +142,17 @@ def _hint(name: str, known: list[str]) -> str:
     if close:
         return f"; closest: {', '.join(close)}{tail}. `hookscope points MODEL` lists them all"
     return f"{tail}; `hookscope points MODEL` lists every point, or use module:<path>:output"
+
+
+def find_key(keys: Iterable[str], name: str, point_of: Callable[[str], str | None] = canonical) -> str | None:
+    """The key among `keys` that names the same point as `name`: `name` itself if it is one, else
+    the first key whose point (`point_of`: `canonical`, or a model table's own lookup, which knows
+    spellings `canonical` cannot fold) is `name`'s; None if there is none. The one alias lookup of
+    every name-keyed result (`PointDict`, `patch`'s source)."""
+    keys = list(keys)
+    if name in keys:
+        return name
+    point = point_of(name)
+    if point is None:
+        return None
+    return next((key for key in keys if point_of(key) == point), None)
