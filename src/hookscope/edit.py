@@ -56,7 +56,8 @@ class Edit:
 
     def write(self, act: Tensor, spec: PointSpec, where: Tensor | None, part: Tensor | None = None) -> Tensor:
         """`act` with `value` written where the bool mask `where` is True (everywhere for None)."""
-        new = self.value(act, spec, part).to(act.dtype)
+        # (no `part` unless a step has one: an Edit subclass written as `value(act, spec)` keeps working)
+        new = (self.value(act, spec) if part is None else self.value(act, spec, part)).to(act.dtype)
         if where is None:
             return new.expand_as(act) if new.shape != act.shape else new
         return torch.where(where, new, act)
