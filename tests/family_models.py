@@ -47,17 +47,43 @@ def _config(kind: str, overrides: dict):
     if kind == "mamba":  # the residual sum in float64 like the rest (the default adds in float32)
         overrides = {**overrides, "residual_in_fp32": False}
     if kind not in LLAMA_LIKE and kind != "falcon_mamba":
-        return tiny_config(kind, vocab_size=VOCAB, d_model=D_MODEL, n_layers=N_LAYERS, n_heads=N_HEADS,
-                           context=64, **overrides)
+        return tiny_config(
+            kind,
+            vocab_size=VOCAB,
+            d_model=D_MODEL,
+            n_layers=N_LAYERS,
+            n_heads=N_HEADS,
+            context=64,
+            **overrides,
+        )
     if kind == "falcon_mamba":
-        return AutoConfig.for_model(kind, vocab_size=VOCAB, hidden_size=D_MODEL, num_hidden_layers=N_LAYERS,
-                                    state_size=8, expand=2, conv_kernel=4, residual_in_fp32=False)
+        return AutoConfig.for_model(
+            kind,
+            vocab_size=VOCAB,
+            hidden_size=D_MODEL,
+            num_hidden_layers=N_LAYERS,
+            state_size=8,
+            expand=2,
+            conv_kernel=4,
+            residual_in_fp32=False,
+        )
     extra = {"final_logit_softcapping": None} if kind == "gemma2" else {}  # logits = lm_head(ln_final)
     return AutoConfig.for_model(
-        kind, vocab_size=VOCAB, hidden_size=D_MODEL, intermediate_size=2 * D_MODEL,
-        num_hidden_layers=N_LAYERS, num_attention_heads=N_HEADS, num_key_value_heads=N_HEADS // 2,
-        head_dim=D_MODEL // N_HEADS, max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
-        pad_token_id=None, **extra)
+        kind,
+        vocab_size=VOCAB,
+        hidden_size=D_MODEL,
+        intermediate_size=2 * D_MODEL,
+        num_hidden_layers=N_LAYERS,
+        num_attention_heads=N_HEADS,
+        num_key_value_heads=N_HEADS // 2,
+        head_dim=D_MODEL // N_HEADS,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+        bos_token_id=0,
+        eos_token_id=0,
+        pad_token_id=None,
+        **extra,
+    )
 
 
 def build(case: str, seed: int = 0) -> nn.Module:

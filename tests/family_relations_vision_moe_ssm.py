@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from torch import Tensor, nn
-
 from family_relations import Check, Reads, attention, final, mlp, projections, stream, token_embed
+from torch import Tensor, nn
 
 # --- image encoders ---------------------------------------------------------------------------
 
@@ -27,7 +26,9 @@ def _prenorm_block(a: Reads, L: int, blk: nn.Module, names: dict, n_heads: int, 
     checks = attention(a, L, *projections(attn, x), sub("o"), n_heads)
     added = a[p + "attn.out"]
     if scales:
-        checks.append((p + "attn.scaled = lambda1 * attn.out", a[p + "attn.scaled"], added * scales[0].lambda1))
+        checks.append(
+            (p + "attn.scaled = lambda1 * attn.out", a[p + "attn.scaled"], added * scales[0].lambda1)
+        )
         added = a[p + "attn.scaled"]
     checks.append((p + "resid_mid = resid_pre + attn.out", a[p + "resid_mid"], a[p + "resid_pre"] + added))
     x = sub("ln2")(a[p + "resid_mid"])
@@ -47,10 +48,20 @@ def vit_relations(model: nn.Module, pixels: Tensor, a: Reads) -> list[Check]:
     emb, H = model.embeddings, model.config.num_attention_heads
     patches = _patches(emb.patch_embeddings.projection, pixels)
     tokens = torch.cat([emb.cls_token.expand(len(pixels), -1, -1), patches], 1) + emb.position_embeddings
-    checks = [("patch_embed = conv(pixels)", a["patch_embed"], patches), ("embed = [cls; patches] + pos", a["embed"], tokens)]
+    checks = [
+        ("patch_embed = conv(pixels)", a["patch_embed"], patches),
+        ("embed = [cls; patches] + pos", a["embed"], tokens),
+    ]
     checks += stream(a, len(model.layers), a["embed"])
-    names = {"ln1": "layernorm_before", "attn": "attention", "o": "attention.o_proj", "ln2": "layernorm_after",
-             "fc1": "mlp.fc1", "act": "mlp.activation_fn", "fc2": "mlp.fc2"}
+    names = {
+        "ln1": "layernorm_before",
+        "attn": "attention",
+        "o": "attention.o_proj",
+        "ln2": "layernorm_after",
+        "fc1": "mlp.fc1",
+        "act": "mlp.activation_fn",
+        "fc2": "mlp.fc2",
+    }
     for L, blk in enumerate(model.layers):
         checks += _prenorm_block(a, L, blk, names, H)
     return checks + final(a, len(model.layers), model.layernorm, None)
@@ -65,9 +76,18 @@ def clip_relations(model: nn.Module, pixels: Tensor, a: Reads) -> list[Check]:
     if is_clip:
         patches = torch.cat([emb.class_embedding.expand(len(pixels), 1, -1), patches], 1)
     checks = [("embed = [cls;] patches + pos", a["embed"], patches + emb.position_embedding.weight)]
-    checks += stream(a, len(vision.encoder.layers), vision.pre_layrnorm(a["embed"]) if is_clip else a["embed"])
-    names = {"ln1": "layer_norm1", "attn": "self_attn", "o": "self_attn.out_proj", "ln2": "layer_norm2",
-             "fc1": "mlp.fc1", "act": "mlp.activation_fn", "fc2": "mlp.fc2"}
+    checks += stream(
+        a, len(vision.encoder.layers), vision.pre_layrnorm(a["embed"]) if is_clip else a["embed"]
+    )
+    names = {
+        "ln1": "layer_norm1",
+        "attn": "self_attn",
+        "o": "self_attn.out_proj",
+        "ln2": "layer_norm2",
+        "fc1": "mlp.fc1",
+        "act": "mlp.activation_fn",
+        "fc2": "mlp.fc2",
+    }
     for L, blk in enumerate(vision.encoder.layers):
         checks += _prenorm_block(a, L, blk, names, H)
     pick = (lambda last: last[:, 0]) if is_clip else (lambda last: last)
@@ -80,15 +100,25 @@ def dinov2_relations(model: nn.Module, pixels: Tensor, a: Reads) -> list[Check]:
     patches = _patches(emb.patch_embeddings.projection, pixels)
     pos = emb.position_embeddings  # the tiny models' pictures have the trained size: no interpolation
     cls = (emb.cls_token + pos[:, :1]).expand(len(pixels), -1, -1)
-    parts = [cls] + ([emb.register_tokens.expand(len(pixels), -1, -1)] if hasattr(emb, "register_tokens") else [])
+    parts = [cls] + (
+        [emb.register_tokens.expand(len(pixels), -1, -1)] if hasattr(emb, "register_tokens") else []
+    )
     tokens = torch.cat(parts + [patches + pos[:, 1:]], 1)
-    checks = [("patch_embed = conv(pixels)", a["patch_embed"], patches), ("embed = [cls; registers; patches]", a["embed"], tokens)]
+    checks = [
+        ("patch_embed = conv(pixels)", a["patch_embed"], patches),
+        ("embed = [cls; registers; patches]", a["embed"], tokens),
+    ]
     checks += stream(a, len(model.encoder.layer), a["embed"])
     names = {"ln1": "norm1", "attn": "attention", "o": "attention.o_proj", "ln2": "norm2"}
-    names |= ({"gate": "mlp.gate_proj", "up": "mlp.up_proj", "act": "mlp.act_fn", "down": "mlp.down_proj"}
-              if cfg.use_swiglu_ffn else {"fc1": "mlp.fc1", "act": "mlp.activation_fn", "fc2": "mlp.fc2"})
+    names |= (
+        {"gate": "mlp.gate_proj", "up": "mlp.up_proj", "act": "mlp.act_fn", "down": "mlp.down_proj"}
+        if cfg.use_swiglu_ffn
+        else {"fc1": "mlp.fc1", "act": "mlp.activation_fn", "fc2": "mlp.fc2"}
+    )
     for L, blk in enumerate(model.encoder.layer):
-        checks += _prenorm_block(a, L, blk, names, cfg.num_attention_heads, (blk.layer_scale1, blk.layer_scale2))
+        checks += _prenorm_block(
+            a, L, blk, names, cfg.num_attention_heads, (blk.layer_scale1, blk.layer_scale2)
+        )
     return checks + final(a, len(model.encoder.layer), model.layernorm, None)
 
 
@@ -102,10 +132,12 @@ def _routing(a: Reads, p: str, x: Tensor, router: nn.Module, k: int, renormalise
     top = torch.softmax(logits, -1).topk(k, -1)
     weights = top.values / top.values.sum(-1, keepdim=True) if renormalise else top.values
     dense = torch.zeros_like(logits).scatter(-1, top.indices, weights)
-    return [(p + "mlp.router.logits", a[p + "mlp.router.logits"], logits),
-            (p + "mlp.router.indices", a[p + "mlp.router.indices"], top.indices),
-            (p + "mlp.router.weights", a[p + "mlp.router.weights"], weights),
-            (p + "mlp.router.routing", a[p + "mlp.router.routing"], dense)]
+    return [
+        (p + "mlp.router.logits", a[p + "mlp.router.logits"], logits),
+        (p + "mlp.router.indices", a[p + "mlp.router.indices"], top.indices),
+        (p + "mlp.router.weights", a[p + "mlp.router.weights"], weights),
+        (p + "mlp.router.routing", a[p + "mlp.router.routing"], dense),
+    ]
 
 
 def _experts(a: Reads, p: str, x: Tensor, experts: nn.Module) -> list[Check]:
@@ -117,10 +149,12 @@ def _experts(a: Reads, p: str, x: Tensor, experts: nn.Module) -> list[Check]:
         tokens = a[q + "tokens"]
         chose = (a[p + "mlp.router.indices"] == e).any(-1).nonzero().flatten()
         gate, up = F.linear(a[q + "in"], experts.gate_up_proj[e]).chunk(2, dim=-1)
-        checks += [(q + "tokens = rows that chose e", tokens.sort().values, chose),
-                   (q + "in = x[tokens]", a[q + "in"], x[tokens]),
-                   (q + "post = act(gate) * up", a[q + "post"], experts.act_fn(gate) * up),
-                   (q + "out = W_down post", a[q + "out"], F.linear(a[q + "post"], experts.down_proj[e]))]
+        checks += [
+            (q + "tokens = rows that chose e", tokens.sort().values, chose),
+            (q + "in = x[tokens]", a[q + "in"], x[tokens]),
+            (q + "post = act(gate) * up", a[q + "post"], experts.act_fn(gate) * up),
+            (q + "out = W_down post", a[q + "out"], F.linear(a[q + "post"], experts.down_proj[e])),
+        ]
         total = total.index_add(0, tokens, a[q + "out"] * routing[tokens, e, None])
     return checks + [(p + "mlp.experts.out = sum routing * expert out", a[p + "mlp.experts.out"], total)]
 
@@ -129,12 +163,21 @@ def _shared_expert(a: Reads, p: str, x: Tensor, moe: nn.Module) -> tuple[list[Ch
     """Qwen2-MoE's shared expert (a gated MLP on every token) and its sigmoid gate; returns the
     checks and what it adds to the layer's output."""
     shared = moe.shared_expert
-    checks = [(p + "mlp.shared.pre", a[p + "mlp.shared.pre"], shared.gate_proj(x)),
-              (p + "mlp.shared.pre_linear", a[p + "mlp.shared.pre_linear"], shared.up_proj(x)),
-              (p + "mlp.shared.post = act(pre) * pre_linear", a[p + "mlp.shared.post"],
-               shared.act_fn(a[p + "mlp.shared.pre"]) * a[p + "mlp.shared.pre_linear"]),
-              (p + "mlp.shared.out = W_down post", a[p + "mlp.shared.out"], shared.down_proj(a[p + "mlp.shared.post"])),
-              (p + "mlp.shared.gate", a[p + "mlp.shared.gate"], moe.shared_expert_gate(x))]
+    checks = [
+        (p + "mlp.shared.pre", a[p + "mlp.shared.pre"], shared.gate_proj(x)),
+        (p + "mlp.shared.pre_linear", a[p + "mlp.shared.pre_linear"], shared.up_proj(x)),
+        (
+            p + "mlp.shared.post = act(pre) * pre_linear",
+            a[p + "mlp.shared.post"],
+            shared.act_fn(a[p + "mlp.shared.pre"]) * a[p + "mlp.shared.pre_linear"],
+        ),
+        (
+            p + "mlp.shared.out = W_down post",
+            a[p + "mlp.shared.out"],
+            shared.down_proj(a[p + "mlp.shared.post"]),
+        ),
+        (p + "mlp.shared.gate", a[p + "mlp.shared.gate"], moe.shared_expert_gate(x)),
+    ]
     return checks, torch.sigmoid(a[p + "mlp.shared.gate"]) * a[p + "mlp.shared.out"]
 
 
@@ -145,8 +188,16 @@ def moe_relations(model: nn.Module, ids: Tensor, a: Reads) -> list[Check]:
     for L, blk in enumerate(base.layers):
         p = f"blocks.{L}."
         x = blk.input_layernorm(a[p + "resid_pre"])
-        checks += attention(a, L, *projections(blk.self_attn, x), blk.self_attn.o_proj, cfg.num_attention_heads)
-        checks.append((p + "resid_mid = resid_pre + attn.out", a[p + "resid_mid"], a[p + "resid_pre"] + a[p + "attn.out"]))
+        checks += attention(
+            a, L, *projections(blk.self_attn, x), blk.self_attn.o_proj, cfg.num_attention_heads
+        )
+        checks.append(
+            (
+                p + "resid_mid = resid_pre + attn.out",
+                a[p + "resid_mid"],
+                a[p + "resid_pre"] + a[p + "attn.out"],
+            )
+        )
         x = blk.post_attention_layernorm(a[p + "resid_mid"]).flatten(0, 1)  # one row per token
         checks += _routing(a, p, x, blk.mlp.gate, cfg.num_experts_per_tok, renormalise)
         checks += _experts(a, p, x, blk.mlp.experts)
@@ -154,8 +205,14 @@ def moe_relations(model: nn.Module, ids: Tensor, a: Reads) -> list[Check]:
         if hasattr(blk.mlp, "shared_expert"):
             shared, added = _shared_expert(a, p, x, blk.mlp)
             checks, out = checks + shared, out + added
-        checks += [(p + "mlp.out = experts (+ shared)", a[p + "mlp.out"], out.view_as(a[p + "resid_mid"])),
-                   (p + "resid_post = resid_mid + mlp.out", a[p + "resid_post"], a[p + "resid_mid"] + a[p + "mlp.out"])]
+        checks += [
+            (p + "mlp.out = experts (+ shared)", a[p + "mlp.out"], out.view_as(a[p + "resid_mid"])),
+            (
+                p + "resid_post = resid_mid + mlp.out",
+                a[p + "resid_post"],
+                a[p + "resid_mid"] + a[p + "mlp.out"],
+            ),
+        ]
     return checks + final(a, len(base.layers), base.norm, model.lm_head)
 
 
@@ -169,11 +226,25 @@ def mamba_relations(model: nn.Module, ids: Tensor, a: Reads) -> list[Check]:
     checks = [token_embed(a, base.embeddings, ids)] + stream(a, len(base.layers), a["embed"])
     for L, blk in enumerate(base.layers):
         p = f"blocks.{L}."
-        checks += [(p + "mixer.in = norm(resid_pre)", a[p + "mixer.in"], blk.norm(a[p + "resid_pre"])),
-                   (p + "mixer.in_proj = in_proj(mixer.in)", a[p + "mixer.in_proj"], blk.mixer.in_proj(a[p + "mixer.in"])),
-                   (p + "mixer.out = mixer(mixer.in)", a[p + "mixer.out"], blk.mixer(a[p + "mixer.in"])),
-                   (p + "mixer.out = out_proj(ssm_out)", a[p + "mixer.out"], blk.mixer.out_proj(a[p + "mixer.ssm_out"])),
-                   (p + "resid_post = resid_pre + mixer.out", a[p + "resid_post"], a[p + "resid_pre"] + a[p + "mixer.out"])]
+        checks += [
+            (p + "mixer.in = norm(resid_pre)", a[p + "mixer.in"], blk.norm(a[p + "resid_pre"])),
+            (
+                p + "mixer.in_proj = in_proj(mixer.in)",
+                a[p + "mixer.in_proj"],
+                blk.mixer.in_proj(a[p + "mixer.in"]),
+            ),
+            (p + "mixer.out = mixer(mixer.in)", a[p + "mixer.out"], blk.mixer(a[p + "mixer.in"])),
+            (
+                p + "mixer.out = out_proj(ssm_out)",
+                a[p + "mixer.out"],
+                blk.mixer.out_proj(a[p + "mixer.ssm_out"]),
+            ),
+            (
+                p + "resid_post = resid_pre + mixer.out",
+                a[p + "resid_post"],
+                a[p + "resid_pre"] + a[p + "mixer.out"],
+            ),
+        ]
     return checks + final(a, len(base.layers), base.norm_f, model.lm_head)
 
 
@@ -185,10 +256,16 @@ def rwkv_relations(model: nn.Module, ids: Tensor, a: Reads) -> list[Check]:
     for L, blk in enumerate(base.blocks):
         p = f"blocks.{L}."
         stream_in = blk.pre_ln(a[p + "resid_pre"]) if L == 0 else a[p + "resid_pre"]
-        checks += [(p + "mixer.in = ln1(resid_pre)", a[p + "mixer.in"], blk.ln1(stream_in)),
-                   (p + "mixer.out = attention(mixer.in)", a[p + "mixer.out"], blk.attention(a[p + "mixer.in"])[0]),
-                   (p + "resid_mid = resid_pre + mixer.out", a[p + "resid_mid"], stream_in + a[p + "mixer.out"]),
-                   (p + "mlp.in = ln2(resid_mid)", a[p + "mlp.in"], blk.ln2(a[p + "resid_mid"])),
-                   (p + "mlp.out = feed_forward(mlp.in)", a[p + "mlp.out"], blk.feed_forward(a[p + "mlp.in"])[0]),
-                   (p + "resid_post = resid_mid + mlp.out", a[p + "resid_post"], a[p + "resid_mid"] + a[p + "mlp.out"])]
+        checks += [
+            (p + "mixer.in = ln1(resid_pre)", a[p + "mixer.in"], blk.ln1(stream_in)),
+            (p + "mixer.out = attention(mixer.in)", a[p + "mixer.out"], blk.attention(a[p + "mixer.in"])[0]),
+            (p + "resid_mid = resid_pre + mixer.out", a[p + "resid_mid"], stream_in + a[p + "mixer.out"]),
+            (p + "mlp.in = ln2(resid_mid)", a[p + "mlp.in"], blk.ln2(a[p + "resid_mid"])),
+            (p + "mlp.out = feed_forward(mlp.in)", a[p + "mlp.out"], blk.feed_forward(a[p + "mlp.in"])[0]),
+            (
+                p + "resid_post = resid_mid + mlp.out",
+                a[p + "resid_post"],
+                a[p + "resid_mid"] + a[p + "mlp.out"],
+            ),
+        ]
     return checks + final(a, len(base.blocks), base.ln_out, model.head)

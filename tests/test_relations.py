@@ -13,11 +13,9 @@ for a wrong module."""
 
 from __future__ import annotations
 
+import family_models
 import pytest
 import torch
-
-import family_models
-import hookscope as hs
 from family_relations import Reads, bert_relations, gpt2_relations, llama_relations, neox_relations
 from family_relations_vision_moe_ssm import (
     clip_relations,
@@ -28,11 +26,21 @@ from family_relations_vision_moe_ssm import (
     vit_relations,
 )
 
+import hookscope as hs
+
 TOL = 1e-6
 RELATIONS = {
-    "gpt2": gpt2_relations, "llama": llama_relations, "gpt_neox": neox_relations, "bert": bert_relations,
-    "vit": vit_relations, "clip": clip_relations, "siglip": clip_relations, "dinov2": dinov2_relations,
-    "dinov2_with_registers": dinov2_relations, "mamba": mamba_relations, "falcon_mamba": mamba_relations,
+    "gpt2": gpt2_relations,
+    "llama": llama_relations,
+    "gpt_neox": neox_relations,
+    "bert": bert_relations,
+    "vit": vit_relations,
+    "clip": clip_relations,
+    "siglip": clip_relations,
+    "dinov2": dinov2_relations,
+    "dinov2_with_registers": dinov2_relations,
+    "mamba": mamba_relations,
+    "falcon_mamba": mamba_relations,
     "rwkv": rwkv_relations,
     **{mt: llama_relations for mt in family_models.LLAMA_LIKE},
     **{mt: moe_relations for mt in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")},
@@ -61,14 +69,19 @@ def test_relations(case):
 def test_a_wrong_module_breaks_a_relation():
     """The issue's two survivors, by hand: ViT's mlp.post read at fc1's output (the pre-activation),
     CLIP's resid_mid at layer_norm1's input (resid_pre) each break a relation."""
-    for case, point, target in (("vit", "blocks.0.mlp.post", "mlp.pre"),
-                                ("clip", "blocks.0.resid_mid", "resid_pre")):
+    for case, point, target in (
+        ("vit", "blocks.0.mlp.post", "mlp.pre"),
+        ("clip", "blocks.0.resid_mid", "resid_pre"),
+    ):
         model = family_models.build(case)
         inputs = family_models.inputs(case)
         acts = dict(hs.collect(model, inputs, hs.arch_of(model).names))
         acts[point] = acts[point.replace(point.split(".", 2)[2], target)]
         with torch.no_grad():
             checks = RELATIONS[hs.arch_of(model).family](model, inputs["pixel_values"], Reads(acts))
-        broken = [label for label, got, want in checks
-                  if got.shape != want.shape or not torch.allclose(got, want.to(got.dtype), rtol=TOL, atol=TOL)]
+        broken = [
+            label
+            for label, got, want in checks
+            if got.shape != want.shape or not torch.allclose(got, want.to(got.dtype), rtol=TOL, atol=TOL)
+        ]
         assert broken, (case, point)
