@@ -64,6 +64,11 @@ def test_relations(case):
             failed.append(f"{label}: {str(error).splitlines()[0]}")
     assert not failed, "\n".join(failed)
     assert reads.read == set(arch.names), f"points no relation holds: {set(arch.names) - reads.read}"
+    # each point captured alone (the forward stops right after it) is the same tensor: a module
+    # called twice in a block (ViT's dropout) gives a point one value alone, another in company
+    for name in arch.names:
+        alone = hs.collect(model, inputs, name)[name]
+        assert alone.shape == acts[name].shape and torch.equal(alone, acts[name]), name
 
 
 def test_a_wrong_module_breaks_a_relation():
