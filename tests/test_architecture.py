@@ -69,7 +69,8 @@ ALLOWED = {
     "inputs": set(),
     "arch": {"names", "errors"},
     "hooks": {"arch", "inputs", "errors"},
-    "capture": {"hooks", "arch", "selection", "inputs", "names", "errors"},
+    "files": set(),
+    "capture": {"hooks", "arch", "selection", "inputs", "names", "errors", "files"},
     "edit": {"hooks", "arch", "selection", "inputs", "names", "errors"},
     "compiling": {"hooks", "capture", "arch", "errors"},
 }

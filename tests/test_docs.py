@@ -49,6 +49,9 @@ def python_blocks(path: Path) -> list[Block]:
         start = i + 1
         end = start
         while end < len(lines) and not CLOSE.match(lines[end]):
+            if FENCE.match(lines[end]):  # an unclosed block would swallow the next one untested
+                raise AssertionError(f"{path}:{i + 1}: a ```python block that is never closed "
+                                     f"before line {end + 1}")
             end += 1
         if end == len(lines):
             raise AssertionError(f"{path}:{i + 1}: a ```python block that is never closed")
@@ -107,6 +110,10 @@ def test_a_failing_block_is_named_by_file_and_line(tmp_path: Path):
     message = str(caught.value)
     assert f"{page}:10 failed: NameError" in message  # the block, by file and line
     assert f'File "{page}", line 11' in message  # and the failing line inside it
+    unclosed = tmp_path / "unclosed.md"
+    unclosed.write_text("```python notest\n# needs a GPU\nx = 1\n\n```python\ny = 2\n```\n")
+    with pytest.raises(AssertionError, match="never closed before line 5"):
+        python_blocks(unclosed)
     bare = tmp_path / "bare.md"
     bare.write_text("```python notest\nimport cuda_only\n```\n")
     with pytest.raises(AssertionError, match="must say why"):

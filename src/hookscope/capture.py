@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from torch import Tensor, nn
 
 from .arch import Arch, PointSpec, arch_of, state_of
 from .errors import HookscopeError, PointNotReachedError, SelectionError
+from .files import write_atomic
 from .hooks import Hook, Hooks, grad_leaf
 from .inputs import attention_mask_of, call_model
 from .names import canonical, is_pattern
@@ -340,3 +342,16 @@ def points(model: nn.Module, example: Any = None, *, pattern: str | None = None)
         PointInfo(s.name, s.module or "<root>", s.io, s.view.label if s.view else "", shapes.get(s.name))
         for s in specs
     ]
+
+
+def save_tensors(path: str | os.PathLike, tensors: Mapping[str, Tensor], *,
+                 metadata: dict[str, str] | None = None) -> None:
+    """Write captured tensors to a .safetensors file, whole or not at all, with the umask's mode
+    (safetensors' own `save_file` makes it 0600)."""
+    from safetensors import SafetensorError
+    from safetensors.torch import save
+
+    try:
+        write_atomic(path, save({k: v.contiguous() for k, v in tensors.items()}, metadata=metadata))
+    except (OSError, SafetensorError) as e:
+        raise HookscopeError(f"cannot write the captures to {path}: {e}") from e

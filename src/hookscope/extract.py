@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import json
 import os
 import signal
 import sys
@@ -28,8 +27,8 @@ from .capture import Capture
 from .data import ReadMeter, batches, iter_documents, pack, pack_policy, source_chars, source_fingerprint
 from .errors import DataError, HookscopeError, StoreError
 from .images import extract_images, is_image_source
-from .inputs import max_positions  # its room is inputs.py; cli.py imports it from here
-from .models import load
+from .inputs import max_positions
+from .models import load, tokenizer_hash
 from .store import ShardWriter, merge_rank_manifests
 from .store.resume import deal_for
 from .summary import ExtractSummary, check_finite, sha256_text
@@ -59,12 +58,6 @@ class ExtractConfig:
     generate: int = 0  # --generate N: also store N greedy tokens after each sequence (generate.py)
 
 
-def _tokenizer_hash(tokenizer: Any) -> str:
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    return sha256_text(text)
-
-
 def settings_for(cfg: ExtractConfig, loaded, points: list[str]) -> dict:
     """Everything that shapes the stored rows: a store made with other settings is refused. The
     number of processes does not shape them: a store started by N processes is finished by M."""
@@ -73,7 +66,7 @@ def settings_for(cfg: ExtractConfig, loaded, points: list[str]) -> dict:
         "revision": cfg.revision,
         "model_class": type(loaded.model).__name__,
         "config_sha256": sha256_text(loaded.model.config.to_json_string(use_diff=False)),
-        "tokenizer_sha256": _tokenizer_hash(loaded.tokenizer),
+        "tokenizer_sha256": tokenizer_hash(loaded.tokenizer),
         "points": points,
         "dtype": cfg.dtype,
         "context": cfg.context,

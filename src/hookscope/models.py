@@ -8,7 +8,9 @@ transformers' `torch.load(weights_only=True)` for old `.bin` files): hookscope n
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib.util
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -60,6 +62,32 @@ def resolve_source(name_or_path: str | None) -> tuple[str, bool]:
     if name_or_path.startswith((".", "/", "~")):
         raise ModelLoadError(f"no model directory at {name_or_path}")
     return name_or_path, False  # a Hugging Face hub id
+
+
+def tokenizer_hash(tokenizer: Any) -> str:
+    """SHA-256 of a tokenizer's whole definition: a store records it, so that the tokens it holds are
+    decoded later with the tokenizer that made them."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def load_tokenizer(name: str, *, saved_alone: bool = False, sha256: str | None = None) -> Any:
+    """The tokenizer of a model `name` (a path, a hub id or the bundled default), or of a directory
+    holding a tokenizer saved alone (`saved_alone`, no config.json); refused when `sha256` is given
+    and is not its `tokenizer_hash`."""
+    from transformers import AutoTokenizer
+
+    source, local = (name, True) if saved_alone else resolve_source(name)
+    try:
+        tok = AutoTokenizer.from_pretrained(source, local_files_only=local)
+    except (OSError, ValueError) as e:
+        raise ModelLoadError(f"cannot load the tokenizer of {name!r} ({e}); "
+                             "give --tokenizer PATH_OR_ID") from e
+    if sha256 and tokenizer_hash(tok) != sha256:
+        raise ModelLoadError(f"the tokenizer of {name!r} is not the one this store was made with (its hash "
+                             "differs from the manifest's tokenizer_sha256); give the right --tokenizer")
+    return tok
 
 
 def load(

@@ -1,0 +1,58 @@
+"""`hookscope extract [MODEL] --out DIR`: stream points of a dataset to a sharded store."""
+
+from __future__ import annotations
+
+import sys
+
+from .args import DTYPES, at_least, model_args, points_arg, quiet_transformers
+
+
+def add_parser(sub) -> None:
+    from ..extract import DEFAULT_DATA, DEFAULT_POINT
+
+    p = sub.add_parser("extract", help="stream chosen points of a dataset to a sharded store (resumable)")
+    model_args(p)
+    p.add_argument("--out", required=True,
+                   help="store directory or URL (s3://, gs://, az://, hf://, memory://); "
+                        "re-run the same command to resume")
+    points_arg(p, default=[DEFAULT_POINT],
+               help=f"comma-separated point names or globs (default {DEFAULT_POINT})")
+    p.add_argument("--data", default=DEFAULT_DATA,
+                   help=".txt / .jsonl file, a directory of them, a saved HF dataset dir, hf:NAME[:split], "
+                        f"or {DEFAULT_DATA} (default; built offline from Python's docstrings)")
+    p.add_argument("--text-field", default="text", help="field holding the text in .jsonl / datasets")
+    p.add_argument("--context", type=int, default=128, help="tokens per packed sequence")
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--dtype", default="float16", choices=DTYPES)
+    p.add_argument("--keep-bos", action="store_true",
+                   help="also store BOS / CLS / SEP tokens (dropped by default)")
+    p.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
+    p.add_argument("--shard-rows", type=int, default=65536, help="rows per shard file")
+    p.add_argument("--on-nonfinite", default="warn", choices=["warn", "error"],
+                   help="NaN/Inf activations: count and report (warn), or refuse to write them (error)")
+    p.add_argument("--revision", default=None, help="model revision (hub ids)")
+    p.add_argument("--device-map", default=None,
+                   help="'auto' spreads a model bigger than one device (accelerate)")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--generate", type=at_least(0), default=0, metavar="N",
+                   help="also store N greedy tokens the model generates after each sequence")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ..extract import ExtractConfig, ExtractInterrupted, extract
+
+    quiet_transformers()
+    cfg = ExtractConfig(
+        out=args.out, model=args.model, points=args.points, data=args.data, text_field=args.text_field,
+        context=args.context, batch_size=args.batch_size, dtype=args.dtype, drop_bos=not args.keep_bos,
+        max_tokens=args.max_tokens, device=args.device, shard_rows=args.shard_rows,
+        on_nonfinite=args.on_nonfinite, revision=args.revision, progress=not args.no_progress,
+        device_map=args.device_map, generate=args.generate,
+    )
+    try:
+        print(extract(cfg))
+    except ExtractInterrupted as stop:  # Ctrl-C / SIGTERM: one line, not a traceback
+        print(f"hookscope: {stop}", file=sys.stderr)
+        return 130
+    return 0

@@ -1,0 +1,39 @@
+"""`hookscope inspect DIR`: summarise and verify a store."""
+
+from __future__ import annotations
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("inspect", help="summarise and check a store")
+    p.add_argument("dir", help="store directory or URL")
+    p.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of every shard")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ..errors import StoreError
+    from ..store import open_store
+
+    store = open_store(args.dir)
+    m = store.manifest
+    if len(store) == 0:
+        raise StoreError(f"{store.path} holds 0 rows: nothing was extracted into it yet (a run stopped "
+                         "before its first shard?); run the extract command again to fill it")
+    print(f"{store.path}: {len(store):,} rows in {store.num_shards} shards, {m.bytes / 2**20:,.1f} MiB")
+    settings = m.settings
+    for key in ("model", "data", "context", "batch_size", "dtype", "drop_bos", "world_size"):
+        if key in settings:
+            print(f"  {key}: {settings[key]}")
+    if m.world_size > 1 or m.generation:  # the settings no longer hold it (a resume may change it)
+        print(f"  processes: {m.world_size}" + (f" (in attempt {m.generation + 1})" if m.generation else ""))
+    print("  points:")
+    for name, col in store.points.items():
+        st = store.stats.get(name)
+        norms = f"row L2 norm {st.norm_mean:.3f} +/- {st.norm_std:.3f}" if st and st.norm_count else ""
+        bad = f", {st.nonfinite} NaN/Inf" if st and st.nonfinite else ""
+        print(f"    {name}: {list(col.shape)} {col.dtype}  {norms}{bad}")
+    print("  per-row columns: " + ", ".join(f"{k} ({v.dtype})" for k, v in store.meta.items()))
+    if not args.no_verify:
+        store.verify()
+        print(f"  verified: {store.num_shards} shards, sizes and SHA-256 match the manifest")
+    return 0
