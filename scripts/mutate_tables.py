@@ -14,6 +14,7 @@ every model, e.g. a block's input and its first norm's input): those are listed 
 from __future__ import annotations
 
 import argparse
+import collections
 import contextlib
 import dataclasses
 import io
@@ -153,18 +154,23 @@ def _moved(spec, arch, mutation):
     return dataclasses.replace(spec, module=target[0], io=target[1])
 
 
-def caught(mutation: Mutation, cases: list[str]) -> bool:
-    """The relation test of each case (called directly: pytest's start-up per mutation would
-    dominate the run), then, if all pass, the family's own tests under pytest."""
+def caught(mutation: Mutation, cases: list[str]) -> str | None:
+    """Which test caught the mutation: "relation" (a relation test's assertion), "error" (the
+    wrong entry made hookscope or the model raise), "family" (the family's own tests, run under
+    pytest when every relation test passed), or None.
+
+    The relation tests are called directly: pytest's start-up per mutation would dominate."""
     with applied(mutation):
         for case in cases:
             try:
                 test_relations.test_relations(case)
-            except Exception:  # an assertion, or an error the wrong entry causes: caught either way
-                return True
+            except AssertionError:
+                return "relation"
+            except Exception:
+                return "error"
         args = ["-x", "-q", "-p", "no:cacheprovider", "--no-header", "-W", "ignore"]
         with contextlib.redirect_stdout(io.StringIO()):
-            return pytest.main([*args, *FAMILY_TESTS[mutation.table]]) not in (0, 5)
+            return "family" if pytest.main([*args, *FAMILY_TESTS[mutation.table]]) not in (0, 5) else None
 
 
 def equivalent(mutation: Mutation, cases: list[str]) -> bool:
@@ -182,15 +188,20 @@ def equivalent(mutation: Mutation, cases: list[str]) -> bool:
     return True
 
 
-def run(table: str, cases: list[str]) -> tuple[int, int, list[str], list[str]]:
+def run(table: str, cases: list[str]) -> tuple[collections.Counter, int, list[str], list[str]]:
+    """Counts of caught mutations by what caught them, the number tried, survivors, equivalents."""
     found = mutations(table, cases)
+    by: collections.Counter = collections.Counter()
     survivors, same = [], []
     for mutation, where in found.items():
-        if not caught(mutation, where):
+        how = caught(mutation, where)
+        if how is None:
             (same if equivalent(mutation, where) else survivors).append(str(mutation))
-        elif str(mutation) in ISSUE_30:
-            print(f"    caught {mutation} (issue 30)", flush=True)
-    return len(found) - len(survivors) - len(same), len(found), survivors, same
+            continue
+        by[how] += 1
+        if str(mutation) in ISSUE_30:
+            print(f"    caught {mutation} (issue 30, by: {how})", flush=True)
+    return by, len(found) - len(same), survivors, same
 
 
 # the two wrong entries issue 30 found passing the suite before the relation tests
@@ -207,19 +218,24 @@ def main() -> int:
         model_type = family_models.build(case).config.model_type
         by_table.setdefault(_BY_MODEL_TYPE[model_type].__name__.rsplit(".", 1)[1], []).append(case)
     tables = args.tables or list(by_table)
-    total_caught = total = 0
+    overall: collections.Counter = collections.Counter()
+    total = 0
     for table in tables:
         start = time.perf_counter()
-        n_caught, n, survivors, same = run(table, by_table[table])
-        total_caught, total = total_caught + n_caught, total + n - len(same)
-        print(f"{table:10s} caught {n_caught} / {n - len(same)}  ({len(same)} equivalent, "
+        by, n, survivors, same = run(table, by_table[table])
+        overall, total = overall + by, total + n
+        print(f"{table:10s} caught {sum(by.values())} / {n}  ({_how(by)}; {len(same)} equivalent, "
               f"{time.perf_counter() - start:.0f} s; models: {', '.join(by_table[table])})", flush=True)
         for line in survivors:
             print(f"    SURVIVED {line}", flush=True)
         for line in same:
             print(f"    equivalent {line}", flush=True)
-    print(f"caught {total_caught} / {total} mutations")
-    return 0 if total_caught == total else 1
+    print(f"caught {sum(overall.values())} / {total} mutations ({_how(overall)})")
+    return 0 if sum(overall.values()) == total else 1
+
+
+def _how(by: collections.Counter) -> str:
+    return ", ".join(f"{by[k]} by {k}" for k in ("relation", "error", "family") if by[k])
 
 
 if __name__ == "__main__":
