@@ -169,8 +169,8 @@ def extract_case(model, layer: int, args) -> dict:
     """extract() over a generated corpus vs the truncated forward over the same packed batches."""
     import torch
 
-    from hookscope.data import batches, pack
     from hookscope.extract import ExtractConfig, extract
+    from hookscope.sources import batches, pack
     from hookscope.testing import train_tokenizer
 
     work = Path(tempfile.mkdtemp(prefix="hookscope-gpu-extract-"))

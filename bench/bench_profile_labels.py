@@ -30,14 +30,14 @@ CONFIGS = ("plain", "labels")
 def worker_forward(config: str, iters: int) -> dict:
     import torch
 
-    import hookscope as hs
+    from hookscope.arch import arch_of
     from hookscope.profiling.labels import BlockLabels, profiler_enabled
 
     common.setup_process()
     model = common.load_hf()
     ids = common.input_ids(model.config.vocab_size)
     assert not profiler_enabled()
-    labels = BlockLabels(model, hs.arch_of(model)) if config == "labels" else None
+    labels = BlockLabels(model, arch_of(model)) if config == "labels" else None
     if labels is not None:
         labels.__enter__()
     with torch.inference_mode():

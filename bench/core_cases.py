@@ -254,6 +254,7 @@ def small_fn(config: str) -> Callable[[], Any]:
     from hook_shapes import noop
 
     import hookscope as hs
+    from hookscope.hooks import add_hook
 
     model = common.load_hf(common.TINY_DIR)
     ids = common.input_ids(model.config.vocab_size, batch=1, seq=16)
@@ -264,7 +265,7 @@ def small_fn(config: str) -> Callable[[], Any]:
 
     if config in ("plain", "hook"):
         if config == "hook":  # attached for the life of the process: only the firing is timed
-            hs.add_hook(model, SMALL_POINT, noop)
+            add_hook(model, SMALL_POINT, noop)
         return plain
     if config == "capture":  # attach, full pass, detach: per call
         def capture() -> Any:

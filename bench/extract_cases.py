@@ -73,7 +73,7 @@ def packed_batches(tokens: int) -> list[dict]:
     """The batches `hookscope extract` runs on, built the same way (data.pack + data.batches)."""
     from transformers import AutoTokenizer
 
-    from hookscope.data import batches, iter_documents, pack
+    from hookscope.sources import batches, iter_documents, pack
 
     tokenizer = AutoTokenizer.from_pretrained(common.GPT2_SMALL_DIR)
     sequences = pack(iter_documents(DATA), tokenizer, context=CONTEXT, max_tokens=tokens)
@@ -102,7 +102,7 @@ def run_floor(clock: Clock, tokens: int) -> None:
 
 
 def run_extract(clock: Clock, tokens: int, shard_rows: int, out: Path) -> None:
-    import hookscope.extract
+    import hookscope.extract.loop
     from hookscope.cli import main
     from hookscope.store import ShardWriter
 
@@ -118,7 +118,7 @@ def run_extract(clock: Clock, tokens: int, shard_rows: int, out: Path) -> None:
             super().close()
             clock.stop()
 
-    hookscope.extract.ShardWriter = TimedWriter
+    hookscope.extract.loop.ShardWriter = TimedWriter
     if main(extract_argv(tokens, shard_rows, out)) != 0:
         raise SystemExit("hookscope extract failed")
 

@@ -32,7 +32,7 @@ import test_relations  # noqa: E402
 import torch  # noqa: E402
 
 import hookscope as hs  # noqa: E402
-from hookscope.arch import _BY_MODEL_TYPE  # noqa: E402
+from hookscope.arch import _BY_MODEL_TYPE, arch_of  # noqa: E402
 
 # the family's own tests (beside tests/test_relations.py), per table
 FAMILY_TESTS = {
@@ -114,7 +114,7 @@ def mutations(table: str, cases: list[str]) -> dict[Mutation, list[str]]:
     found: dict[Mutation, list[str]] = {}
     for case in cases:
         model = family_models.build(case)
-        arch = hs.arch_of(model)
+        arch = arch_of(model)
         seen = set()
         for name, spec in arch.specs.items():
             key = key_of(name)
@@ -176,7 +176,7 @@ def caught(mutation: Mutation, cases: list[str]) -> str | None:
 def equivalent(mutation: Mutation, cases: list[str]) -> bool:
     """The wrong place holds the same tensors as the right one on every model it applies to."""
     for case in cases:
-        names = [n for n in hs.arch_of(family_models.build(case)).names if key_of(n) == mutation.key]
+        names = [n for n in arch_of(family_models.build(case)).names if key_of(n) == mutation.key]
         right = hs.collect(family_models.build(case), family_models.inputs(case), names)
         with applied(mutation):
             try:

@@ -25,9 +25,14 @@ def _torchrun(nproc: int) -> list[str]:
             "--master-addr", "127.0.0.1", "--master-port", port]
 
 
+def _origin(store) -> torch.Tensor:
+    """What orders a one-process run's rows: the packed sequence (text), else the image."""
+    return store.tensor("seq_ids" if "seq_ids" in store.manifest.columns else "doc_ids")
+
+
 def in_batch_order(store) -> dict[str, torch.Tensor]:
-    """Every column, rows sorted stably by packed sequence: the order of a one-process run."""
-    order = torch.sort(store.tensor("seq_ids"), stable=True).indices
+    """Every column, rows sorted stably by packed sequence (or image): a one-process run's order."""
+    order = torch.sort(_origin(store), stable=True).indices
     return {name: store.tensor(name)[order] for name in store.manifest.columns}
 
 
@@ -47,8 +52,8 @@ def run_elastic(cli: list[str], first: int, then: int, kill_at: str) -> None:
 
 def assert_same_rows_as(got_path, reference_path, first: int, then: int) -> None:
     got, want = open_store(got_path, verify=True), open_store(reference_path)
-    seq_ids = want.tensor("seq_ids")
-    assert torch.equal(seq_ids, torch.sort(seq_ids).values)  # one process writes them in order
+    origin = _origin(want)
+    assert torch.equal(origin, torch.sort(origin).values)  # one process writes them in order
     a, b = in_batch_order(got), in_batch_order(want)
     assert a.keys() == b.keys() and len(got) == len(want) > 0
     for name in b:

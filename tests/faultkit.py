@@ -47,9 +47,10 @@ def shard_digests(out: Path) -> dict[str, str]:
 
 
 def row_keys(store) -> Counter:
-    """Each row's origin (packed sequence, document, position in the document), with multiplicity."""
-    return Counter(zip(store.tensor("seq_ids").tolist(), store.tensor("doc_ids").tolist(),
-                       store.tensor("positions").tolist(), strict=True))
+    """Each row's origin, with multiplicity: (packed sequence, document, position in the document)
+    for text; (image, token position) for images, which have no packed sequences."""
+    names = [n for n in ("seq_ids", "doc_ids", "positions") if n in store.manifest.columns]
+    return Counter(zip(*(store.tensor(n).tolist() for n in names), strict=True))
 
 
 def compare_stores(got: Path, want: Path) -> dict[str, Any]:

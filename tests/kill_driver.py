@@ -37,6 +37,7 @@ handle it as it would a Ctrl-C or a scheduler's stop (no half-written files are 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import signal
@@ -46,11 +47,14 @@ from typing import Any
 
 import torch
 
-from hookscope import extract as extract_module
 from hookscope.extract import ExtractConfig, extract
+from hookscope.sources import text as text_source
 from hookscope.store import ShardWriter
 from hookscope.store import fs as fs_module
 from hookscope.store import writer as writer_module
+
+# the module, not the function `hookscope.extract` that the package exports under the same name
+extract_module = importlib.import_module("hookscope.extract")
 
 SITES = ("replace", "rename", "manifest-replace", "save", "manifest-write", "fsync", "batch", "forward",
          "tokenize", "upload", "put", "manifest-put")
@@ -95,7 +99,7 @@ def arm(kill_at: str) -> Plan:
     if plan.kind == "never":
         return plan
     real_replace, real_fsync, real_save = os.replace, os.fsync, writer_module.save_file
-    real_write, real_pack = ShardWriter.write, extract_module.pack
+    real_write, real_pack = ShardWriter.write, text_source.pack
 
     def replace(src, dst):
         due = [plan.event("replace")]
@@ -151,7 +155,7 @@ def arm(kill_at: str) -> Plan:
 
     fs_module.Remote.upload, fs_module.Remote.write = upload, put
     os.replace, os.fsync, writer_module.save_file = replace, fsync, save_file
-    ShardWriter.write, extract_module.pack = write, pack
+    ShardWriter.write, text_source.pack = write, pack
     torch.nn.modules.module.register_module_forward_pre_hook(forward)
     return plan
 

@@ -1,11 +1,13 @@
-"""The rooms import one way (docs/architecture.md): read every module's imports, lazy ones inside
-functions included, and fail on an import against the flow or a circle."""
+"""The rooms import one way, as the table in docs/architecture.md says (the one copy of it): read
+every module's imports, lazy ones inside functions included, and fail on a room missing from the
+table, an import against it, or a circle; and no module over 400 lines, no function over 80."""
 
 from __future__ import annotations
 
 import ast
 import builtins
 import inspect
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -13,6 +15,7 @@ import pytest
 import hookscope as hs
 
 SRC = Path(hs.__file__).resolve().parent
+ARCHITECTURE_MD = SRC.parents[1] / "docs" / "architecture.md"
 
 
 def room_of(module: str) -> str:
@@ -29,18 +32,35 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def imports_of(path: Path) -> set[str]:
-    """Every hookscope module `path` imports, anywhere in the file (TYPE_CHECKING blocks aside)."""
-    tree = ast.parse(path.read_text())
-    package = module_name(path) if path.name == "__init__.py" else module_name(path).rsplit(".", 1)[0]
+@dataclass(frozen=True)
+class Import:
+    target: str  # the hookscope module imported
+    line: int
+    lazy: bool  # inside a function: runs later, and still couples the two rooms
+
+
+def _exists(module: str) -> bool:
+    path = SRC.parent / module.replace(".", "/")
+    return path.with_suffix(".py").exists() or path.is_dir()
+
+
+def imports_in(source: str, module: str, *, is_package: bool) -> list[Import]:
+    """Every hookscope module `source` (the text of `module`) imports, anywhere in it, but for
+    imports only type checkers read (`if TYPE_CHECKING:`)."""
+    tree = ast.parse(source)
+    package = module if is_package else module.rsplit(".", 1)[0]
     skip: set[int] = set()
-    for node in ast.walk(tree):  # imports only for type checkers never run
+    in_function: set[int] = set()
+    for node in ast.walk(tree):
         if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
             skip |= {id(n) for n in ast.walk(node)}
-    found: set[str] = set()
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            in_function |= {id(n) for n in ast.walk(node)}
+    found: list[Import] = []
     for node in ast.walk(tree):
-        if id(node) in skip:
+        if id(node) in skip or not isinstance(node, (ast.Import, ast.ImportFrom)):
             continue
+        targets: list[str] = []
         if isinstance(node, ast.ImportFrom):
             if node.level:
                 base = package.split(".")
@@ -48,41 +68,102 @@ def imports_of(path: Path) -> set[str]:
                 target = ".".join(base + ([node.module] if node.module else []))
             else:
                 target = node.module or ""
-            if not target.startswith("hookscope"):
+            if target.startswith("hookscope"):  # `from . import images` imports hookscope.images
+                targets = [f"{target}.{a.name}" if _exists(f"{target}.{a.name}") else target
+                           for a in node.names]
+        else:
+            targets = [a.name for a in node.names if a.name.startswith("hookscope")]
+        found += [Import(t, node.lineno, id(node) in in_function) for t in targets if t != module]
+    return found
+
+
+def imports_of(path: Path) -> list[Import]:
+    return imports_in(path.read_text(), module_name(path), is_package=path.name == "__init__.py")
+
+
+GRAPH = {module_name(p): {i.target for i in imports_of(p)} for p in SRC.rglob("*.py")}
+ROOMS = sorted({room_of(m) for m in GRAPH})
+
+
+def read_table(text: str) -> dict[str, set[str]]:
+    """docs/architecture.md's table -> {room: the rooms it may import}, in the table's order.
+    A room names only rooms above it (`everything`: all of them), so the table has no circle."""
+    allowed: dict[str, set[str]] = {}
+    for row in text.splitlines():
+        cells = [c.strip() for c in row.split("|")]
+        if not row.startswith("| `") or len(cells) < 4:
+            continue
+        room = cells[1].strip("`").removesuffix("/").removesuffix(".py")
+        may = cells[-2]
+        names = set(allowed) if may == "everything" else {n.strip(" `") for n in may.split(",")} - {"none"}
+        above = names - set(allowed)
+        assert not above, f"{room} may import {sorted(above)}, which the table does not list above it"
+        allowed[room] = names
+    return allowed
+
+
+ALLOWED = read_table(ARCHITECTURE_MD.read_text())
+
+# Imports against the flow that another branch of issue 28 removes: the store still reaches up into
+# its readers for `Store.top` / `Store.to_hf_dataset` (store-fs moves them to `hs.top(store, ...)` and
+# the export room). The lead empties this list when that lands; an entry that is no longer an
+# import fails below, so that it is not forgotten.
+KNOWN_AGAINST_THE_FLOW = {("hookscope.store.reader", "top"), ("hookscope.store.reader", "export")}
+
+
+def test_every_room_is_in_the_table_and_every_row_is_a_room():
+    missing, extra = sorted(set(ROOMS) - set(ALLOWED)), sorted(set(ALLOWED) - set(ROOMS))
+    assert not missing and not extra, (f"rooms missing from docs/architecture.md: {missing}; "
+                                       f"rows for no room: {extra}")
+
+
+@pytest.mark.parametrize("room", ROOMS)
+def test_every_room_imports_one_way(room):
+    bad = []
+    for path in sorted(SRC.rglob("*.py")):
+        module = module_name(path)
+        if room_of(module) != room:
+            continue
+        for imp in imports_of(path):
+            other = room_of(imp.target)
+            allowed = other == room or other in ALLOWED.get(room, set())
+            if allowed or (module, other) in KNOWN_AGAINST_THE_FLOW:
                 continue
-            for alias in node.names:  # `from . import compiling` imports the module hookscope.compiling
-                sub = f"{target}.{alias.name}"
-                found.add(sub if (SRC.parent / (sub.replace(".", "/") + ".py")).exists()
-                          or (SRC.parent / sub.replace(".", "/")).is_dir() else target)
-        elif isinstance(node, ast.Import):
-            found |= {a.name for a in node.names if a.name.startswith("hookscope")}
-    return found - {module_name(path)}
+            how = "lazily, inside a function" if imp.lazy else "at module level"
+            bad.append(f"{module} imports {imp.target} ({how}, line {imp.line})")
+    assert not bad, "against the table in docs/architecture.md:\n" + "\n".join(bad)
 
 
-GRAPH = {module_name(p): imports_of(p) for p in SRC.rglob("*.py")}
-
-# room -> rooms of ours it may import (docs/architecture.md)
-ALLOWED = {
-    "errors": set(),
-    "names": {"errors"},
-    "selection": {"errors"},
-    "inputs": set(),
-    "arch": {"names", "errors"},
-    "hooks": {"arch", "inputs", "errors"},
-    "files": set(),
-    "capture": {"hooks", "arch", "selection", "inputs", "names", "errors", "files"},
-    "edit": {"hooks", "arch", "selection", "inputs", "names", "errors"},
-    "compiling": {"hooks", "capture", "arch", "errors"},
-}
+def test_the_known_exceptions_are_still_needed():
+    stale = [pair for pair in KNOWN_AGAINST_THE_FLOW
+             if not any(room_of(t) == pair[1] for t in GRAPH.get(pair[0], ()))]
+    assert not stale, f"remove {stale} from KNOWN_AGAINST_THE_FLOW: the import is gone"
 
 
-@pytest.mark.parametrize("room", sorted(ALLOWED))
-def test_core_rooms_import_one_way(room):
-    modules = [m for m in GRAPH if room_of(m) == room]
-    assert modules, room
-    for module in modules:
-        bad = {room_of(t) for t in GRAPH[module]} - ALLOWED[room] - {room}
-        assert not bad, f"{module} imports {sorted(bad)}, against the flow in docs/architecture.md"
+def test_the_checker_sees_lazy_relative_and_package_imports():
+    """What the checks above rely on, on a module written here: a store module that reaches up."""
+    source = (
+        "from typing import TYPE_CHECKING\n"
+        "from .manifest import Manifest\n"
+        "from .. import images\n"
+        "import hookscope.capture\n"
+        "if TYPE_CHECKING:\n"
+        "    from ..models import Loaded\n"
+        "def top(self):\n"
+        "    from ..top import top\n"
+    )
+    found = imports_in(source, "hookscope.store.reader", is_package=False)
+    assert {(i.target, i.lazy) for i in found} == {
+        ("hookscope.store.manifest", False), ("hookscope.images", False), ("hookscope.capture", False),
+        ("hookscope.top", True)}
+
+
+def test_the_table_reader_refuses_an_import_of_a_room_below():
+    table = "| `errors.py` | e | none |\n| `store/` | s | errors, top |\n| `top/` | t | store |\n"
+    with pytest.raises(AssertionError, match=r"store may import \['top'\]"):
+        read_table(table)
+    assert read_table("| `a.py` | x | none |\n| `b/` | y | a |\n| `cli/` | z | everything |\n") == {
+        "a": set(), "b": {"a"}, "cli": {"a", "b"}}
 
 
 def test_hooks_and_capture_never_import_the_compile_layer():
@@ -139,15 +220,46 @@ def test_the_public_surface_is_listed_once():
 
     assert hs.__version__ == version("hookscope")
     # what the public functions hand back is public too
-    for cls in ("Capture", "Edits", "Store", "ActivationDataset", "Loaded", "Selection", "PointDict"):
+    for cls in ("Capture", "Edits", "Store", "ActivationDataset", "Loaded", "Selection", "PointDict",
+                "Generation", "ProfileReport", "PointInfo", "ExtractConfig", "ExtractSummary", "TopResult",
+                "Manifest", "Column", "PointStats", "SaelensExport"):
         assert cls in hs.__all__, cls
+    for verb in ("load", "points", "hooks", "collect", "capture", "grads", "generate", "edit", "extract",
+                 "open_store", "top", "export_saelens", "export_hf", "profile", "compile_model"):
+        assert callable(getattr(hs, verb)) and verb in hs.__all__, verb
+
+
+def test_the_public_verbs_say_what_they_return():
+    """Each verb's return annotation is the public type it hands back (evaluated in the verb's own
+    module: the annotations are strings under `from __future__ import annotations`)."""
+    want = {"collect": hs.PointDict, "grads": hs.PointDict, "capture": hs.Capture, "load": hs.Loaded,
+            "extract": hs.ExtractSummary, "generate": hs.Generation, "open_store": hs.Store,
+            "top": hs.TopResult, "export_saelens": hs.SaelensExport}
+    for verb, cls in want.items():
+        fn = getattr(hs, verb)
+        returned = fn.__annotations__["return"]
+        assert eval(returned, fn.__globals__) is cls, f"hs.{verb} is annotated to return {returned}"
+
+
+def test_the_extension_api_is_in_its_submodules_not_at_the_top():
+    import importlib
+
+    # the modules (hs.hooks is the function of the same name)
+    arch, compiling, hooks = (importlib.import_module(f"hookscope.{m}") for m in ("arch", "compiling",
+                                                                                   "hooks"))
+    for name, home in (("Arch", arch), ("PointSpec", arch), ("arch_of", arch), ("Hook", hooks),
+                       ("add_hook", hooks), ("compile_stats", compiling)):
+        assert name not in hs.__all__ and hasattr(home, name), name
+    assert "compiling" not in hs.__all__ and not hasattr(compiling, "clones_outputs")
 
 
 def test_no_module_and_no_public_keyword_shadows_a_builtin():
     shadowed = set(dir(builtins))
     assert not [p for p in SRC.rglob("*.py") if p.stem in shadowed]
-    assert not hasattr(hs, "compile")  # the policy is hs.compile_model; the module hs.compiling
-    assert hs.compile_model is hs.compiling.compile_model
+    assert not hasattr(hs, "compile")  # the policy is hs.compile_model; the module hookscope.compiling
+    from hookscope import compiling
+
+    assert hs.compile_model is compiling.compile_model
     for name in hs.__all__:
         obj = getattr(hs, name)
         try:
@@ -156,3 +268,65 @@ def test_no_module_and_no_public_keyword_shadows_a_builtin():
             continue
         bad = [p for p in parameters if p in shadowed]
         assert not bad, f"hs.{name} takes {bad}, named like Python builtins"
+
+
+MAX_MODULE_LINES = 400
+MAX_FUNCTION_LINES = 80
+
+# Still over the limits on main, each being split by another branch of issue 28 (store-fs: the store's
+# modules; extract-loop: data.py and the loop; generate-core: generate.py). The lead empties these
+# when those land; an entry no longer over its limit fails below, so that it is not forgotten.
+OVERSIZED_MODULES = {"hookscope.data", "hookscope.generate", "hookscope.store.dataset",
+                     "hookscope.store.manifest", "hookscope.store.reader", "hookscope.store.writer"}
+OVERSIZED_FUNCTIONS = {"hookscope.extract:_extract", "hookscope.generate:generate"}
+
+
+def function_lengths(source: str, module: str) -> dict[str, int]:
+    """`module:Qual.name` -> lines from its first decorator (or `def`) to its last line."""
+    lengths: dict[str, int] = {}
+
+    def visit(node: ast.AST, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                name = prefix + child.name
+                if not isinstance(child, ast.ClassDef):
+                    first = min([child.lineno] + [d.lineno for d in child.decorator_list])
+                    lengths[f"{module}:{name}"] = child.end_lineno - first + 1
+                visit(child, name + ".")
+            else:
+                visit(child, prefix)
+
+    visit(ast.parse(source), "")
+    return lengths
+
+
+def sizes() -> tuple[dict[str, int], dict[str, int]]:
+    modules, functions = {}, {}
+    for path in SRC.rglob("*.py"):
+        source = path.read_text()
+        modules[module_name(path)] = len(source.splitlines())
+        functions |= function_lengths(source, module_name(path))
+    return modules, functions
+
+
+def test_no_module_over_400_lines_and_no_function_over_80():
+    modules, functions = sizes()
+    long_modules = {m: n for m, n in modules.items() if n > MAX_MODULE_LINES and m not in OVERSIZED_MODULES}
+    long_functions = {f: n for f, n in functions.items()
+                      if n > MAX_FUNCTION_LINES and f not in OVERSIZED_FUNCTIONS}
+    assert not long_modules and not long_functions, (
+        f"modules over {MAX_MODULE_LINES} lines: {long_modules}; functions over {MAX_FUNCTION_LINES} lines: "
+        f"{long_functions}")
+
+
+def test_the_oversized_allow_lists_hold_only_what_is_still_oversized():
+    modules, functions = sizes()
+    done = sorted(m for m in OVERSIZED_MODULES if modules.get(m, 0) <= MAX_MODULE_LINES)
+    done += sorted(f for f in OVERSIZED_FUNCTIONS if functions.get(f, 0) <= MAX_FUNCTION_LINES)
+    assert not done, f"now within the limits (or gone): remove {done} from the allow-lists"
+
+
+def test_function_lengths_count_decorators_and_name_methods_by_class():
+    source = ("class A:\n    @staticmethod\n    def f():\n"
+              "        def g():\n            pass\n        return 1\n")
+    assert function_lengths(source, "m") == {"m:A.f": 5, "m:A.f.g": 2}

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor, nn
 
 import hookscope as hs
+from hookscope.arch import arch_of
 from hookscope.hooks import hook_count
 
 OUT, IN = "output", "input"
@@ -224,7 +225,7 @@ def subject(request, make_ids) -> tuple[nn.Module, Any]:
 
 def test_every_point_equals_plain_hooks(subject):
     model, inputs = subject
-    arch = hs.arch_of(model)
+    arch = arch_of(model)
     assert set(arch.names) == reference_names(model), "the reference must cover every canonical point"
     names = [n for n in arch.names if not n.endswith("attn.pattern")]  # patterns: eager only, below
     want = reference(model, inputs, names)
@@ -238,7 +239,7 @@ def test_every_point_equals_plain_hooks(subject):
 
 def test_attention_pattern_equals_eager_weights(subject):
     model, inputs = subject
-    names = [n for n in hs.arch_of(model).names if n.endswith("attn.pattern")]
+    names = [n for n in arch_of(model).names if n.endswith("attn.pattern")]
     # A stopped pass runs a decoder with use_cache=False (it would throw the cache away), and the
     # two forwards may round differently: with the cache, keys come out of a torch.cat in another
     # memory layout (1 ulp apart on an AMD EPYC, equal on a Xeon). So each capture is compared with
@@ -291,7 +292,7 @@ def test_residual_stream_adds_up(tiny, make_ids):
 def test_points_lists_shapes(gpt2, ids):
     infos = hs.points(gpt2, ids)
     by_name = {p.name: p for p in infos}
-    assert [p.name for p in infos] == hs.arch_of(gpt2).names
+    assert [p.name for p in infos] == arch_of(gpt2).names
     want = reference(gpt2, ids, [n for n in by_name if not n.endswith("attn.pattern")])
     for name, act in want.items():
         assert by_name[name].shape == tuple(act.shape), name

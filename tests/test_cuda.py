@@ -165,8 +165,8 @@ def test_steer_and_ablate_equal_hand_written_hooks(model_dirs, device):
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_extract_round_trip_equals_plain_hooks(model_dirs, device, tmp_path):
-    from hookscope.data import batches, iter_documents, pack
     from hookscope.extract import ExtractConfig, extract
+    from hookscope.sources import batches, iter_documents, pack
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"Document {i} talks about hooks, layers and the residual stream."

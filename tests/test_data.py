@@ -13,10 +13,17 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-from hookscope import data
-from hookscope.data import BUILTIN_STDLIB, batches, iter_documents, pack, pack_policy, source_fingerprint
 from hookscope.errors import DataError, StoreError
 from hookscope.hub import OFFLINE_VARIABLES
+from hookscope.sources import (
+    BUILTIN_STDLIB,
+    batches,
+    documents,
+    iter_documents,
+    pack,
+    pack_policy,
+    source_fingerprint,
+)
 
 DOCS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -112,7 +119,7 @@ def test_a_hub_name_goes_to_load_dataset_streaming(monkeypatch):
         return datasets.Dataset.from_dict({"text": ["hub doc"]})
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
-    monkeypatch.setattr(data, "unreachable_reason", lambda: None)  # as if the hub answered
+    monkeypatch.setattr(documents, "unreachable_reason", lambda: None)  # as if the hub answered
     assert list(iter_documents("hf:owner/corpus:en", split="validation")) == ["hub doc"]
     assert list(iter_documents("hf:owner/corpus")) == ["hub doc"]
     assert calls == [(("owner/corpus", "en"), {"split": "validation", "streaming": True}),
@@ -193,7 +200,7 @@ def test_the_stdlib_corpus_is_sizeable_and_identical_every_time():
     assert len(docs) > 3000 and 900_000 < sum(map(len, docs)) < 2_000_000
     assert all(d.strip() == d and d for d in docs)
     assert docs[0].startswith("Abstract Base Classes (ABCs) for collections, according to PEP 3119.")
-    data._stdlib_docstrings.cache_clear()  # parsed again from the source files, not served from the cache
+    documents.stdlib_docstrings.cache_clear()  # parsed again from the source files, not served from the cache
     assert list(iter_documents(BUILTIN_STDLIB)) == docs
 
 

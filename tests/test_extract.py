@@ -1,5 +1,6 @@
 """The extraction pipeline end to end: round trip against plain hooks, resume after SIGKILL,
-torchrun, and the bad inputs a user can hit."""
+torchrun, and the bad inputs a user can hit. The SIGKILL and elastic-resume tests run for every
+source (tests/source_kit.py: text, text + generated continuation, images)."""
 
 from __future__ import annotations
 
@@ -14,10 +15,11 @@ from pathlib import Path
 import pytest
 import torch
 from elastic_kit import assert_same_rows_as, run_elastic
+from source_kit import SOURCES, Case, PerSource, make_case
 
 import hookscope as hs
-from hookscope.data import batches, iter_documents, pack
 from hookscope.extract import ExtractConfig, extract
+from hookscope.sources import batches, iter_documents, pack
 from hookscope.store import open_store
 
 HERE = Path(__file__).parent
@@ -44,6 +46,25 @@ def config(tiny_dirs, corpus, out, **overrides) -> ExtractConfig:
                 points=["blocks.1.resid_post", "blocks.0.mlp.post"],
                 data=str(corpus), context=32, batch_size=4, dtype="float16", shard_rows=150, progress=False)
     return ExtractConfig(**{**base, **overrides})
+
+
+@pytest.fixture(scope="module")
+def cases(tiny_dirs, tmp_path_factory) -> dict[str, Case]:
+    root = tmp_path_factory.mktemp("sources")
+    return {source: make_case(source, tiny_dirs, root / source, docs=40, images=60, dtype="float16",
+                              points=["blocks.1.resid_post", "blocks.0.mlp.post"], shard_rows=150)
+            for source in SOURCES}
+
+
+@pytest.fixture(scope="module")
+def references(cases, tmp_path_factory) -> dict[str, Path]:
+    """Each source's uninterrupted one-process store, made when a test first asks for it."""
+    def make(source: str) -> Path:
+        out = tmp_path_factory.mktemp(f"ref-{source}") / "store"
+        extract(ExtractConfig(**cases[source].config(out)))
+        return out
+
+    return PerSource(make)
 
 
 def shard_digests(out: Path) -> dict[str, str]:
@@ -100,9 +121,11 @@ KILL_POINTS = ["save:2", "replace:2:after", "replace:3:before", "replace:5:after
 
 
 @pytest.mark.parametrize("kill_at", KILL_POINTS)
-def test_resume_after_sigkill_equals_uninterrupted(tiny_dirs, corpus, reference_store, tmp_path, kill_at):
+@pytest.mark.parametrize("source", SOURCES)
+def test_resume_after_sigkill_equals_uninterrupted(cases, references, tmp_path, source, kill_at):
+    reference_store = references[source]
     out = tmp_path / "store"
-    cfg = config(tiny_dirs, corpus, out).__dict__
+    cfg = cases[source].config(out)
     cmd = [sys.executable, str(HERE / "kill_driver.py"), json.dumps(cfg), kill_at]
     killed = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert killed.returncode == -9, killed.stderr[-2000:]  # it really died by SIGKILL, mid-run
@@ -189,15 +212,13 @@ def test_torchrun_two_processes_same_rows(tiny_dirs, corpus, reference_store, tm
 
 
 @pytest.mark.parametrize(("first", "then"), [(2, 1), (1, 2)])
-def test_elastic_resume_with_another_number_of_processes(tiny_dirs, corpus, reference_store, tmp_path,
-                                                           first, then):
-    """Started by `first` processes, killed, finished by `then`: the rows of an uninterrupted run."""
+@pytest.mark.parametrize("source", SOURCES)
+def test_elastic_resume_with_another_number_of_processes(cases, references, tmp_path, source, first, then):
+    """Started by `first` processes, killed, finished by `then`: the rows of an uninterrupted run
+    (before, image extraction refused torchrun)."""
     out = tmp_path / "store"
-    cli = ["extract", str(tiny_dirs["gpt2"]), "--out", str(out), "--points",
-           "blocks.1.resid_post,blocks.0.mlp.post", "--data", str(corpus), "--context", "32",
-           "--batch-size", "4", "--shard-rows", "150", "--no-progress"]
-    run_elastic(cli, first, then, kill_at="manifest-replace:2:after")  # each rank: after its first shard
-    assert_same_rows_as(out, reference_store, first, then)
+    run_elastic(cases[source].cli(out), first, then, kill_at="manifest-replace:2:after")  # after shard 1
+    assert_same_rows_as(out, references[source], first, then)
 
 
 def test_cli_extract_and_inspect(tiny_dirs, corpus, tmp_path, capsys):
@@ -222,3 +243,34 @@ def test_cli_extract_and_inspect(tiny_dirs, corpus, tmp_path, capsys):
     assert main(["inspect", str(out)]) == 2
     assert shard.name in capsys.readouterr().err
 
+
+
+def _sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_settings_are_those_stores_were_made_with(tiny_dirs, cases, references):
+    """A store's settings, key for key and in order, as b05e947's extract.settings_for wrote them:
+    a store made before the sources room resumes (another hash would refuse it)."""
+    loaded = hs.load(cases["text"].fields["model"])
+    for source, extra in (("text", {}), ("generated", {"generate": 2})):
+        case = cases[source]
+        got = open_store(references[source]).manifest.settings
+        assert list(got.items()) == list({**_settings_of(case, loaded), **extra}.items())
+
+
+def _settings_of(case: Case, loaded: hs.Loaded) -> dict:
+    corpus = Path(case.fields["data"])
+    return {
+        "model": case.fields["model"], "revision": None, "model_class": "GPT2LMHeadModel",
+        "config_sha256": _sha256(loaded.model.config.to_json_string(use_diff=False).encode()),
+        "tokenizer_sha256": _sha256(loaded.tokenizer.backend_tokenizer.to_str().encode()),
+        "points": ["blocks.1.resid_post", "blocks.0.mlp.post"], "dtype": "float16", "context": 32,
+        "batch_size": 4, "drop_bos": True,
+        "packing": {"start": loaded.tokenizer.bos_token, "separator": loaded.tokenizer.eos_token,
+                    "rule": "start token opens every sequence; separator between documents"},
+        "data": str(corpus),
+        "data_fingerprint": {"kind": "file", "bytes": corpus.stat().st_size,
+                             "sha256": _sha256(corpus.read_bytes())},
+        "python": None, "text_field": "text",
+    }

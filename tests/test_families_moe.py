@@ -16,6 +16,7 @@ from family_paths import OUT, moe_paths, reference, same
 from torch.overrides import TorchFunctionMode
 
 import hookscope as hs
+from hookscope.arch import arch_of
 from hookscope.errors import HookscopeError
 from hookscope.experts import ablate_expert, force_route
 from hookscope.testing import MOE_FAMILIES, save_tiny
@@ -39,8 +40,8 @@ def _ids(model, batch=2, seq=7, seed=1):
 
 def test_points_named(moe):
     family, model = moe
-    names = hs.arch_of(model).names
-    assert hs.arch_of(model).family == family
+    names = arch_of(model).names
+    assert arch_of(model).family == family
     for suffix in ("mlp.router.logits", "mlp.router.weights", "mlp.router.indices", "mlp.router.routing",
                    "mlp.experts.3.post", "mlp.experts.0.tokens", "mlp.experts.out", "mlp.out", "attn.z"):
         assert f"blocks.1.{suffix}" in names
@@ -51,7 +52,7 @@ def test_plain_points_equal_forward_hooks(moe):
     """Every point but the per-expert ones (next tests) equals a plain hook on its module path,
     written by hand in family_paths.py."""
     family, model = moe
-    arch = hs.arch_of(model)
+    arch = arch_of(model)
     ids = _ids(model)
     ref = reference(model, moe_paths(model), {"input_ids": ids, "use_cache": False})
     assert set(ref) == {n for n in arch.names if ".mlp.experts." not in n or n.endswith("experts.out")}
@@ -274,7 +275,7 @@ def test_qwen2_moe_dense_layers_get_dense_points(tmp_path):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, mlp_only_layers=[0]).eval()
-    arch = hs.arch_of(model)
+    arch = arch_of(model)
     assert "blocks.0.mlp.pre" in arch.names and "blocks.0.mlp.router.logits" not in arch.names
     assert "blocks.1.mlp.router.logits" in arch.names and "blocks.1.mlp.pre" not in arch.names
     ids = _ids(model)

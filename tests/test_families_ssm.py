@@ -10,6 +10,7 @@ import torch
 from family_paths import reference, ssm_paths
 
 import hookscope as hs
+from hookscope.arch import arch_of
 from hookscope.testing import SSM_FAMILIES, save_tiny
 
 N_LAYERS = 3
@@ -28,7 +29,7 @@ def _ids(model, seed=0):
 
 def test_every_point_equals_a_forward_hook(ssm):
     family, model = ssm
-    arch = hs.arch_of(model)
+    arch = arch_of(model)
     assert arch.family == family and arch.n_layers == N_LAYERS
     assert {"blocks.2.mixer.in", "blocks.2.mixer.out", "blocks.2.resid_post"} <= set(arch.names)
     ids = _ids(model)
@@ -63,7 +64,7 @@ def test_mixer_out_is_what_the_block_adds(ssm):
 
 def test_early_stop_skips_later_blocks(ssm):
     family, model = ssm
-    arch = hs.arch_of(model)
+    arch = arch_of(model)
     blocks = [model.get_submodule(p) for p in arch.block_paths]
     calls = [0] * N_LAYERS
     handles = [b.register_forward_pre_hook(lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))

@@ -2,7 +2,7 @@
 their image processor: every point equals a plain register_forward_hook on a module path written
 by hand in family_paths.py (never read from the table under test), positions are
 CLS + patches, early stop skips later blocks, and `extract --data images:DIR` round-trips rows
-traced to their image and patch (hookscope.images)."""
+traced to their image and patch (hookscope.sources.images)."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ from family_paths import reference, vision_paths
 from PIL import Image
 
 import hookscope as hs
+from hookscope.arch import arch_of
 from hookscope.errors import DataError
 from hookscope.extract import ExtractConfig, extract
-from hookscope.images import load_processor
+from hookscope.sources.images import load_processor
 from hookscope.testing import VISION_FAMILIES, save_tiny
 
 GRID = 4  # 32x32 pixels in 8x8 patches
@@ -50,7 +51,7 @@ def _pixels(path, folder, names):
 
 def test_every_point_equals_a_forward_hook(vision, image_dir):
     family, path, model = vision
-    arch = hs.arch_of(model)
+    arch = arch_of(model)
     assert arch.family == family.replace("_vision_model", "")
     pixels = _pixels(path, image_dir, ["pic0.png", "pic1.png"])
     ref = reference(model, vision_paths(model), {"pixel_values": pixels})
@@ -79,7 +80,7 @@ def test_positions_are_cls_and_patches(vision, image_dir):
 
 def test_early_stop_skips_later_blocks(vision, image_dir):
     family, path, model = vision
-    arch = hs.arch_of(model)
+    arch = arch_of(model)
     blocks = [model.get_submodule(p) for p in arch.block_paths]
     calls = [0] * len(blocks)
     handles = [b.register_forward_pre_hook(lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))
@@ -128,6 +129,47 @@ def test_image_extraction_round_trips_and_traces_rows(vision, image_dir, tmp_pat
     assert again.new_rows == 0 and again.batches_skipped == 3 and again.rows == 5 * tokens
 
 
+def test_image_settings_are_those_stores_were_made_with(vision, image_dir, tmp_path):
+    """Key for key and in order, as b05e947's images.extract_images wrote them: old image stores
+    resume (another hash would refuse them)."""
+    import hashlib
+
+    family, path, model = vision
+    extract(ExtractConfig(out=str(tmp_path / "s"), model=str(path), points=["blocks.0.resid_post"],
+                          data=f"images:{image_dir}", progress=False))
+    names = ["more/pic3.png", "pic0.png", "pic1.png", "pic2.png", "pic4.png"]
+    files = hashlib.sha256()
+    for name in names:
+        files.update(name.encode() + b"\0" + hashlib.sha256((image_dir / name).read_bytes()).digest())
+    config = hs.load(str(path), tokenizer=False).model.config.to_json_string(use_diff=False)
+    processor = load_processor(str(path)).to_json_string()
+    want = {
+        "model": str(path), "model_class": type(model).__name__,
+        "config_sha256": hashlib.sha256(config.encode()).hexdigest(),
+        "image_processor_sha256": hashlib.sha256(processor.encode()).hexdigest(),
+        "points": ["blocks.0.resid_post"], "dtype": "float16", "batch_size": 8, "data": f"images:{image_dir}",
+        "images": names, "images_sha256": files.hexdigest(),
+    }
+    assert list(hs.open_store(tmp_path / "s").manifest.settings.items()) == list(want.items())
+
+
+def test_max_tokens_keeps_whole_images(vision, image_dir, tmp_path):
+    """--max-tokens on images (ignored before): the first max_tokens // T images, T tokens each
+    (whole images, as text keeps whole sequences); fewer than one image's tokens is refused."""
+    family, path, model = vision
+    tokens = PREFIX[family] + GRID * GRID
+    cfg = ExtractConfig(out=str(tmp_path / "s"), model=str(path), points=["blocks.0.resid_post"],
+                        data=f"images:{image_dir}", batch_size=2, dtype="float32", progress=False,
+                        max_tokens=3 * tokens + tokens // 2)
+    summary = extract(cfg)
+    store = hs.open_store(tmp_path / "s")
+    assert summary.rows == len(store) == 3 * tokens
+    assert torch.equal(store.tensor("doc_ids"), torch.arange(3).repeat_interleave(tokens))
+    with pytest.raises(DataError, match=f"gives {tokens} tokens"):
+        extract(ExtractConfig(**{**cfg.__dict__, "out": str(tmp_path / "t"), "max_tokens": tokens - 1}))
+    assert not (tmp_path / "t").exists()
+
+
 def test_image_folder_errors(vision, tmp_path):
     family, path, model = vision
     (tmp_path / "empty").mkdir()
@@ -144,7 +186,7 @@ def test_cli_points_lists_patches(vision, capsys):
     assert main(["points", str(path), "--pattern", "blocks.1.*"]) == 0
     out = capsys.readouterr().out
     tokens = PREFIX[family] + GRID * GRID
-    assert f"family {hs.arch_of(model).family}," in out
+    assert f"family {arch_of(model).family}," in out
     assert "blocks.1.resid_post" in out and f"[1, {tokens}, 32]" in out
     assert f"[1, {tokens}, 4, 8]" in out  # per-head attention
 
@@ -173,7 +215,7 @@ def test_two_tower_models_name_their_vision_tower(family):
                 vocab_size=99)
     torch.manual_seed(0)
     model = AutoModel.from_config(AutoConfig.for_model(family, vision_config=tower, text_config=text)).eval()
-    arch = hs.arch_of(model)
+    arch = arch_of(model)
     assert arch.family == family and arch.block_paths == ["vision_model.encoder.layers.0",
                                                           "vision_model.encoder.layers.1"]
     pixels = torch.randn(2, 3, 32, 32)

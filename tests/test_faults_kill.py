@@ -6,6 +6,8 @@ A handful of points run by default; `pytest --full` runs the whole sweep (>= 20 
 site of tests/kill_driver.py, plus SIGKILLs from outside at random times and a second crash during
 the resume). The runs are children of a fork server, so a point costs one extraction, not one
 Python start-up. test_extract.py covers five fixed points of the original sites (save, replace).
+Every point runs for every source (tests/source_kit.py: text, text + generated continuation,
+images), but for the sites a source does not have (images have no tokenizer).
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from pathlib import Path
 
 import pytest
 from fault_log import record
-from faultkit import compare_stores, extract_config, write_corpus
+from faultkit import compare_stores
 from forkserver import ForkServer
+from source_kit import SOURCES, PerSource, make_case
 
 from hookscope.store import open_store
 
@@ -72,6 +75,13 @@ def _plan() -> list:
     return points
 
 
+def _for_every_source(points: list) -> list:
+    """Each point for each source that has its sites."""
+    return [pytest.param(source, *p.values, id=f"{source}-{p.id}", marks=p.marks)
+            for source in SOURCES for p in points
+            if not (source == "images" and any("tokenize" in str(k) for k in p.values[0]))]
+
+
 POINTS = _plan()
 
 
@@ -91,16 +101,24 @@ def server(tiny_dirs) -> ForkServer:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_dirs, server, tmp_path_factory) -> Reference:
-    """An uninterrupted run, counting every kill site's events (to place the kills)."""
-    root = tmp_path_factory.mktemp("sweep")
-    corpus = write_corpus(root / "corpus.txt")
-    config = extract_config(tiny_dirs["gpt2"], corpus, root / "ref")
-    reply = server.call(RUN, config=config, kill_at="count")
-    assert reply.status == 0, reply.log[-3000:]
-    counts = reply.result["counts"]
-    assert counts["save"] == counts["rename"] == open_store(root / "ref").num_shards >= 20
-    return Reference(config, root / "ref", counts, reply.seconds)
+def references(tiny_dirs, server, tmp_path_factory) -> dict[str, Reference]:
+    """Each source's uninterrupted run, counting every kill site's events (to place the kills);
+    made when a test first asks for it."""
+
+    def make(source: str) -> Reference:
+        root = tmp_path_factory.mktemp(f"sweep-{source}")
+        # about 40 batches, 2 per shard
+        shape = {"batch_size": 4, "shard_rows": 130} if source == "images" else {"shard_rows": 200}
+        case = make_case(source, tiny_dirs, root, docs=60, images=160, dtype="bfloat16",
+                         points=["blocks.1.resid_post", "blocks.0.attn.z"], **shape)
+        config = case.config(root / "ref")
+        reply = server.call(RUN, config=config, kill_at="count")
+        assert reply.status == 0, reply.log[-3000:]
+        counts = reply.result["counts"]
+        assert counts["save"] == counts["rename"] == open_store(root / "ref").num_shards >= 20
+        return Reference(config, root / "ref", counts, reply.seconds)
+
+    return PerSource(make)
 
 
 def test_the_sweep_covers_every_site_and_the_run():
@@ -110,10 +128,15 @@ def test_the_sweep_covers_every_site_and_the_run():
     assert sorted(k.site for k in default) == sorted(DEFAULT)
     fractions = sorted(k.fraction for k in kills if k.site != "timed")
     assert fractions[0] < 0.2 and fractions[-1] > 0.8  # early and late in the run
+    by_source = _for_every_source(POINTS)
+    assert {p.values[0] for p in by_source} == set(SOURCES)  # every point for every source...
+    assert len(by_source) == len(POINTS) * len(SOURCES) - sum(  # ...but images' tokenizer sites
+        "tokenize" in str(p.values[0][0]) for p in POINTS)
 
 
-@pytest.mark.parametrize("kills", POINTS)
-def test_sigkill_then_resume_equals_an_uninterrupted_run(kills, reference, server, tmp_path):
+@pytest.mark.parametrize(("source", "kills"), _for_every_source(POINTS))
+def test_sigkill_then_resume_equals_an_uninterrupted_run(source, kills, references, server, tmp_path):
+    reference = references[source]
     out = tmp_path / "store"
     config = {**reference.config, "out": str(out)}
     landed = 0
@@ -136,6 +159,7 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(kills, reference, serve
     diff = compare_stores(out, reference.out)
     first = kills[0]
     fault = "twice: again early in the resume" if len(kills) > 1 else SITES[first.site][0]
+    fault += "" if source == "text" else f" ({source})"
     ok = (diff["rows_lost"] == diff["rows_duplicated"] == 0 and diff["same_values"] and diff["same_files"]
           and resumed.result["summary"]["batches_skipped"] == len(committed))
     if landed:  # a timed kill can come after the end: then nothing was tried

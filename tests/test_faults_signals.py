@@ -1,4 +1,5 @@
-"""Rejected and interrupted runs (issue 14, items 3 and 4).
+"""Rejected and interrupted runs (issue 14, items 3 and 4), for every source (tests/source_kit.py:
+packed text, text + generated continuation, images).
 
 A run refused for a bad argument, an empty or missing data source or an unloadable model leaves no
 trace on disk, so the corrected command then runs into the same --out. A real SIGINT / SIGTERM at
@@ -18,25 +19,21 @@ from pathlib import Path
 
 import pytest
 from fault_log import record
-from faultkit import write_corpus
+from source_kit import SOURCES, Case, PerSource, make_case
 
 from hookscope.cli import main
 from hookscope.store import open_store
 
 HERE = Path(__file__).parent
 MAX_TOKENS = "300"
+OPTIONS = {"points": ["blocks.1.resid_post", "blocks.0.mlp.post"], "dtype": "float16", "shard_rows": 150}
 
 
 @pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt", docs=40)
-
-
-def cli_args(model: Path, corpus: Path, out: Path, **overrides: str) -> list[str]:
-    opts = {"--points": "blocks.1.resid_post,blocks.0.mlp.post", "--data": str(corpus), "--context": "32",
-            "--batch-size": "4", "--dtype": "float16", "--shard-rows": "150", **overrides}
-    flags = [x for kv in opts.items() for x in kv]
-    return ["extract", str(model), "--out", str(out), *flags, "--no-progress"]
+def cases(tiny_dirs, tmp_path_factory) -> dict[str, Case]:
+    root = tmp_path_factory.mktemp("sources")
+    return {source: make_case(source, tiny_dirs, root / source, docs=40, images=60, **OPTIONS)
+            for source in SOURCES}
 
 
 def tree(path: Path) -> dict[str, str]:
@@ -48,24 +45,40 @@ def tree(path: Path) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def reference(tiny_dirs, corpus, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("reference") / "store"
-    assert main(cli_args(tiny_dirs["gpt2"], corpus, out)) == 0
-    return out
+def references(cases, tmp_path_factory) -> dict[str, Path]:
+    """Each source's uninterrupted store, made when a test first asks for it."""
+    def make(source: str) -> Path:
+        out = tmp_path_factory.mktemp(f"reference-{source}") / "store"
+        assert main(cases[source].cli(out)) == 0
+        return out
+
+    return PerSource(make)
 
 
 # -- rejected runs ------------------------------------------------------------------------------
 
+ALL = set(SOURCES)
+TEXT = {"text", "generated"}
+# what is wrong -> (the sources it applies to, the flags that make it wrong)
 REJECTED = {
-    "--batch-size 0": lambda d: {"--batch-size": "0"},
-    "--context 0": lambda d: {"--context": "0"},
-    "--max-tokens 0": lambda d: {"--max-tokens": "0"},
-    "an empty data file": lambda d: {"--data": str(_write(d / "empty.txt", ""))},
-    "a data file of blank lines": lambda d: {"--data": str(_write(d / "blank.txt", "\n \n\n"))},
-    "a data file that does not exist": lambda d: {"--data": str(d / "nope.txt")},
-    "a data file of an unsupported type": lambda d: {"--data": str(_write(d / "data.csv", "a,b\n"))},
-    "a point the model does not have": lambda d: {"--points": "blocks.9.resid_post"},
+    "--batch-size 0": (ALL, lambda case, d: {"--batch-size": "0"}),
+    "--context 0": (TEXT, lambda case, d: {"--context": "0"}),
+    "--max-tokens 0": (ALL, lambda case, d: {"--max-tokens": "0"}),
+    "an empty data source": (ALL, lambda case, d: {"--data": case.empty_data(d)}),
+    "a data file of blank lines": (TEXT, lambda case, d: {"--data": str(_write(d / "blank.txt", "\n \n\n"))}),
+    "a data source that does not exist": (ALL, lambda case, d: {"--data": case.missing_data(d)}),
+    "a data file of an unsupported type": (TEXT,
+                                           lambda case, d: {"--data": str(_write(d / "data.csv", "a,b\n"))}),
+    "a point the model does not have": (ALL, lambda case, d: {"--points": "blocks.9.resid_post"}),
+    "--context for images": ({"images"}, lambda case, d: {"--context": "16"}),
+    "--generate for images": ({"images"}, lambda case, d: {"--generate": "2"}),
+    "--max-tokens below one image": ({"images"}, lambda case, d: {"--max-tokens": "5"}),
 }
+
+
+def _of(source: str) -> str:
+    """How a fault record names the source (text keeps the names its records had)."""
+    return "" if source == "text" else f" ({source})"
 
 
 def _write(path: Path, text: str) -> Path:
@@ -73,37 +86,43 @@ def _write(path: Path, text: str) -> Path:
     return path
 
 
-@pytest.mark.parametrize("bad", [*REJECTED, "a model that cannot be loaded"])
-def test_rejected_run_leaves_no_trace_and_the_corrected_command_runs(tiny_dirs, corpus, tmp_path, capsys,
-                                                                      bad):
+def _rejected(source: str) -> list[str]:
+    return [bad for bad, (sources, _) in REJECTED.items() if source in sources]
+
+
+@pytest.mark.parametrize(("source", "bad"), [(s, bad) for s in SOURCES
+                                             for bad in [*_rejected(s), "a model that cannot be loaded"]])
+def test_rejected_run_leaves_no_trace_and_the_corrected_command_runs(cases, tmp_path, capsys, source, bad):
     """Before: a 0-row manifest.json locked in the bad settings and the corrected command was
     refused (`batch_size: stored 0, given 8`)."""
-    out = tmp_path / "store"
-    args = cli_args(tiny_dirs["gpt2"], corpus, out, **{"--max-tokens": MAX_TOKENS,
-                                                         **REJECTED.get(bad, lambda d: {})(tmp_path)})
+    case, out = cases[source], tmp_path / "store"
+    wrong = REJECTED[bad][1](case, tmp_path) if bad in REJECTED else {}
+    args = case.cli(out, **{"--max-tokens": MAX_TOKENS, **wrong})
     if bad == "a model that cannot be loaded":
         args[1] = str(tmp_path / "no-such-model")
     code = main(args)
     err = capsys.readouterr().err
     left = out.exists()  # no directory, no manifest, no shard
-    again = main(cli_args(tiny_dirs["gpt2"], corpus, out, **{"--max-tokens": MAX_TOKENS}))
+    again = main(case.cli(out, **{"--max-tokens": MAX_TOKENS}))
     capsys.readouterr()
     rows = len(open_store(out, verify=True)) if again == 0 else 0
-    record("rejected", f"new store: {bad}", survived=int(code == 2 and not left and again == 0 and rows > 0))
+    record("rejected", f"new store{_of(source)}: {bad}",
+           survived=int(code == 2 and not left and again == 0 and rows > 0))
     assert code == 2 and err.startswith("hookscope: error: ") and "Traceback" not in err, err
     assert not left
     assert again == 0 and rows > 0  # the corrected command, into the same --out
 
 
-def test_rejected_run_leaves_an_existing_store_untouched(tiny_dirs, corpus, tmp_path, capsys):
-    out = tmp_path / "store"
-    assert main(cli_args(tiny_dirs["gpt2"], corpus, out, **{"--max-tokens": MAX_TOKENS})) == 0
+@pytest.mark.parametrize("source", SOURCES)
+def test_rejected_run_leaves_an_existing_store_untouched(cases, tmp_path, capsys, source):
+    case, out = cases[source], tmp_path / "store"
+    assert main(case.cli(out, **{"--max-tokens": MAX_TOKENS})) == 0
     before = tree(out)
-    for bad, wrong in REJECTED.items():
-        wrong_args = {"--max-tokens": MAX_TOKENS, **wrong(tmp_path)}
-        code = main(cli_args(tiny_dirs["gpt2"], corpus, out, **wrong_args))
+    for bad in _rejected(source):
+        wrong_args = {"--max-tokens": MAX_TOKENS, **REJECTED[bad][1](case, tmp_path)}
+        code = main(case.cli(out, **wrong_args))
         untouched = tree(out) == before
-        record("rejected", f"existing store: {bad}", survived=int(code == 2 and untouched))
+        record("rejected", f"existing store{_of(source)}: {bad}", survived=int(code == 2 and untouched))
         assert code == 2 and untouched, bad
     capsys.readouterr()
 
@@ -133,12 +152,30 @@ SIGNALS = [
 ]
 
 
-@pytest.mark.parametrize(("sig", "at", "what"), SIGNALS, ids=[f"{s}-{a}" for s, a, _ in SIGNALS])
-def test_interrupt_then_resume_equals_uninterrupted(tiny_dirs, corpus, reference, tmp_path, sig, at, what):
+# the sites every source runs by default; the rest run with --full for the sources besides text
+EVERY_SOURCE = {"forward:40", "batch:3", "rename:3:after", "batch:5"}
+
+
+def _interrupts() -> list:
+    params = []
+    for source in SOURCES:
+        for sig, at, what in SIGNALS:
+            if at.startswith("tokenize") and source == "images":
+                continue  # no tokenizer
+            slow = source != "text" and at not in EVERY_SOURCE
+            params.append(pytest.param(source, sig, at, what, id=f"{source}-{sig}-{at}",
+                                       marks=(pytest.mark.slow,) if slow else ()))
+    return params
+
+
+@pytest.mark.parametrize(("source", "sig", "at", "what"), _interrupts())
+def test_interrupt_then_resume_equals_uninterrupted(cases, references, tmp_path, source, sig, at, what):
     """Before: ~40 lines of KeyboardInterrupt traceback, and the resumed store had 5 shards instead
-    of 4 (the interrupted run flushed a partial shard)."""
+    of 4 (the interrupted run flushed a partial shard); image extraction died by the signal with a
+    traceback (exit -2)."""
+    reference = references[source]
     out = tmp_path / "store"
-    args = cli_args(tiny_dirs["gpt2"], corpus, out)
+    args = cases[source].cli(out)
     run = subprocess.run([sys.executable, str(HERE / "kill_driver.py"), "cli", sig, at, *args], text=True,
                          capture_output=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
                          preexec_fn=_default_sigint)
@@ -153,7 +190,8 @@ def test_interrupt_then_resume_equals_uninterrupted(tiny_dirs, corpus, reference
     no_debris = tree(out / "shards") == {Path(f).name: sha for f, sha in committed}
     again = main(args)  # the same command
     same = again == 0 and tree(out) == tree(reference)
-    record("interrupt", f"SIG{sig} {what}", survived=int(clean and whole_shards and no_debris and same),
+    record("interrupt", f"SIG{sig} {what}{_of(source)}",
+           survived=int(clean and whole_shards and no_debris and same),
            rows_checked=len(ref), rows_lost=max(len(ref) - len(open_store(out)), 0) if again == 0 else None,
            rows_duplicated=max(len(open_store(out)) - len(ref), 0) if again == 0 else None)
     assert run.returncode == 130, run.stderr[-3000:]

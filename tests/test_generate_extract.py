@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import hookscope as hs
-from hookscope.data import batches, iter_documents, pack
 from hookscope.extract import ExtractConfig, extract
+from hookscope.sources import batches, iter_documents, pack
 from hookscope.store import open_store
 
 NEW, CONTEXT, BATCH, MAX_TOKENS = 3, 16, 2, 96

@@ -11,7 +11,8 @@ import torch
 from torch import Tensor, nn
 
 import hookscope as hs
-from hookscope.hooks import hook_count
+from hookscope.arch import arch_of
+from hookscope.hooks import Hook, add_hook, hook_count
 from hookscope.testing import build_tiny
 
 
@@ -30,7 +31,7 @@ class Boom(RuntimeError):
     pass
 
 
-def explode(act: Tensor, hook: hs.Hook) -> None:
+def explode(act: Tensor, hook: Hook) -> None:
     raise Boom("hook failed")
 
 
@@ -105,7 +106,7 @@ def test_an_attach_registers_the_hook_itself_and_nothing_else(gpt2):
 def test_permanent_hook_stays_until_removed(gpt2, ids):
     want = plain_output(gpt2, gpt2.transformer.h[1], ids)
     seen = []
-    hook = hs.add_hook(gpt2, "blocks.1.resid_post", lambda act, h: seen.append(act.clone()))
+    hook = add_hook(gpt2, "blocks.1.resid_post", lambda act, h: seen.append(act.clone()))
     assert hook.attached and hook_count(gpt2) == 1
     with torch.no_grad():
         gpt2(ids)
@@ -127,7 +128,7 @@ class ReprCounter:
     def __init__(self):
         self.seen = 0
 
-    def __call__(self, act: Tensor, hook: hs.Hook) -> None:
+    def __call__(self, act: Tensor, hook: Hook) -> None:
         self.seen += 1
 
     def __repr__(self) -> str:
@@ -145,7 +146,7 @@ class TensorBag(dict):
         return "TensorBag(...)"
 
 
-def record(act: Tensor, hook: hs.Hook, *, bag: dict) -> None:
+def record(act: Tensor, hook: Hook, *, bag: dict) -> None:
     bag[hook.point] = act.detach().clone()
 
 
@@ -160,7 +161,7 @@ def test_attaching_never_calls_repr(gpt2, ids):
         c = h.grad("blocks.1.mlp.post", obj)
         loss = gpt2(ids).logits.sum()
         torch.autograd.grad(loss, [gpt2.transformer.wte.weight])  # fires the gradient hook
-    permanent = hs.add_hook(gpt2, "blocks.2.resid_post", fn)
+    permanent = add_hook(gpt2, "blocks.2.resid_post", fn)
     gpt2(ids)
     permanent.remove()
     assert ReprCounter.calls == 0 and TensorBag.calls == 0
@@ -219,7 +220,7 @@ def test_raw_module_points_equal_plain_hooks(gpt2, ids):
 
 def test_glob_patterns_expand_in_layer_order():
     model = build_tiny("gpt2", n_layers=12, d_model=16, n_heads=2, vocab_size=32)
-    arch = hs.arch_of(model)
+    arch = arch_of(model)
     names = [s.name for s in arch.resolve("blocks.*.resid_post")]
     assert names == [f"blocks.{i}.resid_post" for i in range(12)]  # 10 after 9, not after 1
     got = hs.collect(model, torch.tensor([[1, 2, 3]]), "blocks.*.resid_post")

@@ -6,7 +6,16 @@ from __future__ import annotations
 import pytest
 
 import hookscope as hs
-from hookscope.names import ModulePath, canonical, expand, is_pattern, layer_of, parse_module_path, suggest
+from hookscope.names import (
+    ModulePath,
+    canonical,
+    expand,
+    find_key,
+    is_pattern,
+    layer_of,
+    parse_module_path,
+    suggest,
+)
 
 KNOWN = (
     ["embed"]
@@ -86,3 +95,23 @@ def test_unknown_names_list_the_closest():
     with pytest.raises(hs.UnknownPointError, match="matches no point"):
         expand("blocks.*.nothing", KNOWN)
     assert suggest("zzzz", KNOWN) == []
+
+
+def test_find_key_answers_any_spelling_of_a_kept_point():
+    keys = ["blocks.0.hook_resid_post", "blocks.2.attn.hook_z"]
+    assert find_key(keys, "blocks.0.resid_post") == "blocks.0.hook_resid_post"
+    assert find_key(keys, "blocks.2.attn.z") == "blocks.2.attn.hook_z"
+    assert find_key(keys, "blocks.2.attn.hook_z") == "blocks.2.attn.hook_z"  # as written
+    assert find_key(keys, "blocks.1.resid_post") is None
+    # both spellings kept: the one asked for wins over the first in order
+    assert find_key(["blocks.0.resid_post", "blocks.0.hook_resid_post"], "blocks.0.hook_resid_post") \
+        == "blocks.0.hook_resid_post"
+
+
+def test_find_key_takes_a_model_tables_own_spellings():
+    """A bridge's spelling (`blocks.0.ln1.hook_normalized`, say) that `canonical` cannot fold is
+    found through the lookup given, and a name that lookup does not know finds nothing."""
+    table = {"blocks.0.ln1.hook_normalized": "blocks.0.ln1", "blocks.0.ln1": "blocks.0.ln1"}
+    assert find_key(["blocks.0.ln1"], "blocks.0.ln1.hook_normalized", table.get) == "blocks.0.ln1"
+    assert find_key(["blocks.0.ln1"], "blocks.0.ln1.hook_normalized") is None  # canonical alone
+    assert find_key(["blocks.0.ln1"], "blocks.9.ln1", table.get) is None

@@ -24,7 +24,7 @@ from faultkit import compare_stores, write_corpus
 
 import hookscope as hs
 from hookscope.cli import main
-from hookscope.data import batches, iter_documents, pack
+from hookscope.sources import batches, iter_documents, pack
 from hookscope.store import open_store
 
 POINTS = ["embed", "blocks.1.resid_post", "blocks.0.mlp.post"]

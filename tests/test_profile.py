@@ -13,6 +13,7 @@ import pytest
 import torch
 
 import hookscope as hs
+from hookscope.arch import arch_of
 from hookscope.cli import main
 from hookscope.errors import HookscopeError
 from hookscope.hooks import hook_count
@@ -75,7 +76,7 @@ BLOCKS = [f"blocks.{i}" for i in range(N_BLOCKS)]
 
 def test_one_row_per_block_in_order(forward_run, model):
     report, _ = forward_run
-    assert len(hs.arch_of(model).block_paths) == model.config.n_layer == N_BLOCKS
+    assert len(arch_of(model).block_paths) == model.config.n_layer == N_BLOCKS
     assert [r.name for r in report.rows] == BLOCKS
     assert all(r.kind == "block" and r.calls == 1 for r in report.rows)
     assert all(0 < r.self_s <= r.total_s for r in report.rows)
@@ -100,7 +101,7 @@ def test_block_memory_is_its_output_under_inference(forward_run, model, inputs):
     handles = [
         model.get_submodule(path).register_forward_hook(
             lambda m, a, out, i=i: sizes.__setitem__(f"blocks.{i}", out.numel() * out.element_size()))
-        for i, path in enumerate(hs.arch_of(model).block_paths)
+        for i, path in enumerate(arch_of(model).block_paths)
     ]
     try:
         with torch.inference_mode():
@@ -171,7 +172,7 @@ def test_each_block_range_holds_that_blocks_own_work(model, inputs, tmp_path):
             pass
 
     handles = []
-    for i, path in enumerate(hs.arch_of(model).block_paths):
+    for i, path in enumerate(arch_of(model).block_paths):
         fc = model.get_submodule(f"{path}.mlp.c_fc")
         handles.append(fc.register_forward_hook(lambda m, a, o, i=i: mark(f"test.forward.{i}")))
         handles.append(fc.weight.register_hook(lambda g, i=i: mark(f"test.backward.{i}")))
@@ -271,7 +272,7 @@ def test_labels_are_removed_on_exit_and_do_not_change_outputs(model, inputs):
     before = hook_count(model)
     with torch.inference_mode():
         reference = model(**inputs).logits
-        with BlockLabels(model, hs.arch_of(model), backward=True):
+        with BlockLabels(model, arch_of(model), backward=True):
             assert hook_count(model) == before + 2 * N_BLOCKS
             labelled = model(**inputs).logits
     assert hook_count(model) == before

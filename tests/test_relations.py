@@ -27,6 +27,7 @@ from family_relations_vision_moe_ssm import (
 )
 
 import hookscope as hs
+from hookscope.arch import arch_of
 
 TOL = 1e-6
 RELATIONS = {
@@ -51,7 +52,7 @@ RELATIONS = {
 def test_relations(case):
     model = family_models.build(case)
     inputs = family_models.inputs(case)
-    arch = hs.arch_of(model)
+    arch = arch_of(model)
     acts = hs.collect(model, inputs, arch.names)
     reads = Reads(acts)
     with torch.no_grad():
@@ -80,10 +81,10 @@ def test_a_wrong_module_breaks_a_relation():
     ):
         model = family_models.build(case)
         inputs = family_models.inputs(case)
-        acts = dict(hs.collect(model, inputs, hs.arch_of(model).names))
+        acts = dict(hs.collect(model, inputs, arch_of(model).names))
         acts[point] = acts[point.replace(point.split(".", 2)[2], target)]
         with torch.no_grad():
-            checks = RELATIONS[hs.arch_of(model).family](model, inputs["pixel_values"], Reads(acts))
+            checks = RELATIONS[arch_of(model).family](model, inputs["pixel_values"], Reads(acts))
         broken = [
             label
             for label, got, want in checks

@@ -21,6 +21,7 @@ import torch
 from tl_gate import require_transformer_lens
 
 import hookscope as hs
+from hookscope.arch import arch_of
 from hookscope.hooks import hook_count
 
 TL_VERSION = require_transformer_lens("4", "TransformerBridge", "tl4")
@@ -81,7 +82,7 @@ def test_every_point_equals_run_with_cache(bridges, key):
     before = hooks_on(bridge)
     with torch.no_grad():
         logits, cache = bridge.run_with_cache(ids)
-    arch = hs.arch_of(bridge)
+    arch = arch_of(bridge)
     by_point: dict[str, list[str]] = {}
     for tl_name in cache.keys():
         by_point.setdefault(arch.spec(tl_name).name, []).append(tl_name)
@@ -106,7 +107,7 @@ def test_points_lists_true_shapes(bridges, key):
     ids = ids_for(bridge, batch=2, length=5)
     with torch.no_grad():
         _, cache = bridge.run_with_cache(ids)
-    arch = hs.arch_of(bridge)
+    arch = arch_of(bridge)
     infos = hs.points(bridge, ids)
     assert [i.name for i in infos] == arch.names
     for info in infos:
@@ -139,7 +140,7 @@ def test_points_lists_true_shapes(bridges, key):
 @pytest.mark.parametrize("key", FAMILIES)
 def test_every_spelling_names_its_own_hook_point(bridges, key):
     bridge = bridges[key]
-    arch = hs.arch_of(bridge)
+    arch = arch_of(bridge)
     hook_dict = bridge.hook_dict
     points = {**arch.specs, **{n: p.spec for n, p in arch.optional.items()}}
     # one point per HookPoint object, and no HookPoint left out
@@ -161,7 +162,7 @@ def test_mlp_in_spellings_do_not_collide(bridges):
     bridge = bridges["gpt2"]
     ids = ids_for(bridge)
     before = hooks_on(bridge)
-    arch = hs.arch_of(bridge)
+    arch = arch_of(bridge)
     with torch.no_grad():
         _, cache = bridge.run_with_cache(ids)
     got = hs.collect(bridge, ids, "blocks.0.mlp.hook_in")[arch.spec("blocks.0.mlp.hook_in").name]
@@ -199,7 +200,7 @@ def test_optional_points_fire_with_their_option(bridges, key, option):
     bridge = bridges[key]
     ids = ids_for(bridge)
     before = hooks_on(bridge)
-    arch = hs.arch_of(bridge)
+    arch = arch_of(bridge)
     gated = [n for n, p in arch.optional.items() if p.needs == f"bridge.{OPTIONS[option]}(True)"]
     assert gated, f"no point of {key} is gated by {option}"
     for name in gated:
@@ -222,7 +223,7 @@ def test_optional_points_fire_with_their_option(bridges, key, option):
 
 def test_optional_points_stay_out_of_patterns(bridges):
     bridge = bridges["gpt2"]
-    arch = hs.arch_of(bridge)
+    arch = arch_of(bridge)
     assert "blocks.0.attn.result" in arch.optional
     assert "blocks.0.attn.result" not in [s.name for s in arch.resolve("blocks.0.attn.*")]
     assert tl_bridge.optional_points(arch)["blocks.0.attn.result"] == "bridge.set_use_attn_result(True)"
@@ -324,8 +325,8 @@ def test_head_edit_hits_the_head_in_the_model_underneath(bridges, hf_models, key
 def test_captures_equal_the_hugging_face_model(bridges, hf_models, key):
     bridge, hf = bridges[key], hf_models[key]
     ids = ids_for(bridge)
-    bridge_points = set(hs.arch_of(bridge).names)
-    shared = [n for n in hs.arch_of(hf).names if n in bridge_points]
+    bridge_points = set(arch_of(bridge).names)
+    shared = [n for n in arch_of(hf).names if n in bridge_points]
     # the points every decoder family has, at least
     for layer in range(bridge.cfg.n_layers):
         for suffix in ("resid_pre", "attn.q", "attn.k", "attn.v", "attn.pattern", "attn.z", "attn.out",

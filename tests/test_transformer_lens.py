@@ -15,6 +15,7 @@ from tl_gate import require_transformer_lens
 from torch import nn
 
 import hookscope as hs
+from hookscope.arch import arch_of
 from hookscope.hooks import hook_count
 from hookscope.names import canonical
 
@@ -59,7 +60,7 @@ def test_every_point_equals_run_with_cache(flags, toks):
     model = hooked_transformer(**flags)
     logits, cache = model.run_with_cache(toks)
     want = {canonical(k): v for k, v in cache.items()} | {"logits": logits}
-    arch = hs.arch_of(model)
+    arch = arch_of(model)
     ran = [n for n in arch.names if n in want]
     assert set(ran) == set(want)  # every HookPoint that fired is a point
     got = hs.collect(model, toks, ran)
@@ -153,7 +154,7 @@ def test_mean_ablation_of_a_pattern_averages_positions(tl, toks):
 
 def test_aliases_of_a_hooked_transformer_name_one_hook_point(tl):
     """Every HookPoint is one point, and every hook_dict spelling reaches that very HookPoint."""
-    arch = hs.arch_of(tl)
+    arch = arch_of(tl)
     for tl_name, hook_point in tl.hook_dict.items():
         assert arch.module(tl, arch.spec(tl_name)) is hook_point, tl_name
     modules = [arch.module(tl, s) for s in arch.specs.values() if s.name != "logits"]
@@ -250,9 +251,9 @@ def test_same_weights_same_points_as_transformer_lens(tiny, make_ids, key):
     ids = make_ids(hf)
     logits, cache = tl.run_with_cache(ids)
     want = {canonical(k): v for k, v in cache.items()} | {"logits": logits}
-    names = [n for n in SHARED if n in want and n in hs.arch_of(hf).specs]
+    names = [n for n in SHARED if n in want and n in arch_of(hf).specs]
     # what each family lacks, TransformerLens lacks too (a parallel residual has no resid_mid)
-    assert set(SHARED) & set(hs.arch_of(hf).specs) == set(names)
+    assert set(SHARED) & set(arch_of(hf).specs) == set(names)
     got = hs.collect(hf, ids, names)
     for name in names:
         ours, theirs = got[name], want[name]

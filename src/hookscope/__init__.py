@@ -9,15 +9,16 @@
         out = model(ids)
     hs.compile_model(model, "blocks")                     # or hs.load(..., compile_policy="blocks")
 
-This file is the public surface: every name a user needs is imported here and listed in
-`__all__`, one name per concept. Rooms and their one-way imports: docs/architecture.md.
+This file is the public surface: the verbs, every type they hand back, and the errors, each
+imported here and listed in `__all__`, one name per concept. The extension API lives in its
+submodules and is documented there: the family tables (`hookscope.arch`: `arch_of`, `Arch`,
+`PointSpec`), raw hooks (`hookscope.hooks`: `Hook`, `add_hook`) and the compile layer's counters
+and caches (`hookscope.compiling`). Rooms and their one-way imports: docs/architecture.md.
 """
 
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from . import compiling  # the compile policy layer, its counters and caches: hs.compiling.compile_stats()
-from .arch import Arch, PointSpec, arch_of
 from .capture import Capture, PointDict, PointInfo, capture, collect, grads, points
 from .compiling import compile_model
 from .edit import Ablate, Edit, Edits, Patch, Steer, ablate, edit, patch, steer
@@ -31,12 +32,15 @@ from .errors import (
     UnknownPointError,
 )
 from .experts import ablate_expert, force_route
+from .export import SaelensExport, export_hf, export_saelens
+from .extract import ExtractConfig, ExtractInterrupted, ExtractSummary, extract
 from .generate import Generation, generate
-from .hooks import Hook, Hooks, add_hook, hooks
+from .hooks import Hooks, hooks
 from .models import Loaded, load
 from .profiling import ProfileReport, profile
 from .selection import Selection
-from .store import ActivationDataset, Store, open_store
+from .store import ActivationDataset, Column, Manifest, PointStats, Store, open_store
+from .top import TopResult, top
 
 try:
     __version__ = _version("hookscope")
@@ -45,19 +49,22 @@ except PackageNotFoundError:  # run from a source tree that was never installed
 
 __all__ = [
     # models and their points
-    "load", "Loaded", "points", "PointInfo", "arch_of", "Arch", "PointSpec",
-    # hooks
-    "hooks", "Hooks", "Hook", "add_hook",
+    "load", "Loaded", "points", "PointInfo",
+    # hooks (a `with hooks(model) as h` block; raw `Hook` / `add_hook` are in hookscope.hooks)
+    "hooks", "Hooks",
     # capture (collect stops early; a `with capture(...)` block runs the whole model)
     "collect", "capture", "Capture", "grads", "PointDict", "Selection",
     # generation (captures and edits aligned to token positions)
     "generate", "Generation",
     # edits
     "edit", "Edits", "Edit", "ablate", "Ablate", "patch", "Patch", "steer", "Steer",
-    # the activation store
-    "open_store", "Store", "ActivationDataset",
+    # extraction to a store, and the store read back
+    "extract", "ExtractConfig", "ExtractSummary", "ExtractInterrupted",
+    "open_store", "Store", "ActivationDataset", "Manifest", "Column", "PointStats",
+    # a store's top-activating contexts, and a store as other trainers' inputs
+    "top", "TopResult", "export_saelens", "SaelensExport", "export_hf",
     # profiling and the compile policy
-    "profile", "ProfileReport", "compile_model", "compiling",
+    "profile", "ProfileReport", "compile_model",
     # errors
     "HookscopeError", "UnknownPointError", "PointNotReachedError", "SelectionError", "ModelLoadError",
     "StoreError", "DataError",

@@ -36,14 +36,13 @@ import torch
 from torch import Tensor, nn
 
 from .arch import Arch, PointSpec, arch_of, state_of
+from .arch.base import ROOT
 from .errors import HookscopeError, PointNotReachedError, SelectionError
 from .files import write_atomic
 from .hooks import Hook, Hooks, grad_leaf
 from .inputs import attention_mask_of, call_model
-from .names import canonical, is_pattern
+from .names import canonical, find_key, is_pattern
 from .selection import Heads, Positions, Selection
-
-_ROOT = PointSpec(name="<root>", module="", io="input")
 
 
 class _StopForward(BaseException):
@@ -107,13 +106,7 @@ class PointDict(dict):
             return None
 
     def _alias(self, key: Any) -> Any:
-        if isinstance(key, str):
-            name = self._point(key)
-            if name is not None:
-                for k in self:
-                    if self._point(k) == name:
-                        return k
-        return None
+        return find_key(self, key, self._point) if isinstance(key, str) else None
 
     def __missing__(self, key: Any) -> Tensor:
         alias = self._alias(key)
@@ -206,7 +199,7 @@ class Capture(Kept):
                 self.hooks.forward(spec, self._keep)
             # a hook on the root only where a pass needs its own start: to stop it, or to read its mask
             if self.stop is True or (self.attention_mask is None and self.selection.wants_attention_mask):
-                self.hooks.module_pre_forward(_ROOT, self._start_pass)
+                self.hooks.module_pre_forward(ROOT, self._start_pass)
             self._start_pass(self.model, (), {})
         except BaseException:
             self._close()
@@ -268,7 +261,7 @@ def capture(model: nn.Module, points: str | Sequence[str], **options: Any) -> Ca
     return Capture(model, points, **options)
 
 
-def collect(model: nn.Module, inputs: Any, points: str | Sequence[str], **options: Any) -> dict[str, Tensor]:
+def collect(model: nn.Module, inputs: Any, points: str | Sequence[str], **options: Any) -> PointDict:
     """Run the model on `inputs` and return `{point: activation}`; no layer after the last
     needed point runs."""
     with Capture(model, points, **options) as cap:
@@ -283,7 +276,7 @@ def grads(
     loss_fn,
     *,
     arch: Arch | None = None,
-) -> dict[str, Tensor]:
+) -> PointDict:
     """d loss / d activation at each point, where `loss = loss_fn(model_output)` is a scalar.
     Keyed like `collect`: by the names asked for."""
     arch = arch or arch_of(model)

@@ -3,8 +3,9 @@
     model = hs.compile_model(model, "blocks")      # or HOOKSCOPE_COMPILE=blocks
     hs.load(path, compile_policy="blocks")          # the same, at load time
 
-The module is `compiling` (not `compile`, which would shadow the builtin); its compiler counters
-and cache helpers are `hs.compiling.compile_stats()`, `.save_cache(path)`, ...
+The module is `compiling` (not `compile`, which would shadow the builtin); `hs.compile_model` is
+its one public verb. Its compiler counters and cache helpers stay here, outside the top-level
+surface: `from hookscope.compiling import compile_stats, reset_stats, save_cache, load_cache`.
 
 off     nothing is compiled: instant start, plain Python stack traces.
 blocks  the repeated blocks' `forward` goes through ONE torch.compile call, so the graph traced
@@ -233,12 +234,6 @@ def region_of(model: nn.Module, module_path: str) -> str | None:
     when they run eagerly (not compiled, or on the region's own module)."""
     state = _compiled(model)
     return None if state is None else state.region_of(module_path)
-
-
-def clones_outputs(model: nn.Module) -> bool:
-    """Whether the model's compiled outputs are CUDA-graph buffers that the next call overwrites."""
-    state = _compiled(model)
-    return state is not None and state.mode in CUDAGRAPH_MODES
 
 
 def _set_forward(module: nn.Module, forward: Any) -> None:

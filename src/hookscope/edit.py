@@ -19,10 +19,11 @@ import torch
 from torch import Tensor, nn
 
 from .arch import PointSpec, arch_of
+from .arch.base import ROOT
 from .errors import SelectionError
 from .hooks import Hook, Hooks
 from .inputs import attention_mask_of
-from .names import canonical
+from .names import find_key
 from .selection import Heads, Positions, Selection
 
 
@@ -104,20 +105,16 @@ def patch(point: str, source: Tensor | Mapping[str, Tensor], *, positions: Posit
           heads: Heads = None) -> Patch:
     """Write activations from another run (a tensor, or the dict `hs.collect` returns)."""
     if isinstance(source, Mapping):
-        matches = [v for k, v in source.items() if k == point or _same_point(k, point)]
-        if not matches:
+        key = find_key(source, point)
+        if key is None:
             raise SelectionError(f"patch {point}: the source has no such point; it has {list(source)}")
-        source = matches[0]
+        source = source[key]
     return Patch(point, positions, heads, source=source)
 
 
 def steer(point: str, vector: Tensor, *, scale: float = 1.0, positions: Positions = None) -> Steer:
     """Add `scale * vector` to a point (a steering vector on the residual stream, say)."""
     return Steer(point, positions, None, vector=vector, scale=scale)
-
-
-def _same_point(a: str, b: str) -> bool:
-    return canonical(a) == canonical(b)
 
 
 class Edits(Hooks):
@@ -140,7 +137,7 @@ class Edits(Hooks):
                 else:
                     self.forward(spec, e)
             if any(e.selection.wants_attention_mask for e in self.edits):
-                self.module_pre_forward(PointSpec(name="<root>", module="", io="input"), self._start_pass)
+                self.module_pre_forward(ROOT, self._start_pass)
         except BaseException:
             self.remove()
             raise

@@ -7,7 +7,8 @@ model's own hooks are never touched.
 A hook is a function `fn(activation, hook) -> new_activation | None` on the canonical tensor
 (e.g. `[batch, pos, head, d_head]` for `attn.q`). Nothing here ever calls `repr()` on `fn`:
 a `functools.partial` holding a dict of GPU tensors attaches as fast as a bare function.
-`Hook.name` builds a readable label only when someone asks for it.
+`Hook.name` builds a readable label only when someone asks for it. `hs.hooks` / `hs.Hooks` are
+public; the raw `Hook` and the permanent `add_hook` are extension API: import them from here.
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 MODULE_PREFIX = "module:"
@@ -142,3 +142,17 @@ def _hint(name: str, known: list[str]) -> str:
     if close:
         return f"; closest: {', '.join(close)}{tail}. `hookscope points MODEL` lists them all"
     return f"{tail}; `hookscope points MODEL` lists every point, or use module:<path>:output"
+
+
+def find_key(keys: Iterable[str], name: str, point_of: Callable[[str], str | None] = canonical) -> str | None:
+    """The key among `keys` that names the same point as `name`: `name` itself if it is one, else
+    the first key whose point (`point_of`: `canonical`, or a model table's own lookup, which knows
+    spellings `canonical` cannot fold) is `name`'s; None if there is none. The one alias lookup of
+    every name-keyed result (`PointDict`, `patch`'s source)."""
+    keys = list(keys)
+    if name in keys:
+        return name
+    point = point_of(name)
+    if point is None:
+        return None
+    return next((key for key in keys if point_of(key) == point), None)

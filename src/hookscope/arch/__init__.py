@@ -4,6 +4,10 @@
 every forward pass, where microseconds count. The cache is one field of `ModelState`, the only
 place hookscope keeps anything per model (the layers above add their own fields' values: the
 compile layer its seam, the hooks their reference-counted holds).
+
+This is extension API, not at the top level of `hs`: `from hookscope.arch import arch_of` gives a
+model's table (an `Arch` of `PointSpec`s, both in `base.py`), for code that reads module paths,
+views or block paths; a new family is one file here (docs/architecture.md, "Where a new thing goes").
 """
 
 from __future__ import annotations

@@ -106,6 +106,10 @@ class PointSpec:
             )
 
 
+# the model itself, called: a pre-forward hook here sees each call's arguments (its attention mask)
+ROOT = PointSpec(name="<root>", module="", io="input")
+
+
 @dataclass(frozen=True)
 class OptionalPoint:
     """A point that fires only with a model option switched on (a TransformerLens bridge's

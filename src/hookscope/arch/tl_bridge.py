@@ -187,6 +187,6 @@ def _names(hook_points: dict[int, nn.Module], keys: dict[int, list[str]]) -> tup
 
 
 def optional_points(arch: Arch) -> dict[str, str]:
-    """Points of a bridge's table (`hs.arch_of(bridge)`) that a plain forward does not fire -> the
+    """Points of a bridge's table (`arch_of(bridge)`) that a plain forward does not fire -> the
     call that switches each on ("" where nothing does)."""
     return {name: point.needs for name, point in arch.optional.items()}

@@ -9,6 +9,7 @@ from .args import DTYPES, at_least, model_args, points_arg, quiet_transformers
 
 def add_parser(sub) -> None:
     from ..extract import DEFAULT_DATA, DEFAULT_POINT
+    from ..sources import DEFAULT_CONTEXT
 
     p = sub.add_parser("extract", help="stream chosen points of a dataset to a sharded store (resumable)")
     model_args(p)
@@ -21,12 +22,14 @@ def add_parser(sub) -> None:
                    help=".txt / .jsonl file, a directory of them, a saved HF dataset dir, hf:NAME[:split], "
                         f"or {DEFAULT_DATA} (default; built offline from Python's docstrings)")
     p.add_argument("--text-field", default="text", help="field holding the text in .jsonl / datasets")
-    p.add_argument("--context", type=int, default=128, help="tokens per packed sequence")
+    p.add_argument("--context", type=int, default=None,
+                   help=f"tokens per packed sequence (default {DEFAULT_CONTEXT}; not for images)")
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="float16", choices=DTYPES)
     p.add_argument("--keep-bos", action="store_true",
                    help="also store BOS / CLS / SEP tokens (dropped by default)")
-    p.add_argument("--max-tokens", type=int, default=None, help="stop after this many tokens")
+    p.add_argument("--max-tokens", type=int, default=None,
+                   help="stop after this many tokens (whole sequences; images: whole images)")
     p.add_argument("--shard-rows", type=int, default=65536, help="rows per shard file")
     p.add_argument("--on-nonfinite", default="warn", choices=["warn", "error"],
                    help="NaN/Inf activations: count and report (warn), or refuse to write them (error)")

@@ -19,7 +19,7 @@ def _example(args):
     """(loaded model, sample input or None, the text the shapes are shown on)."""
     import hookscope as hs
 
-    from .. import images
+    from ..sources import images
 
     text = args.text
     if images.has_image_processor(args.model):  # a vision encoder: shapes on a sample image

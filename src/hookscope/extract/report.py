@@ -1,18 +1,19 @@
-"""What an extraction reports, and the checks every extraction path (text, images) shares.
-
-Its own small room so that `extract.py` can hand an image folder to `images.py` and both can
-build the same summary without importing each other.
-"""
+"""What an extraction reports (`ExtractSummary`), how it stops on a signal (`ExtractInterrupted`,
+`signals_interrupt`) and the non-finite check every batch of every source passes."""
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from .errors import HookscopeError
-from .store.manifest import count_nonfinite
+from ..errors import HookscopeError
+from ..store.manifest import count_nonfinite
 
 
 @dataclass
@@ -41,8 +42,34 @@ class ExtractSummary:
         return "\n".join(lines)
 
 
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
+class ExtractInterrupted(KeyboardInterrupt):
+    """SIGINT / SIGTERM stopped an extraction cleanly: whole shards are committed, nothing else is
+    kept, and the same command resumes to a store byte-identical to an uninterrupted run's."""
+
+    def __init__(self, rows: int, out: str):
+        super().__init__(rows, out)
+        self.rows, self.out = rows, out
+
+    def __str__(self) -> str:
+        return f"interrupted after {self.rows:,} rows; run the same command to resume"
+
+
+@contextlib.contextmanager
+def signals_interrupt() -> Iterator[None]:
+    """SIGTERM (a scheduler's preemption, torchrun stopping its workers) stops the run as Ctrl-C
+    does. Only the main thread may set signal handlers; elsewhere nothing changes."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise KeyboardInterrupt(signal.Signals(signum).name)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def check_finite(acts: dict[str, torch.Tensor], policy: str, index: int) -> None:

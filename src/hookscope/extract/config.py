@@ -1,0 +1,58 @@
+"""What an extraction is asked to do (`ExtractConfig`, one field per `hookscope extract` option),
+and the checks of it that need nothing loaded."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ..errors import HookscopeError
+
+DEFAULT_DATA = "builtin:stdlib-docstrings"
+DEFAULT_POINT = "blocks.3.resid_post"
+
+
+@dataclass
+class ExtractConfig:
+    out: str
+    model: str | None = None
+    points: list[str] = field(default_factory=lambda: [DEFAULT_POINT])
+    data: str = DEFAULT_DATA
+    text_field: str = "text"
+    context: int | None = None  # tokens per packed sequence (text: 128 when left out; images: none)
+    batch_size: int = 8
+    dtype: str = "float16"
+    drop_bos: bool = True
+    max_tokens: int | None = None
+    device: str = "cpu"
+    device_map: str | None = None  # "auto": spread a big model over the devices (accelerate)
+    shard_rows: int = 65536
+    on_nonfinite: str = "warn"  # "warn" | "error"
+    revision: str | None = None
+    progress: bool = True
+    generate: int = 0  # --generate N: also store N greedy tokens after each sequence (sources/generated.py)
+
+
+def _whole(value: object) -> bool:
+    return not isinstance(value, bool) and isinstance(value, int) and value >= 1
+
+
+def validate_config(cfg: ExtractConfig) -> None:
+    """Refuse bad arguments before anything is loaded or written."""
+    if cfg.on_nonfinite not in ("warn", "error"):
+        raise HookscopeError(f"on_nonfinite={cfg.on_nonfinite!r}: use 'warn' or 'error'")
+    dtype = getattr(torch, cfg.dtype, None) if isinstance(cfg.dtype, str) else None
+    if cfg.dtype not in ("float32", "float16", "bfloat16") or not isinstance(dtype, torch.dtype):
+        raise HookscopeError(f"unknown dtype {cfg.dtype!r}: use float32, float16 or bfloat16")
+    for name in ("batch_size", "context", "shard_rows"):
+        value = getattr(cfg, name)
+        if not (_whole(value) or (name == "context" and value is None)):
+            flag = "--" + name.replace("_", "-")
+            raise HookscopeError(f"{flag} {value!r}: must be a whole number >= 1")
+    if cfg.max_tokens is not None and not _whole(cfg.max_tokens):
+        raise HookscopeError(f"--max-tokens {cfg.max_tokens!r}: must be a whole number >= 1 (or left out)")
+    if not cfg.points:
+        raise HookscopeError("no points given; name at least one, e.g. --points blocks.3.resid_post")
+    if not str(cfg.out).strip():
+        raise HookscopeError("--out is empty; name the store directory to write")

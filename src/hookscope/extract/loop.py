@@ -1,0 +1,166 @@
+"""The one extraction loop: a source (hookscope.sources) -> capture -> sharded store, for every
+kind of source alike.
+
+One forward pass per batch captures every point (stopped after the last one); the writer thread
+turns captures into shards while the next batch computes. Re-running the same command resumes:
+batches already committed to the manifest are skipped, exactly once. Under `torchrun`, batch i
+goes to rank i % world_size; each rank writes its own shards and rank 0 merges the manifests. A
+resume may use another number of processes: the batches not yet committed are dealt among them
+(store/resume.py), and the finished store holds the same rows.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from ..errors import DataError, StoreError
+from ..models import load
+from ..progress import RowsBar, mib_written
+from ..sources import Rows, Run, Source, source_for
+from ..store import ShardWriter, merge_rank_manifests
+from ..store.resume import deal_for
+from .config import ExtractConfig, validate_config
+from .report import ExtractInterrupted, ExtractSummary, check_finite, signals_interrupt
+
+Batches = Iterable[tuple[int, dict[str, Tensor]]]
+
+
+class InMemory:
+    """The executor that holds the whole model and runs one batch at a time.
+
+    The executor seam: an executor is made with the opened source, the model, the points, the
+    storage dtype and the run (rank, device), and `run(batches)` gets this rank's batches still to
+    do, as (index, batch) in index order, and must yield (index, batch, rows) for every one of
+    them in the same order, writing nothing: the loop owns the rest (which batches are done, the writer,
+    the non-finite check, signals, progress), so any executor keeps the store's promises. A
+    block-streamed executor (layer-major over chunks of sequences, under `max_memory`) reads a
+    chunk of batches ahead, runs each block over all of them, and yields the chunk's rows with
+    `source.model_call` / `source.rows` around its own capture; it runs only sources whose
+    `streamable` is True."""
+
+    def __init__(self, source: Source, model: torch.nn.Module, points: Sequence[str], dtype: torch.dtype,
+                 run: Run):
+        self.source, self.model, self.points, self.dtype, self.run_on = source, model, points, dtype, run
+
+    def run(self, batches: Batches) -> Iterator[tuple[int, dict[str, Tensor], Rows]]:
+        for index, batch in batches:
+            yield index, batch, self.source.compute(self.model, batch, self.points, self.dtype,
+                                                    self.run_on.device)
+
+
+def extract(cfg: ExtractConfig) -> ExtractSummary:
+    """Run the extraction described by `cfg`; see the module docstring.
+
+    Everything that can be checked is checked before the store is touched (arguments, the model,
+    the points, the data source's first batch and its forward pass), so a refused run leaves no
+    trace on disk. SIGINT / SIGTERM raise `ExtractInterrupted` after committing whole shards only."""
+    validate_config(cfg)
+    kind = source_for(cfg)  # refuses options the source cannot honour, nothing loaded yet
+    opened: list[ShardWriter] = []  # the writer, once the store is open: how many rows it holds
+    with signals_interrupt():
+        try:
+            return _extract(cfg, kind, opened)
+        except KeyboardInterrupt:
+            raise ExtractInterrupted(opened[0].total_rows if opened else 0, str(cfg.out)) from None
+
+
+def _start(cfg: ExtractConfig, kind: type[Source]) -> tuple[Source, InMemory]:
+    """The process's rank and device, the model, the points and the opened source: nothing written."""
+    rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world_size > 1:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo")
+    device = (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cfg.device == "cuda" and world_size > 1
+              else cfg.device)
+    loaded = load(cfg.model, device=device, revision=cfg.revision, device_map=cfg.device_map,
+                  tokenizer=kind.needs_tokenizer)
+    if cfg.device_map is not None:  # inputs go where the embeddings live
+        device = str(_input_device(loaded.model))
+    run = Run(rank, world_size, device)
+    points = [s.name for s in loaded.arch.resolve(cfg.points)]  # unknown names fail before any work
+    source = kind.open(cfg, loaded, points, run)
+    return source, InMemory(source, loaded.model, points, getattr(torch, cfg.dtype), run)
+
+
+def _input_device(model: torch.nn.Module) -> torch.device:
+    try:
+        embeddings = model.get_input_embeddings()
+    except (AttributeError, NotImplementedError):
+        embeddings = model
+    return next(embeddings.parameters()).device
+
+
+def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) -> ExtractSummary:
+    source, executor = _start(cfg, kind)
+    rank, world_size = executor.run_on.rank, executor.run_on.world_size
+    settings = source.settings()
+    # which batches this rank goes through: read from the store's manifests, nothing written yet
+    deal = deal_for(cfg.out, settings, world_size)
+    started = time.perf_counter()
+    ours = ((i, b) for i, b in enumerate(source.batches()) if deal.visits(i, rank))
+    # The first batch of this rank is read and run before the store is opened: an empty or bad
+    # data source, or a point the forward pass never reaches, is refused with nothing written.
+    # On a resume it may be a batch already on disk; one forward pass is the price of that check.
+    first = next(ours, None)
+    if first is None and rank == 0:
+        raise DataError(source.nothing_to_extract())
+    checked = list(_checked(executor.run([first]), cfg.on_nonfinite)) if first is not None else []
+    bar = RowsBar("extract", enabled=cfg.progress and rank == 0)
+    counts = {"done": 0, "skipped": 0, "new_rows": 0}
+    try:
+        writer = ShardWriter(cfg.out, settings, shard_rows=cfg.shard_rows, rank=rank, world_size=world_size)
+        opened.append(writer)
+        with writer:  # on an interrupt it commits whole shards only (see ShardWriter.__exit__)
+            if writer.deal != deal:  # the store changed since it was read above
+                raise StoreError(f"{cfg.out} changed while this run started: is another run writing to "
+                                 "it? Stop every other run on this store and re-run the command")
+
+            def advance(rows: int, batch: dict[str, Tensor]) -> None:
+                if bar.enabled:
+                    bar.update(rows, total=source.estimate(bar.count + rows, batch),
+                               note=mib_written(writer.bytes_written))
+
+            def pending(batches: Batches) -> Iterator[tuple[int, dict[str, Tensor]]]:
+                for index, batch in batches:
+                    if index in writer.done_batches:
+                        counts["skipped"] += 1
+                        advance(source.rows_in(batch) or 0, batch)
+                    else:
+                        yield index, batch
+
+            todo = pending([first] if first is not None else [])
+            ran = itertools.chain(checked if next(todo, None) is not None else (),
+                                  _checked(executor.run(pending(ours)), cfg.on_nonfinite))
+            for index, batch, (acts, columns) in ran:
+                writer.write(index, acts, columns)
+                rows = len(next(iter(columns.values())))
+                counts["done"], counts["new_rows"] = counts["done"] + 1, counts["new_rows"] + rows
+                advance(rows, batch)
+    finally:
+        bar.close(note=mib_written(opened[0].bytes_written if opened else 0), complete=True)
+    total_rows, nonfinite, bytes_written = writer.total_rows, dict(writer.nonfinite), writer.bytes_written
+    if world_size > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        if rank == 0:
+            merge_rank_manifests(cfg.out, world_size)
+        dist.barrier()
+    return ExtractSummary(cfg.out, total_rows, counts["new_rows"], counts["done"], counts["skipped"],
+                          time.perf_counter() - started, bytes_written, nonfinite)
+
+
+def _checked(ran: Iterator[tuple[int, dict[str, Tensor], Rows]], on_nonfinite: str
+             ) -> Iterator[tuple[int, dict[str, Tensor], Rows]]:
+    """An executor's rows, each batch refused under --on-nonfinite error before it is written."""
+    for index, batch, rows in ran:
+        check_finite(rows[0], on_nonfinite, index)
+        yield index, batch, rows

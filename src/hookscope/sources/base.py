@@ -1,0 +1,104 @@
+"""What a source is: the one protocol every extraction source follows (packed text, text plus a
+generated continuation, images; later audio or a served model), so that the one extraction loop
+(`hookscope.extract`) gives every source every promise: validation before the store is touched,
+the data fingerprint, `--max-tokens`, Ctrl-C / SIGTERM, resume, torchrun ranks, `--device-map`,
+the progress bar.
+
+`source_for(cfg)` picks the first kind in `KINDS` that `claims(cfg)`. A source is made in two
+steps: `check_config(cfg)` refuses what cannot work before any model is loaded, and
+`open(cfg, loaded, points, run)` checks the source against the loaded model and reads no more of
+the data than it must. Then it gives:
+
+- `settings()`: everything that shapes the stored rows (model identity, points, dtype, the data
+  and its fingerprint); a store made with other settings is refused, so they must stay the same
+  for as long as old stores should resume.
+- `batches()`: the batches in a fixed order; batch i is the same on every run (resume skips the
+  committed ones by index, torchrun deals them by index).
+- per batch, `model_call(batch)` (the model's inputs and the token mask of the rows kept) and
+  `rows(batch, acts)` (captured activations -> store rows and their per-row columns, built with
+  `hookscope.sources.columns`). `compute` runs the two around one capture; a source whose rows do
+  not come from one forward pass (`streamable = False`, e.g. generation) overrides `compute`.
+- `rows_in(batch)` (the rows a batch gives, for the progress of skipped batches, when known
+  without running it) and `estimate(rows, batch)` (the progress bar's total, or None).
+
+A new source is one new file in this folder: copy `images.py` (one forward pass per batch, no
+tokenizer) or `text.py`, and add the class to `KINDS` in `__init__.py`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import Tensor
+
+from ..capture import Capture
+
+if TYPE_CHECKING:
+    from ..extract import ExtractConfig
+    from ..models import Loaded
+
+Rows = tuple[dict[str, Tensor], dict[str, Tensor]]  # {point: [rows, ...]}, {column: [rows]}
+
+
+@dataclass(frozen=True)
+class Run:
+    """Where this process runs: its torchrun rank, how many processes, the device inputs go to."""
+
+    rank: int
+    world_size: int
+    device: str
+
+
+class Source:
+    """The protocol (see the module docstring), with the one-forward-pass `compute`."""
+
+    needs_tokenizer: ClassVar[bool] = True
+    streamable: ClassVar[bool] = True  # rows = rows(batch, one capture of model_call(batch))
+
+    @classmethod
+    def claims(cls, cfg: ExtractConfig) -> bool:
+        """Whether this kind reads `cfg.data` (the first kind in `KINDS` that claims it does)."""
+        raise NotImplementedError
+
+    @classmethod
+    def check_config(cls, cfg: ExtractConfig) -> None:
+        """Refuse options this source cannot honour, before anything is loaded."""
+
+    @classmethod
+    def open(cls, cfg: ExtractConfig, loaded: Loaded, points: list[str], run: Run) -> Source:
+        raise NotImplementedError
+
+    def settings(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def batches(self) -> Iterator[dict[str, Tensor]]:
+        raise NotImplementedError
+
+    def model_call(self, batch: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor | None]:
+        raise NotImplementedError
+
+    def rows(self, batch: dict[str, Tensor], acts: dict[str, Tensor]) -> Rows:
+        raise NotImplementedError
+
+    def compute(self, model: torch.nn.Module, batch: dict[str, Tensor], points: Sequence[str],
+                dtype: torch.dtype, device: str) -> Rows:
+        inputs, keep = self.model_call(batch)
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+        with Capture(model, list(points), token_mask=None if keep is None else keep.to(device), dtype=dtype,
+                     device="cpu") as cap:
+            cap.run(inputs)
+            acts = {name: cap[name] for name in points}
+        return self.rows(batch, acts)
+
+    def rows_in(self, batch: dict[str, Tensor]) -> int | None:
+        return None
+
+    def estimate(self, rows: int, batch: dict[str, Tensor]) -> int | None:
+        return None
+
+    def nothing_to_extract(self) -> str:
+        """The error when this rank's deal of the source holds no batch at all."""
+        raise NotImplementedError
