@@ -7,7 +7,6 @@ list of the parameters a point at block 1 needs (the embeddings, blocks 0 and 1,
 
 from __future__ import annotations
 
-import importlib
 import json
 from pathlib import Path
 
@@ -231,7 +230,7 @@ def test_device_map_auto_sizes_the_needed_modules_alone(saved):
 
 def test_extract_loads_only_what_its_points_need(saved, tmp_path, monkeypatch):
     """The same shard bytes as from the whole model; the model it ran had block 2 on meta."""
-    extract_loop = importlib.import_module("hookscope.extract.loop")  # hs.extract is the function
+    from hookscope.extract import loop as extract_loop  # (hookscope.extract.loop reads the function)
 
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("\n\n".join(f"Document {i}: the residual stream, layer by layer." for i in range(12)))
