@@ -234,3 +234,65 @@ def test_profile_has_cuda_rows_and_a_memory_snapshot(model_dirs, tmp_path):
     assert all(row.device_s and row.device_s > 0 for row in blocks), report.summary()
     assert report.memory_snapshot, "a CUDA profile records a memory snapshot"
     assert (tmp_path / "trace.json").stat().st_size > 0
+
+
+# --- points= loads (issue 29) -----------------------------------------------------------------
+
+
+def _needed_llama(full: nn.Module, through: int) -> set[str]:
+    """The embeddings and blocks 0..through, by name (written from the module tree)."""
+    blocks = tuple(f"model.layers.{i}." for i in range(through + 1))
+    return {"model.embed_tokens.weight"} | {n for n, _ in full.named_parameters() if n.startswith(blocks)}
+
+
+@pytest.mark.parametrize("placement", ["device", "device_map"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_points_load_places_only_the_needed_weights(model_dirs, device, placement):
+    full = load(model_dirs, "llama", device)
+    where = {"device": device} if placement == "device" else {"device_map": {"": device}}
+    if device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+    part = hs.load(str(model_dirs["llama"]), points=["blocks.1.resid_post"], **where).model
+    on_device = {n for n, p in part.named_parameters() if p.device.type == torch.device(device).type}
+    assert on_device == _needed_llama(full, through=1)
+    if device == "cuda":  # the device holds the needed weights and buffers, not the model's
+        tensors = [t for t in (*part.parameters(), *part.buffers()) if not t.is_meta]
+        needed = sum(t.numel() * t.element_size() for t in tensors)
+        grown = torch.cuda.memory_allocated() - before
+        assert needed <= grown <= needed + 512 * len(tensors)  # the allocator rounds each up to 512 B
+    ids = token_ids(full, device)
+    want = plain_resid_post(full, ids)[1]
+    assert torch.equal(hs.collect(part, ids, "blocks.1.resid_post")["blocks.1.resid_post"], want)
+
+
+@cuda_only
+def test_points_load_with_device_map_auto_spreads_the_needed_blocks(model_dirs):
+    full = hs.load(str(model_dirs["llama"]), device_map="auto").model
+    part = hs.load(str(model_dirs["llama"]), device_map="auto", points=["blocks.1.resid_post"]).model
+    assert {n for n, p in part.named_parameters() if not p.is_meta} == _needed_llama(full, through=1)
+    assert all(p.device.type == "cuda" for p in part.parameters() if not p.is_meta)
+    ids = token_ids(full, str(full.get_input_embeddings().weight.device))
+    want = plain_resid_post(full, ids)[1]
+    assert torch.equal(hs.collect(part, ids, "blocks.1.resid_post")["blocks.1.resid_post"], want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_streamed_extraction_equals_the_in_memory_one(model_dirs, device, tmp_path):
+    """--max-memory on the device: the same batch shapes run the same kernels, so the rows are
+    compared exactly (the in-memory extraction on the same device is the reference)."""
+    from hookscope.extract import ExtractConfig, extract
+    from hookscope.store import open_store
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Document {i}: the residual stream, layer by layer, block by block."
+                                  for i in range(40)))
+    stores = {}
+    for mode, limit in (("memory", None), ("streamed", "1MB")):
+        extract(ExtractConfig(out=str(tmp_path / mode), model=str(model_dirs["llama"]), data=str(corpus),
+                              points=["blocks.1.resid_post", "blocks.0.attn.z"], context=32, batch_size=4,
+                              dtype="float32", device=device, progress=False, max_memory=limit))
+        stores[mode] = open_store(tmp_path / mode)
+    for name in ("blocks.1.resid_post", "blocks.0.attn.z", "token_ids"):
+        assert torch.equal(stores["streamed"].tensor(name), stores["memory"].tensor(name))
+    assert len(stores["memory"]) > 200

@@ -1,5 +1,6 @@
 """Mixture-of-experts families (arch/moe.py, hookscope.experts) on tiny random-init models saved
-to disk: every point equals a plain register_forward_hook reference (per-expert points equal the
+to disk: every point equals a plain register_forward_hook on a module path written by hand in
+family_paths.py, never read from the table under test (per-expert points equal the
 F.linear calls the model itself makes), router captures equal the model's own
 output_router_logits, early stop skips later blocks, and routing edits equal hand-written hooks
 or a weight-level ablation."""
@@ -12,6 +13,7 @@ from functools import partial
 import pytest
 import torch
 import torch.nn.functional as F
+from family_paths import OUT, moe_paths, reference, same
 from helpers import token_ids
 from torch.overrides import TorchFunctionMode
 
@@ -19,7 +21,6 @@ import hookscope as hs
 from hookscope.arch import arch_of
 from hookscope.errors import HookscopeError
 from hookscope.experts import ablate_expert, force_route
-from hookscope.hooks import input_tensor, output_tensor
 from hookscope.testing import MOE_FAMILIES, save_tiny
 
 N_EXPERTS, TOP_K = 4, 2
@@ -29,34 +30,12 @@ N_EXPERTS, TOP_K = 4, 2
 def moe(request, tmp_path_factory):
     path = save_tiny(request.param, tmp_path_factory.mktemp(request.param), n_layers=2, d_model=32,
                      vocab_size=300)
-    model = hs.load(str(path)).model
+    model = hs.load(str(path), attn_implementation="eager").model  # attn.pattern's reference
     model.config._experts_implementation = "eager"  # the per-expert reference reads its F.linear calls
     return request.param, model
 
 
 _ids = partial(token_ids, low=0, seed=1)
-
-
-def _reference(model, specs, ids):
-    """Plain torch hooks on the same modules, reading the same tuple element / argument."""
-    got, handles = {}, []
-    for spec in specs:
-        module = model.get_submodule(spec.module)
-        if spec.io == "output":
-            def fn(m, a, out, spec=spec):
-                got[spec.name] = output_tensor(out, spec.item).detach().clone()
-            handles.append(module.register_forward_hook(fn))
-        else:
-            def fn(m, a, kw, spec=spec):
-                got[spec.name] = input_tensor(a, kw)[0].detach().clone()
-            handles.append(module.register_forward_pre_hook(fn, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return got
 
 
 def test_points_named(moe):
@@ -70,18 +49,16 @@ def test_points_named(moe):
 
 
 def test_plain_points_equal_forward_hooks(moe):
+    """Every point but the per-expert ones (next tests) equals a plain hook on its module path,
+    written by hand in family_paths.py."""
     family, model = moe
     arch = arch_of(model)
     ids = _ids(model)
-    specs = [s for s in arch.specs.values()
-             if s.item is not None and not s.needs_eager]  # whole-call views: next tests
-    ref = _reference(model, specs, ids)
-    acts = hs.collect(model, ids, [s.name for s in specs])
-    assert set(acts) == set(ref)
+    ref = reference(model, moe_paths(model), {"input_ids": ids, "use_cache": False})
+    assert set(ref) == {n for n in arch.names if ".mlp.experts." not in n or n.endswith("experts.out")}
+    acts = hs.collect(model, ids, list(ref))
     for name in ref:
-        view = arch.specs[name].view
-        expect = view.get(ref[name]) if view else ref[name]
-        assert torch.equal(acts[name], expect), name
+        assert torch.equal(acts[name], ref[name]), name
     assert acts["blocks.0.mlp.router.logits"].shape == (2 * 7, N_EXPERTS)
     assert acts["blocks.0.mlp.router.indices"].shape == (2 * 7, TOP_K)
 
@@ -302,11 +279,16 @@ def test_qwen2_moe_dense_layers_get_dense_points(tmp_path):
     assert "blocks.0.mlp.pre" in arch.names and "blocks.0.mlp.router.logits" not in arch.names
     assert "blocks.1.mlp.router.logits" in arch.names and "blocks.1.mlp.pre" not in arch.names
     ids = _ids(model)
-    specs = [arch.spec(n) for n in ("blocks.0.mlp.pre", "blocks.0.mlp.post", "blocks.0.mlp.out",
-                                    "blocks.1.mlp.shared.out", "blocks.1.mlp.out")]
-    ref = _reference(model, specs, ids)
-    acts = hs.collect(model, ids, [s.name for s in specs])
-    for name in ref:
+    paths = {"blocks.0.mlp.pre": ("model.layers.0.mlp.gate_proj", OUT, same),
+             "blocks.0.mlp.post": ("model.layers.0.mlp.act_fn", OUT, same),  # times up_proj's: below
+             "blocks.0.mlp.pre_linear": ("model.layers.0.mlp.up_proj", OUT, same),
+             "blocks.0.mlp.out": ("model.layers.0.mlp", OUT, same),
+             "blocks.1.mlp.shared.out": ("model.layers.1.mlp.shared_expert", OUT, same),
+             "blocks.1.mlp.out": ("model.layers.1.mlp", OUT, same)}
+    ref = reference(model, paths, {"input_ids": ids, "use_cache": False})
+    ref["blocks.0.mlp.post"] = ref["blocks.0.mlp.post"] * ref["blocks.0.mlp.pre_linear"]
+    acts = hs.collect(model, ids, list(paths))
+    for name in paths:  # mlp.post: the model's own product act(gate) * up, so equal too
         assert torch.equal(acts[name], ref[name]), name
 
 

@@ -1,6 +1,7 @@
 """State-space / recurrent families (arch/mamba.py, rwkv.py) on tiny random-init models saved to
-disk (the pure-torch paths, as on any CPU): every point equals a plain register_forward_hook
-reference, the residual stream equals output_hidden_states, and early stop skips later blocks."""
+disk (the pure-torch paths, as on any CPU): every point equals a plain register_forward_hook on
+a module path written by hand in family_paths.py (never read from the table under test), the
+residual stream equals output_hidden_states, and early stop skips later blocks."""
 
 from __future__ import annotations
 
@@ -8,11 +9,11 @@ from functools import partial
 
 import pytest
 import torch
+from family_paths import reference, ssm_paths
 from helpers import token_ids
 
 import hookscope as hs
 from hookscope.arch import arch_of
-from hookscope.hooks import input_tensor, output_tensor
 from hookscope.testing import SSM_FAMILIES, save_tiny
 
 N_LAYERS = 3
@@ -34,22 +35,7 @@ def test_every_point_equals_a_forward_hook(ssm):
     assert arch.family == family and arch.n_layers == N_LAYERS
     assert {"blocks.2.mixer.in", "blocks.2.mixer.out", "blocks.2.resid_post"} <= set(arch.names)
     ids = _ids(model)
-    got, handles = {}, []
-    for spec in arch.specs.values():
-        module = model.get_submodule(spec.module)
-        if spec.io == "output":
-            handles.append(module.register_forward_hook(
-                lambda m, a, out, s=spec: got.__setitem__(s.name, output_tensor(out, s.item).clone())))
-        else:
-            handles.append(module.register_forward_pre_hook(
-                lambda m, a, kw, s=spec: got.__setitem__(s.name, input_tensor(a, kw)[0].clone()),
-                with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
+    got = reference(model, ssm_paths(model), {"input_ids": ids, "use_cache": False})
     acts = hs.collect(model, ids, arch.names)
     assert set(acts) == set(got) == set(arch.names)
     for name, expect in got.items():

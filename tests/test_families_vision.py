@@ -1,5 +1,6 @@
 """Vision encoders (arch/vit.py, clip.py, dinov2.py) on tiny random-init models saved to disk with
-their image processor: every point equals a plain register_forward_hook reference, positions are
+their image processor: every point equals a plain register_forward_hook on a module path written
+by hand in family_paths.py (never read from the table under test), positions are
 CLS + patches, early stop skips later blocks, and `extract --data images:DIR` round-trips rows
 traced to their image and patch (hookscope.sources.images)."""
 
@@ -7,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from family_paths import reference, vision_paths
 from PIL import Image
 
 import hookscope as hs
 from hookscope.arch import arch_of
 from hookscope.errors import DataError
 from hookscope.extract import ExtractConfig, extract
-from hookscope.hooks import input_tensor, output_tensor
 from hookscope.sources.images import load_processor
 from hookscope.testing import VISION_FAMILIES, save_tiny
 
@@ -48,39 +49,16 @@ def _pixels(path, folder, names):
                      return_tensors="pt")["pixel_values"]
 
 
-def _reference(model, specs, pixels):
-    got, handles = {}, []
-    for spec in specs:
-        module = model.get_submodule(spec.module)
-        if spec.io == "output":
-            def fn(m, a, out, spec=spec):
-                got[spec.name] = output_tensor(out, spec.item).detach().clone()
-            handles.append(module.register_forward_hook(fn))
-        else:
-            def fn(m, a, kw, spec=spec):
-                got[spec.name] = input_tensor(a, kw)[0].detach().clone()
-            handles.append(module.register_forward_pre_hook(fn, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(pixel_values=pixels)
-    finally:
-        for h in handles:
-            h.remove()
-    return got
-
-
 def test_every_point_equals_a_forward_hook(vision, image_dir):
     family, path, model = vision
     arch = arch_of(model)
     assert arch.family == family.replace("_vision_model", "")
     pixels = _pixels(path, image_dir, ["pic0.png", "pic1.png"])
-    specs = list(arch.specs.values())
-    ref = _reference(model, specs, pixels)
-    acts = hs.collect(model, {"pixel_values": pixels}, [s.name for s in specs])
+    ref = reference(model, vision_paths(model), {"pixel_values": pixels})
+    acts = hs.collect(model, {"pixel_values": pixels}, arch.names)
     assert set(acts) == set(ref) == set(arch.names)
     for name, expect in ref.items():
-        view = arch.specs[name].view
-        assert torch.equal(acts[name], view.get(expect) if view else expect), name
+        assert torch.equal(acts[name], expect), name
     tokens = PREFIX[family] + GRID * GRID
     assert acts["blocks.1.resid_post"].shape == (2, tokens, 32)
     assert acts["blocks.0.attn.q"].shape == (2, tokens, 4, 8)  # per head
@@ -130,10 +108,10 @@ def test_image_extraction_round_trips_and_traces_rows(vision, image_dir, tmp_pat
     rows, cols = store.tensor("patch_rows"), store.tensor("patch_cols")
     resid, post = store.tensor("blocks.1.resid_post"), store.tensor("blocks.0.mlp.post")
     # the reference: each image alone through the processor and the model, read by plain hooks
-    arch = arch_of(model)
-    specs = [arch.spec("blocks.1.resid_post"), arch.spec("blocks.0.mlp.post")]
+    points = {"blocks.1.resid_post", "blocks.0.mlp.post"}
     for image, name in enumerate(names):
-        ref = _reference(model, specs, _pixels(path, image_dir, [name]))
+        pixels = {"pixel_values": _pixels(path, image_dir, [name])}
+        ref = reference(model, vision_paths(model), pixels, points)
         mine = (doc == image).nonzero().flatten()
         assert len(mine) == tokens
         assert torch.equal(pos[mine], torch.arange(tokens))
@@ -242,29 +220,8 @@ def test_two_tower_models_name_their_vision_tower(family):
                                                           "vision_model.encoder.layers.1"]
     pixels = torch.randn(2, 3, 32, 32)
     inputs = {"pixel_values": pixels, "input_ids": torch.randint(0, 99, (2, 5))}
-    specs = [arch.spec(n) for n in ("embed", "blocks.1.attn.z", "blocks.1.resid_post", "ln_final")]
-    ref = _reference_inputs(model, specs, inputs)
-    acts = hs.collect(model, inputs, [s.name for s in specs])
-    for spec in specs:
-        expect = spec.view.get(ref[spec.name]) if spec.view else ref[spec.name]
-        assert torch.equal(acts[spec.name], expect), spec.name
-
-
-def _reference_inputs(model, specs, inputs):
-    got, handles = {}, []
-    for spec in specs:
-        module = model.get_submodule(spec.module)
-        if spec.io == "output":
-            handles.append(module.register_forward_hook(
-                lambda m, a, out, s=spec: got.__setitem__(s.name, output_tensor(out, s.item).clone())))
-        else:
-            handles.append(module.register_forward_pre_hook(
-                lambda m, a, kw, s=spec: got.__setitem__(s.name, input_tensor(a, kw)[0].clone()),
-                with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    return got
+    points = ["embed", "blocks.1.attn.z", "blocks.1.resid_post", "ln_final"]
+    ref = reference(model, vision_paths(model, prefix="vision_model."), inputs, points)
+    acts = hs.collect(model, inputs, points)
+    for name in points:
+        assert torch.equal(acts[name], ref[name]), name

@@ -25,9 +25,10 @@ def attention(config, mid_norm: str = "post_attention_layernorm") -> dict:
 
 def table(config, prefix: str, lm_head: str | None) -> Arch:
     # Gemma 2/3 normalise the attention output before the residual add, so the residual stream
-    # between attention and MLP enters pre_feedforward_layernorm instead.
-    mid_norm = ("pre_feedforward_layernorm" if config.model_type in ("gemma2", "gemma3_text")
-                else "post_attention_layernorm")
+    # between attention and MLP enters pre_feedforward_layernorm instead. OLMo 2 normalises only
+    # the sublayer outputs (post_attention_layernorm reads attn.out): its MLP reads the stream.
+    mid_norm = {"gemma2": "pre_feedforward_layernorm", "gemma3_text": "pre_feedforward_layernorm",
+                "olmo2": "mlp"}.get(config.model_type, "post_attention_layernorm")
     return build(
         config.model_type, prefix, config.num_hidden_layers, "layers.{L}",
         top={"embed": ("embed_tokens", "output", None)},
