@@ -16,6 +16,7 @@ from sparse_store import make_sparse_store
 import hookscope as hs
 from hookscope.errors import HookscopeError
 from hookscope.export import export_hf
+from hookscope.export.hf import to_hf_dataset
 from hookscope.sources import iter_documents
 from hookscope.store.fs import _EXTRAS
 
@@ -60,7 +61,7 @@ def test_exporting_without_datasets_names_the_extra(tmp_path, monkeypatch):
     store = make_sparse_store(tmp_path / "store", rows=64)
     without(monkeypatch, "datasets", "pyarrow")
     with pytest.raises(HookscopeError, match=re.escape("pip install 'hookscope[datasets]'")):
-        store.to_hf_dataset()
+        to_hf_dataset(store)
     with pytest.raises(HookscopeError, match=re.escape("pip install 'hookscope[datasets]'")):
         export_hf(store, tmp_path / "hf")
 
