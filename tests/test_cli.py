@@ -58,6 +58,16 @@ def test_profile_writes_its_files(tiny_dirs, tmp_path, capsys):
     assert (out / "time_per_block.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_profile_refuses_a_sequence_longer_than_the_model_before_profiling(tiny_dirs, tmp_path, capsys):
+    longest = json.loads((tiny_dirs["gpt2"] / "config.json").read_text())["n_positions"]
+    out = tmp_path / "prof"
+    assert main(["profile", str(tiny_dirs["gpt2"]), "--seq", str(longest + 1), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert (f"--seq {longest + 1} is longer than the model's {longest} positions; "
+            f"use --seq {longest} or less") in err
+    assert not any(out.iterdir())  # made writable up front, but nothing profiled into it
+
+
 # -- papercuts ------------------------------------------------------------------------------------
 
 

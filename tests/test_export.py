@@ -202,7 +202,7 @@ def test_cli_export(whole, tmp_path, capsys):
 
 
 def test_load_dataset_on_a_store_directory_fails_and_says_what_it_is(whole):
-    assert (whole.path / "README.md").is_file()
+    assert (Path(whole.path) / "README.md").is_file()
     with pytest.raises(FileNotFoundError) as e:
         datasets.load_dataset(str(whole.path))
     assert NOT_A_DATASET in str(e.value)
