@@ -8,19 +8,19 @@ generated positions are captured in its forward passes (the last token in one mo
 Tolerance: float32, atol 1e-5 / rtol 1e-4 (KV-cache steps against one full pass: rounding only).
 
 Runs in the `tl4` test environment (scripts/test-all); elsewhere it skips, saying why. With
-HOOKSCOPE_REQUIRE_TL=4 a missing TransformerLens 4 is a failure, never a silent skip.
+HOOKSCOPE_REQUIRE=tl4 a missing TransformerLens 4 is a failure, never a silent skip.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tl_gate import require_transformer_lens
+from gate import need
 
 import hookscope as hs
 from hookscope.hooks import hook_count
 
-TL_VERSION = require_transformer_lens("4", "TransformerBridge", "tl4")
+need("tl4")
 
 from transformer_lens.model_bridge import TransformerBridge  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402

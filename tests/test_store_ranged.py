@@ -11,22 +11,18 @@ from __future__ import annotations
 from pathlib import Path
 
 import fsspec
+import gate
 import pytest
 import torch
 from faultkit import damage
+from gate import skip_unless
 
 from hookscope.errors import StoreError
 from hookscope.store import ShardWriter, open_store
 
-try:
-    import moto.server  # noqa: F401
-    import s3fs  # noqa: F401
-except ImportError:
-    HAVE_S3 = False
-else:
-    HAVE_S3 = True
+needs_s3 = skip_unless("s3")
+if gate.problem("s3") is None:
     from test_store_s3 import bucket, s3  # noqa: F401 - fixtures
-needs_s3 = pytest.mark.skipif(not HAVE_S3, reason="needs moto[server] and s3fs: pip install 'hookscope[dev]'")
 
 WIDE, NARROW = 256, 8  # p: 256 float32 = 1 KiB a row, q: 8 bfloat16 = 16 B a row
 SHARD_ROWS = 100  # shards of ~100 KiB, larger than the 64 KiB first GET, so ranges are visible

@@ -29,9 +29,10 @@ from ..files import fsync_dir, write_atomic
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough to hash at disk speed, small enough to stay flat in memory
 
-# the optional package behind each scheme, for the message when it is missing
+# the extra (pyproject.toml) behind each scheme, for the message when it is missing; hf:// needs none
+# (huggingface_hub, which transformers installs, brings its filesystem)
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure",
-           "abfss": "azure", "hf": "hf"}
+           "abfss": "azure"}
 
 Part = tuple[str, int, int]  # (object, start, end): bytes [start, end) of one object
 
