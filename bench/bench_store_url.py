@@ -76,7 +76,10 @@ for name, where, endpoint, mode in json.loads(sys.argv[1]):
             rows += len(batch)
     t2 = time.perf_counter()
     assert rows == len(store), (rows, len(store))
-    fetched = getattr(getattr(store, "remote", None), "bytes_read", None)  # counted by the ranged reader only
+    # counted by the ranged reader only (store.fs at a URL; store.remote before the one filesystem interface)
+    fs = getattr(store, "fs", None)
+    reads = fs if getattr(fs, "remote", False) else getattr(store, "remote", None)
+    fetched = getattr(reads, "bytes_read", None)
     out.append({"name": name, "open_s": t1 - t0, "rows_per_s": rows / (t2 - t1),
                 "mib_fetched": None if fetched is None else fetched / 2**20})
     del store

@@ -16,7 +16,7 @@ untimed sequential read first):
 - build: `build_index(store, point, k=32)` for all 768 units + `save`; rows/s and peak memory
   (anonymous RSS sampled every 20 ms: the mapped shard pages are the page cache's, not ours;
   VmHWM is printed too)
-- query: `open_store` + `store.top(point, unit, k=20, context=8, tokenizer=...)` from the saved
+- query: `open_store` + `top(store, point, unit, k=20, context=8, tokenizer=...)` from the saved
   index, median over 20 units (the tokenizer is loaded before the clock starts)
 """
 
@@ -132,7 +132,7 @@ def child(mode: str, rows: int) -> dict:
 
     torch.set_num_threads(2)
     from hookscope.store import open_store
-    from hookscope.top import build_index, index_path, neurons
+    from hookscope.top import build_index, index_path, neurons, top
 
     path = store_dir(rows)
     store = open_store(path)
@@ -167,7 +167,7 @@ def child(mode: str, rows: int) -> dict:
         times = []
         for unit in range(0, D, D // 20)[:20]:
             t0 = time.perf_counter()
-            result = open_store(path).top(POINT, unit, k=20, context=8, tokenizer=tok)
+            result = top(open_store(path), POINT, unit, k=20, context=8, tokenizer=tok)
             times.append(time.perf_counter() - t0)
             assert len(result.contexts) == 20
         return {"mode": mode, "times": times, "median_s": statistics.median(times)}

@@ -102,8 +102,8 @@ def run_floor(clock: Clock, tokens: int) -> None:
 
 
 def run_extract(clock: Clock, tokens: int, shard_rows: int, out: Path) -> None:
-    import hookscope.extract.loop
     from hookscope.cli import main
+    from hookscope.extract import loop  # `hookscope.extract` itself reads as the function hs.extract
     from hookscope.store import ShardWriter
 
     class TimedWriter(ShardWriter):
@@ -118,7 +118,7 @@ def run_extract(clock: Clock, tokens: int, shard_rows: int, out: Path) -> None:
             super().close()
             clock.stop()
 
-    hookscope.extract.loop.ShardWriter = TimedWriter
+    loop.ShardWriter = TimedWriter
     if main(extract_argv(tokens, shard_rows, out)) != 0:
         raise SystemExit("hookscope extract failed")
 

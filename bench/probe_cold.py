@@ -1,7 +1,7 @@
 """Cold reading: does advising the kernel before the reading thread touches a window help?
 
 The shuffled dataset's background thread brings each window in by touching one byte per 64 KiB of
-its mapped shards (store/dataset.py `_populate`), which makes the kernel read the files front to
+its mapped shards (store/mapper.py `populate`), which makes the kernel read the files front to
 back. This probe times one cold epoch (page cache dropped, as bench_read.py's cold case) and the
 two epochs after it, each in a fresh process, with `_populate` preceded by nothing (`touch`, what
 the reader does), `MADV_HUGEPAGE` (2 MiB folios read per fault), `MADV_WILLNEED` (the whole range
@@ -29,11 +29,11 @@ ADVICE = {"disk": [], "touch": [], "huge": [MADV_HUGEPAGE], "willneed": [MADV_WI
 
 def one(method: str, d: int, dtype: str) -> dict[str, float]:
     import hookscope as hs
-    import hookscope.store.dataset as dataset
+    import hookscope.store.mapper as mapper
 
     libc = ctypes.CDLL(None, use_errno=True)
     libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    touch = dataset._populate
+    touch = mapper.populate
 
     def advise_then_touch(t):
         if t.numel():
@@ -43,7 +43,7 @@ def one(method: str, d: int, dtype: str) -> dict[str, float]:
                     raise OSError(ctypes.get_errno(), "madvise")
         touch(t)
 
-    dataset._populate = advise_then_touch
+    mapper.populate = advise_then_touch
     path = br.store_dir(d, dtype)
     store = hs.open_store(path)
     br.drop_cache(path)

@@ -20,6 +20,7 @@ import torch
 from matplotlib.figure import Figure
 
 import hookscope as hs
+from hookscope.profiling import random_tokens
 
 
 def block_ms(report: hs.ProfileReport) -> dict[str, float]:
@@ -40,10 +41,7 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
 
     model = hs.load(args.model).model
-    # random tokens: the time a forward pass takes does not depend on the text
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, model.config.vocab_size, (args.batch, args.seq), generator=gen)
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    inputs = random_tokens(model, args.batch, args.seq)  # the time a pass takes does not depend on the text
 
     reports = {}
     for dtype in ("float32", args.dtype):

@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     # held-out rows for the metrics: the "val" split never reaches the trainer
     held_out = next(iter(store.dataset(point, split="val", seed=1, batch_size=4096))).float()
 
-    def fresh(seed: int, checkpoints: Path | None = None) -> tuple[SAETrainer, hs.store.ActivationDataset]:
+    def fresh(seed: int, checkpoints: Path | None = None) -> tuple[SAETrainer, hs.ActivationDataset]:
         torch.manual_seed(seed)
         sae = StandardTrainingSAE(StandardTrainingSAEConfig(
             d_in=d_model, d_sae=args.expansion * d_model, l1_coefficient=args.l1,

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import token_ids
 
 import hookscope as hs
 from hookscope.testing import save_tiny
@@ -70,18 +71,12 @@ def llama(tiny) -> torch.nn.Module:
     return tiny["llama"].model
 
 
-def random_ids(model: torch.nn.Module, batch: int = 2, length: int = 7, seed: int = 0) -> torch.Tensor:
-    """Random token ids that are valid for `model` (avoiding id 0, the pad / BOS token)."""
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, model.config.vocab_size, (batch, length), generator=g)
-
-
 @pytest.fixture(scope="session")
 def make_ids():
     """`make_ids(model, batch=2, length=7, seed=0)`: random valid token ids for a model."""
-    return random_ids
+    return token_ids
 
 
 @pytest.fixture
 def ids(gpt2) -> torch.Tensor:
-    return random_ids(gpt2)
+    return token_ids(gpt2)

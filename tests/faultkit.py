@@ -1,30 +1,17 @@
-"""What the fault tests share: a small corpus, an extraction config, and the row-for-row comparison
-of a store that lived through a fault with one that did not."""
+"""What the fault tests share: an extraction config, and the row-for-row comparison of a store that
+lived through a fault with one that did not (the corpus and shard digests: tests/helpers.py)."""
 
 from __future__ import annotations
 
-import hashlib
 import json
-import random
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import torch
+from helpers import shard_digests, write_corpus  # noqa: F401 - the fault tests import them from here
 
 from hookscope.store import open_store
-
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda fox dog cat residual stream "
-         "layer head token sparse feature probe gradient hook model").split()
-
-
-def write_corpus(path: Path, docs: int = 60, seed: int = 0) -> Path:
-    """`docs` paragraphs of 3-40 words, the same for the same seed."""
-    rng = random.Random(seed)
-    paras = [f"Document {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40))) + "."
-             for i in range(docs)]
-    path.write_text("\n\n".join(paras) + "\n")
-    return path
 
 
 def extract_config(model_dir: Path, corpus: Path, out: Path, **overrides: Any) -> dict[str, Any]:
@@ -39,11 +26,6 @@ def load_model(path: str) -> None:
     import hookscope as hs
 
     hs.load(path)
-
-
-def shard_digests(out: Path) -> dict[str, str]:
-    """SHA-256 of every file under shards/ (debris included: a clean store has none)."""
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((out / "shards").iterdir())}
 
 
 def row_keys(store) -> Counter:

@@ -37,7 +37,6 @@ handle it as it would a Ctrl-C or a scheduler's stop (no half-written files are 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import signal
@@ -52,9 +51,6 @@ from hookscope.sources import text as text_source
 from hookscope.store import ShardWriter
 from hookscope.store import fs as fs_module
 from hookscope.store import writer as writer_module
-
-# the module, not the function `hookscope.extract` that the package exports under the same name
-extract_module = importlib.import_module("hookscope.extract")
 
 SITES = ("replace", "rename", "manifest-replace", "save", "manifest-write", "fsync", "batch", "forward",
          "tokenize", "upload", "put", "manifest-put")
@@ -137,7 +133,7 @@ def arm(kill_at: str) -> Plan:
         if plan.event("forward"):
             die()
 
-    real_upload, real_put = fs_module.Remote.upload, fs_module.Remote.write
+    real_upload, real_put = fs_module.RemoteFS.put_file, fs_module.RemoteFS.put
 
     def upload(self, *args, **kwargs):
         due = plan.event("upload")
@@ -153,7 +149,7 @@ def arm(kill_at: str) -> Plan:
         real_put(self, rel, *args, **kwargs)
         plan.at(any(due), "after")
 
-    fs_module.Remote.upload, fs_module.Remote.write = upload, put
+    fs_module.RemoteFS.put_file, fs_module.RemoteFS.put = upload, put
     os.replace, os.fsync, writer_module.save_file = replace, fsync, save_file
     ShardWriter.write, text_source.pack = write, pack
     torch.nn.modules.module.register_module_forward_pre_hook(forward)

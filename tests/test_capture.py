@@ -10,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from helpers import plain_hooks
 from torch import Tensor, nn
 
 import hookscope as hs
@@ -30,6 +31,12 @@ def first(output: tuple) -> Tensor:
 
 def second(output: tuple) -> Tensor:  # attention weights of an HF attention module
     return output[1]
+
+
+def block_out(output: Tensor | tuple) -> Tensor:
+    """A block's hidden states: the output itself in transformers >= 5.x's later releases, element 0
+    of the (hidden, ...) tuple GPT-2 and GPT-NeoX blocks return in 5.0 (the floor environment)."""
+    return output[0] if isinstance(output, tuple) else output
 
 
 def per_head(n_heads: int) -> Callable[[Tensor], Tensor]:
@@ -61,7 +68,7 @@ def gpt2_table(model: nn.Module) -> dict[str, Entry]:
             p + "mlp.pre": (blk.mlp.c_fc, OUT, same),
             p + "mlp.post": (blk.mlp.act, OUT, same),
             p + "mlp.out": (blk.mlp, OUT, same),
-            p + "resid_post": (blk, OUT, same),
+            p + "resid_post": (blk, OUT, block_out),
         }
     return t | {"ln_final": (base.ln_f, OUT, same), "logits": (model.lm_head, OUT, same)}
 
@@ -86,7 +93,7 @@ def llama_table(model: nn.Module) -> dict[str, Entry]:
             # mlp.post = act(gate) * up: made from two hooks after the run (see reference())
             p + "mlp.act": (mlp.act_fn, OUT, same),
             p + "mlp.out": (mlp, OUT, same),
-            p + "resid_post": (blk, OUT, same),
+            p + "resid_post": (blk, OUT, block_out),
         }
     return t | {"ln_final": (base.norm, OUT, same), "logits": (model.lm_head, OUT, same)}
 
@@ -116,11 +123,13 @@ def neox_table(model: nn.Module) -> dict[str, Entry]:
             p + "mlp.pre": (blk.mlp.dense_h_to_4h, OUT, same),
             p + "mlp.post": (blk.mlp.act, OUT, same),
             p + "mlp.out": (blk.mlp, OUT, same),
-            p + "resid_post": (blk, OUT, same),
+            p + "resid_post": (blk, OUT, block_out),
         }
         if not cfg.use_parallel_residual:  # in parallel, attention and MLP both read resid_pre
             t[p + "resid_mid"] = (blk.post_attention_layernorm, IN, same)
-    return t | {"ln_final": (base.final_layer_norm, OUT, same), "logits": (model.lm_head, OUT, same)}
+    # the head is `embed_out` in transformers 5.0, `lm_head` later: HF's own accessor finds either
+    head = model.get_output_embeddings()
+    return t | {"ln_final": (base.final_layer_norm, OUT, same), "logits": (head, OUT, same)}
 
 
 def bert_table(model: nn.Module) -> dict[str, Entry]:
@@ -173,28 +182,8 @@ def reference(
             else set()
         )
         table = {n: e for n, e in table.items() if n in keep}
-    got: dict[str, Tensor] = {}
-    handles = []
-    for name, (module, side, read) in table.items():
-        if side == OUT:
-
-            def on_output(mod, args, output, name=name, read=read):
-                got[name] = read(output).detach().clone()
-
-            handles.append(module.register_forward_hook(on_output))
-        else:
-
-            def on_input(mod, args, kwargs, name=name, read=read):
-                x = args[0] if args else kwargs["hidden_states"]
-                got[name] = read(x).detach().clone()
-
-            handles.append(module.register_forward_pre_hook(on_input, with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(**inputs, **options) if isinstance(inputs, dict) else model(inputs, **options)
-    finally:
-        for h in handles:
-            h.remove()
+    got = plain_hooks(model, table, lambda: model(**inputs, **options) if isinstance(inputs, dict)
+                      else model(inputs, **options))  # the table's sides are plain_hooks' "output" / "input"
     if derived_mlp_post:
         for name in [n for n in got if n.endswith("mlp.act")]:
             got[name.replace("mlp.act", "mlp.post")] = (

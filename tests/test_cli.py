@@ -1,6 +1,7 @@
 """The `hookscope` command's points / capture / profile: what they print and save is what the
 library computes."""
 
+import importlib.util
 import json
 import os
 import re
@@ -55,7 +56,21 @@ def test_profile_writes_its_files(tiny_dirs, tmp_path, capsys):
         assert block in text
     trace = json.loads((out / "trace.json").read_text())
     assert any("blocks.2" in str(e.get("name", "")) for e in trace["traceEvents"])
-    assert (out / "time_per_block.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "time_per_block.svg").read_text().lstrip().startswith("<svg")  # the base install's picture
+    if importlib.util.find_spec("matplotlib") is None:  # the base test environment: no PNG, no error
+        assert not (out / "time_per_block.png").exists()
+    else:
+        assert (out / "time_per_block.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_refuses_a_sequence_longer_than_the_model_before_profiling(tiny_dirs, tmp_path, capsys):
+    longest = json.loads((tiny_dirs["gpt2"] / "config.json").read_text())["n_positions"]
+    out = tmp_path / "prof"
+    assert main(["profile", str(tiny_dirs["gpt2"]), "--seq", str(longest + 1), "--out", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert (f"--seq {longest + 1} is longer than the model's {longest} positions; "
+            f"use --seq {longest} or less") in err
+    assert not any(out.iterdir())  # made writable up front, but nothing profiled into it
 
 
 # -- papercuts ------------------------------------------------------------------------------------

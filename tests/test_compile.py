@@ -10,9 +10,11 @@ generates no code, so it takes a second); `test_captures_equal_eager_under_induc
 from __future__ import annotations
 
 import warnings
+from functools import partial
 
 import pytest
 import torch
+from helpers import token_ids
 
 import hookscope as hs
 from hookscope import compiling as hc
@@ -39,9 +41,7 @@ def tiny(family: str) -> torch.nn.Module:
     return build_tiny(family, d_model=32, n_layers=2, n_heads=4, context=32)
 
 
-def ids_for(model, seed: int = 0, batch: int = 2, length: int = 8) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, model.config.vocab_size, (batch, length), generator=g)
+ids_for = partial(token_ids, length=8)
 
 
 def assert_same(got: dict, want: dict) -> None:

@@ -2,7 +2,7 @@
 
 Every test here takes a `device`. The "cpu" variant runs in the default suite, so the code of this
 file is exercised on every machine; the "cuda" variant skips with a stated reason where there is no
-CUDA device, and `scripts/gpu-suite` runs the whole file on one with HOOKSCOPE_REQUIRE_CUDA=1 (then a
+CUDA device, and `scripts/gpu-suite` runs the whole file on one with HOOKSCOPE_REQUIRE=cuda (then a
 missing device is a failure, not a skip). References are independent of hookscope: plain
 `register_forward_hook` captures, `torch.autograd.grad`, hand-written edit hooks, the model's own
 forward. On CUDA, hookscope and the reference run the same kernels in the same order, so values are
@@ -11,27 +11,21 @@ compared exactly; only the compiled paths (other kernels) use a tolerance, state
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 import torch
+from gate import skip_unless
+from helpers import first, plain_hooks, token_ids
 from torch import Tensor, nn
 
 import hookscope as hs
 from hookscope.hooks import hook_count
 from hookscope.testing import save_tiny
 
-HAS_CUDA = torch.cuda.is_available()
-REQUIRE_CUDA = os.environ.get("HOOKSCOPE_REQUIRE_CUDA") == "1"
-NO_CUDA = "no CUDA device on this machine: scripts/gpu-suite runs these on one"
-
-if REQUIRE_CUDA and not HAS_CUDA:  # the GPU suite must never pass by skipping everything
-    raise RuntimeError("HOOKSCOPE_REQUIRE_CUDA=1 but torch.cuda.is_available() is False "
-                       f"(torch {torch.__version__}, built for CUDA {torch.version.cuda})")
-
 pytestmark = pytest.mark.cuda
-cuda_only = pytest.mark.skipif(not HAS_CUDA, reason=NO_CUDA)
+# the GPU suite (HOOKSCOPE_REQUIRE=cuda) must never pass by skipping: there a missing device is an error
+cuda_only = skip_unless("cuda")
 DEVICES = ["cpu", pytest.param("cuda", marks=cuda_only)]
 SIZE = {"d_model": 64, "n_layers": 3, "n_heads": 4, "context": 64}
 
@@ -46,11 +40,6 @@ def load(model_dirs, family: str, device: str, dtype: torch.dtype = torch.float3
     return hs.load(str(model_dirs[family]), device=device, dtype=dtype).model
 
 
-def token_ids(model: nn.Module, device: str, batch: int = 2, length: int = 9) -> Tensor:
-    g = torch.Generator().manual_seed(0)
-    return torch.randint(1, model.config.vocab_size, (batch, length), generator=g).to(device)
-
-
 def blocks_of(model: nn.Module) -> list[nn.Module]:
     base = getattr(model, "transformer", None) or model.model
     return list(getattr(base, "h", None) or base.layers)
@@ -58,16 +47,10 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 
 def plain_resid_post(model: nn.Module, ids: Tensor) -> list[Tensor]:
     """The reference: every block's output through a bare torch forward hook."""
-    kept: list[Tensor] = []
-    handles = [b.register_forward_hook(lambda m, a, out: kept.append(
-        (out[0] if isinstance(out, tuple) else out).detach().clone())) for b in blocks_of(model)]
-    try:
-        with torch.inference_mode():
-            model(ids, use_cache=False)
-    finally:
-        for h in handles:
-            h.remove()
-    return kept
+    blocks = blocks_of(model)
+    got = plain_hooks(model, {i: (b, "output", first) for i, b in enumerate(blocks)},
+                      lambda: model(ids, use_cache=False))
+    return [got[i] for i in range(len(blocks))]
 
 
 # --- captures ---------------------------------------------------------------------------------
@@ -78,7 +61,7 @@ def plain_resid_post(model: nn.Module, ids: Tensor) -> list[Tensor]:
 @pytest.mark.parametrize("device", DEVICES)
 def test_captures_equal_plain_hooks(model_dirs, device, family, dtype):
     model = load(model_dirs, family, device, dtype)
-    ids = token_ids(model, device)
+    ids = token_ids(model, device=device, length=9)
     want = plain_resid_post(model, ids)
     got = hs.collect(model, ids, "blocks.*.resid_post")
     assert len(got) == len(want)
@@ -93,7 +76,7 @@ def test_copies_to_host_equal_the_device_values(model_dirs, device):
     """`device="cpu"` from a CUDA model goes through a pinned buffer and a non-blocking copy; the
     values read afterwards must be the synchronised ones."""
     model = load(model_dirs, "gpt2", device)
-    ids = token_ids(model, device, batch=4, length=32)
+    ids = token_ids(model, 4, 32, device=device)
     want = plain_resid_post(model, ids)
     got = hs.collect(model, ids, ["blocks.0.resid_post", "blocks.2.resid_post"], device="cpu",
                      dtype=torch.bfloat16, positions=slice(1, None))
@@ -111,7 +94,7 @@ def test_copies_to_host_equal_the_device_values(model_dirs, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_grads_equal_autograd(model_dirs, device):
     model = load(model_dirs, "llama", device)
-    ids = token_ids(model, device)
+    ids = token_ids(model, device=device, length=9)
     kept: list[Tensor] = []
     block = blocks_of(model)[1]
 
@@ -132,7 +115,7 @@ def test_grads_equal_autograd(model_dirs, device):
 @pytest.mark.parametrize("device", DEVICES)
 def test_steer_and_ablate_equal_hand_written_hooks(model_dirs, device):
     model = load(model_dirs, "gpt2", device)
-    ids = token_ids(model, device)
+    ids = token_ids(model, device=device, length=9)
     vector = torch.randn(model.config.n_embd, generator=torch.Generator().manual_seed(1)).to(device)
     blocks = blocks_of(model)
 
@@ -203,7 +186,7 @@ def test_extract_round_trip_equals_plain_hooks(model_dirs, device, tmp_path):
 @pytest.mark.parametrize("policy", ["blocks", "full"])
 def test_compiled_captures_equal_eager_on_cuda(model_dirs, policy):
     eager = load(model_dirs, "gpt2", "cuda")
-    ids = token_ids(eager, "cuda")
+    ids = token_ids(eager, device="cuda", length=9)
     want = hs.collect(eager, ids, "blocks.*.resid_post", stop=False)
     compiled = hs.load(str(model_dirs["gpt2"]), device="cuda", compile_policy=policy).model
     for _ in range(2):  # the second call runs the cached graph
@@ -220,7 +203,8 @@ def test_reduce_overhead_captures_survive_the_next_replay(model_dirs):
     from hookscope import compiling as policy
 
     model = load(model_dirs, "gpt2", "cuda")
-    ids_a, ids_b = token_ids(model, "cuda"), token_ids(model, "cuda").flip(0)
+    ids_a = token_ids(model, device="cuda", length=9)
+    ids_b = ids_a.flip(0)
     want_a = plain_resid_post(model, ids_a)[-1]
     policy.compile_model(model, "full", mode="reduce-overhead")
     for _ in range(3):  # warm up and record the graph
@@ -233,7 +217,7 @@ def test_reduce_overhead_captures_survive_the_next_replay(model_dirs):
 @cuda_only
 def test_device_map_auto_captures_equal_plain_hooks(model_dirs):
     model = hs.load(str(model_dirs["llama"]), device_map="auto").model
-    ids = token_ids(model, str(model.get_input_embeddings().weight.device))
+    ids = token_ids(model, length=9, device=str(model.get_input_embeddings().weight.device))
     want = plain_resid_post(model, ids)
     got = hs.collect(model, ids, "blocks.*.resid_post")
     for layer, ref in enumerate(want):
@@ -243,10 +227,72 @@ def test_device_map_auto_captures_equal_plain_hooks(model_dirs):
 @cuda_only
 def test_profile_has_cuda_rows_and_a_memory_snapshot(model_dirs, tmp_path):
     model = load(model_dirs, "gpt2", "cuda")
-    ids = token_ids(model, "cuda", batch=4, length=32)
+    ids = token_ids(model, 4, 32, device="cuda")
     report = hs.profile(model, ids, steps=3, warmup=1, out_dir=tmp_path)
     blocks = report.block_rows()
     assert len(blocks) == 3
     assert all(row.device_s and row.device_s > 0 for row in blocks), report.summary()
     assert report.memory_snapshot, "a CUDA profile records a memory snapshot"
     assert (tmp_path / "trace.json").stat().st_size > 0
+
+
+# --- points= loads (issue 29) -----------------------------------------------------------------
+
+
+def _needed_llama(full: nn.Module, through: int) -> set[str]:
+    """The embeddings and blocks 0..through, by name (written from the module tree)."""
+    blocks = tuple(f"model.layers.{i}." for i in range(through + 1))
+    return {"model.embed_tokens.weight"} | {n for n, _ in full.named_parameters() if n.startswith(blocks)}
+
+
+@pytest.mark.parametrize("placement", ["device", "device_map"])
+@pytest.mark.parametrize("device", DEVICES)
+def test_points_load_places_only_the_needed_weights(model_dirs, device, placement):
+    full = load(model_dirs, "llama", device)
+    where = {"device": device} if placement == "device" else {"device_map": {"": device}}
+    if device == "cuda":
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+    part = hs.load(str(model_dirs["llama"]), points=["blocks.1.resid_post"], **where).model
+    on_device = {n for n, p in part.named_parameters() if p.device.type == torch.device(device).type}
+    assert on_device == _needed_llama(full, through=1)
+    if device == "cuda":  # the device holds the needed weights and buffers, not the model's
+        tensors = [t for t in (*part.parameters(), *part.buffers()) if not t.is_meta]
+        needed = sum(t.numel() * t.element_size() for t in tensors)
+        grown = torch.cuda.memory_allocated() - before
+        assert needed <= grown <= needed + 512 * len(tensors)  # the allocator rounds each up to 512 B
+    ids = token_ids(full, device)
+    want = plain_resid_post(full, ids)[1]
+    assert torch.equal(hs.collect(part, ids, "blocks.1.resid_post")["blocks.1.resid_post"], want)
+
+
+@cuda_only
+def test_points_load_with_device_map_auto_spreads_the_needed_blocks(model_dirs):
+    full = hs.load(str(model_dirs["llama"]), device_map="auto").model
+    part = hs.load(str(model_dirs["llama"]), device_map="auto", points=["blocks.1.resid_post"]).model
+    assert {n for n, p in part.named_parameters() if not p.is_meta} == _needed_llama(full, through=1)
+    assert all(p.device.type == "cuda" for p in part.parameters() if not p.is_meta)
+    ids = token_ids(full, str(full.get_input_embeddings().weight.device))
+    want = plain_resid_post(full, ids)[1]
+    assert torch.equal(hs.collect(part, ids, "blocks.1.resid_post")["blocks.1.resid_post"], want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_streamed_extraction_equals_the_in_memory_one(model_dirs, device, tmp_path):
+    """--max-memory on the device: the same batch shapes run the same kernels, so the rows are
+    compared exactly (the in-memory extraction on the same device is the reference)."""
+    from hookscope.extract import ExtractConfig, extract
+    from hookscope.store import open_store
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Document {i}: the residual stream, layer by layer, block by block."
+                                  for i in range(40)))
+    stores = {}
+    for mode, limit in (("memory", None), ("streamed", "1MB")):
+        extract(ExtractConfig(out=str(tmp_path / mode), model=str(model_dirs["llama"]), data=str(corpus),
+                              points=["blocks.1.resid_post", "blocks.0.attn.z"], context=32, batch_size=4,
+                              dtype="float32", device=device, progress=False, max_memory=limit))
+        stores[mode] = open_store(tmp_path / mode)
+    for name in ("blocks.1.resid_post", "blocks.0.attn.z", "token_ids"):
+        assert torch.equal(stores["streamed"].tensor(name), stores["memory"].tensor(name))
+    assert len(stores["memory"]) > 200

@@ -300,7 +300,7 @@ def test_every_row_is_the_stores_bytes(mixed_store, kw):
 def test_mappings_are_kept_across_epochs_only_when_they_fit(mixed_store, monkeypatch):
     """Shards are mapped once per iterator while the columns fit in half the RAM (later epochs
     touch no new mapping), once per window otherwise; the rows are the same either way."""
-    from hookscope.store import dataset as dataset_module
+    from hookscope.store import mapper as mapper_module
 
     opened = record_shard_reads(mixed_store, monkeypatch)
     kw = {"seed": 1, "buffer_rows": 40, "batch_size": 10, "repeat": True}
@@ -310,7 +310,7 @@ def test_mappings_are_kept_across_epochs_only_when_they_fit(mixed_store, monkeyp
     next(iter(ds))  # a new iterator of the same dataset (the next epoch of a plain loop) too
     assert sorted(opened) == list(range(mixed_store.num_shards))
     opened.clear()
-    monkeypatch.setattr(dataset_module, "_ram_bytes", lambda: 0)
+    monkeypatch.setattr(mapper_module, "ram_bytes", lambda: 0)
     dropped = list(islice(iter(mixed_store.dataset("a", **kw)), 30))
     # once per epoch (and the next epoch's first window, read ahead)
     assert all(3 <= opened.count(i) <= 4 for i in range(mixed_store.num_shards))
@@ -355,11 +355,11 @@ def test_batch_memory_is_reused_only_once_nothing_holds_it(id_store, monkeypatch
         _, kept = two_epochs(keep)
         assert [sorted(torch.as_tensor(k)[:, 0].long().tolist()) for k in kept] == expected
     # nothing held: after the first few, batches reuse memory (counted where numpy allocates it)
-    from hookscope.store import dataset
+    from hookscope.store import recycler
 
     allocated = []
-    new_array = dataset._new_array
-    monkeypatch.setattr(dataset, "_new_array",
+    new_array = recycler.new_array
+    monkeypatch.setattr(recycler, "new_array",
                         lambda shape, dtype: allocated.append(shape) or new_array(shape, dtype))
     ds = id_store.dataset("x", batch_size=16, **kw)
     got = [sorted(b[:, 0].long().tolist()) for _ in range(2) for b in ds]
@@ -377,11 +377,11 @@ def test_batch_memory_is_reused_only_once_nothing_holds_it(id_store, monkeypatch
 def test_several_columns_reuse_memory_and_keep_their_bytes(mixed_store, monkeypatch):
     """Three columns of three shapes and dtypes share the pool (four buffers a column): each batch
     is the store's bytes, and after the first few each column's batches reuse memory."""
-    from hookscope.store import dataset
+    from hookscope.store import recycler
 
     allocated = []
-    new_array = dataset._new_array
-    monkeypatch.setattr(dataset, "_new_array",
+    new_array = recycler.new_array
+    monkeypatch.setattr(recycler, "new_array",
                         lambda shape, dtype: allocated.append(shape) or new_array(shape, dtype))
     whole = {k: mixed_store.tensor(k) for k in ("a", "h")}
     ds = mixed_store.dataset(["a", "h", "token_ids"], seed=2, batch_size=10, buffer_rows=40, drop_last=True)

@@ -7,22 +7,34 @@ The convention, for whoever writes docs:
   there). A block may use what an earlier block on the same page defined; nothing else is given.
 - A block that cannot run offline on CPU (a GPU, credentials, a hub model) is fenced
   ```python notest  and says why in a comment inside the block. It is skipped.
+- A block that needs more than the base install says so on its first line:
+  `# needs: pip install 'hookscope[plot]'` (an extra) or `# needs: pip install sae-lens` (a package
+  the test gate knows, tests/gate.py). Where it is installed, the block runs. Where an extra is
+  missing (the `base` environment of scripts/test-all), the block must fail with a HookscopeError that
+  names the extra to install; where a package is missing, the block is skipped, unless HOOKSCOPE_REQUIRE
+  requires it (then that is an error).
 - A failure names the page and the line: tracebacks point into the Markdown file itself.
 """
 
 from __future__ import annotations
 
+import importlib.metadata
 import re
 import textwrap
 import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
+import gate
 import pytest
+
+from hookscope.errors import HookscopeError
 
 ROOT = Path(__file__).resolve().parent.parent
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```python(?P<info>[^\n`]*)$")
 CLOSE = re.compile(r"^[ \t]*```[ \t]*$")
+NEEDS = re.compile(r"^# needs: pip install (?P<what>.+)$")
+EXTRA = re.compile(r"^'?hookscope\[(?P<extra>[a-z0-9_-]+)\]'?$")
 
 
 @dataclass(frozen=True)
@@ -31,6 +43,13 @@ class Block:
     line: int  # 1-based line of the first line of code (just after the opening fence)
     code: str
     notest: bool
+
+    @property
+    def needs(self) -> list[str]:
+        """What its first line says it needs beyond the base install (`# needs: pip install ...`)."""
+        first = self.code.lstrip("\n").split("\n", 1)[0]
+        found = NEEDS.match(first)
+        return found.group("what").split() if found else []
 
     @property
     def where(self) -> str:
@@ -65,22 +84,80 @@ def doc_files() -> list[Path]:
     return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
-def run_page(blocks: list[Block]) -> None:
-    """Run the page's blocks in order in one namespace; the first failure is reported with the
-    page, the block's line and a traceback whose lines are the Markdown file's."""
+def installed(distribution: str) -> bool:
+    try:
+        importlib.metadata.version(distribution)
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
+def missing_extra(extra: str) -> bool:
+    """Whether a distribution that hookscope's `extra` adds is not installed."""
+    requires = importlib.metadata.requires("hookscope") or []
+    marker = re.compile(rf"""extra\s*==\s*["']{re.escape(extra)}["']""")
+    names = [re.split(r"[\s;<>=!~\[]", r, maxsplit=1)[0] for r in requires if marker.search(r)]
+    assert names, f"hookscope has no extra [{extra}]"
+    return not all(installed(n) for n in names)
+
+
+def missing_package(block: Block, distribution: str) -> bool:
+    """Whether `distribution` is missing; an error where the gate requires it (HOOKSCOPE_REQUIRE)."""
+    by_dist = {need.dist: name for name, need in gate.NEEDS.items() if need.dist}
+    assert distribution in by_dist, (
+        f"{block.where}: `# needs: pip install {distribution}` names neither a hookscope extra nor a "
+        f"package tests/gate.py knows ({sorted(by_dist)})")
+    name = by_dist[distribution]
+    if installed(distribution) and gate.problem(name) is None:
+        return False
+    if name in gate.required():
+        gate.need(name)  # fails, naming what is wrong
+    return True
+
+
+def run_block(block: Block, namespace: dict, without_extra: str | None = None) -> None:
+    """Run one block; a failure is reported with the page, the block's line and a traceback whose
+    lines are the Markdown file's. `without_extra`: that extra is missing, so the block must stop on
+    a HookscopeError naming it."""
+    # pad with blank lines so that line numbers in tracebacks are the Markdown file's own
+    source = "\n" * (block.line - 1) + block.code
+    hint = f"pip install 'hookscope[{without_extra}]'"
+    try:
+        exec(compile(source, str(block.path), "exec"), namespace)
+    except HookscopeError as e:
+        if without_extra is None or hint not in str(e):
+            fail(block, e)
+        return
+    except BaseException as e:  # noqa: BLE001 - any failure of a block is the test's failure
+        fail(block, e)
+    if without_extra is not None:
+        raise AssertionError(f"{block.where} needs [{without_extra}], which is not installed, yet it ran")
+
+
+def fail(block: Block, e: BaseException) -> None:
+    trace = "".join(traceback.format_exception(e)[-12:])
+    pytest.fail(f"the ```python block at {block.where} failed: {type(e).__name__}: {e}\n{trace}",
+                pytrace=False)
+
+
+def run_page(blocks: list[Block]) -> list[str]:
+    """Run the page's blocks in order in one namespace, the first failure reported by page and line.
+    Returns what was left out for a missing package (see the module's docstring)."""
     namespace: dict = {"__name__": "__docs__"}
+    left_out = []
     for block in blocks:
         if block.notest:
             assert "#" in block.code, f"{block.where}: a `python notest` block must say why in a comment"
             continue
-        # pad with blank lines so that line numbers in tracebacks are the Markdown file's own
-        source = "\n" * (block.line - 1) + block.code
-        try:
-            exec(compile(source, str(block.path), "exec"), namespace)
-        except BaseException as e:  # noqa: BLE001 - any failure of a block is the test's failure
-            trace = "".join(traceback.format_exception(e)[-12:])
-            pytest.fail(f"the ```python block at {block.where} failed: {type(e).__name__}: {e}\n{trace}",
-                        pytrace=False)
+        extras = [m.group("extra") for m in map(EXTRA.match, block.needs) if m]
+        packages = [n for n in block.needs if not EXTRA.match(n)]
+        absent_extras = [e for e in extras if missing_extra(e)]
+        absent = [p for p in packages if missing_package(block, p)]
+        if absent:
+            left_out.append(f"{block.where} (needs {' '.join(absent)})")
+        else:
+            run_block(block, namespace, without_extra=absent_extras[0] if absent_extras else None)
+    return left_out
 
 
 @pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
@@ -89,7 +166,9 @@ def test_python_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.Monke
     if not any(not b.notest for b in blocks):
         pytest.skip(f"{path.name} has no runnable python block")
     monkeypatch.chdir(tmp_path)
-    run_page(blocks)
+    left_out = run_page(blocks)
+    if left_out:
+        pytest.skip(f"ran the rest; left out for a missing package: {', '.join(left_out)}")
 
 
 def test_the_readme_blocks_are_found():
@@ -118,3 +197,33 @@ def test_a_failing_block_is_named_by_file_and_line(tmp_path: Path):
     bare.write_text("```python notest\nimport cuda_only\n```\n")
     with pytest.raises(AssertionError, match="must say why"):
         run_page(python_blocks(bare))
+
+
+def test_a_block_that_needs_an_extra_names_it_when_the_extra_is_missing(tmp_path: Path):
+    """Where the extra is missing, the block must stop on a HookscopeError naming it: a deep
+    ModuleNotFoundError, an error naming nothing, or a block that runs anyway all fail the page."""
+    page = tmp_path / "page.md"
+    blocks = [
+        "# needs: pip install 'hookscope[datasets]'\nfrom hookscope.errors import StoreError\n"
+        "raise StoreError(\"needs datasets: pip install 'hookscope[datasets]'\")",
+        "# needs: pip install 'hookscope[datasets]'\nimport no_such_module_deep_inside",
+        "# needs: pip install 'hookscope[plot]'\nfrom hookscope.errors import StoreError\n"
+        "raise StoreError('no hint')",
+        "# needs: pip install 'hookscope[plot]'\nx = 1",
+    ]
+    page.write_text("".join(f"```python\n{code}\n```\n" for code in blocks))
+    named, deep, vague, runs = python_blocks(page)
+    assert named.needs == ["'hookscope[datasets]'"]
+    run_block(named, {}, without_extra="datasets")  # the error names the extra: what the page wants
+    for block, extra in ((deep, "datasets"), (vague, "plot")):
+        with pytest.raises(pytest.fail.Exception, match="failed: (ModuleNotFoundError|StoreError)"):
+            run_block(block, {}, without_extra=extra)
+    with pytest.raises(AssertionError, match="yet it ran"):
+        run_block(runs, {}, without_extra="plot")
+
+
+def test_a_block_that_needs_a_package_names_one_the_gate_knows(tmp_path: Path):
+    page = tmp_path / "page.md"
+    page.write_text("```python\n# needs: pip install left-pad\nx = 1\n```\n")
+    with pytest.raises(AssertionError, match="names neither a hookscope extra nor a package tests/gate.py"):
+        run_page(python_blocks(page))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gate import need
+from helpers import tiny_hooked_transformer
 from torch import Tensor, nn
 
 import hookscope as hs
@@ -195,10 +197,8 @@ def test_mean_ablation_averages_over_the_position_dim_wherever_it_is():
     """attn.pattern is [batch, head, query, key]: its position dim is 2, so a mean ablation
     averages over batch and queries, per head and key (issue 13, item 5). The reference is the
     same edit written as a TransformerLens hook."""
-    tl = pytest.importorskip("transformer_lens")
-    cfg = tl.HookedTransformerConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=50, n_ctx=16,
-                                     act_fn="gelu", seed=0)
-    model = tl.HookedTransformer(cfg).eval()
+    need("tl3")
+    model = tiny_hooked_transformer(d_vocab=50, n_ctx=16)
     toks = torch.randint(0, 50, (3, 7), generator=torch.Generator().manual_seed(0))
 
     def mean_over_queries(pattern: Tensor, hook) -> Tensor:

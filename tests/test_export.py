@@ -11,6 +11,8 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+from gate import need
+from helpers import tiny_hooked_transformer
 
 from hookscope.cli import main as cli
 from hookscope.errors import StoreError
@@ -170,10 +172,8 @@ def test_transformer_lens_hook_names(point: str, tl: str):
 
 
 def test_tl_hook_names_exist_on_a_hooked_transformer():
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
-
-    model = HookedTransformer(HookedTransformerConfig(n_layers=2, d_model=16, n_ctx=8, d_head=4, n_heads=4,
-                                                      d_vocab=32, act_fn="gelu"))
+    need("tl3")
+    model = tiny_hooked_transformer(d_model=16, n_ctx=8, d_vocab=32)
     import hookscope as hs
 
     points = [p.name for p in hs.points(model) if not p.name.startswith("module:") and p.name != "logits"]
@@ -202,7 +202,7 @@ def test_cli_export(whole, tmp_path, capsys):
 
 
 def test_load_dataset_on_a_store_directory_fails_and_says_what_it_is(whole):
-    assert (whole.path / "README.md").is_file()
+    assert (Path(whole.path) / "README.md").is_file()
     with pytest.raises(FileNotFoundError) as e:
         datasets.load_dataset(str(whole.path))
     assert NOT_A_DATASET in str(e.value)

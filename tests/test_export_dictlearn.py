@@ -3,21 +3,15 @@
 
 dictionary_learning pins nnsight < 0.4, which pulls torchvision: it lives in its own test
 environment (`scripts/test-all dictlearn`). In any other environment this file is skipped, saying
-so; in that one (HOOKSCOPE_REQUIRE=dictionary_learning) a failed import is an error, never a skip.
+so; in that one (HOOKSCOPE_REQUIRE=dictionary_learning, tests/gate.py) a failed import is an error.
 """
 
 from __future__ import annotations
 
-import os
-
-import pytest
 import torch
+from gate import need
 
-if os.environ.get("HOOKSCOPE_REQUIRE") == "dictionary_learning":
-    import dictionary_learning  # noqa: F401
-else:
-    pytest.importorskip("dictionary_learning", reason="dictionary_learning runs in its own test environment "
-                        "(it pins nnsight < 0.4 and pulls torchvision): scripts/test-all dictlearn")
+need("dictionary_learning")
 
 from dictionary_learning.dictionary import AutoEncoder  # noqa: E402
 from dictionary_learning.trainers.standard import StandardTrainer  # noqa: E402

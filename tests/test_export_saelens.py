@@ -13,8 +13,10 @@ import json
 
 import pytest
 import torch
+from gate import need
+from helpers import tiny_hooked_transformer
 
-pytest.importorskip("sae_lens", reason="sae-lens is part of the dev extra (pip install -e '.[dev]')")
+need("sae_lens")
 
 from sae_lens import (  # noqa: E402
     LanguageModelSAERunnerConfig,
@@ -83,13 +85,11 @@ def test_saelens_reads_the_export_as_its_own_cache(store, tmp_path):
 
 def test_the_training_runner_trains_from_the_export(store, tmp_path):
     from datasets import load_from_disk
-    from transformer_lens import HookedTransformer, HookedTransformerConfig
 
     done = export_saelens(store, tmp_path / "cache", progress=False)
     # the runner wants a model and a token dataset for its evaluations (off here: no wandb); the
     # activations come from the cache. The token ids of the export serve as that dataset.
-    model = HookedTransformer(HookedTransformerConfig(n_layers=2, d_model=32, n_ctx=16, d_head=8, n_heads=4,
-                                                      d_vocab=500, act_fn="gelu"))
+    model = tiny_hooked_transformer(n_ctx=16, d_vocab=500)
     tokens = load_from_disk(done.path).select_columns(["token_ids"]).rename_column("token_ids", "tokens")
     cfg = LanguageModelSAERunnerConfig(
         sae=StandardTrainingSAEConfig(d_in=done.d_in, d_sae=128, l1_coefficient=0.3), **done.runner_kwargs(),

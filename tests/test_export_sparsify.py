@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from itertools import islice
 
-import pytest
 import torch
+from gate import need
 
-sparsify = pytest.importorskip("sparsify", reason="eai-sparsify is in the dev extra: pip install -e '.[dev]'")
+sparsify = need("sparsify")
 
 from sparse_store import POINT, fvu, make_sparse_store  # noqa: E402
 

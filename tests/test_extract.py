@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from elastic_kit import assert_same_rows_as, run_elastic
+from helpers import corpus_fixture, shard_digests
 from source_kit import SOURCES, Case, PerSource, make_case
 
 import hookscope as hs
@@ -23,22 +24,7 @@ from hookscope.sources import batches, iter_documents, pack
 from hookscope.store import open_store
 
 HERE = Path(__file__).parent
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda fox dog cat residual stream "
-         "layer head token sparse feature probe gradient hook model").split()
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    """~80 paragraphs of varied length, deterministic."""
-    gen = torch.Generator().manual_seed(0)
-    paras = []
-    for i in range(80):
-        n = int(torch.randint(3, 40, (1,), generator=gen))
-        idx = torch.randint(0, len(WORDS), (n,), generator=gen).tolist()
-        paras.append(f"Document {i}: " + " ".join(WORDS[j] for j in idx) + ".")
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text("\n\n".join(paras) + "\n")
-    return path
+corpus = corpus_fixture(80)
 
 
 def config(tiny_dirs, corpus, out, **overrides) -> ExtractConfig:
@@ -65,10 +51,6 @@ def references(cases, tmp_path_factory) -> dict[str, Path]:
         return out
 
     return PerSource(make)
-
-
-def shard_digests(out: Path) -> dict[str, str]:
-    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted((out / "shards").glob("*"))}
 
 
 @pytest.fixture(scope="module")

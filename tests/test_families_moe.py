@@ -8,11 +8,13 @@ or a weight-level ablation."""
 from __future__ import annotations
 
 import copy
+from functools import partial
 
 import pytest
 import torch
 import torch.nn.functional as F
 from family_paths import OUT, moe_paths, reference, same
+from helpers import token_ids
 from torch.overrides import TorchFunctionMode
 
 import hookscope as hs
@@ -33,9 +35,7 @@ def moe(request, tmp_path_factory):
     return request.param, model
 
 
-def _ids(model, batch=2, seq=7, seed=1):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.config.vocab_size, (batch, seq), generator=g)
+_ids = partial(token_ids, low=0, seed=1)
 
 
 def test_points_named(moe):

@@ -5,9 +5,12 @@ residual stream equals output_hidden_states, and early stop skips later blocks."
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
 from family_paths import reference, ssm_paths
+from helpers import token_ids
 
 import hookscope as hs
 from hookscope.arch import arch_of
@@ -23,8 +26,7 @@ def ssm(request, tmp_path_factory):
     return request.param, hs.load(str(path)).model
 
 
-def _ids(model, seed=0):
-    return torch.randint(0, model.config.vocab_size, (2, 9), generator=torch.Generator().manual_seed(seed))
+_ids = partial(token_ids, length=9, low=0)
 
 
 def test_every_point_equals_a_forward_hook(ssm):

@@ -225,3 +225,26 @@ def test_two_tower_models_name_their_vision_tower(family):
     acts = hs.collect(model, inputs, points)
     for name in points:
         assert torch.equal(acts[name], ref[name]), name
+
+
+def test_device_map_gives_the_rows_of_a_plain_run(image_dir, tmp_path, monkeypatch):
+    """--device-map on images (ignored before): the model is loaded with it (through accelerate,
+    all on the CPU here) and the store holds the same rows, bit for bit, as without it."""
+    from hookscope.extract import loop  # the module: `hookscope.extract` is also the function hs.extract
+
+    asked = []
+    real_load = loop.load
+    monkeypatch.setattr(loop, "load", lambda *a, **k: asked.append(k.get("device_map")) or real_load(*a, **k))
+    vit = save_tiny("vit", tmp_path / "vit", n_layers=2, d_model=32)
+    stores = {}
+    for device_map in (None, "auto"):
+        out = tmp_path / f"store-{device_map}"
+        extract(ExtractConfig(out=str(out), model=str(vit), points=["blocks.1.resid_post"],
+                              data=f"images:{image_dir}", dtype="float32", progress=False,
+                              device_map=device_map))
+        stores[device_map] = hs.open_store(out)
+    assert asked == [None, "auto"]
+    plain, mapped = stores[None], stores["auto"]
+    assert len(mapped) == len(plain) == 5 * (PREFIX["vit"] + GRID * GRID)
+    for column in plain.manifest.columns:
+        assert torch.equal(mapped.tensor(column), plain.tensor(column)), column

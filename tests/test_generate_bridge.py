@@ -8,19 +8,19 @@ generated positions are captured in its forward passes (the last token in one mo
 Tolerance: float32, atol 1e-5 / rtol 1e-4 (KV-cache steps against one full pass: rounding only).
 
 Runs in the `tl4` test environment (scripts/test-all); elsewhere it skips, saying why. With
-HOOKSCOPE_REQUIRE_TL=4 a missing TransformerLens 4 is a failure, never a silent skip.
+HOOKSCOPE_REQUIRE=tl4 a missing TransformerLens 4 is a failure, never a silent skip.
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from tl_gate import require_transformer_lens
+from gate import need
 
 import hookscope as hs
 from hookscope.hooks import hook_count
 
-TL_VERSION = require_transformer_lens("4", "TransformerBridge", "tl4")
+need("tl4")
 
 from transformer_lens.model_bridge import TransformerBridge  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -135,3 +135,23 @@ def test_a_bridge_whose_cache_stays_empty_is_refused(bridges, monkeypatch):
     _, cache = bridge.run_with_cache(gen.sequences)
     for point, name in POINTS.items():
         torch.testing.assert_close(gen[point], cache[name], atol=ATOL, rtol=RTOL)
+
+
+def test_the_result_reads_a_bridge_alias_as_collect_does(bridges):
+    """`blocks.0.hook_out` is the bridge's own spelling of blocks.0.resid_post, which `names.canonical`
+    cannot fold (it reads `blocks.0.out`): `hs.collect`'s result reads it, and a Generation reads it
+    the same way, with the values of the bridge's own `run_with_cache` under that name."""
+    bridge = bridges["gpt2"]
+    ids = torch.tensor([[5, 17, 300, 8, 61], [9, 8, 7, 6, 5]])
+    collected = hs.collect(bridge, ids, "blocks.0.resid_post")
+    assert "blocks.0.hook_out" in collected  # the alias works in collect ...
+    gen = hs.generate(bridge, ids, "blocks.0.resid_post", **OPTS)
+    assert "blocks.0.hook_out" in gen  # ... and on a Generation
+    _, cache = bridge.run_with_cache(gen.sequences)
+    torch.testing.assert_close(gen["blocks.0.hook_out"], cache["blocks.0.hook_out"], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(gen["blocks.0.hook_out"][:, :5], collected["blocks.0.hook_out"], atol=ATOL,
+                               rtol=RTOL)
+    # asked by the alias, the key is the name asked for, as collect keys it
+    by_alias = hs.generate(bridge, ids, "blocks.0.hook_out", **OPTS)
+    assert list(by_alias) == list(hs.collect(bridge, ids, "blocks.0.hook_out")) == ["blocks.0.hook_out"]
+    assert torch.equal(by_alias["blocks.0.resid_post"], gen["blocks.0.resid_post"])

@@ -4,10 +4,9 @@ like any extraction (the same command again adds nothing), and a changed N is re
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
+from helpers import corpus_fixture
 
 import hookscope as hs
 from hookscope.extract import ExtractConfig, extract
@@ -17,17 +16,7 @@ from hookscope.store import open_store
 NEW, CONTEXT, BATCH, MAX_TOKENS = 3, 16, 2, 96
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    words = "alpha beta gamma delta fox dog cat residual stream layer head token sparse feature".split()
-    gen = torch.Generator().manual_seed(0)
-    paras = []
-    for i in range(30):
-        idx = torch.randint(0, len(words), (int(torch.randint(3, 20, (1,), generator=gen)),), generator=gen)
-        paras.append(f"Document {i}: " + " ".join(words[j] for j in idx.tolist()) + ".")
-    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
-    path.write_text("\n\n".join(paras) + "\n")
-    return path
+corpus = corpus_fixture(30)
 
 
 def cfg(tiny_dirs, corpus, out, **overrides) -> ExtractConfig:

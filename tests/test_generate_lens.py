@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from gate import need
+from helpers import tiny_hooked_transformer
 
-pytest.importorskip("transformer_lens")
-from transformer_lens import HookedTransformer, HookedTransformerConfig  # noqa: E402
+need("tl3")
+from transformer_lens import HookedTransformer  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.hooks import hook_count  # noqa: E402
@@ -17,9 +19,7 @@ OPTS = dict(max_new_tokens=5, do_sample=False, stop_at_eos=False)
 
 @pytest.fixture(scope="module")
 def tl() -> HookedTransformer:
-    cfg = HookedTransformerConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=100, n_ctx=32,
-                                  act_fn="gelu", seed=0)
-    return HookedTransformer(cfg).eval()
+    return tiny_hooked_transformer()
 
 
 def test_captures_equal_tl_own_hooks_and_run_with_cache(tl):
@@ -71,9 +71,7 @@ def tl_tokenized(tmp_path_factory) -> HookedTransformer:
 
     path = tmp_path_factory.mktemp("tok")
     train_tokenizer().save_pretrained(path)
-    cfg = HookedTransformerConfig(n_layers=2, d_model=32, n_heads=4, d_head=8, d_vocab=512, n_ctx=32,
-                                  act_fn="gelu", seed=0)
-    model = HookedTransformer(cfg).eval()
+    model = tiny_hooked_transformer(d_vocab=512)
     model.set_tokenizer(AutoTokenizer.from_pretrained(path))
     assert model.tokenizer.pad_token_id == 0
     return model

@@ -8,6 +8,7 @@ import functools
 
 import pytest
 import torch
+from helpers import plain_hooks
 from torch import Tensor, nn
 
 import hookscope as hs
@@ -36,14 +37,7 @@ def explode(act: Tensor, hook: Hook) -> None:
 
 
 def plain_output(model: nn.Module, module: nn.Module, ids: Tensor) -> Tensor:
-    got = []
-    handle = module.register_forward_hook(lambda m, a, o: got.append(o.detach().clone()))
-    try:
-        with torch.no_grad():
-            model(ids)
-    finally:
-        handle.remove()
-    return got[0]
+    return plain_hooks(model, {"out": (module, "output", lambda o: o)}, lambda: model(ids))["out"]
 
 
 def test_with_block_removes_its_hooks_when_a_hook_raises(gpt2, ids):

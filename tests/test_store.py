@@ -520,7 +520,9 @@ def test_unknown_column_is_refused_and_workers_share_the_rows(id_store):
 
 
 def test_hugging_face_export(id_store, tmp_path: Path):
-    ds = id_store.to_hf_dataset(["x", "token_ids"], cache_dir=str(tmp_path / "hf"))
+    from hookscope.export import to_hf_dataset
+
+    ds = to_hf_dataset(id_store, ["x", "token_ids"], cache_dir=str(tmp_path / "hf"))
     assert ds.num_rows == 200
     assert ds["token_ids"] == list(range(200))
     assert np.array_equal(np.array(ds["x"]), id_store.to_numpy("x"))

@@ -11,27 +11,23 @@ from __future__ import annotations
 from pathlib import Path
 
 import fsspec
+import gate
 import pytest
 import torch
 from faultkit import damage
+from gate import skip_unless
 
 from hookscope.errors import StoreError
 from hookscope.store import ShardWriter, open_store
 
-try:
-    import moto.server  # noqa: F401
-    import s3fs  # noqa: F401
-except ImportError:
-    HAVE_S3 = False
-else:
-    HAVE_S3 = True
+needs_s3 = skip_unless("s3")
+if gate.problem("s3") is None:
     from test_store_s3 import bucket, s3  # noqa: F401 - fixtures
-needs_s3 = pytest.mark.skipif(not HAVE_S3, reason="needs moto[server] and s3fs: pip install 'hookscope[dev]'")
 
 WIDE, NARROW = 256, 8  # p: 256 float32 = 1 KiB a row, q: 8 bfloat16 = 16 B a row
 SHARD_ROWS = 100  # shards of ~100 KiB, larger than the 64 KiB first GET, so ranges are visible
 BLOCK = 4096
-HEADER_GET = 16 << 10  # reader._HEADER_GET: the first GET of a shard, for its header
+HEADER_GET = 16 << 10  # checks.HEAD_BYTES: the first GET of a shard, for its header
 
 
 def write(out: str, settings: dict | None = None, batches: int = 12) -> None:
@@ -62,12 +58,12 @@ def pair(tmp_path, blocks) -> tuple[str, Path]:
 
 
 def fetched(store) -> tuple[int, int]:
-    return store.remote.bytes_read, store.remote.requests
+    return store.fs.bytes_read, store.fs.requests
 
 
 def settle(store, timeout: float = 30) -> None:
     """Wait for the background readahead to finish (so request counts are not racing it)."""
-    for future in list(store._ahead.values()):
+    for future in list(store._ranged.ahead.values()):
         future.exception(timeout)
 
 
@@ -101,7 +97,7 @@ def test_column_and_row_reads_equal_the_local_store_and_fetch_only_their_bytes(p
         got, want = remote[row], local[row]
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     for i in range(remote.num_shards):
-        remote._remote_header(i)
+        remote.header(i)
     before = fetched(remote)[0]
     assert torch.equal(remote.tensor("token_ids"), local.tensor("token_ids"))
     assert fetched(remote)[0] - before < total / 10  # 8 B a row of the ~1 KiB a row the store holds
@@ -168,7 +164,7 @@ def test_the_block_cache_is_bounded_and_serves_repeats(pair, monkeypatch):
     monkeypatch.setenv("HOOKSCOPE_CACHE_BYTES", str(3 * BLOCK))
     small = open_store(url)
     small.tensor("p")
-    assert 0 < small._blocks.held <= 3 * BLOCK
+    assert 0 < small._ranged.blocks.held <= 3 * BLOCK
     settle(small)
     _, requests = fetched(small)
     small.load_shard(0, ["p"])  # long evicted: fetched again
@@ -190,7 +186,7 @@ def test_a_sequential_scan_reads_the_next_shard_ahead_and_a_jump_does_not(pair):
     jumping = open_store(url)
     jumping.load_shard(2, ["p"])  # not a scan: nothing read ahead
     settle(jumping)
-    held = {rel for rel, _, _ in jumping._blocks._blocks}
+    held = {rel for rel, _, _ in jumping._ranged.blocks._blocks}
     assert held == {jumping.manifest.shards[2].file}
 
 

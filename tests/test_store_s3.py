@@ -18,12 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from gate import need
 
-pytest.importorskip("s3fs")
-pytest.importorskip("moto.server")
+need("s3")
 
 from elastic_kit import assert_same_rows_as, run_elastic  # noqa: E402
-from faultkit import damage, write_corpus  # noqa: E402
+from faultkit import damage  # noqa: E402
+from helpers import corpus_fixture, extract_cli_args  # noqa: E402
 
 from hookscope.cli import main  # noqa: E402
 from hookscope.errors import StoreError  # noqa: E402
@@ -91,15 +92,8 @@ def bucket(s3) -> str:
     return name
 
 
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory) -> Path:
-    return write_corpus(tmp_path_factory.mktemp("corpus") / "corpus.txt", docs=30)
-
-
-def cli_args(model: Path, corpus: Path, out: str, **overrides: str) -> list[str]:
-    opts = {"--points": "blocks.1.resid_post,blocks.0.mlp.post", "--data": str(corpus), "--context": "32",
-            "--batch-size": "4", "--dtype": "float16", "--shard-rows": "150", **overrides}
-    return ["extract", str(model), "--out", out, *[x for kv in opts.items() for x in kv], "--no-progress"]
+corpus = corpus_fixture(30)
+cli_args = extract_cli_args
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hookscope.store import ShardWriter, open_store
-from hookscope.store import dataset as dataset_module
+from hookscope.store import mapper as mapper_module
 from hookscope.store.strided import Runs
 
 pytestmark = pytest.mark.skipif(not Runs.supported(), reason="strided mapping is Linux only")
@@ -87,14 +87,14 @@ def test_a_dataset_over_several_runs_yields_what_shard_by_shard_mapping_yields(t
                                                                                keep):
     store = gappy_store(tmp_path / "s")
     if not keep:
-        monkeypatch.setattr(dataset_module, "_ram_bytes", lambda: 0)
+        monkeypatch.setattr(mapper_module, "ram_bytes", lambda: 0)
     ds = store.dataset(["x", "token_ids"], seed=3, buffer_rows=20, **kw)
     strided = [dict(b) for b in ds]
     assert ds._mapper.strided
     if keep:
         assert len(ds._mapper.runs["x"].runs) >= 2  # the headers really put shards in different runs
     plain = store.dataset(["x", "token_ids"], seed=3, buffer_rows=20, **kw)
-    monkeypatch.setattr(dataset_module.Runs, "supported", staticmethod(lambda: False))
+    monkeypatch.setattr(mapper_module.Runs, "supported", staticmethod(lambda: False))
     one_by_one = list(plain)
     assert not plain._mapper.strided
     assert len(strided) == len(one_by_one) > 0
@@ -121,7 +121,7 @@ def mapped_regions() -> int:
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/maps")
 def test_a_windows_mappings_go_with_it_when_not_kept(tmp_path, monkeypatch):
     store = gappy_store(tmp_path / "s")
-    monkeypatch.setattr(dataset_module, "_ram_bytes", lambda: 0)
+    monkeypatch.setattr(mapper_module, "ram_bytes", lambda: 0)
     ds = store.dataset("x", seed=0, buffer_rows=20, batch_size=8)
     def settled_regions() -> int:  # once the next epoch's first window, read ahead, is mapped
         if ds._ahead is not None:

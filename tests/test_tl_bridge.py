@@ -10,7 +10,7 @@ hf_model=...)`. The references are independent of hookscope:
 - the attention output computed by hand from the HF weights (a head edit hits that head).
 
 Runs in the `tl4` test environment (scripts/test-all: TransformerLens 4 cannot share a venv with
-3.9); elsewhere it skips, saying why. With HOOKSCOPE_REQUIRE_TL=4 (set by scripts/test-all) a
+3.9); elsewhere it skips, saying why. With HOOKSCOPE_REQUIRE=tl4 (set by scripts/test-all) a
 missing TransformerLens 4 is a failure, never a silent skip.
 """
 
@@ -18,13 +18,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tl_gate import require_transformer_lens
+from gate import need
+from helpers import token_ids
 
 import hookscope as hs
 from hookscope.arch import arch_of
 from hookscope.hooks import hook_count
 
-TL_VERSION = require_transformer_lens("4", "TransformerBridge", "tl4")
+need("tl4")
 
 from transformer_lens.model_bridge import TransformerBridge  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -60,15 +61,15 @@ def hooks_on(bridge) -> int:
     return sum(hook_count(m) - sum(hook_count(c) for c in m.children()) for m in modules)
 
 
-def ids_for(bridge, batch: int = 2, length: int = 7, seed: int = 0) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(1, bridge.cfg.d_vocab, (batch, length), generator=g)
+ids_for = token_ids
 
 
 def test_environment_is_tl4():
+    import importlib.metadata
+
     import transformer_lens
 
-    assert TL_VERSION.startswith("4.")
+    assert importlib.metadata.version("transformer-lens").startswith("4.")
     assert hasattr(transformer_lens, "model_bridge")
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -21,6 +22,7 @@ from top_fixtures import (
     make_store,
 )
 
+import hookscope as hs
 from hookscope.errors import HookscopeError, StoreError
 from hookscope.store import ShardWriter, open_store
 from hookscope.top import (
@@ -157,7 +159,7 @@ def test_saved_index_is_reused_and_refused_after_the_store_changes(syn, tmp_path
     shutil.copytree(syn.path, path, ignore=shutil.ignore_patterns("top"))
     store = open_store(path)
     first = top(store, POINT, PLANTED, k=5)
-    saved = index_path(store, POINT, neurons(UNITS))
+    saved = Path(index_path(store, POINT, neurons(UNITS)))
     assert saved.is_file()
     loaded = load_index(store, POINT, neurons(UNITS))
     fresh = build_index(store, POINT, k=32)
@@ -321,7 +323,7 @@ def test_cli_top_prints_the_marked_token_and_values(extracted, capsys):
     lines = capsys.readouterr().out.strip().splitlines()
     store = open_store(out)
     tok = AutoTokenizer.from_pretrained(model)
-    want = store.top("blocks.0.mlp.post", 3, k=4, context=3, tokenizer=tok)
+    want = hs.top(store, "blocks.0.mlp.post", 3, k=4, context=3, tokenizer=tok)
     x = store.tensor("blocks.0.mlp.post").float()[:, 3]
     assert want.values.tolist() == sorted(x.tolist(), reverse=True)[:4]
     assert lines[0].startswith("blocks.0.mlp.post unit 3: fires (> 0) on")

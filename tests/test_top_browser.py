@@ -1,8 +1,8 @@
 """The `hookscope top --html` page in a real headless browser: the system's Chromium driven through
 its chromedriver by selenium (scripts/setup-env installs both from apt when the dev extra is asked
 for). Selenium is pointed at /usr/bin/chromedriver and the system browser, with selenium-manager
-offline, so nothing is ever downloaded. In CI (CI=true) a missing browser fails the test; elsewhere
-it skips.
+offline, so nothing is ever downloaded. Where HOOKSCOPE_REQUIRE names `browser` (the main
+environment of scripts/test-all) a missing browser fails the test (tests/gate.py); elsewhere it skips.
 
 Set HOOKSCOPE_SCREENSHOT=FILE.png to also save a screenshot of the page (docs/top.md's image).
 """
@@ -11,16 +11,13 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 
 import pytest
+from gate import BROWSERS, CHROMEDRIVER, need
 from top_fixtures import PLANTED, POINT, TIED, UNITS, make_store
 
 from hookscope.store import open_store
 from hookscope.top import build_index, neurons, page_data, top, write_page
-
-CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
-BROWSERS = ("chromium", "chromium-browser", "google-chrome")
 
 
 def _browser() -> str | None:
@@ -29,21 +26,7 @@ def _browser() -> str | None:
 
 @pytest.fixture(scope="module")
 def driver():
-    missing = []
-    try:
-        import selenium  # noqa: F401
-    except ImportError:
-        missing.append("the selenium package (pip install 'hookscope[dev]')")
-    if not Path(CHROMEDRIVER).is_file():
-        missing.append("chromedriver (apt-get install chromium-driver)")
-    if _browser() is None:
-        missing.append("chromium (apt-get install chromium)")
-    if missing:
-        message = ("the browser test needs " + " and ".join(missing)
-                   + "; scripts/setup-env .venv dev installs them")
-        if os.environ.get("CI") == "true":
-            pytest.fail(message)  # CI must run it: a skip there would hide a broken page
-        pytest.skip(message)
+    need("browser")  # scripts/setup-env .venv dev installs all three; the main environment requires them
     os.environ["SE_OFFLINE"] = "true"  # selenium-manager must never fetch a driver or a browser
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -54,7 +37,7 @@ def driver():
                 "--window-size=1280,860", "--disable-extensions", "--no-first-run"):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    d = webdriver.Chrome(service=Service(executable_path=CHROMEDRIVER), options=options)
+    d = webdriver.Chrome(service=Service(executable_path=shutil.which(CHROMEDRIVER)), options=options)
     try:
         yield d
     finally:

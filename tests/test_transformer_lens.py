@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tl_gate import require_transformer_lens
+from gate import need
+from helpers import tiny_hooked_transformer
 from torch import nn
 
 import hookscope as hs
@@ -20,10 +21,9 @@ from hookscope.hooks import hook_count
 from hookscope.names import canonical
 
 # The TransformerLens 3 suite (HookedTransformer); tests/test_tl_bridge.py is the 4.x one. With
-# HOOKSCOPE_REQUIRE_TL=3 (scripts/test-all, main environment) a missing 3.x fails, never skips.
-TL_VERSION = require_transformer_lens("3", "HookedTransformer", "main")
+# HOOKSCOPE_REQUIRE=tl3 (scripts/test-all, main environment) a missing 3.x fails, never skips.
+need("tl3")
 
-import transformer_lens  # noqa: E402, F401
 from transformer_lens import HookedTransformer, HookedTransformerConfig  # noqa: E402
 from transformer_lens.pretrained.weight_conversions import (  # noqa: E402
     convert_gpt2_weights,
@@ -39,10 +39,7 @@ OPTIONAL_HOOKS = [
 
 
 def hooked_transformer(**flags) -> HookedTransformer:
-    cfg = HookedTransformerConfig(
-        n_layers=3, d_model=64, n_heads=4, d_head=16, d_vocab=100, n_ctx=32, act_fn="gelu", seed=0, **flags
-    )
-    return HookedTransformer(cfg).eval()
+    return tiny_hooked_transformer(n_layers=3, d_model=64, **flags)
 
 
 @pytest.fixture(scope="module")

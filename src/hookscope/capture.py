@@ -25,8 +25,6 @@ compile layer takes over the points inside compiled regions through one seam
 
 from __future__ import annotations
 
-import functools
-import inspect
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -36,11 +34,10 @@ import torch
 from torch import Tensor, nn
 
 from .arch import Arch, PointSpec, arch_of, state_of
-from .arch.base import ROOT
 from .errors import HookscopeError, PointNotReachedError, SelectionError
 from .files import write_atomic
 from .hooks import Hook, Hooks, grad_leaf
-from .inputs import attention_mask_of, call_model
+from .inputs import attention_mask_of, call_model, forward_parameters
 from .names import canonical, find_key, is_pattern
 from .selection import Heads, Positions, Selection
 
@@ -55,12 +52,8 @@ def _builds_kv_cache(model: nn.Module) -> bool:
     decoders do by default). A pass that stops early returns nothing, so that cache is pure
     waste: 2 x [batch, heads, pos, d_head] per layer run, +58% peak memory capturing block 5 of
     a GPT-2-small shape at 8 x 128."""
-    return bool(getattr(getattr(model, "config", None), "use_cache", False)) and _takes_use_cache(type(model))
-
-
-@functools.cache
-def _takes_use_cache(cls: type) -> bool:
-    return "use_cache" in inspect.signature(cls.forward).parameters
+    return bool(getattr(getattr(model, "config", None), "use_cache", False)) \
+        and "use_cache" in forward_parameters(type(model))
 
 
 def keyed_specs(arch: Arch, points: str | Sequence[str]) -> dict[str, PointSpec]:
@@ -199,8 +192,8 @@ class Capture(Kept):
                 self.hooks.forward(spec, self._keep)
             # a hook on the root only where a pass needs its own start: to stop it, or to read its mask
             if self.stop is True or (self.attention_mask is None and self.selection.wants_attention_mask):
-                self.hooks.module_pre_forward(ROOT, self._start_pass)
-            self._start_pass(self.model, (), {})
+                self.hooks.pass_start(self._start_pass)
+            self._start_pass(None)
         except BaseException:
             self._close()
             raise
@@ -222,7 +215,7 @@ class Capture(Kept):
         Returns the model output, or None when the pass was stopped early. Unless stop=False, a
         Hugging Face decoder runs without building its key/value cache (see `_builds_kv_cache`)."""
         self._stopping = self.stop is not False
-        self._start_pass(self.model, (), inputs if isinstance(inputs, Mapping) else {})
+        self._start_pass(attention_mask_of(inputs) if isinstance(inputs, Mapping) else None)
         options = {"use_cache": False} if self._stopping and _builds_kv_cache(self.model) else {}
         try:
             output = call_model(self.model, inputs, **options)
@@ -236,11 +229,11 @@ class Capture(Kept):
                                        "model's execution path (e.g. an encoder-only model has no logits)")
         return output
 
-    def _start_pass(self, module: nn.Module, args: tuple, kwargs: Mapping) -> None:
+    def _start_pass(self, mask: Tensor | None) -> None:
+        """A pass starts, called with attention mask `mask` (or None)."""
         self._pending = set(self._key_of)
-        mask = self.attention_mask
-        if mask is None and self.selection.wants_attention_mask:
-            mask = attention_mask_of(kwargs)
+        if self.attention_mask is not None or not self.selection.wants_attention_mask:
+            mask = self.attention_mask
         self.pass_mask = mask
 
     def _keep(self, act: Tensor, hook: Hook) -> None:

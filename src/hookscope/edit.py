@@ -8,6 +8,11 @@ attaches any number of them for the length of a `with` block, and composes with 
 
 Edits write new tensors (never in place), so they are safe under autograd and the model's own
 activations are left untouched.
+
+During generation (`hs.generate`) each forward pass covers a few sequence positions from some
+offset on; `edit.step(offset, size)` is the edit on such a pass, decided eagerly before it runs
+(what it writes, and a patch's source at those positions), so that the hook itself reads only
+tensors and one compiled graph serves every step.
 """
 
 from __future__ import annotations
@@ -19,10 +24,8 @@ import torch
 from torch import Tensor, nn
 
 from .arch import PointSpec, arch_of
-from .arch.base import ROOT
 from .errors import SelectionError
 from .hooks import Hook, Hooks
-from .inputs import attention_mask_of
 from .names import find_key
 from .selection import Heads, Positions, Selection
 
@@ -40,15 +43,64 @@ class Edit:
     def __post_init__(self) -> None:
         object.__setattr__(self, "selection", Selection.of(self.positions, self.heads))
 
-    def value(self, act: Tensor, spec: PointSpec) -> Tensor:  # what the selected region becomes
+    def value(self, act: Tensor, spec: PointSpec, part: Tensor | None = None) -> Tensor:
+        """What the selected region becomes. `part`: what a generation step reads of the edit's
+        own data (see `part_at`), else None."""
         raise NotImplementedError
 
     def __call__(self, act: Tensor, hook: Hook, *, attention_mask: Tensor | None = None) -> Tensor:
         spec = hook.spec
-        new = self.value(act, spec).to(act.dtype)
         if self.positions is None and self.heads is None:
+            return self.write(act, spec, None)
+        return self.write(act, spec, self.selection.region(act, spec, attention_mask=attention_mask))
+
+    def write(self, act: Tensor, spec: PointSpec, where: Tensor | None, part: Tensor | None = None) -> Tensor:
+        """`act` with `value` written where the bool mask `where` is True (everywhere for None)."""
+        # (no `part` unless a step has one: an Edit subclass written as `value(act, spec)` keeps working)
+        new = (self.value(act, spec) if part is None else self.value(act, spec, part)).to(act.dtype)
+        if where is None:
             return new.expand_as(act) if new.shape != act.shape else new
-        return torch.where(self.selection.region(act, spec, attention_mask=attention_mask), new, act)
+        return torch.where(where, new, act)
+
+    def step(self, offset: int, size: int, allowed: Tensor | None = None) -> EditStep | None:
+        """This edit on a forward pass over sequence positions [offset, offset + size) (a generation
+        step), or None where it writes nothing there. `allowed` ([size] bool) narrows the positions
+        further. Positions must count from the start (`Selection.from_start`)."""
+        keep = self.selection.at(offset).window(size)
+        if allowed is not None:
+            keep = keep & allowed
+        written = int(keep.sum())
+        if written == 0:
+            return None
+        heads = None if self.heads is None else Selection(heads=self.selection.heads)
+        return EditStep(self, None if written == size else keep, heads, self.part_at(offset, size, keep))
+
+    def part_at(self, offset: int, size: int, keep: Tensor) -> Tensor | None:
+        """What `value` reads of the edit's own data on a pass over [offset, offset + size), where
+        `keep` ([size] bool) is written; None when it reads nothing position-bound."""
+        return None
+
+
+@dataclass(frozen=True)
+class EditStep:
+    """An edit on one generation step's forward pass, called as the hook: the positions it writes
+    (`where`, [size] bool; None for all), its heads and its `part` were decided before the pass, so
+    a compiled graph sees only tensors here, never the step's offset."""
+
+    edit: Edit
+    where: Tensor | None
+    heads: Selection | None
+    part: Tensor | None
+
+    def __call__(self, act: Tensor, hook: Hook) -> Tensor:
+        spec = hook.spec
+        region = None if self.heads is None else self.heads.region(act, spec)
+        if self.where is not None:
+            shape = [1] * act.ndim
+            shape[1] = act.shape[1]  # (generation edits only points with the [batch, pos, ...] layout)
+            positions = self.where.to(act.device).view(shape)
+            region = positions if region is None else region & positions
+        return self.edit.write(act, spec, region, self.part)
 
 
 @dataclass(frozen=True)
@@ -56,7 +108,7 @@ class Ablate(Edit):
     how: str = "zero"  # "zero" | "mean"
     mean: Tensor | None = None  # a precomputed mean (e.g. over a reference dataset)
 
-    def value(self, act: Tensor, spec: PointSpec) -> Tensor:
+    def value(self, act: Tensor, spec: PointSpec, part: Tensor | None = None) -> Tensor:
         if self.how == "zero":
             return torch.zeros_like(act)
         if self.how == "mean":
@@ -74,8 +126,8 @@ class Ablate(Edit):
 class Patch(Edit):
     source: Tensor | None = None
 
-    def value(self, act: Tensor, spec: PointSpec) -> Tensor:
-        src = self.source
+    def value(self, act: Tensor, spec: PointSpec, part: Tensor | None = None) -> Tensor:
+        src = self.source if part is None else part
         if src.shape != act.shape:
             raise SelectionError(
                 f"patch {self.point}: source has shape {tuple(src.shape)} but the activation is "
@@ -83,13 +135,28 @@ class Patch(Edit):
             )
         return src.to(act.device)
 
+    def part_at(self, offset: int, size: int, keep: Tensor) -> Tensor:
+        """The source at sequence positions [offset, offset + size) (dim 1); positions past its end
+        that are not written are filled with zeros."""
+        src, have = self.source, self.source.shape[1]
+        last = offset + int(keep.nonzero().max())
+        if last >= have:
+            raise SelectionError(f"patch {self.point}: the source covers {have} positions but position "
+                                 f"{last} is to be patched; restrict the patch (positions=, edit_on='prompt')"
+                                 " or give a longer source")
+        part = src[:, offset:min(offset + size, have)]
+        if part.shape[1] < size:
+            filler = src.new_zeros((src.shape[0], size - part.shape[1], *src.shape[2:]))
+            part = torch.cat([part, filler], dim=1)
+        return part
+
 
 @dataclass(frozen=True)
 class Steer(Edit):
     vector: Tensor | None = None
     scale: float = 1.0
 
-    def value(self, act: Tensor, spec: PointSpec) -> Tensor:
+    def value(self, act: Tensor, spec: PointSpec, part: Tensor | None = None) -> Tensor:
         return act + self.scale * self.vector.to(act.device, act.dtype)
 
 
@@ -105,7 +172,7 @@ def patch(point: str, source: Tensor | Mapping[str, Tensor], *, positions: Posit
           heads: Heads = None) -> Patch:
     """Write activations from another run (a tensor, or the dict `hs.collect` returns)."""
     if isinstance(source, Mapping):
-        key = find_key(source, point)
+        key = point if point in source else find_key(source, point)  # (hs.collect's dict knows its aliases)
         if key is None:
             raise SelectionError(f"patch {point}: the source has no such point; it has {list(source)}")
         source = source[key]
@@ -137,14 +204,14 @@ class Edits(Hooks):
                 else:
                     self.forward(spec, e)
             if any(e.selection.wants_attention_mask for e in self.edits):
-                self.module_pre_forward(ROOT, self._start_pass)
+                self.pass_start(self._start_pass)
         except BaseException:
             self.remove()
             raise
         return self
 
-    def _start_pass(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._mask = attention_mask_of(kwargs)
+    def _start_pass(self, mask: Tensor | None) -> None:
+        self._mask = mask
 
 
 def edit(model: nn.Module, *edits: Edit) -> Edits:

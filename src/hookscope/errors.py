@@ -32,3 +32,7 @@ class StoreError(HookscopeError):
 
 class DataError(HookscopeError):
     """Input data that is missing, empty or malformed."""
+
+
+class PointNotLoadedError(HookscopeError):
+    """A point whose weights a `points=` load left on the meta device."""

@@ -20,8 +20,9 @@ import torch
 from torch import Tensor, nn
 
 from .arch import Arch, PointSpec, arch_of, state_of
-from .arch.base import Call
+from .arch.base import ROOT, Call
 from .errors import HookscopeError
+from .inputs import attention_mask_of
 
 HookFn = Callable[[Tensor, "Hook"], Tensor | None]
 
@@ -52,9 +53,7 @@ class Hook:
 
     def hold(self, handle: Any) -> None:
         """Remove `handle` (anything with `.remove()`) when this hook is removed."""
-        if self._held is None:
-            self._held = []
-        self._held.append(handle)
+        self._held = [*(self._held or ()), handle]
 
     def remove(self) -> None:
         handle, self._handle = self._handle, None
@@ -194,9 +193,7 @@ def _replace_output(output: Any, item: int | None, new: Tensor) -> Any:
 
 
 def _replace_input(args: tuple, kwargs: dict, where: Any, new: Tensor) -> tuple[tuple, dict]:
-    if where == 0:
-        return (new, *args[1:]), kwargs
-    return args, {**kwargs, where: new}
+    return ((new, *args[1:]), kwargs) if where == 0 else (args, {**kwargs, where: new})
 
 
 class _OnOutput(Hook):
@@ -332,9 +329,13 @@ class Hooks:
     def module_pre_forward(self, point: str | PointSpec, fn: Callable) -> Hook:
         """A plain pre-forward hook on the point's module: `fn(module, args, kwargs)`."""
         spec = self._spec(point)
-        module = self.arch.module(self.model, spec)
-        handle = module.register_forward_pre_hook(fn, with_kwargs=True)
+        handle = self.arch.module(self.model, spec).register_forward_pre_hook(fn, with_kwargs=True)
         return self._keep(Hook(spec, fn, "pre-forward"), handle)
+
+    def pass_start(self, fn: Callable[[Tensor | None], None]) -> Hook:
+        """Call `fn(attention_mask)` as each forward pass of the model starts, with the mask it is
+        called with (None without one): the one root pre-hook that capture and edits use."""
+        return self.module_pre_forward(ROOT, lambda module, args, kwargs: fn(attention_mask_of(kwargs)))
 
     def _keep(self, hook: Hook, handle: Any) -> Hook:
         hook._handle = handle
@@ -361,8 +362,7 @@ class Hooks:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        while self._hooks:
-            self._hooks.pop().remove()
+        self.remove()
 
     def __iter__(self):
         return iter(list(self._hooks))
@@ -393,8 +393,5 @@ def add_hook(model: nn.Module, point: str, fn: HookFn, *, kind: str = "forward")
 def hook_count(model: nn.Module) -> int:
     """How many forward / pre-forward / backward hooks sit on the model's modules (for tests
     and debugging: compare before and after a block)."""
-    n = 0
-    for m in model.modules():
-        n += len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-        n += len(getattr(m, "_backward_pre_hooks", {}))
-    return n
+    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
+               + len(getattr(m, "_backward_pre_hooks", {})) for m in model.modules())

@@ -3,6 +3,8 @@ an input it takes. Imports nothing of ours: capture, profiling and extraction al
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -17,6 +19,12 @@ def call_model(model: nn.Module, inputs: Any, **options: Any) -> Any:
     if isinstance(inputs, tuple):
         return model(*inputs, **options)
     return model(inputs, **options)
+
+
+@functools.cache
+def forward_parameters(cls: type) -> frozenset[str]:
+    """The keyword arguments a model class's `forward` takes (`use_cache`, `position_ids`, ...)."""
+    return frozenset(inspect.signature(cls.forward).parameters)
 
 
 def attention_mask_of(kwargs: Mapping[str, Any]) -> Tensor | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import importlib.util
+import itertools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from .arch import Arch, arch_of
 from .compiling import compile_model
 from .errors import ModelLoadError
 from .hub import OFFLINE_HELP, unreachable_reason
+from .partial import Checkpoint, PartialLoad, checkpoint_files, plan, prologue_modules
 
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 
@@ -33,6 +35,8 @@ class Loaded:
     tokenizer: Any
     arch: Arch
     name: str
+    # set by `points=`: which blocks were loaded (None: the whole model)
+    partial: PartialLoad | None = None
 
     def __iter__(self):  # model, tokenizer, arch = hs.load(...)
         return iter((self.model, self.tokenizer, self.arch))
@@ -100,11 +104,20 @@ def load(
     device_map: str | dict | None = None,
     compile_policy: str | None = None,
     tokenizer: bool = True,
+    points: str | list[str] | None = None,
 ) -> Loaded:
     """Load a Hugging Face model (causal LM head when it has one) in eval mode.
 
     `device_map="auto"` spreads a model bigger than one device over the GPUs (and CPU) through
-    accelerate; hooks work the same, since accelerate keeps the module tree."""
+    accelerate; hooks work the same, since accelerate keeps the module tree.
+
+    `points=[...]`: build the model on the `meta` device and read only the weights those points
+    need (the embeddings and the blocks up to the last point); the rest stays on `meta` and costs
+    no memory. A hook on a point past them raises `PointNotLoadedError`. Falls back to the full
+    load for a model without safetensors weights or without blocks hookscope knows.
+
+    `device="meta"`: no weight is read; every parameter stays on `meta` (buffers are real), for
+    block streaming (stream.py reads a block at a time through `partial.Checkpoint`)."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     source, local = resolve_source(name_or_path)
@@ -133,15 +146,20 @@ def load(
         kwargs["attn_implementation"] = attn_implementation
     if local and any(Path(source).glob("*.safetensors")):
         kwargs["use_safetensors"] = True
-    if device_map is not None:
-        kwargs["device_map"] = device_map
+    partial = None
     try:
         with _no_progress_bars():  # transformers 5 draws a bar while it loads the weights
-            model = auto.from_pretrained(source, **kwargs)
+            if str(device) == "meta":
+                model = _weightless(auto, config, kwargs)
+            elif points is not None and _has_safetensors(source, common):
+                model, partial = _load_partial(auto, source, config, kwargs, points, device, device_map)
+            else:
+                placed = {"device_map": device_map} if device_map is not None else {}
+                model = auto.from_pretrained(source, **kwargs, **placed)
+                if device_map is None:
+                    model.to(device)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model weights from {name_or_path!r}: {exc}") from exc
-    if device_map is None:
-        model.to(device)
     model.eval()
     compile_model(model, compile_policy)
     tok = None
@@ -151,7 +169,109 @@ def load(
         except (OSError, ValueError) as exc:
             raise ModelLoadError(f"{name_or_path!r} has no usable tokenizer: {exc}") from exc
     label = DEFAULT_MODEL if name_or_path in (None, "", "default") else name_or_path
-    return Loaded(model, tok, arch_of(model), label)
+    return Loaded(model, tok, arch_of(model), label, partial)
+
+
+def _weightless(auto: Any, config: Any, kwargs: dict) -> nn.Module:
+    """The model with every parameter on `meta` and its buffers (rotary tables) computed."""
+    from accelerate import init_empty_weights
+
+    with init_empty_weights(include_buffers=False):
+        dtype = kwargs.get("dtype") or getattr(config, "dtype", None) or torch.float32
+        options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
+        return auto.from_config(config, dtype=dtype, **options)
+
+
+def _has_safetensors(source: str, hub: dict) -> bool:
+    try:
+        checkpoint_files(source, **hub)
+        return True
+    except ModelLoadError:
+        return False
+
+
+def _load_partial(auto: Any, source: str, config: Any, kwargs: dict, points: str | list[str],
+                  device: str | torch.device, device_map: str | dict | None,
+                  ) -> tuple[nn.Module, PartialLoad | None]:
+    """The model on `meta`, with only the weights `points` need read from its safetensors files."""
+    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
+
+    def meta_model() -> nn.Module:
+        with torch.device("meta"):
+            return auto.from_config(config, dtype=dtype, **options).eval()
+
+    model = meta_model()
+    arch = arch_of(model)
+    if not arch.block_paths:  # no blocks to leave out: the plain load
+        if device_map is not None:
+            return auto.from_pretrained(source, **kwargs, device_map=device_map), None
+        return auto.from_pretrained(source, **kwargs).to(device), None
+    names = [points] if isinstance(points, str) else list(points)
+    specs = arch.resolve(names)  # unknown names fail here, before any weight is read
+    partial = plan(arch, specs, prologue_modules(meta_model, arch.block_paths[0]), names)
+    placement = _placement(model, partial, device, device_map, dtype)
+    hub = {k: kwargs[k] for k in ("revision", "local_files_only")}
+    checkpoint = Checkpoint(model, checkpoint_files(source, **hub), dtype)
+    try:
+        checkpoint.materialize(model, partial.wants, placement)
+    finally:
+        checkpoint.close()
+    if device_map is not None and len(set(placement.values())) > 1:
+        _dispatch(model, partial, placement)
+    arch.loaded = partial
+    partial.guard(model)
+    return model, partial
+
+
+def _placement(model: nn.Module, partial: PartialLoad, device: str | torch.device,
+               device_map: str | dict | None, dtype: torch.dtype) -> dict:
+    """{module prefix: device} for the needed modules: `device`, the user's dict, or accelerate's
+    spread of the needed modules alone over the devices (`device_map="auto"` and the like)."""
+    if device_map is None:
+        return {"": str(device)}
+    if isinstance(device_map, dict):
+        return dict(device_map)
+    from accelerate.utils import get_balanced_memory, infer_auto_device_map
+
+    with _only_needed(model, partial):
+        balanced = None if device_map == "sequential" else get_balanced_memory(
+            model, dtype=dtype, no_split_module_classes=model._no_split_modules)
+        return infer_auto_device_map(model, max_memory=balanced, dtype=dtype,
+                                     no_split_module_classes=model._no_split_modules)
+
+
+def _dispatch(model: nn.Module, partial: PartialLoad, placement: dict) -> None:
+    """accelerate's hooks that move activations between the devices of the needed modules."""
+    from accelerate import dispatch_model
+
+    with _only_needed(model, partial):
+        dispatch_model(model, device_map=placement)
+
+
+@contextlib.contextmanager
+def _only_needed(model: nn.Module, partial: PartialLoad) -> Iterator[None]:
+    """The modules left on `meta` taken out of the module tree for the duration (accelerate sizes
+    and dispatches what it sees), then put back in their places and order."""
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    wanted = [name for name, _ in tensors if partial.wants(name)]
+    saved: dict[int, tuple[nn.Module, dict]] = {}
+    gone: list[str] = []
+    for name, _ in list(model.named_modules()):
+        if not name or any(name.startswith(g + ".") for g in gone):
+            continue  # the root, or inside a module already taken out
+        if not any(w.startswith(name + ".") for w in wanted):
+            parent_name, _, leaf = name.rpartition(".")
+            parent = model.get_submodule(parent_name)
+            saved.setdefault(id(parent), (parent, dict(parent._modules)))
+            del parent._modules[leaf]
+            gone.append(name)
+    try:
+        yield
+    finally:
+        for parent, modules in saved.values():
+            parent._modules.clear()
+            parent._modules.update(modules)
 
 
 @contextlib.contextmanager

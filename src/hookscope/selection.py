@@ -13,6 +13,11 @@ selection is a clear `SelectionError` rather than an IndexError deep in torch.
 capture, or passed to the model as `attention_mask=`), for left and right padding alike; with no
 mask it is the last position (-1). On an encoder such as BERT the last real token is `[SEP]`
 (the first, position 0, is `[CLS]`).
+
+A generation step runs the model on the positions from some sequence position on (the KV cache
+holds the earlier ones): `sel.at(offset)` reads positions as counted from the sequence's start on
+such a pass, in `take`, `region` and `window`; `tail` says how many last positions a selection
+counted from the end needs once the sequence is complete.
 """
 
 from __future__ import annotations
@@ -51,6 +56,7 @@ class Selection:
     token_mask: Tensor | None = None
     dtype: torch.dtype | None = None
     device: torch.device | None = None
+    offset: int | None = None  # from `at`: the activation's position 0 is this sequence position
 
     @classmethod
     def of(cls, positions: Positions = None, heads: Heads = None, token_mask: Tensor | None = None,
@@ -69,11 +75,50 @@ class Selection:
         return cls(_parse(positions, "position", _POSITIONS_HELP), _parse(heads, "head", _HEADS_HELP),
                    token_mask, dtype, torch.device(device) if device is not None else None)
 
+    def at(self, offset: int) -> Selection:
+        """This selection on a pass over the sequence positions from `offset` on (a generation step):
+        `take`, `region` and `window` then count positions from the sequence's start."""
+        return Selection(self.positions, self.heads, self.token_mask, self.dtype, self.device, offset)
+
+    def from_start(self, what: str) -> Selection:
+        """Itself, if its positions count from the sequence's start; else a `SelectionError` about
+        `what`: before a generated sequence ends, its end is not known."""
+        p = self.positions
+        values = () if p is None or isinstance(p, str) else \
+            (p.start, p.stop) if isinstance(p, slice) else _values(p)
+        if isinstance(p, str) or any(v is not None and v < 0 for v in values):
+            raise SelectionError(f"{what}: positions={_short(p)} counts from the end of the sequence, which "
+                                 "has no meaning before the sequence ends; give positions counted from the "
+                                 "start (ints >= 0, a slice with non-negative bounds)")
+        return self
+
     @property
-    def empty(self) -> bool:
-        """Keeps everything, as it is."""
-        return (self.positions is None and self.heads is None and self.token_mask is None
-                and self.dtype is None and self.device is None)
+    def tail(self) -> int:
+        """How many of the sequence's last positions the positions name counting from its end (a
+        negative index, "last", a negative slice start): what a capture made pass by pass holds back
+        until the sequence ends."""
+        p = self.positions
+        if p is None or isinstance(p, str):
+            return 0 if p is None else 1
+        return max(0, -(p.start or 0)) if isinstance(p, slice) else max(0, -min(_values(p)))
+
+    def window(self, size: int) -> Tensor:
+        """[size] bool: which positions of a pass over sequence positions [offset, offset + size) the
+        positions name counting from the start (every one it may name, for a slice with a bound
+        counted from the end); positions counted from the end alone name none (see `tail`)."""
+        seq, p = range(self.offset or 0, (self.offset or 0) + size), self.positions
+        if p is None or isinstance(p, str):
+            return torch.full((size,), p is None, dtype=torch.bool)
+        if not isinstance(p, slice):  # (Python, not tensor ops: a step covers a position or a few)
+            named = {v for v in _values(p) if v >= 0}
+            return torch.tensor([q in named for q in seq], dtype=torch.bool)
+        first, stop, step = p.start or 0, p.stop, p.step or 1
+        if first < 0:  # a start known only at the end: within the tail, or anywhere before `stop`
+            first, step = 0, 1
+            if stop is None or stop < 0:
+                return torch.zeros(size, dtype=torch.bool)
+        end = stop if stop is not None and stop >= 0 else seq.stop
+        return torch.tensor([first <= q < end and (q - first) % step == 0 for q in seq], dtype=torch.bool)
 
     @property
     def wants_attention_mask(self) -> bool:
@@ -118,7 +163,7 @@ class Selection:
             return x
         pos_dim = _pos_dim(spec, x)
         size = x.shape[pos_dim]
-        positions = self.positions
+        positions = self.positions if self.offset is None else self._local(size)
         if isinstance(positions, str):  # "last"
             if attention_mask is None:
                 positions = -1
@@ -135,6 +180,19 @@ class Selection:
             return _per_row(x, _index(positions, size, "per-row position", x.device), pos_dim)
         return x.index_select(pos_dim, _index(positions, size, "position", x.device))
 
+    def _local(self, size: int) -> int | slice | tuple[int, ...] | Tensor:
+        """The positions as indices into a pass over sequence positions [offset, offset + size)."""
+        p, offset = self.from_start("a selection at an offset").positions, self.offset
+        if isinstance(p, slice):
+            first, step = p.start or 0, p.step or 1
+            start = first - offset if offset <= first else (first - offset) % step
+            return slice(start, None if p.stop is None else max(0, p.stop - offset), step)
+        values = [v - offset for v in _values(p)]
+        if not all(0 <= v < size for v in values):
+            raise SelectionError(f"positions {_values(p)} are not all in this pass, which covers sequence "
+                                 f"positions [{offset}, {offset + size})")
+        return p - offset if isinstance(p, Tensor) else values[0] if _is_int(p) else tuple(values)
+
     def split(self) -> tuple[Selection, Selection]:
         """(first, rest): `first` holds what a compiled graph can do (selections given as Python
         values, and the cast); `rest` the data-dependent selections (a tensor, a token mask,
@@ -144,9 +202,9 @@ class Selection:
         pos_static = (heads_static and self.token_mask is None
                       and not isinstance(self.positions, (Tensor, str)))
         first = Selection(self.positions if pos_static else None, self.heads if heads_static else None,
-                          None, self.dtype, None)
+                          None, self.dtype, None, self.offset if pos_static else None)
         rest = Selection(None if pos_static else self.positions, None if heads_static else self.heads,
-                         self.token_mask, None, self.device)
+                         self.token_mask, None, self.device, None if pos_static else self.offset)
         return first, rest
 
     # edits: where to write ---------------------------------------------------------------------
@@ -160,7 +218,10 @@ class Selection:
             pos_dim = _pos_dim(spec, act)
             size = act.shape[pos_dim]
             positions = self.positions
-            if isinstance(positions, str) and attention_mask is not None:
+            if self.offset is not None:
+                keep = self.from_start("an edit at an offset").window(size).to(act.device)
+                mask = mask & _along(keep, act.ndim, pos_dim)
+            elif isinstance(positions, str) and attention_mask is not None:
                 rows = last_real(attention_mask, act.shape[0], size).to(act.device)
                 keep = torch.zeros(act.shape[0], size, dtype=torch.bool, device=act.device)
                 keep[torch.arange(act.shape[0], device=act.device), rows] = True
@@ -229,8 +290,14 @@ def _parse(sel: Any, what: str, help_text: str) -> Any:
 
 
 def _short(sel: Any) -> str:
-    text = repr(sel)
-    return text if len(text) < 80 else text[:77] + "..."
+    return repr(sel) if len(repr(sel)) < 80 else repr(sel)[:77] + "..."
+
+
+def _values(positions: int | tuple[int, ...] | Tensor) -> list[int]:
+    """Parsed int / tuple / tensor positions as a list of ints."""
+    if isinstance(positions, Tensor):
+        return positions.flatten().tolist()
+    return [int(positions)] if _is_int(positions) else list(positions)
 
 
 def _is_int(v: object) -> bool:
@@ -248,7 +315,7 @@ def _check_range(values: Sequence[int], size: int, what: str) -> None:
 def _index(sel: int | tuple[int, ...] | Tensor, size: int, what: str, device: torch.device) -> Tensor:
     if not isinstance(sel, Tensor):
         # plain ints are checked in Python: a check on a tensor would break a torch.compile graph
-        values = [sel] if _is_int(sel) else list(sel)
+        values = _values(sel)
         _check_range(values, size, what)
         return torch.tensor([v % size for v in values], dtype=torch.long, device=device)
     if sel.min() < -size or sel.max() >= size:
@@ -296,7 +363,9 @@ def _select_tokens(x: Tensor, mask: Tensor, pos_dim: int | None) -> Tensor:
         raise SelectionError("token_mask needs a [batch, pos, ...] activation")
     if x.shape[0] == 1 and mask.shape[0] > 1:
         x = x.expand(mask.shape[0], *x.shape[1:])  # batch-shared points (HF position embeddings)
-    _check_token_mask(mask, x)
+    if tuple(mask.shape) != tuple(x.shape[:2]):
+        raise SelectionError(f"token_mask must be a bool tensor of shape {tuple(x.shape[:2])} (batch, pos), "
+                             f"got {mask.dtype} {tuple(mask.shape)}")
     return x[mask.to(x.device)]
 
 
@@ -308,14 +377,6 @@ def _token_region(x: Tensor, mask: Tensor, pos_dim: int | None) -> Tensor:
         raise SelectionError(f"token_mask must be a bool tensor of shape {(x.shape[0], x.shape[pos_dim])} "
                              f"(batch, pos), got {mask.dtype} {tuple(mask.shape)}")
     return mask.to(x.device)
-
-
-def _check_token_mask(mask: Tensor, x: Tensor) -> None:
-    if tuple(mask.shape) != tuple(x.shape[:2]):
-        raise SelectionError(
-            f"token_mask must be a bool tensor of shape {tuple(x.shape[:2])} (batch, pos), "
-            f"got {mask.dtype} {tuple(mask.shape)}"
-        )
 
 
 def _to_device(x: Tensor, device: torch.device, events: list | None) -> Tensor:

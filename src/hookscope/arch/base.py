@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -135,6 +135,8 @@ class Arch:
     # the model's own spellings -> canonical names, before the generic folding of names.canonical
     aliases: dict[str, str] = field(default_factory=dict)
     optional: dict[str, OptionalPoint] = field(default_factory=dict)
+    # set by a `points=` load (`partial.PartialLoad`): refuses a hook on a point past its weights
+    loaded: Any = None
 
     @property
     def names(self) -> list[str]:
@@ -176,6 +178,8 @@ class Arch:
         return point.spec
 
     def module(self, model: nn.Module, spec: PointSpec) -> nn.Module:
+        if self.loaded is not None:  # every hook finds its module here: the one check
+            self.loaded.check(spec)
         path = spec.module
         if self.modules is not None and path in self.modules:
             return self.modules[path]

@@ -6,6 +6,10 @@ sublayer outputs before that scale, `attn.scaled` / `mlp.scaled` what is added t
 With `use_swiglu_ffn` the MLP is gated: `mlp.pre` is the gate, `mlp.pre_linear` the up projection.
 """
 
+import importlib.metadata
+import re
+
+from ..errors import ModelLoadError
 from .base import Arch, build, heads
 
 # with registers: the register tokens sit between CLS and the patches (positions 1..R); only the
@@ -13,9 +17,21 @@ from .base import Arch, build, heads
 MODEL_TYPES = ("dinov2", "dinov2_with_registers")
 BASE = "dinov2"
 LAYERS = "encoder.layer"
+# the attention's q_proj / k_proj / v_proj / o_proj modules (transformers 5.17 names them query / key /
+# value / output.dense): scripts/test-all's floor environment runs 5.17 and checks this error
+NEEDS_TRANSFORMERS = (5, 18)
+
+
+def _check_transformers() -> None:
+    version = importlib.metadata.version("transformers")
+    if tuple(int(n) for n in re.findall(r"\d+", version)[:2]) < NEEDS_TRANSFORMERS:
+        need = ".".join(map(str, NEEDS_TRANSFORMERS))
+        raise ModelLoadError(f"DINOv2 needs transformers >= {need} (the module names of its attention); "
+                             f"this is transformers {version}: pip install -U 'transformers>={need}'")
 
 
 def table(config, prefix: str, lm_head: str | None) -> Arch:
+    _check_transformers()
     H = config.num_attention_heads
     layer = "encoder.layer.{L}"
     if config.use_swiglu_ffn:

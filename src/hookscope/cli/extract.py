@@ -36,6 +36,9 @@ def add_parser(sub) -> None:
     p.add_argument("--revision", default=None, help="model revision (hub ids)")
     p.add_argument("--device-map", default=None,
                    help="'auto' spreads a model bigger than one device (accelerate)")
+    p.add_argument("--max-memory", default=None, metavar="SIZE",
+                   help="stream the blocks through chunks of batches, weights kept under SIZE (2GiB, 500MB): "
+                        "for a model whose needed weights do not fit")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--generate", type=at_least(0), default=0, metavar="N",
                    help="also store N greedy tokens the model generates after each sequence")
@@ -51,7 +54,7 @@ def run(args) -> int:
         context=args.context, batch_size=args.batch_size, dtype=args.dtype, drop_bos=not args.keep_bos,
         max_tokens=args.max_tokens, device=args.device, shard_rows=args.shard_rows,
         on_nonfinite=args.on_nonfinite, revision=args.revision, progress=not args.no_progress,
-        device_map=args.device_map, generate=args.generate,
+        device_map=args.device_map, generate=args.generate, max_memory=args.max_memory,
     )
     try:
         print(extract(cfg))

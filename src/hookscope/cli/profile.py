@@ -21,34 +21,18 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _random_tokens(loaded, args) -> dict:
-    import torch
-
-    import hookscope as hs
-
-    from ..inputs import max_positions
-
-    longest = max_positions(loaded.model)
-    if longest is not None and args.seq > longest:
-        raise hs.HookscopeError(f"--seq {args.seq} is longer than the model's {longest} positions; "
-                                f"use --seq {longest} or less")
-    vocab = loaded.model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)  # random tokens: timing does not depend on the text
-    ids = torch.randint(0, vocab, (args.batch, args.seq), generator=gen).to(args.device)
-    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-
-
 def run(args) -> int:
     import hookscope as hs
 
     from ..compiling import compile_stats, reset_stats
+    from ..profiling import random_tokens
     from ..profiling.report import writable_dir
 
     quiet_transformers()
     if args.out:
         writable_dir(args.out)  # before minutes of profiling, not after
     loaded = hs.load(args.model, device=args.device, dtype=args.dtype, compile_policy=args.compile)
-    inputs = _random_tokens(loaded, args)
+    inputs = random_tokens(loaded.model, args.batch, args.seq, device=args.device)
     reset_stats()
     report = hs.profile(loaded.model, inputs, backward=args.backward, steps=args.steps, warmup=args.warmup)
     report.compile_stats = compile_stats()  # graph breaks and recompiles, shown in the summary

@@ -1,6 +1,7 @@
 """From a store to other trainers' inputs (imports only `store`).
 
-- `export_hf(store, OUT)`: a Hugging Face `datasets` folder, one example per row (token).
+- `export_hf(store, OUT)`: a Hugging Face `datasets` folder, one example per row (token);
+  `to_hf_dataset(store)` writes one into a cache once and returns it loaded.
 - `export_saelens(store, OUT)`: SAELens's cached-activations folder, one example per sequence,
   the column named after the TransformerLens hook; `saelens_config(OUT)` reads its metadata back.
 
@@ -11,7 +12,8 @@ iterator of batches (SAELens's `SAETrainer`, dictionary_learning's `trainSAE`, a
 """
 
 from .arrow import SIDECAR
-from .hf import export_hf
+from .hf import export_hf, to_hf_dataset
 from .saelens import SaelensExport, export_saelens, saelens_config, tl_hook_name
 
-__all__ = ["SIDECAR", "SaelensExport", "export_hf", "export_saelens", "saelens_config", "tl_hook_name"]
+__all__ = ["SIDECAR", "SaelensExport", "export_hf", "export_saelens", "saelens_config", "tl_hook_name",
+           "to_hf_dataset"]

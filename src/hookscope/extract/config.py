@@ -32,6 +32,9 @@ class ExtractConfig:
     revision: str | None = None
     progress: bool = True
     generate: int = 0  # --generate N: also store N greedy tokens after each sequence (sources/generated.py)
+    # --max-memory SIZE ("2GiB"): stream the blocks through chunks of batches, weights under SIZE
+    # (stream.py). Not a setting of the store: the rows are the same with it or without it
+    max_memory: str | int | None = None
 
 
 def _whole(value: object) -> bool:
@@ -56,3 +59,11 @@ def validate_config(cfg: ExtractConfig) -> None:
         raise HookscopeError("no points given; name at least one, e.g. --points blocks.3.resid_post")
     if not str(cfg.out).strip():
         raise HookscopeError("--out is empty; name the store directory to write")
+    if cfg.max_memory is not None:
+        from ..stream import parse_size
+
+        parse_size(cfg.max_memory)
+        for flag, value in (("--generate", cfg.generate), ("--device-map", cfg.device_map)):
+            if value:
+                raise HookscopeError(f"--max-memory streams blocks through one device; it does not combine "
+                                     f"with {flag}: leave one of them out")

@@ -15,6 +15,7 @@ import itertools
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -70,7 +71,7 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
             raise ExtractInterrupted(opened[0].total_rows if opened else 0, str(cfg.out)) from None
 
 
-def _start(cfg: ExtractConfig, kind: type[Source]) -> tuple[Source, InMemory]:
+def _start(cfg: ExtractConfig, kind: type[Source]) -> tuple[Source, Any]:
     """The process's rank and device, the model, the points and the opened source: nothing written."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1:
@@ -80,13 +81,20 @@ def _start(cfg: ExtractConfig, kind: type[Source]) -> tuple[Source, InMemory]:
             dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo")
     device = (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cfg.device == "cuda" and world_size > 1
               else cfg.device)
-    loaded = load(cfg.model, device=device, revision=cfg.revision, device_map=cfg.device_map,
-                  tokenizer=kind.needs_tokenizer)
+    streamed = cfg.max_memory is not None  # then the weights stay on meta until a block runs
+    loaded = load(cfg.model, device="meta" if streamed else device, revision=cfg.revision,
+                  device_map=cfg.device_map, tokenizer=kind.needs_tokenizer,
+                  # only the weights the points need (a generating source runs the whole model)
+                  points=cfg.points if kind.streamable and not streamed else None)
     if cfg.device_map is not None:  # inputs go where the embeddings live
         device = str(_input_device(loaded.model))
     run = Run(rank, world_size, device)
     points = [s.name for s in loaded.arch.resolve(cfg.points)]  # unknown names fail before any work
     source = kind.open(cfg, loaded, points, run)
+    if streamed:
+        from .streamed import Streamed
+
+        return source, Streamed(source, loaded, points, getattr(torch, cfg.dtype), run, cfg)
     return source, InMemory(source, loaded.model, points, getattr(torch, cfg.dtype), run)
 
 
@@ -114,6 +122,7 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
         raise DataError(source.nothing_to_extract())
     checked = list(_checked(executor.run([first]), cfg.on_nonfinite)) if first is not None else []
     bar = RowsBar("extract", enabled=cfg.progress and rank == 0)
+    executor.on_stage = bar.stage  # a streamed run shows the block it is on
     counts = {"done": 0, "skipped": 0, "new_rows": 0}
     try:
         writer = ShardWriter(cfg.out, settings, shard_rows=cfg.shard_rows, rank=rank, world_size=world_size)

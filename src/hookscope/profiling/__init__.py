@@ -11,6 +11,6 @@ and HTML page, run.py runs the steps.
 
 from .events import OpRow, Row
 from .report import ProfileReport
-from .run import profile
+from .run import profile, random_tokens
 
-__all__ = ["OpRow", "ProfileReport", "Row", "profile"]
+__all__ = ["OpRow", "ProfileReport", "Row", "profile", "random_tokens"]

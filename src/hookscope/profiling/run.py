@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, schedule
 from ..arch import Arch, arch_of
 from ..errors import HookscopeError
 from ..hooks import Hooks
-from ..inputs import call_model
+from ..inputs import call_model, max_positions
 from .events import build_rows, cpu_threads, label_totals, top_ops
 from .labels import STEP, BlockLabels, LabelledHooks, block_labels, first_tensor
 from .report import ProfileReport
@@ -79,6 +79,19 @@ def profile(
     return report
 
 
+
+
+def random_tokens(model: nn.Module, batch: int, seq: int, *, device: str | torch.device = "cpu",
+                  seed: int = 0) -> dict[str, Tensor]:
+    """`batch` x `seq` random token ids (and a mask of ones) to profile with: the time a step takes
+    does not depend on the text. Refused when `seq` is longer than the model's positions."""
+    longest = max_positions(model)
+    if longest is not None and seq > longest:
+        raise HookscopeError(f"--seq {seq} is longer than the model's {longest} positions; "
+                             f"use --seq {longest} or less")
+    generator = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator).to(device)
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
 
 
 def default_loss(output: Any) -> Tensor:

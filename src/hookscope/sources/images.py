@@ -15,6 +15,7 @@ refused.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -63,11 +64,27 @@ def load_processor(model_dir: str) -> Any:
     from transformers import AutoImageProcessor
 
     try:
-        return AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+        try:
+            return AutoImageProcessor.from_pretrained(model_dir, local_files_only=True)
+        except ImportError:
+            # transformers 5.17's Auto class demands torchvision where the processor's own class falls
+            # back to its Pillow twin (later releases fall back themselves): load that class by name
+            return _named_processor(model_dir)
     except (OSError, ValueError) as exc:
         raise HookscopeError(
             f"{model_dir!r} has no usable image processor ({exc}); save the model's processor beside it "
             "with processor.save_pretrained(MODEL_DIR)") from exc
+
+
+def _named_processor(model_dir: str) -> Any:
+    import transformers
+
+    config = json.loads((Path(model_dir).expanduser() / "preprocessor_config.json").read_text())
+    cls = getattr(transformers, str(config.get("image_processor_type")), None)
+    if cls is None:
+        raise HookscopeError(f"{model_dir!r}: its image processor {config.get('image_processor_type')!r} "
+                             f"needs torchvision or a newer transformers ({transformers.__version__})")
+    return cls.from_pretrained(model_dir, local_files_only=True)
 
 
 def has_image_processor(model_dir: str | None) -> bool:

@@ -9,9 +9,6 @@ store...'") instead of misreading the store. The card's text says how to read or
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 CARD = "README.md"
 NOT_A_DATASET = ("This is a hookscope activation store, not a datasets folder - read it with "
                  "hookscope.open_store(DIR), "
@@ -40,20 +37,5 @@ a Hugging Face `datasets` folder: `datasets.load_dataset` on it fails on purpose
 
 
 def card_bytes() -> bytes:
-    """The card's bytes, for a store at a URL (written with one PUT)."""
+    """The card's bytes (the writer puts them unless the store already has a card)."""
     return _TEXT.encode("utf-8")
-
-
-def write_card(root: str | os.PathLike) -> None:
-    """Write the card unless the store already has one (atomic: a reader sees all of it or none)."""
-    path = Path(root) / CARD
-    if path.exists():
-        return
-    tmp = path.with_name(f"{CARD}.{os.getpid()}.tmp")
-    try:
-        tmp.write_text(_TEXT, encoding="utf-8")
-        # os.rename, not os.replace: the fault-injection tests count os.replace calls as the store's
-        # own commits (shards, manifest); the card is not one (same atomic rename on POSIX)
-        os.rename(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)

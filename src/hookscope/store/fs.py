@@ -1,12 +1,15 @@
-"""Where a store's bytes live: a local directory, or a URL on an fsspec filesystem.
+"""Where a store's bytes live: one filesystem interface, a local and a remote implementation.
 
-A local path (or `file://`) keeps the POSIX path the writer and reader always had: write `.tmp`,
-fsync, rename, fsync the directory. Any other URL (`s3://`, `gs://`, `az://`, `hf://`,
-`memory://`) goes through that scheme's fsspec filesystem (`pip install 'hookscope[s3]'`, `[gcs]`,
-`[azure]`, `[hf]`). Object stores have no atomic rename, so there a shard object is uploaded under
-its final name first and the manifest object, written in one PUT, is the commit point: a shard
-that the manifest does not list does not exist for readers, and the next writer deletes it.
-Reading a URL uses ranged GETs through `BlockCache` (only the bytes asked for, kept in memory).
+`open_fs(location)` gives `LocalFS` for a directory (or `file://`) and `RemoteFS` for any other
+URL (`s3://`, `gs://`, `az://`, `hf://`, `memory://`, through that scheme's fsspec filesystem:
+`pip install 'hookscope[s3]'`, `[gcs]`, `[azure]`, `[hf]`). The writer, reader, resume and the top
+index use only the operations of `FS`: list, size, ranged read, map, atomic put, sha256, remove.
+
+Locally a put writes `.tmp`, fsyncs and renames (then fsyncs the directory), and a reader maps
+the file. Object stores have no atomic rename, so there an object is uploaded under its final
+name (one PUT: whole or not at all) and the manifest object is the commit point: a shard that the
+manifest does not list does not exist for readers, and the next writer deletes it. Reading a URL
+uses ranged GETs through `BlockCache` (store/blocks.py).
 """
 
 from __future__ import annotations
@@ -14,18 +17,24 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import os
+import shutil
+import stat
+import tempfile
 import threading
-from collections import OrderedDict
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import StoreError
+from ..files import fsync_dir, write_atomic
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough to hash at disk speed, small enough to stay flat in memory
 
-# the optional package behind each scheme, for the message when it is missing
+# the extra (pyproject.toml) behind each scheme, for the message when it is missing; hf:// needs none
+# (huggingface_hub, which transformers installs, brings its filesystem)
 _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure",
-           "abfss": "azure", "hf": "hf"}
+           "abfss": "azure"}
+
+Part = tuple[str, int, int]  # (object, start, end): bytes [start, end) of one object
 
 
 def sha256_of(f: BinaryIO) -> tuple[int, str]:
@@ -38,22 +47,224 @@ def sha256_of(f: BinaryIO) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def is_remote(name: str | os.PathLike) -> bool:
+def is_remote(location: str | os.PathLike) -> bool:
     """True for a URL other than file://: the store lives on an fsspec filesystem."""
-    text = os.fspath(name)
+    text = os.fspath(location)
     return "://" in text and not text.startswith("file://")
 
 
-def local_path(name: str | os.PathLike) -> Path:
-    text = os.fspath(name)
-    return Path(text.removeprefix("file://")) if text.startswith("file://") else Path(text)
+def open_fs(location: str | os.PathLike, storage_options: dict[str, Any] | None = None) -> FS:
+    """The filesystem of a store at `location`: a local directory, `file://DIR`, or a URL."""
+    if is_remote(location):
+        return RemoteFS(os.fspath(location), storage_options)
+    text = os.fspath(location)
+    return LocalFS(text.removeprefix("file://") if text.startswith("file://") else text)
 
 
-class Remote:
-    """A store directory on an fsspec filesystem: the few operations the writer and reader need,
-    each naming the URL in its error."""
+class FS:
+    """The operations a store needs from where it lives, each naming the place in its errors.
+    `url` is the store's location as one string (a directory or a URL); `rel` names are relative
+    to it, with `/` separators. `remote` says reads go through ranged GETs (nothing to map)."""
+
+    url: str
+    remote: bool
+
+    def __init__(self) -> None:
+        self.bytes_read = self.requests = 0  # what reads have fetched, for tests and benchmarks
+        self._stats_lock = threading.Lock()
+
+    def __str__(self) -> str:
+        return self.url
+
+    def where(self, rel: str) -> str:
+        return f"{self.url}/{rel}" if rel else self.url
+
+    # -- reading ------------------------------------------------------------------------------
+
+    def list(self, rel: str = "") -> list[str]:
+        """Names (not paths) of everything directly under `rel`, sorted; [] if there is nothing."""
+        raise NotImplementedError
+
+    def sizes(self, rel: str = "") -> dict[str, int]:
+        """Name -> bytes of the files directly under `rel` ({} if there are none)."""
+        raise NotImplementedError
+
+    def size(self, rel: str) -> int | None:
+        """Bytes in file `rel`, None if there is no such file."""
+        raise NotImplementedError
+
+    def read(self, rel: str) -> bytes:
+        """The whole of file `rel` (FileNotFoundError if there is none)."""
+        try:
+            data = self._whole(rel)
+        except FileNotFoundError:
+            raise
+        except OSError as e:
+            raise StoreError(f"{self.where(rel)}: cannot read it ({e})") from e
+        self._count(len(data), 1)
+        return data
+
+    def read_parts(self, parts: list[Part]) -> list[bytes | StoreError]:
+        """Bytes [start, end) of each (file, start, end); a part that fails is a StoreError in its
+        place, so one damaged file spoils no other."""
+        raise NotImplementedError
+
+    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
+        """Byte ranges [start, end) of file `rel` (short where the file is shorter)."""
+        datas = self.read_parts([(rel, start, end) for start, end in ranges])
+        for data in datas:
+            if isinstance(data, StoreError):
+                raise data
+        return datas  # type: ignore[return-value]
+
+    def sha256(self, rel: str) -> tuple[int, str]:
+        """(bytes, hex SHA-256) of file `rel`, streamed: nothing is kept."""
+        try:
+            with self._open(rel) as f:
+                size, digest = sha256_of(f)
+        except OSError as e:
+            raise self._part_error(rel, e) from e
+        self._count(size, 1)
+        return size, digest
+
+    def _whole(self, rel: str) -> bytes:
+        raise NotImplementedError
+
+    def _open(self, rel: str) -> BinaryIO:
+        """File `rel` opened for reading from its start."""
+        raise NotImplementedError
+
+    def local(self, rel: str) -> Path | None:
+        """The local file behind `rel`, to memory-map; None at a URL."""
+        return None
+
+    # -- writing ------------------------------------------------------------------------------
+
+    def put(self, rel: str, data: bytes, *, durable: bool = True) -> None:
+        """Replace file `rel` with `data` atomically (`durable`: synced to disk before it counts)."""
+        raise NotImplementedError
+
+    def put_file(self, local: Path, rel: str) -> None:
+        """A finished, synced local file becomes `rel` (renamed, or uploaded and deleted)."""
+        raise NotImplementedError
+
+    def staging(self, rel: str) -> Path:
+        """A local directory where files bound for directory `rel` are written first."""
+        raise NotImplementedError
+
+    def done_staging(self, staged: Path) -> None:
+        """The writer is done with `staging()`'s directory."""
+
+    def makedirs(self, rel: str) -> None:
+        """Make directory `rel` (and those above it) where directories exist; an object store has none."""
+
+    def remove(self, rel: str) -> None:
+        """Delete file `rel` if it is there."""
+        raise NotImplementedError
+
+    def _count(self, nbytes: int, requests: int) -> None:
+        with self._stats_lock:
+            self.bytes_read += nbytes
+            self.requests += requests
+
+    def _part_error(self, rel: str, error: BaseException) -> StoreError:
+        if isinstance(error, FileNotFoundError):
+            err = StoreError(f"{self.where(rel)}: listed in the manifest but missing")
+        else:
+            err = StoreError(f"{self.where(rel)}: cannot read it ({error}); if it is shorter than the "
+                             "manifest says, it was truncated or replaced")
+        err.__cause__ = error
+        return err
+
+
+class LocalFS(FS):
+    """A store directory on the local disk."""
+
+    remote = False
+
+    def __init__(self, root: str | os.PathLike):
+        super().__init__()
+        self.root = Path(root)
+        self.url = os.fspath(self.root)
+
+    def local(self, rel: str) -> Path:
+        return self.root / rel if rel else self.root
+
+    def list(self, rel: str = "") -> list[str]:
+        try:
+            return sorted(os.listdir(self.local(rel)))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+        except OSError as e:
+            raise StoreError(f"{self.where(rel)}: cannot list it ({e})") from e
+
+    def sizes(self, rel: str = "") -> dict[str, int]:
+        out = {}
+        try:
+            with os.scandir(self.local(rel)) as found:
+                for entry in found:
+                    with contextlib.suppress(FileNotFoundError):  # renamed away since the listing
+                        if entry.is_file():
+                            out[entry.name] = entry.stat().st_size
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        except OSError as e:
+            raise StoreError(f"{self.where(rel)}: cannot list it ({e})") from e
+        return out
+
+    def size(self, rel: str) -> int | None:
+        try:
+            st = os.stat(self.local(rel))
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+        except OSError as e:
+            raise StoreError(f"{self.where(rel)}: cannot read it ({e})") from e
+        return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+    def _whole(self, rel: str) -> bytes:
+        return self.local(rel).read_bytes()
+
+    def _open(self, rel: str) -> BinaryIO:
+        return open(self.local(rel), "rb")
+
+    def read_parts(self, parts: list[Part]) -> list[bytes | StoreError]:
+        out: list[bytes | StoreError] = []
+        for rel, start, end in parts:
+            try:
+                with open(self.local(rel), "rb") as f:
+                    f.seek(start)
+                    out.append(f.read(end - start))
+            except OSError as e:
+                out.append(self._part_error(rel, e))
+        self._count(sum(len(d) for d in out if isinstance(d, bytes)), len(parts))
+        return out
+
+    def put(self, rel: str, data: bytes, *, durable: bool = True) -> None:
+        write_atomic(self.local(rel), data, durable=durable)
+
+    def put_file(self, local: Path, rel: str) -> None:
+        final = self.local(rel)
+        os.replace(local, final)
+        fsync_dir(final.parent)
+
+    def staging(self, rel: str) -> Path:
+        self.makedirs(rel)
+        return self.local(rel)
+
+    def makedirs(self, rel: str) -> None:
+        self.local(rel).mkdir(parents=True, exist_ok=True)
+
+    def remove(self, rel: str) -> None:
+        self.local(rel).unlink(missing_ok=True)
+
+
+class RemoteFS(FS):
+    """A store directory on an fsspec filesystem."""
+
+    remote = True
 
     def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+        super().__init__()
         try:
             import fsspec
         except ImportError as e:  # pragma: no cover - fsspec comes with torch's own dependencies
@@ -68,47 +279,44 @@ class Remote:
         except ValueError as e:
             raise StoreError(f"{url}: not a store URL fsspec knows ({e})") from e
         self.url, self.fs, self.root = url.rstrip("/"), fs, root.rstrip("/")
-        self.bytes_read = self.requests = 0  # what reads have fetched, for tests and benchmarks
-        self._stats_lock = threading.Lock()
-
-    def __str__(self) -> str:
-        return self.url
 
     def path(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
 
-    def list(self, rel: str = "") -> list[str]:
-        """Names (not paths) of the objects directly under `rel`; [] if there are none."""
+    def _ls(self, rel: str) -> list[dict[str, Any]]:
         try:
-            found = self.fs.ls(self.path(rel), detail=False, refresh=True)
+            return self.fs.ls(self.path(rel), detail=True, refresh=True)
         except FileNotFoundError:
             return []
         except OSError as e:
             raise StoreError(f"{self.url}: cannot list {rel or 'the store'} ({e})") from e
-        return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in found)
 
-    def read(self, rel: str) -> bytes:
+    def list(self, rel: str = "") -> list[str]:
+        return sorted(f["name"].rstrip("/").rsplit("/", 1)[-1] for f in self._ls(rel))
+
+    def sizes(self, rel: str = "") -> dict[str, int]:
+        return {f["name"].rstrip("/").rsplit("/", 1)[-1]: int(f.get("size") or 0)
+                for f in self._ls(rel) if f.get("type", "file") == "file"}
+
+    def size(self, rel: str) -> int | None:
         try:
-            data = self.fs.cat_file(self.path(rel))
+            info = self.fs.info(self.path(rel), refresh=True) if _takes_refresh(self.fs) \
+                else self.fs.info(self.path(rel))
         except FileNotFoundError:
-            raise
+            return None
         except OSError as e:
-            raise StoreError(f"{self.url}/{rel}: cannot read it ({e})") from e
-        self._count(len(data), 1)
-        return data
+            raise StoreError(f"{self.where(rel)}: cannot read it ({e})") from e
+        return int(info["size"]) if info.get("type", "file") == "file" else None
 
-    def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
-        """Byte ranges [start, end) of object `rel`: one ranged GET each, concurrent where the
-        filesystem is asynchronous (s3fs, gcsfs, adlfs)."""
-        datas = self.read_parts([(rel, start, end) for start, end in ranges])
-        for data in datas:
-            if isinstance(data, StoreError):
-                raise data
-        return datas  # type: ignore[return-value]
+    def _whole(self, rel: str) -> bytes:
+        return self.fs.cat_file(self.path(rel))
 
-    def read_parts(self, parts: list[tuple[str, int, int]]) -> list[bytes | StoreError]:
-        """Bytes [start, end) of each (object, start, end), in one concurrent batch of ranged GETs;
-        a part that fails is a StoreError in its place, so one damaged object spoils no other."""
+    def _open(self, rel: str) -> BinaryIO:
+        return self.fs.open(self.path(rel), "rb", block_size=CHUNK)
+
+    def read_parts(self, parts: list[Part]) -> list[bytes | StoreError]:
+        """One concurrent batch of ranged GETs, where the filesystem is asynchronous (s3fs, gcsfs,
+        adlfs)."""
         if not parts:
             return []
         try:
@@ -116,66 +324,24 @@ class Remote:
                                        [b for _, _, b in parts], on_error="return")
         except OSError as e:
             raise StoreError(f"{self.url}: cannot read {parts[0][0]} ({e})") from e
-        out: list[bytes | StoreError] = []
-        for (rel, _, _), data in zip(parts, datas, strict=True):
-            if isinstance(data, FileNotFoundError):
-                err = StoreError(f"{self.url}/{rel}: listed in the manifest but missing")
-            elif isinstance(data, BaseException):
-                err = StoreError(f"{self.url}/{rel}: cannot read it ({data}); if it is shorter than the "
-                                 "manifest says, it was truncated or replaced")
-            else:
-                out.append(data)
-                continue
-            err.__cause__ = data
-            out.append(err)
+        out = [self._part_error(rel, d) if isinstance(d, BaseException) else d
+               for (rel, _, _), d in zip(parts, datas, strict=True)]
         self._count(sum(len(d) for d in out if isinstance(d, bytes)), len(parts))
         return out
 
-    def sizes(self, rel: str = "") -> dict[str, int]:
-        """Name -> bytes of the objects directly under `rel` ({} if there are none): one listing."""
-        try:
-            found = self.fs.ls(self.path(rel), detail=True, refresh=True)
-        except FileNotFoundError:
-            return {}
-        except OSError as e:
-            raise StoreError(f"{self.url}: cannot list {rel or 'the store'} ({e})") from e
-        return {f["name"].rstrip("/").rsplit("/", 1)[-1]: int(f.get("size") or 0)
-                for f in found if f.get("type", "file") == "file"}
-
-    def sha256(self, rel: str) -> tuple[int, str]:
-        """(bytes, hex SHA-256) of object `rel`, streamed: nothing is kept."""
-        try:
-            with self.fs.open(self.path(rel), "rb", block_size=CHUNK) as f:
-                size, digest = sha256_of(f)
-        except FileNotFoundError:
-            raise StoreError(f"{self.url}/{rel}: listed in the manifest but missing") from None
-        except OSError as e:
-            raise StoreError(f"{self.url}/{rel}: cannot read it ({e})") from e
-        self._count(size, 1)
-        return size, digest
-
-    def _count(self, nbytes: int, requests: int) -> None:
-        with self._stats_lock:
-            self.bytes_read += nbytes
-            self.requests += requests
-
-    def size(self, rel: str) -> int | None:
-        """Bytes in object `rel`, None if there is no such object."""
-        try:
-            info = self.fs.info(self.path(rel), refresh=True) if _takes_refresh(self.fs) \
-                else self.fs.info(self.path(rel))
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            raise StoreError(f"{self.url}/{rel}: cannot read it ({e})") from e
-        return int(info["size"]) if info.get("type", "file") == "file" else None
-
-    def write(self, rel: str, data: bytes) -> None:
+    def put(self, rel: str, data: bytes, *, durable: bool = True) -> None:
         """One PUT: on an object store the object appears whole or not at all."""
         self.fs.pipe_file(self.path(rel), data)
 
-    def upload(self, local: Path, rel: str) -> None:
+    def put_file(self, local: Path, rel: str) -> None:
         self.fs.put_file(str(local), self.path(rel))
+        local.unlink()
+
+    def staging(self, rel: str) -> Path:
+        return Path(tempfile.mkdtemp(prefix="hookscope-stage-", dir=os.environ.get("HOOKSCOPE_STAGING_DIR")))
+
+    def done_staging(self, staged: Path) -> None:
+        shutil.rmtree(staged, ignore_errors=True)
 
     def remove(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):
@@ -189,100 +355,3 @@ def _takes_refresh(fs: Any) -> bool:
         return "refresh" in inspect.signature(fs.info).parameters
     except (TypeError, ValueError):
         return False
-
-
-def _env_bytes(name: str, default: int) -> int:
-    text = os.environ.get(name)
-    if text is None:
-        return default
-    try:
-        return int(text)
-    except ValueError:
-        raise StoreError(f"${name}={text!r}: give a number of bytes, e.g. {default}") from None
-
-
-Extent = tuple[int, int]  # [start, end) of one tensor's bytes in an object: blocks are cut from its start
-
-
-class BlockCache:
-    """Byte ranges of a store's objects, read with ranged GETs and kept in memory in blocks
-    (bounded by bytes, least recently used evicted; thread-safe).
-
-    Blocks are cut from the start of the extent a range lies in (one column of one shard), so a
-    whole column is fetched exactly, and a window of rows costs at most two part-blocks more than
-    its own bytes; the rest of the block around a row is its readahead. A read fetches the blocks
-    it touches that are not held in one concurrent batch (one GET per block; s3fs, gcsfs and adlfs
-    send them at once). Every GET must return exactly the bytes asked for: a short answer means the
-    object is shorter than listed (truncated or replaced), an error naming the object."""
-
-    def __init__(self, remote: Remote, sizes: dict[str, int], *, block_bytes: int | None = None,
-                 max_bytes: int | None = None):
-        self.remote = remote
-        self.sizes = sizes  # rel -> object size, as listed when the store was opened
-        # 8 MiB: the size of ranged GET that object stores serve at full speed, few enough requests
-        self.block = block_bytes or _env_bytes("HOOKSCOPE_BLOCK_BYTES", 8 << 20)
-        self.max_bytes = max_bytes if max_bytes is not None else _env_bytes("HOOKSCOPE_CACHE_BYTES", 1 << 30)
-        if self.block < 1 or self.max_bytes < 0:
-            raise StoreError(f"block size ({self.block}) must be >= 1 and cache size ({self.max_bytes}) >= 0")
-        self._blocks: OrderedDict[tuple[str, Extent, int], bytes] = OrderedDict()  # oldest first
-        self._held = 0
-        self._lock = threading.Lock()
-
-    def read_many(self, rel: str, ranges: list[tuple[Extent, int, int]]) -> list[bytes]:
-        """Bytes [start, end) of object `rel` for each (extent, start, end), the range inside the
-        extent; the missing blocks of all of them fetched in one concurrent batch."""
-        keys = []
-        for extent, start, end in ranges:
-            size = self.sizes.get(rel)
-            if size is None or not 0 <= extent[0] <= start <= end <= extent[1] <= size:
-                raise StoreError(f"{self.remote.url}/{rel}: bytes {start}-{end} of extent {extent} asked "
-                                 f"for, but the object has {size} bytes")
-            keys.append([(rel, extent, b) for b in self._span(extent, start, end)])
-        got: dict[tuple[str, Extent, int], bytes] = {}
-        with self._lock:
-            for key in {k for ks in keys for k in ks}:
-                if key in self._blocks:
-                    self._blocks.move_to_end(key)
-                    got[key] = self._blocks[key]
-        missing = sorted({k for ks in keys for k in ks} - got.keys())
-        if missing:
-            got.update(self._fetch(rel, missing))
-        out = []
-        for (extent, start, end), ks in zip(ranges, keys, strict=True):
-            first = extent[0] + ks[0][2] * self.block if ks else start
-            out.append(b"".join(got[k] for k in ks)[start - first : end - first])
-        return out
-
-    def clear(self) -> None:
-        with self._lock:
-            self._blocks.clear()
-            self._held = 0
-
-    @property
-    def held(self) -> int:
-        """Bytes held now."""
-        return self._held
-
-    def _span(self, extent: Extent, start: int, end: int) -> range:
-        if end <= start:
-            return range(0)
-        return range((start - extent[0]) // self.block, -(-(end - extent[0]) // self.block))
-
-    def _fetch(self, rel: str, keys: list[tuple[str, Extent, int]]) -> dict[tuple[str, Extent, int], bytes]:
-        ranges = [(ext[0] + b * self.block, min(ext[0] + (b + 1) * self.block, ext[1])) for _, ext, b in keys]
-        datas = self.remote.read_ranges(rel, ranges)
-        for (start, end), data in zip(ranges, datas, strict=True):
-            if len(data) != end - start:
-                raise StoreError(f"{self.remote.url}/{rel}: bytes {start}-{end} came back as {len(data)} "
-                                 f"bytes: the object is shorter than the {self.sizes[rel]} listed when the "
-                                 "store was opened (truncated or replaced while read); re-open the store")
-        got = dict(zip(keys, datas, strict=True))
-        with self._lock:
-            for key, data in got.items():
-                if key not in self._blocks:
-                    self._blocks[key] = data
-                    self._held += len(data)
-            while self._held > self.max_bytes and self._blocks:
-                _, old = self._blocks.popitem(last=False)
-                self._held -= len(old)
-        return got

@@ -1,8 +1,8 @@
 """The store's manifest: what a directory of shards holds, and the settings that made it.
 
 The manifest is the single source of truth: a shard file not listed in it does not exist as far as
-readers and resuming writers are concerned. It is replaced atomically (tmp + fsync + rename), so a
-crash at any moment leaves either the old or the new manifest, never half of one.
+readers and resuming writers are concerned. It is replaced atomically (store/fs.py's put: tmp +
+fsync + rename, or one PUT), so a crash leaves either the old or the new manifest, never a mix.
 Every shard entry is self-contained (its batch indices, the attempt and rank that wrote it, its
 statistics), so the manifests of several ranks and attempts merge by taking the union of their
 entries. See docs/store-format.md for the format on one page.
@@ -113,6 +113,11 @@ class Column:
 
     shape: tuple[int, ...]
     dtype: str  # torch dtype name without the "torch." prefix, e.g. "bfloat16"
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row of this column in a shard."""
+        return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
 
 
 @dataclass(frozen=True)
@@ -253,22 +258,6 @@ class Manifest:
         """The manifest file's exact bytes."""
         return (json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n").encode()
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Atomic replace: a reader or a crash sees the old manifest or the new one, never a mix."""
-        path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        data = self.to_bytes()
-        try:
-            with open(tmp, "wb") as f:
-                f.write(data)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)  # e.g. a full disk: give its blocks back
-            raise
-        fsync_dir(path.parent)
-
     @classmethod
     def load(cls, path: str | os.PathLike) -> Manifest:
         path = Path(path)
@@ -326,21 +315,12 @@ class Manifest:
             raise ValueError("'stats' disagree with the sum of the shards' stats")
         if len({s.file for s in m.shards}) != len(m.shards):
             raise ValueError("a shard file is listed twice")
-        row_bytes = sum(math.prod(c.shape) * getattr(torch, c.dtype).itemsize for c in m.columns.values())
+        row_bytes = sum(c.row_bytes for c in m.columns.values())
         for i, s in enumerate(m.shards):  # bounds what a reader allocates from the manifest's word alone
             if s.rows * row_bytes > s.bytes:
                 raise ValueError(f"shards[{i}] ({s.file}) claims {s.rows} rows of {row_bytes} bytes each, "
                                  f"more than its {s.bytes} bytes: the manifest or the shard is damaged")
         return m
-
-
-def fsync_dir(path: Path) -> None:
-    """Make a rename in `path` durable (POSIX needs the directory itself synced)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _expect(value: Any, kind: type, what: str) -> Any:

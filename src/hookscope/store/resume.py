@@ -14,11 +14,10 @@ from __future__ import annotations
 import bisect
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError
-from .fs import Remote, is_remote, local_path
+from .fs import FS, open_fs
 from .manifest import VERSION, Column, Manifest, ShardEntry, settings_diff, settings_hash
 
 
@@ -65,13 +64,16 @@ class Plan:
         return [s for s in self.shards if s.generation < self.deal.generation]
 
 
-def read_manifests(out: Path | str, remote: Remote | None) -> list[tuple[str, Manifest]]:
+def read_manifests(fs: FS) -> list[tuple[str, Manifest]]:
     """Every manifest in the store (the merged one and every rank's of every attempt), by name."""
-    if remote is not None:
-        names = [n for n in remote.list() if is_manifest(n)]
-        return [(n, Manifest.from_bytes(remote.read(n), f"{remote.url}/{n}")) for n in names]
-    out = Path(out)
-    return [(p.name, Manifest.load(p)) for p in sorted(out.glob("manifest*.json"))] if out.is_dir() else []
+    out = []
+    for name in fs.list():
+        if is_manifest(name):
+            try:
+                out.append((name, Manifest.from_bytes(fs.read(name), fs.where(name))))
+            except FileNotFoundError:  # renamed away between the listing and the read: not there
+                continue
+    return out
 
 
 def is_manifest(name: str) -> bool:
@@ -131,11 +133,7 @@ def plan(manifests: list[tuple[str, Manifest]], settings: dict[str, Any], world_
     return Plan(Deal(generation, world_size, tuple(done_before)), shards, points, meta)
 
 
-def read_plan(out: Path | str, remote: Remote | None, settings: dict[str, Any], world_size: int) -> Plan:
-    return plan(read_manifests(out, remote), settings, world_size, str(remote.url if remote else out))
-
-
 def deal_for(out_dir: str | os.PathLike, settings: dict[str, Any], world_size: int) -> Deal:
     """The deal a writer opening `out_dir` now would get, read without writing anything."""
-    remote = Remote(os.fspath(out_dir)) if is_remote(out_dir) else None
-    return read_plan(remote.url if remote else local_path(out_dir), remote, settings, world_size).deal
+    fs = open_fs(out_dir)
+    return plan(read_manifests(fs), settings, world_size, fs.url).deal

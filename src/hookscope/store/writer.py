@@ -15,8 +15,6 @@ import dataclasses
 import os
 import queue
 import re
-import shutil
-import tempfile
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -26,8 +24,8 @@ import torch
 from safetensors.torch import save_file
 
 from ..errors import StoreError
-from .card import CARD, card_bytes, write_card
-from .fs import Remote, is_remote, local_path, sha256_of
+from .card import CARD, card_bytes
+from .fs import open_fs, sha256_of
 from .manifest import (
     MANIFEST,
     SHARDS_DIR,
@@ -35,14 +33,13 @@ from .manifest import (
     Manifest,
     PointStats,
     ShardEntry,
-    fsync_dir,
     manifest_name,
     runs_of,
     shard_identity,
     shard_prefix,
     summed_stats,
 )
-from .resume import is_manifest, plan, read_manifests, read_plan
+from .resume import is_manifest, plan, read_manifests
 
 _STOP = object()
 
@@ -66,26 +63,21 @@ class ShardWriter:
             raise StoreError(f"shard_rows ({shard_rows}) and queue_size ({queue_size}) must be >= 1")
         if not 0 <= rank < world_size:
             raise StoreError(f"rank {rank} is outside world_size {world_size}")
-        # a URL: shards are staged in a local directory, uploaded, then committed by the manifest PUT
-        self._remote = Remote(os.fspath(out_dir)) if is_remote(out_dir) else None
-        self.out = self._remote.url if self._remote else local_path(out_dir)
+        self.fs = open_fs(out_dir)
+        self.out = self.fs.url
         self.rank, self.world_size, self.shard_rows = rank, world_size, shard_rows
-        self._staging = Path(tempfile.mkdtemp(prefix="hookscope-stage-", dir=os.environ.get(
-            "HOOKSCOPE_STAGING_DIR"))) if self._remote else None
-        self._shards = self._staging if self._remote else self.out / SHARDS_DIR
         self._file_mode = 0o666 & ~_umask()  # safetensors creates 0600 files; a store is meant to be shared
-        self._check_is_store_dir()
-        try:
-            self._shards.mkdir(parents=True, exist_ok=True)
+        found_at_open = self._check_is_store_dir()
+        try:  # where a shard is written before it counts: the shards directory, or a local one for a URL
+            self._staging = self.fs.staging(SHARDS_DIR)
         except OSError as e:
             raise StoreError(f"cannot create the store directory {self.out}: {e}; "
                              "choose a writable --out") from e
-        found = read_plan(self.out, self._remote, settings, world_size)
+        found = plan(read_manifests(self.fs), settings, world_size, self.out)
         self.deal = found.deal
         self.generation = found.deal.generation
         self._prefix = shard_prefix(rank, self.generation)
         self._manifest_name = manifest_name(rank, world_size, self.generation)
-        self._manifest_path = Path(self.out) / self._manifest_name
         self._listed = {Path(s.file).name for s in found.shards}  # by any manifest: not debris
         own = found.own(rank)
         # one process keeps the whole store's manifest.json (earlier attempts' shards too); a rank
@@ -95,13 +87,11 @@ class ShardWriter:
                                  points=found.points if shards else {}, meta=found.meta if shards else {},
                                  shards=shards, stats=summed_stats(shards))
         try:  # stamps the settings into the directory now, and proves it is writable before any compute
-            self._remove_orphans()
-            self._save_manifest(self.manifest)
+            self._remove_orphans(found_at_open)
+            self.fs.put(self._manifest_name, self.manifest.to_bytes())
             # README.md: datasets.load_dataset(DIR) fails clearly rather than misreading the store
-            if self._remote is None:
-                write_card(self.out)
-            elif self._remote.size(CARD) is None:
-                self._remote.write(CARD, card_bytes())
+            if self.fs.size(CARD) is None:
+                self.fs.put(CARD, card_bytes(), durable=False)
         except OSError as e:
             raise StoreError(f"cannot write to the store directory {self.out}: {e}; make it writable (or "
                              "free space) or choose another --out, and re-run") from e
@@ -215,7 +205,7 @@ class ShardWriter:
         if self._error is not None and not self._error_reported:
             self._error_reported = True
             m = self.manifest
-            if not self._manifest_exists():  # stamped at open: gone means the directory went
+            if self.fs.size(self._manifest_name) is None:  # stamped at open: gone means the directory went
                 raise StoreError(
                     f"the store directory {self.out} was deleted (or unmounted) while it was being written "
                     f"({self._error!r}); the rows it held are gone. Re-run the same command to start over."
@@ -234,8 +224,7 @@ class ShardWriter:
             if item is _STOP:
                 if self._pending and self._error is None and not self._discard_partial:
                     self._guard(self._flush)
-                if self._staging is not None:
-                    shutil.rmtree(self._staging, ignore_errors=True)
+                self.fs.done_staging(self._staging)
                 return
             if self._error is None:  # after an error, keep draining so that write() never blocks
                 self._guard(self._take, *item)
@@ -266,19 +255,15 @@ class ShardWriter:
                      stats: dict[str, PointStats]) -> None:
         tensors = {k: torch.cat([b[k] for _, b in pending]) for k in pending[0][1]}
         name = f"{self._prefix}{self._next_shard:06d}.safetensors"
-        final, tmp = self._shards / name, self._shards / (name + ".tmp")
+        tmp = self._staging / (name + ".tmp")
         runs = runs_of([i for i, _ in pending])
         identity = shard_identity(self.manifest.settings_hash, runs, self.rank)
         try:
             save_file(tensors, tmp, metadata=identity)
             os.chmod(tmp, self._file_mode)
             size, sha = _fsync_and_hash(tmp)
-            if self._remote:  # no rename on an object store: the manifest PUT below commits it
-                self._remote.upload(tmp, f"{SHARDS_DIR}/{name}")
-                tmp.unlink()
-            else:
-                os.replace(tmp, final)
-                fsync_dir(self._shards)
+            # renamed, or uploaded under its final name: on an object store the manifest PUT commits it
+            self.fs.put_file(tmp, f"{SHARDS_DIR}/{name}")
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -298,10 +283,9 @@ class ShardWriter:
             meta={k: c for k, c in self._layout.items() if k not in stats},
         )
         try:
-            self._save_manifest(new)
+            self.fs.put(self._manifest_name, new.to_bytes())
         except BaseException:
-            # not committed: free its space; a resume would delete it anyway
-            self._remote.remove(entry.file) if self._remote else final.unlink(missing_ok=True)
+            self.fs.remove(entry.file)  # not committed: free its space; a resume would delete it anyway
             raise
         self.manifest = new  # rebinding, so the caller's thread always sees a whole manifest
         self.done_batches = self.done_batches | set(entry.batch_indices())
@@ -310,31 +294,16 @@ class ShardWriter:
 
     # -- opening ----------------------------------------------------------------------------------
 
-    def _check_is_store_dir(self) -> None:
-        if self._remote:
-            names = self._remote.list()
-        elif self.out.is_dir():
-            names = [p.name for p in self.out.iterdir()]
-        else:
-            return
+    def _check_is_store_dir(self) -> list[str]:
+        """What the store directory holds (refused if it holds something other than a store)."""
+        names = self.fs.list()
         foreign = [n for n in names if n != SHARDS_DIR and not n.startswith("manifest")]
-        has_manifest = any(is_manifest(n) for n in names)
-        if foreign and not has_manifest:
+        if foreign and not any(is_manifest(n) for n in names):
             raise StoreError(f"{self.out} is not empty and is not a hookscope store "
                              f"(it holds {sorted(foreign)[:5]}); choose a new or empty --out directory")
+        return names
 
-    def _manifest_exists(self) -> bool:
-        if self._remote:
-            return self._remote.size(self._manifest_name) is not None
-        return self._manifest_path.exists()
-
-    def _save_manifest(self, manifest: Manifest) -> None:
-        if self._remote:
-            self._remote.write(self._manifest_name, manifest.to_bytes())  # one PUT: the commit point
-        else:
-            manifest.save(self._manifest_path)
-
-    def _remove_orphans(self) -> None:
+    def _remove_orphans(self, found_at_open: list[str]) -> None:
         """Delete leftovers of a crash: this rank's `.tmp` files and the shards no manifest lists,
         and (rank 0) those of earlier attempts, whose processes have stopped."""
         def debris(name: str) -> bool:
@@ -343,15 +312,11 @@ class ShardWriter:
                 return False  # another rank's of this attempt: it may be writing it right now
             return name.endswith(".tmp") or name not in self._listed
 
-        if self._remote:
-            for name in self._remote.list(SHARDS_DIR):
-                if debris(name):
-                    self._remote.remove(f"{SHARDS_DIR}/{name}")
-            return
-        for path in self._shards.iterdir():
-            if debris(path.name):
-                path.unlink(missing_ok=True)
-        self._manifest_path.with_name(self._manifest_path.name + ".tmp").unlink(missing_ok=True)
+        for name in self.fs.list(SHARDS_DIR):
+            if debris(name):
+                self.fs.remove(f"{SHARDS_DIR}/{name}")
+        if self._manifest_name + ".tmp" in found_at_open:  # a local manifest write cut short
+            self.fs.remove(self._manifest_name + ".tmp")
 
 
 def _of_generation(name: str, generation: int) -> bool:
@@ -363,9 +328,9 @@ def merge_rank_manifests(out_dir: str | os.PathLike, world_size: int | None = No
     """Unite every manifest in the store (each rank's, of every attempt) into `manifest.json`: its
     shards ordered by first batch, stats summed. Rank 0 calls it once every rank has closed;
     `world_size`, if given, must be that of the latest attempt."""
-    remote = Remote(os.fspath(out_dir)) if is_remote(out_dir) else None
-    out = remote.url if remote else local_path(out_dir)
-    manifests = read_manifests(out, remote)
+    fs = open_fs(out_dir)
+    out = fs.url
+    manifests = read_manifests(fs)
     if not manifests:
         raise StoreError(f"{out}: no manifest here; is this a hookscope store?")
     latest = max((m for _, m in manifests), key=lambda m: m.generation)
@@ -377,14 +342,11 @@ def merge_rank_manifests(out_dir: str | os.PathLike, world_size: int | None = No
     if missing:
         raise StoreError(f"{out}: rank {missing[0]} of the latest run left no manifest; re-run the job "
                          "(it resumes) to finish the store")
-    united = plan(manifests, latest.settings, latest.world_size, str(out))
+    united = plan(manifests, latest.settings, latest.world_size, out)
     merged = Manifest(settings=latest.settings, world_size=latest.world_size, generation=latest.generation,
                       points=united.points, meta=united.meta, shards=united.shards,
                       stats=summed_stats(united.shards), settings_hash=latest.settings_hash)
-    if remote:
-        remote.write(MANIFEST, merged.to_bytes())
-    else:
-        merged.save(out / MANIFEST)
+    fs.put(MANIFEST, merged.to_bytes())
     return merged
 
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreError
+from ..files import write_atomic
 from .contexts import Gatherer, build_contexts
 from .encoders import Encoder
 from .index import TopIndex, hist_edges
@@ -88,12 +89,9 @@ def write_page(path: str | os.PathLike, data: dict[str, Any]) -> Path:
     blob = blob.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")  # safe inside <script>
     title = f"hookscope top: {data['point']}" + (" (SAE)" if data["source"].get("kind") == "sae" else "")
     html = _PAGE.replace("__TITLE__", _escape(title)).replace("__DATA__", blob)
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        tmp.write_text(html, encoding="utf-8")
-        os.replace(tmp, path)
+        write_atomic(path, html.encode("utf-8"))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
         raise StoreError(f"cannot write the page {path}: {e}") from e
     return path
 

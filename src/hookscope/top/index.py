@@ -17,7 +17,7 @@ negative values likewise. Computed from the float32 sign, exponent and first man
 is taken); NaN lands in an outermost bin. `fires` counts the rows with a value >= 2^-15 (> 0 but
 for float16's smallest subnormals, so both dtypes count alike).
 
-The index file is saved beside the store (`STORE/top/<point>.<neurons|sae-SHA>.safetensors`),
+The index is saved beside the store, or in a local cache when the store is read-only (saved.py),
 keyed to the store's settings_hash and its shard list (file names and SHA-256s): if the store
 changes (a resumed extraction added shards, a shard was replaced), loading it is refused.
 """
@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -34,10 +33,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
-from safetensors import SafetensorError, safe_open
-from safetensors.torch import save_file
+from safetensors.torch import save
 
 from ..errors import StoreError
+from ..files import write_atomic
 from .encoders import Encoder, neurons
 
 if TYPE_CHECKING:  # the store room is below this one; a Store is passed in, never imported
@@ -128,29 +127,22 @@ class TopIndex:
         """Fraction of rows on which each unit is > 0."""
         return self.fires.double() / max(self.total_rows, 1)
 
-    def save(self, path: str | os.PathLike) -> None:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
+    def to_bytes(self) -> bytes:
+        """The index as one safetensors file's bytes (its info in the metadata)."""
         tensors = {"values": self.values.contiguous(), "rows": self.rows.contiguous(),
                    "hist": self.hist.contiguous(), "fires": self.fires.contiguous()}
-        try:
-            save_file(tensors, tmp, metadata={INDEX_FORMAT: json.dumps(self.info, sort_keys=True)})
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
+        return save(tensors, metadata={INDEX_FORMAT: json.dumps(self.info, sort_keys=True)})
+
+    def save(self, path: str | os.PathLike) -> None:
+        """Write the index to the local file `path` (atomic: a reader sees all of it or none)."""
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        write_atomic(path, self.to_bytes())
 
 
 def store_key(store: Store) -> dict[str, Any]:
     """What must not change for an index to stay valid: the settings hash and every shard's bytes."""
     m = store.manifest
     return {"settings_hash": m.settings_hash, "shards": [[s.file, s.sha256] for s in m.shards]}
-
-
-def index_path(store: Store, point: str, encoder: Encoder) -> Path:
-    safe = re.sub(r"[^A-Za-z0-9_.-]", "_", point)
-    return store.path / INDEX_DIR / f"{safe}.{encoder.identity}.safetensors"
 
 
 def check_point(store: Store, point: str) -> int:
@@ -301,66 +293,6 @@ def _merge(top_v: torch.Tensor, top_r: torch.Tensor, bv: torch.Tensor, br: torch
     cv, cr = torch.cat([top_v, bv], 1), torch.cat([top_r, br], 1)
     s = torch.sort(cv, dim=1, descending=True, stable=True).indices[:, :k]
     return torch.gather(cv, 1, s), torch.gather(cr, 1, s)
-
-
-def load_index(store: Store, point: str, encoder: Encoder, path: str | os.PathLike | None = None) -> TopIndex:
-    """The saved index of `point` (and `encoder`), checked against the store as it is now."""
-    path = Path(path) if path is not None else index_path(store, point, encoder)
-    try:
-        with safe_open(path, framework="pt") as f:
-            meta = f.metadata() or {}
-            tensors = {name: f.get_tensor(name) for name in ("values", "rows", "hist", "fires")}
-    except FileNotFoundError:
-        raise
-    except (SafetensorError, OSError, KeyError, RuntimeError) as e:
-        raise StoreError(f"{path}: not a readable top-k index ({e}); delete it and build it again") from e
-    try:
-        info = json.loads(meta[INDEX_FORMAT])
-    except (KeyError, ValueError) as e:
-        raise StoreError(f"{path}: not a hookscope top-k index (no {INDEX_FORMAT!r} metadata)") from e
-    if info.get("version") != INDEX_VERSION:
-        raise StaleIndexError(f"{path}: index format version {info.get('version')}, this hookscope reads "
-                              f"{INDEX_VERSION}; rebuild it (hookscope top ... --rebuild)")
-    now = store_key(store)
-    problems = []
-    if info.get("settings_hash") != now["settings_hash"]:
-        problems.append("the store's settings_hash differs")
-    if info.get("shards") != now["shards"]:
-        old, new = {tuple(s) for s in info.get("shards", [])}, {tuple(s) for s in now["shards"]}
-        problems.append(f"the shard list differs ({len(new - old)} shard(s) added or changed, "
-                        f"{len(old - new)} gone; {len(now['shards'])} now, "
-                        f"{len(info.get('shards', []))} then)")
-    if info.get("point") != point or info.get("source") != encoder.source:
-        problems.append("it was built for another point or SAE")
-    if problems:
-        raise StaleIndexError(f"{path}: this top-k index no longer matches the store: {'; '.join(problems)}. "
-                              "Rebuild it (hookscope top ... --rebuild, or build_index + save)")
-    values = tensors["values"]
-    if values.shape[0] != info.get("units") or tensors["rows"].shape != values.shape:
-        raise StoreError(f"{path}: index tensors do not match its metadata: the file is damaged; rebuild it")
-    return TopIndex(values, tensors["rows"], tensors["hist"], tensors["fires"], info)
-
-
-def get_index(store: Store, point: str, *, encoder: Encoder | None = None, k: int = DEFAULT_INDEX_K,
-              rebuild: bool = False, progress: bool = False, save: bool = True) -> TopIndex:
-    """The saved index if there is one and it matches (and keeps at least k per unit); otherwise
-    build it (and save it beside the store). A stale index is refused unless `rebuild`."""
-    encoder = encoder or neurons(check_point(store, point))
-    path = index_path(store, point, encoder)
-    if not rebuild and path.is_file():
-        index = load_index(store, point, encoder, path)
-        if index.k >= min(k, len(store)):
-            return index
-        raise StoreError(f"{path}: the saved index keeps {index.k} rows per unit, {k} asked; rebuild it with "
-                         f"k >= {k} (hookscope top ... --rebuild --k {k})")
-    index = build_index(store, point, encoder=encoder, k=k, progress=progress)
-    if save:
-        try:
-            index.save(path)
-        except OSError as e:
-            raise StoreError(f"cannot save the index to {path} ({e}); "
-                             "make the store directory writable") from e
-    return index
 
 
 def _progress(enabled: bool, total: int, desc: str):

@@ -12,7 +12,8 @@ import torch
 from ..errors import StoreError
 from .contexts import Context, build_contexts
 from .encoders import Encoder, load_encoder, neurons
-from .index import DEFAULT_INDEX_K, TopIndex, check_point, get_index, hist_edges
+from .index import DEFAULT_INDEX_K, TopIndex, check_point, hist_edges
+from .saved import get_index
 
 if TYPE_CHECKING:  # the store room is below this one; a Store is passed in, never imported
     from ..store import Store
@@ -56,10 +57,12 @@ def resolve_encoder(store: Store, point: str, sae: str | os.PathLike | Encoder |
 
 def top(store: Store, point: str, unit: int, *, k: int = 20, context: int = 8,
         sae: str | os.PathLike | Encoder | None = None, tokenizer: Any = None, rebuild: bool = False,
-        index_k: int | None = None, progress: bool = False) -> TopResult:
+        index_k: int | None = None, progress: bool = False,
+        cache_dir: str | os.PathLike | None = None) -> TopResult:
     """The k rows where `unit` of `point` (or SAE feature `unit`, with `sae`) is largest, each with
     `context` tokens on either side, decoded with `tokenizer` when given. The first call builds the
-    index of every unit of the point in one pass and saves it beside the store; later calls read it."""
+    index of every unit of the point in one pass and saves it beside the store (in `cache_dir`, or
+    a local cache when the store cannot be written: top/saved.py); later calls read it."""
     encoder = resolve_encoder(store, point, sae)
     if not 0 <= unit < encoder.units:
         shape = list(store.points[point].shape)
@@ -69,7 +72,7 @@ def top(store: Store, point: str, unit: int, *, k: int = 20, context: int = 8,
     if k < 1:
         raise StoreError(f"k={k}: give k >= 1")
     index = get_index(store, point, encoder=encoder, k=max(k, index_k or DEFAULT_INDEX_K), rebuild=rebuild,
-                      progress=progress)
+                      progress=progress, cache_dir=cache_dir)
     return result_for(store, index, encoder, unit, k=k, context=context, tokenizer=tokenizer)
 
 

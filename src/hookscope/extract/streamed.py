@@ -1,0 +1,50 @@
+"""The block-streamed executor (`--max-memory`): the extraction loop's second executor, beside
+`InMemory` (see its docstring for the seam). It reads a chunk of this rank's pending batches,
+runs them layer-major through `stream.BlockStreamer` (each block's weights read once per chunk),
+and yields the chunk's rows in index order; the loop writes them, so the store, resume, signals
+and torchrun promises are the loop's, unchanged."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterable, Iterator, Sequence
+
+import torch
+from torch import Tensor
+
+from ..models import Loaded
+from ..sources import Rows, Run, Source
+from ..stream import parse_size, streamer_for
+from .config import ExtractConfig
+
+Batches = Iterable[tuple[int, dict[str, Tensor]]]
+
+
+class Streamed:
+    """Runs chunks of `plan.chunk_batches` batches through the blocks one at a time. `on_stage` is
+    told where the run is ("block 3/32") for the progress bar."""
+
+    def __init__(self, source: Source, loaded: Loaded, points: Sequence[str], dtype: torch.dtype, run: Run,
+                 cfg: ExtractConfig):
+        self.source, self.run_on, self.on_stage = source, run, None
+        context = getattr(source, "context", None) or 1  # tokens per sequence (images: per picture)
+        self.streamer = streamer_for(loaded, list(points), parse_size(cfg.max_memory),
+                                     batch_size=cfg.batch_size, context=context, dtype=dtype,
+                                     device=run.device, revision=cfg.revision, on_block=self._where)
+
+    def _where(self, block: int, blocks: int) -> None:
+        if self.on_stage is not None:
+            self.on_stage(f"block {block + 1}/{blocks}" if block < blocks else "after the blocks")
+
+    def run(self, batches: Batches) -> Iterator[tuple[int, dict[str, Tensor], Rows]]:
+        pending = iter(batches)
+        try:
+            while chunk := list(itertools.islice(pending, self.streamer.plan.chunk_batches)):
+                calls = [self.source.model_call(batch) for _, batch in chunk]
+                device = self.run_on.device
+                inputs = [{k: v.to(device) for k, v in call.items()} for call, _ in calls]
+                keeps = [None if keep is None else keep.to(device) for _, keep in calls]
+                for (index, batch), acts in zip(chunk, self.streamer.run_chunk(inputs, keeps), strict=True):
+                    yield index, batch, self.source.rows(batch, acts)
+        finally:
+            self.streamer.close()

@@ -1,0 +1,105 @@
+"""Following a model's forward passes while it generates.
+
+With the KV cache on, `generate` runs the model once on the whole prompt and then once per new
+token on that token alone: a point's hook sees positions [0, P) first, then [P + k, P + k + 1).
+Without the cache, each pass covers the whole sequence again (its new position is the last).
+`Steps` knows which positions the pass running now covers; `follow` hooks the passes: before
+one, each step edit decides what it writes; after one, each point's capture is filed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from torch import Tensor, nn
+
+from ..errors import HookscopeError
+from .edits import StepEdit
+from .keep import Kept
+
+
+@dataclass
+class Steps:
+    """Which sequence positions the current forward pass covers."""
+
+    prompt_length: int
+    filled: int = 0  # positions [0, filled) have been computed by an earlier pass
+    window: tuple[int, int] = (0, 0)  # positions the current pass covers
+
+    def start(self, length: int) -> None:
+        if self.filled == 0:
+            self.window = (0, length)  # the prompt
+        elif length == 1:
+            self.window = (self.filled, self.filled + 1)  # one new token, the rest in the KV cache
+        elif length == self.filled + 1:
+            self.window = (0, length)  # no cache: the whole sequence again
+        else:
+            raise HookscopeError(f"a forward pass over {length} positions after {self.filled} were computed: "
+                                 "this decoding mode does not run one token per step")
+
+
+def _input_length(args: tuple, kwargs: dict) -> int | None:
+    for value in (kwargs.get("input_ids"), kwargs.get("inputs_embeds"), args[0] if args else None):
+        if isinstance(value, Tensor) and value.ndim >= 2:
+            return value.shape[1]
+    return None
+
+
+def check_cache_filled(kwargs: dict, filled: int, cache_keys: Sequence[str]) -> None:
+    """A one-token step reads the earlier positions from its KV cache: an empty cache means the model
+    computes the new token without its context, and every token and activation after the prompt is
+    wrong. TransformerLens 4.3's bridge does that with transformers >= 5.24 (its attention neither
+    fills nor reads the cache transformers gives it), silently; refuse instead. Only an empty cache
+    is refused: a sliding-window cache may hold fewer positions than were computed."""
+    for key in cache_keys:
+        cache = kwargs.get(key)
+        if cache is not None and callable(getattr(cache, "get_seq_length", None)):
+            if cache.get_seq_length() == 0:
+                raise HookscopeError(
+                    f"generate ran a one-token step after {filled} positions with an empty KV cache: the "
+                    "model computed the new token without its context, so its tokens and activations would "
+                    "be wrong. TransformerLens 4.3's TransformerBridge does this with transformers >= 5.24; "
+                    "pass use_past_kv_cache=False (a bridge) or use_cache=False (each step then recomputes "
+                    "the whole sequence), or install transformers<5.24")
+            return
+
+
+@contextlib.contextmanager
+def follow(first: nn.Module, last: nn.Module, steps: Steps, step_edits: list[StepEdit], cap: Any,
+           kept: dict[str, Kept], cache_keys: Sequence[str]) -> Iterator[None]:
+    """A pre-hook that tells the edits which positions this pass covers, and a forward hook that
+    files each point's capture at those positions. Plain torch hooks on the modules that start and
+    end a pass (the root, or on a HookedTransformer, whose generate calls `forward` directly, its
+    first block and its unembed), which run eagerly under every compile policy (`full` compiles
+    forward, not hooks)."""
+
+    def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        length = _input_length(args, kwargs)
+        if length is None:
+            raise HookscopeError("cannot tell the sequence length of a forward pass during generate")
+        steps.start(length)
+        if length == 1 and steps.filled > 0:  # one new token, the rest read from the KV cache
+            check_cache_filled(kwargs, steps.filled, cache_keys)
+        for step_edit in step_edits:
+            step_edit.prepare(*steps.window)
+
+    def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        lo, hi = steps.window
+        for name, keeper in kept.items():
+            chunk = cap[name]
+            if chunk.shape[1] != hi - lo:
+                raise HookscopeError(f"{name}: a pass over positions [{lo}, {hi}) produced {chunk.shape[1]} "
+                                     "positions at this point")
+            keeper.add(chunk[:, steps.filled - lo:], steps.filled)
+        steps.filled = hi
+
+    handles = [first.register_forward_pre_hook(before, with_kwargs=True),
+               last.register_forward_hook(after, with_kwargs=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()

@@ -1,0 +1,127 @@
+"""A window of a dataset's epoch: where its rows lie in the mapped shards, and gathering a batch
+of them straight into its own tensor (store/dataset.py)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from .recycler import Alloc
+
+_SHIFT = 40  # a located row: part << _SHIFT | row (rows of a part < 2**40)
+
+
+def located_rows(parts: Sequence[int], firsts: Sequence[int], sizes: Sequence[int]) -> np.ndarray:
+    """Where each row of shards placed at (part, first row) with `sizes` rows lies, packed."""
+    if not sizes:
+        return np.zeros(0, np.int64)
+    return np.concatenate([np.arange(f, f + n, dtype=np.int64) + (p << _SHIFT)
+                           for p, f, n in zip(parts, firsts, sizes, strict=True)])
+
+
+class Layout:
+    """Where a window's rows lie. `sources[j]` holds part j's tensor of each column (a part: shards
+    mapped side by side at one stride, strided.py, or one shard). `located[r]` says where the
+    window's row r is: `part << _SHIFT | row` when all columns have it at the same row (one column,
+    or shards mapped one by one); else r itself, with its part in `parts[r]` and its row in each
+    column in `rows[name][r]`. `hold` keeps the mappings alive."""
+
+    def __init__(self, sources: list[dict[str, torch.Tensor]], dtypes: dict[str, torch.dtype],
+                 located: np.ndarray, parts: np.ndarray | None = None,
+                 rows: dict[str, np.ndarray] | None = None, hold: object = None):
+        self.sources, self.dtypes, self.located = sources, dtypes, located
+        self.parts, self.rows, self.hold = parts, rows, hold
+
+    def decode(self, located: np.ndarray) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
+        """(the part of each of `located`, None if there is one part; its row in each column)."""
+        small = np.uint16 if len(self.sources) < 1 << 16 else np.int64  # numpy radix-sorts small ints
+        if self.rows is None:
+            if len(self.sources) == 1:
+                return None, dict.fromkeys(self.dtypes, located)
+            rows = located & ((1 << _SHIFT) - 1)
+            return (located >> _SHIFT).astype(small), dict.fromkeys(self.dtypes, rows)
+        assert self.parts is not None
+        part = None if len(self.sources) == 1 else self.parts[located].astype(small)
+        return part, {name: r[located] for name, r in self.rows.items()}
+
+
+class MappedWindow:
+    """A window's mapped columns and this rank's rows of it in their order: for each position, the
+    part holding its row and the row there (worked out once a window, by the thread that maps it,
+    so a batch only slices them)."""
+
+    def __init__(self, layout: Layout, located: np.ndarray, ordered: bool, batches: tuple[int, int] | None):
+        """`located`: the window's rows for this rank, in order (see Layout); `ordered`: sequential."""
+        self.sources, self.dtypes, self.hold = layout.sources, layout.dtypes, layout
+        self.rows = len(located)
+        self.part, rows = layout.decode(located)
+        # grouped: each batch's positions come in few runs of one part (so gathering needs no sort)
+        self.grouped = self.part is None or ordered
+        if batches is not None and not self.grouped:
+            assert self.part is not None
+            # batch by batch (`batches` = (size, rows of a batch begun before the window)), the
+            # positions sorted by part now, so that gathering a batch sorts nothing
+            size, begun = batches
+            parts = len(self.sources)
+            batch = (np.arange(self.rows, dtype=np.int64) + begun) // size
+            key = batch * parts + self.part
+            if (self.rows - 1 + begun) // size * parts + parts <= 1 << 16:
+                key = key.astype(np.uint16)  # numpy radix-sorts 16-bit keys: 2x faster
+            grouped = np.argsort(key, kind="stable")
+            self.part = self.part[grouped]
+            rows = {name: r[grouped] for name, r in rows.items()}
+            self.grouped = True  # a batch's positions as a set are unchanged, now in part order
+        index: dict[int, torch.Tensor] = {}  # columns sharing one rows array share one index
+        for r in rows.values():
+            index.setdefault(id(r), torch.from_numpy(r))
+        self.index = {name: index[id(r)] for name, r in rows.items()}
+
+    def gather(self, positions: slice, empty: Alloc) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
+        """The rows at `positions` of the order, each column in one new tensor, grouped by part:
+        returns (columns, grouping) with columns row k = the row at position positions[grouping[k]]
+        (grouping None: in order)."""
+        n = len(range(*positions.indices(self.rows)))
+        out = {k: empty((n, *v.shape[1:]), self.dtypes[k]) for k, v in self.sources[0].items()}
+        outs = {k: same_size_ints(v) for k, v in out.items()}
+        index = {k: v[positions] for k, v in self.index.items()}
+        if self.part is None:  # one part: the whole batch in one gather per column
+            for k, source in self.sources[0].items():
+                torch.index_select(source, 0, index[k].contiguous(), out=outs[k])
+            return out, None
+        part = self.part[positions]
+        # a stable sort of small integers is a radix sort in numpy: linear in the batch
+        grouping = None if self.grouped else np.argsort(part, kind="stable")
+        if grouping is not None:
+            part = part[grouping]
+            at = torch.from_numpy(grouping)
+            index = {k: v[at] for k, v in index.items()}
+        cuts = [0, *(np.flatnonzero(part[1:] != part[:-1]) + 1).tolist(), n]
+        for a, b in zip(cuts, cuts[1:], strict=False):
+            if b > a:
+                for k, source in self.sources[int(part[a])].items():
+                    # torch's gather, on its threads: 1.3x numpy's one-thread `take` from mapped
+                    # shards (768 and 4096 columns, idle 2-core machine, into a numpy-allocated batch)
+                    torch.index_select(source, 0, index[k][a:b].contiguous(), out=outs[k][a:b])
+        return out, grouping
+
+
+_SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def same_size_ints(t: torch.Tensor) -> torch.Tensor:
+    """`t` viewed as integers of its element size: whole rows of bytes to gather (any dtype,
+    bfloat16 and bool included; no conversion, one gather kernel)."""
+    return t.view(_SAME_SIZE_INT[t.element_size()])
+
+
+def join(parts: list[dict[str, torch.Tensor]], empty: Alloc) -> dict[str, torch.Tensor]:
+    if len(parts) == 1:
+        return parts[0]
+    out = {}
+    for k, first in parts[0].items():
+        out[k] = empty((sum(len(p[k]) for p in parts), *first.shape[1:]), first.dtype)
+        torch.cat([p[k] for p in parts], out=out[k])
+    return out
+

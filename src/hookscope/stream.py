@@ -1,0 +1,323 @@
+"""Block streaming: extraction when even the weights a capture needs do not fit (`max_memory`).
+
+The run is layer-major over chunks of batches: for each block up to the last point, its weights are
+read from the safetensors checkpoint (the next block's read ahead in a thread while this one
+computes), every batch of the chunk goes through it, the points inside it are kept, and its weights
+go back to `meta`. Resident weights: the ones outside the blocks (embeddings, norms) + at most two
+blocks (one when two do not fit).
+
+How "block k alone" runs, for any Hugging Face family without per-family code: the model's own
+forward, with blocks 0..k-1 swapped for stand-ins that return the hidden state block k-1 gave
+(saved in the pass before), in the block's own output format, and a stop right after block k.
+The model's code between blocks (RWKV's rescaling, GPT-2's nothing) runs as it always does, and
+embeddings, rotary tables and masks are recomputed by the model's own code (cheap beside a block).
+Feeding block k with the kwargs recorded at block 0 would skip that recomputation, but breaks on
+families whose blocks get per-layer arguments (sliding-window masks, per-layer rotary tables).
+
+A batch goes through each block with the same shapes and inputs as in one whole forward pass, so
+on CPU the rows are bit for bit those of the in-memory run, whatever the chunk size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from .arch import Arch
+from .capture import Capture, _builds_kv_cache
+from .errors import HookscopeError
+from .inputs import call_model
+from .models import Loaded, resolve_source
+from .names import MODULE_PREFIX
+from .partial import Checkpoint, checkpoint_files
+
+_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
+          "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+
+
+def parse_size(size: str | int) -> int:
+    """Bytes in a size such as 2GiB, 500MB, 1.5G or 1048576."""
+    if isinstance(size, int) and not isinstance(size, bool) and size > 0:
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(size))
+    unit = match and _UNITS.get(match.group(2).lower())
+    if not match or unit is None or float(match.group(1)) <= 0:
+        raise HookscopeError(f"--max-memory {size!r}: give a size such as 2GiB, 500MB or 1.5GB")
+    return int(float(match.group(1)) * unit)
+
+
+def names_under(model: nn.Module, prefix: str) -> list[str]:
+    """The parameter names of the module at `prefix` ("" is the whole model), in full."""
+    module = model.get_submodule(prefix) if prefix else model
+    dot = prefix + "." if prefix else ""
+    return [dot + name for name, _ in module.named_parameters()]
+
+
+def nbytes(model: nn.Module, names: list[str]) -> int:
+    """What parameters `names` take once materialized, on meta or not."""
+    params = dict(model.named_parameters())
+    return sum(params[n].numel() * params[n].element_size() for n in names)
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """What the model's parameters off meta take now (a tied weight counted once)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+
+
+class _BlockDone(BaseException):
+    """Raised after the block a streaming pass runs: the rest of the model is not needed.
+    BaseException so that model code that catches `Exception` cannot swallow it."""
+
+
+class _Replay(nn.Module):
+    """Stands in for a block before the one a pass runs: returns the hidden state the real block
+    k-1 gave (whatever it is called with), in the block's own output format."""
+
+    def __init__(self, hidden: Tensor, extras: int):
+        super().__init__()
+        self.hidden, self.extras = hidden, extras
+
+    def forward(self, *args, **kwargs):
+        return self.hidden if self.extras < 0 else (self.hidden, *([None] * self.extras))
+
+
+@dataclass(frozen=True)
+class StreamPlan:
+    """What a streamed extraction keeps resident, which block each point is read in, and how many
+    batches a chunk holds."""
+
+    stage_of: dict[str, int]  # point -> block index (n_layers: after the last block)
+    last_block: int  # the last block any point needs
+    resident: list[str]  # parameters kept for the whole run (outside the blocks)
+    blocks: list[list[str]]  # block k's parameters, for the blocks that run
+    read_ahead: bool  # whether two blocks fit: the next one is read while this one computes
+    chunk_batches: int
+    weight_limit: int  # bytes: the resident weights + one block, or two with read-ahead
+
+
+def plan_stream(model: nn.Module, arch: Arch, points: list[str], max_memory: int, *, batch_size: int,
+                context: int, store_itemsize: int) -> StreamPlan:
+    """The plan for streaming `points` under `max_memory` bytes; a clear error if one block and the
+    weights outside the blocks do not fit together."""
+    n_layers = arch.n_layers
+    if n_layers == 0:
+        raise HookscopeError(f"--max-memory streams a model block by block, and this {arch.family} model "
+                             "has no blocks hookscope knows; run without --max-memory")
+    stage_of = {p: _stage(arch, p) for p in points}
+    last_block = min(max(stage_of.values()), n_layers - 1)
+    blocks = [names_under(model, arch.block_paths[k]) for k in range(last_block + 1)]
+    in_blocks = {n for k in range(n_layers) for n in names_under(model, arch.block_paths[k])}
+    skip = set() if max(stage_of.values()) == n_layers else set(_output_embedding_names(model))
+    resident = [n for n in names_under(model, "") if n not in in_blocks and n not in skip]
+    fixed, largest = nbytes(model, resident), max(nbytes(model, b) for b in blocks)
+    if fixed + largest > max_memory:
+        raise HookscopeError(
+            f"--max-memory {_size(max_memory)} holds less than the weights needed at once: {_size(fixed)} "
+            f"outside the blocks + {_size(largest)} for the largest block = {_size(fixed + largest)}; give "
+            f"at least that (with the next block read ahead: {_size(fixed + 2 * largest)})")
+    read_ahead = fixed + 2 * largest <= max_memory
+    weight_limit = fixed + (2 if read_ahead else 1) * largest
+    # a chunk's hidden states (a block's input and output) and kept rows take what the weights leave
+    compute_itemsize = next(iter(model.parameters())).element_size()
+    per_sequence = context * _width(model, arch) * (2 * compute_itemsize + len(points) * store_itemsize)
+    chunk_batches = max(1, (max_memory - weight_limit) // (per_sequence * batch_size))
+    return StreamPlan(stage_of, last_block, resident, blocks, read_ahead, int(chunk_batches), weight_limit)
+
+
+def _stage(arch: Arch, point: str) -> int:
+    """The block a point is read in: the one holding its module; before the first block: 0; after
+    the last one: n_layers (a pass through stand-ins only)."""
+    block = _block_of(arch, arch.spec(point).module)
+    if block is not None:
+        return block
+    order = list(arch.specs)
+    if point.startswith(MODULE_PREFIX) or point not in order:
+        raise HookscopeError(f"{point}: under --max-memory, points are read block by block; name points of "
+                             "the blocks (or embed / ln_final / logits), or run without --max-memory")
+    first = next(i for i, name in enumerate(order) if _block_of(arch, arch.specs[name].module) is not None)
+    return 0 if order.index(point) < first else arch.n_layers  # in execution order: before or after
+
+
+def _block_of(arch: Arch, module: str) -> int | None:
+    return next((k for k, path in enumerate(arch.block_paths)
+                 if module == path or module.startswith(path + ".")), None)
+
+
+def _output_embedding_names(model: nn.Module) -> list[str]:
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    for path, module in model.named_modules():
+        if head is not None and module is head:
+            return names_under(model, path)
+    return []
+
+
+def _width(model: nn.Module, arch: Arch) -> int:
+    config = getattr(model, "config", None)
+    return int(arch.d_model or getattr(config, "hidden_size", None) or getattr(config, "n_embd", 0) or 1)
+
+
+def _size(n: int) -> str:
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale:
+            return f"{n / scale:,.1f} {unit}"
+    return f"{n} B"
+
+
+class BlockStreamer:
+    """Runs chunks of batches layer-major under a `StreamPlan`; see the module docstring.
+
+    `run_chunk(inputs, keeps)` returns, per batch, {point: rows kept} as `Capture` keeps them
+    (token mask `keeps[i]`, in `dtype`, on the CPU). `on_block(k, n)` is told each block as it
+    starts (the progress bar). `peak_weight_bytes`: the most weight memory held at once, read-ahead
+    included."""
+
+    def __init__(self, model: nn.Module, arch: Arch, checkpoint: Callable[[], Checkpoint], plan: StreamPlan,
+                 *,
+                 dtype: torch.dtype, device: str | torch.device = "cpu",
+                 on_block: Callable[[int, int], None] | None = None):
+        # a checkpoint opened for each read and closed after it: the pages a memory map has read
+        # stay in the process until it is closed, and would add up to the whole model
+        self.model, self.arch, self.open_checkpoint, self.plan = model, arch, checkpoint, plan
+        self.dtype, self.device, self.on_block = dtype, device, on_block
+        self._loaded: set[int] = set()  # the blocks in the model now
+        self._placement = {"": str(device)}
+        self._reader: ThreadPoolExecutor | None = None
+        self._ahead: tuple[int, Future] | None = None
+        self._extras = -1  # the blocks' output format: -1 a tensor, else a tuple of 1 + extras
+        self.peak_weight_bytes = 0
+        self._final = max(plan.stage_of.values())
+        resident = set(plan.resident)
+        self._materialize(lambda name: name in resident)
+
+    def run_chunk(self, inputs: list[dict[str, Tensor]], keeps: list[Tensor]) -> list[dict[str, Tensor]]:
+        acts: list[dict[str, Tensor]] = [{} for _ in inputs]
+        hidden: list[Tensor | None] = [None] * len(inputs)
+        stages = sorted(set(range(self.plan.last_block + 1)) | set(self.plan.stage_of.values()))
+        for k in stages:
+            if self.on_block is not None:
+                self.on_block(k, self.arch.n_layers)
+            in_block = k < self.arch.n_layers
+            if in_block:
+                self._load(k)
+            points = [p for p, s in self.plan.stage_of.items() if s == k]
+            for b, (batch, keep) in enumerate(zip(inputs, keeps, strict=True)):
+                hidden[b] = self._pass(k, batch, keep, hidden[b], points, acts[b])
+            if in_block and self.plan.last_block > 0:  # one block only: it stays for the next chunk
+                self._release(k)
+                self._loaded.discard(k)
+        return acts
+
+    def close(self) -> None:
+        """Stop the read-ahead thread (a later chunk starts another)."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)
+        self._reader, self._ahead = None, None
+
+    def _materialize(self, wants: Callable[[str], bool]) -> None:
+        with contextlib.closing(self.open_checkpoint()) as checkpoint:
+            checkpoint.materialize(self.model, wants, self._placement)
+
+    @staticmethod
+    def _prefetch(checkpoint: Checkpoint, wants: Callable[[str], bool]) -> None:
+        with contextlib.closing(checkpoint):
+            checkpoint.prefetch(wants)
+
+    def _release(self, k: int) -> None:
+        with contextlib.closing(self.open_checkpoint()) as checkpoint:
+            checkpoint.release(self.model, [self.arch.block_paths[k]])
+
+    def _wants(self, k: int) -> Callable[[str], bool]:
+        prefix = self.arch.block_paths[k] + "."
+        return lambda name: name.startswith(prefix)
+
+    def _load(self, k: int) -> None:
+        """Block k's weights into the model (from the read-ahead when it holds them), and the next
+        block of the cycle 0..last read ahead."""
+        if k in self._loaded:
+            return  # still resident (a plan with one block)
+        if self._ahead is not None and self._ahead[0] == k:
+            self._ahead[1].result()  # block k is in the page cache now
+        self._ahead = None
+        self._materialize(self._wants(k))
+        self._loaded.add(k)
+        held = resident_bytes(self.model)
+        if self.plan.read_ahead and self.plan.last_block > 0:
+            if self._reader is None:
+                self._reader = ThreadPoolExecutor(1, thread_name_prefix="hookscope-read")
+            nxt = (k + 1) % (self.plan.last_block + 1)
+            # opened here: reading the model's names beside a pass that swaps blocks is not safe
+            self._ahead = (nxt, self._reader.submit(self._prefetch, self.open_checkpoint(), self._wants(nxt)))
+            held += nbytes(self.model, self.plan.blocks[nxt])
+        self.peak_weight_bytes = max(self.peak_weight_bytes, held)
+
+    def _pass(self, k: int, batch: dict[str, Tensor], keep: Tensor, saved: Tensor | None,
+              points: list[str], acts: dict[str, Tensor]) -> Tensor | None:
+        """One batch through block k (blocks before it replaying `saved`); keeps `points` into `acts`
+        and returns block k's output, the next block's input (None after the last block)."""
+        wants_output = k < self._final
+        out: list[Tensor] = []
+        with torch.inference_mode(), self._replaying(k, saved), contextlib.ExitStack() as stack:
+            cap = stack.enter_context(Capture(
+                self.model, points, token_mask=keep, dtype=self.dtype, device="cpu",
+                stop=False if wants_output else None)) if points else None
+            if wants_output:
+                block = self.model.get_submodule(self.arch.block_paths[k])
+                stack.callback(block.register_forward_hook(self._stop_after(out)).remove)
+                options = {"use_cache": False} if _builds_kv_cache(self.model) else {}
+                with contextlib.suppress(_BlockDone):
+                    call_model(self.model, batch, **options)
+                if not out:
+                    raise HookscopeError(f"block {k} ({self.arch.block_paths[k]}) never ran in the forward "
+                                         "pass: this model cannot be streamed; run without --max-memory")
+            else:
+                cap.run(batch)
+            for point in points:
+                acts[point] = cap[point]
+        return out[0] if out else None
+
+    def _stop_after(self, out: list[Tensor]) -> Callable:
+        def hook(module: nn.Module, args: tuple, output) -> None:
+            if isinstance(output, Tensor):
+                self._extras = -1
+                out.append(output)
+            else:
+                self._extras = len(output) - 1
+                out.append(output[0])
+            raise _BlockDone
+
+        return hook
+
+    @contextlib.contextmanager
+    def _replaying(self, k: int, saved: Tensor | None) -> Iterator[None]:
+        """Blocks 0..k-1 swapped for stand-ins returning `saved` while the pass runs."""
+        swapped = []
+        try:
+            for j in range(min(k, self.arch.n_layers)):
+                parent_path, _, child = self.arch.block_paths[j].rpartition(".")
+                parent = self.model.get_submodule(parent_path)
+                swapped.append((parent, child, parent._modules[child]))
+                parent._modules[child] = _Replay(saved, self._extras)
+            yield
+        finally:
+            for parent, child, block in swapped:
+                parent._modules[child] = block
+
+
+def streamer_for(loaded: Loaded, points: list[str], max_memory: int, *, batch_size: int, context: int,
+                 dtype: torch.dtype, device: str | torch.device = "cpu", revision: str | None = None,
+                 on_block: Callable[[int, int], None] | None = None) -> BlockStreamer:
+    """The executor for a model loaded with `device="meta"` (its weights are read from its own
+    directory, or its snapshot in the Hugging Face cache)."""
+    plan = plan_stream(loaded.model, loaded.arch, points, max_memory, batch_size=batch_size, context=context,
+                       store_itemsize=dtype.itemsize)
+    source, local = resolve_source(loaded.name)
+    files = checkpoint_files(source, revision=revision, local_files_only=local)
+    weights_dtype = next(iter(loaded.model.parameters())).dtype
+    return BlockStreamer(loaded.model, loaded.arch, lambda: Checkpoint(loaded.model, files, weights_dtype),
+                         plan, dtype=dtype, device=device, on_block=on_block)

@@ -1,0 +1,169 @@
+"""Block streaming (`--max-memory`): extraction layer-major over chunks of batches, a block's
+weights in memory at a time. A streamed store must be the in-memory store byte for byte (on CPU
+the batches have the same shapes), survive a SIGKILL at any moment, and keep no more weights
+than the limit allows."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from faultkit import compare_stores, extract_config, shard_digests, write_corpus
+from forkserver import ForkServer
+
+import hookscope as hs
+from hookscope.errors import HookscopeError
+from hookscope.extract import ExtractConfig, extract
+from hookscope.store import open_store
+from hookscope.stream import parse_size, streamer_for
+from hookscope.testing import save_tiny
+
+RUN = "kill_driver:run_extract"
+POINTS = ["blocks.1.resid_post", "blocks.0.attn.z"]
+# weights outside the blocks + two blocks + a few batches of hidden states, for the tiny models
+LIMIT = "1MB"
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    return write_corpus(tmp_path_factory.mktemp("stream") / "corpus.txt", docs=40)
+
+
+def _extract(model_dir: Path, corpus: Path, out: Path, **overrides) -> Path:
+    extract(ExtractConfig(**extract_config(model_dir, corpus, out, **overrides)))
+    return out
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "neox_parallel", "bert"])
+def test_a_streamed_store_is_the_in_memory_store_byte_for_byte(family, tiny_dirs, corpus, tmp_path):
+    points = POINTS if family != "bert" else ["blocks.1.resid_post", "blocks.0.mlp.out"]
+    want = _extract(tiny_dirs[family], corpus, tmp_path / "memory", points=points)
+    got = _extract(tiny_dirs[family], corpus, tmp_path / "streamed", points=points, max_memory=LIMIT)
+    diff = compare_stores(got, want)
+    assert diff == {**diff, "rows_lost": 0, "rows_duplicated": 0, "same_values": True, "same_files": True}
+    assert diff["rows"] > 1000
+
+
+@pytest.mark.parametrize("family", ["mixtral", "mamba"])
+def test_other_families_stream_too(family, corpus, tmp_path):
+    """A mixture of experts (transformers fuses its experts while loading) and a state-space model."""
+    model_dir = save_tiny(family, tmp_path / family, d_model=32, n_layers=3)
+    points = ["blocks.1.resid_post", "blocks.0.resid_mid" if family == "mixtral" else "blocks.0.resid_post"]
+    want = _extract(model_dir, corpus, tmp_path / "memory", points=points, max_tokens=600)
+    got = _extract(model_dir, corpus, tmp_path / "streamed", points=points, max_tokens=600,
+                   max_memory="600KB")
+    assert shard_digests(got) == shard_digests(want)
+
+
+def test_the_last_block_and_after_it_equal_plain_hooks(tiny_dirs, corpus, tmp_path):
+    """Points in the last block and after the blocks (the final norm) against forward hooks on the
+    module paths, on the whole model loaded the ordinary way."""
+    out = _extract(tiny_dirs["llama"], corpus, tmp_path / "s", points=["blocks.2.resid_post", "ln_final"],
+                   max_memory=LIMIT, dtype="float32", max_tokens=256, drop_bos=False)
+    store = open_store(out)
+    model = hs.load(str(tiny_dirs["llama"])).model
+    seen: dict[str, torch.Tensor] = {}
+    hooks = [model.get_submodule(path).register_forward_hook(
+        lambda m, a, o, path=path: seen.__setitem__(path, o[0] if isinstance(o, tuple) else o))
+        for path in ("model.layers.2", "model.norm")]
+    ids = store.tensor("token_ids").reshape(-1, 32)  # every token kept: whole packed sequences
+    want: dict[str, list[torch.Tensor]] = {"model.layers.2": [], "model.norm": []}
+    with torch.inference_mode():
+        for batch in ids.split(4):  # the extraction's batches: the same shapes, the same bits
+            model(input_ids=batch, attention_mask=torch.ones_like(batch))
+            for path, parts in want.items():
+                parts.append(seen[path].reshape(-1, 64))
+    for h in hooks:
+        h.remove()
+    assert torch.equal(store.tensor("blocks.2.resid_post"), torch.cat(want["model.layers.2"]))
+    assert torch.equal(store.tensor("ln_final"), torch.cat(want["model.norm"]))
+
+
+def test_resident_weights_stay_under_the_limit(tiny_dirs):
+    """Parameters off meta, counted at every real block call by a pre-hook on its module path: the
+    running block is whole, no other block is in memory, and the total is under the limit."""
+    loaded = hs.load(str(tiny_dirs["llama"]), device="meta")
+    limit = parse_size("700KB")
+    streamer = streamer_for(loaded, ["blocks.2.resid_post"], limit, batch_size=2, context=16,
+                            dtype=torch.float32)
+    model = loaded.model
+    counts: list[tuple[int, int, int, int]] = []
+
+    def count(k: int):
+        def hook(module, args, kwargs):
+            blocks = [sum(p.numel() for p in model.get_submodule(f"model.layers.{j}").parameters()
+                          if not p.is_meta) for j in range(3)]
+            total = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
+            counts.append((k, blocks[k], sum(blocks) - blocks[k], total))
+        return hook
+
+    block_size = sum(p.numel() for p in model.get_submodule("model.layers.0").parameters())
+    hooks = [model.get_submodule(f"model.layers.{k}").register_forward_pre_hook(count(k), with_kwargs=True)
+             for k in range(3)]
+    ids = torch.randint(3, 100, (2, 16))
+    try:
+        for _ in range(2):  # two chunks
+            streamer.run_chunk([{"input_ids": ids, "attention_mask": torch.ones_like(ids)}], [None])
+    finally:
+        for h in hooks:
+            h.remove()
+        streamer.close()
+    assert [c[0] for c in counts] == [0, 1, 2, 0, 1, 2]  # each real block once per chunk, in order
+    assert all(whole == block_size and others == 0 and total <= limit for _, whole, others, total in counts)
+    assert 0 < streamer.peak_weight_bytes <= limit
+
+
+def test_sizes_and_limits_that_cannot_work_are_clear_errors(tiny_dirs, corpus, tmp_path):
+    assert parse_size("2GiB") == 2 * 2**30 and parse_size("500MB") == 500 * 10**6
+    assert parse_size("1.5k") == 1500 and parse_size(4096) == 4096
+    for bad in ("two gigs", "-1GB", "0", "5 parsecs"):
+        with pytest.raises(HookscopeError, match="--max-memory"):
+            parse_size(bad)
+    with pytest.raises(HookscopeError, match="--max-memory .* with --generate"):
+        _extract(tiny_dirs["gpt2"], corpus, tmp_path / "g", max_memory="1GB", generate=2)
+    with pytest.raises(HookscopeError, match="largest block"):  # the embeddings alone are 128 KiB
+        _extract(tiny_dirs["gpt2"], corpus, tmp_path / "small", max_memory="100KB")
+    assert not (tmp_path / "small").exists() and not (tmp_path / "g").exists()
+
+
+def test_max_memory_is_not_a_store_setting(tiny_dirs, corpus, tmp_path):
+    """A store started in memory is finished streamed (the rows are the same)."""
+    out = tmp_path / "s"
+    _extract(tiny_dirs["gpt2"], corpus, out, max_tokens=640)
+    summary = extract(ExtractConfig(**extract_config(tiny_dirs["gpt2"], corpus, out, max_memory=LIMIT)))
+    assert summary.batches_skipped == 5 and summary.batches_done > 5
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs) -> ForkServer:
+    server = ForkServer.shared()
+    server.warm("faultkit:load_model", path=str(tiny_dirs["gpt2"]))
+    return server
+
+
+# where a SIGKILL lands: a forward of the first chunk's early blocks, one in the middle of the run
+# (inside a chunk), and as a batch goes to the writer after the second chunk (between two chunks)
+KILLS = {"first chunk, early block": "forward:0.05", "mid-chunk": "forward:0.5",
+         "between chunks": "batch:next"}
+
+
+@pytest.mark.parametrize("moment", list(KILLS))
+def test_a_kill_at_any_moment_resumes_byte_identically(moment, tiny_dirs, corpus, server, tmp_path):
+    config = extract_config(tiny_dirs["gpt2"], corpus, tmp_path / "ref", max_memory=LIMIT)
+    reference = server.call(RUN, config=config, kill_at="count")
+    assert reference.status == 0, reference.log[-3000:]
+    counts = reference.result["counts"]
+    chunk = streamer_for(hs.load(str(tiny_dirs["gpt2"]), device="meta"), POINTS, parse_size(LIMIT),
+                         batch_size=4, context=32, dtype=torch.bfloat16).plan.chunk_batches
+    assert 2 <= chunk and counts["batch"] > 3 * chunk  # several chunks of several batches
+    site, at = KILLS[moment].split(":")
+    # batch 1 runs alone (checked before the store opens); then chunks: 2..chunk+1, chunk+2...
+    n = chunk + 2 if at == "next" else max(1, int(float(at) * counts[site]))
+    out = tmp_path / "killed"
+    killed = server.call(RUN, config={**config, "out": str(out)}, kill_at=f"{site}:{n}")
+    assert killed.status == -9, killed.log[-3000:]
+    resumed = server.call(RUN, config={**config, "out": str(out)})
+    assert resumed.status == 0, resumed.log[-3000:]
+    diff = compare_stores(out, tmp_path / "ref")
+    assert diff == {**diff, "rows_lost": 0, "rows_duplicated": 0, "same_values": True, "same_files": True}
