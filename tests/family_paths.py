@@ -3,7 +3,7 @@ references: each point's Hugging Face module, the side of it, and how to read th
 the hooked tensor. Written from the models' module trees, never from hookscope's tables; where
 the same tensor is also another module's output or input (an activation's output is the down
 projection's input), the path here takes the other one. `reference` runs one forward pass with
-plain `register_forward_hook` / `register_forward_pre_hook` on them."""
+plain `register_forward_hook` / `register_forward_pre_hook` on them (helpers.plain_hooks)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from helpers import plain_hooks
 from torch import Tensor, nn
 
 OUT, IN = "output", "input"
@@ -140,23 +141,8 @@ def ssm_paths(model: nn.Module) -> dict[str, Path]:
 
 
 def reference(model: nn.Module, paths: dict[str, Path], inputs: dict, names=None) -> dict[str, Tensor]:
-    """One forward pass with plain torch hooks on the hand-written paths (`names`: a subset)."""
-    got, handles = {}, []
-    for name, (path, side, read) in paths.items():
-        if names is not None and name not in names:
-            continue
-        module = model.get_submodule(path)
-        if side == OUT:
-            handles.append(module.register_forward_hook(
-                lambda m, a, out, name=name, read=read: got.__setitem__(name, read(out).detach().clone())))
-        else:
-            handles.append(module.register_forward_pre_hook(
-                lambda m, a, kw, name=name, read=read: got.__setitem__(
-                    name, read(a[0] if a else kw["hidden_states"]).detach().clone()), with_kwargs=True))
-    try:
-        with torch.no_grad():
-            model(**inputs)
-    finally:
-        for h in handles:
-            h.remove()
-    return got
+    """One forward pass with plain torch hooks (helpers.plain_hooks) on the hand-written paths
+    (`names`: a subset)."""
+    taps = {name: (model.get_submodule(path), side, read) for name, (path, side, read) in paths.items()
+            if names is None or name in names}
+    return plain_hooks(model, taps, lambda: model(**inputs))
