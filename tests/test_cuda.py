@@ -261,7 +261,7 @@ def test_points_load_places_only_the_needed_weights(model_dirs, device, placemen
         needed = sum(t.numel() * t.element_size() for t in tensors)
         grown = torch.cuda.memory_allocated() - before
         assert needed <= grown <= needed + 512 * len(tensors)  # the allocator rounds each up to 512 B
-    ids = token_ids(full, device)
+    ids = token_ids(full, device=device)
     want = plain_resid_post(full, ids)[1]
     assert torch.equal(hs.collect(part, ids, "blocks.1.resid_post")["blocks.1.resid_post"], want)
 
@@ -272,7 +272,7 @@ def test_points_load_with_device_map_auto_spreads_the_needed_blocks(model_dirs):
     part = hs.load(str(model_dirs["llama"]), device_map="auto", points=["blocks.1.resid_post"]).model
     assert {n for n, p in part.named_parameters() if not p.is_meta} == _needed_llama(full, through=1)
     assert all(p.device.type == "cuda" for p in part.parameters() if not p.is_meta)
-    ids = token_ids(full, str(full.get_input_embeddings().weight.device))
+    ids = token_ids(full, device=str(full.get_input_embeddings().weight.device))
     want = plain_resid_post(full, ids)[1]
     assert torch.equal(hs.collect(part, ids, "blocks.1.resid_post")["blocks.1.resid_post"], want)
 
