@@ -47,6 +47,7 @@ from torch import nn
 from .arch import PointSpec, state_of
 from .capture import Capture
 from .errors import HookscopeError
+from .files import write_atomic
 from .hooks import Held, Hook, hold
 
 if TYPE_CHECKING:
@@ -318,9 +319,7 @@ def save_cache(path: str | Path) -> Path | None:
         return None
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(saved[0])
-    tmp.replace(path)
+    write_atomic(path, saved[0])
     return path
 
 

@@ -23,6 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import StoreError
+from ..extras import require
 
 SIDECAR = "hookscope_export.json"  # what the export holds and which store it came from
 
@@ -40,13 +41,8 @@ def arrow_dtype(dtype: torch.dtype) -> str:
 
 
 def import_datasets() -> Any:
-    try:
-        import datasets
-        import pyarrow  # noqa: F401  (datasets depends on it)
-    except ImportError as e:
-        raise StoreError("exporting to a Hugging Face dataset needs the `datasets` package: "
-                         "pip install 'hookscope[datasets]'") from e
-    return datasets
+    return require("datasets", extra="datasets", needed_for="exporting to a Hugging Face dataset",
+                   error=StoreError, also=("pyarrow",))  # datasets depends on pyarrow
 
 
 def feature(shape: tuple[int, ...], dtype: str) -> Any:

@@ -1,9 +1,12 @@
-"""A tqdm bar counting exported rows (or nothing, when progress is off)."""
+"""The export commands' bar: the one progress bar (`hookscope.progress.RowsBar`) counting exported rows,
+or nothing when progress is off."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+from ..progress import RowsBar
 
 
 @contextmanager
@@ -11,9 +14,7 @@ def rows_progress(total: int, desc: str, enabled: bool) -> Iterator[Callable[[in
     if not enabled:
         yield None
         return
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=total, unit="row", unit_scale=True, desc=desc, dynamic_ncols=True)
+    bar = RowsBar(desc, total=total)
     try:
         yield bar.update
     finally:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
+from ..extras import require
 from ..hub import offline_variable, unreachable_reason
 
 BUILTIN_STDLIB = "builtin:stdlib-docstrings"
@@ -205,12 +206,7 @@ def _from_hf_dataset(ds: Any, text_field: str, split: str, name: str) -> Iterato
 
 
 def _import_datasets() -> Any:
-    try:
-        import datasets
-    except ImportError as e:
-        raise DataError("this data source needs the `datasets` package: "
-                        "pip install 'hookscope[datasets]'") from e
-    return datasets
+    return require("datasets", extra="datasets", needed_for="this data source", error=DataError)
 
 
 @functools.lru_cache(maxsize=1)

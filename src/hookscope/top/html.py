@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreError
 from ..files import write_atomic
+from ..progress import RowsBar
 from .contexts import Gatherer, build_contexts
 from .encoders import Encoder
 from .index import TopIndex, hist_edges
@@ -45,11 +46,7 @@ def page_data(store: Store, index: TopIndex, encoder: Encoder, *, units: Sequenc
 
     gather = Gatherer(store, index.info["point"])
     out_units = []
-    bar = None
-    if progress:
-        from tqdm import tqdm
-
-        bar = tqdm(total=len(units), desc="contexts", unit="unit")
+    bar = RowsBar("contexts", total=len(units), unit="unit") if progress else None
     for b in range(0, len(units), _UNIT_BATCH):
         batch = units[b:b + _UNIT_BATCH]
         sel = list(batch)

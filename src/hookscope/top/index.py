@@ -37,6 +37,7 @@ from safetensors.torch import save
 
 from ..errors import StoreError
 from ..files import write_atomic
+from ..progress import RowsBar
 from .encoders import Encoder, neurons
 
 if TYPE_CHECKING:  # the store room is below this one; a Store is passed in, never imported
@@ -295,9 +296,5 @@ def _merge(top_v: torch.Tensor, top_r: torch.Tensor, bv: torch.Tensor, br: torch
     return torch.gather(cv, 1, s), torch.gather(cr, 1, s)
 
 
-def _progress(enabled: bool, total: int, desc: str):
-    if not enabled:
-        return None
-    from tqdm import tqdm
-
-    return tqdm(total=total, desc=desc, unit="row", unit_scale=True)
+def _progress(enabled: bool, total: int, desc: str) -> RowsBar | None:
+    return RowsBar(desc, total=total) if enabled else None
