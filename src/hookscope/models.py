@@ -12,6 +12,7 @@ import hashlib
 import importlib.util
 import itertools
 import json
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -113,8 +114,10 @@ def load(
 
     `points=[...]`: build the model on the `meta` device and read only the weights those points
     need (the embeddings and the blocks up to the last point); the rest stays on `meta` and costs
-    no memory. A hook on a point past them raises `PointNotLoadedError`. Falls back to the full
-    load for a model without safetensors weights or without blocks hookscope knows.
+    no memory. A hook on a point past them raises `PointNotLoadedError`. The weights are read
+    per tensor from safetensors or `pytorch_model.bin` files (memory-mapped); a model with
+    neither (a `variant`, another format) is loaded whole, with a warning, as is one without
+    blocks hookscope knows.
 
     `device="meta"`: no weight is read; every parameter stays on `meta` (buffers are real), for
     block streaming (stream.py reads a block at a time through `partial.Checkpoint`)."""
@@ -151,9 +154,12 @@ def load(
         with _no_progress_bars():  # transformers 5 draws a bar while it loads the weights
             if str(device) == "meta":
                 model = _weightless(auto, config, kwargs)
-            elif points is not None and _has_safetensors(source, common):
+            elif points is not None and _has_weight_files(source, common):
                 model, partial = _load_partial(auto, source, config, kwargs, points, device, device_map)
             else:
+                if points is not None:
+                    warnings.warn(f"points= loads every weight of {name_or_path!r}: it has no safetensors "
+                                  "or pytorch_model.bin files to read per tensor", stacklevel=2)
                 placed = {"device_map": device_map} if device_map is not None else {}
                 model = auto.from_pretrained(source, **kwargs, **placed)
                 if device_map is None:
@@ -182,7 +188,7 @@ def _weightless(auto: Any, config: Any, kwargs: dict) -> nn.Module:
         return auto.from_config(config, dtype=dtype, **options)
 
 
-def _has_safetensors(source: str, hub: dict) -> bool:
+def _has_weight_files(source: str, hub: dict) -> bool:
     try:
         checkpoint_files(source, **hub)
         return True
@@ -193,7 +199,7 @@ def _has_safetensors(source: str, hub: dict) -> bool:
 def _load_partial(auto: Any, source: str, config: Any, kwargs: dict, points: str | list[str],
                   device: str | torch.device, device_map: str | dict | None,
                   ) -> tuple[nn.Module, PartialLoad | None]:
-    """The model on `meta`, with only the weights `points` need read from its safetensors files."""
+    """The model on `meta`, with only the weights `points` need read from its weight files."""
     dtype = kwargs.get("dtype") or torch.get_default_dtype()
     options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
 
