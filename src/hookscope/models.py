@@ -236,8 +236,11 @@ def _placement(model: nn.Module, partial: PartialLoad, device: str | torch.devic
     spread of the needed modules alone over the devices (`device_map="auto"` and the like)."""
     if device_map is None:
         return {"": str(device)}
-    if isinstance(device_map, dict):
-        return dict(device_map)
+    if isinstance(device_map, dict):  # only the entries that place a needed tensor: one for a
+        # module left on meta would make accelerate dispatch (and choose its main device) for nothing
+        wanted = _wanted_names(model, partial)
+        return {prefix: where for prefix, where in device_map.items()
+                if not prefix or any(n == prefix or n.startswith(prefix + ".") for n in wanted)}
     from accelerate.utils import get_balanced_memory, infer_auto_device_map
 
     with _only_needed(model, partial):
@@ -255,12 +258,16 @@ def _dispatch(model: nn.Module, partial: PartialLoad, placement: dict) -> None:
         dispatch_model(model, device_map=placement)
 
 
+def _wanted_names(model: nn.Module, partial: PartialLoad) -> list[str]:
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    return [name for name, _ in tensors if partial.wants(name)]
+
+
 @contextlib.contextmanager
 def _only_needed(model: nn.Module, partial: PartialLoad) -> Iterator[None]:
     """The modules left on `meta` taken out of the module tree for the duration (accelerate sizes
     and dispatches what it sees), then put back in their places and order."""
-    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
-    wanted = [name for name, _ in tensors if partial.wants(name)]
+    wanted = _wanted_names(model, partial)
     saved: dict[int, tuple[nn.Module, dict]] = {}
     gone: list[str] = []
     for name, _ in list(model.named_modules()):

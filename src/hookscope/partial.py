@@ -109,13 +109,15 @@ class PartialLoad:
 
     def frontier(self, model: nn.Module) -> list[str]:
         """The first modules left on `meta`, one of which a pass reaches right after the loaded
-        blocks: the next block; after the last block, the final norm and head."""
+        blocks: the next block; after the last block, the final norm and head (a module whose
+        weights are on `meta` because accelerate offloaded them is wanted, and not one of them)."""
         if self.everything:
             return []
         if self.through + 1 < len(self.block_paths):
             return [self.block_paths[self.through + 1]]
-        return [name for name, m in model.named_modules()
-                if any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]
+        return [path for path, m in model.named_modules() if any(
+            t.is_meta and not self.wants(f"{path}.{leaf}" if path else leaf)
+            for leaf, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)))]
 
     def guard(self, model: nn.Module) -> list[Any]:
         """Pre-hooks on the `frontier` modules: a forward that reaches one (a pass not stopped after
