@@ -12,7 +12,6 @@ import hashlib
 import importlib.util
 import itertools
 import json
-import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -115,9 +114,8 @@ def load(
     `points=[...]`: build the model on the `meta` device and read only the weights those points
     need (the embeddings and the blocks up to the last point); the rest stays on `meta` and costs
     no memory. A hook on a point past them raises `PointNotLoadedError`. The weights are read
-    per tensor from safetensors or `pytorch_model.bin` files (memory-mapped); a model with
-    neither (a `variant`, another format) is loaded whole, with a warning, as is one without
-    blocks hookscope knows.
+    per tensor from safetensors or `pytorch_model.bin` files (memory-mapped); a model without
+    blocks hookscope knows is loaded whole.
 
     `device="meta"`: no weight is read; every parameter stays on `meta` (buffers are real), for
     block streaming (stream.py reads a block at a time through `partial.Checkpoint`)."""
@@ -156,10 +154,7 @@ def load(
                 model = _weightless(auto, config, kwargs)
             elif points is not None and _has_weight_files(source, common):
                 model, partial = _load_partial(auto, source, config, kwargs, points, device, device_map)
-            else:
-                if points is not None:
-                    warnings.warn(f"points= loads every weight of {name_or_path!r}: it has no safetensors "
-                                  "or pytorch_model.bin files to read per tensor", stacklevel=2)
+            else:  # the whole model (a checkpoint without weight files fails here, in from_pretrained)
                 placed = {"device_map": device_map} if device_map is not None else {}
                 model = auto.from_pretrained(source, **kwargs, **placed)
                 if device_map is None:
