@@ -169,7 +169,7 @@ def test_a_pickled_bin_checkpoint_loads_per_tensor_too(saved, tmp_path, sharded)
     state = full.state_dict()
     if sharded:  # two files and the index transformers writes for them
         names = sorted(state)
-        halves = {"pytorch_model-00001-of-00002.bin": names[::2], "pytorch_model-00002-of-00002.bin": names[1::2]}
+        halves = {f"pytorch_model-0000{i + 1}-of-00002.bin": names[i::2] for i in range(2)}
         for file, keys in halves.items():
             torch.save({k: state[k] for k in keys}, tmp_path / file)
         weight_map = {k: file for file, keys in halves.items() for k in keys}
@@ -298,7 +298,8 @@ def test_a_device_map_for_the_whole_model_places_the_needed_part(saved):
     device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
                   "model.layers.1": "cpu", "model.layers.2": 1, "model.norm": 1, "lm_head": 1}
     full = plain_model(saved["llama"])
-    loaded = hs.load(str(saved["llama"]), tokenizer=False, device_map=device_map, points=["blocks.1.resid_post"])
+    loaded = hs.load(str(saved["llama"]), tokenizer=False, device_map=device_map,
+                     points=["blocks.1.resid_post"])
     ids = inputs_for("llama")
     want = hooked_output(full, "model.layers.1", ids)
     assert torch.equal(hs.collect(loaded.model, ids, "blocks.1.resid_post")["blocks.1.resid_post"], want)

@@ -2,9 +2,10 @@
 
 The model is built on the `meta` device (no memory), then only the needed tensors are read from
 the weight files (per tensor, memory-mapped: safetensors, or PyTorch's pickled `.bin` through
-`torch.load(mmap=True, weights_only=True)`, as transformers reads it) and put in place by transformers' own loader
-(`convert_and_load_state_dict_in_model`: its key renamings, its per-expert -> fused-expert
-conversions, its dtype rules), exactly as `from_pretrained` would put them. What is needed:
+`torch.load(mmap=True, weights_only=True)`, as transformers reads it) and put in place by
+transformers' own loader (`convert_and_load_state_dict_in_model`: its key renamings, its
+per-expert -> fused-expert conversions, its dtype rules), exactly as `from_pretrained` would put
+them. What is needed:
 
 - the blocks up to the last point's block (whole blocks: a block is the unit streaming reuses);
 - the prologue, every module the forward runs before the first block (embeddings, position
@@ -196,7 +197,8 @@ def checkpoint_files(source: str, **hub: Any) -> list[str]:
             import json
 
             shards = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
-            return [str(Path(index).parent / shard) if Path(source).is_dir() else find(shard) for shard in shards]
+            local = Path(source).is_dir()
+            return [str(Path(index).parent / shard) if local else find(shard) for shard in shards]
         single = find(single_name)
         if single is not None:
             return [single]
