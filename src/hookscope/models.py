@@ -115,7 +115,8 @@ def load(
     need (the embeddings and the blocks up to the last point); the rest stays on `meta` and costs
     no memory. A hook on a point past them raises `PointNotLoadedError`. The weights are read
     per tensor from safetensors or `pytorch_model.bin` files (memory-mapped); a model without
-    blocks hookscope knows is loaded whole.
+    blocks hookscope knows is loaded whole. Give the device here: `model.to(device)` afterwards
+    cannot copy the tensors left on `meta`.
 
     `device="meta"`: no weight is read; every parameter stays on `meta` (buffers are real), for
     block streaming (stream.py reads a block at a time through `partial.Checkpoint`)."""
