@@ -177,9 +177,15 @@ def _weightless(auto: Any, config: Any, kwargs: dict) -> nn.Module:
     from accelerate import init_empty_weights
 
     with init_empty_weights(include_buffers=False):
-        dtype = kwargs.get("dtype") or getattr(config, "dtype", None) or torch.float32
+        dtype = _dtype(config, kwargs)
         options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
         return auto.from_config(config, dtype=dtype, **options)
+
+
+def _dtype(config: Any, kwargs: dict) -> torch.dtype:
+    """The dtype a load without weights builds in: the one asked for, else the checkpoint's own
+    (config.dtype), as `from_pretrained` does: a bfloat16 checkpoint is not widened to float32."""
+    return kwargs.get("dtype") or getattr(config, "dtype", None) or torch.float32
 
 
 def _has_safetensors(source: str, hub: dict) -> bool:
@@ -194,7 +200,7 @@ def _load_partial(auto: Any, source: str, config: Any, kwargs: dict, points: str
                   device: str | torch.device, device_map: str | dict | None,
                   ) -> tuple[nn.Module, PartialLoad | None]:
     """The model on `meta`, with only the weights `points` need read from its safetensors files."""
-    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    dtype = _dtype(config, kwargs)
     options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
 
     def meta_model() -> nn.Module:
