@@ -184,6 +184,32 @@ def test_a_picture_is_sized_as_its_patches_and_extra_tokens(saved, data, tmp_pat
         assert len(open_store(cut)) == 3 * tokens
 
 
+def test_a_chunk_of_pictures_holds_what_the_limit_leaves(saved, data, tmp_path):
+    """The hidden states a streamed chunk holds, measured by a forward hook on block 0 (its outputs
+    kept for block 1, and block 1's beside them), fit in what the weights leave of the limit. Sized
+    as one token a picture (as before), a chunk took all five batches: 2.5x the room."""
+    from hookscope.extract.streamed import Streamed
+
+    case, tokens, d_model = "dinov2_with_registers", 21, family_models.D_MODEL
+    per_batch = 2 * tokens * d_model * (2 * 8 + len(POINTS) * 4)  # in + out (float64), kept rows (float32)
+    cfg = ExtractConfig(**fields(case, saved(case), data, tmp_path / "s"))
+    loaded = hs.load(cfg.model, device="meta", tokenizer=False)
+    run = Run(0, 1, "cpu")
+    source = source_for(cfg).open(cfg, loaded, POINTS, run)
+    weights = plan_stream(loaded.model, loaded.arch, POINTS, 10**12, batch_size=2, context=tokens,
+                          store_itemsize=4).weight_limit
+    room = int(2.5 * per_batch)
+    cfg = ExtractConfig(**{**fields(case, saved(case), data, tmp_path / "s"), "max_memory": weights + room})
+    executor = Streamed(source, loaded, POINTS, torch.float32, run, cfg)
+    chunks: list[list[int]] = []  # per chunk, the bytes of each output of block 0
+    executor.on_stage = lambda where: chunks.append([]) if where.startswith("block 1/") else None
+    loaded.model.get_submodule("encoder.layer.0").register_forward_hook(
+        lambda m, a, out: chunks[-1].append((out[0] if isinstance(out, tuple) else out).nbytes))
+    rows = sum(len(r[1]["doc_ids"]) for *_, r in executor.run(enumerate(source.batches())))
+    assert rows == PICTURES * tokens and len(chunks) > 1
+    assert max(2 * sum(chunk) for chunk in chunks) <= room
+
+
 @pytest.fixture(scope="module")
 def server() -> ForkServer:
     return ForkServer.shared()
