@@ -185,6 +185,18 @@ def test_dtype_conversion_equals_the_full_load_converted(saved, family, monkeypa
             assert torch.equal(param, state[name]), name
 
 
+def test_a_checkpoint_saved_in_bfloat16_loads_in_bfloat16(saved, tmp_path):
+    """No dtype given: the checkpoint's own, as `from_pretrained` does (it was widened to float32)."""
+    path = tmp_path / "bf16"
+    plain_model(saved["llama"]).to(torch.bfloat16).save_pretrained(path)
+    full = plain_model(path)
+    loaded = hs.load(str(path), tokenizer=False, points=["blocks.1.resid_post"])
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    ids = inputs_for("llama")
+    got = hs.collect(loaded.model, ids, "blocks.1.resid_post")["blocks.1.resid_post"]
+    assert torch.equal(got, hooked_output(full, "model.layers.1", ids))
+
+
 def test_a_base_model_checkpoint_under_a_head_class(saved, tmp_path):
     """Keys without the `model.` prefix (a LlamaModel's weights) loaded as LlamaForCausalLM."""
     base = plain_model(saved["llama"]).model
