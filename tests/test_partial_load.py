@@ -185,16 +185,26 @@ def test_dtype_conversion_equals_the_full_load_converted(saved, family, monkeypa
             assert torch.equal(param, state[name]), name
 
 
-def test_a_checkpoint_saved_in_bfloat16_loads_in_bfloat16(saved, tmp_path):
-    """No dtype given: the checkpoint's own, as `from_pretrained` does (it was widened to float32)."""
+@pytest.mark.parametrize("config_names_it", [True, False])
+def test_no_dtype_loads_the_checkpoints_dtype_as_from_pretrained_does(saved, tmp_path, config_names_it):
+    """A bfloat16 checkpoint loaded with no dtype: transformers keeps bfloat16 (its default "auto",
+    from the config, else from the first floating weight); points= once loaded it as float32, so
+    `extract` (which loads with points=) ran a bf16 model at twice the memory, on other kernels."""
     path = tmp_path / "bf16"
     plain_model(saved["llama"]).to(torch.bfloat16).save_pretrained(path)
+    if not config_names_it:
+        config = json.loads((path / "config.json").read_text())
+        config.pop("dtype", None), config.pop("torch_dtype", None)
+        (path / "config.json").write_text(json.dumps(config))
     full = plain_model(path)
+    assert full.dtype == torch.bfloat16  # what a user gets from transformers alone
     loaded = hs.load(str(path), tokenizer=False, points=["blocks.1.resid_post"])
     assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    weightless = hs.load(str(path), tokenizer=False, device="meta").model  # what --max-memory streams into
+    assert {p.dtype for p in weightless.parameters()} == {torch.bfloat16}
     ids = inputs_for("llama")
-    got = hs.collect(loaded.model, ids, "blocks.1.resid_post")["blocks.1.resid_post"]
-    assert torch.equal(got, hooked_output(full, "model.layers.1", ids))
+    want = hooked_output(full, "model.layers.1", ids)
+    assert torch.equal(hs.collect(loaded.model, ids, "blocks.1.resid_post")["blocks.1.resid_post"], want)
 
 
 def test_a_base_model_checkpoint_under_a_head_class(saved, tmp_path):

@@ -24,7 +24,7 @@ from .arch import Arch, arch_of
 from .compiling import compile_model
 from .errors import ModelLoadError
 from .hub import OFFLINE_HELP, unreachable_reason
-from .partial import Checkpoint, PartialLoad, checkpoint_files, plan, prologue_modules
+from .partial import Checkpoint, PartialLoad, checkpoint_files, plan, prologue_modules, stored_dtype
 
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 
@@ -150,7 +150,7 @@ def load(
     try:
         with _no_progress_bars():  # transformers 5 draws a bar while it loads the weights
             if str(device) == "meta":
-                model = _weightless(auto, config, kwargs)
+                model = _weightless(auto, source, config, kwargs)
             elif points is not None and _has_safetensors(source, common):
                 model, partial = _load_partial(auto, source, config, kwargs, points, device, device_map)
             else:
@@ -172,20 +172,21 @@ def load(
     return Loaded(model, tok, arch_of(model), label, partial)
 
 
-def _weightless(auto: Any, config: Any, kwargs: dict) -> nn.Module:
+def _weightless(auto: Any, source: str, config: Any, kwargs: dict) -> nn.Module:
     """The model with every parameter on `meta` and its buffers (rotary tables) computed."""
     from accelerate import init_empty_weights
 
+    hub = {k: kwargs[k] for k in ("revision", "local_files_only")}
+    dtype = kwargs.get("dtype") or _config_dtype(config) or (
+        stored_dtype(checkpoint_files(source, **hub)) if _has_safetensors(source, hub) else torch.float32)
     with init_empty_weights(include_buffers=False):
-        dtype = _dtype(config, kwargs)
         options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
         return auto.from_config(config, dtype=dtype, **options)
 
 
-def _dtype(config: Any, kwargs: dict) -> torch.dtype:
-    """The dtype a load without weights builds in: the one asked for, else the checkpoint's own
-    (config.dtype), as `from_pretrained` does: a bfloat16 checkpoint is not widened to float32."""
-    return kwargs.get("dtype") or getattr(config, "dtype", None) or torch.float32
+def _config_dtype(config: Any) -> torch.dtype | None:
+    named = getattr(config, "dtype", None)
+    return getattr(torch, named) if isinstance(named, str) else named
 
 
 def _has_safetensors(source: str, hub: dict) -> bool:
@@ -200,7 +201,9 @@ def _load_partial(auto: Any, source: str, config: Any, kwargs: dict, points: str
                   device: str | torch.device, device_map: str | dict | None,
                   ) -> tuple[nn.Module, PartialLoad | None]:
     """The model on `meta`, with only the weights `points` need read from its safetensors files."""
-    dtype = _dtype(config, kwargs)
+    hub = {k: kwargs[k] for k in ("revision", "local_files_only")}
+    files = checkpoint_files(source, **hub)
+    dtype = kwargs.get("dtype") or _config_dtype(config) or stored_dtype(files)  # as from_pretrained's "auto"
     options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
 
     def meta_model() -> nn.Module:
@@ -217,8 +220,7 @@ def _load_partial(auto: Any, source: str, config: Any, kwargs: dict, points: str
     specs = arch.resolve(names)  # unknown names fail here, before any weight is read
     partial = plan(arch, specs, prologue_modules(meta_model, arch.block_paths[0]), names)
     placement = _placement(model, partial, device, device_map, dtype)
-    hub = {k: kwargs[k] for k in ("revision", "local_files_only")}
-    checkpoint = Checkpoint(model, checkpoint_files(source, **hub), dtype)
+    checkpoint = Checkpoint(model, files, dtype)
     try:
         checkpoint.materialize(model, partial.wants, placement)
     finally:

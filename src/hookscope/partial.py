@@ -167,6 +167,19 @@ def checkpoint_files(source: str, **hub: Any) -> list[str]:
     return [single]
 
 
+def stored_dtype(files: list[str]) -> torch.dtype:
+    """The dtype of the checkpoint's first floating weight: what `from_pretrained`'s default
+    (`dtype="auto"`) loads when the config names none."""
+    from safetensors import safe_open
+
+    with safe_open(files[0], "pt") as f:
+        for key in f.keys():
+            stored = _STORED.get(f.get_slice(key).get_dtype())
+            if stored is not None:
+                return stored
+    return torch.float32
+
+
 class Checkpoint:
     """A model's safetensors files, open (memory-mapped), with each key's target parameter name."""
 
