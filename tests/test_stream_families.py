@@ -40,7 +40,9 @@ CASES: dict[str, tuple[str, dict[str, Any]]] = {
 # saved in float32: transformers' fused experts (grouped_mm) take no float64, and the eager experts
 # family_models.build asks for are a setting `save_pretrained` does not keep
 FLOAT32 = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe"}
-TEXT_BATCHES, PICTURES = 6, 10  # text: 6 batches of 4 x 16 tokens; images: 5 batches of 2
+# text: 6 batches of 4 x 16 tokens; images: 5 batches of 2. Streamed in chunks of two batches (limit_for),
+# after batch 1 alone (the loop's check before the store opens): at least two chunks, one partial
+TEXT_BATCHES, PICTURES = 6, 10
 SAME = {"rows_lost": 0, "rows_duplicated": 0, "same_values": True, "same_files": True}
 
 
@@ -103,7 +105,7 @@ def limit_for(config: dict[str, Any], batches_per_chunk: int = 2) -> int:
                            context=tokens, store_itemsize=4)
 
     weights, spare = plan(10**12).weight_limit, 10**9
-    per_batch = spare / plan(spare + plan(10**12).weight_limit).chunk_batches
+    per_batch = spare / plan(weights + spare).chunk_batches
     limit = weights + int(per_batch * (batches_per_chunk + 0.5))
     assert plan(limit).chunk_batches == batches_per_chunk
     return limit
@@ -119,8 +121,7 @@ def test_a_streamed_store_is_the_in_memory_store_byte_for_byte(case, saved, data
     extract(ExtractConfig(**{**config, "out": str(tmp_path / "streamed"), "max_memory": limit}))
     diff = compare_stores(tmp_path / "streamed", tmp_path / "memory")
     assert diff == {**diff, **SAME}
-    batches = PICTURES // 2 if is_vision(case) else TEXT_BATCHES
-    assert diff["rows"] > 0 and batches >= 2 * 2 + 1  # batch 1 alone, then at least two chunks of two
+    assert diff["rows"] > 0
 
 
 # one model of each kind, its block 1 as a module path written here (the model as transformers builds it)
