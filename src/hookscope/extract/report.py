@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ..errors import HookscopeError
-from ..store.manifest import count_nonfinite
+from ..store.stats import count_nonfinite
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """The activation store: safetensors shards + an atomic manifest (see docs/store-format.md)."""
 
 from .dataset import ActivationDataset
-from .manifest import Column, Manifest, PointStats, ShardEntry, settings_hash
+from .manifest import Column, Manifest, ShardEntry, settings_hash
 from .reader import Store, open_store
+from .stats import PointStats
 from .writer import ShardWriter, merge_rank_manifests
 
 __all__ = [

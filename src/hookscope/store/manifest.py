@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import StoreError
+from .stats import PointStats
 
 FORMAT = "hookscope-store"
 VERSION = 2  # 2: shards list their batches explicitly and carry their own stats (elastic resume)
@@ -156,45 +157,6 @@ class ShardEntry:
         if self.stats is not None:
             out["stats"] = {k: vars(s).copy() for k, s in self.stats.items()}
         return out
-
-
-def count_nonfinite(t: torch.Tensor) -> int:
-    """NaN and +-Inf values in `t` (what `PointStats.nonfinite` counts)."""
-    return int((~torch.isfinite(t)).sum())
-
-
-@dataclass
-class PointStats:
-    """Mergeable per-point statistics: non-finite values, and count / sum / sum of squares of row L2
-    norms over the rows that are entirely finite."""
-
-    nonfinite: int = 0
-    norm_count: int = 0
-    norm_sum: float = 0.0
-    norm_sumsq: float = 0.0
-
-    @classmethod
-    def of(cls, rows: torch.Tensor) -> PointStats:
-        """The statistics of `rows` [rows, ...]."""
-        flat = rows.reshape(rows.shape[0], -1).float()
-        finite = torch.isfinite(flat)
-        whole = finite.all(dim=1)
-        norms = flat[whole].norm(dim=1).double()
-        return cls(count_nonfinite(flat), int(whole.sum()), float(norms.sum()), float((norms**2).sum()))
-
-    def merge(self, other: PointStats) -> PointStats:
-        return PointStats(self.nonfinite + other.nonfinite, self.norm_count + other.norm_count,
-                          self.norm_sum + other.norm_sum, self.norm_sumsq + other.norm_sumsq)
-
-    @property
-    def norm_mean(self) -> float:
-        return self.norm_sum / self.norm_count if self.norm_count else math.nan
-
-    @property
-    def norm_std(self) -> float:
-        if not self.norm_count:
-            return math.nan
-        return math.sqrt(max(self.norm_sumsq / self.norm_count - self.norm_mean**2, 0.0))
 
 
 def summed_stats(shards: list[ShardEntry]) -> dict[str, PointStats]:

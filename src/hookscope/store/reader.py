@@ -21,8 +21,9 @@ from safetensors import SafetensorError, safe_open
 from ..errors import StoreError
 from .checks import HEAD_BYTES, SAFETENSORS_DTYPES, Header, check_size, checked_header, tensor_of
 from .fs import FS, open_fs
-from .manifest import MANIFEST, SHARDS_DIR, Column, Manifest, PointStats
+from .manifest import MANIFEST, SHARDS_DIR, Column, Manifest
 from .ranged import RangedShards
+from .stats import PointStats
 
 if TYPE_CHECKING:
     from .dataset import ActivationDataset

@@ -1,0 +1,84 @@
+"""The per-point statistics the writer computes for every batch (store/stats.py): the same floats,
+bit for bit, as the plain formula over the rows that are entirely finite, whatever the batch holds."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hookscope.store.stats import PointStats, count_nonfinite
+
+
+def reference(rows: torch.Tensor) -> PointStats:
+    """The plain formula (the writer's before it took one pass): a float32 copy, isfinite per value,
+    the norms of the entirely finite rows selected by a boolean index, summed in float64."""
+    flat = rows.reshape(rows.shape[0], -1).float()
+    finite = torch.isfinite(flat)
+    whole = finite.all(dim=1)
+    norms = flat[whole].norm(dim=1).double()
+    return PointStats(int((~finite).sum()), int(whole.sum()), float(norms.sum()), float((norms**2).sum()))
+
+
+def poisoned(rows: torch.Tensor, seed: int, bad_rows: int) -> torch.Tensor:
+    """`rows` with NaN, +Inf and -Inf put in `bad_rows` random rows (several in some rows)."""
+    g = torch.Generator().manual_seed(seed)
+    out = rows.clone()
+    flat = out.reshape(out.shape[0], -1)
+    picked = torch.randperm(flat.shape[0], generator=g)[:bad_rows]
+    for k, row in enumerate(picked.tolist()):
+        cols = torch.randint(0, flat.shape[1], (1 + k % 3,), generator=g).tolist()
+        for col, value in zip(cols, (float("nan"), float("inf"), float("-inf")), strict=False):
+            flat[row, col] = value
+    return out
+
+
+def random_rows(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g, dtype=torch.float64) * 3).to(dtype)
+
+
+CASES = {
+    "bf16 finite": lambda: random_rows((4096, 96), torch.bfloat16, 0),
+    "bf16 NaN/Inf rows": lambda: poisoned(random_rows((4096, 96), torch.bfloat16, 1), 1, 37),
+    "f16 NaN/Inf rows": lambda: poisoned(random_rows((1000, 33), torch.float16, 2), 2, 5),
+    "f32 finite": lambda: random_rows((777, 130), torch.float32, 3),
+    "f32 NaN/Inf rows": lambda: poisoned(random_rows((777, 130), torch.float32, 4), 4, 100),
+    "f32 every row bad": lambda: poisoned(random_rows((40, 8), torch.float32, 5), 5, 40),
+    "per-head rows": lambda: poisoned(random_rows((300, 4, 16), torch.bfloat16, 6), 6, 9),
+    "one value per row": lambda: poisoned(random_rows((500,), torch.float32, 7), 7, 3),
+    # finite values whose squares overflow float32: an infinite norm from an entirely finite row
+    "f32 overflowing squares": lambda: torch.tensor([[3e38, 3e38], [1.0, 2.0], [float("nan"), 1.0]]),
+    # finite float64 values past float32's range count as non-finite (they are Inf in float32)
+    "f64 past float32's range": lambda: torch.tensor([[1e300, 1.0], [1.0, 2.0], [-1e39, 0.0]],
+                                                      dtype=torch.float64),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_stats_equal_the_plain_formula_bit_for_bit(case):
+    rows = CASES[case]()
+    got, want = PointStats.of(rows), reference(rows)
+    # compare the floats' bits: equal values computed in another order would differ in the last bit
+    assert dataclasses.astuple(got) == dataclasses.astuple(want)
+    for field in ("norm_sum", "norm_sumsq"):
+        assert torch.tensor(getattr(got, field), dtype=torch.float64).view(torch.int64) \
+            == torch.tensor(getattr(want, field), dtype=torch.float64).view(torch.int64)
+
+
+def test_the_poisoned_cases_hold_what_they_say():
+    """The relation the cases rest on, so that a vacuous case cannot pass: bad rows are really there."""
+    rows = CASES["bf16 NaN/Inf rows"]()
+    got = PointStats.of(rows)
+    assert got.norm_count == 4096 - 37 and got.nonfinite >= 37
+    assert PointStats.of(CASES["f32 every row bad"]()).norm_count == 0
+    assert PointStats.of(CASES["f64 past float32's range"]()).nonfinite == 2
+    assert PointStats.of(CASES["f32 overflowing squares"]()).norm_sum == float("inf")
+
+
+def test_count_nonfinite_counts_each_value():
+    x = torch.zeros(50, 7, dtype=torch.bfloat16)
+    x[3, 1], x[3, 2], x[10, 0], x[49, 6] = float("nan"), float("inf"), float("-inf"), float("nan")
+    assert count_nonfinite(x) == 4
+    assert count_nonfinite(torch.zeros(5)) == 0 and count_nonfinite(torch.arange(5)) == 0
