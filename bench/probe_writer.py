@@ -25,7 +25,7 @@ def one_run(args: argparse.Namespace) -> dict[str, float]:
     """Seconds per batch in this process: the stats alone (median over batches), the whole writer."""
     import torch
 
-    from hookscope.store.stats import PointStats
+    from hookscope.store import PointStats
     from hookscope.store.writer import ShardWriter
 
     g = torch.Generator().manual_seed(0)

@@ -1,13 +1,18 @@
-"""The per-point statistics the writer computes for every batch (store/stats.py): the same floats,
-bit for bit, as the plain formula over the rows that are entirely finite, whatever the batch holds."""
+"""The writer thread's work per batch: the per-point statistics (store/stats.py) are the same
+floats, bit for bit, as the plain formula over the rows that are entirely finite, whatever the batch
+holds; a shard's checksum is that of its bytes, whether the file can be memory-mapped or not."""
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+from pathlib import Path
 
 import pytest
 import torch
 
+from hookscope.store import ShardWriter
+from hookscope.store import writer as writer_module
 from hookscope.store.stats import PointStats, count_nonfinite
 
 
@@ -82,3 +87,24 @@ def test_count_nonfinite_counts_each_value():
     x[3, 1], x[3, 2], x[10, 0], x[49, 6] = float("nan"), float("inf"), float("-inf"), float("nan")
     assert count_nonfinite(x) == 4
     assert count_nonfinite(torch.zeros(5)) == 0 and count_nonfinite(torch.arange(5)) == 0
+
+
+def written(out: Path) -> list[tuple[str, int, str]]:
+    with ShardWriter(out, {"k": 1}, shard_rows=64) as w:
+        for i in range(5):
+            w.write(i, {"p": random_rows((40, 24), torch.bfloat16, i)}, {"token_ids": torch.arange(40)})
+    return [(s.file, s.bytes, s.sha256) for s in w.manifest.shards]
+
+
+def test_shard_checksums_are_those_of_the_files_mapped_or_read(tmp_path: Path, monkeypatch):
+    mapped = written(tmp_path / "mapped")
+
+    def unmappable(*args, **kwargs):
+        raise OSError(19, "No such device")  # what a FUSE mount in direct-I/O mode answers
+
+    monkeypatch.setattr(writer_module.mmap, "mmap", unmappable)
+    read = written(tmp_path / "read")
+    assert len(mapped) == 3 and mapped == read
+    for file, size, sha in mapped:
+        data = (tmp_path / "mapped" / file).read_bytes()
+        assert (size, sha) == (len(data), hashlib.sha256(data).hexdigest())

@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from ..errors import StoreError
 from .card import CARD, card_bytes
-from .fs import open_fs
+from .fs import open_fs, sha256_of
 from .manifest import (
     MANIFEST,
     SHARDS_DIR,
@@ -370,7 +370,10 @@ def _fsync_and_hash(path: Path) -> tuple[int, str]:
     GIL, so a shard costs the longer of the two, not their sum."""
     with open(path, "rb") as f, ThreadPoolExecutor(1, thread_name_prefix="hookscope-fsync") as pool:
         synced = pool.submit(os.fsync, f.fileno())
-        with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-            size, digest = len(mapped), hashlib.sha256(mapped).hexdigest()
+        try:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                size, digest = len(mapped), hashlib.sha256(mapped).hexdigest()
+        except (OSError, ValueError):  # a filesystem that cannot map files (FUSE in direct-I/O mode)
+            size, digest = sha256_of(f)
         synced.result()  # raises the fsync's error (a full disk): the shard is not durable
     return size, digest
