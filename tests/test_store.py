@@ -194,7 +194,7 @@ def replace(src, dst):  # the shard is renamed into place, but the manifest neve
         if mode == "after_rename" and shards_done == 2:
             die()
 def save_file(tensors, path, **kw):  # killed with the shard half-done under its .tmp name
-    if mode == "inside_library" and shards_done == 2:  # or inside safetensors, its own temporary file half-done
+    if mode == "inside_library" and shards_done == 2:  # or inside safetensors, its own temp file half-done
         die_in_next_write(sum(t.nbytes for t in tensors.values()) // 2)
     real_save(tensors, path, **kw)
     if mode == "after_tmp" and shards_done == 2:

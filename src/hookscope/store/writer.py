@@ -99,8 +99,7 @@ class ShardWriter:
             raise StoreError(f"cannot write to the store directory {self.out}: {e}; make it writable (or "
                              "free space) or choose another --out, and re-run") from e
         # to skip: what earlier attempts committed, and this rank's own shards of this attempt
-        self.done_batches: frozenset[int] = frozenset(found.deal.done_before).union(
-            *(s.batch_indices() for s in own))
+        self.done_batches: frozenset[int] = found.done(rank)
         self.bytes_written = 0  # this session, for a progress bar
         self._layout = {**found.points, **found.meta}  # every rank's batches must match the store's columns
         self._next_shard = 1 + max((_shard_number(s.file) for s in own), default=-1)
