@@ -318,8 +318,9 @@ def run_case(case: str, shape: str, batch: int, seq: int, args, env: dict) -> di
         cmd += ["--trace-dir", args.trace_dir]
     proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **env})
     if proc.returncode != 0:
-        tail = proc.stderr.strip().splitlines()[-1:] or ["(no stderr)"]
-        return {"case": case, "shape": shape, "error": tail[0], "oom": "OutOfMemory" in proc.stderr}
+        tail = proc.stderr.strip().splitlines()[-25:] or ["(no stderr)"]
+        print(f"--- {shape} {case} failed:\n" + "\n".join(tail), file=sys.stderr)
+        return {"case": case, "shape": shape, "error": tail[-1], "oom": "OutOfMemory" in proc.stderr}
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
@@ -374,18 +375,28 @@ def machine(device: str) -> dict:
     return info
 
 
+def write_report(out: Path, device: str, results: list[dict]) -> str:
+    """gpu.json and gpu.md after every case, so a run stopped at a time limit keeps what it measured."""
+    report = {"machine": machine(device), "results": results}
+    (out / "gpu.json").write_text(json.dumps(report, indent=1))
+    text = f"machine: {json.dumps(report['machine'])}\n\n{table(results)}\n"
+    (out / "gpu.md").write_text(text)
+    return text
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", default=str(HERE / "out" / "gpu"))
     p.add_argument("--device", default="cuda")
     p.add_argument("--smoke", action="store_true", help="tiny shapes on CPU: check that the script runs")
     p.add_argument("--cases", default=",".join(CASES))
+    p.add_argument("--shapes", default=",".join(SHAPES), help="which of " + ", ".join(SHAPES))
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--trace-dir", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--trace-dir", default=None, help="the extraction profiler traces' folder (default --out)")
     args = p.parse_args()
     if args.child:
         args.case = args.child
@@ -395,9 +406,10 @@ def main() -> None:
         args.device, args.batch, args.seq, args.runs = "cpu", 2, 32, 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    args.trace_dir = str(out)
+    args.trace_dir = args.trace_dir or str(out)
+    Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     results = []
-    for shape in (SMOKE if args.smoke else SHAPES):
+    for shape in (SMOKE if args.smoke else args.shapes.split(",")):
         for case in args.cases.split(","):
             batch, env = args.batch, {}
             if case.startswith("compile_"):
@@ -406,6 +418,7 @@ def main() -> None:
                     r = run_case(case, shape, batch, args.seq, args, {"TORCHINDUCTOR_CACHE_DIR": cache})
                     r["start"] = start
                     results.append(r)
+                    write_report(out, args.device, results)
                 continue
             while True:  # halve the batch until it fits
                 r = run_case(case, shape, batch, args.seq, args, env)
@@ -413,12 +426,9 @@ def main() -> None:
                     break
                 batch //= 2
             results.append(r)
+            write_report(out, args.device, results)
             print(f"{shape} {case}: {'failed: ' + r['error'] if 'error' in r else 'done'}", file=sys.stderr)
-    report = {"machine": machine(args.device), "results": results}
-    (out / "gpu.json").write_text(json.dumps(report, indent=1))
-    text = f"machine: {json.dumps(report['machine'])}\n\n{table(results)}\n"
-    (out / "gpu.md").write_text(text)
-    print(text)
+    print(write_report(out, args.device, results))
     failed = [r for r in results if "error" in r]
     sys.exit(1 if failed else 0)
 

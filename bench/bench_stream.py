@@ -10,6 +10,8 @@ peak RSS is VmHWM above the process before loading; median of --runs.
 
     python bench/bench_stream.py            # 3 runs per mode
     python bench/bench_stream.py --quick    # 1 run per mode
+    python bench/bench_stream.py --device cuda --quick   # on a GPU (scripts/gpu-suite): the limit is
+                                         # device memory; peak = the allocator's (max_memory_allocated)
 """
 
 from __future__ import annotations
@@ -64,27 +66,31 @@ def corpus(folder: str) -> str:
     return str(path)
 
 
-def worker(mode: str) -> None:
+def worker(mode: str, device: str) -> None:
     common.setup_process()
+    import torch
+
     from hookscope.extract import ExtractConfig, extract
 
-    before, _ = common.rss_bytes()
+    before = common.rss_bytes()[0] if device == "cpu" else torch.cuda.memory_allocated()
     common.reset_rss_peak()
+    if device != "cpu":
+        torch.cuda.reset_peak_memory_stats()
     with tempfile.TemporaryDirectory() as folder:
         start = time.perf_counter()
         if mode == "offload":
-            tokens = offload_run(folder)
+            tokens = offload_run(folder, device)
         else:
             summary = extract(ExtractConfig(
                 out=f"{folder}/store", model=str(bench_big.BIG_DIR), points=[POINT], data=corpus(folder),
                 context=CONTEXT, batch_size=BATCH, max_tokens=TOKENS, dtype="bfloat16", drop_bos=False,
-                progress=False, max_memory=limit_bytes() if mode == "stream" else None))
+                progress=False, device=device, max_memory=limit_bytes() if mode == "stream" else None))
             tokens = summary.rows
         seconds = time.perf_counter() - start
-        _, peak = common.rss_bytes()
+        peak = bench_big.peak_now(device)
     chunk = chunk_batches() if mode == "stream" else None
     common.emit({"mode": mode, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                 "peak_extra": peak - before, "chunk_batches": chunk})
+                 "peak_extra": peak - before, "chunk_batches": chunk, "device": device})
 
 
 def chunk_batches() -> int:
@@ -98,7 +104,7 @@ def chunk_batches() -> int:
                        context=CONTEXT, store_itemsize=torch.bfloat16.itemsize).chunk_batches
 
 
-def offload_run(folder: str) -> int:
+def offload_run(folder: str, device: str) -> int:
     """accelerate's offload of the same model under the same limit, capturing the same point from
     as many batches of the same shape (token values do not change the work)."""
     import torch
@@ -106,11 +112,11 @@ def offload_run(folder: str) -> int:
 
     import hookscope as hs
 
+    room = {"cpu": limit_bytes()} if device == "cpu" else {0: limit_bytes(), "cpu": "64GiB"}
     model = AutoModelForCausalLM.from_pretrained(
-        bench_big.BIG_DIR, device_map="auto", max_memory={"cpu": limit_bytes()},
-        offload_folder=folder).eval()
+        bench_big.BIG_DIR, device_map="auto", max_memory=room, offload_folder=folder).eval()
     for i in range(TOKENS // (BATCH * CONTEXT)):
-        ids = common.input_ids(bench_big.SHAPE["vocab_size"], batch=BATCH, seq=CONTEXT, seed=i)
+        ids = common.input_ids(bench_big.SHAPE["vocab_size"], batch=BATCH, seq=CONTEXT, seed=i).to(device)
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         hs.collect(model, inputs, POINT, dtype=torch.bfloat16)
     return TOKENS
@@ -122,12 +128,14 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--python", default=sys.executable)
+    parser.add_argument("--device", default="cpu", help="cpu, or cuda: the limit and peak are device memory")
     args = parser.parse_args()
     if args.worker:
-        return worker(args.worker)
+        return worker(args.worker, args.device)
     ensure_model()
     runs = 1 if args.quick else args.runs
-    rows = {mode: [common.run_fresh(args.python, Path(__file__), ["--worker", mode], env=common.MEMORY_ENV)
+    rows = {mode: [common.run_fresh(args.python, Path(__file__), ["--worker", mode, "--device", args.device],
+                                    env=common.MEMORY_ENV)
                    for _ in range(runs)] for mode in MODES}
     report(rows)
 
@@ -146,7 +154,8 @@ def report(rows: dict[str, list[dict]]) -> None:
         peak = common.median([r["peak_extra"] for r in ok])
         best[mode] = {"tokens_per_s": speed, "peak_extra": peak, "chunk_batches": ok[0]["chunk_batches"]}
         each = ", ".join(f"{r['tokens_per_s']:.1f}" for r in ok)
-        print(f"  {mode:8s} {speed:8.1f} tokens/s  peak RSS +{peak / MiB:7.1f} MiB  (runs: {each} tokens/s)")
+        kind = "RSS" if ok[0]["device"] == "cpu" else "device memory"
+        print(f"  {mode:8s} {speed:8.1f} tokens/s  peak {kind} +{peak / MiB:7.1f} MiB  (runs: {each})")
     if "memory" in best and "stream" in best:
         chunk = best["stream"]["chunk_batches"] * BATCH * CONTEXT * bench_big.SHAPE["hidden_size"] * 4
         bound = limit_bytes() + chunk + 300 * MiB
@@ -156,7 +165,7 @@ def report(rows: dict[str, list[dict]]) -> None:
               f"= {bound / MiB:.1f} MiB")
     if "offload" in best and "stream" in best:
         print(f"  accelerate offload / stream tokens/s "
-              f"{best['offload']['tokens_per_s'] / best['stream']['tokens_per_s']:.2f}x, peak RSS "
+              f"{best['offload']['tokens_per_s'] / best['stream']['tokens_per_s']:.2f}x, peak "
               f"{best['offload']['peak_extra'] / best['stream']['peak_extra']:.2f}x")
 
 

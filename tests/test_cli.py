@@ -41,6 +41,22 @@ def test_capture_saves_what_collect_returns(tiny_dirs, tmp_path, capsys):
     assert "blocks.0.attn.q: shape [1, 4, 16]" in capsys.readouterr().out
 
 
+def test_capture_reads_only_the_weights_its_points_need(tiny_dirs, monkeypatch, capsys):
+    loaded_models = []
+    real_load = hs.load
+
+    def spying_load(*args, **kwargs):
+        loaded_models.append(real_load(*args, **kwargs))
+        return loaded_models[-1]
+
+    monkeypatch.setattr(hs, "load", spying_load)
+    assert main(["capture", str(tiny_dirs["llama"]), "--points", "blocks.0.resid_post"]) == 0
+    (model,) = [loaded.model for loaded in loaded_models]
+    on_meta = {name.split(".")[2] for name, p in model.named_parameters() if p.is_meta and ".layers." in name}
+    assert on_meta == {"1", "2"} and model.model.norm.weight.is_meta  # blocks 1-2 and the norm never read
+    assert "blocks.0.resid_post: shape [1, " in capsys.readouterr().out
+
+
 def test_unknown_point_is_a_clear_error(tiny_dirs, capsys):
     assert main(["capture", str(tiny_dirs["gpt2"]), "--point", "blocks.1.resid_pots"]) == 2
     err = capsys.readouterr().err
@@ -61,6 +77,15 @@ def test_profile_writes_its_files(tiny_dirs, tmp_path, capsys):
         assert not (out / "time_per_block.png").exists()
     else:
         assert (out / "time_per_block.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_profile_with_points_runs_as_far_as_their_weights(tiny_dirs, capsys):
+    assert main(["profile", str(tiny_dirs["llama"]), "--points", "blocks.1.resid_post", "--batch", "1",
+                 "--seq", "8", "--steps", "1", "--warmup", "0"]) == 0
+    text = capsys.readouterr().out
+    assert "not profiled: block 2 of 3 and what follows" in text
+    rows = [line.split()[0] for line in text.splitlines() if line.startswith("blocks.")]
+    assert rows == ["blocks.0", "blocks.1"]  # the table's rows: block 2 never ran
 
 
 def test_profile_refuses_a_sequence_longer_than_the_model_before_profiling(tiny_dirs, tmp_path, capsys):

@@ -128,6 +128,26 @@ def test_apply_is_idempotent_and_refuses_a_second_policy(monkeypatch):
         hc.compile_model(model, "blocks")
 
 
+def test_a_torch_without_the_recompile_limit_option_gets_the_global_limit_raised(monkeypatch):
+    """torch 2.11 (the GPU machines' build) has no `recompile_limit=` on torch.compile: passing it
+    there was a TypeError on every compile; the limit then goes through dynamo's global setting."""
+    real_compile = torch.compile
+
+    def compile_of_torch_2_11(model=None, *, fullgraph=False, dynamic=None, backend="inductor", mode=None,
+                              options=None, disable=False):
+        return real_compile(model, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode,
+                            options=options, disable=disable)
+
+    monkeypatch.setattr(torch, "compile", compile_of_torch_2_11)
+    model = tiny("gpt2")
+    ids = ids_for(model)
+    want = hs.collect(model, ids, "blocks.1.resid_post")
+    with torch._dynamo.config.patch(recompile_limit=8):
+        hc.compile_model(model, "blocks", backend=FAST)
+        assert torch._dynamo.config.recompile_limit == hc.RECOMPILE_LIMIT
+        assert_same(hs.collect(model, ids, "blocks.1.resid_post"), want)
+
+
 def test_blocks_needs_repeated_blocks():
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
     with pytest.raises(hs.HookscopeError, match="no repeated blocks"):

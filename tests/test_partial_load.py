@@ -160,6 +160,32 @@ def test_sharded_checkpoint(saved, tmp_path):
     assert off_meta(loaded.model) == expected_names("llama", full, through=1)
 
 
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_pickled_bin_checkpoint_loads_per_tensor_too(saved, tmp_path, sharded):
+    """Only `pytorch_model.bin` (as torch.save writes it): read through torch.load's memory map,
+    the needed tensors only, the same values as the safetensors checkpoint's full load."""
+    full = plain_model(saved["llama"])
+    (tmp_path / "config.json").write_bytes((saved["llama"] / "config.json").read_bytes())
+    state = full.state_dict()
+    if sharded:  # two files and the index transformers writes for them
+        names = sorted(state)
+        halves = {f"pytorch_model-0000{i + 1}-of-00002.bin": names[i::2] for i in range(2)}
+        for file, keys in halves.items():
+            torch.save({k: state[k] for k in keys}, tmp_path / file)
+        weight_map = {k: file for file, keys in halves.items() for k in keys}
+        (tmp_path / "pytorch_model.bin.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    else:
+        torch.save(state, tmp_path / "pytorch_model.bin")
+    assert not list(tmp_path.glob("*.safetensors"))
+    loaded = hs.load(str(tmp_path), tokenizer=False, points=["blocks.1.resid_post"])
+    assert off_meta(loaded.model) == expected_names("llama", full, through=1)
+    params = dict(full.named_parameters())
+    assert all(torch.equal(p, params[n]) for n, p in loaded.model.named_parameters() if not p.is_meta)
+    ids = inputs_for("llama")
+    want = hooked_output(full, "model.layers.1", ids)
+    assert torch.equal(hs.collect(loaded.model, ids, "blocks.1.resid_post")["blocks.1.resid_post"], want)
+
+
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
 def test_dtype_conversion_equals_the_full_load_converted(saved, family, monkeypatch):
     import hookscope.partial
@@ -183,6 +209,28 @@ def test_dtype_conversion_equals_the_full_load_converted(saved, family, monkeypa
     for name, param in loaded.model.named_parameters():
         if not param.is_meta:
             assert torch.equal(param, state[name]), name
+
+
+@pytest.mark.parametrize(("config_names_it", "safe"), [(True, True), (False, True), (False, False)])
+def test_no_dtype_loads_the_checkpoints_dtype_as_from_pretrained_does(saved, tmp_path, config_names_it, safe):
+    """A bfloat16 checkpoint loaded with no dtype: transformers keeps bfloat16 (its default "auto",
+    from the config, else from the first floating weight); points= once loaded it as float32, so
+    `extract` (which loads with points=) ran a bf16 model at twice the memory, on other kernels."""
+    path = tmp_path / "bf16"
+    plain_model(saved["llama"]).to(torch.bfloat16).save_pretrained(path, safe_serialization=safe)
+    if not config_names_it:
+        config = json.loads((path / "config.json").read_text())
+        config.pop("dtype", None), config.pop("torch_dtype", None)
+        (path / "config.json").write_text(json.dumps(config))
+    full = plain_model(path)
+    assert full.dtype == torch.bfloat16  # what a user gets from transformers alone
+    loaded = hs.load(str(path), tokenizer=False, points=["blocks.1.resid_post"])
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
+    weightless = hs.load(str(path), tokenizer=False, device="meta").model  # what --max-memory streams into
+    assert {p.dtype for p in weightless.parameters()} == {torch.bfloat16}
+    ids = inputs_for("llama")
+    want = hooked_output(full, "model.layers.1", ids)
+    assert torch.equal(hs.collect(loaded.model, ids, "blocks.1.resid_post")["blocks.1.resid_post"], want)
 
 
 def test_a_base_model_checkpoint_under_a_head_class(saved, tmp_path):
@@ -226,6 +274,58 @@ def test_device_map_auto_sizes_the_needed_modules_alone(saved):
     # the module tree is whole again, in its order, after accelerate looked at the needed part
     assert [n for n, _ in loaded.model.named_children()] == [n for n, _ in full.named_children()]
     assert [n for n, _ in loaded.model.model.named_children()] == [n for n, _ in full.model.named_children()]
+
+
+def test_device_map_auto_budgets_the_needed_modules_alone(saved, monkeypatch):
+    """Two simulated 500 kB GPUs: the needed modules (605 kB) fit there, the whole model (965 kB)
+    would not (accelerate counts a parameter on meta like any other, hence the reference below), so
+    the map spreads the embeddings and blocks 0-1 over both GPUs and names nothing else. The
+    weights are not placed (no GPU here)."""
+    import accelerate.utils.modeling as modeling
+    from accelerate.utils import infer_auto_device_map
+
+    import hookscope.partial
+
+    budget = {0: 500_000, 1: 500_000, "cpu": 10**9}
+    real_max_memory = modeling.get_max_memory
+    monkeypatch.setattr(modeling, "get_max_memory", lambda given=None: real_max_memory(given or dict(budget)))
+    placed = []
+
+    class Placed(Exception):
+        pass
+
+    def spy(self, model, wants, device_map):
+        placed.append(device_map)
+        raise Placed
+
+    monkeypatch.setattr(hookscope.partial.Checkpoint, "materialize", spy)
+    with pytest.raises(Placed):
+        hs.load(str(saved["llama"]), tokenizer=False, device_map="auto", points=["blocks.1.resid_post"])
+    full = plain_model(saved["llama"])
+    needed = expected_names("llama", full, through=1)
+    (device_map,) = placed
+    assert set(device_map.values()) == {0, 1}  # spread over both GPUs, nothing offloaded
+    # every module the map names holds a needed tensor (a key may be a container: model.layers)
+    held = needed | {"model.rotary_emb.inv_freq"}  # (the rotary table: a buffer, no parameter)
+    assert all(any(n.startswith(prefix + ".") for n in held) for prefix in device_map)
+    assert all(any(not k or n.startswith(k + ".") for k in device_map) for n in needed)
+    # the reference: the whole model under the same budget spills past the GPUs
+    assert "cpu" in infer_auto_device_map(full, max_memory=dict(budget),
+                                          no_split_module_classes=full._no_split_modules).values()
+
+
+def test_a_device_map_for_the_whole_model_places_the_needed_part(saved):
+    """A map written for the whole model over two devices, of which the needed modules use one:
+    nothing is dispatched for the other (a GPU this machine does not have, never touched)."""
+    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
+                  "model.layers.1": "cpu", "model.layers.2": 1, "model.norm": 1, "lm_head": 1}
+    full = plain_model(saved["llama"])
+    loaded = hs.load(str(saved["llama"]), tokenizer=False, device_map=device_map,
+                     points=["blocks.1.resid_post"])
+    ids = inputs_for("llama")
+    want = hooked_output(full, "model.layers.1", ids)
+    assert torch.equal(hs.collect(loaded.model, ids, "blocks.1.resid_post")["blocks.1.resid_post"], want)
+    assert off_meta(loaded.model) == expected_names("llama", full, through=1)
 
 
 def test_extract_loads_only_what_its_points_need(saved, tmp_path, monkeypatch):

@@ -59,6 +59,25 @@ def test_other_families_stream_too(family, corpus, tmp_path):
     assert shard_digests(got) == shard_digests(want)
 
 
+def test_a_pickled_bin_checkpoint_streams_too(tiny_dirs, corpus, tmp_path):
+    """Only `pytorch_model.bin` (torch.save's format): its blocks are read through torch.load's
+    memory map, one at a time, and give the rows the safetensors checkpoint gives in memory (the
+    files differ: a shard's metadata carries the settings hash, which covers the model)."""
+    from safetensors.torch import load_file
+
+    pickled = tmp_path / "pickled"
+    pickled.mkdir()
+    for file in tiny_dirs["llama"].iterdir():
+        if file.suffix != ".safetensors":
+            (pickled / file.name).write_bytes(file.read_bytes())
+    torch.save(load_file(tiny_dirs["llama"] / "model.safetensors"), pickled / "pytorch_model.bin")
+    want = _extract(tiny_dirs["llama"], corpus, tmp_path / "memory", points=POINTS, max_tokens=600)
+    got = _extract(pickled, corpus, tmp_path / "streamed", points=POINTS, max_tokens=600, max_memory=LIMIT)
+    diff = compare_stores(got, want)
+    assert diff == {**diff, "rows_lost": 0, "rows_duplicated": 0, "same_values": True}
+    assert diff["rows"] > 500
+
+
 def test_the_last_block_and_after_it_equal_plain_hooks(tiny_dirs, corpus, tmp_path):
     """Points in the last block and after the blocks (the final norm) against forward hooks on the
     module paths, on the whole model loaded the ordinary way."""

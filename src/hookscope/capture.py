@@ -273,6 +273,8 @@ def grads(
     """d loss / d activation at each point, where `loss = loss_fn(model_output)` is a scalar.
     Keyed like `collect`: by the names asked for."""
     arch = arch or arch_of(model)
+    if arch.loaded is not None:
+        arch.loaded.require_output("hs.grads computes loss_fn(the model's output)")
     keys = keyed_specs(arch, points)
     for spec in keys.values():
         spec.require_writable("a gradient")
@@ -311,19 +313,29 @@ class PointInfo:
 
 def points(model: nn.Module, example: Any = None, *, pattern: str | None = None) -> list[PointInfo]:
     """The model's hook points in execution order; with an example input, their shapes too
-    (measured by one forward pass under inference_mode)."""
+    (measured by one forward pass under inference_mode). On a model loaded with `points=`, the
+    shapes of the points its weights reach (the pass stops there); the others have none."""
     arch = arch_of(model)
     specs = arch.resolve(pattern) if pattern else list(arch.specs.values())
     shapes: dict[str, tuple[int, ...]] = {}
-    if example is not None:
+    measured = specs if arch.loaded is None else [s for s in specs if arch.loaded.reaches(s)]
+    if example is not None and measured:
+        pending = {s.name for s in measured}
+
         def record(act: Tensor, hook: Hook) -> None:
             shapes[hook.spec.name] = tuple(act.shape)
+            pending.discard(hook.spec.name)
+            if arch.loaded is not None and not pending:
+                raise _StopForward  # before the pass reaches the weights left on meta
 
         # a one-off pass: compiling a graph per hooked layer for it would cost far more
         with Hooks(model, arch) as h, torch.inference_mode(), torch.compiler.set_stance("force_eager"):
-            for spec in specs:
+            for spec in measured:
                 h.forward(spec, record)
-            call_model(model, example)
+            try:
+                call_model(model, example)
+            except _StopForward:
+                pass
     return [
         PointInfo(s.name, s.module or "<root>", s.io, s.view.label if s.view else "", shapes.get(s.name))
         for s in specs

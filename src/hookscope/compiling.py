@@ -33,6 +33,7 @@ no break, and one graph serves every layer. `region_of` says which side of the l
 
 from __future__ import annotations
 
+import inspect
 import os
 import types
 import warnings
@@ -155,6 +156,17 @@ def _compiled(model: nn.Module) -> _Compiled | None:
     return layer if isinstance(layer, _Compiled) else None
 
 
+def _recompile_limit() -> dict:
+    """torch.compile's own option where it has one (torch >= 2.13); older releases (2.11 on the GPU
+    machines) only read dynamo's global setting, so raise that instead (never lower it)."""
+    if "recompile_limit" in inspect.signature(torch.compile).parameters:
+        return {"recompile_limit": RECOMPILE_LIMIT}
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    setattr(config, name, max(getattr(config, name), RECOMPILE_LIMIT))
+    return {}
+
+
 def compile_model(
     model: nn.Module,
     policy: str | None = None,
@@ -185,7 +197,7 @@ def compile_model(
     # hooks attached after the first compiled call must fire (pytorch #117758)
     torch._dynamo.config.skip_nnmodule_hook_guards = False
     options = {"mode": mode, "dynamic": dynamic, "fullgraph": fullgraph, "backend": backend or "inductor",
-               "recompile_limit": RECOMPILE_LIMIT}
+               **_recompile_limit()}
     state = _Compiled(policy, mode)
     shared: dict[Callable, Callable] = {}  # one torch.compile call per distinct forward function
     for path, module in targets.items():

@@ -24,7 +24,7 @@ from .arch import Arch, arch_of
 from .compiling import compile_model
 from .errors import ModelLoadError
 from .hub import OFFLINE_HELP, unreachable_reason
-from .partial import Checkpoint, PartialLoad, checkpoint_files, plan, prologue_modules
+from .partial import Checkpoint, PartialLoad, checkpoint_files, plan, prologue_modules, stored_dtype
 
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 
@@ -113,8 +113,10 @@ def load(
 
     `points=[...]`: build the model on the `meta` device and read only the weights those points
     need (the embeddings and the blocks up to the last point); the rest stays on `meta` and costs
-    no memory. A hook on a point past them raises `PointNotLoadedError`. Falls back to the full
-    load for a model without safetensors weights or without blocks hookscope knows.
+    no memory. A hook on a point past them raises `PointNotLoadedError`. The weights are read
+    per tensor from safetensors or `pytorch_model.bin` files (memory-mapped); a model without
+    blocks hookscope knows is loaded whole. Give the device here: `model.to(device)` afterwards
+    cannot copy the tensors left on `meta`.
 
     `device="meta"`: no weight is read; every parameter stays on `meta` (buffers are real), for
     block streaming (stream.py reads a block at a time through `partial.Checkpoint`)."""
@@ -150,10 +152,10 @@ def load(
     try:
         with _no_progress_bars():  # transformers 5 draws a bar while it loads the weights
             if str(device) == "meta":
-                model = _weightless(auto, config, kwargs)
-            elif points is not None and _has_safetensors(source, common):
+                model = _weightless(auto, source, config, kwargs)
+            elif points is not None and _has_weight_files(source, common):
                 model, partial = _load_partial(auto, source, config, kwargs, points, device, device_map)
-            else:
+            else:  # the whole model (a checkpoint without weight files fails here, in from_pretrained)
                 placed = {"device_map": device_map} if device_map is not None else {}
                 model = auto.from_pretrained(source, **kwargs, **placed)
                 if device_map is None:
@@ -172,17 +174,24 @@ def load(
     return Loaded(model, tok, arch_of(model), label, partial)
 
 
-def _weightless(auto: Any, config: Any, kwargs: dict) -> nn.Module:
+def _weightless(auto: Any, source: str, config: Any, kwargs: dict) -> nn.Module:
     """The model with every parameter on `meta` and its buffers (rotary tables) computed."""
     from accelerate import init_empty_weights
 
+    hub = {k: kwargs[k] for k in ("revision", "local_files_only")}
+    dtype = kwargs.get("dtype") or _config_dtype(config) or (
+        stored_dtype(checkpoint_files(source, **hub)) if _has_weight_files(source, hub) else torch.float32)
     with init_empty_weights(include_buffers=False):
-        dtype = kwargs.get("dtype") or getattr(config, "dtype", None) or torch.float32
         options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
         return auto.from_config(config, dtype=dtype, **options)
 
 
-def _has_safetensors(source: str, hub: dict) -> bool:
+def _config_dtype(config: Any) -> torch.dtype | None:
+    named = getattr(config, "dtype", None)
+    return getattr(torch, named) if isinstance(named, str) else named
+
+
+def _has_weight_files(source: str, hub: dict) -> bool:
     try:
         checkpoint_files(source, **hub)
         return True
@@ -193,8 +202,10 @@ def _has_safetensors(source: str, hub: dict) -> bool:
 def _load_partial(auto: Any, source: str, config: Any, kwargs: dict, points: str | list[str],
                   device: str | torch.device, device_map: str | dict | None,
                   ) -> tuple[nn.Module, PartialLoad | None]:
-    """The model on `meta`, with only the weights `points` need read from its safetensors files."""
-    dtype = kwargs.get("dtype") or torch.get_default_dtype()
+    """The model on `meta`, with only the weights `points` need read from its weight files."""
+    hub = {k: kwargs[k] for k in ("revision", "local_files_only")}
+    files = checkpoint_files(source, **hub)
+    dtype = kwargs.get("dtype") or _config_dtype(config) or stored_dtype(files)  # as from_pretrained's "auto"
     options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
 
     def meta_model() -> nn.Module:
@@ -211,8 +222,7 @@ def _load_partial(auto: Any, source: str, config: Any, kwargs: dict, points: str
     specs = arch.resolve(names)  # unknown names fail here, before any weight is read
     partial = plan(arch, specs, prologue_modules(meta_model, arch.block_paths[0]), names)
     placement = _placement(model, partial, device, device_map, dtype)
-    hub = {k: kwargs[k] for k in ("revision", "local_files_only")}
-    checkpoint = Checkpoint(model, checkpoint_files(source, **hub), dtype)
+    checkpoint = Checkpoint(model, files, dtype)
     try:
         checkpoint.materialize(model, partial.wants, placement)
     finally:
@@ -230,8 +240,11 @@ def _placement(model: nn.Module, partial: PartialLoad, device: str | torch.devic
     spread of the needed modules alone over the devices (`device_map="auto"` and the like)."""
     if device_map is None:
         return {"": str(device)}
-    if isinstance(device_map, dict):
-        return dict(device_map)
+    if isinstance(device_map, dict):  # only the entries that place a needed tensor: one for a
+        # module left on meta would make accelerate dispatch (and choose its main device) for nothing
+        wanted = _wanted_names(model, partial)
+        return {prefix: where for prefix, where in device_map.items()
+                if not prefix or any(n == prefix or n.startswith(prefix + ".") for n in wanted)}
     from accelerate.utils import get_balanced_memory, infer_auto_device_map
 
     with _only_needed(model, partial):
@@ -249,12 +262,16 @@ def _dispatch(model: nn.Module, partial: PartialLoad, placement: dict) -> None:
         dispatch_model(model, device_map=placement)
 
 
+def _wanted_names(model: nn.Module, partial: PartialLoad) -> list[str]:
+    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
+    return [name for name, _ in tensors if partial.wants(name)]
+
+
 @contextlib.contextmanager
 def _only_needed(model: nn.Module, partial: PartialLoad) -> Iterator[None]:
     """The modules left on `meta` taken out of the module tree for the duration (accelerate sizes
     and dispatches what it sees), then put back in their places and order."""
-    tensors = itertools.chain(model.named_parameters(), model.named_buffers())
-    wanted = [name for name, _ in tensors if partial.wants(name)]
+    wanted = _wanted_names(model, partial)
     saved: dict[int, tuple[nn.Module, dict]] = {}
     gone: list[str] = []
     for name, _ in list(model.named_modules()):

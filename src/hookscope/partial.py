@@ -1,9 +1,11 @@
 """Load only the weights that some points need; the rest of the model stays on `meta`.
 
 The model is built on the `meta` device (no memory), then only the needed tensors are read from
-the safetensors files (per tensor, memory-mapped) and put in place by transformers' own loader
-(`convert_and_load_state_dict_in_model`: its key renamings, its per-expert -> fused-expert
-conversions, its dtype rules), exactly as `from_pretrained` would put them. What is needed:
+the weight files (per tensor, memory-mapped: safetensors, or PyTorch's pickled `.bin` through
+`torch.load(mmap=True, weights_only=True)`, as transformers reads it) and put in place by
+transformers' own loader (`convert_and_load_state_dict_in_model`: its key renamings, its
+per-expert -> fused-expert conversions, its dtype rules), exactly as `from_pretrained` would put
+them. What is needed:
 
 - the blocks up to the last point's block (whole blocks: a block is the unit streaming reuses);
 - the prologue, every module the forward runs before the first block (embeddings, position
@@ -29,7 +31,9 @@ from torch import nn
 from .arch import Arch, PointSpec
 from .errors import ModelLoadError, PointNotLoadedError
 
-_INDEX = "model.safetensors.index.json"
+# (index of shards, single file), in the order from_pretrained prefers them
+_WEIGHT_FILES = (("model.safetensors.index.json", "model.safetensors"),
+                 ("pytorch_model.bin.index.json", "pytorch_model.bin"))
 
 
 @dataclass(frozen=True)
@@ -54,15 +58,27 @@ class PartialLoad:
                 return index
         return -1 if spec.module in self.prologue else len(self.block_paths)
 
+    def reaches(self, spec: PointSpec) -> bool:
+        """Whether the point's weights, and those before it, were loaded."""
+        return self.everything or self.needs(spec) <= self.through
+
     def check(self, spec: PointSpec) -> None:
         """Refuse a hook on a point whose weights (or those before it) were not loaded."""
-        if self.everything or self.needs(spec) <= self.through:
+        if self.reaches(spec):
             return
         raise PointNotLoadedError(
             f"{spec.name} needs weights this model does not have: it was loaded with points="
             f"{list(self.points)}, {self.loaded()}. Load it again with hs.load(..., points=["
             f"{', '.join(repr(p) for p in (*self.points, spec.name))}]), or without points= for every point"
         )
+
+    def require_output(self, what: str) -> None:
+        """Refuse a verb that needs the model's output (`what` says why) on a model that cannot
+        produce it, before anything runs."""
+        if not self.everything:
+            raise PointNotLoadedError(
+                f"{what}, which needs every weight: this model was loaded with points="
+                f"{list(self.points)}, {self.loaded()}. Load it without points=")
 
     def loaded(self) -> str:
         if self.through < 0:
@@ -78,17 +94,36 @@ class PartialLoad:
             return True
         return any(owner == p or owner.startswith(p + ".") for p in self.block_paths[: self.through + 1])
 
-    def guard(self, model: nn.Module) -> list[Any]:
-        """Pre-hooks on the first modules left on `meta` (the next block; after the last block, the
-        final norm and head): a forward that reaches one (a pass not stopped after its last point)
-        gets this error instead of one from inside torch."""
+    @property
+    def blocks_loaded(self) -> int:
+        """How many blocks, from the first, have their weights."""
+        return len(self.block_paths) if self.everything else self.through + 1
+
+    def left_out(self) -> str:
+        """What a pass must not reach, for a report: 'blocks 2-15 of 16 and what follows'."""
+        n = len(self.block_paths)
+        first = self.through + 1
+        if first >= n:
+            return f"the modules after block {n - 1} (the last)"
+        blocks = f"block {first}" if first == n - 1 else f"blocks {first}-{n - 1}"
+        return f"{blocks} of {n} and what follows"
+
+    def frontier(self, model: nn.Module) -> list[str]:
+        """The first modules left on `meta`, one of which a pass reaches right after the loaded
+        blocks: the next block; after the last block, the final norm and head (a module whose
+        weights are on `meta` because accelerate offloaded them is wanted, and not one of them)."""
         if self.everything:
             return []
         if self.through + 1 < len(self.block_paths):
-            paths = [self.block_paths[self.through + 1]]
-        else:
-            paths = [name for name, m in model.named_modules()
-                     if any(t.is_meta for t in (*m.parameters(recurse=False), *m.buffers(recurse=False)))]
+            return [self.block_paths[self.through + 1]]
+        return [path for path, m in model.named_modules() if any(
+            t.is_meta and not self.wants(f"{path}.{leaf}" if path else leaf)
+            for leaf, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)))]
+
+    def guard(self, model: nn.Module) -> list[Any]:
+        """Pre-hooks on the `frontier` modules: a forward that reaches one (a pass not stopped after
+        its last point) gets this error instead of one from inside torch."""
+        paths = self.frontier(model)
 
         def refuse(module: nn.Module, args: tuple, kwargs: dict) -> None:
             path = next(p for p in paths if model.get_submodule(p) is module)
@@ -149,45 +184,74 @@ def _meta_inputs(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def checkpoint_files(source: str, **hub: Any) -> list[str]:
-    """The safetensors files of a local directory or hub id (one file, or the shards of an index)."""
+    """The weight files of a local directory or hub id (one file, or the shards of an index):
+    safetensors where there are any, else PyTorch's `pytorch_model.bin`."""
     from transformers.utils.hub import cached_file
 
     def find(name: str) -> str | None:
         return cached_file(source, name, _raise_exceptions_for_missing_entries=False, **hub)
 
-    index = find(_INDEX)
-    if index is not None:
-        import json
+    for index_name, single_name in _WEIGHT_FILES:
+        index = find(index_name)
+        if index is not None:
+            import json
 
-        shards = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
-        return [str(Path(index).parent / shard) if Path(source).is_dir() else find(shard) for shard in shards]
-    single = find("model.safetensors")
-    if single is None:
-        raise ModelLoadError(f"{source!r} has no safetensors weights: points= reads them tensor by tensor")
-    return [single]
+            shards = sorted(set(json.loads(Path(index).read_text())["weight_map"].values()))
+            local = Path(source).is_dir()
+            return [str(Path(index).parent / shard) if local else find(shard) for shard in shards]
+        single = find(single_name)
+        if single is not None:
+            return [single]
+    raise ModelLoadError(f"{source!r} has no safetensors or pytorch_model.bin weights: points= reads them "
+                         "tensor by tensor")
+
+
+def stored_dtype(files: list[str]) -> torch.dtype:
+    """The dtype of the checkpoint's first floating weight: what `from_pretrained`'s default
+    (`dtype="auto"`) loads when the config names none."""
+    from safetensors import safe_open
+
+    if not files[0].endswith(".safetensors"):  # a pickled .bin: transformers' own reading of it
+        from transformers.modeling_utils import get_state_dict_dtype, load_state_dict
+
+        return get_state_dict_dtype(load_state_dict(files[0], map_location="meta"))
+    with safe_open(files[0], "pt") as f:
+        for key in f.keys():
+            stored = _STORED.get(f.get_slice(key).get_dtype())
+            if stored is not None:
+                return stored
+    return torch.float32
 
 
 class Checkpoint:
-    """A model's safetensors files, open (memory-mapped), with each key's target parameter name."""
+    """A model's weight files, open (memory-mapped), with each key's target parameter name. A
+    key's piece is a safetensors slice (read when indexed) or, from a `.bin` file, a tensor on
+    torch.load's memory map (its pages read when touched)."""
 
     def __init__(self, model: nn.Module, files: list[str], dtype: torch.dtype | None):
         from safetensors import safe_open
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+        from transformers.modeling_utils import load_state_dict
 
         self.dtype = dtype
         self.mapping = get_model_conversion_mapping(model)
-        self._handles = [safe_open(f, framework="pt", device="cpu") for f in files]
-        self._slices = {key: h.get_slice(key) for h in self._handles for key in h.keys()}
+        safetensors = [f for f in files if f.endswith(".safetensors")]
+        self._handles = [safe_open(f, framework="pt", device="cpu") for f in safetensors]
+        self._slices: dict[str, Any] = {key: h.get_slice(key) for h in self._handles for key in h.keys()}
+        for pickled in (f for f in files if not f.endswith(".safetensors")):
+            self._slices.update(load_state_dict(pickled))  # torch.load(mmap=True, weights_only=True)
         renamings = [m for m in self.mapping if isinstance(m, WeightRenaming)]
         converters = [m for m in self.mapping if isinstance(m, WeightConverter)]
         state = model.state_dict()  # on meta: names, shapes and the dtypes the weights will have
         self._target = {key: rename_source_key(key, renamings, converters, model.base_model_prefix, state)[0]
                         for key in self._slices}
+        # (a .bin's tensor is converted whole by transformers, as from_pretrained does)
         converting = {key: state[t].dtype for key, t in self._target.items() if t in state
+                      and not isinstance(self._slices[key], torch.Tensor)
                       and _STORED.get(self._slices[key].get_dtype(), state[t].dtype) != state[t].dtype}
         if converting and not model._get_dtype_plan(dtype):
-            files_of = {key: f for f, h in zip(files, self._handles, strict=True) for key in h.keys()}
+            files_of = {key: f for f, h in zip(safetensors, self._handles, strict=True) for key in h.keys()}
             for key, target_dtype in converting.items():
                 self._slices[key] = _Converting(files_of[key], key, self._slices[key], target_dtype)
 
@@ -217,7 +281,11 @@ class Checkpoint:
         that its reads hit the page cache: a read-ahead thread's job, touching nothing in a model
         (transformers' loader is not safe to run beside a forward pass)."""
         for key, piece in self._slices.items():
-            if wants(self._target[key]) and piece.get_shape():
+            if not wants(self._target[key]):
+                continue
+            if isinstance(piece, torch.Tensor):
+                piece.clone()  # a view of the memory map reads nothing: copying it does
+            elif piece.get_shape():
                 piece[:]
 
     def release(self, model: nn.Module, modules: Iterable[str]) -> None:

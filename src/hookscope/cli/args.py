@@ -23,11 +23,12 @@ def quiet_transformers() -> None:
         pass
 
 
-def load(args):
+def load(args, points: list[str] | None = None):
+    """The command's model; with `points`, only the weights they need (`hs.load(points=...)`)."""
     import hookscope as hs
 
     quiet_transformers()
-    return hs.load(args.model, device=args.device)
+    return hs.load(args.model, device=args.device, points=points)
 
 
 def encode(loaded, text: str):

@@ -23,7 +23,7 @@ def run(args) -> int:
 
     from ..capture import save_tensors
 
-    loaded = load(args)
+    loaded = load(args, points=args.points)  # the pass stops after them: nothing later is read
     inputs = encode(loaded, args.text)
     dtype = getattr(torch, args.dtype) if args.dtype else None
     acts = hs.collect(loaded.model, inputs, args.points, positions=args.positions, dtype=dtype)

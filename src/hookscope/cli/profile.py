@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from .args import DTYPES, at_least, model_args, quiet_transformers
+from .args import DTYPES, at_least, model_args, points_arg, quiet_transformers
 
 
 def add_parser(sub) -> None:
@@ -18,6 +18,8 @@ def add_parser(sub) -> None:
     p.add_argument("--steps", type=at_least(1), default=5)
     p.add_argument("--warmup", type=at_least(0), default=2)
     p.add_argument("--out", default=None, help="write table, trace, picture and HTML page here")
+    points_arg(p, help="load only the weights these points need, and profile as far as they go "
+                       "(for a model too big to load whole)")
     p.set_defaults(run=run)
 
 
@@ -31,7 +33,8 @@ def run(args) -> int:
     quiet_transformers()
     if args.out:
         writable_dir(args.out)  # before minutes of profiling, not after
-    loaded = hs.load(args.model, device=args.device, dtype=args.dtype, compile_policy=args.compile)
+    loaded = hs.load(args.model, device=args.device, dtype=args.dtype, compile_policy=args.compile,
+                     points=args.points)
     inputs = random_tokens(loaded.model, args.batch, args.seq, device=args.device)
     reset_stats()
     report = hs.profile(loaded.model, inputs, backward=args.backward, steps=args.steps, warmup=args.warmup)

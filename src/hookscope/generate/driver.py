@@ -85,11 +85,13 @@ class _Run:
                 edit_on: str, selection: Selection, options: dict) -> _Run:
         if edit_on not in EDIT_ON:
             raise SelectionError(f"edit_on={edit_on!r}: use one of {', '.join(EDIT_ON)}")
+        arch = arch_of(model)
+        if arch.loaded is not None:
+            arch.loaded.require_output("hs.generate samples each token from the model's logits")
         _check_decoding(model, options)
-        backend = _BACKENDS.get(arch_of(model).family, HuggingFace)(model, options)
+        backend = _BACKENDS.get(arch.family, HuggingFace)(model, options)
         given_ids, attention_mask, extra = _split_inputs(inputs)
         input_ids, attention_mask = backend.prompt(given_ids, attention_mask)
-        arch = arch_of(model)
         keys = keyed_specs(arch, points) if points else {}
         for spec in keys.values():
             _check_point(spec, selection)

@@ -53,10 +53,18 @@ def first_tensor(value: Any) -> Tensor | None:
     return output_tensor(value)
 
 
+def profiled_blocks(arch: Arch) -> list[str]:
+    """The paths of the blocks a step runs: all of them, or on a model loaded with `points=` the
+    blocks whose weights were loaded (a step stops where they end)."""
+    if arch.loaded is None:
+        return arch.block_paths
+    return arch.block_paths[: arch.loaded.blocks_loaded]
+
+
 def block_labels(arch: Arch, *, backward: bool) -> list[str]:
-    """Every block's forward label in order, then (with backward) the backward labels in the
-    order backward runs them (last block first)."""
-    n = len(arch.block_paths)
+    """Every profiled block's forward label in order, then (with backward) the backward labels in
+    the order backward runs them (last block first)."""
+    n = len(profiled_blocks(arch))
     forward = [block_label(i) for i in range(n)]
     return forward + ([backward_label(i) for i in reversed(range(n))] if backward else [])
 
@@ -133,7 +141,7 @@ class BlockLabels:
 
     def __enter__(self) -> Self:
         try:
-            for index, path in enumerate(self.arch.block_paths):
+            for index, path in enumerate(profiled_blocks(self.arch)):
                 spec = PointSpec(name=block_name(index), module=path, io="output")
                 module = self.arch.module(self.model, spec)
                 pre, post = self._hooks_for(index)

@@ -37,6 +37,8 @@ class ProfileReport:
     `profiled_step_s`: the step under the profiler (the range all rows are shares of).
     `hook_overhead`: (step with the user's hooks) / (step without) - 1, or None without hooks.
     `compile_stats`: compiler counters, filled by whoever compiled the model.
+    `not_loaded`: on a model loaded with `points=`, what the steps did not run (its weights were
+    not loaded); None when the whole model ran.
     """
 
     model: str
@@ -56,6 +58,7 @@ class ProfileReport:
     profiler: Any = field(default=None, repr=False)  # the finished torch.profiler run, for the trace
     step_times_s: list[float] = field(default_factory=list)  # every timed step, with the hooks
     step_times_without_hooks_s: list[float] | None = None  # paired with step_times_s, one each
+    not_loaded: str | None = None
     _trace_text: str | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -119,10 +122,12 @@ class ProfileReport:
              f"{_spread_note(self.step_times_s)}); {_ms(self.profiled_step_s)} under the "
              f"profiler{device_step}"),
         ]
+        if self.not_loaded is not None:
+            lines.append(f"not profiled: {self.not_loaded}")
         if self.block_rows():
             lines.append(f"blocks: {self.blocks_share:.1%} of the profiled step "
                          "(hook rows are part of their block's time)")
-        else:
+        elif self.not_loaded is None:
             lines.append("no repeated blocks found in this model: rows cover hooked points only")
         lines += ["", text_table(row_header(on_device), [row_cells(r, on_device) for r in self.rows])]
         if self.hook_overhead is not None:

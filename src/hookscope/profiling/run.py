@@ -21,7 +21,7 @@ from torch.profiler import ProfilerActivity, schedule
 
 from ..arch import Arch, arch_of
 from ..errors import HookscopeError
-from ..hooks import Hooks
+from ..hooks import Hooks, input_tensor
 from ..inputs import call_model, max_positions
 from .events import build_rows, cpu_threads, label_totals, top_ops
 from .labels import STEP, BlockLabels, LabelledHooks, block_labels, first_tensor
@@ -51,14 +51,19 @@ def profile(
     they run in every step, and `hook_overhead` compares steps with and without them.
     `loss_fn`: defaults to the output's `.loss` when it has one, else the mean of its first
     tensor. `out_dir`: also write the files (see `ProfileReport.write`).
+
+    A model loaded with `points=` is profiled as far as its weights go: each step stops where
+    they end (`loss_fn` then gets the hidden state there), only the loaded blocks get rows, and
+    the report's `not_loaded` says what was left out.
     """
     if steps < 1 or warmup < 0:
         raise HookscopeError(f"steps must be >= 1 and warmup >= 0 (got steps={steps}, warmup={warmup})")
     arch = arch or arch_of(model)
     install = _installer(hooks)
     device = _device_of(model)
-    stepper = _Stepper(model, inputs, backward, loss_fn or default_loss, device)
-    with _grads_put_aside(model) if backward else contextlib.nullcontext():
+    end = _WeightsEnd(model, arch)
+    stepper = _Stepper(model, inputs, backward, loss_fn or default_loss, device, end)
+    with _grads_put_aside(model) if backward else contextlib.nullcontext(), end:
         step_times, without_hooks = _time_steps(stepper, model, arch, install, steps, warmup)
         prof, snapshot = _profile_steps(stepper, model, arch, install, steps, backward, device)
     on_device = device.type == "cuda"
@@ -72,7 +77,7 @@ def profile(
         hook_overhead=None if without_hooks is None else min(step_times) / min(without_hooks) - 1.0,
         step_time_without_hooks_s=None if without_hooks is None else min(without_hooks),
         memory_snapshot=snapshot, profiler=prof, step_times_s=step_times,
-        step_times_without_hooks_s=without_hooks,
+        step_times_without_hooks_s=without_hooks, not_loaded=_not_loaded(arch),
     )
     if out_dir is not None:
         report.write(out_dir)
@@ -107,24 +112,72 @@ def default_loss(output: Any) -> Tensor:
     return first.float().mean()
 
 
+class _Stopped(BaseException):
+    """Ends a step where a `points=` model's weights end. BaseException so that model code that
+    catches `Exception` cannot swallow it."""
+
+
+class _WeightsEnd:
+    """On a model loaded with `points=`, pre-hooks on the modules a pass reaches first after the
+    loaded weights (`PartialLoad.frontier`), while the `with` block lasts: each keeps the hidden
+    state arriving there and ends the pass, before the load's own guard would refuse it."""
+
+    def __init__(self, model: nn.Module, arch: Arch):
+        self.model = model
+        self.paths = [] if arch.loaded is None else arch.loaded.frontier(model)
+        self.hidden: Tensor | None = None
+        self._handles: list = []
+
+    def __enter__(self) -> _WeightsEnd:
+        self._handles = [self.model.get_submodule(path).register_forward_pre_hook(
+            self._stop, with_kwargs=True, prepend=True) for path in self.paths]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _stop(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        found = input_tensor(args, kwargs)
+        self.hidden = None if found is None else found[0]
+        raise _Stopped
+
+    def forward(self, inputs: Any) -> Any:
+        """The model's output, or the hidden state where the weights end."""
+        try:
+            return call_model(self.model, inputs)
+        except _Stopped:
+            hidden, self.hidden = self.hidden, None
+            return hidden
+
+
+def _not_loaded(arch: Arch) -> str | None:
+    loaded = arch.loaded
+    if loaded is None or loaded.everything:
+        return None
+    return (f"{loaded.left_out()}: their weights were not loaded (points={list(loaded.points)}); "
+            f"each step ran {loaded.loaded()} and stopped there")
+
+
 class _Stepper:
     """One step: forward (under inference_mode) or forward + backward, inside the `hs::step`
     range, synchronised so wall-clock time covers the device's work."""
 
-    def __init__(
-        self, model: nn.Module, inputs: Any, backward: bool, loss_fn: Callable, device: torch.device
-    ):
+    def __init__(self, model: nn.Module, inputs: Any, backward: bool, loss_fn: Callable,
+                 device: torch.device, end: _WeightsEnd):
         self.model, self.inputs, self.backward, self.loss_fn = model, inputs, backward, loss_fn
         self.cuda = device.type == "cuda"
+        self.end = end
 
     def __call__(self, labels: BlockLabels | None = None) -> None:
         with record_function(STEP):
             if self.backward:
                 with torch.enable_grad():
-                    self._loss(call_model(self.model, self.inputs)).backward()
+                    self._loss(self.end.forward(self.inputs)).backward()
             else:
                 with torch.inference_mode():
-                    call_model(self.model, self.inputs)
+                    self.end.forward(self.inputs)
             if labels is not None:
                 labels.end_step()
             if self.cuda:
