@@ -74,6 +74,11 @@ def load_model(mode: str, point: str, folder: str, device: str):
         BIG_DIR, dtype=torch.bfloat16, device_map="auto", max_memory=room, offload_folder=folder).eval()
 
 
+def input_device(model):
+    weight = model.get_input_embeddings().weight
+    return "cpu" if weight.is_meta else weight.device
+
+
 def peak_now(device: str) -> int:
     """RSS high-water mark on CPU; the allocator's peak on a GPU (device memory is what a GPU lacks)."""
     import torch
@@ -108,6 +113,8 @@ def worker(mode: str, point: str, runs: int, device: str) -> None:
         model = load_model(mode, point, folder, device)
         load_s = time.perf_counter() - start
         weights = sum(p.numel() * p.element_size() for p in model.parameters() if p.device.type == device)
+        if mode == "offload":  # accelerate moves inputs only into the modules it hooked
+            ids = ids.to(input_device(model))
         times = common.time_runs(capture, runs)  # after one warm-up
         peak = peak_now(device)
         out = capture()[point]

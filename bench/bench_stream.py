@@ -116,7 +116,8 @@ def offload_run(folder: str, device: str) -> int:
     model = AutoModelForCausalLM.from_pretrained(
         bench_big.BIG_DIR, device_map="auto", max_memory=room, offload_folder=folder).eval()
     for i in range(TOKENS // (BATCH * CONTEXT)):
-        ids = common.input_ids(bench_big.SHAPE["vocab_size"], batch=BATCH, seq=CONTEXT, seed=i).to(device)
+        ids = common.input_ids(bench_big.SHAPE["vocab_size"], batch=BATCH, seq=CONTEXT, seed=i)
+        ids = ids.to(bench_big.input_device(model))
         inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
         hs.collect(model, inputs, POINT, dtype=torch.bfloat16)
     return TOKENS

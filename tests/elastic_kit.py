@@ -17,7 +17,7 @@ from hookscope.store import open_store
 HERE = Path(__file__).parent
 
 
-def _torchrun(nproc: int) -> list[str]:
+def torchrun_command(nproc: int) -> list[str]:
     with socket.socket() as sock:  # a free port: a fixed one collides with other test runs on the machine
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
@@ -41,11 +41,11 @@ def run_elastic(cli: list[str], first: int, then: int, kill_at: str) -> None:
     sites); then the same command with `then` processes, to the end."""
     environ = {**os.environ, "OMP_NUM_THREADS": "1"}
     killed = [str(HERE / "kill_driver.py"), "cli", "KILL", kill_at, *cli]
-    cmd = [*_torchrun(first), *killed] if first > 1 else [sys.executable, *killed]
+    cmd = [*torchrun_command(first), *killed] if first > 1 else [sys.executable, *killed]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=environ)
     assert run.returncode != 0, run.stderr[-3000:]  # it died mid-run
     resumed = ["-m", "hookscope.cli", *cli]
-    cmd = [*_torchrun(then), *resumed] if then > 1 else [sys.executable, *resumed]
+    cmd = [*torchrun_command(then), *resumed] if then > 1 else [sys.executable, *resumed]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=environ)
     assert run.returncode == 0, run.stderr[-3000:]
 

@@ -21,11 +21,11 @@ def extract_config(model_dir: Path, corpus: Path, out: Path, **overrides: Any) -
     return {**base, **overrides}
 
 
-def load_model(path: str) -> None:
+def load_model(path: str, tokenizer: bool = True) -> None:
     """Load a model once (for `ForkServer.warm`: its family's code is imported lazily)."""
     import hookscope as hs
 
-    hs.load(path)
+    hs.load(path, tokenizer=tokenizer)
 
 
 def row_keys(store) -> Counter:

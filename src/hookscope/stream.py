@@ -246,6 +246,7 @@ class BlockStreamer:
         self._ahead = None
         self._materialize(self._wants(k))
         self._loaded.add(k)
+        _rescale_fresh_block(self.model)
         held = resident_bytes(self.model)
         if self.plan.read_ahead and self.plan.last_block > 0:
             if self._reader is None:
@@ -307,6 +308,19 @@ class BlockStreamer:
         finally:
             for parent, child, block in swapped:
                 parent._modules[child] = block
+
+
+def _rescale_fresh_block(model: nn.Module) -> None:
+    """RWKV divides its blocks' output weights by 2**(k // rescale_every) in place on its first eval
+    forward (`_rescale_layers`, once, flagged by `layers_are_rescaled`), and halves the stream every
+    `rescale_every` blocks. A streamed block is read afresh from the checkpoint after that first
+    forward, so it is rescaled here, by the model's own method, as it arrives: the other blocks are on
+    meta then (a streamer holds one block in the model at a time), where the division does nothing."""
+    for module in model.modules():
+        if not module.training and callable(getattr(module, "_rescale_layers", None)) and hasattr(
+                module, "layers_are_rescaled"):
+            module.layers_are_rescaled = False
+            module._rescale_layers()
 
 
 def streamer_for(loaded: Loaded, points: list[str], max_memory: int, *, batch_size: int, context: int,

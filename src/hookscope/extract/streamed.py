@@ -27,9 +27,8 @@ class Streamed:
     def __init__(self, source: Source, loaded: Loaded, points: Sequence[str], dtype: torch.dtype, run: Run,
                  cfg: ExtractConfig):
         self.source, self.run_on, self.on_stage = source, run, None
-        context = getattr(source, "context", None) or 1  # tokens per sequence (images: per picture)
         self.streamer = streamer_for(loaded, list(points), parse_size(cfg.max_memory),
-                                     batch_size=cfg.batch_size, context=context, dtype=dtype,
+                                     batch_size=cfg.batch_size, context=source.item_tokens(), dtype=dtype,
                                      device=run.device, revision=cfg.revision, on_block=self._where)
 
     def _where(self, block: int, blocks: int) -> None:

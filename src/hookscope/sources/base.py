@@ -18,6 +18,8 @@ the data than it must. Then it gives:
   `rows(batch, acts)` (captured activations -> store rows and their per-row columns, built with
   `hookscope.sources.columns`). `compute` runs the two around one capture; a source whose rows do
   not come from one forward pass (`streamable = False`, e.g. generation) overrides `compute`.
+- `item_tokens()`: the tokens one item of a batch runs as (a block-streamed run sizes its chunks
+  by it).
 - `rows_in(batch)` (the rows a batch gives, for the progress of skipped batches, when known
   without running it) and `estimate(rows, batch)` (the progress bar's total, or None).
 
@@ -92,6 +94,11 @@ class Source:
             cap.run(inputs)
             acts = {name: cap[name] for name in points}
         return self.rows(batch, acts)
+
+    def item_tokens(self) -> int:
+        """The tokens one item of a batch (a sequence, a picture) runs through the blocks as: what a
+        block-streamed chunk's hidden states are sized by."""
+        raise NotImplementedError
 
     def rows_in(self, batch: dict[str, Tensor]) -> int | None:
         return None

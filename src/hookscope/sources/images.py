@@ -113,6 +113,36 @@ def patch_grid(model: torch.nn.Module, pixels: torch.Tensor) -> tuple[int, int]:
     return pixels.shape[-2] // ph, pixels.shape[-1] // pw
 
 
+class _Counted(BaseException):
+    """Stops a pass once the first block's input is seen (BaseException: model code that catches
+    `Exception` cannot swallow it)."""
+
+
+def _first_block_tokens(model: torch.nn.Module, first_block: str, pixels: Tensor, device: str) -> int:
+    """The token length of the first block's input for these pixels, in a pass stopped there. On a
+    model still on `meta` (a block-streamed run, before any weight is read) the pass runs on meta:
+    shapes only."""
+    if next(model.parameters()).is_meta:
+        device = "meta"
+    lengths: list[int] = []
+
+    def count(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+        hidden = next(x for x in (*args, *kwargs.values()) if isinstance(x, Tensor))
+        lengths.append(hidden.shape[1])  # [picture, token, d_model]
+        raise _Counted
+
+    # first in line: before a points= load's guard on a block that was not loaded
+    handle = model.get_submodule(first_block).register_forward_pre_hook(count, with_kwargs=True, prepend=True)
+    try:
+        with torch.inference_mode():
+            model(pixel_values=pixels.to(device))
+    except _Counted:
+        pass
+    finally:
+        handle.remove()
+    return lengths[0]
+
+
 def _fingerprint(folder: Path, names: list[str]) -> str:
     digest = hashlib.sha256()
     for name in names:
@@ -148,6 +178,7 @@ class ImageSource(Source):
         self.folder, self.names = folder, names
         self.processor = load_processor(loaded.name)
         self.tokens_per_image: int | None = None  # known once an image has run
+        self.picture_tokens: int | None = None  # the same, from a pass stopped before the blocks
         self.images = len(names)  # how many are extracted: all, or as many as --max-tokens holds
         if cfg.max_tokens is not None:
             tokens = self._tokens_per_image()
@@ -188,12 +219,15 @@ class ImageSource(Source):
         return self.processor(images=pictures, return_tensors="pt")["pixel_values"]
 
     def _tokens_per_image(self) -> int:
-        """One image through the model (nothing written): how many tokens an image gives."""
-        from ..capture import collect
+        """How many tokens a picture becomes (patches + CLS + registers: whatever the family adds),
+        read from the first block's input in a pass over one image stopped there (nothing written)."""
+        if self.picture_tokens is None:
+            self.picture_tokens = _first_block_tokens(self.loaded.model, self.loaded.arch.block_paths[0],
+                                                      self._pixels([0]), self.run.device)
+        return self.picture_tokens
 
-        pixels = self._pixels([0]).to(self.run.device)
-        acts = collect(self.loaded.model, {"pixel_values": pixels}, self.points)
-        return self._tokens(acts)
+    def item_tokens(self) -> int:
+        return self._tokens_per_image()
 
     def _tokens(self, acts: dict[str, Tensor]) -> int:
         lengths = {a.shape[1] for a in acts.values() if a.dim() >= 3}

@@ -89,6 +89,9 @@ class TextSource(Source):
     def rows(self, batch: dict[str, Tensor], acts: dict[str, Tensor]) -> Rows:
         return acts, token_columns(batch, self.keep(batch))
 
+    def item_tokens(self) -> int:
+        return self.context
+
     def rows_in(self, batch: dict[str, Tensor]) -> int:
         return int(self.keep(batch).sum())
 
