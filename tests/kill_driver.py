@@ -10,6 +10,9 @@ event of that site to die at, counted from 1 over the whole run:
     rename:N:before|after            around the N-th shard rename (.tmp -> final name)
     manifest-replace:N:before|after  around the N-th manifest replace (1 is the stamp at open)
     save:N                           inside the N-th shard write, leaving a half-written .tmp file
+    library-save:N                   inside safetensors' own write of the N-th shard, where no wrapper
+                                     reaches: the process dies there (SIGXFSZ, as abrupt as SIGKILL),
+                                     leaving whatever temporary file the library writes half-written
     manifest-write:N                 inside the N-th manifest save, leaving a half-written .tmp
     fsync:N                          inside the N-th os.fsync (shard data, shard directory,
                                      manifest, store directory)
@@ -52,8 +55,8 @@ from hookscope.store import ShardWriter
 from hookscope.store import fs as fs_module
 from hookscope.store import writer as writer_module
 
-SITES = ("replace", "rename", "manifest-replace", "save", "manifest-write", "fsync", "batch", "forward",
-         "tokenize", "upload", "put", "manifest-put")
+SITES = ("replace", "rename", "manifest-replace", "save", "library-save", "manifest-write", "fsync", "batch",
+         "forward", "tokenize", "upload", "put", "manifest-put")
 
 
 SIGNAL = signal.SIGKILL  # what die() sends; `cli` mode may choose SIGINT or SIGTERM
@@ -85,6 +88,22 @@ class Plan:
             die()
 
 
+def die_at_file_size() -> None:
+    """Make a write past the file-size limit end this process, with no core file (main thread only):
+    Python ignores SIGXFSZ, whose default action kills. `die_in_next_write` then sets the limit."""
+    import ctypes
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_DFL)
+    ctypes.CDLL(None).prctl(4, 0)  # PR_SET_DUMPABLE = 0: the kernel writes no core file
+
+
+def die_in_next_write(limit: int) -> None:
+    """Any thread: the next write that takes a file past `limit` bytes kills the process mid-write."""
+    import resource
+
+    resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+
+
 def _fd_path(fd: int) -> str:
     return os.readlink(f"/proc/self/fd/{fd}")
 
@@ -113,7 +132,12 @@ def arm(kill_at: str) -> Plan:
             die()
         real_fsync(fd)
 
+    if plan.kind == "library-save":
+        die_at_file_size()
+
     def save_file(tensors, path, *args, **kwargs):
+        if plan.event("library-save"):  # half of the tensors' bytes, well past the header
+            die_in_next_write(sum(t.nbytes for t in tensors.values()) // 2)
         real_save(tensors, path, *args, **kwargs)
         if plan.event("save"):
             if SIGNAL == signal.SIGKILL:  # leave a half-written file behind, as a crash would

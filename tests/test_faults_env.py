@@ -193,7 +193,7 @@ def test_a_reader_sees_only_complete_shards_while_a_shard_is_half_written(setup,
     assert halfway.wait(60)
     try:
         store, want = open_store(out, verify=True), open_store(ref)
-        half = [p.name for p in out.glob("shards/*.tmp")]
+        half = [p.relative_to(out).as_posix() for p in out.glob("shards/**/*.tmp")]
         rows = store.tensor("token_ids")
     finally:
         release.set()
@@ -201,7 +201,7 @@ def test_a_reader_sees_only_complete_shards_while_a_shard_is_half_written(setup,
     complete = (store.num_shards == 2 and len(rows) == want.first_row(2)
                 and torch.equal(rows, want.tensor("token_ids")[: len(rows)]))
     record("env", "reader opened while a shard is half-written", survived=int(complete))
-    assert half == ["shard-r000-000002.safetensors.tmp"]  # it was opened mid-write
+    assert half == ["shards/shard-r000-writing/shard-r000-000002.safetensors.tmp"]  # opened mid-write
     assert complete, (store.num_shards, len(rows))  # and saw the two committed shards, no more
     assert compare_stores(out, ref)["same_files"]
 

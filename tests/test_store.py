@@ -179,7 +179,10 @@ import os, signal, sys, time
 sys.path.insert(0, {tests!r})
 import hookscope.store.writer as wm
 from test_store import SETTINGS, SHARD_ROWS, N_BATCHES, make_batch
+from kill_driver import die_at_file_size, die_in_next_write
 mode, out = sys.argv[1], sys.argv[2]
+if mode == "inside_library":
+    die_at_file_size()
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
 real_replace, real_save = os.replace, wm.save_file
 shards_done = 0
@@ -191,6 +194,8 @@ def replace(src, dst):  # the shard is renamed into place, but the manifest neve
         if mode == "after_rename" and shards_done == 2:
             die()
 def save_file(tensors, path, **kw):  # killed with the shard half-done under its .tmp name
+    if mode == "inside_library" and shards_done == 2:  # or inside safetensors, its own temp file half-done
+        die_in_next_write(sum(t.nbytes for t in tensors.values()) // 2)
     real_save(tensors, path, **kw)
     if mode == "after_tmp" and shards_done == 2:
         die()
@@ -205,7 +210,7 @@ with wm.ShardWriter(out, SETTINGS, shard_rows=SHARD_ROWS) as w:
 """
 
 
-@pytest.mark.parametrize("mode", ["after_tmp", "after_rename", "poll"])
+@pytest.mark.parametrize("mode", ["after_tmp", "after_rename", "inside_library", "poll"])
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path: Path, store_dir: Path, mode: str):
     out = tmp_path / "crashed"
     child = subprocess.Popen([sys.executable, "-c", _CHILD.format(tests=str(Path(__file__).parent)),
@@ -220,11 +225,13 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path: Path, store_
                 pass
             time.sleep(0.01)
         child.send_signal(signal.SIGKILL)
-    assert child.wait(timeout=60) == -signal.SIGKILL
-    leftovers = {p.name for p in (out / "shards").iterdir()}
+    assert child.wait(timeout=60) == -(signal.SIGXFSZ if mode == "inside_library" else signal.SIGKILL)
+    leftovers = {p.relative_to(out / "shards").as_posix() for p in (out / "shards").rglob("*")}
     committed = Manifest.load(out / "manifest.json")
-    if mode == "after_tmp":
-        assert "shard-r000-000002.safetensors.tmp" in leftovers
+    if mode == "after_tmp":  # in the writer's own directory, with whatever the library left beside it
+        assert "shard-r000-writing/shard-r000-000002.safetensors.tmp" in leftovers
+    if mode == "inside_library":  # the library's own partial file, wherever it writes it
+        assert len(committed.shards) == 2 and leftovers - {Path(s.file).name for s in committed.shards}
     if mode == "after_rename":
         assert "shard-r000-000001.safetensors" in leftovers and len(committed.shards) == 1
 

@@ -249,8 +249,8 @@ def killed_references(saved, data, server, tmp_path_factory):
 def test_a_kill_at_three_moments_resumes_byte_identically(kind, moment, killed_references, server, tmp_path):
     config, reference, counts = killed_references(kind)
     site, at = MOMENTS[moment].split(":")
-    # batch 1 runs alone (checked before the store opens); then chunks of two: 2-3, 4-5, ...
-    n = 4 if at == "next" else max(1, int(float(at) * counts[site]))
+    # chunks of two: 1-2 (checked before the store opens), 3-4, ...: the second chunk's first
+    n = 3 if at == "next" else max(1, int(float(at) * counts[site]))
     out = str(tmp_path / "store")
     killed = server.call(RUN, config={**config, "out": out}, kill_at=f"{site}:{n}")
     assert killed.status == -9, killed.log[-3000:]

@@ -25,7 +25,7 @@ from ..models import load
 from ..progress import RowsBar, mib_written
 from ..sources import Rows, Run, Source, source_for
 from ..store import ShardWriter, merge_rank_manifests
-from ..store.resume import deal_for
+from ..store.resume import plan_for
 from .config import ExtractConfig, validate_config
 from .report import ExtractInterrupted, ExtractSummary, check_finite, signals_interrupt
 
@@ -59,8 +59,8 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
     """Run the extraction described by `cfg`; see the module docstring.
 
     Everything that can be checked is checked before the store is touched (arguments, the model,
-    the points, the data source's first batch and its forward pass), so a refused run leaves no
-    trace on disk. SIGINT / SIGTERM raise `ExtractInterrupted` after committing whole shards only."""
+    the points, the data source's first batch to do and its forward pass), so a refused run leaves
+    no trace on disk. SIGINT / SIGTERM raise `ExtractInterrupted` after committing whole shards only."""
     validate_config(cfg)
     kind = source_for(cfg)  # refuses options the source cannot honour, nothing loaded yet
     opened: list[ShardWriter] = []  # the writer, once the store is open: how many rows it holds
@@ -110,45 +110,45 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
     source, executor = _start(cfg, kind)
     rank, world_size = executor.run_on.rank, executor.run_on.world_size
     settings = source.settings()
-    # which batches this rank goes through: read from the store's manifests, nothing written yet
-    deal = deal_for(cfg.out, settings, world_size)
+    # which batches this rank goes through and which it skips: read from the store's manifests,
+    # nothing written yet (the writer opened below must find the same)
+    found = plan_for(cfg.out, settings, world_size)
+    done = found.done(rank)
     started = time.perf_counter()
-    ours = ((i, b) for i, b in enumerate(source.batches()) if deal.visits(i, rank))
-    # The first batch of this rank is read and run before the store is opened: an empty or bad
-    # data source, or a point the forward pass never reaches, is refused with nothing written.
-    # On a resume it may be a batch already on disk; one forward pass is the price of that check.
+    ours = ((i, b) for i, b in enumerate(source.batches()) if found.deal.visits(i, rank))
     first = next(ours, None)
     if first is None and rank == 0:
         raise DataError(source.nothing_to_extract())
-    checked = list(_checked(executor.run([first]), cfg.on_nonfinite)) if first is not None else []
     bar = RowsBar("extract", enabled=cfg.progress and rank == 0)
     executor.on_stage = bar.stage  # a streamed run shows the block it is on
     counts = {"done": 0, "skipped": 0, "new_rows": 0}
+
+    def advance(rows: int, batch: dict[str, Tensor]) -> None:
+        if bar.enabled:
+            bar.update(rows, total=source.estimate(bar.count + rows, batch),
+                       note=mib_written(opened[0].bytes_written if opened else 0))
+
+    def pending(batches: Batches) -> Iterator[tuple[int, dict[str, Tensor]]]:
+        for index, batch in batches:
+            if index in done:
+                counts["skipped"] += 1
+                advance(source.rows_in(batch) or 0, batch)
+            else:
+                yield index, batch
+
+    ran = _checked(executor.run(pending(itertools.chain([first] if first else [], ours))), cfg.on_nonfinite)
     try:
+        # The first batch to do is run before the store is opened (a streamed run runs its whole
+        # first chunk, so that no block's weights are read one extra time): an empty or bad data
+        # source, or a point the forward pass never reaches, is refused with nothing written.
+        head = next(ran, None)
         writer = ShardWriter(cfg.out, settings, shard_rows=cfg.shard_rows, rank=rank, world_size=world_size)
         opened.append(writer)
         with writer:  # on an interrupt it commits whole shards only (see ShardWriter.__exit__)
-            if writer.deal != deal:  # the store changed since it was read above
+            if writer.deal != found.deal or writer.done_batches != done:  # changed since it was read
                 raise StoreError(f"{cfg.out} changed while this run started: is another run writing to "
                                  "it? Stop every other run on this store and re-run the command")
-
-            def advance(rows: int, batch: dict[str, Tensor]) -> None:
-                if bar.enabled:
-                    bar.update(rows, total=source.estimate(bar.count + rows, batch),
-                               note=mib_written(writer.bytes_written))
-
-            def pending(batches: Batches) -> Iterator[tuple[int, dict[str, Tensor]]]:
-                for index, batch in batches:
-                    if index in writer.done_batches:
-                        counts["skipped"] += 1
-                        advance(source.rows_in(batch) or 0, batch)
-                    else:
-                        yield index, batch
-
-            todo = pending([first] if first is not None else [])
-            ran = itertools.chain(checked if next(todo, None) is not None else (),
-                                  _checked(executor.run(pending(ours)), cfg.on_nonfinite))
-            for index, batch, (acts, columns) in ran:
+            for index, batch, (acts, columns) in itertools.chain([head] if head else [], ran):
                 writer.write(index, acts, columns)
                 rows = len(next(iter(columns.values())))
                 counts["done"], counts["new_rows"] = counts["done"] + 1, counts["new_rows"] + rows

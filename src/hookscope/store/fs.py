@@ -148,18 +148,22 @@ class FS:
         """A finished, synced local file becomes `rel` (renamed, or uploaded and deleted)."""
         raise NotImplementedError
 
-    def staging(self, rel: str) -> Path:
-        """A local directory where files bound for directory `rel` are written first."""
+    def staging(self, rel: str, owner: str) -> Path:
+        """A local directory of `owner`'s alone where files bound for directory `rel` are written
+        first; the writer creates it when it writes (`rel` exists after this call). Everything
+        in it is the owner's, a library's own temporary files included (safetensors writes a
+        `.tmpXXXXXX` beside its target and renames it), so a crash's leftovers are found by name."""
         raise NotImplementedError
 
     def done_staging(self, staged: Path) -> None:
-        """The writer is done with `staging()`'s directory."""
+        """The writer is done with `staging()`'s directory: it goes, with anything left in it."""
+        shutil.rmtree(staged, ignore_errors=True)
 
     def makedirs(self, rel: str) -> None:
         """Make directory `rel` (and those above it) where directories exist; an object store has none."""
 
     def remove(self, rel: str) -> None:
-        """Delete file `rel` if it is there."""
+        """Delete file `rel` if it is there (or a directory a crashed writer left, with what it holds)."""
         raise NotImplementedError
 
     def _count(self, nbytes: int, requests: int) -> None:
@@ -247,15 +251,19 @@ class LocalFS(FS):
         os.replace(local, final)
         fsync_dir(final.parent)
 
-    def staging(self, rel: str) -> Path:
+    def staging(self, rel: str, owner: str) -> Path:
         self.makedirs(rel)
-        return self.local(rel)
+        return self.local(rel) / owner  # inside `rel`: a rename out of it stays on one filesystem
 
     def makedirs(self, rel: str) -> None:
         self.local(rel).mkdir(parents=True, exist_ok=True)
 
     def remove(self, rel: str) -> None:
-        self.local(rel).unlink(missing_ok=True)
+        path = self.local(rel)
+        if path.is_dir() and not path.is_symlink():  # a crashed writer's staging directory
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
 
 
 class RemoteFS(FS):
@@ -337,11 +345,9 @@ class RemoteFS(FS):
         self.fs.put_file(str(local), self.path(rel))
         local.unlink()
 
-    def staging(self, rel: str) -> Path:
-        return Path(tempfile.mkdtemp(prefix="hookscope-stage-", dir=os.environ.get("HOOKSCOPE_STAGING_DIR")))
-
-    def done_staging(self, staged: Path) -> None:
-        shutil.rmtree(staged, ignore_errors=True)
+    def staging(self, rel: str, owner: str) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"hookscope-stage-{owner}-",
+                                     dir=os.environ.get("HOOKSCOPE_STAGING_DIR")))
 
     def remove(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):

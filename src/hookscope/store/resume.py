@@ -63,6 +63,10 @@ class Plan:
     def inherited(self) -> list[ShardEntry]:
         return [s for s in self.shards if s.generation < self.deal.generation]
 
+    def done(self, rank: int) -> frozenset[int]:
+        """The batches `rank` skips: committed by earlier attempts, or by itself in this one."""
+        return frozenset(self.deal.done_before).union(*(s.batch_indices() for s in self.own(rank)))
+
 
 def read_manifests(fs: FS) -> list[tuple[str, Manifest]]:
     """Every manifest in the store (the merged one and every rank's of every attempt), by name."""
@@ -133,7 +137,8 @@ def plan(manifests: list[tuple[str, Manifest]], settings: dict[str, Any], world_
     return Plan(Deal(generation, world_size, tuple(done_before)), shards, points, meta)
 
 
-def deal_for(out_dir: str | os.PathLike, settings: dict[str, Any], world_size: int) -> Deal:
-    """The deal a writer opening `out_dir` now would get, read without writing anything."""
+def plan_for(out_dir: str | os.PathLike, settings: dict[str, Any], world_size: int) -> Plan:
+    """What a writer opening `out_dir` now would find (its deal, the batches it skips), read
+    without writing anything."""
     fs = open_fs(out_dir)
-    return plan(read_manifests(fs), settings, world_size, fs.url).deal
+    return plan(read_manifests(fs), settings, world_size, fs.url)

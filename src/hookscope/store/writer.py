@@ -1,6 +1,8 @@
 """Write a store: a background thread turns batches into safetensors shards while the caller computes.
 
-Crash safety rests on three rules. A shard is written under a `.tmp` name, fsynced and renamed;
+Crash safety rests on three rules. A shard is written under a `.tmp` name in the writer's own
+staging directory (`shards/shard-r000-writing/`: what a crash leaves there, safetensors' own
+temporary file included, is found and deleted by the next writer), fsynced and renamed into place;
 the manifest is then replaced atomically; and a batch counts as done only once the manifest lists
 the shard holding it. Shards are cut at batch boundaries only, so every committed shard holds whole
 batches, and a resumed run that skips `done_batches` writes each batch exactly once. Because the
@@ -71,15 +73,16 @@ class ShardWriter:
         self.rank, self.world_size, self.shard_rows = rank, world_size, shard_rows
         self._file_mode = 0o666 & ~_umask()  # safetensors creates 0600 files; a store is meant to be shared
         found_at_open = self._check_is_store_dir()
-        try:  # where a shard is written before it counts: the shards directory, or a local one for a URL
-            self._staging = self.fs.staging(SHARDS_DIR)
-        except OSError as e:
-            raise StoreError(f"cannot create the store directory {self.out}: {e}; "
-                             "choose a writable --out") from e
         found = plan(read_manifests(self.fs), settings, world_size, self.out)
         self.deal = found.deal
         self.generation = found.deal.generation
         self._prefix = shard_prefix(rank, self.generation)
+        try:  # where a shard is written before it counts: a directory of this writer's own, named
+            # with its shard prefix, inside shards/ (or a local one for a URL); see _remove_orphans
+            self._staging = self.fs.staging(SHARDS_DIR, f"{self._prefix}writing")
+        except OSError as e:
+            raise StoreError(f"cannot create the store directory {self.out}: {e}; "
+                             "choose a writable --out") from e
         self._manifest_name = manifest_name(rank, world_size, self.generation)
         self._listed = {Path(s.file).name for s in found.shards}  # by any manifest: not debris
         own = found.own(rank)
@@ -99,8 +102,7 @@ class ShardWriter:
             raise StoreError(f"cannot write to the store directory {self.out}: {e}; make it writable (or "
                              "free space) or choose another --out, and re-run") from e
         # to skip: what earlier attempts committed, and this rank's own shards of this attempt
-        self.done_batches: frozenset[int] = frozenset(found.deal.done_before).union(
-            *(s.batch_indices() for s in own))
+        self.done_batches: frozenset[int] = found.done(rank)
         self.bytes_written = 0  # this session, for a progress bar
         self._layout = {**found.points, **found.meta}  # every rank's batches must match the store's columns
         self._next_shard = 1 + max((_shard_number(s.file) for s in own), default=-1)
@@ -262,6 +264,7 @@ class ShardWriter:
         runs = runs_of([i for i, _ in pending])
         identity = shard_identity(self.manifest.settings_hash, runs, self.rank)
         try:
+            self._staging.mkdir(exist_ok=True)  # made on the first write: a store never written has none
             save_file(tensors, tmp, metadata=identity)
             os.chmod(tmp, self._file_mode)
             size, sha = _fsync_and_hash(tmp)
@@ -307,7 +310,8 @@ class ShardWriter:
         return names
 
     def _remove_orphans(self, found_at_open: list[str]) -> None:
-        """Delete leftovers of a crash: this rank's `.tmp` files and the shards no manifest lists,
+        """Delete leftovers of a crash: this rank's staging directory (a half-written shard and any
+        temporary file safetensors made beside it), `.tmp` files and the shards no manifest lists,
         and (rank 0) those of earlier attempts, whose processes have stopped."""
         def debris(name: str) -> bool:
             if not name.startswith(self._prefix) and (self.rank != 0 or not name.startswith("shard-")
