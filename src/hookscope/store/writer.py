@@ -258,7 +258,9 @@ class ShardWriter:
 
     def _write_shard(self, pending: list[tuple[int, dict[str, torch.Tensor]]],
                      stats: dict[str, PointStats]) -> None:
-        tensors = {k: torch.cat([b[k] for _, b in pending]) for k in pending[0][1]}
+        # one batch (as large as a shard) is written as it came: a cat would copy it for nothing
+        tensors = pending[0][1] if len(pending) == 1 else {
+            k: torch.cat([b[k] for _, b in pending]) for k in pending[0][1]}
         name = f"{self._prefix}{self._next_shard:06d}.safetensors"
         tmp = self._staging / (name + ".tmp")
         runs = runs_of([i for i, _ in pending])
