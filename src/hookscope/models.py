@@ -68,6 +68,12 @@ def resolve_source(name_or_path: str | None) -> tuple[str, bool]:
     return name_or_path, False  # a Hugging Face hub id
 
 
+def sha256_text(text: str) -> str:
+    """The SHA-256 (hex) of a text's UTF-8 bytes: how a store's settings name a tokenizer, a model
+    config or an image processor."""
+    return sha256_text(text)
+
+
 def tokenizer_hash(tokenizer: Any) -> str:
     """SHA-256 of a tokenizer's whole definition: a store records it, so that the tokens it holds are
     decoded later with the tokenizer that made them."""

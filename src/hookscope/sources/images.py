@@ -24,9 +24,10 @@ import torch
 from torch import Tensor
 
 from ..errors import DataError, HookscopeError
+from ..models import sha256_text
 from .base import Rows, Run, Source
 from .columns import patch_columns
-from .identity import model_identity, sha256_text
+from .identity import model_identity
 
 if TYPE_CHECKING:
     from ..extract import ExtractConfig
