@@ -71,7 +71,7 @@ def resolve_source(name_or_path: str | None) -> tuple[str, bool]:
 def sha256_text(text: str) -> str:
     """The SHA-256 (hex) of a text's UTF-8 bytes: how a store's settings name a tokenizer, a model
     config or an image processor."""
-    return sha256_text(text)
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def tokenizer_hash(tokenizer: Any) -> str:
@@ -79,7 +79,7 @@ def tokenizer_hash(tokenizer: Any) -> str:
     decoded later with the tokenizer that made them."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return sha256_text(text)
 
 
 def load_tokenizer(name: str, *, saved_alone: bool = False, sha256: str | None = None) -> Any:
