@@ -204,6 +204,27 @@ def test_cli_extract_images(vision, image_dir, tmp_path, capsys):
     assert store.points["blocks.0.resid_post"].dtype == "float16"  # the CLI's default dtype
 
 
+def test_keep_bos_is_refused_for_images(image_dir, tmp_path, capsys):
+    """Images keep every token (CLS and registers too: the round-trip test above reads them back),
+    so `--keep-bos` has nothing to keep: refused before a store exists, saying what to do."""
+    from hookscope.cli import main
+    from hookscope.errors import HookscopeError
+
+    path = save_tiny("vit", tmp_path / "vit", n_layers=2, d_model=32)
+    out = tmp_path / "acts"
+    args = ["extract", str(path), "--data", f"images:{image_dir}", "--points", "blocks.0.resid_post",
+            "--out", str(out), "--no-progress"]
+    assert main([*args, "--keep-bos"]) == 2
+    err = capsys.readouterr().err
+    assert "--keep-bos: images always keep every token" in err and "leave --keep-bos out" in err
+    assert not out.exists()
+    with pytest.raises(HookscopeError, match="patch_rows >= 0"):
+        extract(ExtractConfig(out=str(out), model=str(path), points=["blocks.0.resid_post"],
+                              data=f"images:{image_dir}", drop_bos=False, progress=False))
+    assert main(args) == 0  # the corrected command
+    assert len(hs.open_store(out, verify=True)) == 5 * (PREFIX["vit"] + GRID * GRID)
+
+
 @pytest.mark.parametrize("family", ["clip", "siglip"])
 def test_two_tower_models_name_their_vision_tower(family):
     """CLIPModel / SiglipModel: the points are the vision tower's, under vision_model."""

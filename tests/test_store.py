@@ -261,6 +261,24 @@ def test_leftovers_of_a_crash_are_removed_on_resume(store_dir: Path):
     assert Manifest.load(store_dir / "manifest.json").to_json() == before.to_json()
 
 
+def test_safetensors_temp_files_of_older_writers_are_removed_on_resume(tmp_path: Path):
+    """Writers before the staging directories ran safetensors' save_file in shards/ itself, and a
+    kill left its temporary file (`.tmp` + 6 letters or digits) there: the resume deletes it, and
+    nothing of another name."""
+    out = tmp_path / "old"
+    write_all(out, batches=range(N_BATCHES // 2))
+    shards = out / "shards"
+    (shards / ".tmpCgbniX").write_bytes(b"half of a shard")
+    (shards / ".tmpCgbni").write_bytes(b"not safetensors' name: 5 characters")
+    (shards / "notes.tmpAbCdEf").write_bytes(b"not safetensors' name: a prefix")
+    write_all(out)
+    listed = [Path(s.file).name for s in Manifest.load(out / "manifest.json").shards]
+    assert sorted(p.name for p in shards.iterdir()) == sorted([*listed, ".tmpCgbni", "notes.tmpAbCdEf"])
+    store = open_store(out, verify=True)
+    for name, column in expected_columns().items():
+        assert torch.equal(bits(store.tensor(name)), bits(column)), name
+
+
 def test_other_settings_are_refused_with_the_difference(store_dir: Path):
     changed = {**SETTINGS, "context": 16, "revision": "abc"}
     with pytest.raises(StoreError) as e:

@@ -68,12 +68,18 @@ def resolve_source(name_or_path: str | None) -> tuple[str, bool]:
     return name_or_path, False  # a Hugging Face hub id
 
 
+def sha256_text(text: str) -> str:
+    """The SHA-256 (hex) of a text's UTF-8 bytes: how a store's settings name a tokenizer, a model
+    config or an image processor."""
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
 def tokenizer_hash(tokenizer: Any) -> str:
     """SHA-256 of a tokenizer's whole definition: a store records it, so that the tokens it holds are
     decoded later with the tokenizer that made them."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
     text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    return hashlib.sha256(text.encode()).hexdigest()
+    return sha256_text(text)
 
 
 def load_tokenizer(name: str, *, saved_alone: bool = False, sha256: str | None = None) -> Any:

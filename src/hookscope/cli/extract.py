@@ -27,7 +27,7 @@ def add_parser(sub) -> None:
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--dtype", default="float16", choices=DTYPES)
     p.add_argument("--keep-bos", action="store_true",
-                   help="also store BOS / CLS / SEP tokens (dropped by default)")
+                   help="also store BOS / CLS / SEP tokens (dropped by default; images keep every token)")
     p.add_argument("--max-tokens", type=int, default=None,
                    help="stop after this many tokens (whole sequences; images: whole images)")
     p.add_argument("--shard-rows", type=int, default=65536, help="rows per shard file")

@@ -24,13 +24,12 @@ source is read at the positions the current step covers.
 Rooms: `driver.py` (checks, then one generate with everything attached), `steps.py` (following
 the passes), `keep.py` (captured positions), `edits.py` (edits per step), `result.py`
 (`Generation`), one backend per kind of model (`hf.py`, `lens.py` for TransformerLens 3,
-`bridge.py` for the TransformerLens 4 bridge; see `backend.py`), and `rows.py` (store rows for
-`hookscope extract --generate N`).
+`bridge.py` for the TransformerLens 4 bridge; see `backend.py`). `hookscope extract --generate N`
+turns a `Generation` into store rows in `sources/generated.py`.
 """
 
 from .driver import generate
 from .edits import EDIT_ON
 from .result import Generation
-from .rows import generate_rows
 
-__all__ = ["EDIT_ON", "Generation", "generate", "generate_rows"]
+__all__ = ["EDIT_ON", "Generation", "generate"]

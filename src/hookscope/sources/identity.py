@@ -3,15 +3,12 @@ tokenizer's hash is `models.tokenizer_hash`, which the store's readers check too
 
 from __future__ import annotations
 
-import hashlib
 from typing import TYPE_CHECKING
+
+from ..models import sha256_text
 
 if TYPE_CHECKING:
     from ..models import Loaded
-
-
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def model_identity(loaded: Loaded) -> dict[str, str]:

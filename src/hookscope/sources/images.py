@@ -6,10 +6,10 @@ batches; one row per token (CLS and patches) of each image.
 Every row traces back to its image and patch (columns.patch_columns): `doc_ids` is the image's
 index in the manifest's `settings["images"]` (paths relative to the folder, sorted), `positions`
 the token position, `patch_rows` / `patch_cols` the patch's place in the grid (-1 for CLS /
-register tokens, which sit before the patches). Rows follow the model's token order.
-`--max-tokens N` keeps the first N // T images, T being the tokens of one image (whole images
-only, as text keeps whole sequences); `--context` and `--generate` have no meaning here and are
-refused.
+register tokens, which sit before the patches). Rows follow the model's token order, every
+token kept. `--max-tokens N` keeps the first N // T images, T being the tokens of one image
+(whole images only, as text keeps whole sequences); `--context` and `--generate` have no meaning
+here and are refused, as is `--keep-bos` (nothing is dropped to keep).
 """
 
 from __future__ import annotations
@@ -24,9 +24,10 @@ import torch
 from torch import Tensor
 
 from ..errors import DataError, HookscopeError
+from ..models import sha256_text
 from .base import Rows, Run, Source
 from .columns import patch_columns
-from .identity import model_identity, sha256_text
+from .identity import model_identity
 
 if TYPE_CHECKING:
     from ..extract import ExtractConfig
@@ -166,6 +167,10 @@ class ImageSource(Source):
         if cfg.generate:
             raise HookscopeError(f"--generate {cfg.generate}: images have no continuation to generate; leave "
                                  "--generate out for images")
+        if not cfg.drop_bos:  # nothing to keep: no image row is ever dropped
+            raise HookscopeError("--keep-bos: images always keep every token, CLS and register tokens "
+                                 "included (their patch_rows / patch_cols are -1: select patch_rows >= 0 "
+                                 "for the patches alone); leave --keep-bos out for images")
 
     @classmethod
     def open(cls, cfg: ExtractConfig, loaded: Loaded, points: list[str], run: Run) -> ImageSource:

@@ -314,8 +314,11 @@ class ShardWriter:
     def _remove_orphans(self, found_at_open: list[str]) -> None:
         """Delete leftovers of a crash: this rank's staging directory (a half-written shard and any
         temporary file safetensors made beside it), `.tmp` files and the shards no manifest lists,
-        and (rank 0) those of earlier attempts, whose processes have stopped."""
+        and (rank 0) those of earlier attempts, whose processes have stopped, and safetensors'
+        temporary files in shards/ itself (only writers before the staging directories left them)."""
         def debris(name: str) -> bool:
+            if self.rank == 0 and _LIBRARY_TEMP.fullmatch(name):
+                return True
             if not name.startswith(self._prefix) and (self.rank != 0 or not name.startswith("shard-")
                                                       or _of_generation(name, self.generation)):
                 return False  # another rank's of this attempt: it may be writing it right now
@@ -326,6 +329,10 @@ class ShardWriter:
                 self.fs.remove(f"{SHARDS_DIR}/{name}")
         if self._manifest_name + ".tmp" in found_at_open:  # a local manifest write cut short
             self.fs.remove(self._manifest_name + ".tmp")
+
+
+# safetensors' save_file writes `.tmp` + 6 letters or digits beside its target, then renames it
+_LIBRARY_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 
 
 def _of_generation(name: str, generation: int) -> bool:
