@@ -100,10 +100,20 @@ def test_round_trip_equals_plain_hooks(tiny_dirs, corpus, reference_store):
 
 # os.replace calls go: 1 manifest stamped at open, then per shard: shard rename, manifest replace
 KILL_POINTS = ["save:2", "replace:2:after", "replace:3:before", "replace:5:after", "replace:6:before"]
+# what every source runs by default (the loop is one, the sources differ before it); all with --full
+EVERY_SOURCE_KILLS = {"save:2", "replace:3:before"}
 
 
-@pytest.mark.parametrize("kill_at", KILL_POINTS)
-@pytest.mark.parametrize("source", SOURCES)
+def _for_every_source(cases: list, every_source: set) -> list:
+    """(source, *case) params: all cases for text, the `every_source` ones for the other sources
+    by default, the rest of theirs marked slow (run with --full)."""
+    return [pytest.param(source, *case, id="-".join(map(str, (source, *case))),
+                         marks=(pytest.mark.slow,) if source != "text" and case not in every_source else ())
+            for source in SOURCES for case in cases]
+
+
+@pytest.mark.parametrize(("source", "kill_at"), _for_every_source([(k,) for k in KILL_POINTS],
+                                                                 {(k,) for k in EVERY_SOURCE_KILLS}))
 def test_resume_after_sigkill_equals_uninterrupted(cases, references, tmp_path, source, kill_at):
     reference_store = references[source]
     out = tmp_path / "store"
@@ -193,8 +203,7 @@ def test_torchrun_two_processes_same_rows(tiny_dirs, corpus, reference_store, tm
     assert torch.equal(k2, k1) and torch.equal(v2, v1)
 
 
-@pytest.mark.parametrize(("first", "then"), [(2, 1), (1, 2)])
-@pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.parametrize(("source", "first", "then"), _for_every_source([(2, 1), (1, 2)], {(2, 1)}))
 def test_elastic_resume_with_another_number_of_processes(cases, references, tmp_path, source, first, then):
     """Started by `first` processes, killed, finished by `then`: the rows of an uninterrupted run
     (before, image extraction refused torchrun)."""
