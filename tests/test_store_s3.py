@@ -136,10 +136,17 @@ def test_extract_to_s3_equals_the_local_store(s3, bucket, tiny_dirs, corpus, ref
     assert "verified" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("sig", "at"), [("KILL", "batch:4"), ("KILL", "save:2"), ("KILL", "upload:3:after"),
+# the moments a URL store adds (upload, put) by default; the ones a local store shares with it
+# (tests/test_extract.py, test_faults_signals.py run those locally) with --full
+LOCAL_TOO = pytest.mark.slow
+
+
+@pytest.mark.parametrize(("sig", "at"), [pytest.param("KILL", "batch:4", marks=LOCAL_TOO),
+                                         pytest.param("KILL", "save:2", marks=LOCAL_TOO),
+                                         ("KILL", "upload:3:after"),
                                          ("KILL", "upload:2:before"), ("KILL", "put:4:before"),
                                          ("KILL", "put:1:after"), ("INT", "upload:3:after"),
-                                         ("TERM", "batch:6")])
+                                         pytest.param("TERM", "batch:6", marks=LOCAL_TOO)])
 def test_killed_then_resumed_equals_uninterrupted(s3, bucket, tiny_dirs, corpus, reference, sig, at):
     """A kill at any moment, including between a shard's upload and the manifest PUT that commits
     it: readers see only listed shards, the resume deletes the orphan, and the finished store
@@ -213,7 +220,7 @@ def test_torchrun_two_ranks_write_to_one_url(s3, bucket, tiny_dirs, corpus, refe
     assert torch.equal(k2, k1) and torch.equal(v2, v1)
 
 
-@pytest.mark.parametrize(("first", "then"), [(2, 1), (1, 2)])
+@pytest.mark.parametrize(("first", "then"), [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)])
 def test_elastic_resume_on_a_url(s3, bucket, tiny_dirs, corpus, reference, first, then):
     """Started by `first` processes writing to the URL, killed, finished by `then`: the rows of an
     uninterrupted run, and no object that no manifest lists."""
