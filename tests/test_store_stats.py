@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from hookscope.store import ShardWriter
-from hookscope.store import writer as writer_module
+from hookscope.store import fs as fs_module
 from hookscope.store.stats import PointStats, count_nonfinite
 
 
@@ -102,9 +102,22 @@ def test_shard_checksums_are_those_of_the_files_mapped_or_read(tmp_path: Path, m
     def unmappable(*args, **kwargs):
         raise OSError(19, "No such device")  # what a FUSE mount in direct-I/O mode answers
 
-    monkeypatch.setattr(writer_module.mmap, "mmap", unmappable)
+    monkeypatch.setattr(fs_module.mmap, "mmap", unmappable)
     read = written(tmp_path / "read")
     assert len(mapped) == 3 and mapped == read
     for file, size, sha in mapped:
         data = (tmp_path / "mapped" / file).read_bytes()
         assert (size, sha) == (len(data), hashlib.sha256(data).hexdigest())
+
+
+@pytest.mark.parametrize("start", [0, 5, 4097])
+def test_sha256_of_hashes_what_is_left_of_the_file(tmp_path: Path, start: int):
+    data = bytes(range(256)) * 40
+    (tmp_path / "f").write_bytes(data)
+    (tmp_path / "empty").write_bytes(b"")
+    with (tmp_path / "f").open("rb") as f:
+        f.seek(start)
+        assert fs_module.sha256_of(f) == (len(data) - start, hashlib.sha256(data[start:]).hexdigest())
+        assert f.read() == b""  # read to the end either way
+    with (tmp_path / "empty").open("rb") as f:
+        assert fs_module.sha256_of(f) == (0, hashlib.sha256(b"").hexdigest())

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import mmap
 import os
 import shutil
 import stat
@@ -38,7 +39,17 @@ Part = tuple[str, int, int]  # (object, start, end): bytes [start, end) of one o
 
 
 def sha256_of(f: BinaryIO) -> tuple[int, str]:
-    """(bytes read, hex SHA-256) of what is left in the open binary file `f`."""
+    """(bytes read, hex SHA-256) of what is left in the open binary file `f`: a local file read from
+    its start is hashed through a memory map (no copy into Python; hashlib releases the GIL), any
+    other in 4 MiB chunks (a filesystem that cannot map files, e.g. FUSE in direct-I/O mode, too)."""
+    if f.tell() == 0:
+        try:
+            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
+                size, digest = len(mapped), hashlib.sha256(mapped).hexdigest()
+            f.seek(size)  # read to the end, as the chunked path leaves it
+            return size, digest
+        except (OSError, ValueError):  # no file descriptor, an empty file, an unmappable filesystem
+            pass
     h = hashlib.sha256()
     size = 0
     while chunk := f.read(CHUNK):

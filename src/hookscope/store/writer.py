@@ -14,8 +14,6 @@ shard for shard. A resume with another number of ranks re-deals the batches not 
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import mmap
 import os
 import queue
 import re
@@ -378,15 +376,11 @@ def _shard_number(file: str) -> int:
 
 
 def _fsync_and_hash(path: Path) -> tuple[int, str]:
-    """(bytes, SHA-256) of the finished shard at `path`, synced to disk. The hash reads the file
-    through a memory map (no copy into Python) while another thread fsyncs it; both release the
-    GIL, so a shard costs the longer of the two, not their sum."""
+    """(bytes, SHA-256) of the finished shard at `path`, synced to disk. The hash (`sha256_of`: a
+    memory map) runs while another thread fsyncs the file; both release the GIL, so a shard costs
+    the longer of the two, not their sum."""
     with open(path, "rb") as f, ThreadPoolExecutor(1, thread_name_prefix="hookscope-fsync") as pool:
         synced = pool.submit(os.fsync, f.fileno())
-        try:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                size, digest = len(mapped), hashlib.sha256(mapped).hexdigest()
-        except (OSError, ValueError):  # a filesystem that cannot map files (FUSE in direct-I/O mode)
-            size, digest = sha256_of(f)
+        size, digest = sha256_of(f)
         synced.result()  # raises the fsync's error (a full disk): the shard is not durable
     return size, digest
