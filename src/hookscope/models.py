@@ -157,10 +157,12 @@ def load(
     partial = None
     try:
         with _no_progress_bars():  # transformers 5 draws a bar while it loads the weights
+            files = _weight_files(source, common) if str(device) == "meta" or points is not None else None
             if str(device) == "meta":
-                model = _weightless(auto, source, config, kwargs)
-            elif points is not None and _has_weight_files(source, common):
-                model, partial = _load_partial(auto, source, config, kwargs, points, device, device_map)
+                model = _weightless(auto, config, kwargs, files)
+            elif points is not None and files:
+                model, partial = _load_partial(auto, source, config, kwargs, files, points, device,
+                                               device_map)
             else:  # the whole model (a checkpoint without weight files fails here, in from_pretrained)
                 placed = {"device_map": device_map} if device_map is not None else {}
                 model = auto.from_pretrained(source, **kwargs, **placed)
@@ -180,38 +182,37 @@ def load(
     return Loaded(model, tok, arch_of(model), label, partial)
 
 
-def _weightless(auto: Any, source: str, config: Any, kwargs: dict) -> nn.Module:
+def _weightless(auto: Any, config: Any, kwargs: dict, files: list[str] | None) -> nn.Module:
     """The model with every parameter on `meta` and its buffers (rotary tables) computed."""
     from accelerate import init_empty_weights
 
-    hub = {k: kwargs[k] for k in ("revision", "local_files_only")}
-    dtype = kwargs.get("dtype") or _config_dtype(config) or (
-        stored_dtype(checkpoint_files(source, **hub)) if _has_weight_files(source, hub) else torch.float32)
+    dtype = _auto_dtype(config, kwargs, files)
     with init_empty_weights(include_buffers=False):
         options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
         return auto.from_config(config, dtype=dtype, **options)
 
 
-def _config_dtype(config: Any) -> torch.dtype | None:
-    named = getattr(config, "dtype", None)
-    return getattr(torch, named) if isinstance(named, str) else named
+def _auto_dtype(config: Any, kwargs: dict, files: list[str] | None) -> torch.dtype:
+    """The dtype asked for, else what `from_pretrained`'s default (`dtype="auto"`) picks: the
+    config's, else the checkpoint's first floating weight's (float32 without weight files)."""
+    named = kwargs.get("dtype") or getattr(config, "dtype", None)
+    if named is not None:
+        return getattr(torch, named) if isinstance(named, str) else named
+    return stored_dtype(files) if files else torch.float32
 
 
-def _has_weight_files(source: str, hub: dict) -> bool:
+def _weight_files(source: str, hub: dict) -> list[str] | None:
     try:
-        checkpoint_files(source, **hub)
-        return True
+        return checkpoint_files(source, **hub)
     except ModelLoadError:
-        return False
+        return None
 
 
-def _load_partial(auto: Any, source: str, config: Any, kwargs: dict, points: str | list[str],
-                  device: str | torch.device, device_map: str | dict | None,
+def _load_partial(auto: Any, source: str, config: Any, kwargs: dict, files: list[str],
+                  points: str | list[str], device: str | torch.device, device_map: str | dict | None,
                   ) -> tuple[nn.Module, PartialLoad | None]:
-    """The model on `meta`, with only the weights `points` need read from its weight files."""
-    hub = {k: kwargs[k] for k in ("revision", "local_files_only")}
-    files = checkpoint_files(source, **hub)
-    dtype = kwargs.get("dtype") or _config_dtype(config) or stored_dtype(files)  # as from_pretrained's "auto"
+    """The model on `meta`, with only the weights `points` need read from its weight `files`."""
+    dtype = _auto_dtype(config, kwargs, files)
     options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
 
     def meta_model() -> nn.Module:
