@@ -10,9 +10,12 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
-from hookscope.store import ShardWriter
+from hookscope.store import ShardWriter, open_store
+from hookscope.store import checksum as checksum_module
 from hookscope.store import fs as fs_module
+from hookscope.store.checksum import checksum_of
 from hookscope.store.stats import PointStats, count_nonfinite
 
 
@@ -89,25 +92,42 @@ def test_count_nonfinite_counts_each_value():
     assert count_nonfinite(torch.zeros(5)) == 0 and count_nonfinite(torch.arange(5)) == 0
 
 
-def written(out: Path) -> list[tuple[str, int, str]]:
-    with ShardWriter(out, {"k": 1}, shard_rows=64) as w:
+def written(out: Path, **options) -> list[tuple[str, int, str, str]]:
+    with ShardWriter(out, {"k": 1}, shard_rows=64, **options) as w:
         for i in range(5):
             w.write(i, {"p": random_rows((40, 24), torch.bfloat16, i)}, {"token_ids": torch.arange(40)})
-    return [(s.file, s.bytes, s.sha256) for s in w.manifest.shards]
+    return [(s.file, s.bytes, s.algorithm, s.checksum) for s in w.manifest.shards]
 
 
-def test_shard_checksums_are_those_of_the_files_mapped_or_read(tmp_path: Path, monkeypatch):
-    mapped = written(tmp_path / "mapped")
+REFERENCE = {"sha256": lambda data: hashlib.sha256(data).hexdigest(),
+             "xxh3_128": lambda data: xxhash.xxh3_128(data).hexdigest()}
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
+def test_shard_checksums_are_those_of_the_files_written(tmp_path: Path, algorithm: str):
+    """Checksummed while written, from the tensors' memory: the digest of the bytes on disk."""
+    entries = written(tmp_path / "s", checksum=algorithm)
+    assert len(entries) == 3
+    for file, size, named, digest in entries:
+        data = (tmp_path / "s" / file).read_bytes()
+        assert (size, named, digest) == (len(data), algorithm, REFERENCE[algorithm](data))
+    assert open_store(tmp_path / "s", verify=True).num_shards == 3
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
+def test_checksum_of_a_file_mapped_or_read(tmp_path: Path, monkeypatch, algorithm: str):
+    data = bytes(range(256)) * 40_000
+    (tmp_path / "f").write_bytes(data)
+    with (tmp_path / "f").open("rb") as f:
+        mapped = checksum_of(f, algorithm)
 
     def unmappable(*args, **kwargs):
         raise OSError(19, "No such device")  # what a FUSE mount in direct-I/O mode answers
 
-    monkeypatch.setattr(fs_module.mmap, "mmap", unmappable)
-    read = written(tmp_path / "read")
-    assert len(mapped) == 3 and mapped == read
-    for file, size, sha in mapped:
-        data = (tmp_path / "mapped" / file).read_bytes()
-        assert (size, sha) == (len(data), hashlib.sha256(data).hexdigest())
+    monkeypatch.setattr(checksum_module.mmap, "mmap", unmappable)
+    with (tmp_path / "f").open("rb") as f:
+        read = checksum_of(f, algorithm)
+    assert mapped == read == (len(data), REFERENCE[algorithm](data))
 
 
 @pytest.mark.parametrize("start", [0, 5, 4097])
