@@ -75,13 +75,14 @@ def writer_run(args: argparse.Namespace) -> dict[str, float]:
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)
     point = "blocks.6.resid_post"
-    batches = [torch.randn(args.rows, args.width, generator=g).to(torch.bfloat16) for _ in range(args.batches)]
+    batches = [torch.randn(args.rows, args.width, generator=g).to(torch.bfloat16)
+               for _ in range(args.batches)]
     metas = [{name: torch.arange(i * args.rows, (i + 1) * args.rows) for name in
               ("token_ids", "doc_ids", "positions", "seq_ids")} for i in range(args.batches)]
     takes_stats = "stats" in inspect.signature(ShardWriter.write).parameters
     stats = [{point: PointStats.of(b)} for b in batches] if takes_stats else [None] * len(batches)
     # the raw floor writes the same bytes: each batch's activations, then its columns
-    chunks = [memoryview(t.contiguous().view(torch.uint8).numpy()) for b, m in zip(batches, metas)
+    chunks = [memoryview(t.contiguous().view(torch.uint8).numpy()) for b, m in zip(batches, metas, strict=True)
               for t in (b, *m.values())]
     total = sum(c.nbytes for c in chunks)
     shard_bytes = total * args.shard_rows // (args.rows * args.batches)
@@ -93,7 +94,7 @@ def writer_run(args: argparse.Namespace) -> dict[str, float]:
             store = base / f"store-{attempt}"
             start = time.perf_counter()
             with ShardWriter(store, {"bench": 1}, shard_rows=args.shard_rows) as writer:
-                for i, (b, m, s) in enumerate(zip(batches, metas, stats)):
+                for i, (b, m, s) in enumerate(zip(batches, metas, stats, strict=True)):
                     if takes_stats:
                         writer.write(i, {point: b}, m, stats=s)
                     else:
@@ -146,12 +147,11 @@ def identity_blocks() -> None:
 
 def extract_run(args: argparse.Namespace) -> dict[str, float]:
     import torch
+    import transformers
+    from transformers import AutoTokenizer
 
     from hookscope.extract import ExtractConfig, extract
     from hookscope.sources import batches, iter_documents, pack
-    from transformers import AutoTokenizer
-
-    import transformers
 
     torch.set_num_threads(2)
     transformers.logging.set_verbosity_error()
@@ -163,7 +163,8 @@ def extract_run(args: argparse.Namespace) -> dict[str, float]:
     try:
         cfg = ExtractConfig(out=str(store / "s"), model=str(work / "model"), points=points,
                             data=str(work / "corpus.jsonl"), context=args.context, batch_size=args.batch,
-                            dtype="bfloat16", max_tokens=args.tokens, progress=False, shard_rows=args.shard_rows)
+                            dtype="bfloat16", max_tokens=args.tokens, progress=False,
+                            shard_rows=args.shard_rows)
         summary = extract(cfg)
         extract_s = summary.seconds
         rows, nbytes = summary.new_rows, summary.bytes_written
@@ -185,8 +186,8 @@ def extract_run(args: argparse.Namespace) -> dict[str, float]:
 def fresh(mode: str, extra: list[str], runs: int) -> list[dict]:
     out = []
     for _ in range(runs):
-        done = subprocess.run([sys.executable, __file__, "--child", mode, *extra], capture_output=True, text=True,
-                              timeout=1800)
+        done = subprocess.run([sys.executable, __file__, "--child", mode, *extra], capture_output=True,
+                              text=True, timeout=1800)
         if done.returncode:
             raise SystemExit(f"child {mode} {extra} failed:\n{done.stderr[-4000:]}")
         out.append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -236,7 +237,8 @@ def main() -> None:
                   f"{args.shard_rows}-row shards, {name} ({folder}): writer "
                   f"{statistics.median(mb / r['writer_s'] for r in rs):,.0f} MB/s, raw fsynced write "
                   f"{statistics.median(mb / r['raw_s'] for r in rs):,.0f} MB/s: {ratio:.2f}x "
-                  f"(target >= 0.5x in memory){'' if rs[0]['takes_stats'] else ', stats computed by the writer'}; "
+                  f"(target >= 0.5x in memory)"
+                  f"{'' if rs[0]['takes_stats'] else ', stats computed by the writer'}; "
                   f"{load()}", flush=True)
     if args.only in (None, "extract"):
         with tempfile.TemporaryDirectory(prefix="hookscope-bench-pipeline-") as tmp:
@@ -254,7 +256,8 @@ def main() -> None:
                 mbs = statistics.median(r["bytes"] / r["extract_s"] / 1e6 for r in rs)
                 print(f"(b) extract, free forward, {n} point(s), {rs[0]['tokens']:,} tokens "
                       f"({args.batch} x {args.context} bf16, store in {MEMORY_DIR}): {ext:,.0f} tokens/s "
-                      f"({mbs:,.0f} MB/s) vs packing alone {pk:,.0f} tokens/s: {ratio:.2f}x (target >= 0.6x); "
+                      f"({mbs:,.0f} MB/s) vs packing alone {pk:,.0f} tokens/s: {ratio:.2f}x "
+                      "(target >= 0.6x); "
                       f"{load()}", flush=True)
                 print("    last run's summary: " + rs[-1]["summary"].replace("\n", "\n    "), flush=True)
 
