@@ -82,7 +82,8 @@ def writer_run(args: argparse.Namespace) -> dict[str, float]:
     takes_stats = "stats" in inspect.signature(ShardWriter.write).parameters
     stats = [{point: PointStats.of(b)} for b in batches] if takes_stats else [None] * len(batches)
     # the raw floor writes the same bytes: each batch's activations, then its columns
-    chunks = [memoryview(t.contiguous().view(torch.uint8).numpy()) for b, m in zip(batches, metas, strict=True)
+    chunks = [memoryview(t.contiguous().view(torch.uint8).numpy())
+              for b, m in zip(batches, metas, strict=True)
               for t in (b, *m.values())]
     total = sum(c.nbytes for c in chunks)
     shard_bytes = total * args.shard_rows // (args.rows * args.batches)
