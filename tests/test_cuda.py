@@ -346,6 +346,9 @@ def test_statistics_where_the_activations_are_and_the_copy_out(device):
         assert host[name].device.type == "cpu"
         torch.testing.assert_close(host[name], value.cpu(), rtol=0, atol=0, equal_nan=True)
         assert host[name].is_pinned() == (device == "cuda")
+        if device == "cpu":  # left to the writer's thread, which computes what it is not given
+            assert stats == {}
+            continue
         want = PointStats.of(value.cpu())
         assert (stats[name].nonfinite, stats[name].norm_count) == (want.nonfinite, want.norm_count)
         assert stats[name].norm_sum == pytest.approx(want.norm_sum, rel=1e-5)

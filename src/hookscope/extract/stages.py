@@ -114,10 +114,12 @@ def ahead(items: Iterable[T], stages: Stages, depth: int = AHEAD) -> Iterator[T]
 def stats_and_host(acts: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, PointStats]]:
     """Each point's statistics computed where its activations are (on a GPU, where they cost
     nothing), then the activations on the host: copied into pinned memory without blocking the
-    device's stream, synchronized before the writer reads them. On the CPU nothing is copied."""
-    stats = {name: PointStats.of(a) for name, a in acts.items()}
+    device's stream, synchronized before the writer reads them. Activations already on the CPU
+    are neither copied nor measured here: the writer's thread measures them, beside the main
+    thread's forward, rather than after it on the same thread (no statistics: {})."""
     if not any(a.device.type == "cuda" for a in acts.values()):
-        return {name: a.cpu() for name, a in acts.items()}, stats
+        return {name: a.cpu() for name, a in acts.items()}, {}
+    stats = {name: PointStats.of(a) for name, a in acts.items() if a.device.type == "cuda"}
     host, events = {}, []
     for name, a in acts.items():
         if a.device.type != "cuda":
