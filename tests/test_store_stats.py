@@ -12,6 +12,7 @@ import pytest
 import torch
 import xxhash
 
+from hookscope.errors import StoreError
 from hookscope.store import ShardWriter, open_store
 from hookscope.store import checksum as checksum_module
 from hookscope.store import fs as fs_module
@@ -141,3 +142,29 @@ def test_sha256_of_hashes_what_is_left_of_the_file(tmp_path: Path, start: int):
         assert f.read() == b""  # read to the end either way
     with (tmp_path / "empty").open("rb") as f:
         assert fs_module.sha256_of(f) == (0, hashlib.sha256(b"").hexdigest())
+
+
+def test_a_store_of_sha256_shards_verifies_and_resumes_with_xxh3_shards(tmp_path: Path):
+    """Stores written before xxh3_128 name SHA-256 per shard: they open, verify and resume, the new
+    shards beside them named xxh3_128, the rows and shard bytes those of a store written in one go."""
+    def batch(i: int):
+        return {"p": random_rows((40, 24), torch.bfloat16, i)}, {"token_ids": torch.arange(40) + 40 * i}
+
+    with ShardWriter(tmp_path / "old", {"k": 1}, shard_rows=64, checksum="sha256") as w:
+        for i in range(3):
+            w.write(i, *batch(i))
+    with ShardWriter(tmp_path / "old", {"k": 1}, shard_rows=64) as w:  # resumed by today's writer
+        assert w.done_batches == frozenset(range(3))
+        for i in range(3, 6):
+            w.write(i, *batch(i))
+    store = open_store(tmp_path / "old", verify=True)
+    assert [s.algorithm for s in store.manifest.shards] == ["sha256", "sha256", "xxh3_128", "xxh3_128"]
+    assert torch.equal(store.tensor("p"), torch.cat([batch(i)[0]["p"] for i in range(6)]))
+    for s in store.manifest.shards:
+        assert s.checksum == REFERENCE[s.algorithm]((tmp_path / "old" / s.file).read_bytes())
+    first = tmp_path / "old" / store.manifest.shards[0].file
+    data = bytearray(first.read_bytes())
+    data[-1] ^= 0xFF
+    first.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=r"shard-r000-000000.*checksum \(sha256\) differs"):
+        open_store(tmp_path / "old", verify=True)
