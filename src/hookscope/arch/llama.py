@@ -25,6 +25,21 @@ _POST_NORMED = {
 }
 
 
+# Points whose meaning changed (hookscope 0.x, issue 35) on the post-normed families: name suffix
+# -> (what it means now, what it meant before). A store records the meaning of such points, so a
+# store written before is refused on resume (sources/identity.py, store/meanings.py).
+MEANING_CHANGES = {
+    "attn.out": ("what attention adds to the residual stream, after its post-norm (TransformerLens "
+                 "hook_attn_out)", "attention's output before its post-norm (now attn.out_pre_norm)"),
+    "mlp.out": ("what the MLP adds to the residual stream, after its post-norm (TransformerLens "
+                "hook_mlp_out)", "the MLP's output before its post-norm (now mlp.out_pre_norm)"),
+}
+
+
+def meaning_changes(model_type: str) -> dict[str, tuple[str, str]]:
+    return MEANING_CHANGES if model_type in _POST_NORMED else {}
+
+
 def attention(config, ln1: str | None = "input_layernorm", post_norm: str | None = None,
               mid: str = "layers.{L}.post_attention_layernorm") -> dict:
     """The residual stream into the block and its self-attention, as Llama-style decoders name

@@ -50,6 +50,15 @@ _PER_HEAD = ("attn.q", "attn.k", "attn.v", "attn.z", "attn.result", "attn.rot_q"
              "attn.q_input", "attn.k_input", "attn.v_input", "attn.in_pre_norm")
 
 
+# points whose meaning changed (issue 35): name suffix -> (what it means now, what it meant before)
+MEANING_CHANGES = {
+    "mlp.in": ("what the MLP reads, after ln2 (the bridge's mlp.hook_in)",
+               "TransformerLens's hook_mlp_in, the residual stream before ln2 (now mlp.in_pre_norm)"),
+    "attn.in": ("what attention reads, after ln1 (the bridge's attn.hook_in)",
+                "TransformerLens's hook_attn_in, the residual stream before ln1 (now attn.in_pre_norm)"),
+}
+
+
 def is_bridge(model: nn.Module) -> bool:
     return any(cls.__name__ == "TransformerBridge" for cls in type(model).__mro__)
 
