@@ -38,7 +38,7 @@ from .errors import HookscopeError, PointNotReachedError, SelectionError
 from .files import write_atomic
 from .hooks import Hook, Hooks, grad_leaf
 from .inputs import attention_mask_of, call_model, forward_parameters
-from .names import canonical, find_key, is_pattern
+from .names import canonical, find_key, is_pattern, meaning
 from .selection import Heads, Positions, Selection
 
 
@@ -309,6 +309,7 @@ class PointInfo:
     io: str
     view: str
     shape: tuple[int, ...] | None = None
+    meaning: str = ""  # what the name means (names.MEANINGS), "" for a family's own points
 
 
 def points(model: nn.Module, example: Any = None, *, pattern: str | None = None) -> list[PointInfo]:
@@ -337,7 +338,8 @@ def points(model: nn.Module, example: Any = None, *, pattern: str | None = None)
             except _StopForward:
                 pass
     return [
-        PointInfo(s.name, s.module or "<root>", s.io, s.view.label if s.view else "", shapes.get(s.name))
+        PointInfo(s.name, s.module or "<root>", s.io, s.view.label if s.view else "", shapes.get(s.name),
+                  meaning(s.name))
         for s in specs
     ]
 
