@@ -27,10 +27,16 @@ def run(args) -> int:
     if m.world_size > 1 or m.generation:  # the settings no longer hold it (a resume may change it)
         print(f"  processes: {m.world_size}" + (f" (in attempt {m.generation + 1})" if m.generation else ""))
     meanings = held_meanings(settings)
-    print("  points:")
+    print("  points (statistics over the rows without NaN/Inf; every dimension's: store.stats[point]):")
     for name, col in store.points.items():
         st = store.stats.get(name)
-        norms = f"row L2 norm {st.norm_mean:.3f} +/- {st.norm_std:.3f}" if st and st.norm_count else ""
+        norms = ""
+        if st and st.norm_count:
+            norms = (f"row L2 norm {st.norm_mean:.3f} +/- {st.norm_std:.3f}, "
+                     f"mean squared norm {st.mean_squared_norm:.4g}")
+            if st.mean is not None and st.std is not None:
+                norms += (f"; per-dim mean {float(st.mean.min()):.3g}..{float(st.mean.max()):.3g}, "
+                          f"std {float(st.std.min()):.3g}..{float(st.std.max()):.3g}")
         bad = f", {st.nonfinite} NaN/Inf" if st and st.nonfinite else ""
         print(f"    {name}: {list(col.shape)} {col.dtype}  {norms}{bad}")
         if name in meanings:
