@@ -1,10 +1,7 @@
 """A transcoder trained by a real trainer from a tiny model's store, no glue: sparsify's transcoder
 mode (`TranscoderConfig`: encode the MLP's input, decode its output) fed one layer's
-`[MLP input, mlp.out]` pair straight from `store.dataset([...])`.
-
-The tiny model is BERT (post-norm): its MLP reads `resid_mid` (the attention block's normalised
-output) as it is, so `(blocks.L.resid_mid, blocks.L.mlp.out)` is exactly the MLP's input and output,
-checked here against a forward hook on the MLP's own modules (the reference), before training.
+`[mlp.in, mlp.out]` pair straight from `store.dataset([...])`, on a tiny BERT; the pair is checked
+first against forward hooks on the MLP's own modules (the reference).
 
 SAELens 6.54 has transcoder classes (`sae_lens.saes.transcoder`) for inference only: its
 `TrainStepInput` carries `sae_in` and no target, so its trainer cannot train one. No crosscoder or
@@ -28,7 +25,7 @@ from hookscope.extract import ExtractConfig, extract  # noqa: E402
 from hookscope.testing import save_tiny  # noqa: E402
 
 LAYER = 1
-IN, OUT = f"blocks.{LAYER}.resid_mid", f"blocks.{LAYER}.mlp.out"
+IN, OUT = f"blocks.{LAYER}.mlp.in", f"blocks.{LAYER}.mlp.out"
 
 
 @pytest.fixture(scope="module")
