@@ -31,6 +31,17 @@ DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 
 @dataclass
 class Loaded:
+    """What `hs.load` returns: the model, its tokenizer and its point table.
+
+    It unpacks as `model, tokenizer, arch = hs.load(...)`.
+
+    Attributes:
+        model: the model, in eval mode.
+        tokenizer: its tokenizer (None when loaded with `tokenizer=False`).
+        arch: its point table (`hookscope.arch.Arch`): the canonical names and where they hook.
+        name: the name or path it was loaded from.
+        partial: with `points=`, which blocks were loaded; None when the whole model was."""
+
     model: nn.Module
     tokenizer: Any
     arch: Arch
@@ -125,7 +136,15 @@ def load(
     cannot copy the tensors left on `meta`.
 
     `device="meta"`: no weight is read; every parameter stays on `meta` (buffers are real), for
-    block streaming (stream.py reads a block at a time through `partial.Checkpoint`)."""
+    block streaming (stream.py reads a block at a time through `partial.Checkpoint`).
+
+    Returns:
+        Loaded: the model, its tokenizer and its point table; unpacks as `model, tok, arch`.
+
+    Raises:
+        ModelLoadError: no such model or directory, weights or tokenizer that cannot be read, a
+            hub id on a machine that cannot reach the hub (and not in its cache).
+        UnknownPointError: a name in `points=` the model does not have."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     source, local = resolve_source(name_or_path)
