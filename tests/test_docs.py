@@ -100,7 +100,8 @@ def reference_examples(path: Path = REFERENCE_EXAMPLES) -> dict[str, list[Block]
     lines = path.read_text(encoding="utf-8").split("\n")
     heads = [(i, m.group("name")) for i, line in enumerate(lines) if (m := SECTION.match(line))]
     ends = [i for i, _ in heads[1:]] + [len(lines)]
-    return {name: blocks_in(lines[start:end], path, start + 1) for (start, name), end in zip(heads, ends)}
+    return {name: blocks_in(lines[start:end], path, start + 1)
+            for (start, name), end in zip(heads, ends, strict=True)}
 
 
 def installed(distribution: str) -> bool:
@@ -270,7 +271,7 @@ def test_every_public_name_has_a_reference_example_that_runs(name: str, referenc
 
 def test_every_reference_example_names_a_public_name():
     stale = sorted(set(reference_examples()) - set(hookscope.__all__))
-    assert not stale, f"{REFERENCE_EXAMPLES.relative_to(ROOT)} has sections for names not in hookscope.__all__: {stale}"
+    assert not stale, f"{REFERENCE_EXAMPLES.relative_to(ROOT)} has sections for names not in __all__: {stale}"
 
 
 @pytest.mark.parametrize("name", [n for n in hookscope.__all__ if inspect.isfunction(getattr(hookscope, n))])
