@@ -125,25 +125,17 @@ def load(
 ) -> Loaded:
     """Load a Hugging Face model (causal LM head when it has one) in eval mode.
 
-    `device_map="auto"` spreads a model bigger than one device over the GPUs (and CPU) through
-    accelerate; hooks work the same, since accelerate keeps the module tree.
-
-    `points=[...]`: build the model on the `meta` device and read only the weights those points
-    need (the embeddings and the blocks up to the last point); the rest stays on `meta` and costs
-    no memory. A hook on a point past them raises `PointNotLoadedError`. The weights are read
-    per tensor from safetensors or `pytorch_model.bin` files (memory-mapped); a model without
-    blocks hookscope knows is loaded whole. Give the device here: `model.to(device)` afterwards
-    cannot copy the tensors left on `meta`.
-
-    `device="meta"`: no weight is read; every parameter stays on `meta` (buffers are real), for
-    block streaming (stream.py reads a block at a time through `partial.Checkpoint`).
+    `device_map="auto"` spreads a big model over the GPUs (and CPU) through accelerate; hooks work
+    the same. `points=[...]`: build on `meta` and read (memory-mapped, per tensor) only the weights
+    those points need, the embeddings and blocks up to the last point (a model whose blocks hookscope
+    does not know loads whole); a hook past them raises `PointNotLoadedError`. Give the device here:
+    `.to(device)` cannot copy what stays on `meta`. `device="meta"`: no weight read, for streaming.
 
     Returns:
         Loaded: the model, its tokenizer and its point table; unpacks as `model, tok, arch`.
 
     Raises:
-        ModelLoadError: no such model or directory, weights or tokenizer that cannot be read, a
-            hub id on a machine that cannot reach the hub (and not in its cache).
+        ModelLoadError: a model, its weights or tokenizer not found or unreadable (a hub id offline).
         UnknownPointError: a name in `points=` the model does not have."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
