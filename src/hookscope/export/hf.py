@@ -44,13 +44,14 @@ def export_hf(store: Store, out: str | os.PathLike, columns: Sequence[str] | Non
               overwrite: bool = False, progress: bool = True) -> Path:
     """Write column(s) `columns` (default: every column) of `store` as a `datasets` folder with one
     example per row, in store order; one Arrow file per shard, written once. Returns `out`.
-    Written without the `datasets` package; reading it back (`datasets.load_from_disk`) needs it.
+    Needs the `datasets` package: `pip install 'hookscope[datasets]'`.
 
     Returns:
         Path: `out`, a folder `datasets.load_from_disk` opens.
 
     Raises:
-        StoreError: an empty store, a column it lacks, or `out` not empty without `overwrite=True`."""
+        StoreError: no `datasets` package, an empty store, a column it lacks, or `out` not empty
+            without `overwrite=True`."""
     names = store.column_names(columns)
     if not store.num_shards:
         raise StoreError(f"{store.path}: the store holds no rows yet; nothing to export")
