@@ -83,6 +83,18 @@ def pages(site: Path) -> dict[str, str]:
     return {p.relative_to(site).as_posix(): p.read_text(encoding="utf-8") for p in site.rglob("*.html")}
 
 
+def test_every_public_name_is_listed_on_a_reference_page():
+    """Each name in hookscope.__all__ has its `::: hookscope...` entry on a page of docs/reference/ (a verb
+    named like its module, such as `hs.capture`, by the path where it is defined and its own anchor)."""
+    listed = set()
+    for page in (ROOT / "docs" / "reference").glob("*.md"):
+        text = page.read_text(encoding="utf-8")
+        listed |= set(re.findall(r"^::: hookscope\.(\w+)\s*$", text, re.MULTILINE))
+        listed |= set(re.findall(r'^<span id="hookscope\.(\w+)"></span>$', text, re.MULTILINE))
+    missing = sorted(set(PUBLIC) - listed)
+    assert not missing, f"add `::: hookscope.NAME` for {missing} to a page under docs/reference/"
+
+
 def test_the_site_needs_nothing_from_the_network(site: Path):
     """No page, stylesheet or script loads anything from another host (Google Fonts, a CDN)."""
     remote = re.compile(r"""(?:src|href)=["'](?:https?:)?//""")
