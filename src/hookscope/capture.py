@@ -263,7 +263,7 @@ def capture(model: nn.Module, points: str | Sequence[str], **options: Any) -> Ca
 
     Raises:
         UnknownPointError: a point name the model does not have.
-        SelectionError: an option that does not fit the point (checked when the block opens)."""
+        SelectionError: an option that does not fit (checked when it is built) or the activation."""
     return Capture(model, points, **options)
 
 

@@ -67,7 +67,8 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
 
     Raises:
         HookscopeError: an argument out of range (dtype, sizes, no points, empty `out`).
-        ModelLoadError: a model that cannot be loaded. UnknownPointError: a point it does not have.
+        ModelLoadError: a model that cannot be loaded.
+        UnknownPointError: a point the model does not have.
         DataError: data that is missing, empty or malformed.
         StoreError: a store at `out` written with other settings (never mixed), or damaged.
         ExtractInterrupted: SIGINT / SIGTERM (Ctrl-C); the same call resumes where it stopped."""

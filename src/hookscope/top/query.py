@@ -69,8 +69,8 @@ def top(store: Store, point: str, unit: int, *, k: int = 20, context: int = 8,
             the row's token at `center`), `fires` / `frequency` and a histogram of the unit.
 
     Raises:
-        StoreError: a point the store lacks, a unit out of range, k < 1, a saved index that no
-            longer matches the store (rebuild it with `rebuild=True`)."""
+        StoreError: a point the store lacks, a unit out of range, k < 1, no `token_ids` column, or
+            a saved index that no longer matches the store (`rebuild=True` builds it again)."""
     encoder = resolve_encoder(store, point, sae)
     if not 0 <= unit < encoder.units:
         shape = list(store.points[point].shape)
