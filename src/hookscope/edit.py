@@ -277,5 +277,5 @@ def edit(model: nn.Module, *edits: Edit) -> Edits:
 
     Raises:
         UnknownPointError: an edit on a point the model does not have.
-        HookscopeError: an edit on a point that cannot be written (a read-only expert point)."""
+        HookscopeError: an edit on a point the model never reads back (a Hugging Face attention pattern)."""
     return Edits(model, edits)
