@@ -90,8 +90,8 @@ def ablate_expert(layer: int, experts: int | Sequence[int], *, tokens: Tokens = 
     """Switch experts of one MoE layer off (for all tokens, or the chosen rows).
 
     Returns:
-        Edit: an edit of `blocks.{layer}.mlp.router.routing`, for `hs.edit` (zeroes those experts'
-            top-k weights: the same as zeroing their outputs).
+        AblateExperts: an edit of `blocks.{layer}.mlp.router.routing`, for `hs.edit` (zeroes those
+            experts' top-k weights: the same as zeroing their outputs).
 
     Raises:
         SelectionError: an expert the router does not have, or tokens that do not fit (when it runs)."""
@@ -104,7 +104,8 @@ def force_route(layer: int, experts: Sequence[int], weights: Sequence[float] | N
     """Route tokens of one MoE layer to the given experts (at most the model's top-k of them).
 
     Returns:
-        Edit: an edit of `blocks.{layer}.mlp.router.routing`, for `hs.edit` (equal weights unless given).
+        ForceRoute: an edit of `blocks.{layer}.mlp.router.routing`, for `hs.edit` (equal weights
+            unless given).
 
     Raises:
         SelectionError: no expert, as many weights as experts not given, an expert the router
