@@ -62,7 +62,18 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
 
     Everything that can be checked is checked before the store is touched (arguments, the model,
     the points, the data source's first batch to do and its forward pass), so a refused run leaves
-    no trace on disk. SIGINT / SIGTERM raise `ExtractInterrupted` after committing whole shards only."""
+    no trace on disk. SIGINT / SIGTERM raise `ExtractInterrupted` after committing whole shards only.
+
+    Returns:
+        ExtractSummary: rows in the store, rows this run wrote, batches done and skipped, time, bytes.
+
+    Raises:
+        HookscopeError: an argument out of range (dtype, sizes, no points, empty `out`).
+        ModelLoadError: a model that cannot be loaded.
+        UnknownPointError: a point the model does not have.
+        DataError: data that is missing, empty or malformed.
+        StoreError: a store at `out` written with other settings (never mixed), or damaged.
+        ExtractInterrupted: SIGINT / SIGTERM (Ctrl-C); the same call resumes where it stopped."""
     validate_config(cfg)
     kind = source_for(cfg)  # refuses options the source cannot honour, nothing loaded yet
     opened: list[ShardWriter] = []  # the writer, once the store is open: how many rows it holds

@@ -18,6 +18,10 @@ from ..store.stats import count_nonfinite
 
 @dataclass
 class ExtractSummary:
+    """What `hs.extract` returns: `rows` in the store, `new_rows` this run wrote, `batches_done` /
+    `batches_skipped` (already on disk: a resume), `seconds`, `bytes_written`, and `nonfinite`
+    values per point. `str()` of it is the line `hookscope extract` prints."""
+
     out: str
     rows: int
     new_rows: int

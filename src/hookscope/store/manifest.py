@@ -157,7 +157,7 @@ class ShardEntry:
         out = {"file": self.file, "rows": self.rows, self.algorithm: self.checksum, "bytes": self.bytes,
                "batches": [list(r) for r in self.batches], "rank": self.rank, "generation": self.generation}
         if self.stats is not None:
-            out["stats"] = {k: vars(s).copy() for k, s in self.stats.items()}
+            out["stats"] = {k: s.to_json() for k, s in self.stats.items()}
         return out
 
 
@@ -172,6 +172,11 @@ def summed_stats(shards: list[ShardEntry]) -> dict[str, PointStats]:
 
 @dataclass
 class Manifest:
+    """A store's manifest.json (`store.manifest`): the `settings` that shape its rows (model,
+    points, data, context, dtype...), its columns (`points`: activations; `meta`: token_ids,
+    doc_ids, positions, seq_ids), its `shards` with rows and SHA-256, and per-point `stats`.
+    docs/store-format.md gives every field."""
+
     settings: dict[str, Any]
     world_size: int = 1  # of the attempt that wrote this manifest (the latest one, once merged)
     points: dict[str, Column] = field(default_factory=dict)  # activations, one per hook point
@@ -214,7 +219,7 @@ class Manifest:
             "bytes": self.bytes,
             "points": {k: {"shape": list(c.shape), "dtype": c.dtype} for k, c in self.points.items()},
             "meta": {k: {"shape": list(c.shape), "dtype": c.dtype} for k, c in self.meta.items()},
-            "stats": {k: vars(s).copy() for k, s in self.stats.items()},
+            "stats": {k: s.to_json() for k, s in self.stats.items()},
             "shards": [s.to_json() for s in self.shards],
         }
 
@@ -275,6 +280,14 @@ class Manifest:
         )
         if _int(raw["rows"], "rows") != m.rows or _int(raw["bytes"], "bytes") != m.bytes:
             raise ValueError("totals 'rows'/'bytes' disagree with the shard list")
+        for where, stats in [("stats", m.stats), *((f"shards[{i}].stats", s.stats or {})
+                                                   for i, s in enumerate(m.shards))]:
+            for name, st in stats.items():
+                if name not in m.points:
+                    raise ValueError(f"{where} has {name!r}, which is not a point of the store")
+                if st.mean is not None and len(st.mean) != math.prod(m.points[name].shape):
+                    raise ValueError(f"{where}.{name} holds {len(st.mean)} dimensions, the point has "
+                                     f"{math.prod(m.points[name].shape)}")
         if version != 1 and m.stats != summed_stats(m.shards):
             raise ValueError("'stats' disagree with the sum of the shards' stats")
         if len({s.file for s in m.shards}) != len(m.shards):
@@ -359,10 +372,4 @@ def _shard_v1(raw: Any, i: int, world_size: int) -> ShardEntry:
 
 
 def _stats(raw: Any, where: str) -> PointStats:
-    _expect(raw, dict, where)
-    floats = [raw[k] for k in ("norm_sum", "norm_sumsq")]
-    for k, v in zip(("norm_sum", "norm_sumsq"), floats, strict=True):
-        if not isinstance(v, int | float) or isinstance(v, bool):
-            raise TypeError(f"{where}.{k} should be a number")
-    return PointStats(_int(raw["nonfinite"], f"{where}.nonfinite"),
-                      _int(raw["norm_count"], f"{where}.norm_count"), float(floats[0]), float(floats[1]))
+    return PointStats.from_json(raw, where)
