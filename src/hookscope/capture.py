@@ -43,14 +43,13 @@ from .selection import Heads, Positions, Selection
 
 
 class _StopForward(BaseException):
-    """Raised after the last needed point; a BaseException, so model code catching Exception can't swallow it."""
+    """Raised after the last needed point; a BaseException, so model code catching Exception can't eat it."""
 
 
 def _builds_kv_cache(model: nn.Module) -> bool:
-    """Whether `model(...)` builds a key/value cache unless told `use_cache=False` (Hugging Face
-    decoders do by default). A pass that stops early returns nothing, so that cache is pure
-    waste: 2 x [batch, heads, pos, d_head] per layer run, +58% peak memory capturing block 5 of
-    a GPT-2-small shape at 8 x 128."""
+    """Whether `model(...)` builds a key/value cache unless told `use_cache=False` (Hugging Face decoders
+    do by default). A pass that stops early returns nothing, so that cache is pure waste: 2 x [batch,
+    heads, pos, d_head] per layer run, +58% peak memory capturing block 5 of GPT-2-small at 8 x 128."""
     return bool(getattr(getattr(model, "config", None), "use_cache", False)) \
         and "use_cache" in forward_parameters(type(model))
 
