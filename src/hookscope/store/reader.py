@@ -189,7 +189,7 @@ class Store:
         return path, {n: data_start + header[n]["data_offsets"][0] for n in names}
 
     def verify(self) -> None:
-        """Check every shard's size, SHA-256, header, identity and columns against the manifest (a
+        """Check every shard's size, checksum, header, identity and columns against the manifest (a
         manifest can vouch for a damaged file); raise StoreError naming each bad shard."""
         bad = []
         for i, entry in enumerate(self.manifest.shards):
@@ -201,17 +201,17 @@ class Store:
                              + "\n  ".join(bad) + "\nRe-run the extraction into a new directory.")
 
     def _problem(self, i: int) -> str | None:
-        """What is wrong with shard `i` (size, every byte's SHA-256, streamed, then its header), or None."""
+        """What is wrong with shard `i` (size, every byte's checksum, streamed, then its header), or None."""
         entry = self.manifest.shards[i]
         try:
             size = self.fs.size(entry.file)
             if size != entry.bytes:
                 return f"{size} bytes, the manifest says {entry.bytes} (truncated or replaced)"
-            size, digest = self.fs.sha256(entry.file)
+            size, digest = self.fs.checksum(entry.file, entry.algorithm)
             if size != entry.bytes:
                 return f"{size} bytes, the manifest says {entry.bytes} (truncated or replaced)"
-            if digest != entry.sha256:
-                return "SHA-256 differs from the manifest (corrupt)"
+            if digest != entry.checksum:
+                return f"checksum ({entry.algorithm}) differs from the manifest (corrupt)"
             self.header(i, fresh=True)
         except StoreError as e:
             return str(e).removeprefix(f"{self.fs.where(entry.file)}: ")
