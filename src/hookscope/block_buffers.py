@@ -139,7 +139,7 @@ class BlockBuffers:
         if self.device is not None:  # (one copy: the two sets share a layout; ordered after the last block's work)
             self.device[0].copy_(self.host[slot][0], non_blocking=True)
             event = torch.cuda.Event()
-            event.record()
+            event.record(torch.cuda.current_stream(self.device[0].device))
             self._copied[slot] = event
             views = self.device[1]
         metas = {}

@@ -4,7 +4,11 @@ The run is layer-major over chunks of batches: for each block up to the last poi
 read from the safetensors checkpoint (the next block's read ahead in a thread while this one
 computes), every batch of the chunk goes through it, the points inside it are kept, and its weights
 go back to `meta`. Resident weights: the ones outside the blocks (embeddings, norms) + at most two
-blocks (one when two do not fit).
+blocks (one when two do not fit). When the blocks all hold the same tensors and loading only renames
+them, the two blocks are two buffer sets allocated once and reused by every block
+(block_buffers.py), so the process does not keep freed blocks in its allocator's heap; otherwise
+(blocks that differ, weights transformers fuses or splits, a pickled checkpoint) each block is
+loaded afresh by transformers' own loader.
 
 How "block k alone" runs, for any Hugging Face family without per-family code: the model's own
 forward, with blocks 0..k-1 swapped for stand-ins that return the hidden state block k-1 gave
