@@ -31,6 +31,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_big  # noqa: E402
+import bench_stream  # noqa: E402
 import common  # noqa: E402
 
 ROOT = Path(tempfile.gettempdir()) / "hookscope-bench-memory"
@@ -83,27 +84,19 @@ def weights_kept(name: str) -> int:
 
 
 def chunk_bytes(name: str) -> int:
-    """A chunk's hidden states (a block's input and output) and kept bfloat16 rows, as the plan counts them."""
+    """A chunk's hidden states (a block's input and output) and kept bfloat16 rows, as the plan
+    counts them."""
     return CHUNK * BATCH * CONTEXT * bench_big.SHAPE["hidden_size"] * (2 * compute_itemsize(name) + 2)
 
 
 def limit_bytes(name: str) -> int:
-    return weights_kept(name) + chunk_bytes(name) + chunk_bytes(name) // (2 * CHUNK)  # CHUNK batches, not more
+    half_a_batch = chunk_bytes(name) // (2 * CHUNK)  # a chunk of CHUNK batches, not more
+    return weights_kept(name) + chunk_bytes(name) + half_a_batch
 
 
 def status_kib() -> dict[str, int]:
     text = Path("/proc/self/status").read_text()
     return {k: int(v) * 1024 for k, v in re.findall(r"^(VmHWM|VmRSS|RssAnon|RssFile):\s+(\d+)", text, re.M)}
-
-
-def corpus(folder: str) -> str:
-    import random
-
-    rng = random.Random(common.SEED)
-    words = "alpha beta gamma delta layer head token residual stream sparse feature probe".split()
-    path = Path(folder) / "corpus.txt"
-    path.write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(200)) for _ in range(120)))
-    return str(path)
 
 
 def worker(mode: str, name: str) -> None:
@@ -112,7 +105,7 @@ def worker(mode: str, name: str) -> None:
 
     baseline = status_kib()["VmRSS"]  # torch, transformers and hookscope imported: the process's own
     with tempfile.TemporaryDirectory() as folder:
-        data = corpus(folder)
+        data = bench_stream.corpus(folder, docs=120)  # 8 batches of 4 x 128 tokens
         start = time.perf_counter()
         summary = extract(ExtractConfig(
             out=f"{folder}/store", model=str(model_dir(name)), points=[POINT], data=data, context=CONTEXT,
@@ -176,8 +169,9 @@ def report(name: str, rows: dict[str, list[dict]]) -> None:
               + (f" chunk {ok[0]['chunk_batches']} batches" if mode == "stream" else ""))
     if len(best) == 2:
         target = limit_bytes(name) + chunk_bytes(name) + 300 * MB
-        print(f"  stream / memory tokens/s {best['stream']['tokens_per_s'] / best['memory']['tokens_per_s']:.2f}x "
-              f"(target >= 0.8); stream peak {best['stream']['peak'] / MB:.1f} MB vs limit + one chunk + 300 MB "
+        ratio = best["stream"]["tokens_per_s"] / best["memory"]["tokens_per_s"]
+        print(f"  stream / memory tokens/s {ratio:.2f}x (target >= 0.8); stream peak "
+              f"{best['stream']['peak'] / MB:.1f} MB vs limit + one chunk + 300 MB "
               f"= {target / MB:.1f} MB ({'within' if best['stream']['peak'] <= target else 'OVER'})")
 
 

@@ -83,20 +83,16 @@ def test_a_float32_checkpoint_computed_in_bfloat16_is_converted_into_the_buffers
     for k, params in seen:
         for name, (_, param) in params.items():
             want = stored[f"model.layers.{k}.{name}"].to(torch.bfloat16)
-            assert param.dtype == torch.bfloat16 and torch.equal(param.view(torch.int16), want.view(torch.int16))
+            assert param.dtype == torch.bfloat16
+            assert torch.equal(param.view(torch.int16), want.view(torch.int16))
 
 
 def test_a_converting_checkpoint_streams_the_in_memory_store_byte_for_byte(tiny_dirs, tmp_path):
     """The whole extraction of the float32 checkpoint computed in bfloat16: the store streamed
     through the buffers is the in-memory one's, byte for byte."""
     model_dir = _converting_copy(tiny_dirs["llama"], tmp_path / "bf16")
-    corpus = write_corpus(tmp_path / "corpus.txt", docs=20)
     points = ["blocks.2.resid_post", "blocks.0.attn.z"]
-    extract(ExtractConfig(**extract_config(model_dir, corpus, tmp_path / "memory", points=points,
-                                           max_tokens=800)))
-    extract(ExtractConfig(**extract_config(model_dir, corpus, tmp_path / "streamed", points=points,
-                                           max_tokens=800, max_memory="600KB")))
-    diff = compare_stores(tmp_path / "streamed", tmp_path / "memory")
+    diff = _streamed_against_in_memory(model_dir, points, "600KB", tmp_path)
     assert diff == {**diff, **SAME} and diff["rows"] > 500
 
 
@@ -110,11 +106,15 @@ def test_blocks_that_differ_stream_without_buffers(tmp_path):
     streamer = streamer_for(loaded, ["blocks.2.resid_post"], 10**8, batch_size=2, context=16,
                             dtype=torch.float32)
     assert streamer.buffers is None
-    corpus = write_corpus(tmp_path / "corpus.txt", docs=20)
     points = ["blocks.2.resid_post", "blocks.0.resid_post"]
-    extract(ExtractConfig(**extract_config(model_dir, corpus, tmp_path / "memory", points=points,
-                                           max_tokens=600)))
-    extract(ExtractConfig(**extract_config(model_dir, corpus, tmp_path / "streamed", points=points,
-                                           max_tokens=600, max_memory="1MB")))
-    diff = compare_stores(tmp_path / "streamed", tmp_path / "memory")
+    diff = _streamed_against_in_memory(model_dir, points, "1MB", tmp_path)
     assert diff == {**diff, **SAME} and diff["rows"] > 300
+
+
+def _streamed_against_in_memory(model_dir: Path, points: list[str], limit: str, tmp_path: Path) -> dict:
+    """compare_stores of 800 tokens extracted streamed under `limit` against in memory."""
+    corpus = write_corpus(tmp_path / "corpus.txt", docs=20)
+    for mode, max_memory in (("memory", None), ("streamed", limit)):
+        extract(ExtractConfig(**extract_config(model_dir, corpus, tmp_path / mode, points=points,
+                                               max_tokens=800, max_memory=max_memory)))
+    return compare_stores(tmp_path / "streamed", tmp_path / "memory")

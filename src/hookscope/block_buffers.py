@@ -136,7 +136,7 @@ class BlockBuffers:
             slot = self._free_slot()
             self.read(slot, k)
         views = self.host[slot][1]
-        if self.device is not None:  # (one copy: the two sets share a layout; ordered after the last block's work)
+        if self.device is not None:  # one copy (the sets share a layout), after the last block's work
             self.device[0].copy_(self.host[slot][0], non_blocking=True)
             event = torch.cuda.Event()
             event.record(torch.cuda.current_stream(self.device[0].device))

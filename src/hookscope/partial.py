@@ -360,7 +360,8 @@ def _direct_reads(files: list[str], renamed: dict[str, tuple[str, str | None]], 
         read, want = stored.get(key), state.get(target)
         if converter is not None or read is None or want is None or target in tied:
             continue
-        same_kind = read.stored == want.dtype or (read.stored.is_floating_point and want.dtype.is_floating_point)
+        floats = read.stored.is_floating_point and want.dtype.is_floating_point
+        same_kind = read.stored == want.dtype or floats
         if read.shape == tuple(want.shape) and same_kind:
             reads[target] = read
     return {target: read for target, read in reads.items() if sources[target] == 1}
