@@ -9,6 +9,7 @@ import json
 import shutil
 from pathlib import Path
 
+import pytest
 import torch
 from faultkit import compare_stores, extract_config, write_corpus
 from safetensors.torch import load_file
@@ -96,10 +97,14 @@ def test_a_converting_checkpoint_streams_the_in_memory_store_byte_for_byte(tiny_
     assert diff == {**diff, **SAME} and diff["rows"] > 500
 
 
-def test_blocks_that_differ_stream_without_buffers(tmp_path):
+@pytest.mark.parametrize("convert", [False, True], ids=["float32", "float32 computed in bfloat16"])
+def test_blocks_that_differ_stream_without_buffers(tmp_path, convert):
     """RWKV's block 0 holds a norm the others lack: its blocks are loaded the ordinary way, one at
-    a time, and the streamed store is still the in-memory one."""
+    a time (the next one's bytes paged in ahead, converted ones too: that read ahead used to fail
+    on them), and the streamed store is still the in-memory one."""
     model_dir = save_tiny("rwkv", tmp_path / "rwkv", d_model=32, n_layers=3)
+    if convert:
+        model_dir = _converting_copy(model_dir, tmp_path / "rwkv-bf16")
     loaded = hs.load(str(model_dir), device="meta")
     blocks = [dict(loaded.model.get_submodule(path).named_parameters()) for path in loaded.arch.block_paths]
     assert set(blocks[0]) != set(blocks[1])  # the premise: the blocks differ

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .arch import Arch, PointSpec
-from .block_buffers import TensorRead, safetensors_index
+from .block_buffers import TensorRead, page_in, safetensors_index
 from .errors import ModelLoadError, PointNotLoadedError
 
 # (index of shards, single file), in the order from_pretrained prefers them
@@ -288,6 +288,8 @@ class Checkpoint:
                 continue
             if isinstance(piece, torch.Tensor):
                 piece.clone()  # a view of the memory map reads nothing: copying it does
+            elif isinstance(piece, _Converting):  # (read whole, it would be converted too)
+                page_in(safetensors_index(piece.file)[piece.key])
             elif piece.get_shape():
                 piece[:]
 
