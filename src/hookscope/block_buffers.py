@@ -132,10 +132,6 @@ class BlockBuffers:
         self._attached: dict[int, tuple[int, dict[str, nn.Parameter]]] = {}  # block -> (slot, meta params)
         self._reader: ThreadPoolExecutor | None = None
 
-    @property
-    def nbytes(self) -> int:
-        return sum(whole.numel() for whole, _ in self.host)
-
     def attach(self, k: int, module: nn.Module) -> None:
         slot = self._slot_holding(k)
         if slot is None:
@@ -197,7 +193,11 @@ class BlockBuffers:
         for slot, held in enumerate(self._holds):
             if held == k:
                 if wait and slot in self._pending:
-                    self._pending.pop(slot).result()
+                    try:
+                        self._pending.pop(slot).result()
+                    except BaseException:
+                        self._holds[slot] = None  # half read: never taken for block k
+                        raise
                 return slot
         return None
 
