@@ -135,14 +135,19 @@ def test_the_manifest_keeps_them_exactly_and_refuses_damaged_ones(tmp_path):
         open_store(tmp_path / "s")
 
 
-def test_a_store_written_before_the_per_dimension_stats_opens(tmp_path, capsys):
-    write(tmp_path / "s", range(3))
-    path = tmp_path / "s" / "manifest.json"
+def as_written_before(store_dir) -> None:
+    """The store's manifest as a hookscope before the per-dimension statistics wrote it."""
+    path = store_dir / "manifest.json"
     raw = json.loads(path.read_text())
     for stats in [raw["stats"], *(s["stats"] for s in raw["shards"])]:
         for s in stats.values():
             del s["mean"], s["m2"]
     path.write_text(json.dumps(raw))
+
+
+def test_a_store_written_before_the_per_dimension_stats_opens(tmp_path, capsys):
+    write(tmp_path / "s", range(3))
+    as_written_before(tmp_path / "s")
     store = open_store(tmp_path / "s")
     st = store.stats["blocks.0.resid_post"]
     assert st.mean is None and st.var is None and st.norm_count == 150 - 2
@@ -157,12 +162,7 @@ def test_resuming_a_store_without_them_keeps_the_rest_exact(tmp_path):
     old rows' per-dimension sums, so they stay absent (never a mean of the new rows passed off as the
     store's), while the norm statistics still cover every row."""
     write(tmp_path / "s", range(3))
-    path = tmp_path / "s" / "manifest.json"
-    raw = json.loads(path.read_text())
-    for stats in [raw["stats"], *(s["stats"] for s in raw["shards"])]:
-        for s in stats.values():
-            del s["mean"], s["m2"]
-    path.write_text(json.dumps(raw))
+    as_written_before(tmp_path / "s")
     write(tmp_path / "s", range(3, 6))  # resumes the store with batches 3-5
     store = open_store(tmp_path / "s")
     assert len(store) == 300
