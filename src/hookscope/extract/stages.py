@@ -54,8 +54,9 @@ class Stages:
         if stage == "data":
             return "bound by the data (reading, tokenizing, packing)"
         if stage == "writer":
-            rate = nbytes / self.busy["writer"] / 1e9 if self.busy["writer"] > 0 else 0.0
-            return f"bound by the disk at {rate:.2f} GB/s"
+            rate = nbytes / self.busy["writer"] if self.busy["writer"] > 0 else 0.0
+            shown = f"{rate / 1e9:.2f} GB/s" if rate >= 1e9 else f"{rate / 1e6:,.1f} MB/s"
+            return f"bound by the disk at {shown}"
         return "bound by the model"
 
     def describe(self, nbytes: int, wall: float | None = None) -> str:
