@@ -138,6 +138,17 @@ class FS:
         self._count(size, 1)
         return size, digest
 
+    def read_many(self, rels: list[str]) -> list[bytes | None]:
+        """The whole of each file of `rels` (None for one that is not there), fetched concurrently
+        at a URL."""
+        out: list[bytes | None] = []
+        for rel in rels:
+            try:
+                out.append(self.read(rel))
+            except FileNotFoundError:
+                out.append(None)
+        return out
+
     def _whole(self, rel: str) -> bytes:
         raise NotImplementedError
 
@@ -169,6 +180,15 @@ class FS:
     def done_staging(self, staged: Path) -> None:
         """The writer is done with `staging()`'s directory: it goes, with anything left in it."""
         shutil.rmtree(staged, ignore_errors=True)
+
+    def append(self, rel: str, data: bytes) -> None:
+        """Add `data` at the end of file `rel` (made if missing) and sync it; local files only (an
+        object cannot be appended to). On a failure the file is cut back to its old length."""
+        raise NotImplementedError
+
+    def remove_tree(self, rel: str) -> None:
+        """Delete `rel`, a file or everything under it (at a URL: every object under the prefix)."""
+        self.remove(rel)
 
     def makedirs(self, rel: str) -> None:
         """Make directory `rel` (and those above it) where directories exist; an object store has none."""
@@ -262,6 +282,25 @@ class LocalFS(FS):
         os.replace(local, final)
         fsync_dir(final.parent)
 
+    def append(self, rel: str, data: bytes) -> None:
+        path = self.local(rel)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+        try:
+            start = os.fstat(fd).st_size
+            try:
+                view = memoryview(data)
+                while view:
+                    view = view[os.write(fd, view):]
+                os.fsync(fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.ftruncate(fd, start)
+                raise
+        finally:
+            os.close(fd)
+        if start == 0:  # a new file: its name must survive a power cut too
+            fsync_dir(path.parent)
+
     def staging(self, rel: str, owner: str) -> Path:
         self.makedirs(rel)
         return self.local(rel) / owner  # inside `rel`: a rename out of it stays on one filesystem
@@ -348,6 +387,25 @@ class RemoteFS(FS):
         self._count(sum(len(d) for d in out if isinstance(d, bytes)), len(parts))
         return out
 
+    def read_many(self, rels: list[str]) -> list[bytes | None]:
+        if not rels:
+            return []
+        try:
+            got = self.fs.cat([self.path(rel) for rel in rels], on_error="return")
+        except OSError as e:
+            raise StoreError(f"{self.url}: cannot read {rels[0]} ({e})") from e
+        out: list[bytes | None] = []
+        for rel in rels:
+            data = got.get(self.path(rel), FileNotFoundError()) if isinstance(got, dict) else got
+            if isinstance(data, FileNotFoundError):
+                out.append(None)
+            elif isinstance(data, BaseException):
+                raise StoreError(f"{self.where(rel)}: cannot read it ({data})") from data
+            else:
+                out.append(data)
+                self._count(len(data), 1)
+        return out
+
     def put(self, rel: str, data: bytes, *, durable: bool = True) -> None:
         """One PUT: on an object store the object appears whole or not at all."""
         self.fs.pipe_file(self.path(rel), data)
@@ -363,6 +421,10 @@ class RemoteFS(FS):
     def remove(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(rel))
+
+    def remove_tree(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.path(rel), recursive=True)
 
 
 def _takes_refresh(fs: Any) -> bool:

@@ -259,7 +259,7 @@ class Manifest:
         world_size = _int(raw["world_size"], "world_size", minimum=1)
         raw_shards = _expect(raw["shards"], list, "shards")
         shards = ([_shard_v1(s, i, world_size) for i, s in enumerate(raw_shards)] if version == 1
-                  else [_shard(s, i) for i, s in enumerate(raw_shards)])
+                  else [shard_from_json(s, f"shards[{i}]") for i, s in enumerate(raw_shards)])
         m = cls(
             settings=settings,
             world_size=world_size,
@@ -277,12 +277,23 @@ class Manifest:
             raise ValueError("'stats' disagree with the sum of the shards' stats")
         if len({s.file for s in m.shards}) != len(m.shards):
             raise ValueError("a shard file is listed twice")
-        row_bytes = sum(c.row_bytes for c in m.columns.values())
-        for i, s in enumerate(m.shards):  # bounds what a reader allocates from the manifest's word alone
-            if s.rows * row_bytes > s.bytes:
-                raise ValueError(f"shards[{i}] ({s.file}) claims {s.rows} rows of {row_bytes} bytes each, "
-                                 f"more than its {s.bytes} bytes: the manifest or the shard is damaged")
+        row_bytes = m.row_bytes
+        for i, s in enumerate(m.shards):
+            check_fits(s, row_bytes, f"shards[{i}]")
         return m
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row over every column."""
+        return sum(c.row_bytes for c in self.columns.values())
+
+
+def check_fits(entry: ShardEntry, row_bytes: int, where: str) -> None:
+    """Refuse an entry claiming more rows than its bytes hold: bounds what a reader allocates from
+    the manifest's word alone."""
+    if entry.rows * row_bytes > entry.bytes:
+        raise ValueError(f"{where} ({entry.file}) claims {entry.rows} rows of {row_bytes} bytes each, "
+                         f"more than its {entry.bytes} bytes: the manifest or the shard is damaged")
 
 
 def _expect(value: Any, kind: type, what: str) -> Any:
@@ -323,8 +334,8 @@ def _shard_common(raw: Any, w: str) -> tuple[str, int, str, int, int]:
     return file, rows, sha, size, rank
 
 
-def _shard(raw: Any, i: int) -> ShardEntry:
-    w = f"shards[{i}]"
+def shard_from_json(raw: Any, w: str) -> ShardEntry:
+    """A version 2 shard entry, every field checked; `w` names it in errors (e.g. `shards[3]`)."""
     file, rows, sha, size, rank = _shard_common(raw, w)
     runs = []
     for j, run in enumerate(_expect(raw["batches"], list, f"{w}.batches")):

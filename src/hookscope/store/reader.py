@@ -21,6 +21,7 @@ from safetensors import SafetensorError, safe_open
 from ..errors import StoreError
 from .checks import HEAD_BYTES, SAFETENSORS_DTYPES, Header, check_size, checked_header, tensor_of
 from .fs import FS, open_fs
+from .journal import load_manifest
 from .manifest import MANIFEST, SHARDS_DIR, Column, Manifest
 from .ranged import RangedShards
 from .stats import PointStats
@@ -49,7 +50,7 @@ def open_store(location: str | os.PathLike, *, verify: bool = False,
             raise StoreError(f"{fs}: no such store (no directory or objects there)")
         raise StoreError(f"{fs.where(MANIFEST)}: no manifest here; is this a hookscope store?")
     try:
-        manifest = Manifest.from_bytes(fs.read(MANIFEST), fs.where(MANIFEST))
+        manifest = load_manifest(fs, MANIFEST)  # with the shards committed to its journal since
     except FileNotFoundError:
         raise StoreError(f"{fs.where(MANIFEST)}: no manifest here; is this a hookscope store?") from None
     sizes = {f"{SHARDS_DIR}/{name}": size for name, size in fs.sizes(SHARDS_DIR).items()}

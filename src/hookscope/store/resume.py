@@ -18,6 +18,7 @@ from typing import Any
 
 from ..errors import StoreError
 from .fs import FS, open_fs
+from .journal import load_manifest
 from .manifest import VERSION, Column, Manifest, ShardEntry, settings_diff, settings_hash
 
 
@@ -74,7 +75,7 @@ def read_manifests(fs: FS) -> list[tuple[str, Manifest]]:
     for name in fs.list():
         if is_manifest(name):
             try:
-                out.append((name, Manifest.from_bytes(fs.read(name), fs.where(name))))
+                out.append((name, load_manifest(fs, name)))
             except FileNotFoundError:  # renamed away between the listing and the read: not there
                 continue
     return out
