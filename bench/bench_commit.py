@@ -65,9 +65,12 @@ def commits(root: Path, shards: int) -> dict:
     writer_module.ShardWriter._write_shard = real
     tenth = shards // 10
     medians = [statistics.median(times[k * tenth:(k + 1) * tenth]) * 1e3 for k in range(10)]
+    means = [statistics.mean(times[k * tenth:(k + 1) * tenth]) * 1e3 for k in range(10)]
     floor = _floor(root / "floor", min(shards, 300))
     return {"shards": shards, "seconds": total, "ms_per_tenth": [round(m, 3) for m in medians],
-            "last_over_first": round(medians[-1] / medians[0], 2), "floor_ms": round(floor, 3),
+            "last_over_first": round(medians[-1] / medians[0], 2),
+            "mean_ms_per_tenth": [round(m, 3) for m in means], "max_ms": round(max(times) * 1e3, 1),
+            "floor_ms": round(floor, 3),
             "manifest_bytes": (out / "manifest.json").stat().st_size}
 
 
