@@ -20,6 +20,7 @@ import mmap
 import os
 import shutil
 import stat
+import tempfile
 import threading
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -141,17 +142,6 @@ class FS:
         self._count(size, 1)
         return size, digest
 
-    def read_many(self, rels: list[str]) -> list[bytes | None]:
-        """The whole of each file of `rels` (None for one that is not there), fetched concurrently
-        at a URL."""
-        out: list[bytes | None] = []
-        for rel in rels:
-            try:
-                out.append(self.read(rel))
-            except FileNotFoundError:
-                out.append(None)
-        return out
-
     def _whole(self, rel: str) -> bytes:
         raise NotImplementedError
 
@@ -183,11 +173,6 @@ class FS:
     def done_staging(self, staged: Path) -> None:
         """The writer is done with `staging()`'s directory: it goes, with anything left in it."""
         shutil.rmtree(staged, ignore_errors=True)
-
-    def append(self, rel: str, data: bytes) -> None:
-        """Add `data` at the end of file `rel` (made if missing) and sync it; local files only (an
-        object cannot be appended to). On a failure the file is cut back to its old length."""
-        raise NotImplementedError
 
     def remove_tree(self, rel: str) -> None:
         """Delete `rel`, a file or everything under it (at a URL: every object under the prefix)."""
@@ -252,12 +237,10 @@ class LocalFS(FS):
 
     def file_names(self, rel: str = "") -> set[str]:
         try:
-            with os.scandir(self.local(rel)) as found:  # the directory entry's type: no stat per file
+            with os.scandir(self.local(rel)) as found:  # the entry's type, from the listing: no stat
                 return {entry.name for entry in found if entry.is_file()}
         except (FileNotFoundError, NotADirectoryError):
             return set()
-        except OSError as e:
-            raise StoreError(f"{self.where(rel)}: cannot list it ({e})") from e
 
     def size(self, rel: str) -> int | None:
         try:
@@ -294,25 +277,6 @@ class LocalFS(FS):
         os.replace(local, final)
         fsync_dir(final.parent)
 
-    def append(self, rel: str, data: bytes) -> None:
-        path = self.local(rel)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
-        try:
-            start = os.fstat(fd).st_size
-            try:
-                view = memoryview(data)
-                while view:
-                    view = view[os.write(fd, view):]
-                os.fsync(fd)
-            except BaseException:
-                with contextlib.suppress(OSError):
-                    os.ftruncate(fd, start)
-                raise
-        finally:
-            os.close(fd)
-        if start == 0:  # a new file: its name must survive a power cut too
-            fsync_dir(path.parent)
-
     def staging(self, rel: str, owner: str) -> Path:
         self.makedirs(rel)
         return self.local(rel) / owner  # inside `rel`: a rename out of it stays on one filesystem
@@ -328,5 +292,102 @@ class LocalFS(FS):
             path.unlink(missing_ok=True)
 
 
-# at the end: remote.py builds on FS above; open_fs and the tests find RemoteFS here
-from .remote import RemoteFS  # noqa: E402
+class RemoteFS(FS):
+    """A store directory on an fsspec filesystem."""
+
+    remote = True
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None):
+        super().__init__()
+        try:
+            import fsspec
+        except ImportError as e:  # pragma: no cover - fsspec comes with torch's own dependencies
+            raise StoreError(f"{url}: URLs need the fsspec package: pip install fsspec") from e
+        scheme = url.split("://", 1)[0]
+        try:
+            fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
+        except ImportError as e:
+            extra = _EXTRAS.get(scheme)
+            hint = f"pip install 'hookscope[{extra}]'" if extra else f"install fsspec's backend for {scheme}://"
+            raise StoreError(f"{url}: no filesystem for {scheme}:// is installed ({e}); {hint}") from e
+        except ValueError as e:
+            raise StoreError(f"{url}: not a store URL fsspec knows ({e})") from e
+        self.url, self.fs, self.root = url.rstrip("/"), fs, root.rstrip("/")
+
+    def path(self, rel: str) -> str:
+        return f"{self.root}/{rel}" if rel else self.root
+
+    def _ls(self, rel: str) -> list[dict[str, Any]]:
+        try:
+            return self.fs.ls(self.path(rel), detail=True, refresh=True)
+        except FileNotFoundError:
+            return []
+        except OSError as e:
+            raise StoreError(f"{self.url}: cannot list {rel or 'the store'} ({e})") from e
+
+    def list(self, rel: str = "") -> list[str]:
+        return sorted(f["name"].rstrip("/").rsplit("/", 1)[-1] for f in self._ls(rel))
+
+    def sizes(self, rel: str = "") -> dict[str, int]:
+        return {f["name"].rstrip("/").rsplit("/", 1)[-1]: int(f.get("size") or 0)
+                for f in self._ls(rel) if f.get("type", "file") == "file"}
+
+    def size(self, rel: str) -> int | None:
+        try:
+            info = self.fs.info(self.path(rel), refresh=True) if _takes_refresh(self.fs) \
+                else self.fs.info(self.path(rel))
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise StoreError(f"{self.where(rel)}: cannot read it ({e})") from e
+        return int(info["size"]) if info.get("type", "file") == "file" else None
+
+    def _whole(self, rel: str) -> bytes:
+        return self.fs.cat_file(self.path(rel))
+
+    def _open(self, rel: str) -> BinaryIO:
+        return self.fs.open(self.path(rel), "rb", block_size=CHUNK)
+
+    def read_parts(self, parts: list[Part]) -> list[bytes | StoreError]:
+        """One concurrent batch of ranged GETs, where the filesystem is asynchronous (s3fs, gcsfs,
+        adlfs)."""
+        if not parts:
+            return []
+        try:
+            datas = self.fs.cat_ranges([self.path(rel) for rel, _, _ in parts], [a for _, a, _ in parts],
+                                       [b for _, _, b in parts], on_error="return")
+        except OSError as e:
+            raise StoreError(f"{self.url}: cannot read {parts[0][0]} ({e})") from e
+        out = [self._part_error(rel, d) if isinstance(d, BaseException) else d
+               for (rel, _, _), d in zip(parts, datas, strict=True)]
+        self._count(sum(len(d) for d in out if isinstance(d, bytes)), len(parts))
+        return out
+
+    def put(self, rel: str, data: bytes, *, durable: bool = True) -> None:
+        """One PUT: on an object store the object appears whole or not at all."""
+        self.fs.pipe_file(self.path(rel), data)
+
+    def put_file(self, local: Path, rel: str) -> None:
+        self.fs.put_file(str(local), self.path(rel))
+        local.unlink()
+
+    def staging(self, rel: str, owner: str) -> Path:
+        return Path(tempfile.mkdtemp(prefix=f"hookscope-stage-{owner}-",
+                                     dir=os.environ.get("HOOKSCOPE_STAGING_DIR")))
+
+    def remove(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm_file(self.path(rel))
+
+    def remove_tree(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.path(rel), recursive=True)
+
+
+def _takes_refresh(fs: Any) -> bool:
+    import inspect
+
+    try:
+        return "refresh" in inspect.signature(fs.info).parameters
+    except (TypeError, ValueError):
+        return False

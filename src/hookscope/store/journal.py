@@ -22,9 +22,13 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import os
 import re
+from pathlib import Path
 
 from ..errors import StoreError
+from ..files import fsync_dir
+from .card import CARD, card_bytes
 from .fs import FS
 from .manifest import (
     SHARDS_DIR,
@@ -71,10 +75,14 @@ def _entry(line: bytes) -> ShardEntry:
 def read_journal(fs: FS, name: str) -> list[tuple[str, ShardEntry]]:
     """(where, entry) of every committed record of journal `name` ([] if there is none)."""
     where = fs.where(name)
-    if fs.remote:
-        rels = [f"{name}/{n}" for n in fs.list(name)]
-        lines = [(fs.where(rel), data) for rel, data in zip(rels, fs.read_many(rels), strict=True)
-                 if data is not None]  # None: removed by a compaction since the listing
+    if fs.remote:  # one listing, then every record in one concurrent batch of GETs
+        parts = [(f"{name}/{n}", 0, size) for n, size in sorted(fs.sizes(name).items())]
+        lines = [(fs.where(rel), data) for (rel, _, _), data in zip(parts, fs.read_parts(parts), strict=True)
+                 if not isinstance(data, StoreError) or fs.size(rel) is not None]
+        for _, data in lines:  # one gone since the listing was compacted into the manifest, read after
+            if isinstance(data, StoreError):
+                raise data
+        lines = [(at, data.removesuffix(b"\n")) for at, data in lines]
         torn_allowed = False  # an object is written whole or not at all
     else:
         try:
@@ -173,10 +181,25 @@ class Commits:
         self.fs, self.name, self.journal = fs, name, journal_name(name)
         self.lines = 0  # journal records since the manifest was last written
         self.based = 0  # shards in the manifest as last written
+        self.texts: dict[str, str] = {}  # each entry's text in the manifest, encoded once (to_bytes)
+
+    def open(self, manifest: Manifest, found: Manifest | None) -> None:
+        """At open: `manifest` is what this writer starts from, `found` what its manifest file (with
+        its journal) holds. Written unless the file already says exactly that, as after a resume of
+        a finished store (rewriting 100,000 entries costs seconds); then the store card is put
+        again instead, which proves the directory writable before any compute."""
+        if found is None or found != manifest or self._journal_left():
+            self.compact(manifest)
+        else:
+            self.based = len(manifest.shards)
+            self.fs.put(CARD, card_bytes(), durable=False)
+
+    def _journal_left(self) -> bool:
+        return bool(self.fs.list(self.journal)) if self.fs.remote else self.fs.size(self.journal) is not None
 
     def compact(self, manifest: Manifest) -> None:
         """Write the whole manifest, then drop the journal, whose entries it now holds."""
-        self.fs.put(self.name, manifest.to_bytes())
+        self.fs.put(self.name, manifest.to_bytes(self.texts))
         self.lines, self.based = 0, len(manifest.shards)
         with contextlib.suppress(OSError):  # left behind, its entries are in the manifest: harmless
             self.fs.remove_tree(self.journal)
@@ -196,10 +219,31 @@ class Commits:
         if self.fs.remote:
             self.fs.put(f"{self.journal}/{entry.file.rsplit('/', 1)[-1].removesuffix('.safetensors')}", line)
         else:
-            self.fs.append(self.journal, line)
+            _append(self.fs.local(self.journal), line)
         self.lines += 1
 
     def finish(self, manifest: Manifest) -> None:
         """At close: the manifest alone holds every entry."""
         if self.lines:
             self.compact(manifest)
+
+
+def _append(path: Path, data: bytes) -> None:
+    """Add `data` at the end of the local file `path` (made if missing) and sync it; on a failure the
+    file is cut back to its old length, so a line that did not commit leaves nothing behind."""
+    fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
+    try:
+        start = os.fstat(fd).st_size
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.ftruncate(fd, start)
+            raise
+    finally:
+        os.close(fd)
+    if start == 0:  # a new file: its name must survive a power cut too
+        fsync_dir(path.parent)

@@ -102,6 +102,9 @@ class Column:
         return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
 
 
+_SHARDS = "hookscope: the shard entries go here"
+
+
 @contextlib.contextmanager
 def no_gc() -> Iterator[None]:
     """The cyclic garbage collector paused: building a million small objects that form no cycles (a
@@ -156,7 +159,8 @@ class Manifest:
         """Batch indices committed to shards (of one rank, or of all)."""
         return {b for s in self.shards if rank is None or s.rank == rank for b in s.batch_indices()}
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, shards: Any = None) -> dict[str, Any]:
+        """The manifest as JSON; `shards`, if given, stands in for the list of shard entries."""
         return {
             "format": FORMAT,
             "version": VERSION,
@@ -169,12 +173,22 @@ class Manifest:
             "points": {k: {"shape": list(c.shape), "dtype": c.dtype} for k, c in self.points.items()},
             "meta": {k: {"shape": list(c.shape), "dtype": c.dtype} for k, c in self.meta.items()},
             "stats": {k: vars(s).copy() for k, s in self.stats.items()},
-            "shards": [s.to_json() for s in self.shards],
+            "shards": [s.to_json() for s in self.shards] if shards is None else shards,
         }
 
-    def to_bytes(self) -> bytes:
-        """The manifest file's exact bytes."""
-        return (json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n").encode()
+    def to_bytes(self, texts: dict[str, str] | None = None) -> bytes:
+        """The manifest file's exact bytes: `json.dumps(self.to_json(), indent=1)` and a newline.
+        `texts` keeps each shard entry's text by file, so that a writer rewriting its manifest
+        encodes only the entries it has not encoded before (json's indented encoder is pure Python)."""
+        texts = {} if texts is None else texts
+        if not self.shards:
+            return (json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n").encode()
+        head = json.dumps(self.to_json(_SHARDS), indent=1, allow_nan=False)  # the last key, replaced below
+        for s in self.shards:  # an entry at depth 2: its own indented text, two spaces further in
+            if s.file not in texts:
+                texts[s.file] = json.dumps(s.to_json(), indent=1, allow_nan=False).replace("\n", "\n  ")
+        entries = ",".join(f"\n  {texts[s.file]}" for s in self.shards)
+        return (head.removesuffix(f'"{_SHARDS}"\n}}') + f"[{entries}\n ]\n}}\n").encode()
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Manifest:

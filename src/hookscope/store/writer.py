@@ -93,7 +93,7 @@ class ShardWriter:
         try:  # stamps the settings into the directory now, and proves it is writable before any compute
             self._remove_orphans(found_at_open)
             self._commits = Commits(self.fs, self._manifest_name)  # shard commits: store/journal.py
-            self._commits.compact(self.manifest)
+            self._commits.open(self.manifest, found.manifests.get(self._manifest_name))
             # README.md: datasets.load_dataset(DIR) fails clearly rather than misreading the store
             if self.fs.size(CARD) is None:
                 self.fs.put(CARD, card_bytes(), durable=False)
