@@ -58,10 +58,14 @@ def record(entry: ShardEntry) -> bytes:
     return hashlib.sha256(body).hexdigest().encode() + b" " + body + b"\n"
 
 
+class _Torn(ValueError):
+    """A line whose text does not match its SHA-256: cut short by a crash (if last), or edited."""
+
+
 def _entry(line: bytes) -> ShardEntry:
     digest, _, body = line.partition(b" ")
     if hashlib.sha256(body).hexdigest().encode() != digest:
-        raise ValueError("its SHA-256 does not match its text (torn or edited)")
+        raise _Torn("its SHA-256 does not match its text (torn or edited)")
     try:
         raw = json.loads(body)
     except (ValueError, RecursionError) as e:
@@ -90,14 +94,14 @@ def read_journal(fs: FS, name: str) -> list[tuple[str, ShardEntry]]:
         except FileNotFoundError:
             return []
         parts = data.split(b"\n")  # the last part: b"" after a whole last line, else a torn tail
-        lines = [(f"{where} line {k + 1}", p) for k, p in enumerate(parts) if p or k < len(parts) - 1]
+        lines = [(f"{where} line {k + 1}", p) for k, p in enumerate(parts[:-1])]  # a line counts once whole
         torn_allowed = True
     out = []
     for k, (at, line) in enumerate(lines):
         try:
             out.append((at, _entry(line)))
-        except ValueError as e:
-            if torn_allowed and k == len(lines) - 1:
+        except ValueError as e:  # a whole line with a bad entry is damage even when last
+            if torn_allowed and k == len(lines) - 1 and isinstance(e, _Torn):
                 break  # the last line, cut short by a crash mid-append: that shard was not committed
             raise StoreError(f"{at}: {e}; the store's commit journal is damaged. Re-run the extraction "
                              "into a new directory") from None
