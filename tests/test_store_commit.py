@@ -158,8 +158,9 @@ HOSTILE = {
     "more rows than bytes": (lambda ls: [*ls, _new_entry(ls, rows=10**9)], r"claims 1000000000 rows"),
     "a hash that is not hex": (lambda ls: [_new_entry(ls, sha256="z" * 64), *ls], r"line 1: .*not a hex SHA"),
     "stats of another point": (lambda ls: [*ls, _new_entry(ls, stats={})], r"has stats for \[\]"),
-    "a batch in two shards": (lambda ls: [*ls, _edit_entry(ls, 0, file="shards/shard-r000-000042.safetensors")],
-                              r"batch 1 is in both"),
+    "a batch in two shards": (
+        lambda ls: [*ls, _edit_entry(ls, 0, file="shards/shard-r000-000042.safetensors")],
+        r"batch 1 is in both"),
 }
 
 
