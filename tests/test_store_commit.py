@@ -193,7 +193,8 @@ def test_a_store_of_the_format_before_the_journal_opens_verifies_and_resumes(ref
     stats: dict = {}
     for s in kept:  # the top-level stats are the shards' sums, in shard order
         for name, st in s["stats"].items():
-            total = stats.setdefault(name, {"nonfinite": 0, "norm_count": 0, "norm_sum": 0.0, "norm_sumsq": 0.0})
+            total = stats.setdefault(name, {"nonfinite": 0, "norm_count": 0, "norm_sum": 0.0,
+                                            "norm_sumsq": 0.0})
             for key in total:
                 total[key] += st[key]
     old = {**final, "rows": sum(s["rows"] for s in kept), "bytes": sum(s["bytes"] for s in kept),
