@@ -242,3 +242,14 @@ def test_verify_names_every_damaged_shard(reference, tmp_path):
         with pytest.raises(StoreError, match=r"2 of 10 shards are damaged") as err:
             open_store(out).verify(workers=workers)
         assert "shard-r000-000002" in str(err.value) and "shard-r000-000007" in str(err.value)
+
+
+def test_a_second_run_on_a_store_is_refused_while_the_first_writes(tmp_path, reference):
+    out = tmp_path / "store"
+    first = ShardWriter(out, SETTINGS, shard_rows=1)
+    first.write(0, *batch(0))
+    with pytest.raises(StoreError, match="another run is writing this store right now"):
+        ShardWriter(out, SETTINGS, shard_rows=1)
+    first.close()
+    write(out)  # once the first has finished, the same command resumes
+    assert files(out) == files(reference)  # and the lock went with it

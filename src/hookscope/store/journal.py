@@ -43,6 +43,11 @@ from .manifest import (
 )
 from .stats import PointStats
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on Windows: no lock there
+    fcntl = None
+
 SUFFIX = ".journal"
 COMPACT_AFTER = 1024  # journal lines at least, before a compaction mid-run
 
@@ -186,6 +191,38 @@ class Commits:
         self.lines = 0  # journal records since the manifest was last written
         self.based = 0  # shards in the manifest as last written
         self.texts: dict[str, str] = {}  # each entry's text in the manifest, encoded once (to_bytes)
+        self._lock: tuple[int, Path] | None = None
+
+    def lock(self) -> None:
+        """Refuse a second writer of this manifest while this one runs: an exclusive `flock` on
+        `<manifest>.lock` (local stores; the kernel releases it when the process dies, however)."""
+        if self.fs.remote or fcntl is None:
+            return
+        path = self.fs.local(self.name.removesuffix(".json") + ".lock")
+        while True:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                raise StoreError(f"{self.fs.where(self.name)}: another run is writing this store right now "
+                                 "(it holds the lock on " + path.name + "); let it finish or stop it, then "
+                                 "run this again (it resumes)") from None
+            try:  # the file a writer closing just then unlinked is no lock: take the one now there
+                if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                    self._lock = (fd, path)
+                    return
+            except FileNotFoundError:
+                pass
+            os.close(fd)
+
+    def unlock(self) -> None:
+        if self._lock is not None:
+            fd, path = self._lock
+            self._lock = None
+            with contextlib.suppress(OSError):
+                os.unlink(path)  # before the close: a finished store holds no lock file
+            os.close(fd)
 
     def open(self, manifest: Manifest, found: Manifest | None) -> None:
         """At open: `manifest` is what this writer starts from, `found` what its manifest file (with

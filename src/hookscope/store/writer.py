@@ -91,8 +91,9 @@ class ShardWriter:
                                  points=found.points if shards else {}, meta=found.meta if shards else {},
                                  shards=shards, stats=summed_stats(shards))
         try:  # stamps the settings into the directory now, and proves it is writable before any compute
-            self._remove_orphans(found_at_open)
             self._commits = Commits(self.fs, self._manifest_name)  # shard commits: store/journal.py
+            self._commits.lock()  # before anything is touched: a second run on the store is refused
+            self._remove_orphans(found_at_open)
             self._commits.open(self.manifest, found.manifests.get(self._manifest_name))
             # README.md: datasets.load_dataset(DIR) fails clearly rather than misreading the store
             if self.fs.size(CARD) is None:
@@ -230,6 +231,7 @@ class ShardWriter:
                     self._guard(self._flush)
                 if self._error is None:
                     self._guard(self._commits.finish, self.manifest)
+                self._commits.unlock()
                 self.fs.done_staging(self._staging)
                 return
             if self._error is None:  # after an error, keep draining so that write() never blocks
