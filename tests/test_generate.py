@@ -7,6 +7,9 @@ over the final sequences (same math, different matmul shapes: rounding only)."""
 
 from __future__ import annotations
 
+import inspect
+import warnings
+
 import pytest
 import torch
 
@@ -83,6 +86,26 @@ def test_captures_equal_a_teacher_forced_forward(family, gpt2, llama):
     # and the tokens are those of plain generate
     plain = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, pad_token_id=1)
     assert torch.equal(plain, seqs)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_no_deprecated_argument_is_passed(family, gpt2, llama):
+    """transformers deprecates `past_key_values` for `cache` (FutureWarning, removal in 5.40); plain
+    generate warns about nothing, and neither may hs.generate: its cached last step included (a point
+    asked for), its tokens and captures still those of plain generate and a teacher-forced pass."""
+    model = gpt2 if family == "gpt2" else llama
+    inputs = prompt_batch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", DeprecationWarning)
+        warnings.simplefilter("error", FutureWarning)
+        plain = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, pad_token_id=1)
+        gen = hs.generate(model, inputs, "blocks.1.resid_pre", max_new_tokens=NEW, do_sample=False,
+                          pad_token_id=1)
+    assert torch.equal(gen.sequences, plain)
+    ref = teacher_forced(model, plain, inputs["attention_mask"])
+    assert gen.mask[:, -1].all()  # the last token's activations come from the extra cached step
+    torch.testing.assert_close(gen["blocks.1.resid_pre"][gen.mask], ref.hidden_states[1][gen.mask],
+                               atol=ATOL, rtol=RTOL)
 
 
 def test_per_head_point_equals_a_plain_hook(gpt2):
@@ -404,8 +427,10 @@ def test_an_empty_kv_cache_is_refused_not_generated_from(gpt2, monkeypatch):
     ids = prompt_batch()["input_ids"][1:]
     right = hs.generate(gpt2, ids, "blocks.1.resid_post", max_new_tokens=3)
     monkeypatch.setattr(DynamicCache, "update", lambda self, key, value, *args, **kwargs: (key, value))
+    # transformers >= 5.24 names the forward's cache argument `cache` (the old name is deprecated)
+    cache_name = "cache" if "cache" in inspect.signature(type(gpt2).forward).parameters else "past_key_values"
     with torch.no_grad():  # what the broken cache does: the new token sees only itself
-        alone = gpt2(right.sequences[:, 5:6], past_key_values=DynamicCache(config=gpt2.config),
+        alone = gpt2(right.sequences[:, 5:6], **{cache_name: DynamicCache(config=gpt2.config)},
                      output_hidden_states=True).hidden_states[2]
     assert not torch.allclose(alone[:, 0], right["blocks.1.resid_post"][:, 5], atol=1e-3)
     before = hook_count(gpt2)  # (transformers keeps hooks of its own once output_hidden_states was asked)

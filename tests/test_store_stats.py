@@ -66,7 +66,7 @@ def test_stats_equal_the_plain_formula_bit_for_bit(case):
     rows = CASES[case]()
     got, want = PointStats.of(rows), reference(rows)
     # compare the floats' bits: equal values computed in another order would differ in the last bit
-    assert dataclasses.astuple(got) == dataclasses.astuple(want)
+    assert dataclasses.astuple(got)[:4] == dataclasses.astuple(want)[:4]
     for field in ("norm_sum", "norm_sumsq"):
         assert torch.tensor(getattr(got, field), dtype=torch.float64).view(torch.int64) \
             == torch.tensor(getattr(want, field), dtype=torch.float64).view(torch.int64)

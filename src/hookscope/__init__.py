@@ -26,12 +26,15 @@ from .errors import (
     DataError,
     HookscopeError,
     ModelLoadError,
+    PointNotLoadedError,
     PointNotReachedError,
+    SAEError,
     SelectionError,
+    StaleIndexError,
     StoreError,
     UnknownPointError,
 )
-from .experts import ablate_expert, force_route
+from .experts import AblateExperts, ForceRoute, ablate_expert, force_route
 from .export import SaelensExport, export_hf, export_saelens
 from .extract import ExtractConfig, ExtractInterrupted, ExtractSummary, extract
 from .generate import Generation, generate
@@ -66,9 +69,9 @@ __all__ = [
     # profiling and the compile policy
     "profile", "ProfileReport", "compile_model",
     # errors
-    "HookscopeError", "UnknownPointError", "PointNotReachedError", "SelectionError", "ModelLoadError",
-    "StoreError", "DataError",
+    "HookscopeError", "UnknownPointError", "PointNotReachedError", "PointNotLoadedError", "SelectionError",
+    "ModelLoadError", "StoreError", "StaleIndexError", "DataError", "SAEError",
     # mixture-of-experts routing edits
-    "ablate_expert", "force_route",
+    "ablate_expert", "AblateExperts", "force_route", "ForceRoute",
     "__version__",
 ]

@@ -30,9 +30,18 @@ class StoreError(HookscopeError):
     """An activation store that is missing, corrupt, or does not match the command."""
 
 
+class StaleIndexError(StoreError):
+    """A saved top-k index (`hs.top`) built from another version of the store, or another SAE."""
+
+
 class DataError(HookscopeError):
     """Input data that is missing, empty or malformed."""
 
 
 class PointNotLoadedError(HookscopeError):
     """A point whose weights a `points=` load left on the meta device."""
+
+
+class SAEError(HookscopeError):
+    """An SAE directory or encoder file (`hs.top(..., sae=)`) that is missing, malformed or of an
+    unsupported kind."""

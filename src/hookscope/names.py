@@ -16,12 +16,15 @@ from dataclasses import dataclass
 
 MODULE_PREFIX = "module:"
 
-# TransformerLens spellings whose canonical name is not just "drop the hook_ prefix".
+# TransformerLens spellings whose canonical name is not just "drop the hook_ prefix". `attn.in` /
+# `mlp.in` are what attention / the MLP read, after ln1 / ln2 (the bridge's `attn.hook_in` /
+# `mlp.hook_in`); TransformerLens's `hook_attn_in` / `hook_mlp_in` are the residual stream before
+# that norm (copies that exist only behind use_attn_in / use_hook_mlp_in), so they fold apart.
 _TL_RENAMES = {
     "hook_attn_out": "attn.out",
     "hook_mlp_out": "mlp.out",
-    "hook_attn_in": "attn.in",
-    "hook_mlp_in": "mlp.in",
+    "hook_attn_in": "attn.in_pre_norm",
+    "hook_mlp_in": "mlp.in_pre_norm",
     "hook_q_input": "attn.q_input",
     "hook_k_input": "attn.k_input",
     "hook_v_input": "attn.v_input",

@@ -39,11 +39,17 @@ class HuggingFace(Backend):
         full_mask = torch.ones(batch, total, dtype=torch.long, device=sequences.device)
         if attention_mask is not None:
             full_mask[:, :attention_mask.shape[1]] = attention_mask
-        cache = getattr(output, "past_key_values", None)
         accepted = forward_parameters(type(self.model))
+        # transformers >= 5.24 names the cache `cache` (on the output and the forward; the old name is
+        # deprecated) and generate passes it so; older releases call it `past_key_values` in both places
+        cache_name = "cache" if "cache" in accepted else "past_key_values"
+        cache = getattr(output, "cache", None)
+        if cache is None:
+            cache = getattr(output, "past_key_values", None)
         call: dict[str, Any] = {"attention_mask": full_mask}
         if cache is not None:
-            call.update(input_ids=sequences[:, -1:], past_key_values=cache, use_cache=True)
+            call.update(input_ids=sequences[:, -1:], use_cache=True)
+            call[cache_name] = cache
             if "position_ids" in accepted:
                 # as generate counts them: real tokens before this one (left padding does not count)
                 call["position_ids"] = (full_mask.cumsum(-1)[:, -1:] - 1).clamp(min=0)

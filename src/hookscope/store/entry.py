@@ -79,7 +79,7 @@ class ShardEntry:
         out = {"file": self.file, "rows": self.rows, "sha256": self.sha256, "bytes": self.bytes,
                "batches": [list(r) for r in self.batches], "rank": self.rank, "generation": self.generation}
         if self.stats is not None:
-            out["stats"] = {k: vars(s).copy() for k, s in self.stats.items()}
+            out["stats"] = {k: s.to_json() for k, s in self.stats.items()}
         return out
 
 
@@ -146,16 +146,10 @@ def _plain_shard(raw: Any) -> ShardEntry | None:
             return None
         batches.append((first, end, step))
         last = end
-    point_stats = {}
-    for name, st in stats.items():
-        if type(st) is not dict:
-            return None
-        nonfinite, count = st.get("nonfinite"), st.get("norm_count")
-        total, squares = st.get("norm_sum"), st.get("norm_sumsq")
-        if (type(nonfinite) is not int or nonfinite < 0 or type(count) is not int or count < 0
-                or type(total) not in (int, float) or type(squares) not in (int, float)):
-            return None
-        point_stats[name] = PointStats(nonfinite, count, float(total), float(squares))
+    try:  # the per-dimension statistics need their own checks (base64 float64 vectors)
+        point_stats = {name: PointStats.from_json(st, name) for name, st in stats.items()}
+    except (KeyError, TypeError, ValueError):
+        return None
     rows, size, rank, generation = ints
     return ShardEntry(file, rows, sha, size, tuple(batches), rank, generation, point_stats)
 
@@ -190,11 +184,4 @@ def shard_v1_from_json(raw: Any, i: int, world_size: int) -> ShardEntry:
 
 
 def stats_from_json(raw: Any, where: str) -> PointStats:
-    expect(raw, dict, where)
-    floats = [raw[k] for k in ("norm_sum", "norm_sumsq")]
-    for k, v in zip(("norm_sum", "norm_sumsq"), floats, strict=True):
-        if not isinstance(v, int | float) or isinstance(v, bool):
-            raise TypeError(f"{where}.{k} should be a number")
-    return PointStats(nonnegative(raw["nonfinite"], f"{where}.nonfinite"),
-                      nonnegative(raw["norm_count"], f"{where}.norm_count"), float(floats[0]),
-                      float(floats[1]))
+    return PointStats.from_json(raw, where)

@@ -37,6 +37,7 @@ from .manifest import (
     Manifest,
     ShardEntry,
     check_fits,
+    check_stats,
     shard_from_json,
     shard_prefix,
     summed_stats,
@@ -145,6 +146,10 @@ def applied(m: Manifest, records: list[tuple[str, ShardEntry]], manifest: str) -
         if set(e.stats or {}) != set(m.points):
             raise StoreError(f"{at}: {e.file} has stats for {sorted(e.stats or {})}, the store's points "
                              f"are {sorted(m.points)}; the store is damaged")
+        try:
+            check_stats(e.stats or {}, m.points, f"{at}: stats")
+        except ValueError as err:
+            raise StoreError(f"{err}; the store is damaged") from None
         known[e.file] = e
         new.append(e)
     if not new:

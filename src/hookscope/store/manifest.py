@@ -172,7 +172,7 @@ class Manifest:
             "bytes": self.bytes,
             "points": {k: {"shape": list(c.shape), "dtype": c.dtype} for k, c in self.points.items()},
             "meta": {k: {"shape": list(c.shape), "dtype": c.dtype} for k, c in self.meta.items()},
-            "stats": {k: vars(s).copy() for k, s in self.stats.items()},
+            "stats": {k: s.to_json() for k, s in self.stats.items()},
             "shards": [s.to_json() for s in self.shards] if shards is None else shards,
         }
 
@@ -245,6 +245,9 @@ class Manifest:
         )
         if nonnegative(raw["rows"], "rows") != m.rows or nonnegative(raw["bytes"], "bytes") != m.bytes:
             raise ValueError("totals 'rows'/'bytes' disagree with the shard list")
+        for where, stats in [("stats", m.stats), *((f"shards[{i}].stats", s.stats or {})
+                                                   for i, s in enumerate(m.shards))]:
+            check_stats(stats, m.points, where)
         if version != 1 and m.stats != summed_stats(m.shards):
             raise ValueError("'stats' disagree with the sum of the shards' stats")
         if len({s.file for s in m.shards}) != len(m.shards):
@@ -258,6 +261,16 @@ class Manifest:
     def row_bytes(self) -> int:
         """Bytes of one row over every column."""
         return sum(c.row_bytes for c in self.columns.values())
+
+
+def check_stats(stats: dict[str, PointStats], points: dict[str, Column], where: str) -> None:
+    """Statistics only for the store's points, each with one mean per dimension of the point."""
+    for name, st in stats.items():
+        if name not in points:
+            raise ValueError(f"{where} has {name!r}, which is not a point of the store")
+        if st.mean is not None and len(st.mean) != math.prod(points[name].shape):
+            raise ValueError(f"{where}.{name} holds {len(st.mean)} dimensions, the point has "
+                             f"{math.prod(points[name].shape)}")
 
 
 def _columns(raw: Any, what: str) -> dict[str, Column]:

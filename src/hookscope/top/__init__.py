@@ -13,10 +13,11 @@ This room imports only the store (its filesystem, for the index; it never loads 
 tokenizer: the caller passes one). `hookscope.top(store, point, unit)` is its entry point.
 """
 
+from ..errors import SAEError, StaleIndexError
 from .contexts import Context
-from .encoders import Encoder, SAEError, load_encoder, neurons
+from .encoders import Encoder, load_encoder, neurons
 from .html import page_data, write_page
-from .index import DEFAULT_INDEX_K, StaleIndexError, TopIndex, build_index, hist_edges
+from .index import DEFAULT_INDEX_K, TopIndex, build_index, hist_edges
 from .query import TopResult, resolve_encoder, top
 from .saved import default_cache_dir, get_index, index_path, load_index
 

@@ -27,15 +27,11 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from ..errors import HookscopeError
+from ..errors import SAEError
 
 SAELENS_CFG = "cfg.json"
 SAELENS_WEIGHTS = "sae_weights.safetensors"
 SUPPORTED_ARCHITECTURES = ("standard", "jumprelu", "topk")
-
-
-class SAEError(HookscopeError):
-    """An SAE directory or encoder file that is missing, malformed or of an unsupported kind."""
 
 
 @dataclass

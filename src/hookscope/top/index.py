@@ -52,10 +52,6 @@ HIST_ZERO = 40  # the bin of |value| < 2^-10
 _HIST_LOW_EXP = -10  # log2 of the smallest |value| with a bin of its own
 
 
-class StaleIndexError(StoreError):
-    """A saved index that was built from another version of the store (or another SAE)."""
-
-
 def hist_edges() -> list[float]:
     """The 82 bin edges of the histogram, -inf and +inf at the ends; the middle bin is (-2^-10, 2^-10)."""
     pos = [(1.5 if j % 2 else 1.0) * 2.0 ** (_HIST_LOW_EXP + j // 2) for j in range(1, 40)]

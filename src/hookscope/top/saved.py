@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from safetensors import SafetensorError
 from safetensors.torch import load
 
-from ..errors import StoreError
+from ..errors import StaleIndexError, StoreError
 from ..store.fs import FS, LocalFS, open_fs
 from .encoders import Encoder, neurons
 from .index import (
@@ -29,7 +29,6 @@ from .index import (
     INDEX_DIR,
     INDEX_FORMAT,
     INDEX_VERSION,
-    StaleIndexError,
     TopIndex,
     build_index,
     check_point,
