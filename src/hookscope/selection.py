@@ -49,7 +49,10 @@ class Dims(Protocol):
 @dataclass(frozen=True, eq=False)
 class Selection:
     """Positions, heads or a token mask to keep, and the dtype / device to keep them in.
-    Build it with `Selection.of(...)`, which checks every option."""
+    Build it with `Selection.of(...)`, which checks every option.
+
+    Raises:
+        SelectionError: from `of`, a bad option; from `take`, one that does not fit the activation."""
 
     positions: Positions = None  # ints / lists are stored as tuples; "last" stays a string
     heads: Heads = None

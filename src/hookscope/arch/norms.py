@@ -66,8 +66,8 @@ def _scale(call: Call) -> Tensor:
     return scale.to(dtype)
 
 
-NORMALIZED = View(_normalized, _read_only, "the norm's input over its scale, before weight and bias")
-SCALE = View(_scale, _read_only, "the norm's scale: sqrt(mean square (of the centred input) + eps)")
+NORMALIZED = View(_normalized, _read_only, "computed: input / scale")
+SCALE = View(_scale, _read_only, "computed: scale")
 
 
 def entries(prefix: str, norm: str) -> dict:

@@ -7,6 +7,7 @@ import re
 from dataclasses import dataclass, field
 from typing import Any
 
+from .checksum import ALGORITHMS
 from .stats import PointStats
 
 SHARDS_DIR = "shards"
@@ -49,13 +50,14 @@ def shard_identity(settings_hash: str, batches: Runs, rank: int) -> dict[str, st
 class ShardEntry:
     file: str  # relative to the store directory, e.g. "shards/shard-r000-000003.safetensors"
     rows: int
-    sha256: str
+    checksum: str  # hex digest of the whole file, by `algorithm` (store/checksum.py)
     bytes: int
     batches: Runs  # the batch indices the shard holds, in row order, as (first, last, step) runs
     rank: int
     generation: int = 0  # the attempt (a run of one world size) that wrote it
     stats: dict[str, PointStats] | None = field(default=None, hash=False)  # None: format version 1
     legacy: bool = field(default=False, compare=False, repr=False)  # read from format version 1
+    algorithm: str = "sha256"  # of `checksum`; the JSON keeps the digest under this name
 
     @property
     def batch_start(self) -> int:
@@ -76,7 +78,7 @@ class ShardEntry:
         return shard_identity(settings_hash, self.batches, self.rank)[IDENTITY]
 
     def to_json(self) -> dict[str, Any]:
-        out = {"file": self.file, "rows": self.rows, "sha256": self.sha256, "bytes": self.bytes,
+        out = {"file": self.file, "rows": self.rows, self.algorithm: self.checksum, "bytes": self.bytes,
                "batches": [list(r) for r in self.batches], "rank": self.rank, "generation": self.generation}
         if self.stats is not None:
             out["stats"] = {k: s.to_json() for k, s in self.stats.items()}
@@ -104,16 +106,20 @@ def nonnegative(value: Any, what: str, minimum: int = 0) -> int:
     return value
 
 
-def _shard_common(raw: Any, w: str) -> tuple[str, int, str, int, int]:
+def _shard_common(raw: Any, w: str) -> tuple[str, int, str, int, int, str]:
     expect(raw, dict, w)
     file = expect(raw["file"], str, f"{w}.file")
     if not file.startswith(SHARDS_DIR + "/") or ".." in file or not file.endswith(".safetensors"):
         raise ValueError(f"{w}.file {file!r} should be shards/<name>.safetensors")
-    sha = expect(raw["sha256"], str, f"{w}.sha256")
-    if len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha):
-        raise ValueError(f"{w}.sha256 {sha!r} is not a hex SHA-256")
+    named = [a for a in ALGORITHMS if a in raw]
+    if len(named) != 1:
+        raise ValueError(f"{w} should hold one checksum, under one of {list(ALGORITHMS)}; it holds {named}")
+    algorithm = named[0]
+    digest = expect(raw[algorithm], str, f"{w}.{algorithm}")
+    if len(digest) != ALGORITHMS[algorithm] or any(ch not in "0123456789abcdef" for ch in digest):
+        raise ValueError(f"{w}.{algorithm} {digest!r} is not a hex {algorithm} digest")
     rows, size, rank = (nonnegative(raw[k], f"{w}.{k}") for k in ("rows", "bytes", "rank"))
-    return file, rows, sha, size, rank
+    return file, rows, digest, size, rank, algorithm
 
 
 def shard_from_json(raw: Any, w: str) -> ShardEntry:
@@ -121,7 +127,7 @@ def shard_from_json(raw: Any, w: str) -> ShardEntry:
     return _plain_shard(raw) or _checked_shard(raw, w)
 
 
-_HEX64 = re.compile(r"[0-9a-f]{64}")
+_HEX = re.compile(r"[0-9a-f]+")
 
 
 def _plain_shard(raw: Any) -> ShardEntry | None:
@@ -129,10 +135,15 @@ def _plain_shard(raw: Any) -> ShardEntry | None:
     wrong. The same checks without their per-field calls: a 100,000-shard manifest opens in seconds."""
     if type(raw) is not dict:
         return None
-    file, sha, runs, stats = raw.get("file"), raw.get("sha256"), raw.get("batches"), raw.get("stats")
+    named = [a for a in ALGORITHMS if a in raw]
+    if len(named) != 1:
+        return None
+    algorithm = named[0]
+    file, digest, runs, stats = raw.get("file"), raw.get(algorithm), raw.get("batches"), raw.get("stats")
     ints = raw.get("rows"), raw.get("bytes"), raw.get("rank"), raw.get("generation")
     if (type(file) is not str or not file.startswith(SHARDS_DIR + "/") or ".." in file
-            or not file.endswith(".safetensors") or type(sha) is not str or not _HEX64.fullmatch(sha)
+            or not file.endswith(".safetensors") or type(digest) is not str
+            or len(digest) != ALGORITHMS[algorithm] or not _HEX.fullmatch(digest)
             or any(type(v) is not int or v < 0 for v in ints) or type(runs) is not list or not runs
             or type(stats) is not dict):
         return None
@@ -151,11 +162,12 @@ def _plain_shard(raw: Any) -> ShardEntry | None:
     except (KeyError, TypeError, ValueError):
         return None
     rows, size, rank, generation = ints
-    return ShardEntry(file, rows, sha, size, tuple(batches), rank, generation, point_stats)
+    return ShardEntry(file, rows, digest, size, tuple(batches), rank, generation, point_stats,
+                      algorithm=algorithm)
 
 
 def _checked_shard(raw: Any, w: str) -> ShardEntry:
-    file, rows, sha, size, rank = _shard_common(raw, w)
+    file, rows, digest, size, rank, algorithm = _shard_common(raw, w)
     runs = []
     for j, run in enumerate(expect(raw["batches"], list, f"{w}.batches")):
         if not isinstance(run, list) or len(run) != 3:
@@ -169,18 +181,19 @@ def _checked_shard(raw: Any, w: str) -> ShardEntry:
     stats = {k: stats_from_json(v, f"{w}.stats.{k}")
              for k, v in expect(raw["stats"], dict, f"{w}.stats").items()}
     generation = nonnegative(raw["generation"], f"{w}.generation")
-    return ShardEntry(file, rows, sha, size, tuple(runs), rank, generation, stats)
+    return ShardEntry(file, rows, digest, size, tuple(runs), rank, generation, stats, algorithm=algorithm)
 
 
 def shard_v1_from_json(raw: Any, i: int, world_size: int) -> ShardEntry:
     """A version 1 entry: batch_start..batch_end stepping by the world size."""
     w = f"shards[{i}]"
-    file, rows, sha, size, rank = _shard_common(raw, w)
+    file, rows, digest, size, rank, algorithm = _shard_common(raw, w)
     start = nonnegative(raw["batch_start"], f"{w}.batch_start")
     end = nonnegative(raw["batch_end"], f"{w}.batch_end")
     if end < start or (end - start) % world_size:
         raise ValueError(f"{w}: batch_start..batch_end ({start}..{end}) is no run of step {world_size}")
-    return ShardEntry(file, rows, sha, size, ((start, end, world_size),), rank, legacy=True)
+    return ShardEntry(file, rows, digest, size, ((start, end, world_size),), rank, legacy=True,
+                      algorithm=algorithm)
 
 
 def stats_from_json(raw: Any, where: str) -> PointStats:

@@ -129,6 +129,11 @@ def summed_stats(shards: list[ShardEntry]) -> dict[str, PointStats]:
 
 @dataclass
 class Manifest:
+    """A store's manifest.json (`store.manifest`): the `settings` that shape its rows (model,
+    points, data, context, dtype...), its columns (`points`: activations; `meta`: token_ids,
+    doc_ids, positions, seq_ids), its `shards` with rows and checksums, and per-point `stats`.
+    docs/store-format.md gives every field."""
+
     settings: dict[str, Any]
     world_size: int = 1  # of the attempt that wrote this manifest (the latest one, once merged)
     points: dict[str, Column] = field(default_factory=dict)  # activations, one per hook point

@@ -21,7 +21,8 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import StoreError
 from .checks import HEAD_BYTES, SAFETENSORS_DTYPES, Header, check_size, checked_header, tensor_of
-from .fs import FS, open_fs, sha256_of
+from .checksum import checksum_of
+from .fs import FS, open_fs
 from .journal import load_manifest
 from .manifest import MANIFEST, SHARDS_DIR, Column, Manifest
 from .ranged import RangedShards
@@ -41,7 +42,14 @@ def open_store(location: str | os.PathLike, *, verify: bool = False,
     s3://bucket/dir: see store/fs.py); `verify=True` also checks every shard's size and SHA-256
     against the manifest. A remote store is read with ranged GETs of only the columns and rows asked
     for, through a bounded in-memory cache, reading ahead on sequential scans; reading works as it
-    does locally. `storage_options` go to the URL's fsspec filesystem."""
+    does locally. `storage_options` go to the URL's fsspec filesystem.
+
+    Returns:
+        Store: a read-only view: `len(store)` rows, `store.manifest`, columns, `store.dataset(...)`.
+
+    Raises:
+        StoreError: no store there, no manifest, shards missing, an unfinished torchrun job's
+            per-rank manifests, or (with `verify=True`) a damaged shard, each named."""
     fs = open_fs(location, storage_options)
     names = fs.list()
     if MANIFEST not in names:
@@ -69,7 +77,10 @@ def open_store(location: str | os.PathLike, *, verify: bool = False,
 
 class Store:
     """A read-only view of a store. `len(store)` is the number of rows (tokens); `path` is where it
-    lives (a directory or a URL, as a string), `fs` its filesystem."""
+    lives (a directory or a URL, as a string), `fs` its filesystem. What `hs.open_store` returns.
+
+    Raises:
+        StoreError: from its readers, for rows or columns it does not have, or a damaged shard."""
 
     def __init__(self, fs: FS, manifest: Manifest, sizes: dict[str, int] | None = None):
         self.fs = fs
@@ -183,7 +194,7 @@ class Store:
         return path, {n: data_start + header[n]["data_offsets"][0] for n in names}
 
     def verify(self, workers: int | None = None) -> None:
-        """Check every shard's size, SHA-256, header, identity and columns against the manifest (a
+        """Check every shard's size, checksum, header, identity and columns against the manifest (a
         manifest can vouch for a damaged file); raise StoreError naming each bad shard. Shards are
         checked by `workers` threads at once (default 4 per core: hashing and reading release the GIL)."""
         n = self.num_shards
@@ -199,7 +210,7 @@ class Store:
                              + "\n  ".join(bad) + "\nRe-run the extraction into a new directory.")
 
     def _problem(self, i: int) -> str | None:
-        """What is wrong with shard `i` (size, every byte's SHA-256, streamed, then its header), or None."""
+        """What is wrong with shard `i` (size, every byte's checksum, streamed, then its header), or None."""
         entry = self.manifest.shards[i]
         local = self.fs.local(entry.file)
         try:
@@ -208,11 +219,11 @@ class Store:
             size = self.fs.size(entry.file)
             if size != entry.bytes:
                 return f"{size} bytes, the manifest says {entry.bytes} (truncated or replaced)"
-            size, digest = self.fs.sha256(entry.file)
+            size, digest = self.fs.checksum(entry.file, entry.algorithm)
             if size != entry.bytes:
                 return f"{size} bytes, the manifest says {entry.bytes} (truncated or replaced)"
-            if digest != entry.sha256:
-                return "SHA-256 differs from the manifest (corrupt)"
+            if digest != entry.checksum:
+                return f"checksum ({entry.algorithm}) differs from the manifest (corrupt)"
             self.header(i, fresh=True)
         except StoreError as e:
             return str(e).removeprefix(f"{self.fs.where(entry.file)}: ")
@@ -229,11 +240,11 @@ class Store:
         with f:
             size = os.fstat(f.fileno()).st_size
             if size == entry.bytes:
-                size, digest = sha256_of(f)
+                size, digest = checksum_of(f, entry.algorithm)
             if size != entry.bytes:
                 return f"{size} bytes, the manifest says {entry.bytes} (truncated or replaced)"
-            if digest != entry.sha256:
-                return "SHA-256 differs from the manifest (corrupt)"
+            if digest != entry.checksum:
+                return f"checksum ({entry.algorithm}) differs from the manifest (corrupt)"
             f.seek(0)
             head = f.read(min(size, HEAD_BYTES))
 
