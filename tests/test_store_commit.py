@@ -146,6 +146,12 @@ def _new_entry(lines: list[bytes], **changes) -> bytes:
                        **changes)
 
 
+def _not_hex(lines: list[bytes]) -> bytes:
+    entry = json.loads(lines[0].rstrip(b"\n").split(b" ", 1)[1])
+    key = next(k for k in ("sha256", "xxh3_128") if k in entry)  # the algorithm the entry names
+    return _new_entry(lines, **{key: "z" * len(entry[key])})
+
+
 HOSTILE = {
     "garbage in the middle": (lambda ls: [ls[0], b"not a journal line\n", *ls[2:]], r"line 2: .*SHA"),
     "wrong hash": (lambda ls: [ls[0], b"0" * 64 + ls[1][64:], *ls[2:]], r"line 2: its SHA-256 does not"),
@@ -156,7 +162,7 @@ HOSTILE = {
     "an entry of another rank": (lambda ls: [*ls, _new_entry(ls, rank=1)], r"cannot belong to manifest.json"),
     "a negative row count": (lambda ls: [*ls, _new_entry(ls, rows=-1)], r"line 6: entry.rows is -1"),
     "more rows than bytes": (lambda ls: [*ls, _new_entry(ls, rows=10**9)], r"claims 1000000000 rows"),
-    "a hash that is not hex": (lambda ls: [_new_entry(ls, sha256="z" * 64), *ls], r"line 1: .*not a hex SHA"),
+    "a checksum that is not hex": (lambda ls: [_not_hex(ls), *ls], r"line 1: .*is not a hex"),
     "stats of another point": (lambda ls: [*ls, _new_entry(ls, stats={})], r"has stats for \[\]"),
     "a batch in two shards": (
         lambda ls: [*ls, _edit_entry(ls, 0, file="shards/shard-r000-000042.safetensors")],
