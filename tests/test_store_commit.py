@@ -74,7 +74,8 @@ def crashed(snapshot, tmp_path) -> Path:
 
 
 def journal_lines(out: Path) -> list[bytes]:
-    return (out / "manifest.journal").read_bytes().splitlines(keepends=True)
+    path = out / "manifest.journal"
+    return path.read_bytes().splitlines(keepends=True) if path.exists() else []
 
 
 def line(entry: dict) -> bytes:
@@ -251,3 +252,24 @@ def test_a_second_run_on_a_store_is_refused_while_the_first_writes(tmp_path, ref
     first.close()
     write(out)  # once the first has finished, the same command resumes
     assert files(out) == files(reference)  # and the lock went with it
+
+
+def test_compactions_mid_run_leave_the_same_store(tmp_path, reference, monkeypatch):
+    """The manifest rewritten whenever the journal is as long as it (here from 2 lines on, not
+    1,024): the finished store is the same, and mid-run the journal stays short."""
+    from hookscope.store import journal
+
+    monkeypatch.setattr(journal, "COMPACT_AFTER", 2)
+    out = tmp_path / "store"
+    w = ShardWriter(out, SETTINGS, shard_rows=1)
+    for i in range(N - 1):
+        w.write(i, *batch(i))
+    deadline = time.monotonic() + 60
+    while len(w.manifest.shards) < N - 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    listed = len(json.loads((out / "manifest.json").read_bytes())["shards"])
+    assert listed >= 4 and listed + len(journal_lines(out)) == N - 1  # compacted mid-run, nothing lost
+    assert open_store(out).num_shards == N - 1
+    w.write(N - 1, *batch(N - 1))
+    w.close()
+    assert files(out) == files(reference)
