@@ -93,6 +93,9 @@ def test_every_public_name_is_listed_on_a_reference_page():
         listed |= set(re.findall(r'^<span id="hookscope\.(\w+)"></span>$', text, re.MULTILINE))
     missing = sorted(set(PUBLIC) - listed)
     assert not missing, f"add `::: hookscope.NAME` for {missing} to a page under docs/reference/"
+    index = (ROOT / "docs" / "reference" / "index.md").read_text(encoding="utf-8")
+    unlinked = [name for name in PUBLIC if f"#hookscope.{name})" not in index]
+    assert not unlinked, f"docs/reference/index.md links no entry for {unlinked}"
 
 
 def test_the_site_needs_nothing_from_the_network(site: Path):

@@ -43,15 +43,13 @@ from .selection import Heads, Positions, Selection
 
 
 class _StopForward(BaseException):
-    """Raised after the last needed point. BaseException so that model code that catches
-    `Exception` cannot swallow it."""
+    """Raised after the last needed point; a BaseException, so model code catching Exception can't eat it."""
 
 
 def _builds_kv_cache(model: nn.Module) -> bool:
-    """Whether `model(...)` builds a key/value cache unless told `use_cache=False` (Hugging Face
-    decoders do by default). A pass that stops early returns nothing, so that cache is pure
-    waste: 2 x [batch, heads, pos, d_head] per layer run, +58% peak memory capturing block 5 of
-    a GPT-2-small shape at 8 x 128."""
+    """Whether `model(...)` builds a key/value cache unless told `use_cache=False` (Hugging Face decoders
+    do by default). A pass that stops early returns nothing, so that cache is pure waste: 2 x [batch,
+    heads, pos, d_head] per layer run, +58% peak memory capturing block 5 of GPT-2-small at 8 x 128."""
     return bool(getattr(getattr(model, "config", None), "use_cache", False)) \
         and "use_cache" in forward_parameters(type(model))
 
@@ -340,14 +338,15 @@ class PointInfo:
         module: the path of the module it hooks, in the model's own module tree.
         io: which side of that module: `"input"` or `"output"`.
         view: how the activation is read from the module's tensor (a per-head split); "" for as is.
-        shape: its shape on the example input `hs.points` was given, else None."""
+        shape: its shape on the example input `hs.points` was given, else None.
+        meaning: what the name means (`names.MEANINGS`); "" for a family's own points."""
 
     name: str
     module: str
     io: str
     view: str
     shape: tuple[int, ...] | None = None
-    meaning: str = ""  # what the name means (names.MEANINGS), "" for a family's own points
+    meaning: str = ""
 
 
 def points(model: nn.Module, example: Any = None, *, pattern: str | None = None) -> list[PointInfo]:
