@@ -110,6 +110,7 @@ class ShardWriter:
             if self.fs.size(CARD) is None:
                 self.fs.put(CARD, card_bytes(), durable=False)
         except OSError as e:
+            self._commits.unlock()  # refused: the next try, in this process too, may take the store
             raise StoreError(f"cannot write to the store directory {self.out}: {e}; make it writable (or "
                              "free space) or choose another --out, and re-run") from e
         # to skip: what earlier attempts committed, and this rank's own shards of this attempt
