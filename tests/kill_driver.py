@@ -123,7 +123,7 @@ def arm(kill_at: str) -> Plan:
     if plan.kind == "never":
         return plan
     real_replace, real_fsync, real_save = os.replace, os.fsync, writer_module.save_columns
-    real_write, real_pack = ShardWriter.write, text_source.pack
+    real_write, real_pack = ShardWriter.write, text_source.pack_batches
 
     def replace(src, dst):
         due = [plan.event("replace")]
@@ -188,7 +188,7 @@ def arm(kill_at: str) -> Plan:
 
     fs_module.RemoteFS.put_file, fs_module.RemoteFS.put = upload, put
     os.replace, os.fsync, writer_module.save_columns = replace, fsync, save_columns
-    ShardWriter.write, text_source.pack = write, pack
+    ShardWriter.write, text_source.pack_batches = write, pack
     torch.nn.modules.module.register_module_forward_pre_hook(forward)
     return plan
 

@@ -66,7 +66,7 @@ def reference(tiny_dirs, corpus, tmp_path_factory):
 
 
 @pytest.mark.parametrize("slow, stage, says", [
-    (slow_data, "data", "bound by the data"),
+    (slow_data, "data", "bound by tokenization: raise --workers"),
     (slow_model, "model", "bound by the model"),
     (slow_disk, "writer", "bound by the disk at"),
 ])

@@ -39,6 +39,10 @@ def add_parser(sub) -> None:
     p.add_argument("--max-memory", default=None, metavar="SIZE",
                    help="stream the blocks through chunks of batches, weights kept under SIZE (2GiB, 500MB): "
                         "for a model whose needed weights do not fit")
+    p.add_argument("--workers", type=at_least(0), default=0, metavar="N",
+                   help="processes that tokenize text ahead of the model (default 0: the data thread, "
+                        "with the tokenizer's own threads); raise it when the run says it is bound by "
+                        "tokenization")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--generate", type=at_least(0), default=0, metavar="N",
                    help="also store N greedy tokens the model generates after each sequence")
@@ -55,6 +59,7 @@ def run(args) -> int:
         max_tokens=args.max_tokens, device=args.device, shard_rows=args.shard_rows,
         on_nonfinite=args.on_nonfinite, revision=args.revision, progress=not args.no_progress,
         device_map=args.device_map, generate=args.generate, max_memory=args.max_memory,
+        workers=args.workers,
     )
     try:
         print(extract(cfg))

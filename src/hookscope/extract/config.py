@@ -21,7 +21,7 @@ class ExtractConfig:
     MiniLM), `points`, `data` (a .txt / .jsonl file or folder, a saved dataset, `hf:NAME`,
     `images:DIR`; default: Python's own docstrings, built offline), `context` tokens per sequence,
     `batch_size`, `dtype` of the stored rows, `max_tokens`, `shard_rows` per shard, `max_memory`
-    to stream blocks under a weight budget. Checked by `hs.extract` before anything is loaded."""
+    to stream blocks under a weight budget, `workers` processes that tokenize text. Checked by `hs.extract` before anything is loaded."""
 
     out: str
     model: str | None = None
@@ -43,6 +43,9 @@ class ExtractConfig:
     # --max-memory SIZE ("2GiB"): stream the blocks through chunks of batches, weights under SIZE
     # (stream.py). Not a setting of the store: the rows are the same with it or without it
     max_memory: str | int | None = None
+    # --workers N: processes that tokenize text (0: the data thread, with the tokenizer's own threads).
+    # Not a setting of the store: the batches are the same for any N
+    workers: int = 0
 
 
 def _whole(value: object) -> bool:
@@ -61,6 +64,9 @@ def validate_config(cfg: ExtractConfig) -> None:
         if not (_whole(value) or (name == "context" and value is None)):
             flag = "--" + name.replace("_", "-")
             raise HookscopeError(f"{flag} {value!r}: must be a whole number >= 1")
+    if isinstance(cfg.workers, bool) or not isinstance(cfg.workers, int) or cfg.workers < 0:
+        raise HookscopeError(f"--workers {cfg.workers!r}: must be a whole number >= 0 "
+                             "(0 tokenizes in the extraction's own data thread)")
     if cfg.max_tokens is not None and not _whole(cfg.max_tokens):
         raise HookscopeError(f"--max-tokens {cfg.max_tokens!r}: must be a whole number >= 1 (or left out)")
     if not cfg.points:

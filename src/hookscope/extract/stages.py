@@ -36,6 +36,7 @@ class Stages:
 
     busy: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     started: float = field(default_factory=time.perf_counter)
+    data_bound: str = "bound by the data"  # the source's words for a run its data stage bounds
 
     def add(self, stage: str, seconds: float) -> None:
         self.busy[stage] = self.busy.get(stage, 0.0) + seconds
@@ -52,7 +53,7 @@ class Stages:
         main = shares["model"] + shares["out"]
         stage = max(("data", "model", "writer"), key=lambda k: main if k == "model" else shares[k])
         if stage == "data":
-            return "bound by the data (reading, tokenizing, packing)"
+            return self.data_bound
         if stage == "writer":
             rate = nbytes / self.busy["writer"] if self.busy["writer"] > 0 else 0.0
             shown = f"{rate / 1e9:.2f} GB/s" if rate >= 1e9 else f"{rate / 1e6:,.1f} MB/s"

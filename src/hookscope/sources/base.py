@@ -59,6 +59,8 @@ class Source:
 
     needs_tokenizer: ClassVar[bool] = True
     streamable: ClassVar[bool] = True  # rows = rows(batch, one capture of model_call(batch))
+    # what a run says when preparing this source's batches sets its pace: what the user can do
+    bound_by_data: ClassVar[str] = "bound by the data (reading and preparing the inputs)"
 
     @classmethod
     def claims(cls, cfg: ExtractConfig) -> bool:

@@ -20,7 +20,7 @@ from .documents import (
     stdlib_docstrings,
     text_files,
 )
-from .packing import TOKENIZE_BATCH
+from .tokenize import TOKENIZE_BATCH
 
 
 def source_fingerprint(source: Any, *, text_field: str = "text", split: str = "train") -> dict[str, Any]:

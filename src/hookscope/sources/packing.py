@@ -13,11 +13,13 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from ..errors import DataError
+from .tokenize import Chunk, tokenized
 
-TOKENIZE_BATCH = 64  # documents per tokenizer call: fast tokenizers work in parallel over a list
+SEQUENCE_KEYS = ("input_ids", "attention_mask", "doc_ids", "doc_positions", "special_mask")
 
 
 @dataclass(frozen=True)
@@ -75,49 +77,110 @@ class PackedSequence:
 
 
 def pack(documents: Iterable[str], tokenizer: Any, context: int = 128, *, bos: str | bool = "auto",
-         drop_remainder: bool = True, max_tokens: int | None = None) -> Iterator[PackedSequence]:
+         drop_remainder: bool = True, max_tokens: int | None = None,
+         workers: int = 0) -> Iterator[PackedSequence]:
     """Tokenize `documents` (without the tokenizer's own special tokens) and pack them into
     sequences of `context` tokens (see the module docstring). `max_tokens` caps the tokens emitted;
-    the last partial sequence is dropped unless `drop_remainder=False`, which pads it."""
+    the last partial sequence is dropped unless `drop_remainder=False`, which pads it. `workers`
+    processes tokenize (0: this thread; see tokenize.py)."""
+    return _split(_blocks(documents, tokenizer, context, bos, drop_remainder, max_tokens, workers))
+
+
+def _split(blocks: Iterator[tuple[int, tuple[np.ndarray, ...]]]) -> Iterator[PackedSequence]:
+    for first, arrays in blocks:
+        for i in range(len(arrays[0])):
+            yield PackedSequence(first + i, *(torch.from_numpy(a[i].copy()) for a in arrays))
+
+
+def pack_batches(documents: Iterable[str], tokenizer: Any, context: int = 128, batch_size: int = 8, *,
+                 bos: str | bool = "auto", drop_remainder: bool = True, max_tokens: int | None = None,
+                 workers: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+    """`batches(pack(...), batch_size)`, the same batches, built a block of sequences at a time."""
+    if batch_size < 1:
+        raise DataError(f"batch_size={batch_size} must be >= 1")
+    blocks = _blocks(documents, tokenizer, context, bos, drop_remainder, max_tokens, workers)
+    return _batched(blocks, batch_size)
+
+
+def _blocks(documents: Iterable[str], tokenizer: Any, context: int, bos: str | bool, drop_remainder: bool,
+            max_tokens: int | None, workers: int) -> Iterator[tuple[int, tuple[np.ndarray, ...]]]:
     policy = pack_policy(tokenizer, bos)
     body = context - (policy.start_id is not None)
     if body < 1:
         raise DataError(f"context {context} leaves no room for text after the start token")
     if max_tokens is not None and max_tokens < 1:
         raise DataError(f"max_tokens={max_tokens} must be >= 1")
-    return _pack(documents, tokenizer, policy, context, body, drop_remainder, max_tokens)
+    stream = _stream(tokenized(documents, tokenizer, workers), policy, context, body, drop_remainder,
+                     max_tokens)
+    return _rows(stream, policy, context, body, drop_remainder, max_tokens)
 
 
-def _pack(documents: Iterable[str], tokenizer: Any, policy: PackPolicy, context: int, body: int,
-          drop_remainder: bool, max_tokens: int | None) -> Iterator[PackedSequence]:
-    budget = max_tokens if max_tokens is not None else sys.maxsize
-    lead = context - body
-    ids: list[int] = []  # the stream of body tokens not yet emitted, with their origins
-    docs: list[int] = []
-    positions: list[int] = []
-    seq_id = seen = 0
-    for doc_id, tokens in _tokenized(documents, tokenizer):
-        if not tokens:
+def _stream(chunks: Iterator[Chunk], policy: PackPolicy, context: int, body: int, drop_remainder: bool,
+            max_tokens: int | None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+    """The body-token stream, a chunk of documents at a time: (ids, doc ids, positions, document
+    tokens so far), a separator before every non-empty document but the first. It ends after the
+    document at which the budget is spent (`_rows` would take no more), reading no further chunk."""
+    length = seen = 0
+    for first, flat, lengths in chunks:
+        nonempty = np.flatnonzero(lengths)
+        if not len(nonempty):
             continue
-        if seen and policy.separator_id is not None:
-            ids.append(policy.separator_id)
-            docs.append(-1)
-            positions.append(-1)
-        seen += len(tokens)
-        ids += tokens
-        docs += [doc_id] * len(tokens)
-        positions += range(len(tokens))
-        at = 0
-        while len(ids) - at >= body and budget >= context:
-            yield _sequence(seq_id, policy, context, ids[at : at + body], docs[at : at + body],
-                            positions[at : at + body])
-            seq_id, at, budget = seq_id + 1, at + body, budget - context
-        del ids[:at], docs[:at], positions[:at]
-        if budget < context and (drop_remainder or len(ids) >= budget - lead):
-            break  # the budget is spent: read no further documents
-    rest = min(len(ids), budget - lead)
-    if not drop_remainder and rest > 0:
-        yield _sequence(seq_id, policy, context, ids[:rest], docs[:rest], positions[:rest])
+        sizes = lengths[nonempty]
+        starts = np.cumsum(sizes) - sizes  # of each non-empty document in `flat`
+        separated = np.full(len(sizes), policy.separator_id is not None)
+        separated[0] &= seen > 0
+        stop = _spent_after(length + np.cumsum(sizes + separated), context, body, drop_remainder, max_tokens)
+        if stop is not None:
+            nonempty, sizes, starts, separated = (nonempty[: stop + 1], sizes[: stop + 1],
+                                                  starts[: stop + 1], separated[: stop + 1])
+            flat = flat[: starts[-1] + sizes[-1]]
+        docs = np.repeat(first + nonempty, sizes)
+        positions = np.arange(len(flat)) - np.repeat(starts, sizes)
+        at = starts[separated]
+        ids = np.insert(flat, at, policy.separator_id or 0)
+        seen += int(sizes.sum())
+        length += len(ids)
+        yield ids, np.insert(docs, at, -1), np.insert(positions, at, -1), seen
+        if stop is not None:
+            return
+
+
+def _spent_after(ends: np.ndarray, context: int, body: int, drop_remainder: bool,
+                 max_tokens: int | None) -> int | None:
+    """Given the stream's length after each document, the first document after which the budget is
+    spent: every full sequence it allows is out, and the remainder is dropped or already as long as
+    the budget lets it be."""
+    if max_tokens is None:
+        return None
+    full = max_tokens // context
+    made = np.minimum(ends // body, full)
+    spent = made == full
+    if not drop_remainder:
+        spent &= ends - made * body >= max_tokens - full * context - (context - body)
+    hits = np.flatnonzero(spent)
+    return int(hits[0]) if len(hits) else None
+
+
+def _rows(stream: Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]], policy: PackPolicy,
+          context: int, body: int, drop_remainder: bool,
+          max_tokens: int | None) -> Iterator[tuple[int, tuple[np.ndarray, ...]]]:
+    """Blocks of whole sequences, (first seq_id, their SEQUENCE_KEYS arrays [n, context]), then the
+    padded remainder (drop_remainder=False); a DataError if there is not one sequence."""
+    lead = context - body
+    full = max_tokens // context if max_tokens is not None else sys.maxsize
+    rest: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * 3  # stream tokens not yet in a sequence
+    seq_id = seen = 0
+    for *parts, seen in stream:
+        joined = [np.concatenate((r, p)) for r, p in zip(rest, parts, strict=True)]
+        n = min(len(joined[0]) // body, full - seq_id)
+        if n:
+            yield seq_id, _sequences(policy, context, *(j[: n * body].reshape(n, body) for j in joined))
+            seq_id += n
+        rest = [j[n * body:] for j in joined]
+    budget = sys.maxsize if max_tokens is None else max_tokens - seq_id * context
+    kept = min(len(rest[0]), budget - lead)
+    if not drop_remainder and kept > 0:
+        yield seq_id, _sequences(policy, context, *(r[None, :kept] for r in rest))
         seq_id += 1
     if not seq_id:
         raise DataError(f"the data gave {seen} tokens, not enough for one sequence of {context}"
@@ -125,41 +188,54 @@ def _pack(documents: Iterable[str], tokenizer: Any, policy: PackPolicy, context:
                         + "; add data, lower --context, or keep the remainder (drop_remainder=False)")
 
 
-def _tokenized(documents: Iterable[str], tokenizer: Any) -> Iterator[tuple[int, list[int]]]:
-    doc_id = 0
-    for chunk in _chunks(documents):
-        out = tokenizer(chunk, add_special_tokens=False, verbose=False, return_attention_mask=False,
-                        return_token_type_ids=False)["input_ids"]
-        for tokens in out:
-            yield doc_id, tokens
-            doc_id += 1
-
-
-def _chunks(documents: Iterable[str]) -> Iterator[list[str]]:
-    chunk: list[str] = []
-    for doc in documents:
-        if not isinstance(doc, str):
-            raise DataError(f"documents must be strings, got {type(doc).__name__}")
-        chunk.append(doc)
-        if len(chunk) == TOKENIZE_BATCH:
-            yield chunk
-            chunk = []
-    if chunk:
-        yield chunk
-
-
-def _sequence(seq_id: int, policy: PackPolicy, context: int, ids: list[int], docs: list[int],
-              positions: list[int]) -> PackedSequence:
+def _sequences(policy: PackPolicy, context: int, ids: np.ndarray, docs: np.ndarray,
+               positions: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Sequences [n, context] from their body tokens [n, <= body]: the start token first, padding last."""
+    n, width = ids.shape
     lead = 0 if policy.start_id is None else 1
-    pad = context - lead - len(ids)
-    return PackedSequence(
-        seq_id,
-        input_ids=torch.tensor([policy.start_id] * lead + ids + [policy.pad_id] * pad),
-        attention_mask=torch.tensor([1] * (context - pad) + [0] * pad),
-        doc_ids=torch.tensor([-1] * lead + docs + [-1] * pad),
-        doc_positions=torch.tensor([-1] * lead + positions + [-1] * pad),
-        special_mask=torch.tensor([True] * lead + [d == -1 for d in docs] + [False] * pad),
-    )
+    real = lead + width
+
+    def filled(body: np.ndarray, start: Any, pad: Any, dtype: Any) -> np.ndarray:
+        out = np.empty((n, context), dtype=dtype)
+        if lead:
+            out[:, 0] = start
+        out[:, lead:real], out[:, real:] = body, pad
+        return out
+
+    return (filled(ids, policy.start_id, policy.pad_id, np.int64),
+            filled(np.ones_like(ids), 1, 0, np.int64),
+            filled(docs, -1, -1, np.int64),
+            filled(positions, -1, -1, np.int64),
+            filled(docs == -1, True, False, bool))
+
+
+def _batched(blocks: Iterator[tuple[int, tuple[np.ndarray, ...]]],
+             batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+    held: list[tuple[int, tuple[np.ndarray, ...]]] = []  # sequences not yet in a batch
+    count = 0
+    for block in blocks:
+        held.append(block)
+        count += len(block[1][0])
+        while count >= batch_size:
+            first, joined = _join(held)
+            yield _batch(first, [a[:batch_size] for a in joined])
+            held = [(first + batch_size, tuple(a[batch_size:] for a in joined))]
+            count -= batch_size
+    if count:
+        yield _batch(*_join(held))
+
+
+def _join(held: list[tuple[int, tuple[np.ndarray, ...]]]) -> tuple[int, tuple[np.ndarray, ...]]:
+    if len(held) == 1:
+        return held[0]
+    return held[0][0], tuple(np.concatenate(a) for a in zip(*(arrays for _, arrays in held), strict=True))
+
+
+def _batch(first: int, arrays: Iterable[np.ndarray]) -> dict[str, torch.Tensor]:
+    out = {k: torch.from_numpy(np.ascontiguousarray(a).copy())
+           for k, a in zip(SEQUENCE_KEYS, arrays, strict=True)}
+    out["seq_ids"] = torch.arange(first, first + len(out["input_ids"]))
+    return out
 
 
 def batches(sequences: Iterable[PackedSequence], batch_size: int, *,
@@ -179,7 +255,6 @@ def batches(sequences: Iterable[PackedSequence], batch_size: int, *,
 
 
 def _stack(group: list[PackedSequence]) -> dict[str, torch.Tensor]:
-    out = {k: torch.stack([getattr(s, k) for s in group])
-           for k in ("input_ids", "attention_mask", "doc_ids", "doc_positions", "special_mask")}
+    out = {k: torch.stack([getattr(s, k) for s in group]) for k in SEQUENCE_KEYS}
     out["seq_ids"] = torch.tensor([s.seq_id for s in group])
     return out

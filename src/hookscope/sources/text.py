@@ -18,7 +18,7 @@ from .columns import token_columns
 from .documents import iter_documents
 from .fingerprint import ReadMeter, source_chars, source_fingerprint
 from .identity import model_identity, point_meanings
-from .packing import batches, pack, pack_policy
+from .packing import pack_batches, pack_policy
 
 if TYPE_CHECKING:
     from ..extract import ExtractConfig
@@ -29,6 +29,8 @@ DEFAULT_CONTEXT = 128
 
 class TextSource(Source):
     """Any text source documents.py reads; the fallback when no other kind claims `--data`."""
+
+    bound_by_data = "bound by tokenization: raise --workers"
 
     @classmethod
     def claims(cls, cfg: ExtractConfig) -> bool:
@@ -73,9 +75,9 @@ class TextSource(Source):
         }
 
     def batches(self) -> Iterator[dict[str, Tensor]]:
-        sequences = pack(self.meter, self.loaded.tokenizer, context=self.context,
-                         max_tokens=self.cfg.max_tokens)
-        return batches(sequences, self.cfg.batch_size)
+        return pack_batches(self.meter, self.loaded.tokenizer, context=self.context,
+                            batch_size=self.cfg.batch_size, max_tokens=self.cfg.max_tokens,
+                            workers=self.cfg.workers)
 
     def keep(self, batch: dict[str, Tensor]) -> Tensor:
         """The tokens of a batch that become rows: real tokens, less BOS / CLS / SEP unless kept."""
