@@ -3,11 +3,11 @@ in order; in the calling thread (`workers=0`: a fast tokenizer's batch encode ru
 threads, without the GIL) or in `workers` processes, so that nothing of it waits on the GIL.
 
 Each chunk comes back as (first document index, flat token ids, tokens per document) in numpy, so
-that packing never walks tokens in Python. Worker processes get the chunks in order and at most
-`2 * workers` chunks are out at once (memory stays flat); results are taken in submission order, so
-the stream is the same for any number of workers. A worker that fails or dies ends the run with a
-DataError; closing the stream (end, error, Ctrl-C) stops the workers, and a worker whose parent
-dies exits on its own (it polls its parent).
+that packing never walks tokens in Python. With workers, chunk i goes to worker i % N and its result
+is read back from that worker in turn, so the stream is the same for any N; each worker holds at
+most two chunks (memory stays flat). A worker's tokenizer error or death is a DataError naming the
+documents; closing the stream (its end, an error, Ctrl-C) terminates and reaps the workers, and a
+worker whose parent is killed outright exits on its own (it watches its parent).
 """
 
 from __future__ import annotations
@@ -16,10 +16,11 @@ import collections
 import itertools
 import multiprocessing
 import os
+import signal
+import sys
 import threading
+import time
 from collections.abc import Iterable, Iterator
-from concurrent.futures import Future, ProcessPoolExecutor
-from concurrent.futures.process import BrokenProcessPool
 from typing import Any
 
 import numpy as np
@@ -67,71 +68,95 @@ def tokenized(documents: Iterable[str], tokenizer: Any, workers: int = 0) -> Ite
     yield from _in_processes(documents, tokenizer, workers)
 
 
-_worker_tokenizer: Any = None
-
-
-def _start_worker(tokenizer: Any, parent: int) -> None:
-    global _worker_tokenizer
-    _worker_tokenizer = tokenizer
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # the processes are the parallelism
-
-    def watch() -> None:  # a parent killed outright (SIGKILL) cannot stop its pool: leave with it
-        while True:
-            threading.Event().wait(1.0)
-            if os.getppid() != parent:
-                os._exit(1)
-
-    threading.Thread(target=watch, daemon=True).start()
-
-
-def _encode_in_worker(chunk: list[str]) -> tuple[np.ndarray, np.ndarray]:
-    return encode(_worker_tokenizer, chunk)
-
-
 def _in_processes(documents: Iterable[str], tokenizer: Any, workers: int) -> Iterator[Chunk]:
-    # spawn, not fork: the parent has threads (the writer's, torch's) that a fork would copy mid-step
-    pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
-                               initializer=_start_worker, initargs=(tokenizer, os.getpid()))
-    pending: collections.deque[tuple[int, int, Future]] = collections.deque()
+    # fork where it is safe (Linux): a spawned worker re-runs an unguarded __main__ script; the
+    # forked worker only tokenizes, touching none of the locks the parent's other threads hold
+    context = multiprocessing.get_context("fork" if sys.platform.startswith("linux") else "spawn")
+    pool: list[tuple[Any, Any]] = []  # (process, connection): chunk i goes to worker i % workers
+    pending: collections.deque[tuple[int, int]] = collections.deque()  # (first doc, docs) sent
     first = 0
     try:
+        for _ in range(workers):
+            ours, theirs = context.Pipe()
+            process = context.Process(target=_work, args=(theirs, tokenizer, os.getpid()),
+                                      name="hookscope-tokenize", daemon=True)
+            process.start()
+            theirs.close()  # so that the worker's death reads as the end of its pipe
+            pool.append((process, ours))
         source = chunks(documents)
+        sent = 0
         while True:
-            while len(pending) < 2 * workers:
+            while len(pending) < 2 * workers:  # each worker holds up to two chunks: flat memory
                 chunk = next(source, None)
                 if chunk is None:
                     break
-                pending.append((first, len(chunk), pool.submit(_encode_in_worker, chunk)))
-                first += len(chunk)
+                _send(pool[sent % workers], chunk, first)
+                pending.append((first, len(chunk)))
+                first, sent = first + len(chunk), sent + 1
             if not pending:
                 return
-            start, count, future = pending.popleft()
-            yield (start, *_result(future, start, count))
+            start, count = pending.popleft()
+            yield (start, *_receive(pool[(sent - len(pending) - 1) % workers], start, count))
     finally:
-        for *_, future in pending:
-            future.cancel()
         _stop(pool)
 
 
-def _result(future: Future, start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
-    where = f"documents {start}-{start + count - 1}"
+def _work(connection: Any, tokenizer: Any, parent: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+
+    def watch() -> None:  # a parent killed outright (SIGKILL) cannot stop us: leave with it
+        while os.getppid() == parent:
+            time.sleep(0.5)
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+    while True:
+        try:
+            chunk = connection.recv()
+        except EOFError:
+            return
+        try:
+            connection.send((True, encode(tokenizer, chunk)))
+        except Exception as e:  # noqa: BLE001 - the tokenizer's own error, named in the parent
+            connection.send((False, f"{type(e).__name__}: {e}"))
+
+
+def _send(worker: tuple[Any, Any], chunk: list[str], first: int) -> None:
     try:
-        return future.result()
-    except BrokenProcessPool as e:
-        raise DataError(f"a tokenizer worker process died while tokenizing {where} (out of memory?); "
-                        "run again with fewer --workers, or --workers 0 to tokenize in-process") from e
-    except Exception as e:  # the tokenizer's own error, raised in the worker
-        raise DataError(f"tokenizing {where} failed in a worker process: {type(e).__name__}: {e}") from e
+        worker[1].send(chunk)
+    except (BrokenPipeError, ConnectionResetError):
+        raise _died(worker[0], first, len(chunk)) from None
 
 
-def _stop(pool: ProcessPoolExecutor) -> None:
-    """Stop the pool now: workers busy on chunks no one will read are terminated, then reaped."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())
-    pool.shutdown(wait=False, cancel_futures=True)
-    for process in processes:
+def _receive(worker: tuple[Any, Any], start: int, count: int) -> tuple[np.ndarray, np.ndarray]:
+    process, connection = worker
+    try:
+        ok, result = connection.recv()
+    except (EOFError, ConnectionResetError):
+        raise _died(process, start, count) from None
+    if not ok:
+        raise DataError(f"tokenizing documents {start}-{start + count - 1} failed in a worker process: "
+                        f"{result}")
+    return result
+
+
+def _died(process: Any, start: int, count: int) -> DataError:
+    process.join(timeout=5)
+    code = process.exitcode
+    how = (f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}")
+    return DataError(f"a tokenizer worker process died while tokenizing documents {start}-{start + count - 1} "
+                     f"({how}; out of memory?); run again with fewer --workers, or --workers 0 to "
+                     "tokenize in the data thread")
+
+
+def _stop(pool: list[tuple[Any, Any]]) -> None:
+    """Stop the workers now (they may be busy on chunks no one will read), then reap them."""
+    for process, connection in pool:
+        connection.close()
         if process.is_alive():
             process.terminate()
-    for process in processes:
+    for process, _ in pool:
         process.join(timeout=5)
         if process.is_alive():
             process.kill()

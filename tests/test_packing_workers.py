@@ -1,0 +1,119 @@
+"""`--workers N`: tokenizing in worker processes keeps the batches, names a worker's failure, and
+leaves no process behind on Ctrl-C, on a kill, or when the consumer stops early."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import transformers
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+from hookscope.errors import DataError
+from hookscope.sources.packing import pack_batches
+
+pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process checks read /proc")
+
+
+def words_tokenizer() -> transformers.PreTrainedTokenizerFast:
+    vocab = {w: i for i, w in enumerate(["<eos>", "poison", "die", *"abcdefgh"])}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<eos>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<eos>")
+
+
+class Trapped:
+    """The tokenizer, failing in the worker on a document that says "poison" or "die"."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def __getattr__(self, name):
+        return getattr(self.tokenizer, name)
+
+    def __call__(self, docs, **kwargs):
+        if any("poison" in d for d in docs):
+            raise ValueError("this tokenizer refuses poison")
+        if any("die" in d for d in docs):
+            os._exit(3)
+        return self.tokenizer(docs, **kwargs)
+
+
+def docs_with(bad: str, at: int) -> list[str]:
+    return [bad if i == at else "a b c d e f g h " * 3 for i in range(400)]
+
+
+def test_a_tokenizer_error_in_a_worker_is_a_data_error_naming_the_documents():
+    with pytest.raises(DataError, match=r"documents 192-255 failed in a worker.*ValueError: this "
+                                        r"tokenizer refuses poison"):
+        list(pack_batches(docs_with("poison", 200), Trapped(words_tokenizer()), 16, 4, workers=2))
+
+
+def test_a_worker_that_dies_is_a_data_error():
+    with pytest.raises(DataError, match=r"worker process died while tokenizing documents 64-127 \(exit code 3.*--workers 0"):
+        list(pack_batches(docs_with("die", 70), Trapped(words_tokenizer()), 16, 4, workers=2))
+
+
+def children(pid: int) -> set[int]:
+    out = set()
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        text = (task / "children").read_text() if (task / "children").exists() else ""
+        out |= {int(c) for c in text.split()}
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def test_stopping_early_leaves_no_worker():
+    batches = pack_batches(iter(lambda: "a b c d", None), words_tokenizer(), 16, 4, workers=2)
+    next(batches)
+    assert len(children(os.getpid())) >= 2
+    batches.close()
+    assert not [p for p in children(os.getpid()) if alive(p)]
+
+
+ENDLESS = textwrap.dedent("""
+    import itertools, sys
+    sys.path[:0] = [{tests!r}]
+    from test_packing_workers import words_tokenizer
+    from hookscope.sources.packing import pack_batches
+    docs = (" ".join("abcdefgh"[(i + j) % 8] for j in range(50)) for i in itertools.count())
+    for n, batch in enumerate(pack_batches(docs, words_tokenizer(), 64, 8, workers=2)):
+        if n == 5:
+            print("packing", flush=True)
+""")
+
+
+@pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
+def test_ctrl_c_or_a_kill_leaves_no_worker(how, tmp_path: Path):
+    script = tmp_path / "endless.py"
+    script.write_text(ENDLESS.format(tests=str(Path(__file__).parent)))
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    try:
+        assert proc.stdout.readline().strip() == "packing"
+        workers = children(proc.pid)
+        assert len(workers) >= 2
+        proc.send_signal(how)
+        proc.wait(timeout=60)
+        deadline = time.monotonic() + 30
+        while any(alive(p) for p in workers) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not [p for p in workers if alive(p)], "worker processes outlived their parent"
+        if how == signal.SIGINT:
+            assert "KeyboardInterrupt" in proc.stderr.read()  # the parent's, raised where it was
+    finally:
+        proc.kill()
+        proc.wait()
