@@ -13,7 +13,13 @@ what bounds an extraction?
 
     python bench/bench_pipeline.py                 # 3 fresh processes per figure, medians
     python bench/bench_pipeline.py --smoke         # tiny, seconds
-    python bench/bench_pipeline.py --only writer   # or: extract
+    python bench/bench_pipeline.py --only writer   # or: extract, data
+    python bench/bench_pipeline.py --only data --workers 2
+
+(c) the data stage alone (`--only data`): reading, tokenizing and packing the corpus of (b) into its
+    batches (`pack_batches`, with `--workers` processes), against the tokenizer alone (the same
+    tokenizer calls, on documents read already), on long documents (2,048 words) and on short ones
+    (1-120 words).
 
 Every figure is the median over fresh processes of a ratio taken inside one process (the floor
 measured beside the measure), so the machine's load weighs on both sides alike.
@@ -154,7 +160,8 @@ def extract_run(args: argparse.Namespace) -> dict[str, float]:
     import hookscope as hs
     from hookscope.capture import Capture
     from hookscope.extract import ExtractConfig, extract
-    from hookscope.sources import batches, iter_documents, pack
+    from hookscope.sources import iter_documents
+    from hookscope.sources.packing import pack_batches
 
     torch.set_num_threads(2)
     transformers.logging.set_verbosity_error()
@@ -167,7 +174,7 @@ def extract_run(args: argparse.Namespace) -> dict[str, float]:
         cfg = ExtractConfig(out=str(store / "s"), model=str(work / "model"), points=points,
                             data=str(work / "corpus.jsonl"), context=args.context, batch_size=args.batch,
                             dtype="bfloat16", max_tokens=args.tokens, progress=False,
-                            shard_rows=args.shard_rows)
+                            shard_rows=args.shard_rows, **({"workers": args.workers} if args.workers else {}))
         summary = extract(cfg)
         extract_s = summary.seconds
         rows, nbytes = summary.new_rows, summary.bytes_written
@@ -175,8 +182,8 @@ def extract_run(args: argparse.Namespace) -> dict[str, float]:
         shutil.rmtree(store, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
     start = time.perf_counter()
-    packed = list(batches(pack(iter_documents(str(work / "corpus.jsonl")), tokenizer,
-                               context=args.context, max_tokens=args.tokens), args.batch))
+    packed = list(pack_batches(iter_documents(str(work / "corpus.jsonl")), tokenizer, args.context,
+                               args.batch, max_tokens=args.tokens, workers=args.workers))
     pack_s = time.perf_counter() - start
     tokens = len(packed) * args.batch * args.context
     # the model stage alone: the same forward and captures as the extraction's, on batches packed already
@@ -190,6 +197,43 @@ def extract_run(args: argparse.Namespace) -> dict[str, float]:
     model_s = time.perf_counter() - start
     return {"tokens": tokens, "rows": rows, "bytes": nbytes, "extract_s": extract_s, "pack_s": pack_s,
             "model_s": model_s, "summary": str(summary)}
+
+
+# --- (c) the data stage alone --------------------------------------------------------------------
+
+
+def data_run(args: argparse.Namespace) -> dict[str, float]:
+    import torch
+    from transformers import AutoTokenizer
+
+    from hookscope.sources import iter_documents
+    from hookscope.sources.packing import pack_batches
+    from hookscope.sources.tokenize import tokenized
+
+    torch.set_num_threads(2)
+    corpus = str(Path(args.work) / args.corpus)
+    tokenizer = AutoTokenizer.from_pretrained(Path(args.work) / "model")
+    start = time.perf_counter()
+    tokens = sum(b["input_ids"].numel() for b in pack_batches(
+        iter_documents(corpus), tokenizer, args.context, args.batch, workers=args.workers))
+    pack_s = time.perf_counter() - start
+    docs = list(iter_documents(corpus))
+    start = time.perf_counter()
+    floor = sum(len(ids) for _, ids, _ in tokenized(docs, tokenizer))
+    return {"tokens": tokens, "pack_s": pack_s, "floor_tokens": floor,
+            "tokenize_s": time.perf_counter() - start}
+
+
+def short_documents(work: Path, words: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(1)
+    with (work / "short.jsonl").open("w") as f:
+        while words > 0:
+            n = int(torch.randint(1, 121, (1,), generator=g))
+            idx = torch.randint(0, len(WORDS), (n,), generator=g).tolist()
+            f.write(json.dumps({"text": " ".join(WORDS[i] for i in idx)}) + "\n")
+            words -= n
 
 
 # --- the driver ---------------------------------------------------------------------------------
@@ -214,7 +258,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--smoke", action="store_true")
-    p.add_argument("--only", choices=("writer", "extract"))
+    p.add_argument("--only", choices=("writer", "extract", "data"))
+    p.add_argument("--workers", type=int, default=0, help="tokenizer processes (extract --workers)")
+    p.add_argument("--corpus", default="corpus.jsonl", help=argparse.SUPPRESS)
     p.add_argument("--rows", type=int, default=32768)
     p.add_argument("--width", type=int, default=768)
     p.add_argument("--batches", type=int, default=8)
@@ -233,6 +279,9 @@ def main() -> None:
         return
     if args.child == "extract":
         print(json.dumps(extract_run(args)))
+        return
+    if args.child == "data":
+        print(json.dumps(data_run(args)))
         return
     if args.smoke:
         args.runs, args.rows, args.width, args.batches, args.shard_rows = 1, 256, 64, 4, 512
@@ -261,7 +310,8 @@ def main() -> None:
                 prepare(work, docs=max(4, words // 2048), words_per_doc=min(2048, words), points=n)
                 rs = fresh("extract", ["--work", str(work), "--points", str(n), "--tokens", str(tokens),
                                        "--context", str(args.context), "--batch", str(args.batch),
-                                       "--shard-rows", str(args.shard_rows)], args.runs)
+                                       "--shard-rows", str(args.shard_rows), "--workers", str(args.workers)],
+                           args.runs)
                 ratio = statistics.median(r["pack_s"] / r["extract_s"] for r in rs)
                 ext = statistics.median(r["rows"] / r["extract_s"] for r in rs)
                 pk = statistics.median(r["tokens"] / r["pack_s"] for r in rs)
@@ -269,7 +319,8 @@ def main() -> None:
                 md = statistics.median(r["tokens"] / r["model_s"] for r in rs)
                 both = statistics.median(max(r["pack_s"], r["model_s"]) / r["extract_s"] for r in rs)
                 print(f"(b) extract, free forward, {n} point(s), {rs[0]['tokens']:,} tokens "
-                      f"({args.batch} x {args.context} bf16, store in {MEMORY_DIR}): {ext:,.0f} tokens/s "
+                      f"({args.batch} x {args.context} bf16, store in {MEMORY_DIR}, --workers {args.workers}): "
+                      f"{ext:,.0f} tokens/s "
                       f"({mbs:,.0f} MB/s) vs packing alone {pk:,.0f} tokens/s: {ratio:.2f}x "
                       "(target >= 0.6x); "
                       f"{load()}", flush=True)
@@ -277,6 +328,22 @@ def main() -> None:
                       f"{md:,.0f} tokens/s; extract / the slower of packing and the model stage: {both:.2f}x",
                       flush=True)
                 print("    last run's summary: " + rs[-1]["summary"].replace("\n", "\n    "), flush=True)
+    if args.only == "data":
+        with tempfile.TemporaryDirectory(prefix="hookscope-bench-data-") as tmp:
+            work = Path(tmp)
+            words = args.tokens * 11 // 10 + 4096
+            prepare(work, docs=max(4, words // 2048), words_per_doc=min(2048, words), points=1)
+            short_documents(work, words)
+            for corpus, what in (("corpus.jsonl", "2,048-word documents"), ("short.jsonl", "1-120-word documents")):
+                rs = fresh("data", ["--work", str(work), "--corpus", corpus, "--context", str(args.context),
+                                    "--batch", str(args.batch), "--workers", str(args.workers)], args.runs)
+                pk = statistics.median(r["tokens"] / r["pack_s"] for r in rs)
+                tk = statistics.median(r["floor_tokens"] / r["tokenize_s"] for r in rs)
+                ratio = statistics.median(r["tokens"] / r["pack_s"] / (r["floor_tokens"] / r["tokenize_s"])
+                                          for r in rs)
+                print(f"(c) the data stage alone, {what}, {rs[0]['tokens']:,} tokens packed ({args.batch} x "
+                      f"{args.context}, --workers {args.workers}): reading + tokenizing + packing {pk:,.0f} "
+                      f"tokens/s vs the tokenizer alone {tk:,.0f} tokens/s: {ratio:.2f}x; {load()}", flush=True)
 
 
 if __name__ == "__main__":
