@@ -11,9 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
+from helpers import corpus_fixture
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import hookscope.sources.text as text_source
 from hookscope.errors import DataError
+from hookscope.extract import ExtractConfig, extract
 from hookscope.sources import batches, iter_documents, pack, pack_policy
 from hookscope.sources.packing import pack_batches
 
@@ -180,3 +183,39 @@ def test_worker_processes_give_the_same_batches(tokenizer):
     want = list(pack_batches(docs, tokenizer, 16, 4, max_tokens=16 * 300 + 5, drop_remainder=False))
     got = list(pack_batches(docs, tokenizer, 16, 4, max_tokens=16 * 300 + 5, drop_remainder=False, workers=2))
     assert_same(got, want)
+
+
+# -- a store: the same bytes as a store written from the per-token packing's batches ---------------
+
+corpus_file = corpus_fixture(80)
+
+
+def store_files(out: Path) -> dict[str, bytes]:
+    """Every file of a store but its run journal's timings: the shards' bytes and the manifest."""
+    files = {p.relative_to(out).as_posix(): p.read_bytes() for p in sorted(out.rglob("*")) if p.is_file()}
+    manifest = json.loads(files.pop("manifest.json"))
+    for key in ("created", "updated", "runs", "seconds"):
+        manifest.pop(key, None)
+    return {**files, "manifest.json": json.dumps(manifest, sort_keys=True).encode()}
+
+
+@pytest.mark.parametrize("keep_bos, max_tokens", [(False, None), (True, 32 * 4 * 5 + 40)])
+def test_a_store_is_the_bytes_the_per_token_packing_wrote(tiny_dirs, corpus_file, tmp_path, monkeypatch,
+                                                         keep_bos, max_tokens):
+    def cfg(out: Path, workers: int = 0) -> ExtractConfig:
+        return ExtractConfig(out=str(out), model=str(tiny_dirs["gpt2"]), points=["blocks.1.resid_post"],
+                             data=str(corpus_file), context=32, batch_size=4, dtype="float32",
+                             shard_rows=100, drop_bos=not keep_bos, max_tokens=max_tokens, progress=False,
+                             workers=workers)
+
+    extract(cfg(tmp_path / "new"))
+    extract(cfg(tmp_path / "workers", workers=2))
+    with monkeypatch.context() as m:
+        m.setattr(text_source, "pack_batches",
+                  lambda docs, tok, context, batch_size, max_tokens, workers: iter(
+                      reference_batches(docs, tok, context, batch_size, max_tokens=max_tokens)))
+        extract(cfg(tmp_path / "old"))
+    old = store_files(tmp_path / "old")
+    assert len([name for name in old if name.startswith("shards/")]) > 2
+    assert store_files(tmp_path / "new") == old
+    assert store_files(tmp_path / "workers") == old
