@@ -13,9 +13,15 @@ from pathlib import Path
 
 import pytest
 import transformers
+from helpers import corpus_fixture, extract_cli_args
 from tokenizers import Tokenizer, models, pre_tokenizers
 
-from hookscope.errors import DataError
+import hookscope.sources.text as text_source
+from hookscope.cli import main
+from hookscope.errors import DataError, HookscopeError
+from hookscope.extract import ExtractConfig
+from hookscope.extract.config import validate_config
+from hookscope.store import open_store
 from hookscope.sources.packing import pack_batches
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process checks read /proc")
@@ -117,3 +123,25 @@ def test_ctrl_c_or_a_kill_leaves_no_worker(how, tmp_path: Path):
     finally:
         proc.kill()
         proc.wait()
+
+
+corpus = corpus_fixture(40)
+
+
+def test_the_cli_takes_workers_and_refuses_a_negative_count(tiny_dirs, corpus, tmp_path, capsys, monkeypatch):
+    seen = []
+    real = text_source.pack_batches
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs["workers"])
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(text_source, "pack_batches", spy)
+    assert main(extract_cli_args(tiny_dirs["gpt2"], corpus, tmp_path / "a", **{"--workers": "2"})) == 0
+    assert seen == [2]
+    assert len(open_store(tmp_path / "a", verify=True).tensor("token_ids")) > 0
+    with pytest.raises(HookscopeError, match="--workers -1: must be a whole number >= 0"):
+        validate_config(ExtractConfig(out=str(tmp_path / "b"), workers=-1))
+    with pytest.raises(SystemExit):
+        main(extract_cli_args(tiny_dirs["gpt2"], corpus, tmp_path / "c", **{"--workers": "-1"}))
+    assert "--workers" in capsys.readouterr().err
