@@ -146,3 +146,35 @@ def test_a_broken_entry_fails(case, point, wrong, tmp_path):
 
     _, differ = compare(case, tmp_path, mutate)
     assert [w.split(" vs ")[0] for w in differ] == [point]
+
+
+# BERT, on the bridge over BertForMaskedLM: the names compared equal, but for three the bridge's
+# component boundaries give another tensor than hookscope's (and TransformerLens 3's HookedEncoder)
+# meaning: its `hook_embed` is the embeddings' LayerNorm output (hookscope: the word embeddings), its
+# `attn.hook_out` is Hugging Face's BertAttention output, after the residual add and LayerNorm
+# (hookscope: the output projection's, before the add), its `ln2.hook_in` / `hook_resid_mid` the
+# output LayerNorm's input in the MLP sublayer. Asserted to differ, so a change on either side shows.
+BERT_DIFFERS = {"embed", "blocks.0.attn.out", "blocks.1.attn.out", "blocks.0.resid_mid",
+                "blocks.1.resid_mid"}
+
+
+def test_bert_names_equal_the_bridge_but_three(tmp_path):
+    from transformers import AutoModel, AutoModelForMaskedLM
+
+    path = tmp_path / "bert"
+    family_models.build("bert").float().save_pretrained(path)
+    train_tokenizer(family_models.VOCAB, bert=True).save_pretrained(path)
+    bridge = TransformerBridge.boot_transformers(str(path), hf_model=AutoModelForMaskedLM.from_pretrained(path),
+                                                 tokenizer=AutoTokenizer.from_pretrained(path), device="cpu").eval()
+    hf = AutoModel.from_pretrained(path, attn_implementation="eager").eval()
+    ids = family_models.inputs("bert")["input_ids"]
+    with torch.no_grad():
+        _, cache = bridge.run_with_cache(ids)
+    names = arch_of(hf).names
+    matched = pairs(bridge, list(cache.keys()), names)
+    assert set(names) == set(matched)
+    got = hs.collect(hf, ids, names)
+    theirs = {n: cache[key][:1] if n == "pos_embed" else cache[key] for n, key in matched.items()}
+    differ = {n for n in matched
+              if got[n].shape != theirs[n].shape or not torch.allclose(got[n], theirs[n], atol=TOL, rtol=TOL)}
+    assert differ == BERT_DIFFERS
