@@ -39,7 +39,16 @@ from .files import write_atomic
 from .hooks import Hook, Hooks, grad_leaf
 from .inputs import attention_mask_of, call_model, forward_parameters
 from .names import canonical, find_key, is_pattern
-from .selection import Heads, Positions, Selection
+from .selection import EVERYTHING, Heads, Positions, Selection
+
+
+def _inference_mode() -> Any:
+    """Inference mode entered; `.__exit__(None, None, None)` leaves it. The context torch's
+    `inference_mode()` wraps, without the wrapper's decorator machinery (a third of a tiny
+    capture's set-up cost)."""
+    mode = torch._C._InferenceMode(True) if hasattr(torch._C, "_InferenceMode") else torch.inference_mode()
+    mode.__enter__()
+    return mode
 
 
 class _StopForward(BaseException):
@@ -183,13 +192,13 @@ class Capture(Kept):
         self._mode: Any = None  # the inference_mode context while the `with` block runs
 
     def __enter__(self) -> Capture:
-        if self.inference:
-            self._mode = torch.inference_mode()
-            self._mode.__enter__()
+        if self.inference and not torch.is_inference_mode_enabled():
+            self._mode = _inference_mode()
         try:
             layer = state_of(self.model).layer
+            keep = self._keep_all if self.selection is EVERYTHING else self._keep
             for spec in self.specs if layer is None else layer.split_capture(self, self.specs):
-                self.hooks.forward(spec, self._keep)
+                self.hooks.forward(spec, keep)
             # a hook on the root only where a pass needs its own start: to stop it, or to read its mask
             if self.stop is True or (self.attention_mask is None and self.selection.wants_attention_mask):
                 self.hooks.pass_start(self._start_pass)
@@ -239,6 +248,10 @@ class Capture(Kept):
     def _keep(self, act: Tensor, hook: Hook) -> None:
         self.file(hook.spec.name, self.selection.take(act, hook.spec, attention_mask=self.pass_mask,
                                                       events=self.events))
+
+    def _keep_all(self, act: Tensor, hook: Hook) -> None:
+        """`_keep` for the selection that keeps everything as it is: a copy (what `take` returns)."""
+        self.file(hook.spec.name, act.clone())
 
     def file(self, name: str, kept: Tensor) -> None:
         """Keep `kept` as this pass's value of point `name`; stop the pass if it was the last one

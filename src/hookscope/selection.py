@@ -62,7 +62,7 @@ class Selection:
     def of(cls, positions: Positions = None, heads: Heads = None, token_mask: Tensor | None = None,
            dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Selection:
         if positions is None and heads is None and token_mask is None and dtype is None and device is None:
-            return _EVERYTHING  # frozen, so one value serves every capture that keeps everything
+            return EVERYTHING  # frozen, so one value serves every capture that keeps everything
         if token_mask is not None and positions is not None:
             raise SelectionError("give either positions= or token_mask=, not both")
         if token_mask is not None and (not isinstance(token_mask, Tensor) or token_mask.dtype != torch.bool
@@ -391,4 +391,4 @@ def _to_device(x: Tensor, device: torch.device, events: list | None) -> Tensor:
     return x.to(device, non_blocking=True, copy=True)
 
 
-_EVERYTHING = Selection()
+EVERYTHING = Selection()  # keeps every position and head, as computed
