@@ -27,7 +27,13 @@ processes; use an even `--runs`):
   clean and really dropped; no root needed) right before a one-epoch pass.
 
 d_model 768 (262,144 rows, 384 MiB) and 4096 (131,072 rows, 1 GiB), float16 and bfloat16, shards
-of 16,384 / 4,096 rows, windows (`buffer_rows`) of 65,536 / 16,384 rows. `--saelens`: SAELens
+of 16,384 / 4,096 rows, windows (`buffer_rows`) of 65,536 / 16,384 rows.
+
+`--layouts stack,clt`: the same bytes as several points read together: `stack`, 4 layers'
+`blocks.L.resid_post` read as `store.dataset("blocks.*.resid_post", stack=True)` ([batch, 4, d],
+1/4 of the rows); `clt`, 4 layers' `mlp.in` and `mlp.out` as two stacks from one order (1/8 of the
+rows). Their floors gather the same columns from one in-RAM `[rows, columns * d]` tensor (each row's
+bytes in one piece, which a reader of separate columns cannot have). `--saelens`: SAELens
 `SAETrainer.fit` samples/s fed by `iter(store.dataset(..., repeat=True))` against SAELens's
 `ActivationsStore` over `hookscope export --format saelens` of the same store.
 
@@ -56,15 +62,24 @@ CASES = [("floor", "warm"), ("floor-np", "warm"), ("floor-out", "warm"), ("disk"
          ("after", "warm"), ("before", "warm4k"), ("after", "warm4k"), ("before-seq", "warm"),
          ("after-seq", "warm"), ("loader2", "warm"), ("before", "cold"), ("after", "cold")]
 POINT = "blocks.0.resid_post"
+STACK_LAYERS = 4
+# layout -> (the dataset's `point`, stack=, the store's points)
+LAYOUTS = {
+    "point": (POINT, False, [POINT]),
+    "stack": ("blocks.*.resid_post", True, [f"blocks.{i}.resid_post" for i in range(STACK_LAYERS)]),
+    "clt": (["blocks.*.mlp.in", "blocks.*.mlp.out"], True,
+            [f"blocks.{i}.mlp.{k}" for i in range(STACK_LAYERS) for k in ("in", "out")]),
+}
 EPOCHS = 3  # warm cases: steady state over 3 epochs (cold: one epoch, right after dropping the cache)
 
 
-def store_dir(d: int, dtype: str, quick: bool = False, first_batch: int = 0) -> Path:
+def store_dir(d: int, dtype: str, quick: bool = False, first_batch: int = 0, layout: str = "point") -> Path:
     one_header = "-one-header" if first_batch else ""
-    return OUT / f"store-{d}-{dtype}-{SHAPES[d]['rows'] // (8 if quick else 1)}{one_header}"
+    kind = "" if layout == "point" else f"-{layout}"
+    return OUT / f"store-{d}-{dtype}-{SHAPES[d]['rows'] // (8 if quick else 1)}{one_header}{kind}"
 
 
-def build_store(d: int, dtype: str, quick: bool, first_batch: int = 0) -> Path:
+def build_store(d: int, dtype: str, quick: bool, first_batch: int = 0, layout: str = "point") -> Path:
     """The benchmark's store of random rows. `first_batch=1000` numbers its batches from 1000, so
     every shard's identity (`batches 1000-1003 of rank 0, ...`) has as many digits as the next and
     every header one length; numbered from 0, shards 0-1 (batches 0-7) have headers 8 bytes shorter,
@@ -73,20 +88,24 @@ def build_store(d: int, dtype: str, quick: bool, first_batch: int = 0) -> Path:
 
     from hookscope.store import ShardWriter
 
-    out = store_dir(d, dtype, quick, first_batch)
+    out = store_dir(d, dtype, quick, first_batch, layout)
     if (out / "manifest.json").exists():
         return out
     shape = SHAPES[d]
-    rows = shape["rows"] // (8 if quick else 1)
+    points = LAYOUTS[layout][2]
+    rows = shape["rows"] // (8 if quick else 1) // len(points)  # the same bytes in every layout
+    shard_rows = shape["shard_rows"] // len(points)
     g = torch.Generator().manual_seed(0)
     settings = {"bench": "read", "d": d, "dtype": dtype, "rows": rows}
     if first_batch:  # (the default stores keep the settings, and so the bytes, they always had)
         settings["first_batch"] = first_batch
-    with ShardWriter(out, settings, shard_rows=shape["shard_rows"]) as w:
-        per = shape["shard_rows"] // 4
+    if layout != "point":
+        settings["points"] = points
+    with ShardWriter(out, settings, shard_rows=shard_rows) as w:
+        per = shard_rows // 4
         for b in range(rows // per):
-            x = torch.randn(per, d, generator=g).to(getattr(torch, dtype))
-            w.write(first_batch + b, {POINT: x}, {"token_ids": torch.arange(b * per, (b + 1) * per)})
+            xs = {p: torch.randn(per, d, generator=g).to(getattr(torch, dtype)) for p in points}
+            w.write(first_batch + b, xs, {"token_ids": torch.arange(b * per, (b + 1) * per)})
     return out
 
 
@@ -140,16 +159,19 @@ def before_src(rev: str) -> Path:
     return out / "src"
 
 
-def measure(case: str, d: int, dtype: str, cache: str, path: Path) -> dict:
-    """One pass over the store at `path` in this process; rows/s."""
+def measure(case: str, d: int, dtype: str, cache: str, path: Path, layout: str = "point") -> dict:
+    """One pass over the store at `path` in this process; rows/s (point rows: a stacked row of k
+    columns counts k, so that every layout's rows/s is its bytes/s over d * 2)."""
     import numpy as np
     import torch
 
     import hookscope as hs
 
     store = hs.open_store(path)
+    point, stack, points = LAYOUTS[layout]
+    k = len(points)
     rows = len(store)
-    buffer_rows = SHAPES[d]["buffer_rows"] // (8 if rows < SHAPES[d]["rows"] else 1)
+    buffer_rows = SHAPES[d]["buffer_rows"] // k // (8 if rows * k < SHAPES[d]["rows"] else 1)
     epochs = 1 if cache == "cold" else EPOCHS
     if case == "disk":  # the disk's own speed: every shard file read front to back, nothing else
         drop_cache(path)
@@ -160,10 +182,11 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path) -> dict:
                     pass
         seconds, n = time.perf_counter() - t0, rows * epochs
     elif case.startswith("floor"):
-        xn = np.array(store.tensor(POINT).view(torch.int16).numpy())  # in RAM (numpy: huge pages), not mapped
+        # in RAM (numpy: huge pages), not mapped; several columns side by side in each row
+        xn = np.concatenate([store.tensor(p).view(torch.int16).numpy() for p in points], axis=1)
         x = torch.from_numpy(xn).view(getattr(torch, dtype))
         # floor-out's one batch, allocated (and faulted in by its first gather) once
-        out = torch.from_numpy(np.empty((BATCH, d), np.int16)).view(x.dtype) if case == "floor-out" else None
+        out = torch.from_numpy(np.empty((BATCH, d * k), np.int16)).view(x.dtype) if case == "floor-out" else None
         t0 = time.perf_counter()
         n = 0
         for _ in range(epochs):
@@ -178,8 +201,8 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path) -> dict:
                     n += np.take(xn, index, axis=0, mode="clip").shape[0]  # a new batch, as a reader makes
         seconds = time.perf_counter() - t0
     else:
-        ds = store.dataset(POINT, shuffle=not case.endswith("-seq"), batch_size=BATCH,
-                           buffer_rows=buffer_rows)
+        ds = store.dataset(point, shuffle=not case.endswith("-seq"), batch_size=BATCH,
+                           buffer_rows=buffer_rows, **({"stack": True} if stack else {}))
         if case == "loader2":
             ds = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
         if cache == "cold":
@@ -190,9 +213,10 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path) -> dict:
         n = 0
         for _ in range(epochs):  # each pass over the dataset is the next epoch (a new order)
             for batch in ds:
-                n += batch.shape[0]
+                n += (batch if isinstance(batch, torch.Tensor) else next(iter(batch.values()))).shape[0]
         seconds = time.perf_counter() - t0
     assert n == rows * epochs, (n, rows)
+    n *= k
     return {"rows_per_s": n / seconds, "gib_per_s": n * d * 2 / seconds / 2**30, "hookscope": hs.__file__}
 
 
@@ -261,14 +285,15 @@ def main() -> None:
     p.add_argument("--cases", default=",".join(f"{c}/{k}" for c, k in CASES))
     p.add_argument("--dims", default="768,4096")
     p.add_argument("--dtypes", default="float16,bfloat16")
+    p.add_argument("--layouts", default="point", help="point,stack,clt (see the docstring)")
     p.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # progress shows when redirected to a file
     if args.one:
         kind, *rest = args.one
         if kind == "read":
-            case, d, dtype, cache, path = rest
-            print(json.dumps(measure(case, int(d), dtype, cache, Path(path))))
+            case, d, dtype, cache, path, *layout = rest
+            print(json.dumps(measure(case, int(d), dtype, cache, Path(path), *layout)))
         else:
             print(json.dumps(measure_saelens(rest[0], int(rest[1]), rest[2] == "train")))
         return
@@ -283,29 +308,29 @@ def main() -> None:
     sys.path.insert(0, str(before))
     cases = [tuple(c.split("/")) for c in args.cases.split(",")]
     if not args.saelens_only:
-        for d in dims:
-            for dtype in dtypes:
-                path = build_store(d, dtype, args.quick)
-                runs: dict[str, list[dict]] = {}
-                for r in range(args.runs):  # rounds: every case once per round, fresh processes, the
-                    # order reversed every other round (ABBA): a cold read right after another cold read
-                    # measured slower here (whichever came second), so no case may always come second
-                    for case, cache in (cases if r % 2 == 0 else cases[::-1]):
-                        src = before if case.startswith("before") else None
-                        one = ["read", case, str(d), dtype, cache, str(path)]
-                        runs.setdefault(f"{case}/{cache}", []).append(fresh(one, src))
-                row = {k: statistics.median(r["rows_per_s"] for r in v) for k, v in runs.items()}
-                floor = max((v for k, v in row.items() if k.startswith("floor")), default=float("nan"))
-                disk = row.get("disk/cold")
-                print(f"\nd_model {d}, {dtype} (load now {os.getloadavg()[0]:.1f}): rows/s, ratio to the "
-                      "faster in-RAM floor")
-                for key, value in row.items():
-                    gib = statistics.median(r["gib_per_s"] for r in runs[key])
-                    each = [round(r["rows_per_s"] / 1e6, 3) for r in runs[key]]
-                    vs_disk = f" ({value / disk:4.2f}x disk)" if disk and key.endswith("/cold") else ""
-                    print(f"  {key:18s} {value / 1e6:7.3f} M rows/s  {gib:6.2f} GiB/s  "
-                          f"{value / floor:5.2f}x{vs_disk}  runs {each}")
-                results[f"{d}-{dtype}"] = {"median_rows_per_s": row, "floor": floor, "runs": runs}
+        for layout, d, dtype in [(lay, d, t) for lay in args.layouts.split(",") for d in dims for t in dtypes]:
+            path = build_store(d, dtype, args.quick, layout=layout)
+            runs: dict[str, list[dict]] = {}
+            for r in range(args.runs):  # rounds: every case once per round, fresh processes, the
+                # order reversed every other round (ABBA): a cold read right after another cold read
+                # measured slower here (whichever came second), so no case may always come second
+                for case, cache in (cases if r % 2 == 0 else cases[::-1]):
+                    src = before if case.startswith("before") else None
+                    one = ["read", case, str(d), dtype, cache, str(path), layout]
+                    runs.setdefault(f"{case}/{cache}", []).append(fresh(one, src))
+            row = {k: statistics.median(r["rows_per_s"] for r in v) for k, v in runs.items()}
+            floor = max((v for k, v in row.items() if k.startswith("floor")), default=float("nan"))
+            disk = row.get("disk/cold")
+            print(f"\n{layout}: d_model {d}, {dtype} (load now {os.getloadavg()[0]:.1f}): rows/s, ratio to "
+                  "the faster in-RAM floor")
+            for key, value in row.items():
+                gib = statistics.median(r["gib_per_s"] for r in runs[key])
+                each = [round(r["rows_per_s"] / 1e6, 3) for r in runs[key]]
+                vs_disk = f" ({value / disk:4.2f}x disk)" if disk and key.endswith("/cold") else ""
+                print(f"  {key:18s} {value / 1e6:7.3f} M rows/s  {gib:6.2f} GiB/s  "
+                      f"{value / floor:5.2f}x{vs_disk}  runs {each}")
+            results[f"{d}-{dtype}" + ("" if layout == "point" else f"-{layout}")] = {
+                "median_rows_per_s": row, "floor": floor, "runs": runs}
     if args.saelens or args.saelens_only:
         import hookscope as hs
         from hookscope.export import export_saelens

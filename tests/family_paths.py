@@ -30,6 +30,23 @@ def per_head(n: int, read: Callable = same) -> Callable[[Any], Tensor]:
     return lambda x: read(x).unflatten(-1, (n, -1))
 
 
+def _norm(model: nn.Module, p: str, ln: str, path: str) -> dict[str, Path]:
+    """TransformerLens's `ln.scale` / `ln.normalized` (before weight and bias) from the input of
+    the norm at `path`, by hand; what the sublayer reads is the norm's output."""
+    norm = model.get_submodule(path)
+    eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon")
+    centre = "RMS" not in type(norm).__name__
+
+    def centred(x: Tensor) -> Tensor:
+        return x - x.mean(-1, keepdim=True) if centre else x
+
+    def scale(x: Tensor) -> Tensor:
+        return (centred(x).pow(2).mean(-1, keepdim=True) + eps).sqrt()
+
+    return {p + ln + ".scale": (path, IN, scale), p + ln + ".normalized": (path, IN, lambda x: centred(x) / scale(x)),
+            p + {"ln1": "attn.in", "ln2": "mlp.in"}[ln]: (path, OUT, same)}
+
+
 def _attention(p: str, attn: str, o: str, n_heads: int, n_kv: int) -> dict[str, Path]:
     """The per-head points of a self-attention module (q_proj, k_proj, v_proj and the output
     projection `o`): projections' outputs, the output projection's input, the module's
@@ -61,6 +78,7 @@ def vision_paths(model: nn.Module, prefix: str = "") -> dict[str, Path]:
     for L in range(cfg.num_hidden_layers):
         p, blk = f"blocks.{L}.", f"{prefix}{layers}.{L}"
         paths[p + "resid_pre"] = (f"{blk}.{norms[0]}", IN, same)
+        paths |= _norm(model, p, "ln1", f"{blk}.{norms[0]}") | _norm(model, p, "ln2", f"{blk}.{norms[1]}")
         paths |= _attention(p, f"{blk}.{attn}", o, H, H)
         if kind.startswith("dinov2"):
             paths[p + "attn.scaled"] = (f"{blk}.layer_scale1", OUT, same)
@@ -90,6 +108,8 @@ def moe_paths(model: nn.Module) -> dict[str, Path]:
     for L in range(cfg.num_hidden_layers):
         p, blk = f"blocks.{L}.", f"model.layers.{L}"
         paths[p + "resid_pre"] = (f"{blk}.input_layernorm", IN, same)
+        paths |= _norm(model, p, "ln1", f"{blk}.input_layernorm")
+        paths |= _norm(model, p, "ln2", f"{blk}.post_attention_layernorm")
         paths |= _attention(p, f"{blk}.self_attn", "o_proj", H, KV)
         paths |= {p + "resid_mid": (f"{blk}.post_attention_layernorm", IN, same),
                   p + "mlp.router.logits": (f"{blk}.mlp.gate", OUT, item(0)),

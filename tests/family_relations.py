@@ -38,12 +38,13 @@ def _heads(x: Tensor, n: int) -> Tensor:
 
 
 def attention(
-    a: Reads, L: int, q: Tensor, k: Tensor, v: Tensor, o: Callable[[Tensor], Tensor], n_heads: int
+    a: Reads, L: int, q: Tensor, k: Tensor, v: Tensor, o: Callable[[Tensor], Tensor], n_heads: int,
+    out: str = "attn.out",
 ) -> list[Check]:
     """Per-head points against the projections of the block's normed input (q, k, v: those
     projections, [batch, pos, heads * d_head], computed by the caller); z through the output
-    projection is attn.out; each pattern row is a distribution and pattern @ v = z (grouped
-    k / v heads repeated)."""
+    projection is `out` (attn.out, or attn.out_pre_norm where a norm follows); each pattern row is
+    a distribution and pattern @ v = z (grouped k / v heads repeated)."""
     p = f"blocks.{L}."
     n_kv = n_heads * k.shape[-1] // q.shape[-1]
     z, pattern = a[p + "attn.z"], a[p + "attn.pattern"]
@@ -52,7 +53,7 @@ def attention(
         (p + "attn.q", a[p + "attn.q"], _heads(q, n_heads)),
         (p + "attn.k", a[p + "attn.k"], _heads(k, n_kv)),
         (p + "attn.v", a[p + "attn.v"], _heads(v, n_kv)),
-        (p + "attn.out = o(z)", a[p + "attn.out"], o(z.flatten(-2))),
+        (p + out + " = o(z)", a[p + out], o(z.flatten(-2))),
         (p + "attn.pattern rows sum to 1", pattern.sum(-1), torch.ones_like(pattern[..., 0])),
         (p + "attn.z = pattern @ v", z, torch.einsum("bhqk,bkhd->bqhd", pattern, v_per_head)),
     ]
@@ -63,20 +64,37 @@ def projections(attn: nn.Module, x: Tensor, names=("q_proj", "k_proj", "v_proj")
 
 
 def mlp(
-    a: Reads, L: int, x: Tensor, pre: nn.Module, act: Callable, out: nn.Module, up: nn.Module | None = None
+    a: Reads, L: int, x: Tensor, pre: nn.Module, act: Callable, out: nn.Module, up: nn.Module | None = None,
+    out_name: str = "mlp.out",
 ) -> list[Check]:
-    """mlp.pre = W_in(x) of the normed input x; mlp.post = act(pre) (gated: act(gate) * up(x));
-    mlp.out = W_out(post)."""
+    """mlp.in = x, the normed input; mlp.pre = W_in(x); mlp.post = act(pre) (gated: act(gate) *
+    up(x)); `out_name` (mlp.out, or mlp.out_pre_norm where a norm follows) = W_out(post)."""
     p = f"blocks.{L}."
-    checks = [(p + "mlp.pre", a[p + "mlp.pre"], pre(x))]
+    checks = [(p + "mlp.in = what the MLP reads", a[p + "mlp.in"], x), (p + "mlp.pre", a[p + "mlp.pre"], pre(x))]
     post = act(a[p + "mlp.pre"])
     if up is not None:
         checks.append((p + "mlp.pre_linear", a[p + "mlp.pre_linear"], up(x)))
         post = post * a[p + "mlp.pre_linear"]
     return checks + [
         (p + "mlp.post = act(mlp.pre)", a[p + "mlp.post"], post),
-        (p + "mlp.out = W_out(mlp.post)", a[p + "mlp.out"], out(a[p + "mlp.post"])),
+        (p + out_name + " = W_out(mlp.post)", a[p + out_name], out(a[p + "mlp.post"])),
     ]
+
+
+# norms that keep their eps in the forward's code (OLMo's weightless LayerNorm)
+_FIXED_EPS = {"OlmoLayerNorm": 1e-5}
+
+
+def normed(a: Reads, L: int, ln: str, x: Tensor, norm: nn.Module) -> list[Check]:
+    """TransformerLens's `ln.scale` and `ln.normalized` of the norm `norm` reading x: (x - mean)
+    / sqrt(var + eps) for a LayerNorm, x / sqrt(mean(x^2) + eps) for an RMSNorm (no weight, no
+    bias), by hand from the norm's eps."""
+    p = f"blocks.{L}.{ln}."
+    eps = _FIXED_EPS.get(type(norm).__name__) or next(
+        getattr(norm, n) for n in ("eps", "variance_epsilon") if hasattr(norm, n))
+    centred = x - x.mean(-1, keepdim=True) if "RMS" not in type(norm).__name__ else x
+    scale = (centred.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+    return [(p + "scale", a[p + "scale"], scale), (p + "normalized", a[p + "normalized"], centred / scale)]
 
 
 def stream(a: Reads, n_layers: int, first: Tensor) -> list[Check]:
@@ -118,6 +136,7 @@ def gpt2_relations(model: nn.Module, ids: Tensor, a: Reads) -> list[Check]:
     checks += stream(a, len(base.h), a["embed"] + a["pos_embed"])
     for L, blk in enumerate(base.h):
         p, x = f"blocks.{L}.", blk.ln_1(a[f"blocks.{L}.resid_pre"])
+        checks += normed(a, L, "ln1", a[p + "resid_pre"], blk.ln_1) + [(p + "attn.in", a[p + "attn.in"], x)]
         q, k, v = blk.attn.c_attn(x).split(d, dim=-1)  # c_attn's output is [q | k | v]
         checks += attention(a, L, q, k, v, blk.attn.c_proj, H)
         checks += [
@@ -127,6 +146,7 @@ def gpt2_relations(model: nn.Module, ids: Tensor, a: Reads) -> list[Check]:
                 a[p + "resid_pre"] + a[p + "attn.out"],
             )
         ]
+        checks += normed(a, L, "ln2", a[p + "resid_mid"], blk.ln_2)
         checks += mlp(a, L, blk.ln_2(a[p + "resid_mid"]), blk.mlp.c_fc, blk.mlp.act, blk.mlp.c_proj)
         checks += [
             (
@@ -139,7 +159,8 @@ def gpt2_relations(model: nn.Module, ids: Tensor, a: Reads) -> list[Check]:
 
 
 # Llama-style decoders that normalise a sublayer's output before adding it to the residual, and
-# OLMo 2, which normalises only there (no norm before attention or the MLP)
+# OLMo 2, which normalises only there (no norm before attention or the MLP). TransformerLens's
+# attn.out / mlp.out are the normalised outputs, "that which is added to the residual stream".
 _NORMED_SUBLAYERS = {
     "gemma2": ("post_attention_layernorm", "post_feedforward_layernorm"),
     "gemma3_text": ("post_attention_layernorm", "post_feedforward_layernorm"),
@@ -159,19 +180,32 @@ def llama_relations(model: nn.Module, ids: Tensor, a: Reads) -> list[Check]:
     for L, blk in enumerate(base.layers):
         p = f"blocks.{L}."
         x = a[p + "resid_pre"]
-        x = blk.input_layernorm(x) if hasattr(blk, "input_layernorm") else x
+        if hasattr(blk, "input_layernorm"):
+            checks += normed(a, L, "ln1", x, blk.input_layernorm)
+            x = blk.input_layernorm(x)
+        checks.append((p + "attn.in = what attention reads", a[p + "attn.in"], x))
+        out = "attn.out_pre_norm" if after_attn else "attn.out"
         checks += attention(
-            a, L, *projections(blk.self_attn, x), blk.self_attn.o_proj, cfg.num_attention_heads
+            a, L, *projections(blk.self_attn, x), blk.self_attn.o_proj, cfg.num_attention_heads, out
         )
-        added = getattr(blk, after_attn)(a[p + "attn.out"]) if after_attn else a[p + "attn.out"]
+        if after_attn:
+            checks.append((p + "attn.out = post-norm(attn.out_pre_norm)", a[p + "attn.out"],
+                           getattr(blk, after_attn)(a[p + out])))
         checks.append(
-            (p + "resid_mid = resid_pre + attn.out", a[p + "resid_mid"], a[p + "resid_pre"] + added)
+            (p + "resid_mid = resid_pre + attn.out", a[p + "resid_mid"], a[p + "resid_pre"] + a[p + "attn.out"])
         )
-        x = getattr(blk, mlp_norm)(a[p + "resid_mid"]) if mlp_norm else a[p + "resid_mid"]
-        checks += mlp(a, L, x, blk.mlp.gate_proj, blk.mlp.act_fn, blk.mlp.down_proj, up=blk.mlp.up_proj)
-        added = getattr(blk, after_mlp)(a[p + "mlp.out"]) if after_mlp else a[p + "mlp.out"]
+        x = a[p + "resid_mid"]
+        if mlp_norm:
+            checks += normed(a, L, "ln2", x, getattr(blk, mlp_norm))
+            x = getattr(blk, mlp_norm)(x)
+        out = "mlp.out_pre_norm" if after_mlp else "mlp.out"
+        checks += mlp(a, L, x, blk.mlp.gate_proj, blk.mlp.act_fn, blk.mlp.down_proj, up=blk.mlp.up_proj,
+                      out_name=out)
+        if after_mlp:
+            checks.append((p + "mlp.out = post-norm(mlp.out_pre_norm)", a[p + "mlp.out"],
+                           getattr(blk, after_mlp)(a[p + out])))
         checks.append(
-            (p + "resid_post = resid_mid + mlp.out", a[p + "resid_post"], a[p + "resid_mid"] + added)
+            (p + "resid_post = resid_mid + mlp.out", a[p + "resid_post"], a[p + "resid_mid"] + a[p + "mlp.out"])
         )
     return checks + final(a, len(base.layers), base.norm, model.lm_head)
 
@@ -182,6 +216,8 @@ def neox_relations(model: nn.Module, ids: Tensor, a: Reads) -> list[Check]:
     checks = [token_embed(a, base.embed_in, ids)] + stream(a, len(base.layers), a["embed"])
     for L, blk in enumerate(base.layers):
         p, x = f"blocks.{L}.", blk.input_layernorm(a[f"blocks.{L}.resid_pre"])
+        checks += normed(a, L, "ln1", a[p + "resid_pre"], blk.input_layernorm)
+        checks.append((p + "attn.in", a[p + "attn.in"], x))
         fused = blk.attention.query_key_value(x).unflatten(-1, (H, -1))  # per head [q_h | k_h | v_h]
         q, k, v = (part.flatten(-2) for part in fused.chunk(3, dim=-1))
         checks += attention(a, L, q, k, v, blk.attention.dense, H)
@@ -198,6 +234,7 @@ def neox_relations(model: nn.Module, ids: Tensor, a: Reads) -> list[Check]:
             )
             into_mlp, total = a[p + "resid_mid"], a[p + "resid_mid"] + a[p + "mlp.out"]
         mlp_in = blk.post_attention_layernorm(into_mlp)
+        checks += normed(a, L, "ln2", into_mlp, blk.post_attention_layernorm)
         checks += mlp(a, L, mlp_in, blk.mlp.dense_h_to_4h, blk.mlp.act, blk.mlp.dense_4h_to_h)
         checks.append((p + "resid_post = sum of what the block adds", a[p + "resid_post"], total))
     return checks + final(a, len(base.layers), base.final_layer_norm, model.lm_head)
@@ -214,6 +251,7 @@ def bert_relations(model: nn.Module, ids: Tensor, a: Reads) -> list[Check]:
     for L, blk in enumerate(model.encoder.layer):
         p, x = f"blocks.{L}.", a[f"blocks.{L}.resid_pre"]
         att = blk.attention
+        checks.append((p + "attn.in = resid_pre (post-LN: no norm before attention)", a[p + "attn.in"], x))
         checks += attention(a, L, *projections(att.self, x, ("query", "key", "value")), att.output.dense, H)
         checks.append(
             (

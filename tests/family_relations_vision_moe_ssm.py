@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from family_relations import Check, Reads, attention, final, mlp, projections, stream, token_embed
+from family_relations import Check, Reads, attention, final, mlp, normed, projections, stream, token_embed
 from torch import Tensor, nn
 
 # --- image encoders ---------------------------------------------------------------------------
@@ -22,8 +22,9 @@ def _prenorm_block(a: Reads, L: int, blk: nn.Module, names: dict, n_heads: int, 
     gate, up, act, down); `scales` (DINOv2's LayerScale) multiply each sublayer's output."""
     p, sub = f"blocks.{L}.", lambda key: blk.get_submodule(names[key])
     x = sub("ln1")(a[p + "resid_pre"])
+    checks = normed(a, L, "ln1", a[p + "resid_pre"], sub("ln1")) + [(p + "attn.in", a[p + "attn.in"], x)]
     attn = sub("attn")
-    checks = attention(a, L, *projections(attn, x), sub("o"), n_heads)
+    checks += attention(a, L, *projections(attn, x), sub("o"), n_heads)
     added = a[p + "attn.out"]
     if scales:
         checks.append(
@@ -32,6 +33,7 @@ def _prenorm_block(a: Reads, L: int, blk: nn.Module, names: dict, n_heads: int, 
         added = a[p + "attn.scaled"]
     checks.append((p + "resid_mid = resid_pre + attn.out", a[p + "resid_mid"], a[p + "resid_pre"] + added))
     x = sub("ln2")(a[p + "resid_mid"])
+    checks += normed(a, L, "ln2", a[p + "resid_mid"], sub("ln2"))
     if "gate" in names:
         checks += mlp(a, L, x, sub("gate"), sub("act"), sub("down"), up=sub("up"))
     else:
@@ -188,6 +190,8 @@ def moe_relations(model: nn.Module, ids: Tensor, a: Reads) -> list[Check]:
     for L, blk in enumerate(base.layers):
         p = f"blocks.{L}."
         x = blk.input_layernorm(a[p + "resid_pre"])
+        checks += normed(a, L, "ln1", a[p + "resid_pre"], blk.input_layernorm)
+        checks.append((p + "attn.in", a[p + "attn.in"], x))
         checks += attention(
             a, L, *projections(blk.self_attn, x), blk.self_attn.o_proj, cfg.num_attention_heads
         )
@@ -198,7 +202,10 @@ def moe_relations(model: nn.Module, ids: Tensor, a: Reads) -> list[Check]:
                 a[p + "resid_pre"] + a[p + "attn.out"],
             )
         )
-        x = blk.post_attention_layernorm(a[p + "resid_mid"]).flatten(0, 1)  # one row per token
+        checks += normed(a, L, "ln2", a[p + "resid_mid"], blk.post_attention_layernorm)
+        x = blk.post_attention_layernorm(a[p + "resid_mid"])
+        checks.append((p + "mlp.in = ln2(resid_mid), the router's input", a[p + "mlp.in"], x))
+        x = x.flatten(0, 1)  # one row per token
         checks += _routing(a, p, x, blk.mlp.gate, cfg.num_experts_per_tok, renormalise)
         checks += _experts(a, p, x, blk.mlp.experts)
         out = a[p + "mlp.experts.out"]

@@ -113,7 +113,7 @@ def arm(kill_at: str) -> Plan:
     plan = Plan(kill_at)
     if plan.kind == "never":
         return plan
-    real_replace, real_fsync, real_save = os.replace, os.fsync, writer_module.save_file
+    real_replace, real_fsync, real_save = os.replace, os.fsync, writer_module.save_columns
     real_write, real_pack = ShardWriter.write, text_source.pack
 
     def replace(src, dst):
@@ -135,15 +135,16 @@ def arm(kill_at: str) -> Plan:
     if plan.kind == "library-save":
         die_at_file_size()
 
-    def save_file(tensors, path, *args, **kwargs):
+    def save_columns(columns, path, *args, **kwargs):
         if plan.event("library-save"):  # half of the tensors' bytes, well past the header
-            die_in_next_write(sum(t.nbytes for t in tensors.values()) // 2)
-        real_save(tensors, path, *args, **kwargs)
+            die_in_next_write(sum(p.nbytes for parts in columns.values() for p in parts) // 2)
+        out = real_save(columns, path, *args, **kwargs)
         if plan.event("save"):
             if SIGNAL == signal.SIGKILL:  # leave a half-written file behind, as a crash would
                 with open(path, "r+b") as f:
                     f.truncate(os.path.getsize(path) // 2)
             die()
+        return out
 
     def write(self, *args, **kwargs):
         if plan.event("batch"):
@@ -174,7 +175,7 @@ def arm(kill_at: str) -> Plan:
         plan.at(any(due), "after")
 
     fs_module.RemoteFS.put_file, fs_module.RemoteFS.put = upload, put
-    os.replace, os.fsync, writer_module.save_file = replace, fsync, save_file
+    os.replace, os.fsync, writer_module.save_columns = replace, fsync, save_columns
     ShardWriter.write, text_source.pack = write, pack
     torch.nn.modules.module.register_module_forward_pre_hook(forward)
     return plan

@@ -43,6 +43,22 @@ def per_head(n_heads: int) -> Callable[[Tensor], Tensor]:
     return lambda x: x.view(x.shape[0], x.shape[1], n_heads, x.shape[2] // n_heads)
 
 
+def norm_parts(ln: str, norm: nn.Module) -> dict[str, Entry]:
+    """TransformerLens's `{ln}.scale` / `{ln}.normalized` (before weight and bias), by hand from
+    the norm's input: LayerNorm centres, RMSNorm does not."""
+    eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon")
+    centre = "RMS" not in type(norm).__name__
+
+    def scale(x: Tensor) -> Tensor:
+        x = x - x.mean(-1, keepdim=True) if centre else x
+        return (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()
+
+    def normalized(x: Tensor) -> Tensor:
+        return (x - x.mean(-1, keepdim=True) if centre else x) / scale(x)
+
+    return {f"{ln}.scale": (norm, IN, scale), f"{ln}.normalized": (norm, IN, normalized)}
+
+
 # --- the reference: which HF module, which side, how to read the point from its tensor --------
 
 
@@ -58,6 +74,8 @@ def gpt2_table(model: nn.Module) -> dict[str, Entry]:
         p = f"blocks.{L}."
         t |= {
             p + "resid_pre": (blk, IN, same),
+            **{p + k: e for k, e in norm_parts("ln1", blk.ln_1).items()},
+            p + "attn.in": (blk.ln_1, OUT, same),
             p + "attn.q": (blk.attn.c_attn, OUT, fused(0)),
             p + "attn.k": (blk.attn.c_attn, OUT, fused(1)),
             p + "attn.v": (blk.attn.c_attn, OUT, fused(2)),
@@ -65,6 +83,8 @@ def gpt2_table(model: nn.Module) -> dict[str, Entry]:
             p + "attn.z": (blk.attn.c_proj, IN, per_head(H)),
             p + "attn.out": (blk.attn, OUT, first),
             p + "resid_mid": (blk.ln_2, IN, same),
+            **{p + k: e for k, e in norm_parts("ln2", blk.ln_2).items()},
+            p + "mlp.in": (blk.ln_2, OUT, same),
             p + "mlp.pre": (blk.mlp.c_fc, OUT, same),
             p + "mlp.post": (blk.mlp.act, OUT, same),
             p + "mlp.out": (blk.mlp, OUT, same),
@@ -81,6 +101,8 @@ def llama_table(model: nn.Module) -> dict[str, Entry]:
         p, att, mlp = f"blocks.{L}.", blk.self_attn, blk.mlp
         t |= {
             p + "resid_pre": (blk, IN, same),
+            **{p + k: e for k, e in norm_parts("ln1", blk.input_layernorm).items()},
+            p + "attn.in": (blk.input_layernorm, OUT, same),
             p + "attn.q": (att.q_proj, OUT, per_head(H)),
             p + "attn.k": (att.k_proj, OUT, per_head(KV)),  # grouped-query: fewer k / v heads
             p + "attn.v": (att.v_proj, OUT, per_head(KV)),
@@ -88,6 +110,8 @@ def llama_table(model: nn.Module) -> dict[str, Entry]:
             p + "attn.z": (att.o_proj, IN, per_head(H)),
             p + "attn.out": (att, OUT, first),
             p + "resid_mid": (blk.post_attention_layernorm, IN, same),
+            **{p + k: e for k, e in norm_parts("ln2", blk.post_attention_layernorm).items()},
+            p + "mlp.in": (blk.post_attention_layernorm, OUT, same),
             p + "mlp.pre": (mlp.gate_proj, OUT, same),
             p + "mlp.pre_linear": (mlp.up_proj, OUT, same),
             # mlp.post = act(gate) * up: made from two hooks after the run (see reference())
@@ -114,6 +138,10 @@ def neox_table(model: nn.Module) -> dict[str, Entry]:
         p, att = f"blocks.{L}.", blk.attention
         t |= {
             p + "resid_pre": (blk, IN, same),
+            **{p + k: e for k, e in norm_parts("ln1", blk.input_layernorm).items()},
+            p + "attn.in": (blk.input_layernorm, OUT, same),
+            **{p + k: e for k, e in norm_parts("ln2", blk.post_attention_layernorm).items()},
+            p + "mlp.in": (blk.post_attention_layernorm, OUT, same),
             p + "attn.q": (att.query_key_value, OUT, interleaved(0)),
             p + "attn.k": (att.query_key_value, OUT, interleaved(1)),
             p + "attn.v": (att.query_key_value, OUT, interleaved(2)),
@@ -144,6 +172,7 @@ def bert_table(model: nn.Module) -> dict[str, Entry]:
         p, att = f"blocks.{L}.", blk.attention
         t |= {
             p + "resid_pre": (blk, IN, same),
+            p + "attn.in": (att.self, IN, same),  # post-LN: attention reads the stream itself
             p + "attn.q": (att.self.query, OUT, per_head(H)),
             p + "attn.k": (att.self.key, OUT, per_head(H)),
             p + "attn.v": (att.self.value, OUT, per_head(H)),
@@ -151,6 +180,7 @@ def bert_table(model: nn.Module) -> dict[str, Entry]:
             p + "attn.z": (att.self, OUT, lambda o: per_head(H)(o[0])),  # heads merged, before the projection
             p + "attn.out": (att.output.dense, OUT, same),
             p + "resid_mid": (att.output, OUT, same),  # post-LN: the normalised attention sublayer
+            p + "mlp.in": (blk.intermediate.dense, IN, same),
             p + "mlp.pre": (blk.intermediate.dense, OUT, same),
             p + "mlp.post": (blk.intermediate, OUT, same),
             p + "mlp.out": (blk.output.dense, OUT, same),

@@ -327,3 +327,29 @@ def test_a_streamed_extraction_equals_the_in_memory_one(model_dirs, device, tmp_
     for name in ("blocks.1.resid_post", "blocks.0.attn.z", "token_ids"):
         assert torch.equal(stores["streamed"].tensor(name), stores["memory"].tensor(name))
     assert len(stores["memory"]) > 200
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_statistics_where_the_activations_are_and_the_copy_out(device):
+    """The extraction's `out` stage: statistics taken on the device, the values copied to pinned host
+    memory without blocking; the host copy equals the device values bit for bit, and the statistics
+    equal those of the host copy (sums to float tolerance: another reduction order on a GPU)."""
+    from hookscope.extract.stages import stats_and_host
+    from hookscope.store.stats import PointStats
+
+    g = torch.Generator().manual_seed(0)
+    acts = {"a": torch.randn(300, 64, generator=g).to(device, torch.bfloat16),
+            "b": torch.randn(300, 4, 16, generator=g).to(device)}
+    acts["b"][7, 1, 3] = float("nan")
+    host, stats = stats_and_host(acts)
+    for name, value in acts.items():
+        assert host[name].device.type == "cpu"
+        torch.testing.assert_close(host[name], value.cpu(), rtol=0, atol=0, equal_nan=True)
+        assert host[name].is_pinned() == (device == "cuda")
+        if device == "cpu":  # left to the writer's thread, which computes what it is not given
+            assert stats == {}
+            continue
+        want = PointStats.of(value.cpu())
+        assert (stats[name].nonfinite, stats[name].norm_count) == (want.nonfinite, want.norm_count)
+        assert stats[name].norm_sum == pytest.approx(want.norm_sum, rel=1e-5)
+        assert stats[name].norm_sumsq == pytest.approx(want.norm_sumsq, rel=1e-5)

@@ -165,6 +165,9 @@ def test_saelens_layout_of_a_per_head_point_and_of_ragged_sequences(ragged, tmp_
     ("blocks.0.attn.z", "blocks.0.attn.hook_z"), ("blocks.2.attn.out", "blocks.2.hook_attn_out"),
     ("blocks.2.mlp.out", "blocks.2.hook_mlp_out"), ("blocks.1.mlp.post", "blocks.1.mlp.hook_post"),
     ("embed", "hook_embed"), ("ln_final", "ln_final.hook_normalized"),
+    # what the MLP reads (after ln2) is the bridge's mlp.hook_in; TL's hook_mlp_in is the stream before ln2
+    ("blocks.1.mlp.in", "blocks.1.mlp.hook_in"), ("blocks.1.mlp.in_pre_norm", "blocks.1.hook_mlp_in"),
+    ("blocks.1.attn.in", "blocks.1.attn.hook_in"), ("blocks.1.attn.in_pre_norm", "blocks.1.hook_attn_in"),
 ])
 def test_transformer_lens_hook_names(point: str, tl: str):
     assert tl_hook_name(point) == tl

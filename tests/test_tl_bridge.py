@@ -157,29 +157,33 @@ def test_every_spelling_names_its_own_hook_point(bridges, key):
         assert arch.modules[name] is hook_dict.get(alias, arch.modules[name]), alias
 
 
-def test_mlp_in_spellings_do_not_collide(bridges):
-    """`blocks.0.hook_mlp_in` (TransformerLens: the residual before ln2, behind use_hook_mlp_in)
-    and `blocks.0.mlp.hook_in` (the MLP's input, after ln2) are two HookPoints, two points."""
+def test_mlp_in_is_what_the_mlp_reads(bridges):
+    """`blocks.0.mlp.in` is the MLP's input after ln2 (the bridge's `mlp.hook_in`), as on the Hugging
+    Face families; TransformerLens's `blocks.0.hook_mlp_in` (the residual before ln2, behind
+    use_hook_mlp_in) is another HookPoint and another point, `blocks.0.mlp.in_pre_norm`."""
     bridge = bridges["gpt2"]
     ids = ids_for(bridge)
     before = hooks_on(bridge)
     arch = arch_of(bridge)
     with torch.no_grad():
         _, cache = bridge.run_with_cache(ids)
-    got = hs.collect(bridge, ids, "blocks.0.mlp.hook_in")[arch.spec("blocks.0.mlp.hook_in").name]
+    got = hs.collect(bridge, ids, "blocks.0.mlp.in")["blocks.0.mlp.in"]
     assert torch.equal(got, cache["blocks.0.mlp.hook_in"])
-    assert arch.aliases["blocks.0.hook_mlp_in"] == arch.aliases["blocks.0.mlp.in"] == "blocks.0.mlp.in"
-    assert arch.aliases["blocks.0.mlp.hook_in"] == "blocks.0.mlp.hook_in"
-    assert arch.modules["blocks.0.mlp.in"] is bridge.hook_dict["blocks.0.hook_mlp_in"]
-    assert arch.modules["blocks.0.mlp.hook_in"] is bridge.hook_dict["blocks.0.mlp.hook_in"]
+    assert torch.equal(got, cache["blocks.0.ln2.hook_out"])
+    assert not torch.allclose(got, cache["blocks.0.hook_resid_mid"])
+    assert arch.aliases["blocks.0.mlp.hook_in"] == "blocks.0.mlp.in"
+    assert arch.aliases["blocks.0.hook_mlp_in"] == "blocks.0.mlp.in_pre_norm"
+    assert arch.modules["blocks.0.mlp.in"] is bridge.hook_dict["blocks.0.mlp.hook_in"]
+    assert arch.modules["blocks.0.mlp.in_pre_norm"] is bridge.hook_dict["blocks.0.hook_mlp_in"]
+    assert "blocks.0.mlp.in" in arch.names
     with pytest.raises(hs.UnknownPointError, match=r"set_use_hook_mlp_in\(True\)"):
         hs.collect(bridge, ids, "blocks.0.hook_mlp_in")
-    assert "blocks.0.mlp.in" not in arch.names  # listed only when it fires
+    assert "blocks.0.mlp.in_pre_norm" not in arch.names  # listed only when it fires
     bridge.set_use_hook_mlp_in(True)
     try:
         with torch.no_grad():
             _, cache = bridge.run_with_cache(ids)
-        got = hs.collect(bridge, ids, "blocks.0.hook_mlp_in")["blocks.0.mlp.in"]
+        got = hs.collect(bridge, ids, "blocks.0.hook_mlp_in")["blocks.0.mlp.in_pre_norm"]
         assert torch.equal(got, cache["blocks.0.hook_mlp_in"])
         assert torch.equal(got, cache["blocks.0.hook_resid_mid"])  # pre-ln2, as in TransformerLens 3
     finally:

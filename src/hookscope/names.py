@@ -16,17 +16,49 @@ from dataclasses import dataclass
 
 MODULE_PREFIX = "module:"
 
-# TransformerLens spellings whose canonical name is not just "drop the hook_ prefix".
+# TransformerLens spellings whose canonical name is not just "drop the hook_ prefix". `attn.in` /
+# `mlp.in` are what attention / the MLP read, after ln1 / ln2 (the bridge's `attn.hook_in` /
+# `mlp.hook_in`); TransformerLens's `hook_attn_in` / `hook_mlp_in` are the residual stream before
+# that norm (copies that exist only behind use_attn_in / use_hook_mlp_in), so they fold apart.
 _TL_RENAMES = {
     "hook_attn_out": "attn.out",
     "hook_mlp_out": "mlp.out",
-    "hook_attn_in": "attn.in",
-    "hook_mlp_in": "mlp.in",
+    "hook_attn_in": "attn.in_pre_norm",
+    "hook_mlp_in": "mlp.in_pre_norm",
     "hook_q_input": "attn.q_input",
     "hook_k_input": "attn.k_input",
     "hook_v_input": "attn.v_input",
 }
 _LAYER = re.compile(r"^blocks\.(\d+)\.")
+
+# What each canonical name means: TransformerLens's meaning, on every family that has the point
+# (`hookscope points` shows it; README "Point names" has the table and where families differ)
+MEANINGS = {
+    "embed": "token embeddings", "pos_embed": "position embeddings", "patch_embed": "patch embeddings",
+    "resid_pre": "residual stream into the block",
+    "ln1.scale": "ln1's scale, sqrt(mean square + eps)", "ln2.scale": "ln2's scale, sqrt(mean square + eps)",
+    "ln1.normalized": "ln1's input / scale, before its weight", "ln2.normalized": "ln2's input / scale, before its weight",
+    "attn.in": "what attention reads (after ln1)",
+    "attn.q": "queries, per head", "attn.k": "keys, per head", "attn.v": "values, per head",
+    "attn.pattern": "attention weights [batch, head, query, key]",
+    "attn.z": "attention output per head, before W_O",
+    "attn.out_pre_norm": "attention output before its post-norm",
+    "attn.out": "what attention adds to the residual stream",
+    "attn.in_pre_norm": "residual stream before ln1 (TL hook_attn_in)",
+    "resid_mid": "residual stream between attention and MLP",
+    "mlp.in_pre_norm": "residual stream before ln2 (TL hook_mlp_in)",
+    "mlp.in": "what the MLP reads (after ln2): a transcoder's input",
+    "mlp.pre": "MLP pre-activation (the gate, if gated)", "mlp.pre_linear": "gated MLP's up projection",
+    "mlp.post": "MLP activation, into W_out", "mlp.out_pre_norm": "MLP output before its post-norm",
+    "mlp.out": "what the MLP adds to the residual stream",
+    "resid_post": "residual stream out of the block",
+    "ln_final": "final norm's output, what the unembedding reads", "logits": "the model's output logits",
+}
+
+
+def meaning(name: str) -> str:
+    """What a canonical point name means ("" where the table has no entry: family-specific points)."""
+    return MEANINGS.get(_LAYER.sub("", name), "")
 
 
 @dataclass(frozen=True)

@@ -6,6 +6,7 @@ embeddings before `pre_layrnorm`, so `blocks.0.resid_pre` is the normalised embe
 has no class token: positions 0..N-1 are the patches.
 """
 
+from . import norms
 from .base import Arch, build, heads
 
 MODEL_TYPES = ("clip_vision_model", "siglip_vision_model", "clip", "siglip")
@@ -23,12 +24,16 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
         top={"embed": ("embeddings", "output", None)},
         per_layer={
             "resid_pre": (layer, "input", None),
+            **norms.entries("ln1", f"{layer}.layer_norm1"),
+            "attn.in": (f"{layer}.self_attn", "input", None),
             "attn.q": (f"{layer}.self_attn.q_proj", "output", heads(H)),
             "attn.k": (f"{layer}.self_attn.k_proj", "output", heads(H)),
             "attn.v": (f"{layer}.self_attn.v_proj", "output", heads(H)),
             "attn.z": (f"{layer}.self_attn.out_proj", "input", heads(H)),
             "attn.out": (f"{layer}.self_attn", "output", None),
             "resid_mid": (f"{layer}.layer_norm2", "input", None),
+            **norms.entries("ln2", f"{layer}.layer_norm2"),
+            "mlp.in": (f"{layer}.mlp", "input", None),
             "mlp.pre": (f"{layer}.mlp.fc1", "output", None),
             "mlp.post": (f"{layer}.mlp.fc2", "input", None),
             "mlp.out": (f"{layer}.mlp", "output", None),

@@ -10,6 +10,7 @@ import importlib.metadata
 import re
 
 from ..errors import ModelLoadError
+from . import norms
 from .base import Arch, build, heads
 
 # with registers: the register tokens sit between CLS and the patches (positions 1..R); only the
@@ -47,6 +48,8 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
              "patch_embed": ("embeddings.patch_embeddings", "output", None)},
         per_layer={
             "resid_pre": (layer, "input", None),
+            **norms.entries("ln1", f"{layer}.norm1"),
+            "attn.in": (f"{layer}.attention", "input", None),
             "attn.q": (f"{layer}.attention.q_proj", "output", heads(H)),
             "attn.k": (f"{layer}.attention.k_proj", "output", heads(H)),
             "attn.v": (f"{layer}.attention.v_proj", "output", heads(H)),
@@ -54,6 +57,8 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
             "attn.out": (f"{layer}.attention", "output", None),
             "attn.scaled": (f"{layer}.layer_scale1", "output", None),
             "resid_mid": (f"{layer}.norm2", "input", None),
+            **norms.entries("ln2", f"{layer}.norm2"),
+            "mlp.in": (f"{layer}.mlp", "input", None),
             **mlp,
             "mlp.out": (f"{layer}.mlp", "output", None),
             "mlp.scaled": (f"{layer}.layer_scale2", "output", None),

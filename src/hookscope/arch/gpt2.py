@@ -1,5 +1,6 @@
 """GPT-2 (Hugging Face `GPT2Model` / `GPT2LMHeadModel`)."""
 
+from . import norms
 from .base import Arch, build, fused_heads, heads
 
 MODEL_TYPES = ("gpt2",)
@@ -14,12 +15,16 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
         top={"embed": ("wte", "output", None), "pos_embed": ("wpe", "output", None)},
         per_layer={
             "resid_pre": ("h.{L}", "input", None),
+            **norms.entries("ln1", "h.{L}.ln_1"),
+            "attn.in": ("h.{L}.attn", "input", None),
             "attn.q": ("h.{L}.attn.c_attn", "output", fused_heads(0, 3, H)),
             "attn.k": ("h.{L}.attn.c_attn", "output", fused_heads(1, 3, H)),
             "attn.v": ("h.{L}.attn.c_attn", "output", fused_heads(2, 3, H)),
             "attn.z": ("h.{L}.attn.c_proj", "input", heads(H)),
             "attn.out": ("h.{L}.attn", "output", None),
             "resid_mid": ("h.{L}.ln_2", "input", None),
+            **norms.entries("ln2", "h.{L}.ln_2"),
+            "mlp.in": ("h.{L}.mlp", "input", None),
             "mlp.pre": ("h.{L}.mlp.c_fc", "output", None),
             "mlp.post": ("h.{L}.mlp.c_proj", "input", None),
             "mlp.out": ("h.{L}.mlp", "output", None),

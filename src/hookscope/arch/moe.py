@@ -1,6 +1,7 @@
 """Mixture-of-experts decoders as transformers 5.x ships them: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE.
 
-Attention and the residual stream are named as in llama.py. The MLP of a sparse layer is
+Attention, the residual stream, ln1 / ln2 and `mlp.in` (the MLP block's input: the router's
+input, as [batch, pos, d]) are named as in llama.py. The MLP of a sparse layer is
 `mlp.gate` (the router: returns logits, top-k weights, top-k indices, one row per token of the
 flattened batch) and `mlp.experts` (every expert fused in 3-D parameters `gate_up_proj`
 [E, 2*d_mlp, d] and `down_proj` [E, d, d_mlp], called as `experts(rows, top_k_index,
@@ -22,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from ..errors import HookscopeError
-from . import llama
+from . import llama, norms
 from .base import Arch, Call, View, build
 
 MODEL_TYPES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
@@ -114,7 +115,9 @@ def is_sparse(config, layer: int) -> bool:
 
 def table(config, prefix: str, lm_head: str | None) -> Arch:
     H = config.num_attention_heads
-    attention = llama.attention(config)
+    # mlp.in: what the MLP block reads (after ln2), [batch, pos, d]: the router's input, unflattened
+    attention = {**llama.attention(config), **norms.entries("ln2", "layers.{L}.post_attention_layernorm"),
+                 "mlp.in": ("layers.{L}.mlp", "input", None)}
     sparse = dict(attention)
     if getattr(config, "shared_expert_intermediate_size", 0):  # Qwen2-MoE: runs before the router
         shared = "layers.{L}.mlp.shared_expert"

@@ -2,14 +2,15 @@
 
 The bridge registers each HookPoint under its component path (`blocks.0.attn.q.hook_out`) and
 lists TransformerLens 3 spellings beside it as aliases (`blocks.0.attn.hook_q`). So one HookPoint
-has several spellings, and two different HookPoints can fold to one canonical name
-(`blocks.0.hook_mlp_in`, TransformerLens's pre-LayerNorm copy of the residual, and
-`blocks.0.mlp.hook_in`, the MLP's input after it: both fold to `blocks.0.mlp.in`). Here every
-HookPoint is one point, named by its TransformerLens spelling where it has one (`blocks.0.attn.q`,
-`blocks.0.resid_pre`), else by the bridge's own spelling, unchanged (`blocks.0.mlp.hook_in`).
-Every spelling the bridge accepts, and every folding of one that names a single HookPoint, is an
-alias of that point. A folding two HookPoints claim belongs to the TransformerLens spelling, so
-`blocks.0.mlp.in` means what it means on a HookedTransformer.
+has several spellings, and two different HookPoints can fold to one canonical name (on Gemma 2,
+`blocks.0.hook_attn_out`, after the post-attention norm, and `blocks.0.attn.hook_out`, before it).
+Here every HookPoint is one point, named by its TransformerLens spelling where it has one
+(`blocks.0.attn.q`, `blocks.0.resid_pre`, and the sublayers' inputs `blocks.0.attn.in` /
+`blocks.0.mlp.in` from `attn.hook_in` / `mlp.hook_in`), else by the bridge's own spelling,
+unchanged (`blocks.0.attn.hook_out`). Every spelling the bridge accepts, and every folding of one
+that names a single HookPoint, is an alias of that point. A folding two HookPoints claim belongs to
+the TransformerLens spelling. (`blocks.0.hook_mlp_in`, TransformerLens's copy of the residual
+before ln2, folds to `blocks.0.mlp.in_pre_norm`: `mlp.in` is what the MLP reads, after ln2.)
 
 Some HookPoints carry a `hook_conversion` (per-head points: the HookPoint sees
 `[batch, pos, d_model]`, the bridge's own hooks and `run_with_cache` see
@@ -46,18 +47,31 @@ _OPTIONS = (
 # [batch, head, query_pos, key_pos] points
 _PATTERN_LIKE = ("attn.attn_scores", "attn.pattern")
 _PER_HEAD = ("attn.q", "attn.k", "attn.v", "attn.z", "attn.result", "attn.rot_q", "attn.rot_k",
-             "attn.q_input", "attn.k_input", "attn.v_input", "attn.in")
+             "attn.q_input", "attn.k_input", "attn.v_input", "attn.in_pre_norm")
+
+
+# points whose meaning changed (issue 35): name suffix -> (what it means now, what it meant before)
+MEANING_CHANGES = {
+    "mlp.in": ("what the MLP reads, after ln2 (the bridge's mlp.hook_in)",
+               "TransformerLens's hook_mlp_in, the residual stream before ln2 (now mlp.in_pre_norm)"),
+    "attn.in": ("what attention reads, after ln1 (the bridge's attn.hook_in)",
+                "TransformerLens's hook_attn_in, the residual stream before ln1 (now attn.in_pre_norm)"),
+}
 
 
 def is_bridge(model: nn.Module) -> bool:
     return any(cls.__name__ == "TransformerBridge" for cls in type(model).__mro__)
 
 
+# component inputs that are TransformerLens points: what attention / the MLP read (after ln1 / ln2)
+_SUBLAYER_INPUTS = (".attn.hook_in", ".mlp.hook_in")
+
+
 def _tl_style(key: str) -> bool:
-    """A TransformerLens 3 spelling (`hook_resid_pre`, `attn.hook_q`), not a component's own
-    input / output (`attn.q.hook_out`)."""
+    """A TransformerLens 3 spelling (`hook_resid_pre`, `attn.hook_q`) or a sublayer's input
+    (`attn.hook_in`: `attn.in`), not another component's own input / output (`attn.q.hook_out`)."""
     last = key.rsplit(".", 1)[-1]
-    return last.startswith("hook_") and last not in ("hook_in", "hook_out")
+    return (last.startswith("hook_") and last not in ("hook_in", "hook_out")) or key.endswith(_SUBLAYER_INPUTS)
 
 
 def _view(hook_point: nn.Module) -> View | None:

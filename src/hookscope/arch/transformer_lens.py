@@ -10,14 +10,15 @@ from .base import Arch, PointSpec
 
 # a readable execution order inside a block (hook_dict follows definition order instead)
 _ORDER = [
-    "resid_pre", "ln1", "attn.in", "attn.q_input", "attn.k_input", "attn.v_input",
+    "resid_pre", "attn.in_pre_norm", "ln1", "attn.in", "attn.q_input", "attn.k_input", "attn.v_input",
     "attn.q", "attn.k", "attn.v", "attn.rot_q", "attn.rot_k", "attn.attn_scores", "attn.pattern",
-    "attn.z", "attn.result", "attn.out", "resid_mid", "ln2", "mlp.in", "mlp.pre", "mlp.pre_linear",
+    "attn.z", "attn.result", "attn.out", "resid_mid", "mlp.in_pre_norm", "ln2", "mlp.in", "mlp.pre", "mlp.pre_linear",
     "mlp.post", "mlp.out", "resid_post",
 ]
 # [batch, head, query_pos, key_pos] points
 _PATTERN_LIKE = ("attn.attn_scores", "attn.pattern")
-_PER_HEAD = ("attn.q", "attn.k", "attn.v", "attn.z", "attn.result", "attn.rot_q", "attn.rot_k")
+_PER_HEAD = ("attn.q", "attn.k", "attn.v", "attn.z", "attn.result", "attn.rot_q", "attn.rot_k",
+             "attn.in_pre_norm", "attn.q_input", "attn.k_input", "attn.v_input")
 
 
 def is_transformer_lens(model: nn.Module) -> bool:

@@ -4,6 +4,7 @@ Positions are tokens of the image: position 0 is the CLS token, 1..N the patches
 order (patch p sits at row (p-1) // cols, column (p-1) % cols of the patch grid).
 """
 
+from . import norms
 from .base import Arch, build, heads
 
 MODEL_TYPES = ("vit",)
@@ -20,12 +21,16 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
              "patch_embed": ("embeddings.patch_embeddings", "output", None)},
         per_layer={
             "resid_pre": (layer, "input", None),
+            **norms.entries("ln1", f"{layer}.layernorm_before"),
+            "attn.in": (f"{layer}.attention", "input", None),
             "attn.q": (f"{layer}.attention.q_proj", "output", heads(H)),
             "attn.k": (f"{layer}.attention.k_proj", "output", heads(H)),
             "attn.v": (f"{layer}.attention.v_proj", "output", heads(H)),
             "attn.z": (f"{layer}.attention.o_proj", "input", heads(H)),
             "attn.out": (f"{layer}.attention", "output", None),
             "resid_mid": (f"{layer}.layernorm_after", "input", None),
+            **norms.entries("ln2", f"{layer}.layernorm_after"),
+            "mlp.in": (f"{layer}.mlp", "input", None),
             "mlp.pre": (f"{layer}.mlp.fc1", "output", None),
             "mlp.post": (f"{layer}.mlp.fc2", "input", None),
             "mlp.out": (f"{layer}.mlp", "output", None),

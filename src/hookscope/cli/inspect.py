@@ -26,14 +26,42 @@ def run(args) -> int:
             print(f"  {key}: {settings[key]}")
     if m.world_size > 1 or m.generation:  # the settings no longer hold it (a resume may change it)
         print(f"  processes: {m.world_size}" + (f" (in attempt {m.generation + 1})" if m.generation else ""))
-    print("  points:")
+    meanings = held_meanings(settings)
+    print("  points (statistics over the rows without NaN/Inf; every dimension's: store.stats[point]):")
     for name, col in store.points.items():
         st = store.stats.get(name)
-        norms = f"row L2 norm {st.norm_mean:.3f} +/- {st.norm_std:.3f}" if st and st.norm_count else ""
+        norms = ""
+        if st and st.norm_count:
+            norms = (f"row L2 norm {st.norm_mean:.3f} +/- {st.norm_std:.3f}, "
+                     f"mean squared norm {st.mean_squared_norm:.4g}")
+            if st.mean is not None and st.std is not None:
+                norms += (f"; per-dim mean {float(st.mean.min()):.3g}..{float(st.mean.max()):.3g}, "
+                          f"std {float(st.std.min()):.3g}..{float(st.std.max()):.3g}")
         bad = f", {st.nonfinite} NaN/Inf" if st and st.nonfinite else ""
         print(f"    {name}: {list(col.shape)} {col.dtype}  {norms}{bad}")
+        if name in meanings:
+            print(f"      meaning: {meanings[name]}")
     print("  per-row columns: " + ", ".join(f"{k} ({v.dtype})" for k, v in store.meta.items()))
     if not args.no_verify:
         store.verify()
         print(f"  verified: {store.num_shards} shards, sizes and SHA-256 match the manifest")
     return 0
+
+
+def held_meanings(settings: dict) -> dict[str, str]:
+    """What each stored point whose name changed meaning holds: the meaning the store recorded, or,
+    for a store written before it recorded one, the earlier meaning (known from the model's class)."""
+    import re
+
+    from ..arch import meaning_changes_of_class
+    from ..store.meanings import KEY
+
+    if KEY in settings:
+        return {point: record["means"] for point, record in settings[KEY].items()}
+    changes = meaning_changes_of_class(settings.get("model_class", ""))
+    held = {}
+    for point in settings.get("points", []):
+        suffix = re.sub(r"^blocks\.\d+\.", "", point)
+        if suffix != point and suffix in changes:
+            held[point] = f"{changes[suffix][1]} (written before hookscope gave the name TransformerLens's meaning)"
+    return held

@@ -46,9 +46,10 @@ def run(args) -> int:
     if example is not None and "input_ids" in example:  # a vision model's sample image has none
         print(f"shapes on {text!r} ({example['input_ids'].shape[-1]} tokens; --text to change it)")
     width = max(len(i.name) for i in infos)
+    means = max(len(i.meaning) for i in infos)
     for i in infos:
         shape = f"  {list(i.shape)}" if i.shape else ""
         where = f"{i.module}:{i.io}" + (f" ({i.view})" if i.view else "")
-        print(f"  {i.name:<{width}}  {where}{shape}")
+        print(f"  {i.name:<{width}}  {i.meaning:<{means}}  {where}{shape}".rstrip())
     print("Raw modules too: module:<dotted.path>:input|output (see print(model)).")
     return 0

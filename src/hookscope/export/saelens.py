@@ -36,9 +36,11 @@ if TYPE_CHECKING:  # the store room is below this one; a Store is passed in, nev
     from ..store import Store
 
 # canonical point suffix -> TransformerLens hook name suffix, where it is not just "hook_" + last part
-_TL_SPELLING = {"attn.out": "hook_attn_out", "mlp.out": "hook_mlp_out", "attn.in": "hook_attn_in",
-                "mlp.in": "hook_mlp_in", "attn.q_input": "hook_q_input", "attn.k_input": "hook_k_input",
-                "attn.v_input": "hook_v_input"}
+# (attn.in / mlp.in: what the sublayer reads, after its norm: the bridge's attn.hook_in / mlp.hook_in;
+# TransformerLens's hook_attn_in / hook_mlp_in are the stream before that norm: *.in_pre_norm)
+_TL_SPELLING = {"attn.out": "hook_attn_out", "mlp.out": "hook_mlp_out", "attn.in": "attn.hook_in",
+                "mlp.in": "mlp.hook_in", "attn.in_pre_norm": "hook_attn_in", "mlp.in_pre_norm": "hook_mlp_in",
+                "attn.q_input": "hook_q_input", "attn.k_input": "hook_k_input", "attn.v_input": "hook_v_input"}
 _BLOCK = re.compile(r"^(blocks\.\d+)\.(.+)$")
 
 
@@ -97,7 +99,15 @@ def saelens_config(path: str | os.PathLike) -> SaelensExport:
 def export_saelens(store: Store, out: str | os.PathLike, point: str | None = None, *,
                    hook_name: str | None = None, context_size: int | None = None, overwrite: bool = False,
                    progress: bool = True) -> SaelensExport:
-    """Write `point` (default: the store's only point) in SAELens's cached-activations layout."""
+    """Write `point` (default: the store's only point) in SAELens's cached-activations layout.
+    Needs the `datasets` package: `pip install 'hookscope[datasets]'`.
+
+    Returns:
+        SaelensExport: where it went and what a SAELens config must say (`runner_kwargs()`).
+
+    Raises:
+        StoreError: no `datasets` package, an empty store, a point it lacks (or several and none
+            named), a context size the rows cannot fill, or `out` not empty without `overwrite=True`."""
     import_datasets()
     point = _the_point(store, point)
     if not store.num_shards:

@@ -17,7 +17,7 @@ from .base import Rows, Run, Source
 from .columns import token_columns
 from .documents import iter_documents
 from .fingerprint import ReadMeter, source_chars, source_fingerprint
-from .identity import model_identity
+from .identity import model_identity, point_meanings
 from .packing import batches, pack, pack_policy
 
 if TYPE_CHECKING:
@@ -69,6 +69,7 @@ class TextSource(Source):
             # the builtin corpus is this Python's own docstrings: another version, another corpus
             "python": list(sys.version_info[:2]) if cfg.data.startswith("builtin:") else None,
             "text_field": cfg.text_field,
+            **point_meanings(loaded, self.points),
         }
 
     def batches(self) -> Iterator[dict[str, Tensor]]:

@@ -53,6 +53,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from ..errors import StoreError
 from .mapper import Mapper
 from .recycler import Alloc, Recycler, empty_shared
+from .selected import select
 from .window import MappedWindow, join
 
 if TYPE_CHECKING:
@@ -68,8 +69,13 @@ _Plan = Iterator[tuple[int, "_Job | None"]]
 
 
 class ActivationDataset(IterableDataset):
-    """Rows of column(s) `point` (a tensor per row, or a dict of them when `point` is a list);
-    with `batch_size`, stacked batches instead.
+    """Rows of column(s) `point` (a tensor per row, or a dict of them when `point` is a list or a
+    glob); with `batch_size`, stacked batches instead. `stack=True` stacks each pattern's columns,
+    in block order: `"blocks.*.resid_post"` gives `[batch, layers, d]` (a crosscoder's input), and
+    `["blocks.*.mlp.in", "blocks.*.mlp.out"]` a dict of two such tensors, keyed by pattern, from one
+    shuffle order (a cross-layer transcoder's); `stacked` names each stack's columns (store/selected.py).
+    A stack is a `[batch, layers, ...]` view of layer-major memory (not `.is_contiguous()`; `.to()`
+    keeps that layout, `.contiguous()` makes a row-major copy).
 
     `split="train"` / `"val"` keeps the rows whose hashed global index falls above / below
     `val_fraction` (fixed per row, independent of the seed). `rank` / `world_size` give each
@@ -85,15 +91,18 @@ class ActivationDataset(IterableDataset):
     b % num_workers's, so the loader's output is the single-process stream) the copies in the
     workers advance, not this one, so build the state from the rows you consumed:
     `load_state_dict({"epoch": e, "position": rows_seen, ...})`.
-    """
+
+    Raises:
+        StoreError: a column the store lacks, options out of range, a cursor from another dataset."""
 
     def __init__(self, store: Store, point: str | Sequence[str], *, shuffle: bool = True, seed: int = 0,
                  buffer_rows: int = 1 << 18, split: str | None = None, val_fraction: float = 0.1,
                  rank: int = 0, world_size: int = 1, epoch: int = 0, batch_size: int | None = None,
-                 drop_last: bool = False, repeat: bool = False, prefetch: bool = True):
+                 drop_last: bool = False, repeat: bool = False, prefetch: bool = True, stack: bool = False):
         super().__init__()
-        self.names = [point] if isinstance(point, str) else list(point)
-        store.column_names(self.names)
+        selected = select(store.manifest.columns, point, stack, store.path)
+        self.names, self._outputs, self._single = selected.names, selected.outputs, selected.single
+        self._stacks = {k: v for k, v in selected.outputs.items() if k in selected.stacked}
         if split not in (None, "train", "val"):
             raise StoreError(f"split={split!r}: use None, 'train' or 'val'")
         if split is not None and not 0.0 < val_fraction < 1.0:
@@ -104,7 +113,7 @@ class ActivationDataset(IterableDataset):
             raise StoreError("buffer_rows and batch_size must be >= 1")
         if seed < 0 or epoch < 0:
             raise StoreError(f"seed ({seed}) and epoch ({epoch}) must be >= 0")
-        self.store, self.single = store, isinstance(point, str)
+        self.store = store
         self.shuffle, self.seed, self.buffer_rows = shuffle, seed, buffer_rows
         self.split, self.val_fraction = split, val_fraction
         self.rank, self.world_size = rank, world_size
@@ -240,8 +249,13 @@ class ActivationDataset(IterableDataset):
                         yield self._out(batch)
             window = None  # let the window go before the next is handed over
 
+    @property
+    def stacked(self) -> dict[str, list[str]]:
+        """Each stack's key -> its columns, in the order of the stack's second dimension."""
+        return {k: list(v) for k, v in self._stacks.items()}
+
     def _out(self, columns: dict[str, torch.Tensor]) -> Any:
-        return columns[self.names[0]] if self.single else columns
+        return columns[next(iter(self._outputs))] if self._single else columns
 
     def _plan(self, epoch: int, skip: int) -> _Plan:
         """What to read, without reading or shuffling it: (epoch, job) for every window that has
@@ -334,7 +348,7 @@ class ActivationDataset(IterableDataset):
         located = np.ascontiguousarray(located[first :: self.world_size][skip:])
         # batches straddle windows: the first `batch_size - handed % batch_size` rows end a batch
         batches = None if self.batch_size is None else (self.batch_size, handed % self.batch_size)
-        return MappedWindow(layout, located, not self.shuffle, batches)
+        return MappedWindow(layout, located, not self.shuffle, batches, self._stacks)
 
     def _windows(self, epoch: int) -> list[list[int]]:
         n = self.store.num_shards

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from ..errors import StoreError
+from .checksum import ALGORITHMS
 from .stats import PointStats
 
 FORMAT = "hookscope-store"
@@ -125,13 +126,14 @@ class Column:
 class ShardEntry:
     file: str  # relative to the store directory, e.g. "shards/shard-r000-000003.safetensors"
     rows: int
-    sha256: str
+    checksum: str  # hex digest of the whole file, by `algorithm` (store/checksum.py)
     bytes: int
     batches: Runs  # the batch indices the shard holds, in row order, as (first, last, step) runs
     rank: int
     generation: int = 0  # the attempt (a run of one world size) that wrote it
     stats: dict[str, PointStats] | None = field(default=None, hash=False)  # None: format version 1
     legacy: bool = field(default=False, compare=False, repr=False)  # read from format version 1
+    algorithm: str = "sha256"  # of `checksum`; the JSON keeps the digest under this name
 
     @property
     def batch_start(self) -> int:
@@ -152,10 +154,10 @@ class ShardEntry:
         return shard_identity(settings_hash, self.batches, self.rank)[IDENTITY]
 
     def to_json(self) -> dict[str, Any]:
-        out = {"file": self.file, "rows": self.rows, "sha256": self.sha256, "bytes": self.bytes,
+        out = {"file": self.file, "rows": self.rows, self.algorithm: self.checksum, "bytes": self.bytes,
                "batches": [list(r) for r in self.batches], "rank": self.rank, "generation": self.generation}
         if self.stats is not None:
-            out["stats"] = {k: vars(s).copy() for k, s in self.stats.items()}
+            out["stats"] = {k: s.to_json() for k, s in self.stats.items()}
         return out
 
 
@@ -170,6 +172,11 @@ def summed_stats(shards: list[ShardEntry]) -> dict[str, PointStats]:
 
 @dataclass
 class Manifest:
+    """A store's manifest.json (`store.manifest`): the `settings` that shape its rows (model,
+    points, data, context, dtype...), its columns (`points`: activations; `meta`: token_ids,
+    doc_ids, positions, seq_ids), its `shards` with rows and SHA-256, and per-point `stats`.
+    docs/store-format.md gives every field."""
+
     settings: dict[str, Any]
     world_size: int = 1  # of the attempt that wrote this manifest (the latest one, once merged)
     points: dict[str, Column] = field(default_factory=dict)  # activations, one per hook point
@@ -212,7 +219,7 @@ class Manifest:
             "bytes": self.bytes,
             "points": {k: {"shape": list(c.shape), "dtype": c.dtype} for k, c in self.points.items()},
             "meta": {k: {"shape": list(c.shape), "dtype": c.dtype} for k, c in self.meta.items()},
-            "stats": {k: vars(s).copy() for k, s in self.stats.items()},
+            "stats": {k: s.to_json() for k, s in self.stats.items()},
             "shards": [s.to_json() for s in self.shards],
         }
 
@@ -273,6 +280,14 @@ class Manifest:
         )
         if _int(raw["rows"], "rows") != m.rows or _int(raw["bytes"], "bytes") != m.bytes:
             raise ValueError("totals 'rows'/'bytes' disagree with the shard list")
+        for where, stats in [("stats", m.stats), *((f"shards[{i}].stats", s.stats or {})
+                                                   for i, s in enumerate(m.shards))]:
+            for name, st in stats.items():
+                if name not in m.points:
+                    raise ValueError(f"{where} has {name!r}, which is not a point of the store")
+                if st.mean is not None and len(st.mean) != math.prod(m.points[name].shape):
+                    raise ValueError(f"{where}.{name} holds {len(st.mean)} dimensions, the point has "
+                                     f"{math.prod(m.points[name].shape)}")
         if version != 1 and m.stats != summed_stats(m.shards):
             raise ValueError("'stats' disagree with the sum of the shards' stats")
         if len({s.file for s in m.shards}) != len(m.shards):
@@ -311,21 +326,25 @@ def _columns(raw: Any, what: str) -> dict[str, Column]:
     return out
 
 
-def _shard_common(raw: Any, w: str) -> tuple[str, int, str, int, int]:
+def _shard_common(raw: Any, w: str) -> tuple[str, int, str, int, int, str]:
     _expect(raw, dict, w)
     file = _expect(raw["file"], str, f"{w}.file")
     if not file.startswith(SHARDS_DIR + "/") or ".." in file or not file.endswith(".safetensors"):
         raise ValueError(f"{w}.file {file!r} should be shards/<name>.safetensors")
-    sha = _expect(raw["sha256"], str, f"{w}.sha256")
-    if len(sha) != 64 or any(ch not in "0123456789abcdef" for ch in sha):
-        raise ValueError(f"{w}.sha256 {sha!r} is not a hex SHA-256")
+    named = [a for a in ALGORITHMS if a in raw]
+    if len(named) != 1:
+        raise ValueError(f"{w} should hold one checksum, under one of {list(ALGORITHMS)}; it holds {named}")
+    algorithm = named[0]
+    digest = _expect(raw[algorithm], str, f"{w}.{algorithm}")
+    if len(digest) != ALGORITHMS[algorithm] or any(ch not in "0123456789abcdef" for ch in digest):
+        raise ValueError(f"{w}.{algorithm} {digest!r} is not a hex {algorithm} digest")
     rows, size, rank = (_int(raw[k], f"{w}.{k}") for k in ("rows", "bytes", "rank"))
-    return file, rows, sha, size, rank
+    return file, rows, digest, size, rank, algorithm
 
 
 def _shard(raw: Any, i: int) -> ShardEntry:
     w = f"shards[{i}]"
-    file, rows, sha, size, rank = _shard_common(raw, w)
+    file, rows, digest, size, rank, algorithm = _shard_common(raw, w)
     runs = []
     for j, run in enumerate(_expect(raw["batches"], list, f"{w}.batches")):
         if not isinstance(run, list) or len(run) != 3:
@@ -338,24 +357,19 @@ def _shard(raw: Any, i: int) -> ShardEntry:
         raise ValueError(f"{w}.batches is empty")
     stats = {k: _stats(v, f"{w}.stats.{k}") for k, v in _expect(raw["stats"], dict, f"{w}.stats").items()}
     generation = _int(raw["generation"], f"{w}.generation")
-    return ShardEntry(file, rows, sha, size, tuple(runs), rank, generation, stats)
+    return ShardEntry(file, rows, digest, size, tuple(runs), rank, generation, stats, algorithm=algorithm)
 
 
 def _shard_v1(raw: Any, i: int, world_size: int) -> ShardEntry:
     """A version 1 entry: batch_start..batch_end stepping by the world size."""
     w = f"shards[{i}]"
-    file, rows, sha, size, rank = _shard_common(raw, w)
+    file, rows, digest, size, rank, algorithm = _shard_common(raw, w)
     start, end = _int(raw["batch_start"], f"{w}.batch_start"), _int(raw["batch_end"], f"{w}.batch_end")
     if end < start or (end - start) % world_size:
         raise ValueError(f"{w}: batch_start..batch_end ({start}..{end}) is no run of step {world_size}")
-    return ShardEntry(file, rows, sha, size, ((start, end, world_size),), rank, legacy=True)
+    return ShardEntry(file, rows, digest, size, ((start, end, world_size),), rank, legacy=True,
+                      algorithm=algorithm)
 
 
 def _stats(raw: Any, where: str) -> PointStats:
-    _expect(raw, dict, where)
-    floats = [raw[k] for k in ("norm_sum", "norm_sumsq")]
-    for k, v in zip(("norm_sum", "norm_sumsq"), floats, strict=True):
-        if not isinstance(v, int | float) or isinstance(v, bool):
-            raise TypeError(f"{where}.{k} should be a number")
-    return PointStats(_int(raw["nonfinite"], f"{where}.nonfinite"),
-                      _int(raw["norm_count"], f"{where}.norm_count"), float(floats[0]), float(floats[1]))
+    return PointStats.from_json(raw, where)

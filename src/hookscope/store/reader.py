@@ -39,7 +39,14 @@ def open_store(location: str | os.PathLike, *, verify: bool = False,
     s3://bucket/dir: see store/fs.py); `verify=True` also checks every shard's size and SHA-256
     against the manifest. A remote store is read with ranged GETs of only the columns and rows asked
     for, through a bounded in-memory cache, reading ahead on sequential scans; reading works as it
-    does locally. `storage_options` go to the URL's fsspec filesystem."""
+    does locally. `storage_options` go to the URL's fsspec filesystem.
+
+    Returns:
+        Store: a read-only view: `len(store)` rows, `store.manifest`, columns, `store.dataset(...)`.
+
+    Raises:
+        StoreError: no store there, no manifest, shards missing, an unfinished torchrun job's
+            per-rank manifests, or (with `verify=True`) a damaged shard, each named."""
     fs = open_fs(location, storage_options)
     names = fs.list()
     if MANIFEST not in names:
@@ -65,7 +72,10 @@ def open_store(location: str | os.PathLike, *, verify: bool = False,
 
 class Store:
     """A read-only view of a store. `len(store)` is the number of rows (tokens); `path` is where it
-    lives (a directory or a URL, as a string), `fs` its filesystem."""
+    lives (a directory or a URL, as a string), `fs` its filesystem. What `hs.open_store` returns.
+
+    Raises:
+        StoreError: from its readers, for rows or columns it does not have, or a damaged shard."""
 
     def __init__(self, fs: FS, manifest: Manifest, sizes: dict[str, int] | None = None):
         self.fs = fs
@@ -179,7 +189,7 @@ class Store:
         return path, {n: data_start + header[n]["data_offsets"][0] for n in names}
 
     def verify(self) -> None:
-        """Check every shard's size, SHA-256, header, identity and columns against the manifest (a
+        """Check every shard's size, checksum, header, identity and columns against the manifest (a
         manifest can vouch for a damaged file); raise StoreError naming each bad shard."""
         bad = []
         for i, entry in enumerate(self.manifest.shards):
@@ -191,17 +201,17 @@ class Store:
                              + "\n  ".join(bad) + "\nRe-run the extraction into a new directory.")
 
     def _problem(self, i: int) -> str | None:
-        """What is wrong with shard `i` (size, every byte's SHA-256, streamed, then its header), or None."""
+        """What is wrong with shard `i` (size, every byte's checksum, streamed, then its header), or None."""
         entry = self.manifest.shards[i]
         try:
             size = self.fs.size(entry.file)
             if size != entry.bytes:
                 return f"{size} bytes, the manifest says {entry.bytes} (truncated or replaced)"
-            size, digest = self.fs.sha256(entry.file)
+            size, digest = self.fs.checksum(entry.file, entry.algorithm)
             if size != entry.bytes:
                 return f"{size} bytes, the manifest says {entry.bytes} (truncated or replaced)"
-            if digest != entry.sha256:
-                return "SHA-256 differs from the manifest (corrupt)"
+            if digest != entry.checksum:
+                return f"checksum ({entry.algorithm}) differs from the manifest (corrupt)"
             self.header(i, fresh=True)
         except StoreError as e:
             return str(e).removeprefix(f"{self.fs.where(entry.file)}: ")
@@ -235,15 +245,17 @@ class Store:
     def dataset(self, point: str | Sequence[str], *, shuffle: bool = True, seed: int = 0,
                 buffer_rows: int = 1 << 18, split: str | None = None, val_fraction: float = 0.1,
                 rank: int = 0, world_size: int = 1, epoch: int = 0, batch_size: int | None = None,
-                drop_last: bool = False, repeat: bool = False, prefetch: bool = True) -> ActivationDataset:
-        """A shuffled `IterableDataset` over column(s) `point`; see `ActivationDataset`
-        (`repeat=True`: one `iter()` runs through epoch after epoch, for trainers that call `next()`)."""
+                drop_last: bool = False, repeat: bool = False, prefetch: bool = True,
+                stack: bool = False) -> ActivationDataset:
+        """A shuffled `IterableDataset` over column(s) `point` (names or globs); see `ActivationDataset`
+        (`repeat=True`: one `iter()` runs through epoch after epoch, for trainers that call `next()`;
+        `stack=True`: each pattern's columns as one `[batch, layers, ...]` tensor, in block order)."""
         from .dataset import ActivationDataset
 
         return ActivationDataset(self, point, shuffle=shuffle, seed=seed, buffer_rows=buffer_rows,
                                  split=split, val_fraction=val_fraction, rank=rank, world_size=world_size,
                                  epoch=epoch, batch_size=batch_size, drop_last=drop_last, repeat=repeat,
-                                 prefetch=prefetch)
+                                 prefetch=prefetch, stack=stack)
 
     def column_names(self, names: Sequence[str] | None) -> list[str]:
         """`names` (default every column), each checked to be a column of the store."""

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ..errors import StoreError
+from . import meanings
 from .fs import FS, open_fs
 from .manifest import VERSION, Column, Manifest, ShardEntry, settings_diff, settings_hash
 
@@ -115,6 +116,9 @@ def plan(manifests: list[tuple[str, Manifest]], settings: dict[str, Any], world_
                 "for reading, but this version cannot resume or extend it. Finish it with the hookscope "
                 "that started it, or use a new --out directory")
         if m.settings_hash != wanted:
+            why = meanings.refusal(m.settings, settings, where)
+            if why:
+                raise StoreError(why)
             diff = "\n  ".join(settings_diff(m.settings, settings))
             raise StoreError(f"{where} already holds a store made with different settings:\n  {diff}\n"
                              f"Use a new --out directory, or delete {where} to start over.")

@@ -1,0 +1,150 @@
+"""Reads for transcoders, crosscoders and cross-layer transcoders: several points in one aligned,
+shuffled batch, and each glob's points stacked across layers (`stack=True`).
+
+The reference is what the test wrote: every layer's rows are random values kept here, and each
+row's `token_ids` is its global index, so a batch row is checked against the written rows of that
+index, layer by layer (a stack in the wrong layer order, a layer from another row or a column
+gathered into the wrong slice fails)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hookscope.errors import StoreError
+from hookscope.store import ShardWriter, open_store
+
+LAYERS = 12  # past 10: block 10 must come after block 9, not after block 1
+D = 6
+
+
+@pytest.fixture(scope="module")
+def clt_store(tmp_path_factory):
+    """240 rows in shards of 32 rows (batches of 8); blocks.L.mlp.in / mlp.out / resid_post for 12
+    layers, bfloat16; shard identities of different lengths (batches 0-3 vs 12-15), so the shards
+    lie in several strided runs (parts) and a batch gathers from more than one."""
+    out = tmp_path_factory.mktemp("clt") / "store"
+    g = torch.Generator().manual_seed(0)
+    names = [f"blocks.{layer}.{kind}" for layer in range(LAYERS) for kind in ("mlp.in", "mlp.out", "resid_post")]
+    written = {n: (torch.randn(240, D, generator=g) * 4).to(torch.bfloat16) for n in names}
+    with ShardWriter(out, {"test": "clt"}, shard_rows=32) as w:
+        for b in range(30):
+            rows = slice(b * 8, b * 8 + 8)
+            w.write(b, {n: v[rows] for n, v in written.items()}, {"token_ids": torch.arange(b * 8, b * 8 + 8)})
+    return open_store(out), written
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16)
+
+
+def check_stack(stack: torch.Tensor, ids: torch.Tensor, written: dict, kind: str) -> None:
+    assert stack.shape == (len(ids), LAYERS, D) and stack.dtype == torch.bfloat16
+    for layer in range(LAYERS):
+        assert torch.equal(bits(stack[:, layer]), bits(written[f"blocks.{layer}.{kind}"][ids])), (kind, layer)
+
+
+@pytest.mark.parametrize("kw", [
+    {"batch_size": 24, "buffer_rows": 64},  # batches straddle windows (joined)
+    {"batch_size": 24, "buffer_rows": 64, "shuffle": False},
+    {"batch_size": 50, "buffer_rows": 1000, "rank": 1, "world_size": 2},
+])
+def test_a_crosscoder_stack_is_every_layer_of_each_row_in_block_order(clt_store, kw):
+    store, written = clt_store
+    ds = store.dataset(["blocks.*.resid_post", "token_ids"], stack=True, seed=5, **kw)
+    assert ds.stacked == {"blocks.*.resid_post": [f"blocks.{i}.resid_post" for i in range(LAYERS)]}
+    seen = []
+    for batch in ds:
+        ids = batch["token_ids"]
+        assert ids.shape == (len(ids),)  # a plain name stays a plain column beside the stack
+        check_stack(batch["blocks.*.resid_post"], ids, written, "resid_post")
+        seen += ids.tolist()
+    assert len(seen) == len(set(seen)) == ds.rows_per_epoch
+
+
+def test_a_lone_glob_gives_the_bare_stack(clt_store):
+    store, written = clt_store
+    ds = store.dataset("blocks.*.resid_post", stack=True, batch_size=40, seed=1, buffer_rows=100)
+    order = store.dataset("token_ids", batch_size=40, seed=1, buffer_rows=100)
+    for batch, ids in zip(ds, order, strict=True):  # the same seed: the same rows in the same order
+        assert isinstance(batch, torch.Tensor)
+        check_stack(batch, ids, written, "resid_post")
+        assert torch.equal(batch.contiguous(), batch)  # the layer-major view copies to the same values
+
+
+def test_a_cross_layer_transcoders_two_stacks_share_one_shuffle_order(clt_store):
+    store, written = clt_store
+    ds = store.dataset(["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"], stack=True, batch_size=32,
+                       seed=7, buffer_rows=96)
+    seen = []
+    for batch in ds:
+        assert set(batch) == {"blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"}
+        check_stack(batch["blocks.*.mlp.in"], batch["token_ids"], written, "mlp.in")
+        check_stack(batch["blocks.*.mlp.out"], batch["token_ids"], written, "mlp.out")
+        seen += batch["token_ids"].tolist()
+    assert sorted(seen) == list(range(240))
+    assert seen != sorted(seen)  # shuffled
+
+
+def test_stacked_rows_one_by_one(clt_store):
+    store, written = clt_store
+    rows = list(store.dataset(["blocks.*.mlp.out", "token_ids"], stack=True, seed=2, buffer_rows=50))
+    assert len(rows) == 240
+    for row in rows[:40]:
+        i = int(row["token_ids"])
+        assert row["blocks.*.mlp.out"].shape == (LAYERS, D)
+        for layer in range(LAYERS):
+            assert torch.equal(bits(row["blocks.*.mlp.out"][layer]), bits(written[f"blocks.{layer}.mlp.out"][i]))
+
+
+def test_a_transcoder_pair_is_aligned(clt_store):
+    """`[mlp.in, mlp.out]` of one layer: two columns, one row order, each row's own values."""
+    store, written = clt_store
+    ds = store.dataset(["blocks.6.mlp.in", "blocks.6.mlp.out", "token_ids"], batch_size=33, seed=3,
+                       buffer_rows=64)
+    n = 0
+    for batch in ds:
+        ids = batch["token_ids"]
+        for kind in ("mlp.in", "mlp.out"):
+            assert torch.equal(bits(batch[f"blocks.6.{kind}"]), bits(written[f"blocks.6.{kind}"][ids]))
+        n += len(ids)
+    assert n == 240
+
+
+def test_a_glob_without_stack_gives_each_column(clt_store):
+    store, _ = clt_store
+    batch = next(iter(store.dataset("blocks.1*.mlp.in", batch_size=4)))
+    assert list(batch) == ["blocks.1.mlp.in", "blocks.10.mlp.in", "blocks.11.mlp.in"]
+
+
+@pytest.mark.parametrize("point, stack, message", [
+    ("blocks.*.attn.out", True, "matches no column"),
+    ("*", True, "different shapes or dtypes"),  # the points and token_ids
+    (["blocks.*.mlp.in", "blocks.1*.mlp.out"], True, "must match the same blocks"),
+    (["blocks.*.mlp.in", "blocks.3.mlp.in"], True, "name some columns twice"),
+    ("blocks.6.mlp.inn", False, "no column 'blocks.6.mlp.inn'"),
+])
+def test_what_cannot_be_read_is_refused_clearly(clt_store, point, stack, message):
+    store, _ = clt_store
+    with pytest.raises(StoreError, match=message):
+        store.dataset(point, stack=stack)
+
+
+def test_a_stack_of_different_dtypes_is_refused(tmp_path):
+    with ShardWriter(tmp_path / "s", {"t": 1}, shard_rows=4) as w:
+        w.write(0, {"blocks.0.x": torch.zeros(4, 3, dtype=torch.bfloat16), "blocks.1.x": torch.zeros(4, 3)},
+                {"token_ids": torch.arange(4)})
+    with pytest.raises(StoreError, match=r"blocks.0.x \[3\] bfloat16, blocks.1.x \[3\] float32"):
+        open_store(tmp_path / "s").dataset("blocks.*.x", stack=True)
+
+
+def test_stacked_batches_from_dataloader_workers(clt_store):
+    """Workers gather into shared memory; the stack's layout survives the trip."""
+    store, written = clt_store
+    ds = store.dataset(["blocks.*.resid_post", "token_ids"], stack=True, batch_size=48, seed=4, buffer_rows=96)
+    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
+    seen = []
+    for batch in loader:
+        check_stack(batch["blocks.*.resid_post"], batch["token_ids"], written, "resid_post")
+        seen += batch["token_ids"].tolist()
+    assert sorted(seen) == list(range(240))

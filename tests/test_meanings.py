@@ -1,0 +1,83 @@
+"""A point whose name changed meaning (Gemma 2's `blocks.1.mlp.out`: the MLP's output before its
+post-norm until TransformerLens's meaning, after it, was adopted) is recorded in a store's
+settings; a store written before the change is refused on resume with a message saying which point,
+what it holds, what the name means now and what to do, still opens for reading, and `hookscope
+inspect` says which meaning it holds. Stores of unchanged points resume as before.
+
+"Written before" is the settings the earlier code wrote: the same dict without the meaning record
+(`point_meanings` patched to add nothing)."""
+
+from __future__ import annotations
+
+import family_models
+import pytest
+from helpers import corpus_fixture
+
+import hookscope as hs
+from hookscope.cli import main
+from hookscope.extract import ExtractConfig, extract
+from hookscope.sources import text
+from hookscope.store import open_store
+from hookscope.testing import train_tokenizer
+
+corpus = corpus_fixture(30)
+CHANGED = "blocks.1.mlp.out"
+
+
+@pytest.fixture(scope="module")
+def gemma2(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("gemma2")
+    family_models.build("gemma2").float().save_pretrained(path)
+    train_tokenizer(family_models.VOCAB).save_pretrained(path)
+    return str(path)
+
+
+def config(model: str, corpus, out, points: list[str], max_tokens: int) -> ExtractConfig:
+    return ExtractConfig(out=str(out), model=model, points=points, data=str(corpus), context=16, batch_size=2,
+                         dtype="float32", shard_rows=40, max_tokens=max_tokens, progress=False)
+
+
+def written_before(monkeypatch, cfg: ExtractConfig) -> None:
+    with monkeypatch.context() as patch:
+        patch.setattr(text, "point_meanings", lambda loaded, points: {})
+        extract(cfg)
+
+
+def test_a_store_of_a_changed_point_written_before_is_refused_and_still_reads(gemma2, corpus, tmp_path,
+                                                                               monkeypatch, capsys):
+    out = tmp_path / "old"
+    written_before(monkeypatch, config(gemma2, corpus, out, [CHANGED, "blocks.1.resid_post"], 60))
+    rows = len(open_store(out))
+    with pytest.raises(hs.StoreError) as refused:
+        extract(config(gemma2, corpus, out, [CHANGED, "blocks.1.resid_post"], 200))
+    said = str(refused.value)
+    assert "changed meaning" in said and CHANGED in said and "resid_post" not in said
+    assert "this store holds the MLP's output before its post-norm" in said
+    assert "now writes what the MLP adds to the residual stream, after its post-norm" in said
+    assert "opens for reading" in said and "new --out directory" in said
+    store = open_store(out, verify=True)  # untouched, and it reads
+    assert len(store) == rows
+    assert store[rows - 1][CHANGED].shape == (family_models.D_MODEL,)
+    assert main(["inspect", str(out), "--no-verify"]) == 0
+    shown = capsys.readouterr().out
+    assert "meaning: the MLP's output before its post-norm" in shown and "written before" in shown
+
+
+def test_a_new_store_records_the_meaning_and_resumes(gemma2, corpus, tmp_path, capsys):
+    out = tmp_path / "new"
+    extract(config(gemma2, corpus, out, [CHANGED, "blocks.1.mlp.in"], 60))
+    record = open_store(out).manifest.settings["point_meanings"]
+    assert list(record) == [CHANGED] and "after its post-norm" in record[CHANGED]["means"]
+    summary = extract(config(gemma2, corpus, out, [CHANGED, "blocks.1.mlp.in"], 200))
+    assert summary.batches_skipped > 0
+    assert main(["inspect", str(out), "--no-verify"]) == 0
+    assert "meaning: what the MLP adds to the residual stream, after its post-norm" in capsys.readouterr().out
+
+
+def test_a_store_of_unchanged_points_resumes_as_before(gemma2, corpus, tmp_path, monkeypatch):
+    out = tmp_path / "unchanged"
+    points = ["blocks.0.resid_post", "blocks.1.mlp.post"]
+    written_before(monkeypatch, config(gemma2, corpus, out, points, 60))
+    assert "point_meanings" not in open_store(out).manifest.settings
+    summary = extract(config(gemma2, corpus, out, points, 200))
+    assert summary.batches_skipped > 0
