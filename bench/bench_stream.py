@@ -56,13 +56,13 @@ def limit_bytes() -> int:
     return outside_blocks_bytes() + 2 * bench_big.block_bytes(4) + chunk_room()
 
 
-def corpus(folder: str) -> str:
+def corpus(folder: str, docs: int = 60) -> str:
     import random
 
     rng = random.Random(common.SEED)
     words = "alpha beta gamma delta layer head token residual stream sparse feature probe".split()
     path = Path(folder) / "corpus.txt"
-    path.write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(200)) for _ in range(60)))
+    path.write_text("\n\n".join(" ".join(rng.choice(words) for _ in range(200)) for _ in range(docs)))
     return str(path)
 
 

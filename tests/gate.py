@@ -1,5 +1,5 @@
 """The one gate of the tests' optional dependencies: TransformerLens 3 and 4, SAELens, sparsify,
-dictionary_learning, the S3 test server, the headless browser, a CUDA device.
+dictionary_learning, the S3 test server, the headless browser, the docs builder, a CUDA device.
 
 `need(name)` returns what a test needs (the imported module) or skips the calling module or test,
 saying which `scripts/test-all` environment runs it. Where HOOKSCOPE_REQUIRE names it (a
@@ -61,6 +61,8 @@ NEEDS = {
     "s3": Need("an S3 test server: moto[server] and s3fs (the dev extra)", "main", ("s3fs", "moto.server")),
     "browser": Need("a headless browser: selenium (the dev extra), chromium and chromedriver", "main",
                     ("selenium",), check=_browser_problem),
+    "docs": Need("the site's builder: mkdocs-material and mkdocstrings[python] (the docs extra)", "main",
+                 ("mkdocs", "material", "mkdocstrings_handlers.python")),
     "cuda": Need("a CUDA device", "gpu-suite", check=_cuda_problem),
 }
 

@@ -327,3 +327,70 @@ def test_a_streamed_extraction_equals_the_in_memory_one(model_dirs, device, tmp_
     for name in ("blocks.1.resid_post", "blocks.0.attn.z", "token_ids"):
         assert torch.equal(stores["streamed"].tensor(name), stores["memory"].tensor(name))
     assert len(stores["memory"]) > 200
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_streamed_blocks_run_on_buffers_allocated_once(model_dirs, device):
+    """--max-memory's reused buffers on the device: each block's parameters, as its forward sees
+    them, lie in the one set of device buffers (on CUDA; the host slots on the CPU), the host slots
+    are pinned on CUDA, and the values are the block's tensors of the checkpoint file."""
+    from safetensors.torch import load_file
+
+    from hookscope.block_buffers import data_ranges
+    from hookscope.stream import streamer_for
+
+    stored = load_file(model_dirs["llama"] / "model.safetensors")
+    loaded = hs.load(str(model_dirs["llama"]), device="meta")
+    streamer = streamer_for(loaded, ["blocks.2.resid_post"], 10**8, batch_size=2, context=16,
+                            dtype=torch.float32, device=device)
+    ranges = data_ranges(streamer.buffers)
+    where = ranges[-1:] if device == "cuda" else ranges  # the device set is listed last
+    assert all(whole.is_pinned() == (device == "cuda") for whole, _ in streamer.buffers.host)
+    seen = []
+    layers = loaded.model.model.layers
+    hooks = [layers[k].register_forward_pre_hook(lambda module, args, k=k: seen.append(
+        (k, {n: (p.data_ptr(), p.device.type, p.detach().clone()) for n, p in module.named_parameters()})))
+        for k in range(len(layers))]
+    ids = token_ids(loaded.model, batch=2, length=16, device=device)
+    try:
+        for _ in range(2):
+            streamer.run_chunk([{"input_ids": ids, "attention_mask": torch.ones_like(ids)}], [None])
+    finally:
+        for hook in hooks:
+            hook.remove()
+        streamer.close()
+    assert [k for k, _ in seen] == [0, 1, 2] * 2
+    for k, params in seen:
+        for name, (address, kind, value) in params.items():
+            assert kind == device and any(lo <= address < hi for lo, hi in where)
+            assert torch.equal(value.cpu(), stored[f"model.layers.{k}.{name}"])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_statistics_where_the_activations_are_and_the_copy_out(device):
+    """The extraction's `out` stage: statistics taken on the device, the values copied to pinned host
+    memory without blocking; the host copy equals the device values bit for bit, and the statistics
+    equal those of the host copy (sums to float tolerance: another reduction order on a GPU)."""
+    from hookscope.extract.stages import stats_and_host
+    from hookscope.store.stats import PointStats
+
+    g = torch.Generator().manual_seed(0)
+    acts = {"a": torch.randn(300, 64, generator=g).to(device, torch.bfloat16),
+            "b": torch.randn(300, 4, 16, generator=g).to(device)}
+    acts["b"][7, 1, 3] = float("nan")
+    host, stats = stats_and_host(acts)
+    for name, value in acts.items():
+        assert host[name].device.type == "cpu"
+        torch.testing.assert_close(host[name], value.cpu(), rtol=0, atol=0, equal_nan=True)
+        assert host[name].is_pinned() == (device == "cuda")
+        if device == "cpu":  # left to the writer's thread, which computes what it is not given
+            assert stats == {}
+            continue
+        want = PointStats.of(value.cpu())
+        assert (stats[name].nonfinite, stats[name].norm_count) == (want.nonfinite, want.norm_count)
+        assert stats[name].norm_sum == pytest.approx(want.norm_sum, rel=1e-5)
+        assert stats[name].norm_sumsq == pytest.approx(want.norm_sumsq, rel=1e-5)
+        for got, ref in ((stats[name].mean, want.mean), (stats[name].m2, want.m2)):
+            if ref is not None:  # per-dimension moments: on the host, where the writer merges them
+                assert got.device.type == "cpu"
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

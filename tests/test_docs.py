@@ -19,6 +19,7 @@ The convention, for whoever writes docs:
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import re
 import textwrap
 import traceback
@@ -28,9 +29,14 @@ from pathlib import Path
 import gate
 import pytest
 
+import hookscope
 from hookscope.errors import HookscopeError
 
 ROOT = Path(__file__).resolve().parent.parent
+# the example under each entry of the API reference: a `## hookscope.NAME` section per public name,
+# each run on its own (docs/reference_examples.py puts them into the site's reference)
+REFERENCE_EXAMPLES = ROOT / "docs" / "reference" / "examples.md"
+SECTION = re.compile(r"^## hookscope\.(?P<name>\S+)[ \t]*$")
 FENCE = re.compile(r"^(?P<indent>[ \t]*)```python(?P<info>[^\n`]*)$")
 CLOSE = re.compile(r"^[ \t]*```[ \t]*$")
 NEEDS = re.compile(r"^# needs: pip install (?P<what>.+)$")
@@ -58,7 +64,11 @@ class Block:
 
 def python_blocks(path: Path) -> list[Block]:
     """The ```python blocks of a Markdown file, dedented (blocks may sit inside list items)."""
-    lines = path.read_text(encoding="utf-8").split("\n")
+    return blocks_in(path.read_text(encoding="utf-8").split("\n"), path)
+
+
+def blocks_in(lines: list[str], path: Path, first_line: int = 1) -> list[Block]:
+    """The ```python blocks of `lines`, which are `path`'s from line `first_line` on."""
     blocks, i = [], 0
     while i < len(lines):
         opening = FENCE.match(lines[i])
@@ -69,19 +79,29 @@ def python_blocks(path: Path) -> list[Block]:
         end = start
         while end < len(lines) and not CLOSE.match(lines[end]):
             if FENCE.match(lines[end]):  # an unclosed block would swallow the next one untested
-                raise AssertionError(f"{path}:{i + 1}: a ```python block that is never closed "
-                                     f"before line {end + 1}")
+                raise AssertionError(f"{path}:{i + first_line}: a ```python block that is never closed "
+                                     f"before line {end + first_line}")
             end += 1
         if end == len(lines):
-            raise AssertionError(f"{path}:{i + 1}: a ```python block that is never closed")
+            raise AssertionError(f"{path}:{i + first_line}: a ```python block that is never closed")
         code = textwrap.dedent("\n".join(lines[start:end]))
-        blocks.append(Block(path, start + 1, code, "notest" in opening.group("info").split()))
+        blocks.append(Block(path, start + first_line, code, "notest" in opening.group("info").split()))
         i = end + 1
     return blocks
 
 
 def doc_files() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    """The pages whose blocks run top to bottom in one namespace (the reference examples do not)."""
+    return [ROOT / "README.md", *sorted(p for p in (ROOT / "docs").rglob("*.md") if p != REFERENCE_EXAMPLES)]
+
+
+def reference_examples(path: Path = REFERENCE_EXAMPLES) -> dict[str, list[Block]]:
+    """{NAME: the blocks of its `## hookscope.NAME` section}."""
+    lines = path.read_text(encoding="utf-8").split("\n")
+    heads = [(i, m.group("name")) for i, line in enumerate(lines) if (m := SECTION.match(line))]
+    ends = [i for i, _ in heads[1:]] + [len(lines)]
+    return {name: blocks_in(lines[start:end], path, start + 1)
+            for (start, name), end in zip(heads, ends, strict=True)}
 
 
 def installed(distribution: str) -> bool:
@@ -227,3 +247,54 @@ def test_a_block_that_needs_a_package_names_one_the_gate_knows(tmp_path: Path):
     page.write_text("```python\n# needs: pip install left-pad\nx = 1\n```\n")
     with pytest.raises(AssertionError, match="names neither a hookscope extra nor a package tests/gate.py"):
         run_page(python_blocks(page))
+
+
+@pytest.fixture(scope="module")
+def reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One working directory for all reference examples: a store one writes, the next resumes (finds
+    it complete) instead of extracting again."""
+    return tmp_path_factory.mktemp("reference")
+
+
+@pytest.mark.parametrize("name", hookscope.__all__)
+def test_every_public_name_has_a_reference_example_that_runs(name: str, reference_dir: Path,
+                                                             monkeypatch: pytest.MonkeyPatch):
+    blocks = reference_examples().get(name, [])
+    assert any(not b.notest for b in blocks), (
+        f"hookscope.{name} has no runnable example: add a `## hookscope.{name}` section with a ```python "
+        f"block to {REFERENCE_EXAMPLES.relative_to(ROOT)}")
+    monkeypatch.chdir(reference_dir)
+    left_out = run_page(blocks)  # a fresh namespace: each example stands alone
+    if left_out:
+        pytest.skip(f"left out for a missing package: {', '.join(left_out)}")
+
+
+def test_every_reference_example_names_a_public_name():
+    stale = sorted(set(reference_examples()) - set(hookscope.__all__))
+    assert not stale, f"{REFERENCE_EXAMPLES.relative_to(ROOT)} has sections for names not in __all__: {stale}"
+
+
+@pytest.mark.parametrize("name", [n for n in hookscope.__all__ if inspect.isfunction(getattr(hookscope, n))])
+def test_every_public_function_says_what_it_returns_and_raises(name: str):
+    """The reference shows a Returns and a Raises table for each verb: Google-style sections."""
+    doc = inspect.getdoc(getattr(hookscope, name)) or ""
+    for section in ("Returns:", "Raises:"):
+        assert re.search(rf"^{section}\n    \S", doc, re.MULTILINE), (
+            f"hookscope.{name}'s docstring has no `{section}` section (an indented entry below it)")
+
+
+@pytest.mark.parametrize("name", [n for n in hookscope.__all__ if n != "__version__"])
+def test_every_public_name_has_a_docstring(name: str):
+    doc = inspect.getdoc(getattr(hookscope, name))
+    assert doc and not doc.startswith(f"{name}("), f"hookscope.{name} has no docstring of its own"
+
+
+def test_reference_sections_are_split_by_name_and_keep_their_lines(tmp_path: Path):
+    page = tmp_path / "examples.md"
+    page.write_text("# Intro\n\n## hookscope.a\n\n```python\nx = 1\n```\n\n## hookscope.b\n\ntext\n\n"
+                    "```python\ny = x\n```\n")
+    sections = reference_examples(page)
+    assert [(n, [b.line for b in bs]) for n, bs in sections.items()] == [("a", [6]), ("b", [14])]
+    run_page(sections["a"])
+    with pytest.raises(pytest.fail.Exception, match=f"{page}:14 failed: NameError"):
+        run_page(sections["b"])  # each section in a fresh namespace: b cannot see a's x

@@ -128,8 +128,8 @@ def test_resume_after_sigkill_equals_uninterrupted(cases, references, tmp_path, 
     assert summary.batches_skipped == committed  # exactly the committed batches are skipped
     assert shard_digests(out) == shard_digests(reference_store)  # byte for byte
     resumed, ref = open_store(out, verify=True), open_store(reference_store)
-    assert [(s.file, s.rows, s.sha256) for s in resumed.manifest.shards] == \
-           [(s.file, s.rows, s.sha256) for s in ref.manifest.shards]
+    assert [(s.file, s.rows, s.checksum) for s in resumed.manifest.shards] == \
+           [(s.file, s.rows, s.checksum) for s in ref.manifest.shards]
 
 
 def test_changed_command_is_refused(tiny_dirs, corpus, reference_store, tmp_path):

@@ -3,7 +3,7 @@ exit code 2 with a message from `hookscope inspect`; never a crash, a hang or a 
 
 Each case is read in its own fork-server child (so a crash or a hang is caught and named) under an
 address-space limit of 1 GiB beyond what the process already holds. Most header cases also rewrite
-the manifest to agree with the damaged file (size and SHA-256), as an attacker or a buggy tool
+the manifest to agree with the damaged file (size and checksum), as an attacker or a buggy tool
 would: then only the structural checks stand between the file and the reader.
 test_store.py already covers a truncated and a bit-flipped shard against an honest manifest, a header
 length of 2**62 and six malformed manifests; this file covers the rest.
@@ -11,7 +11,6 @@ length of 2**62 and six malformed manifests; this file covers the rest.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
@@ -20,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 from fault_log import record
 from forkserver import ForkServer
 
@@ -59,10 +59,10 @@ def shard(store: Path, i: int = 1) -> Path:
 
 
 def agree(store: Path, i: int = 1) -> None:
-    """Make the manifest vouch for shard i as it now is: its size and SHA-256."""
+    """Make the manifest vouch for shard i as it now is: its size and checksum."""
     raw = manifest(store)
     data = shard(store, i).read_bytes()
-    raw["shards"][i].update(bytes=len(data), sha256=hashlib.sha256(data).hexdigest())
+    raw["shards"][i].update(bytes=len(data), xxh3_128=xxhash.xxh3_128(data).hexdigest())
     save_manifest(store, raw)
 
 
@@ -146,7 +146,7 @@ def special_file(make: Callable[[Path], None]) -> Callable[[Path, Path], None]:
         path.unlink()
         make(path)
         raw = manifest(store)
-        raw["shards"][1].update(bytes=0, rows=0, sha256=hashlib.sha256(b"").hexdigest())
+        raw["shards"][1].update(bytes=0, rows=0, xxh3_128=xxhash.xxh3_128(b"").hexdigest())
         save_manifest(store, raw)
 
     return case
@@ -219,7 +219,7 @@ CASES: dict[str, tuple[Callable[[Path, Path], None], bool]] = {
     "manifest: a shard's rows 10**15": (lie(lambda m: m["shards"][1].update(rows=10**15)), True),
     "manifest: a shard's bytes wrong": (
         lie(lambda m: m["shards"][1].update(bytes=m["shards"][1]["bytes"] + 8)), True),
-    "manifest: a shard's SHA-256 wrong": (lie(lambda m: m["shards"][1].update(sha256="0" * 64)), False),
+    "manifest: a shard's checksum wrong": (lie(lambda m: m["shards"][1].update(xxh3_128="0" * 32)), False),
     "manifest: a point's shape wrong": (lie(lambda m: m["points"][RESID].update(shape=[7])), True),
     "manifest: a point's shape 10**12": (lie(lambda m: m["points"][RESID].update(shape=[10**12])), True),
     "manifest: a point's dtype wrong": (lie(lambda m: m["points"][RESID].update(dtype="float32")), True),

@@ -181,13 +181,13 @@ def test_interrupt_then_resume_equals_uninterrupted(cases, references, tmp_path,
                          preexec_fn=_default_sigint)
     ref = open_store(reference)
     stopped = open_store(out).manifest.shards if (out / "manifest.json").exists() else []
-    committed = [(s.file, s.sha256) for s in stopped]
+    committed = [(s.file, s.checksum) for s in stopped]
     rows = sum(s.rows for s in stopped)
     last_line = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else ""
     clean = (run.returncode == 130 and "Traceback" not in run.stderr
              and last_line == f"hookscope: interrupted after {rows:,} rows; run the same command to resume")
-    whole_shards = committed == [(s.file, s.sha256) for s in ref.manifest.shards[:len(committed)]]
-    no_debris = tree(out / "shards") == {Path(f).name: sha for f, sha in committed}
+    whole_shards = committed == [(s.file, s.checksum) for s in ref.manifest.shards[:len(committed)]]
+    no_debris = set(tree(out / "shards")) == {Path(f).name for f, _ in committed}
     again = main(args)  # the same command
     same = again == 0 and tree(out) == tree(reference)
     record("interrupt", f"SIG{sig} {what}{_of(source)}",

@@ -16,10 +16,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import xxhash
 
 from hookscope.errors import StoreError
 from hookscope.store import Manifest, ShardWriter, merge_rank_manifests, open_store
 from hookscope.store import writer as writer_module
+from hookscope.store.fs import LocalFS
+from hookscope.store.journal import load_manifest
 
 SETTINGS = {"model": "tiny", "points": ["blocks.1.resid_post", "blocks.1.attn.z"], "context": 8, "seed": 0}
 N_BATCHES = 12
@@ -100,7 +103,8 @@ def test_shards_are_memory_mapped_whole_batches_with_checksums(store_dir: Path):
     covered = []
     for i, entry in enumerate(m.shards):
         data = (store_dir / entry.file).read_bytes()
-        assert entry.bytes == len(data) and entry.sha256 == hashlib.sha256(data).hexdigest()
+        assert entry.bytes == len(data) and entry.algorithm == "xxh3_128"
+        assert entry.checksum == xxhash.xxh3_128(data).hexdigest()
         assert entry.file == f"shards/shard-r000-{i:06d}.safetensors"
         batches = list(range(entry.batch_start, entry.batch_end + 1))
         assert entry.rows == sum(len(make_batch(b)[1]["positions"]) for b in batches)
@@ -144,13 +148,13 @@ def test_writer_checks_what_it_is_given(tmp_path: Path):
 
 
 def test_a_slow_disk_blocks_the_caller_after_queue_size_batches(tmp_path: Path, monkeypatch):
-    gate, real_save = threading.Event(), writer_module.save_file
+    gate, real_save = threading.Event(), writer_module.save_columns
 
-    def slow_save(tensors, path, **kw):
+    def slow_save(columns, path, *args, **kw):
         gate.wait()
-        real_save(tensors, path, **kw)
+        return real_save(columns, path, *args, **kw)
 
-    monkeypatch.setattr(writer_module, "save_file", slow_save)
+    monkeypatch.setattr(writer_module, "save_columns", slow_save)
     w = ShardWriter(tmp_path / "s", {"k": 1}, shard_rows=1, queue_size=2)
     returned: list[int] = []
 
@@ -184,7 +188,7 @@ mode, out = sys.argv[1], sys.argv[2]
 if mode == "inside_library":
     die_at_file_size()
 die = lambda: os.kill(os.getpid(), signal.SIGKILL)
-real_replace, real_save = os.replace, wm.save_file
+real_replace, real_save = os.replace, wm.save_columns
 shards_done = 0
 def replace(src, dst):  # the shard is renamed into place, but the manifest never learns of it
     global shards_done
@@ -193,13 +197,14 @@ def replace(src, dst):  # the shard is renamed into place, but the manifest neve
         shards_done += 1
         if mode == "after_rename" and shards_done == 2:
             die()
-def save_file(tensors, path, **kw):  # killed with the shard half-done under its .tmp name
-    if mode == "inside_library" and shards_done == 2:  # or inside safetensors, its own temp file half-done
-        die_in_next_write(sum(t.nbytes for t in tensors.values()) // 2)
-    real_save(tensors, path, **kw)
+def save_columns(columns, path, *args, **kw):  # killed with the shard half-done under its .tmp name
+    if mode == "inside_library" and shards_done == 2:  # or in the middle of its bytes
+        die_in_next_write(sum(p.nbytes for parts in columns.values() for p in parts) // 2)
+    out = real_save(columns, path, *args, **kw)
     if mode == "after_tmp" and shards_done == 2:
         die()
-os.replace, wm.save_file = replace, save_file
+    return out
+os.replace, wm.save_columns = replace, save_columns
 with wm.ShardWriter(out, SETTINGS, shard_rows=SHARD_ROWS) as w:
     for i in range(N_BATCHES):
         w.write(i, *make_batch(i))
@@ -208,6 +213,11 @@ with wm.ShardWriter(out, SETTINGS, shard_rows=SHARD_ROWS) as w:
     if mode == "poll":
         time.sleep(60)  # never close on its own: the last shard is only written by close()
 """
+
+
+def committed_manifest(out: Path) -> Manifest:
+    """What a crashed writer committed: its manifest and the commits journaled beside it."""
+    return load_manifest(LocalFS(out), "manifest.json")
 
 
 @pytest.mark.parametrize("mode", ["after_tmp", "after_rename", "inside_library", "poll"])
@@ -219,15 +229,15 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path: Path, store_
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and child.poll() is None:
             try:
-                if len(json.loads((out / "manifest.json").read_text())["shards"]) >= 2:
+                if len(committed_manifest(out).shards) >= 2:  # manifest.json + manifest.journal
                     break
-            except (OSError, ValueError):
+            except (OSError, ValueError, StoreError):
                 pass
             time.sleep(0.01)
         child.send_signal(signal.SIGKILL)
     assert child.wait(timeout=60) == -(signal.SIGXFSZ if mode == "inside_library" else signal.SIGKILL)
     leftovers = {p.relative_to(out / "shards").as_posix() for p in (out / "shards").rglob("*")}
-    committed = Manifest.load(out / "manifest.json")
+    committed = committed_manifest(out)
     if mode == "after_tmp":  # in the writer's own directory, with whatever the library left beside it
         assert "shard-r000-writing/shard-r000-000002.safetensors.tmp" in leftovers
     if mode == "inside_library":  # the library's own partial file, wherever it writes it
@@ -299,16 +309,16 @@ def test_a_foreign_directory_is_refused(tmp_path: Path):
 
 
 def test_full_disk_raises_and_keeps_what_was_committed(tmp_path: Path, store_dir: Path, monkeypatch):
-    real_save, calls = writer_module.save_file, []
+    real_save, calls = writer_module.save_columns, []
 
-    def save_file(tensors, path, **kw):
+    def save_columns(columns, path, *args, **kw):
         calls.append(path)
         if len(calls) == 3:
             Path(path).write_bytes(b"partial")  # what a full disk leaves behind
             raise OSError(errno.ENOSPC, "No space left on device")
-        real_save(tensors, path, **kw)
+        return real_save(columns, path, *args, **kw)
 
-    monkeypatch.setattr(writer_module, "save_file", save_file)
+    monkeypatch.setattr(writer_module, "save_columns", save_columns)
     out = tmp_path / "full"
     with pytest.raises(StoreError, match="No space left on device") as e:
         write_all(out)
@@ -319,7 +329,7 @@ def test_full_disk_raises_and_keeps_what_was_committed(tmp_path: Path, store_dir
     want = expected_columns(range(store.manifest.shards[-1].batch_end + 1))
     assert torch.equal(bits(store.tensor("blocks.1.resid_post")), bits(want["blocks.1.resid_post"]))
 
-    monkeypatch.setattr(writer_module, "save_file", real_save)  # space freed: the same command resumes
+    monkeypatch.setattr(writer_module, "save_columns", real_save)  # space freed: the same command resumes
     write_all(out)
     assert open_store(out, verify=True).manifest.to_json() == open_store(store_dir).manifest.to_json()
 
@@ -354,7 +364,7 @@ def test_verify_names_a_truncated_and_a_flipped_shard(store_dir: Path):
     msg = str(e.value)
     assert "2 of 3 shards are damaged" in msg
     assert f"{m.shards[0].file}: {m.shards[0].bytes - 10} bytes" in msg
-    assert f"{m.shards[1].file}: SHA-256 differs" in msg
+    assert f"{m.shards[1].file}: checksum (xxh3_128) differs" in msg
     with pytest.raises(StoreError, match="truncated"):
         store.shard(0)
     with pytest.raises(StoreError, match="damaged"):

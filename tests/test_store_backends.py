@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 
 import pytest
 import torch
+import xxhash
 
 import hookscope as hs
 from hookscope.errors import StoreError
 from hookscope.store import ShardWriter, open_store
 from hookscope.store.fs import open_fs
+from hookscope.store.manifest import Manifest
 
 try:
     import moto.server  # noqa: F401
@@ -88,7 +91,9 @@ def store(location):
 
 
 # SHA-256 of each file of this store as b05e947's writer wrote it (before the filesystem interface):
-# the on-disk format is unchanged, byte for byte, on every backend
+# the shards are unchanged, byte for byte, on every backend; the manifest too, once each shard's
+# checksum is named as b05e947 named it (SHA-256; shards are now checksummed with xxh3_128)
+# and the per-dimension statistics added since (`mean`, `m2`) are taken out
 SHARD = "shards/shard-r000-{:06d}.safetensors"
 WRITTEN_BY_B05E947 = {
     "manifest.json": "40b26d7ec3e11be36a3860d9d7c1b5ecc42e9294299076d4d149cfd2ad29c5b9",
@@ -104,7 +109,17 @@ def test_the_files_are_those_the_earlier_writer_wrote(store, location):
     fs = open_fs(location)
     assert fs.list("shards") == sorted(name.removeprefix("shards/") for name in WRITTEN_BY_B05E947
                                        if name.startswith("shards/"))
-    got = {name: hashlib.sha256(fs.read(name)).hexdigest() for name in WRITTEN_BY_B05E947}
+    got = {name: hashlib.sha256(fs.read(name)).hexdigest() for name in WRITTEN_BY_B05E947
+           if name != "manifest.json"}
+    raw = json.loads(fs.read("manifest.json"))
+    for entry in raw["shards"]:
+        data = fs.read(entry["file"])
+        assert entry.pop("xxh3_128") == xxhash.xxh3_128(data).hexdigest()
+        entry["sha256"] = hashlib.sha256(data).hexdigest()
+    for stats in [raw["stats"], *(s["stats"] for s in raw["shards"])]:
+        for point in stats.values():
+            del point["mean"], point["m2"]
+    got["manifest.json"] = hashlib.sha256(Manifest._from_json(raw).to_bytes()).hexdigest()
     assert got == WRITTEN_BY_B05E947
 
 
@@ -124,9 +139,9 @@ def test_open_verify_and_read_rows(store, location):
 def test_verify_names_a_damaged_shard(store, location):
     fs, rel = open_fs(location), store.manifest.shards[1].file
     data = bytearray(fs.read(rel))
-    data[-1] ^= 0xFF  # the same size, another byte: only the SHA-256 tells
+    data[-1] ^= 0xFF  # the same size, another byte: only the checksum tells
     fs.put(rel, bytes(data))
-    with pytest.raises(StoreError, match=r"shard-r000-000001.*SHA-256"):
+    with pytest.raises(StoreError, match=r"shard-r000-000001.*checksum \(xxh3_128\) differs"):
         open_store(location, verify=True)
 
 
@@ -226,5 +241,5 @@ def test_an_interrupted_store_resumes_to_the_rows_written(location, tmp_path):
     assert all(torch.equal(resumed.tensor(k), REF[k]) for k in REF)
     # shard for shard the bytes of a store written in one go on the local disk
     write(str(tmp_path / "one-go"))
-    assert [(s.file, s.sha256) for s in resumed.manifest.shards] == \
-        [(s.file, s.sha256) for s in open_store(tmp_path / "one-go").manifest.shards]
+    assert [(s.file, s.checksum) for s in resumed.manifest.shards] == \
+        [(s.file, s.checksum) for s in open_store(tmp_path / "one-go").manifest.shards]

@@ -170,6 +170,7 @@ def to_version_1(out: Path, world_size: int) -> None:
             identity = f"batches {first}-{last} of rank {s['rank']}, settings {raw['settings_hash']}"
             save_file(load_file(path), path, metadata={"hookscope.shard": identity})
             with open(path, "rb") as f:
+                s.pop("xxh3_128")  # version 1 knew SHA-256 only
                 s["bytes"], s["sha256"] = sha256_of(f)
             s.update(batch_start=first, batch_end=last)
             del s["stats"], s["generation"]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import base64
 import json
+import struct
 import math
 
 import pytest
@@ -120,6 +121,7 @@ def test_the_manifest_keeps_them_exactly_and_refuses_damaged_ones(tmp_path):
         (lambda s: s.update(mean=s["mean"][:-12]), "183 bytes, not a whole number of float64"),
         (lambda s: s.update(m2=base64.b64encode(bytes(8)).decode()), "mean has 24 dimensions, m2 1"),
         (lambda s: s.update(mean="not base64!"), "not base64"),
+        (lambda s: s.update(m2=base64.b64encode(struct.pack("<24d", *[-1.0] * 24)).decode()), "negative"),
     ]:
         bad = json.loads(json.dumps(raw))
         damage(bad["shards"][0]["stats"]["blocks.0.resid_post"])
@@ -133,14 +135,19 @@ def test_the_manifest_keeps_them_exactly_and_refuses_damaged_ones(tmp_path):
         open_store(tmp_path / "s")
 
 
-def test_a_store_written_before_the_per_dimension_stats_opens(tmp_path, capsys):
-    write(tmp_path / "s", range(3))
-    path = tmp_path / "s" / "manifest.json"
+def as_written_before(store_dir) -> None:
+    """The store's manifest as a hookscope before the per-dimension statistics wrote it."""
+    path = store_dir / "manifest.json"
     raw = json.loads(path.read_text())
     for stats in [raw["stats"], *(s["stats"] for s in raw["shards"])]:
         for s in stats.values():
             del s["mean"], s["m2"]
     path.write_text(json.dumps(raw))
+
+
+def test_a_store_written_before_the_per_dimension_stats_opens(tmp_path, capsys):
+    write(tmp_path / "s", range(3))
+    as_written_before(tmp_path / "s")
     store = open_store(tmp_path / "s")
     st = store.stats["blocks.0.resid_post"]
     assert st.mean is None and st.var is None and st.norm_count == 150 - 2
@@ -148,6 +155,21 @@ def test_a_store_written_before_the_per_dimension_stats_opens(tmp_path, capsys):
     assert main(["inspect", str(tmp_path / "s")]) == 0
     out = capsys.readouterr().out
     assert "blocks.0.resid_post" in out and "per-dim" not in out
+
+
+def test_resuming_a_store_without_them_keeps_the_rest_exact(tmp_path):
+    """A store written before the per-dimension statistics, extended now: its totals cannot know the
+    old rows' per-dimension sums, so they stay absent (never a mean of the new rows passed off as the
+    store's), while the norm statistics still cover every row."""
+    write(tmp_path / "s", range(3))
+    as_written_before(tmp_path / "s")
+    write(tmp_path / "s", range(3, 6))  # resumes the store with batches 3-5
+    store = open_store(tmp_path / "s")
+    assert len(store) == 300
+    st = store.stats["blocks.0.resid_post"]
+    assert st.mean is None and st.norm_count == reference(store.tensor("blocks.0.resid_post"))["rows"]
+    assert st.mean_squared_norm == pytest.approx(reference(store.tensor("blocks.0.resid_post"))["msn"], rel=1e-6)
+    assert store.manifest.shards[-1].stats["blocks.0.resid_post"].mean is not None  # the new shard has them
 
 
 def test_inspect_shows_a_summary(tmp_path, capsys):

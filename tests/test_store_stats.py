@@ -10,9 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+import xxhash
 
-from hookscope.store import ShardWriter
+from hookscope.errors import StoreError
+from hookscope.store import ShardWriter, open_store
+from hookscope.store import checksum as checksum_module
 from hookscope.store import fs as fs_module
+from hookscope.store.checksum import checksum_of
 from hookscope.store.stats import PointStats, count_nonfinite
 
 
@@ -89,25 +93,42 @@ def test_count_nonfinite_counts_each_value():
     assert count_nonfinite(torch.zeros(5)) == 0 and count_nonfinite(torch.arange(5)) == 0
 
 
-def written(out: Path) -> list[tuple[str, int, str]]:
-    with ShardWriter(out, {"k": 1}, shard_rows=64) as w:
+def written(out: Path, **options) -> list[tuple[str, int, str, str]]:
+    with ShardWriter(out, {"k": 1}, shard_rows=64, **options) as w:
         for i in range(5):
             w.write(i, {"p": random_rows((40, 24), torch.bfloat16, i)}, {"token_ids": torch.arange(40)})
-    return [(s.file, s.bytes, s.sha256) for s in w.manifest.shards]
+    return [(s.file, s.bytes, s.algorithm, s.checksum) for s in w.manifest.shards]
 
 
-def test_shard_checksums_are_those_of_the_files_mapped_or_read(tmp_path: Path, monkeypatch):
-    mapped = written(tmp_path / "mapped")
+REFERENCE = {"sha256": lambda data: hashlib.sha256(data).hexdigest(),
+             "xxh3_128": lambda data: xxhash.xxh3_128(data).hexdigest()}
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
+def test_shard_checksums_are_those_of_the_files_written(tmp_path: Path, algorithm: str):
+    """Checksummed while written, from the tensors' memory: the digest of the bytes on disk."""
+    entries = written(tmp_path / "s", checksum=algorithm)
+    assert len(entries) == 3
+    for file, size, named, digest in entries:
+        data = (tmp_path / "s" / file).read_bytes()
+        assert (size, named, digest) == (len(data), algorithm, REFERENCE[algorithm](data))
+    assert open_store(tmp_path / "s", verify=True).num_shards == 3
+
+
+@pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
+def test_checksum_of_a_file_mapped_or_read(tmp_path: Path, monkeypatch, algorithm: str):
+    data = bytes(range(256)) * 40_000
+    (tmp_path / "f").write_bytes(data)
+    with (tmp_path / "f").open("rb") as f:
+        mapped = checksum_of(f, algorithm)
 
     def unmappable(*args, **kwargs):
         raise OSError(19, "No such device")  # what a FUSE mount in direct-I/O mode answers
 
-    monkeypatch.setattr(fs_module.mmap, "mmap", unmappable)
-    read = written(tmp_path / "read")
-    assert len(mapped) == 3 and mapped == read
-    for file, size, sha in mapped:
-        data = (tmp_path / "mapped" / file).read_bytes()
-        assert (size, sha) == (len(data), hashlib.sha256(data).hexdigest())
+    monkeypatch.setattr(checksum_module.mmap, "mmap", unmappable)
+    with (tmp_path / "f").open("rb") as f:
+        read = checksum_of(f, algorithm)
+    assert mapped == read == (len(data), REFERENCE[algorithm](data))
 
 
 @pytest.mark.parametrize("start", [0, 5, 4097])
@@ -121,3 +142,29 @@ def test_sha256_of_hashes_what_is_left_of_the_file(tmp_path: Path, start: int):
         assert f.read() == b""  # read to the end either way
     with (tmp_path / "empty").open("rb") as f:
         assert fs_module.sha256_of(f) == (0, hashlib.sha256(b"").hexdigest())
+
+
+def test_a_store_of_sha256_shards_verifies_and_resumes_with_xxh3_shards(tmp_path: Path):
+    """Stores written before xxh3_128 name SHA-256 per shard: they open, verify and resume, the new
+    shards beside them named xxh3_128, the rows and shard bytes those of a store written in one go."""
+    def batch(i: int):
+        return {"p": random_rows((40, 24), torch.bfloat16, i)}, {"token_ids": torch.arange(40) + 40 * i}
+
+    with ShardWriter(tmp_path / "old", {"k": 1}, shard_rows=64, checksum="sha256") as w:
+        for i in range(3):
+            w.write(i, *batch(i))
+    with ShardWriter(tmp_path / "old", {"k": 1}, shard_rows=64) as w:  # resumed by today's writer
+        assert w.done_batches == frozenset(range(3))
+        for i in range(3, 6):
+            w.write(i, *batch(i))
+    store = open_store(tmp_path / "old", verify=True)
+    assert [s.algorithm for s in store.manifest.shards] == ["sha256", "sha256", "xxh3_128", "xxh3_128"]
+    assert torch.equal(store.tensor("p"), torch.cat([batch(i)[0]["p"] for i in range(6)]))
+    for s in store.manifest.shards:
+        assert s.checksum == REFERENCE[s.algorithm]((tmp_path / "old" / s.file).read_bytes())
+    first = tmp_path / "old" / store.manifest.shards[0].file
+    data = bytearray(first.read_bytes())
+    data[-1] ^= 0xFF
+    first.write_bytes(bytes(data))
+    with pytest.raises(StoreError, match=r"shard-r000-000000.*checksum \(sha256\) differs"):
+        open_store(tmp_path / "old", verify=True)

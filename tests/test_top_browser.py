@@ -10,34 +10,20 @@ Set HOOKSCOPE_SCREENSHOT=FILE.png to also save a screenshot of the page (docs/to
 from __future__ import annotations
 
 import os
-import shutil
 
 import pytest
-from gate import BROWSERS, CHROMEDRIVER, need
+from browser import chromium, severe
+from gate import need
 from top_fixtures import PLANTED, POINT, TIED, UNITS, make_store
 
 from hookscope.store import open_store
 from hookscope.top import build_index, neurons, page_data, top, write_page
 
 
-def _browser() -> str | None:
-    return next((shutil.which(b) for b in BROWSERS if shutil.which(b)), None)
-
-
 @pytest.fixture(scope="module")
 def driver():
     need("browser")  # scripts/setup-env .venv dev installs all three; the main environment requires them
-    os.environ["SE_OFFLINE"] = "true"  # selenium-manager must never fetch a driver or a browser
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = _browser()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                "--window-size=1280,860", "--disable-extensions", "--no-first-run"):
-        options.add_argument(arg)
-    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
-    d = webdriver.Chrome(service=Service(executable_path=shutil.which(CHROMEDRIVER)), options=options)
+    d = chromium()
     try:
         yield d
     finally:
@@ -67,10 +53,6 @@ def _shown(driver):
     return rows
 
 
-def _severe(driver):
-    return [e for e in driver.get_log("browser") if e["level"] == "SEVERE"]
-
-
 def test_page_shows_the_known_contexts_without_console_errors(driver, page):
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
@@ -78,7 +60,7 @@ def test_page_shows_the_known_contexts_without_console_errors(driver, page):
     syn, store, path = page
     want = top(store, POINT, PLANTED, k=8, context=4, tokenizer=syn.tokenizer)
     driver.get(path.as_uri() + f"#unit={PLANTED}")
-    assert _severe(driver) == []
+    assert severe(driver) == []
     shown = _shown(driver)
     assert [s["row"] for s in shown] == want.rows.tolist()
     assert [s["text"] for s in shown] == [c.text for c in want.contexts]
@@ -110,7 +92,7 @@ def test_page_shows_the_known_contexts_without_console_errors(driver, page):
     h = index.hist[TIED].tolist()
     nz = [i for i, c in enumerate(h) if c]
     assert len(bars) == nz[-1] - nz[0] + 1
-    assert _severe(driver) == []
+    assert severe(driver) == []
 
     shot = os.environ.get("HOOKSCOPE_SCREENSHOT")
     if shot:
@@ -132,4 +114,4 @@ def test_page_text_is_never_parsed_as_html(driver, tmp_path):
     rows = _shown(driver)
     assert rows[0]["text"] == data["strings"][0] + data["strings"][1]
     assert "pwned" not in driver.title
-    assert _severe(driver) == []
+    assert severe(driver) == []

@@ -43,15 +43,13 @@ from .selection import Heads, Positions, Selection
 
 
 class _StopForward(BaseException):
-    """Raised after the last needed point. BaseException so that model code that catches
-    `Exception` cannot swallow it."""
+    """Raised after the last needed point; a BaseException, so model code catching Exception can't eat it."""
 
 
 def _builds_kv_cache(model: nn.Module) -> bool:
-    """Whether `model(...)` builds a key/value cache unless told `use_cache=False` (Hugging Face
-    decoders do by default). A pass that stops early returns nothing, so that cache is pure
-    waste: 2 x [batch, heads, pos, d_head] per layer run, +58% peak memory capturing block 5 of
-    a GPT-2-small shape at 8 x 128."""
+    """Whether `model(...)` builds a key/value cache unless told `use_cache=False` (Hugging Face decoders
+    do by default). A pass that stops early returns nothing, so that cache is pure waste: 2 x [batch,
+    heads, pos, d_head] per layer run, +58% peak memory capturing block 5 of GPT-2-small at 8 x 128."""
     return bool(getattr(getattr(model, "config", None), "use_cache", False)) \
         and "use_cache" in forward_parameters(type(model))
 
@@ -163,8 +161,14 @@ class Kept(Mapping[str, Tensor]):
 class Capture(Kept):
     """Hooks that keep copies of chosen activations. Use as a `with` block; read like a dict.
 
-    `attention_mask`: the batch's mask, for `positions="last"` (each row's last real token); when
-    left out, the `attention_mask=` the model is called with is used."""
+    Built by `hs.capture(model, points, **options)`; the model runs whole inside the block unless
+    `stop=True`. `attention_mask`: the batch's mask, for `positions="last"` (each row's last real
+    token); when left out, the `attention_mask=` the model is called with is used.
+
+    Raises:
+        UnknownPointError: a point name the model does not have (the message lists close names).
+        SelectionError: positions, heads or a token mask that do not fit the point.
+        PointNotReachedError: reading a point that never ran while the block was open."""
 
     def __init__(self, model: nn.Module, points: str | Sequence[str], *, positions: Positions = None,
                  heads: Heads = None, token_mask: Tensor | None = None, dtype: torch.dtype | None = None,
@@ -183,8 +187,8 @@ class Capture(Kept):
         self._mode: Any = None  # the inference_mode context while the `with` block runs
 
     def __enter__(self) -> Capture:
-        if self.inference:
-            self._mode = torch.inference_mode()
+        if self.inference and not torch.is_inference_mode_enabled():
+            self._mode = torch._C._InferenceMode(True)  # inference_mode()'s context, minus its wrapper
             self._mode.__enter__()
         try:
             layer = state_of(self.model).layer
@@ -250,13 +254,28 @@ class Capture(Kept):
 
 
 def capture(model: nn.Module, points: str | Sequence[str], **options: Any) -> Capture:
-    """Hooks that keep copies of `points` while the `with` block runs; see `Capture`."""
+    """Hooks that keep copies of `points` while the `with` block runs; see `Capture`.
+
+    Returns:
+        Capture: a `with` block; inside it and after, `cap[point]` is the kept copy.
+
+    Raises:
+        UnknownPointError: a point name the model does not have.
+        SelectionError: an option that does not fit (checked when it is built) or the activation."""
     return Capture(model, points, **options)
 
 
 def collect(model: nn.Module, inputs: Any, points: str | Sequence[str], **options: Any) -> PointDict:
     """Run the model on `inputs` and return `{point: activation}`; no layer after the last
-    needed point runs."""
+    needed point runs.
+
+    Returns:
+        PointDict: `{point: tensor}`, keyed by the names asked for (a glob: one key per point).
+
+    Raises:
+        UnknownPointError: a point name the model does not have (the message lists close names).
+        SelectionError: positions, heads or a token mask that do not fit the point.
+        PointNotReachedError: a point that never ran in the forward pass (an encoder's `logits`)."""
     with Capture(model, points, **options) as cap:
         cap.run(inputs)
     return PointDict(((key, cap[key]) for key in cap), arch=cap.arch)
@@ -271,7 +290,15 @@ def grads(
     arch: Arch | None = None,
 ) -> PointDict:
     """d loss / d activation at each point, where `loss = loss_fn(model_output)` is a scalar.
-    Keyed like `collect`: by the names asked for."""
+    Keyed like `collect`: by the names asked for.
+
+    Returns:
+        PointDict: `{point: gradient}`, shaped like the activations (zeros where the loss ignores it).
+
+    Raises:
+        UnknownPointError: a point name the model does not have.
+        PointNotReachedError: a point that never ran in the forward pass.
+        SelectionError: `loss_fn` returned something other than a scalar tensor."""
     arch = arch or arch_of(model)
     if arch.loaded is not None:
         arch.loaded.require_output("hs.grads computes loss_fn(the model's output)")
@@ -304,18 +331,34 @@ def grads(
 
 @dataclass(frozen=True)
 class PointInfo:
+    """One hook point of a model, as `hs.points` lists it.
+
+    Attributes:
+        name: the canonical name (`blocks.3.resid_post`).
+        module: the path of the module it hooks, in the model's own module tree.
+        io: which side of that module: `"input"` or `"output"`.
+        view: how the activation is read from the module's tensor (a per-head split); "" for as is.
+        shape: its shape on the example input `hs.points` was given, else None.
+        meaning: what the name means (`names.MEANINGS`); "" for a family's own points."""
+
     name: str
     module: str
     io: str
     view: str
     shape: tuple[int, ...] | None = None
-    meaning: str = ""  # what the name means (names.MEANINGS), "" for a family's own points
+    meaning: str = ""
 
 
 def points(model: nn.Module, example: Any = None, *, pattern: str | None = None) -> list[PointInfo]:
     """The model's hook points in execution order; with an example input, their shapes too
     (measured by one forward pass under inference_mode). On a model loaded with `points=`, the
-    shapes of the points its weights reach (the pass stops there); the others have none."""
+    shapes of the points its weights reach (the pass stops there); the others have none.
+
+    Returns:
+        list[PointInfo]: one per point, in execution order.
+
+    Raises:
+        UnknownPointError: a pattern that matches no point of the model."""
     arch = arch_of(model)
     specs = arch.resolve(pattern) if pattern else list(arch.specs.values())
     shapes: dict[str, tuple[int, ...]] = {}

@@ -182,7 +182,12 @@ def compile_model(
     `mode`, `dynamic` and `fullgraph` go to `torch.compile`; `backend` too (default inductor;
     "eager" traces without generating code, handy for checking graph breaks quickly).
     "off" returns the model untouched and never calls torch.compile.
-    """
+
+    Returns:
+        nn.Module: the same model, compiled in place (captures and edits keep working on it).
+
+    Raises:
+        HookscopeError: an unknown policy, or "blocks" on a model without repeated blocks."""
     policy = resolve_policy(policy)
     if policy == "off":
         return model

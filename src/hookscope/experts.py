@@ -87,14 +87,29 @@ class ForceRoute(Edit):
 
 
 def ablate_expert(layer: int, experts: int | Sequence[int], *, tokens: Tokens = None) -> AblateExperts:
-    """Switch experts of one MoE layer off (for all tokens, or the chosen rows)."""
+    """Switch experts of one MoE layer off (for all tokens, or the chosen rows).
+
+    Returns:
+        AblateExperts: an edit of `blocks.{layer}.mlp.router.routing`, for `hs.edit` (zeroes those
+            experts' top-k weights: the same as zeroing their outputs).
+
+    Raises:
+        SelectionError: an expert the router does not have, or tokens that do not fit (when it runs)."""
     experts = (experts,) if isinstance(experts, int) else tuple(experts)
     return AblateExperts(f"blocks.{layer}.mlp.router.routing", experts=experts, tokens=tokens)
 
 
 def force_route(layer: int, experts: Sequence[int], weights: Sequence[float] | None = None, *,
                 tokens: Tokens = None) -> ForceRoute:
-    """Route tokens of one MoE layer to the given experts (at most the model's top-k of them)."""
+    """Route tokens of one MoE layer to the given experts (at most the model's top-k of them).
+
+    Returns:
+        ForceRoute: an edit of `blocks.{layer}.mlp.router.routing`, for `hs.edit` (equal weights
+            unless given).
+
+    Raises:
+        SelectionError: no expert, as many weights as experts not given, an expert the router
+            does not have (when it runs)."""
     if not experts:
         raise SelectionError("force_route needs at least one expert")
     return ForceRoute(f"blocks.{layer}.mlp.router.routing", experts=tuple(experts),

@@ -264,12 +264,8 @@ def _grad_capture(fn: Callable[[Tensor, Hook], Tensor | None]) -> HookFn:
 
 
 class Hooks:
-    """A set of hooks on one model, removed together.
-
-    >>> with hs.hooks(model) as h:
-    ...     h.forward("blocks.3.resid_post", lambda x, hook: x * 0)
-    ...     model(ids)
-    """
+    """A set of hooks on one model, removed together (`hs.hooks(model)`): `forward` reads or
+    replaces an activation, `grad` its gradient, by point name; a hook's `repr()` is never called."""
 
     def __init__(self, model: nn.Module, arch: Arch | None = None):
         self.model = model
@@ -376,7 +372,13 @@ class Hooks:
 
 
 def hooks(model: nn.Module) -> Hooks:
-    """A hook set for `model`, to use as a `with` block (removed on exit, also on errors)."""
+    """A hook set for `model`, to use as a `with` block (removed on exit, also on errors).
+
+    Returns:
+        Hooks: an empty set; `h.forward(point, fn)` / `h.grad(point, fn)` attach to it.
+
+    Raises:
+        UnknownPointError: from `h.forward` / `h.grad`, for a name the model does not have."""
     return Hooks(model)
 
 

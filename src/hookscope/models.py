@@ -31,6 +31,17 @@ DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 
 @dataclass
 class Loaded:
+    """What `hs.load` returns: the model, its tokenizer and its point table.
+
+    It unpacks as `model, tokenizer, arch = hs.load(...)`.
+
+    Attributes:
+        model: the model, in eval mode.
+        tokenizer: its tokenizer (None when loaded with `tokenizer=False`).
+        arch: its point table (`hookscope.arch.Arch`): the canonical names and where they hook.
+        name: the name or path it was loaded from.
+        partial: with `points=`, which blocks were loaded; None when the whole model was."""
+
     model: nn.Module
     tokenizer: Any
     arch: Arch
@@ -114,18 +125,18 @@ def load(
 ) -> Loaded:
     """Load a Hugging Face model (causal LM head when it has one) in eval mode.
 
-    `device_map="auto"` spreads a model bigger than one device over the GPUs (and CPU) through
-    accelerate; hooks work the same, since accelerate keeps the module tree.
+    `device_map="auto"` spreads a big model over the GPUs (and CPU) through accelerate; hooks work
+    the same. `points=[...]`: build on `meta` and read (memory-mapped, per tensor) only the weights
+    those points need, the embeddings and blocks up to the last point (a model whose blocks hookscope
+    does not know loads whole); a hook past them raises `PointNotLoadedError`. Give the device here:
+    `.to(device)` cannot copy what stays on `meta`. `device="meta"`: no weight read, for streaming.
 
-    `points=[...]`: build the model on the `meta` device and read only the weights those points
-    need (the embeddings and the blocks up to the last point); the rest stays on `meta` and costs
-    no memory. A hook on a point past them raises `PointNotLoadedError`. The weights are read
-    per tensor from safetensors or `pytorch_model.bin` files (memory-mapped); a model without
-    blocks hookscope knows is loaded whole. Give the device here: `model.to(device)` afterwards
-    cannot copy the tensors left on `meta`.
+    Returns:
+        Loaded: the model, its tokenizer and its point table; unpacks as `model, tok, arch`.
 
-    `device="meta"`: no weight is read; every parameter stays on `meta` (buffers are real), for
-    block streaming (stream.py reads a block at a time through `partial.Checkpoint`)."""
+    Raises:
+        ModelLoadError: a model, its weights or tokenizer not found or unreadable (a hub id offline).
+        UnknownPointError: a name in `points=` the model does not have."""
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     source, local = resolve_source(name_or_path)

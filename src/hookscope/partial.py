@@ -20,6 +20,7 @@ streamer can bring one block in and send it back to `meta` without reopening the
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -29,6 +30,7 @@ import torch
 from torch import nn
 
 from .arch import Arch, PointSpec
+from .block_buffers import TensorRead, page_in, safetensors_index
 from .errors import ModelLoadError, PointNotLoadedError
 
 # (index of shards, single file), in the order from_pretrained prefers them
@@ -244,8 +246,10 @@ class Checkpoint:
         renamings = [m for m in self.mapping if isinstance(m, WeightRenaming)]
         converters = [m for m in self.mapping if isinstance(m, WeightConverter)]
         state = model.state_dict()  # on meta: names, shapes and the dtypes the weights will have
-        self._target = {key: rename_source_key(key, renamings, converters, model.base_model_prefix, state)[0]
-                        for key in self._slices}
+        renamed = {key: rename_source_key(key, renamings, converters, model.base_model_prefix, state)
+                   for key in self._slices}
+        self._target = {key: target for key, (target, _) in renamed.items()}
+        self._read_directly = _direct_reads(safetensors, renamed, state, model, dtype)
         # (a .bin's tensor is converted whole by transformers, as from_pretrained does)
         converting = {key: state[t].dtype for key, t in self._target.items() if t in state
                       and not isinstance(self._slices[key], torch.Tensor)
@@ -265,7 +269,9 @@ class Checkpoint:
         chosen = {key: s for key, s in self._slices.items() if wants(self._target[key])}
         config = LoadStateDictConfig(device_map=device_map, dtype=self.dtype, weight_mapping=self.mapping,
                                      dtype_plan=model._get_dtype_plan(self.dtype))
-        info, _ = convert_and_load_state_dict_in_model(model, chosen, config)
+        # transformers < 5.16 takes a tensor-parallel plan as a fourth, required argument: none here
+        older = "tp_plan" in inspect.signature(convert_and_load_state_dict_in_model).parameters
+        info, _ = convert_and_load_state_dict_in_model(model, chosen, config, *((None,) if older else ()))
         missing = sorted(k for k in info.missing_keys if wants(k) and k not in model.all_tied_weights_keys)
         if any(not _is_buffer(model, k) for k in missing):
             raise ModelLoadError(f"the checkpoint has no weights for {', '.join(missing[:5])}: it does not "
@@ -285,6 +291,8 @@ class Checkpoint:
                 continue
             if isinstance(piece, torch.Tensor):
                 piece.clone()  # a view of the memory map reads nothing: copying it does
+            elif isinstance(piece, _Converting):  # (read whole, it would be converted too)
+                page_in(safetensors_index(piece.file)[piece.key])
             elif piece.get_shape():
                 piece[:]
 
@@ -296,6 +304,14 @@ class Checkpoint:
             for name, _ in list(model.get_submodule(path).named_parameters(recurse=True)) + list(
                     model.get_submodule(path).named_buffers(recurse=True)):
                 set_module_tensor_to_device(model, f"{path}.{name}", "meta")
+
+    def direct_reads(self, names: Iterable[str]) -> dict[str, TensorRead] | None:
+        """Where each of the parameters `names` lies, when every one is a tensor of a safetensors
+        file that loading only renames (and converts to its dtype): such a block can be read straight
+        into reused buffers (block_buffers.py). None when any is not (a fused or split weight, a
+        pickled `.bin`, a dtype plan, a tied weight): `materialize` then loads it."""
+        reads = {name: self._read_directly.get(name) for name in names}
+        return None if any(read is None for read in reads.values()) else reads
 
     def close(self) -> None:
         self._slices.clear()
@@ -332,6 +348,28 @@ class _Converting:
                 else:
                     out.copy_(piece[...])
         return out[index]
+
+
+def _direct_reads(files: list[str], renamed: dict[str, tuple[str, str | None]], state: dict, model: nn.Module,
+                  dtype: torch.dtype | None) -> dict[str, TensorRead]:
+    """Target parameter -> its stored tensor, for the targets only renamed from one stored tensor of
+    their shape (a float converted to a float dtype, anything else kept)."""
+    if model._get_dtype_plan(dtype):
+        return {}
+    tied = {*model.all_tied_weights_keys, *model.all_tied_weights_keys.values()}
+    stored = {key: read for f in files for key, read in safetensors_index(f).items()}
+    reads: dict[str, TensorRead] = {}
+    sources: dict[str, int] = {}
+    for key, (target, converter) in renamed.items():
+        sources[target] = sources.get(target, 0) + 1
+        read, want = stored.get(key), state.get(target)
+        if converter is not None or read is None or want is None or target in tied:
+            continue
+        floats = read.stored.is_floating_point and want.dtype.is_floating_point
+        same_kind = read.stored == want.dtype or floats
+        if read.shape == tuple(want.shape) and same_kind:
+            reads[target] = read
+    return {target: read for target, read in reads.items() if sources[target] == 1}
 
 
 def _is_buffer(model: nn.Module, name: str) -> bool:

@@ -4,7 +4,11 @@ The run is layer-major over chunks of batches: for each block up to the last poi
 read from the safetensors checkpoint (the next block's read ahead in a thread while this one
 computes), every batch of the chunk goes through it, the points inside it are kept, and its weights
 go back to `meta`. Resident weights: the ones outside the blocks (embeddings, norms) + at most two
-blocks (one when two do not fit).
+blocks (one when two do not fit). When the blocks all hold the same tensors and loading only renames
+them, the two blocks are two buffer sets allocated once and reused by every block
+(block_buffers.py), so the process does not keep freed blocks in its allocator's heap; otherwise
+(blocks that differ, weights transformers fuses or splits, a pickled checkpoint) each block is
+loaded afresh by transformers' own loader.
 
 How "block k alone" runs, for any Hugging Face family without per-family code: the model's own
 forward, with blocks 0..k-1 swapped for stand-ins that return the hidden state block k-1 gave
@@ -30,6 +34,7 @@ import torch
 from torch import Tensor, nn
 
 from .arch import Arch
+from .block_buffers import BlockBuffers, layout_of
 from .capture import Capture, _builds_kv_cache
 from .errors import HookscopeError
 from .inputs import call_model
@@ -194,6 +199,7 @@ class BlockStreamer:
         self._final = max(plan.stage_of.values())
         resident = set(plan.resident)
         self._materialize(lambda name: name in resident)
+        self.buffers = self._block_buffers()  # None: each block loaded afresh by transformers' loader
 
     def run_chunk(self, inputs: list[dict[str, Tensor]], keeps: list[Tensor]) -> list[dict[str, Tensor]]:
         acts: list[dict[str, Tensor]] = [{} for _ in inputs]
@@ -215,6 +221,8 @@ class BlockStreamer:
 
     def close(self) -> None:
         """Stop the read-ahead thread (a later chunk starts another)."""
+        if self.buffers is not None:
+            self.buffers.close()
         if self._reader is not None:
             self._reader.shutdown(wait=True, cancel_futures=True)
         self._reader, self._ahead = None, None
@@ -228,7 +236,30 @@ class BlockStreamer:
         with contextlib.closing(checkpoint):
             checkpoint.prefetch(wants)
 
+    def _block_buffers(self) -> BlockBuffers | None:
+        """Reused buffers for the blocks that run, when they all hold the same tensors (names,
+        shapes, dtypes: their parameters, no stored buffer) and each can be read straight from the
+        safetensors files (`Checkpoint.direct_reads`)."""
+        paths = self.arch.block_paths[: self.plan.last_block + 1]
+        layout = layout_of(self.model.get_submodule(paths[0]))
+        for path in paths:
+            block = self.model.get_submodule(path)
+            if layout_of(block) != layout or set(block.state_dict()) != set(layout):
+                return None
+        reads = {}
+        with contextlib.closing(self.open_checkpoint()) as checkpoint:
+            for k, path in enumerate(paths):
+                found = checkpoint.direct_reads(self.plan.blocks[k])
+                if found is None:
+                    return None
+                reads[k] = {name[len(path) + 1:]: read for name, read in found.items()}
+        slots = 2 if self.plan.read_ahead and self.plan.last_block > 0 else 1
+        return BlockBuffers(layout, reads, slots, self.device)
+
     def _release(self, k: int) -> None:
+        if self.buffers is not None:
+            self.buffers.detach(k, self.model.get_submodule(self.arch.block_paths[k]))
+            return
         with contextlib.closing(self.open_checkpoint()) as checkpoint:
             checkpoint.release(self.model, [self.arch.block_paths[k]])
 
@@ -241,6 +272,17 @@ class BlockStreamer:
         block of the cycle 0..last read ahead."""
         if k in self._loaded:
             return  # still resident (a plan with one block)
+        nxt = (k + 1) % (self.plan.last_block + 1)
+        if self.buffers is not None:
+            self.buffers.attach(k, self.model.get_submodule(self.arch.block_paths[k]))
+            self._loaded.add(k)
+            _rescale_fresh_block(self.model)
+            held = resident_bytes(self.model)
+            if len(self.buffers.host) > 1:
+                self.buffers.read_ahead(nxt)  # into the spare slot, while block k computes
+                held += nbytes(self.model, self.plan.blocks[nxt])
+            self.peak_weight_bytes = max(self.peak_weight_bytes, held)
+            return
         if self._ahead is not None and self._ahead[0] == k:
             self._ahead[1].result()  # block k is in the page cache now
         self._ahead = None
@@ -251,7 +293,6 @@ class BlockStreamer:
         if self.plan.read_ahead and self.plan.last_block > 0:
             if self._reader is None:
                 self._reader = ThreadPoolExecutor(1, thread_name_prefix="hookscope-read")
-            nxt = (k + 1) % (self.plan.last_block + 1)
             # opened here: reading the model's names beside a pass that swaps blocks is not safe
             self._ahead = (nxt, self._reader.submit(self._prefetch, self.open_checkpoint(), self._wants(nxt)))
             held += nbytes(self.model, self.plan.blocks[nxt])

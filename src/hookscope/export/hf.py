@@ -43,7 +43,15 @@ def describe(store: Store, layout: str) -> str:
 def export_hf(store: Store, out: str | os.PathLike, columns: Sequence[str] | None = None, *,
               overwrite: bool = False, progress: bool = True) -> Path:
     """Write column(s) `columns` (default: every column) of `store` as a `datasets` folder with one
-    example per row, in store order; one Arrow file per shard, written once. Returns `out`."""
+    example per row, in store order; one Arrow file per shard, written once. Returns `out`.
+    Needs the `datasets` package: `pip install 'hookscope[datasets]'`.
+
+    Returns:
+        Path: `out`, a folder `datasets.load_from_disk` opens.
+
+    Raises:
+        StoreError: no `datasets` package, an empty store, a column it lacks, or `out` not empty
+            without `overwrite=True`."""
     names = store.column_names(columns)
     if not store.num_shards:
         raise StoreError(f"{store.path}: the store holds no rows yet; nothing to export")

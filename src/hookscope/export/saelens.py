@@ -99,7 +99,15 @@ def saelens_config(path: str | os.PathLike) -> SaelensExport:
 def export_saelens(store: Store, out: str | os.PathLike, point: str | None = None, *,
                    hook_name: str | None = None, context_size: int | None = None, overwrite: bool = False,
                    progress: bool = True) -> SaelensExport:
-    """Write `point` (default: the store's only point) in SAELens's cached-activations layout."""
+    """Write `point` (default: the store's only point) in SAELens's cached-activations layout.
+    Needs the `datasets` package: `pip install 'hookscope[datasets]'`.
+
+    Returns:
+        SaelensExport: where it went and what a SAELens config must say (`runner_kwargs()`).
+
+    Raises:
+        StoreError: no `datasets` package, an empty store, a point it lacks (or several and none
+            named), a context size the rows cannot fill, or `out` not empty without `overwrite=True`."""
     import_datasets()
     point = _the_point(store, point)
     if not store.num_shards:

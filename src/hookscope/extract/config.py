@@ -15,6 +15,14 @@ DEFAULT_POINT = "blocks.3.resid_post"
 
 @dataclass
 class ExtractConfig:
+    """What `hs.extract` runs: the options of `hookscope extract`, one field per flag.
+
+    `out` (the store: a directory or a URL), `model` (hub id or directory; None: the bundled
+    MiniLM), `points`, `data` (a .txt / .jsonl file or folder, a saved dataset, `hf:NAME`,
+    `images:DIR`; default: Python's own docstrings, built offline), `context` tokens per sequence,
+    `batch_size`, `dtype` of the stored rows, `max_tokens`, `shard_rows` per shard, `max_memory`
+    to stream blocks under a weight budget. Checked by `hs.extract` before anything is loaded."""
+
     out: str
     model: str | None = None
     points: list[str] = field(default_factory=lambda: [DEFAULT_POINT])

@@ -20,14 +20,16 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..errors import DataError, StoreError
+from ..errors import DataError
 from ..models import load
 from ..progress import RowsBar, mib_written
 from ..sources import Rows, Run, Source, source_for
 from ..store import ShardWriter, merge_rank_manifests
-from ..store.resume import plan_for
+from ..store.opening import StoreView
+from ..store.stats import PointStats
 from .config import ExtractConfig, validate_config
 from .report import ExtractInterrupted, ExtractSummary, check_finite, signals_interrupt
+from .stages import Stages, ahead, stats_and_host
 
 Batches = Iterable[tuple[int, dict[str, Tensor]]]
 
@@ -60,7 +62,18 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
 
     Everything that can be checked is checked before the store is touched (arguments, the model,
     the points, the data source's first batch to do and its forward pass), so a refused run leaves
-    no trace on disk. SIGINT / SIGTERM raise `ExtractInterrupted` after committing whole shards only."""
+    no trace on disk. SIGINT / SIGTERM raise `ExtractInterrupted` after committing whole shards only.
+
+    Returns:
+        ExtractSummary: rows in the store, rows this run wrote, batches done and skipped, time, bytes.
+
+    Raises:
+        HookscopeError: an argument out of range (dtype, sizes, no points, empty `out`).
+        ModelLoadError: a model that cannot be loaded.
+        UnknownPointError: a point the model does not have.
+        DataError: data that is missing, empty or malformed.
+        StoreError: a store at `out` written with other settings (never mixed), or damaged.
+        ExtractInterrupted: SIGINT / SIGTERM (Ctrl-C); the same call resumes where it stopped."""
     validate_config(cfg)
     kind = source_for(cfg)  # refuses options the source cannot honour, nothing loaded yet
     opened: list[ShardWriter] = []  # the writer, once the store is open: how many rows it holds
@@ -110,12 +123,14 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
     source, executor = _start(cfg, kind)
     rank, world_size = executor.run_on.rank, executor.run_on.world_size
     settings = source.settings()
-    # which batches this rank goes through and which it skips: read from the store's manifests,
-    # nothing written yet (the writer opened below must find the same)
-    found = plan_for(cfg.out, settings, world_size)
+    # which batches this rank goes through and which it skips: the store read once, nothing written
+    # yet (the writer opened below checks that nobody wrote since)
+    view = StoreView.read(cfg.out, settings, world_size, rank)
+    found = view.plan
     done = found.done(rank)
     started = time.perf_counter()
-    ours = ((i, b) for i, b in enumerate(source.batches()) if found.deal.visits(i, rank))
+    stages = Stages()  # the stages are listed in stages.py: data -> model -> out -> writer
+    ours = ahead(((i, b) for i, b in enumerate(source.batches()) if found.deal.visits(i, rank)), stages)
     first = next(ours, None)
     if first is None and rank == 0:
         raise DataError(source.nothing_to_extract())
@@ -123,10 +138,16 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
     executor.on_stage = bar.stage  # a streamed run shows the block it is on
     counts = {"done": 0, "skipped": 0, "new_rows": 0}
 
+    def note() -> str:
+        written = opened[0].bytes_written if opened else 0
+        wall = time.perf_counter() - started
+        stages.busy["writer"] = opened[0].busy_seconds if opened else 0.0
+        return (f"{mib_written(written)}, {written / wall / 1e6 if wall > 0 else 0:,.0f} MB/s, "
+                + stages.describe(written, wall))
+
     def advance(rows: int, batch: dict[str, Tensor]) -> None:
         if bar.enabled:
-            bar.update(rows, total=source.estimate(bar.count + rows, batch),
-                       note=mib_written(opened[0].bytes_written if opened else 0))
+            bar.update(rows, total=source.estimate(bar.count + rows, batch), note=note())
 
     def pending(batches: Batches) -> Iterator[tuple[int, dict[str, Tensor]]]:
         for index, batch in batches:
@@ -136,26 +157,27 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
             else:
                 yield index, batch
 
-    ran = _checked(executor.run(pending(itertools.chain([first] if first else [], ours))), cfg.on_nonfinite)
+    ran = _timed(_checked(executor.run(pending(itertools.chain([first] if first else [], ours))),
+                          cfg.on_nonfinite, stages), stages)
     try:
         # The first batch to do is run before the store is opened (a streamed run runs its whole
         # first chunk, so that no block's weights are read one extra time): an empty or bad data
         # source, or a point the forward pass never reaches, is refused with nothing written.
         head = next(ran, None)
-        writer = ShardWriter(cfg.out, settings, shard_rows=cfg.shard_rows, rank=rank, world_size=world_size)
+        writer = ShardWriter(cfg.out, settings, shard_rows=cfg.shard_rows, rank=rank, world_size=world_size,
+                             opened=view)  # refuses if another run wrote since the view was read
         opened.append(writer)
         with writer:  # on an interrupt it commits whole shards only (see ShardWriter.__exit__)
-            if writer.deal != found.deal or writer.done_batches != done:  # changed since it was read
-                raise StoreError(f"{cfg.out} changed while this run started: is another run writing to "
-                                 "it? Stop every other run on this store and re-run the command")
-            for index, batch, (acts, columns) in itertools.chain([head] if head else [], ran):
-                writer.write(index, acts, columns)
+            for index, batch, (acts, columns), stats in itertools.chain([head] if head else [], ran):
+                writer.write(index, acts, columns, stats=stats)
                 rows = len(next(iter(columns.values())))
                 counts["done"], counts["new_rows"] = counts["done"] + 1, counts["new_rows"] + rows
                 advance(rows, batch)
     finally:
-        bar.close(note=mib_written(opened[0].bytes_written if opened else 0), complete=True)
+        bar.close(note=note(), complete=True)
     total_rows, nonfinite, bytes_written = writer.total_rows, dict(writer.nonfinite), writer.bytes_written
+    seconds = time.perf_counter() - started
+    stages.busy["writer"] = writer.busy_seconds
     if world_size > 1:
         import torch.distributed as dist
 
@@ -164,12 +186,33 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
             merge_rank_manifests(cfg.out, world_size)
         dist.barrier()
     return ExtractSummary(cfg.out, total_rows, counts["new_rows"], counts["done"], counts["skipped"],
-                          time.perf_counter() - started, bytes_written, nonfinite)
+                          seconds, bytes_written, nonfinite, stages.shares(seconds),
+                          stages.bound(bytes_written, seconds))
 
 
-def _checked(ran: Iterator[tuple[int, dict[str, Tensor], Rows]], on_nonfinite: str
-             ) -> Iterator[tuple[int, dict[str, Tensor], Rows]]:
-    """An executor's rows, each batch refused under --on-nonfinite error before it is written."""
-    for index, batch, rows in ran:
-        check_finite(rows[0], on_nonfinite, index)
-        yield index, batch, rows
+Done = tuple[int, dict[str, Tensor], Rows, dict[str, PointStats]]
+
+
+def _checked(ran: Iterator[tuple[int, dict[str, Tensor], Rows]], on_nonfinite: str, stages: Stages
+             ) -> Iterator[Done]:
+    """An executor's rows, each batch refused under --on-nonfinite error before it is written, with
+    each point's statistics taken where the activations are, then on the host (the `out` stage)."""
+    for index, batch, (acts, columns) in ran:
+        start = time.perf_counter()
+        check_finite(acts, on_nonfinite, index)
+        host, stats = stats_and_host(acts)
+        stages.add("out", time.perf_counter() - start)
+        yield index, batch, (host, columns), stats
+
+
+def _timed(ran: Iterator[Done], stages: Stages) -> Iterator[Done]:
+    """Each batch's time in the executor (the `model` stage): what the main thread spent getting it,
+    less the data stage's queue wait and the `out` stage, counted apart."""
+    while True:
+        start, waited, out = time.perf_counter(), stages.busy.get("wait", 0.0), stages.busy["out"]
+        item = next(ran, None)
+        if item is None:
+            return
+        spent = time.perf_counter() - start
+        stages.add("model", spent - (stages.busy.get("wait", 0.0) - waited) - (stages.busy["out"] - out))
+        yield item

@@ -7,7 +7,7 @@ import contextlib
 import signal
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -18,6 +18,10 @@ from ..store.stats import count_nonfinite
 
 @dataclass
 class ExtractSummary:
+    """What `hs.extract` returns: `rows` in the store, `new_rows` this run wrote, `batches_done` /
+    `batches_skipped` (already on disk: a resume), `seconds`, `bytes_written`, and `nonfinite`
+    values per point. `str()` of it is the line `hookscope extract` prints."""
+
     out: str
     rows: int
     new_rows: int
@@ -26,13 +30,19 @@ class ExtractSummary:
     seconds: float
     bytes_written: int
     nonfinite: dict[str, int]
+    busy: dict[str, float] = field(default_factory=dict)  # each stage's busy share (extract/stages.py)
+    bound: str = ""  # the stage that set the pace, in words
 
     def __str__(self) -> str:
         rate = self.new_rows / self.seconds if self.seconds > 0 else 0.0
+        mb_s = self.bytes_written / self.seconds / 1e6 if self.seconds > 0 else 0.0
         lines = [
-            f"wrote {self.new_rows:,} rows in {self.seconds:.1f} s ({rate:,.0f} rows/s, "
+            f"wrote {self.new_rows:,} rows in {self.seconds:.1f} s ({rate:,.0f} rows/s, {mb_s:,.0f} MB/s, "
             f"{self.bytes_written / 2**20:,.1f} MiB); store holds {self.rows:,} rows -> {self.out}",
         ]
+        if self.busy:
+            lines.append("busy: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in self.busy.items())
+                         + (f"; {self.bound}" if self.bound else ""))
         if self.batches_skipped:
             lines.append(f"resumed: skipped {self.batches_skipped} batches already on disk")
         bad = {k: v for k, v in self.nonfinite.items() if v}

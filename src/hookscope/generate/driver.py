@@ -60,7 +60,15 @@ def generate(
     positions counted over the whole final sequence. Activations at padding and after a row's EOS
     are kept as computed; `Generation.mask` says which positions hold real tokens. Everything is
     checked (points, selections, edits, decoding mode, inputs) before the model generates.
-    """
+
+    Returns:
+        Generation: the sequences, their mask, and `gen[point]`: `[batch, T, ...]` per point.
+
+    Raises:
+        UnknownPointError: a point or edit on a name the model does not have.
+        SelectionError: a selection or edit that cannot follow the steps (`attn.pattern`, a bad
+            `edit_on`, heads on a point without heads).
+        HookscopeError: a model with no `generate`, beam search, or malformed inputs."""
     selection = Selection.of(positions, heads, None, dtype, device)
     return _Run.checked(model, inputs, points, edits, edit_on, selection, generate_kwargs).go()
 

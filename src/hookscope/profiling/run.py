@@ -55,7 +55,13 @@ def profile(
     A model loaded with `points=` is profiled as far as its weights go: each step stops where
     they end (`loss_fn` then gets the hidden state there), only the loaded blocks get rows, and
     the report's `not_loaded` says what was left out.
-    """
+
+    Returns:
+        ProfileReport: per-block and per-point time and memory; `summary()` is the table.
+
+    Raises:
+        HookscopeError: steps < 1 or warmup < 0, an input longer than the model's positions, or a
+            `loss_fn` that does not return a scalar."""
     if steps < 1 or warmup < 0:
         raise HookscopeError(f"steps must be >= 1 and warmup >= 0 (got steps={steps}, warmup={warmup})")
     arch = arch or arch_of(model)

@@ -89,8 +89,9 @@ class Source:
                 dtype: torch.dtype, device: str) -> Rows:
         inputs, keep = self.model_call(batch)
         inputs = {k: v.to(device) for k, v in inputs.items()}
+        # kept where the model ran: the loop takes statistics there, then copies to the host
         with Capture(model, list(points), token_mask=None if keep is None else keep.to(device), dtype=dtype,
-                     device="cpu") as cap:
+                     device=None) as cap:
             cap.run(inputs)
             acts = {name: cap[name] for name in points}
         return self.rows(batch, acts)

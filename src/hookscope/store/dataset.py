@@ -91,7 +91,9 @@ class ActivationDataset(IterableDataset):
     b % num_workers's, so the loader's output is the single-process stream) the copies in the
     workers advance, not this one, so build the state from the rows you consumed:
     `load_state_dict({"epoch": e, "position": rows_seen, ...})`.
-    """
+
+    Raises:
+        StoreError: a column the store lacks, options out of range, a cursor from another dataset."""
 
     def __init__(self, store: Store, point: str | Sequence[str], *, shuffle: bool = True, seed: int = 0,
                  buffer_rows: int = 1 << 18, split: str | None = None, val_fraction: float = 0.1,

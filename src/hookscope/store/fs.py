@@ -15,8 +15,6 @@ uses ranged GETs through `BlockCache` (store/blocks.py).
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import mmap
 import os
 import shutil
 import stat
@@ -27,8 +25,9 @@ from typing import Any, BinaryIO
 
 from ..errors import StoreError
 from ..files import fsync_dir, write_atomic
+from .checksum import checksum_of
 
-CHUNK = 1 << 22  # 4 MiB reads: large enough to hash at disk speed, small enough to stay flat in memory
+CHUNK = 1 << 22  # 4 MiB reads: large enough to read at disk speed, small enough to stay flat in memory
 
 # the extra (pyproject.toml) behind each scheme, for the message when it is missing; hf:// needs none
 # (huggingface_hub, which transformers installs, brings its filesystem)
@@ -39,23 +38,8 @@ Part = tuple[str, int, int]  # (object, start, end): bytes [start, end) of one o
 
 
 def sha256_of(f: BinaryIO) -> tuple[int, str]:
-    """(bytes read, hex SHA-256) of what is left in the open binary file `f`: a local file read from
-    its start is hashed through a memory map (no copy into Python; hashlib releases the GIL), any
-    other in 4 MiB chunks (a filesystem that cannot map files, e.g. FUSE in direct-I/O mode, too)."""
-    if f.tell() == 0:
-        try:
-            with mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped:
-                size, digest = len(mapped), hashlib.sha256(mapped).hexdigest()
-            f.seek(size)  # read to the end, as the chunked path leaves it
-            return size, digest
-        except (OSError, ValueError):  # no file descriptor, an empty file, an unmappable filesystem
-            pass
-    h = hashlib.sha256()
-    size = 0
-    while chunk := f.read(CHUNK):
-        h.update(chunk)
-        size += len(chunk)
-    return size, h.hexdigest()
+    """(bytes read, hex SHA-256) of what is left in the open binary file `f` (see `checksum_of`)."""
+    return checksum_of(f, "sha256")
 
 
 def is_remote(location: str | os.PathLike) -> bool:
@@ -100,6 +84,10 @@ class FS:
         """Name -> bytes of the files directly under `rel` ({} if there are none)."""
         raise NotImplementedError
 
+    def file_names(self, rel: str = "") -> set[str]:
+        """Names of the files directly under `rel` (not directories), without their sizes."""
+        return set(self.sizes(rel))
+
     def size(self, rel: str) -> int | None:
         """Bytes in file `rel`, None if there is no such file."""
         raise NotImplementedError
@@ -130,9 +118,13 @@ class FS:
 
     def sha256(self, rel: str) -> tuple[int, str]:
         """(bytes, hex SHA-256) of file `rel`, streamed: nothing is kept."""
+        return self.checksum(rel, "sha256")
+
+    def checksum(self, rel: str, algorithm: str) -> tuple[int, str]:
+        """(bytes, hex digest) of file `rel` by `algorithm` (store/checksum.py), streamed."""
         try:
             with self._open(rel) as f:
-                size, digest = sha256_of(f)
+                size, digest = checksum_of(f, algorithm)
         except OSError as e:
             raise self._part_error(rel, e) from e
         self._count(size, 1)
@@ -169,6 +161,10 @@ class FS:
     def done_staging(self, staged: Path) -> None:
         """The writer is done with `staging()`'s directory: it goes, with anything left in it."""
         shutil.rmtree(staged, ignore_errors=True)
+
+    def remove_tree(self, rel: str) -> None:
+        """Delete `rel`, a file or everything under it (at a URL: every object under the prefix)."""
+        self.remove(rel)
 
     def makedirs(self, rel: str) -> None:
         """Make directory `rel` (and those above it) where directories exist; an object store has none."""
@@ -226,6 +222,13 @@ class LocalFS(FS):
         except OSError as e:
             raise StoreError(f"{self.where(rel)}: cannot list it ({e})") from e
         return out
+
+    def file_names(self, rel: str = "") -> set[str]:
+        try:
+            with os.scandir(self.local(rel)) as found:  # the entry's type, from the listing: no stat
+                return {entry.name for entry in found if entry.is_file()}
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
 
     def size(self, rel: str) -> int | None:
         try:
@@ -363,6 +366,10 @@ class RemoteFS(FS):
     def remove(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(rel))
+
+    def remove_tree(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.path(rel), recursive=True)
 
 
 def _takes_refresh(fs: Any) -> bool:

@@ -13,22 +13,23 @@ shard for shard. A resume with another number of ranks re-deals the batches not 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import queue
 import re
 import threading
+import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Self
 
 import torch
-from safetensors.torch import save_file
 
 from ..errors import StoreError
 from .card import CARD, card_bytes
-from .fs import open_fs, sha256_of
+from .checksum import ALGORITHMS, WRITTEN
+from .fs import open_fs
+from .journal import Commits, journal_name
 from .manifest import (
     MANIFEST,
     SHARDS_DIR,
@@ -41,7 +42,9 @@ from .manifest import (
     shard_prefix,
     summed_stats,
 )
-from .resume import is_manifest, plan, read_manifests
+from .opening import StoreView
+from .resume import plan, read_manifests
+from .shardfile import save_columns
 from .stats import PointStats
 
 _STOP = object()
@@ -61,17 +64,25 @@ class ShardWriter:
     """
 
     def __init__(self, out_dir: str | os.PathLike, settings: dict[str, Any], *, shard_rows: int = 65536,
-                 queue_size: int = 4, rank: int = 0, world_size: int = 1):
+                 queue_size: int = 4, rank: int = 0, world_size: int = 1, checksum: str = WRITTEN,
+                 writers: int | None = None, opened: StoreView | None = None):
         if shard_rows < 1 or queue_size < 1:
             raise StoreError(f"shard_rows ({shard_rows}) and queue_size ({queue_size}) must be >= 1")
         if not 0 <= rank < world_size:
             raise StoreError(f"rank {rank} is outside world_size {world_size}")
+        if checksum not in ALGORITHMS:
+            raise StoreError(f"checksum={checksum!r}: use one of {', '.join(ALGORITHMS)}")
         self.fs = open_fs(out_dir)
         self.out = self.fs.url
         self.rank, self.world_size, self.shard_rows = rank, world_size, shard_rows
+        self.checksum = checksum
         self._file_mode = 0o666 & ~_umask()  # safetensors creates 0600 files; a store is meant to be shared
-        found_at_open = self._check_is_store_dir()
-        found = plan(read_manifests(self.fs), settings, world_size, self.out)
+        if opened is None:
+            opened = StoreView.read(self.fs, settings, world_size, rank)
+        elif opened.changed(self.fs):  # read by the caller before its first batch: nobody may write since
+            raise StoreError(f"{self.out} changed while this run started: is another run writing to it? Stop "
+                             "every other run on this store and re-run the command")
+        found_at_open, found = opened.names, opened.plan
         self.deal = found.deal
         self.generation = found.deal.generation
         self._prefix = shard_prefix(rank, self.generation)
@@ -91,12 +102,15 @@ class ShardWriter:
                                  points=found.points if shards else {}, meta=found.meta if shards else {},
                                  shards=shards, stats=summed_stats(shards))
         try:  # stamps the settings into the directory now, and proves it is writable before any compute
+            self._commits = Commits(self.fs, self._manifest_name)  # shard commits: store/journal.py
+            self._commits.lock()  # before anything is touched: a second run on the store is refused
             self._remove_orphans(found_at_open)
-            self.fs.put(self._manifest_name, self.manifest.to_bytes())
+            self._commits.open(self.manifest, found.manifests.get(self._manifest_name))
             # README.md: datasets.load_dataset(DIR) fails clearly rather than misreading the store
             if self.fs.size(CARD) is None:
                 self.fs.put(CARD, card_bytes(), durable=False)
         except OSError as e:
+            self._commits.unlock()  # refused: the next try, in this process too, may take the store
             raise StoreError(f"cannot write to the store directory {self.out}: {e}; make it writable (or "
                              "free space) or choose another --out, and re-run") from e
         # to skip: what earlier attempts committed, and this rank's own shards of this attempt
@@ -113,6 +127,11 @@ class ShardWriter:
         self._pending: list[tuple[int, dict[str, torch.Tensor]]] = []
         self._pending_stats: dict[str, PointStats] = {}
         self._pending_rows = 0
+        # the threads that copy a shard's bytes into its file, each its own range (the writer thread
+        # checksums the same bytes meanwhile): the copy scales with the cores
+        self._copiers = ThreadPoolExecutor(writers or _default_writers(),
+                                           thread_name_prefix="hookscope-shard-copy")
+        self.busy_seconds = 0.0  # the writer thread's time spent writing shards, for a run's report
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._run, name="hookscope-shard-writer", daemon=True)
         self._thread.start()
@@ -134,10 +153,13 @@ class ShardWriter:
         return batch_index not in self.done_batches and self.deal.owner(batch_index) == self.rank
 
     def write(self, batch_index: int, tensors: Mapping[str, torch.Tensor],
-              meta: Mapping[str, torch.Tensor] | None = None) -> None:
+              meta: Mapping[str, torch.Tensor] | None = None, *,
+              stats: Mapping[str, PointStats] | None = None) -> None:
         """Queue batch `batch_index`: `tensors` are activations [rows, ...], `meta` integer [rows]
-        columns (token_ids, doc_ids, positions, seq_ids). The writer owns the tensors afterwards:
-        do not modify them in place."""
+        columns (token_ids, doc_ids, positions, seq_ids). `stats`: each point's `PointStats.of` its
+        tensor, computed by the caller where the activations were (on a GPU, before the copy to the
+        host); the writer computes those not given. The writer owns the tensors afterwards: do not
+        modify them in place."""
         self._raise_if_failed()
         if self._closed:
             raise StoreError("write() after close()")
@@ -152,9 +174,12 @@ class ShardWriter:
                 raise StoreError(f"batch {batch_index}: meta column {name!r} must be a 1-D integer tensor")
             batch[name] = v.detach().to("cpu", torch.int64).contiguous()
         self._check_layout(batch_index, batch)
+        extra = set(stats or {}) - set(tensors)
+        if extra:
+            raise StoreError(f"batch {batch_index}: stats given for {sorted(extra)}, not activations of it")
         self._last_batch = batch_index
         # a tuple, not a set: the manifest's stats follow this order, the same in every process
-        self._queue.put((batch_index, batch, tuple(tensors)))
+        self._queue.put((batch_index, batch, tuple(tensors), dict(stats or {})))
 
     def close(self) -> None:
         """Write the remaining rows as a final shard, stop the thread, raise any writer error."""
@@ -227,6 +252,10 @@ class ShardWriter:
             if item is _STOP:
                 if self._pending and self._error is None and not self._discard_partial:
                     self._guard(self._flush)
+                self._copiers.shutdown()
+                if self._error is None:
+                    self._guard(self._commits.finish, self.manifest)
+                self._commits.unlock()
                 self.fs.done_staging(self._staging)
                 return
             if self._error is None:  # after an error, keep draining so that write() never blocks
@@ -238,76 +267,57 @@ class ShardWriter:
         except Exception as e:  # noqa: BLE001 - any failure is handed to the caller at its next write() / close()
             self._error = e
 
-    def _take(self, index: int, batch: dict[str, torch.Tensor], points: tuple[str, ...]) -> None:
+    def _take(self, index: int, batch: dict[str, torch.Tensor], points: tuple[str, ...],
+              given: dict[str, PointStats]) -> None:
         if self._pending and (self.deal.position(index)
                               != self.deal.position(self._pending[-1][0]) + self.world_size):
             self._flush()  # a batch of this rank was left out: a shard holds an unbroken run of them
         self._pending.append((index, batch))
         for name in points:
-            self._pending_stats[name] = self._pending_stats.get(name, PointStats()).merge(
-                PointStats.of(batch[name]))
+            stats = given[name] if name in given else PointStats.of(batch[name])
+            self._pending_stats[name] = self._pending_stats.get(name, PointStats()).merge(stats)
         self._pending_rows += next(iter(batch.values())).shape[0]
         if self._pending_rows >= self.shard_rows:
             self._flush()
 
     def _flush(self) -> None:
+        started = time.perf_counter()
         self._write_shard(self._pending, self._pending_stats)
         self._pending, self._pending_stats, self._pending_rows = [], {}, 0
+        self.busy_seconds += time.perf_counter() - started
 
     def _write_shard(self, pending: list[tuple[int, dict[str, torch.Tensor]]],
                      stats: dict[str, PointStats]) -> None:
-        # one batch (as large as a shard) is written as it came: a cat would copy it for nothing
-        tensors = pending[0][1] if len(pending) == 1 else {
-            k: torch.cat([b[k] for _, b in pending]) for k in pending[0][1]}
+        # each column as its batches: written one after the other, never concatenated into a copy
+        columns = {k: [b[k] for _, b in pending] for k in pending[0][1]}
         name = f"{self._prefix}{self._next_shard:06d}.safetensors"
         tmp = self._staging / (name + ".tmp")
         runs = runs_of([i for i, _ in pending])
         identity = shard_identity(self.manifest.settings_hash, runs, self.rank)
         try:
             self._staging.mkdir(exist_ok=True)  # made on the first write: a store never written has none
-            save_file(tensors, tmp, metadata=identity)
-            os.chmod(tmp, self._file_mode)
-            size, sha = _fsync_and_hash(tmp)
+            size, digest = save_columns(columns, tmp, identity, self.checksum, self._copiers, self._file_mode)
             # renamed, or uploaded under its final name: on an object store the manifest PUT commits it
             self.fs.put_file(tmp, f"{SHARDS_DIR}/{name}")
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        rows = next(iter(tensors.values())).shape[0]
-        entry = ShardEntry(f"{SHARDS_DIR}/{name}", rows, sha, size, runs, self.rank, self.generation,
-                           dict(stats))
-        old = self.manifest
-        shards = [*old.shards, entry]
-        if len(shards) > 1 and shards[-2].batch_start > entry.batch_start:  # among earlier attempts' shards
-            shards.sort(key=lambda s: s.batch_start)
-            totals = summed_stats(shards)
-        else:  # appended: the same sums as summed_stats(shards), without going over every shard again
-            totals = {**old.stats, **{k: old.stats.get(k, PointStats()).merge(s) for k, s in stats.items()}}
-        new = dataclasses.replace(
-            old, shards=shards, stats=totals,
-            points={k: c for k, c in self._layout.items() if k in stats},
-            meta={k: c for k, c in self._layout.items() if k not in stats},
-        )
-        try:
-            self.fs.put(self._manifest_name, new.to_bytes())
+        rows = sum(b[next(iter(b))].shape[0] for _, b in pending)
+        self._commit(ShardEntry(f"{SHARDS_DIR}/{name}", rows, digest, size, runs, self.rank, self.generation,
+                                dict(stats), algorithm=self.checksum), stats)
+
+    def _commit(self, entry: ShardEntry, stats: dict[str, PointStats]) -> None:
+        """Shard `entry`, in its final place, becomes part of the store (its batches count as done)."""
+        try:  # rebinding, so the caller's thread always sees a whole manifest
+            self.manifest = self._commits.commit(self.manifest, entry, self._layout, stats)
         except BaseException:
             self.fs.remove(entry.file)  # not committed: free its space; a resume would delete it anyway
             raise
-        self.manifest = new  # rebinding, so the caller's thread always sees a whole manifest
         self.done_batches = self.done_batches | set(entry.batch_indices())
-        self.bytes_written += size
+        self.bytes_written += entry.bytes
         self._next_shard += 1
 
     # -- opening ----------------------------------------------------------------------------------
-
-    def _check_is_store_dir(self) -> list[str]:
-        """What the store directory holds (refused if it holds something other than a store)."""
-        names = self.fs.list()
-        foreign = [n for n in names if n != SHARDS_DIR and not n.startswith("manifest")]
-        if foreign and not any(is_manifest(n) for n in names):
-            raise StoreError(f"{self.out} is not empty and is not a hookscope store "
-                             f"(it holds {sorted(foreign)[:5]}); choose a new or empty --out directory")
-        return names
 
     def _remove_orphans(self, found_at_open: list[str]) -> None:
         """Delete leftovers of a crash: this rank's staging directory (a half-written shard and any
@@ -361,6 +371,7 @@ def merge_rank_manifests(out_dir: str | os.PathLike, world_size: int | None = No
                       points=united.points, meta=united.meta, shards=united.shards,
                       stats=summed_stats(united.shards), settings_hash=latest.settings_hash)
     fs.put(MANIFEST, merged.to_bytes())
+    fs.remove_tree(journal_name(MANIFEST))  # a single process's commits of an earlier attempt: merged now
     return merged
 
 
@@ -375,12 +386,6 @@ def _shard_number(file: str) -> int:
     return int(m.group(1)) if m else -1
 
 
-def _fsync_and_hash(path: Path) -> tuple[int, str]:
-    """(bytes, SHA-256) of the finished shard at `path`, synced to disk. The hash (`sha256_of`: a
-    memory map) runs while another thread fsyncs the file; both release the GIL, so a shard costs
-    the longer of the two, not their sum."""
-    with open(path, "rb") as f, ThreadPoolExecutor(1, thread_name_prefix="hookscope-fsync") as pool:
-        synced = pool.submit(os.fsync, f.fileno())
-        size, digest = sha256_of(f)
-        synced.result()  # raises the fsync's error (a full disk): the shard is not durable
-    return size, digest
+def _default_writers() -> int:
+    """Copy threads per writer: a few, as the cores allow (each copy runs at memory speed)."""
+    return max(1, min(4, (os.cpu_count() or 1)))

@@ -139,7 +139,7 @@ class TopIndex:
 def store_key(store: Store) -> dict[str, Any]:
     """What must not change for an index to stay valid: the settings hash and every shard's bytes."""
     m = store.manifest
-    return {"settings_hash": m.settings_hash, "shards": [[s.file, s.sha256] for s in m.shards]}
+    return {"settings_hash": m.settings_hash, "shards": [[s.file, s.checksum] for s in m.shards]}
 
 
 def check_point(store: Store, point: str) -> int:

@@ -62,7 +62,15 @@ def top(store: Store, point: str, unit: int, *, k: int = 20, context: int = 8,
     """The k rows where `unit` of `point` (or SAE feature `unit`, with `sae`) is largest, each with
     `context` tokens on either side, decoded with `tokenizer` when given. The first call builds the
     index of every unit of the point in one pass and saves it beside the store (in `cache_dir`, or
-    a local cache when the store cannot be written: top/saved.py); later calls read it."""
+    a local cache when the store cannot be written: top/saved.py); later calls read it.
+
+    Returns:
+        TopResult: `values` and `rows` best first, `contexts` (tokens and values around each row,
+            the row's token at `center`), `fires` / `frequency` and a histogram of the unit.
+
+    Raises:
+        StoreError: a point the store lacks, a unit out of range, k < 1, no `token_ids` column, or
+            a saved index that no longer matches the store (`rebuild=True` builds it again)."""
     encoder = resolve_encoder(store, point, sae)
     if not 0 <= unit < encoder.units:
         shape = list(store.points[point].shape)

@@ -1,0 +1,219 @@
+"""Reused weight buffers for block streaming: the process's memory stays flat across blocks.
+
+Allocating each streamed block's tensors afresh leaves the freed ones in the C allocator's heap
+(glibc keeps mid-sized freed chunks, and a read-ahead thread's in an arena of its own), so a run
+capped at the weights of two blocks was measured holding most of the model. Here every block
+whose tensors have the same names, shapes and dtypes shares one or two buffer sets ("slots"),
+allocated once: a block's parameters are pointed at a slot while it runs and back at `meta` after.
+A block's tensors are read from the safetensors files straight into the slot (`pread` into its
+bytes; a dtype conversion goes through one small staging buffer), so no whole-tensor temporary
+and no memory map's pages are left behind. On CUDA the slots are pinned host memory, copied into
+one set of device buffers, reused too. The next block is read into the spare slot in a thread
+while this one computes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+from torch import Tensor, nn
+
+_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+           "BOOL": torch.bool}
+_ALIGN = 64  # bytes: each tensor's start in a slot (any dtype's view needs its own size)
+_STAGING_BYTES = 4 * 2**20
+
+
+@dataclass(frozen=True)
+class TensorRead:
+    """Where one stored tensor's bytes lie in a safetensors file."""
+
+    file: str
+    offset: int  # from the file's start
+    nbytes: int
+    stored: torch.dtype
+    shape: tuple[int, ...]
+
+
+@lru_cache(maxsize=64)
+def safetensors_index(file: str) -> dict[str, TensorRead]:
+    """A safetensors file's tensors (its header: an 8-byte length, then JSON); a dtype this reader
+    does not know is left out (its tensor then loads the ordinary way)."""
+    with open(file, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    start = 8 + length
+    return {key: TensorRead(file, start + entry["data_offsets"][0],
+                            entry["data_offsets"][1] - entry["data_offsets"][0],
+                            _DTYPES[entry["dtype"]], tuple(entry["shape"]))
+            for key, entry in header.items() if key != "__metadata__" and entry["dtype"] in _DTYPES}
+
+
+def read_into(read: TensorRead, out: Tensor, staging: Tensor) -> None:
+    """`read`'s tensor into `out` (contiguous, on the CPU, of its shape), converted to `out`'s dtype
+    as `Tensor.to` converts; `staging` is a uint8 buffer for the stored bytes of a conversion."""
+    flat = out.reshape(-1)
+    with open(read.file, "rb", buffering=0) as f:
+        if read.stored == out.dtype:
+            _pread(f.fileno(), flat.view(torch.uint8), read.offset)
+            return
+        per_chunk = max(1, staging.numel() // read.stored.itemsize)
+        for start in range(0, flat.numel(), per_chunk):
+            n = min(per_chunk, flat.numel() - start)
+            raw = staging[: n * read.stored.itemsize]
+            _pread(f.fileno(), raw, read.offset + start * read.stored.itemsize)
+            flat[start: start + n].copy_(raw.view(read.stored))
+
+
+def page_in(read: TensorRead) -> None:
+    """Have the kernel read `read`'s bytes into the page cache (nothing is copied here)."""
+    with open(read.file, "rb", buffering=0) as f:
+        os.posix_fadvise(f.fileno(), read.offset, read.nbytes, os.POSIX_FADV_WILLNEED)
+
+
+def _pread(fd: int, into: Tensor, offset: int) -> None:
+    view = memoryview(into.numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        n = os.preadv(fd, [view[done:]], offset + done)
+        if n <= 0:
+            raise OSError(f"{offset + done}: the weight file ended early")
+        done += n
+
+
+Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]  # parameter name in the block -> shape, dtype
+
+
+def layout_of(block: nn.Module) -> Layout:
+    return {name: (tuple(p.shape), p.dtype) for name, p in block.named_parameters()}
+
+
+def _carve(layout: Layout, device: torch.device | str, pin: bool) -> tuple[Tensor, dict[str, Tensor]]:
+    """One allocation holding every tensor of `layout`, and the tensors as views of it."""
+    offsets, total = {}, 0
+    for name, (shape, dtype) in layout.items():
+        offsets[name] = total
+        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        total += -(-nbytes // _ALIGN) * _ALIGN
+    whole = torch.empty(max(total, 1), dtype=torch.uint8, device=device, pin_memory=pin)
+    views = {}
+    for name, (shape, dtype) in layout.items():
+        nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+        views[name] = whole[offsets[name]: offsets[name] + nbytes].view(dtype).view(shape)
+    return whole, views
+
+
+class BlockBuffers:
+    """`count` slots (2: one computing, one read ahead) for blocks of one `layout`; `reads[k]` says
+    where block k's tensors lie. `attach(k, module)` puts block k's weights in `module` (read now,
+    or waited for when read ahead); `detach` puts its `meta` parameters back; `read_ahead(k)` reads
+    block k into the spare slot in a thread."""
+
+    def __init__(self, layout: Layout, reads: dict[int, dict[str, TensorRead]], count: int,
+                 device: torch.device | str = "cpu"):
+        device = torch.device(device)
+        on_host = device.type == "cpu"
+        pin = device.type == "cuda"
+        self.layout, self.reads = layout, reads
+        self.host = [_carve(layout, "cpu", pin) for _ in range(count)]
+        # on a device: one set of device buffers, each block copied in from its host slot
+        self.device = None if on_host else _carve(layout, device, False)
+        self._staging = [torch.empty(_STAGING_BYTES, dtype=torch.uint8) for _ in range(count)]
+        self._holds: list[int | None] = [None] * count  # the block each slot holds or is reading
+        self._pending: dict[int, Future] = {}  # slot -> its read ahead
+        self._copied: list[object | None] = [None] * count  # CUDA: the event after a slot's copy out
+        self._attached: dict[int, tuple[int, dict[str, nn.Parameter]]] = {}  # block -> (slot, meta params)
+        self._reader: ThreadPoolExecutor | None = None
+
+    def attach(self, k: int, module: nn.Module) -> None:
+        slot = self._slot_holding(k)
+        if slot is None:
+            slot = self._free_slot()
+            self.read(slot, k)
+        views = self.host[slot][1]
+        if self.device is not None:  # one copy (the sets share a layout), after the last block's work
+            self.device[0].copy_(self.host[slot][0], non_blocking=True)
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(self.device[0].device))
+            self._copied[slot] = event
+            views = self.device[1]
+        metas = {}
+        for name, tensor in views.items():
+            owner, _, leaf = name.rpartition(".")
+            holder = module.get_submodule(owner) if owner else module
+            meta = holder._parameters[leaf]
+            metas[name] = meta
+            holder._parameters[leaf] = nn.Parameter(tensor, requires_grad=meta.requires_grad)
+        self._attached[k] = (slot, metas)
+
+    def detach(self, k: int, module: nn.Module) -> None:
+        slot, metas = self._attached.pop(k)
+        for name, meta in metas.items():
+            owner, _, leaf = name.rpartition(".")
+            (module.get_submodule(owner) if owner else module)._parameters[leaf] = meta
+        self._holds[slot] = None
+
+    def read_ahead(self, k: int) -> None:
+        if self._slot_holding(k, wait=False) is not None:
+            return
+        slot = self._free_slot()
+        if self._reader is None:
+            self._reader = ThreadPoolExecutor(1, thread_name_prefix="hookscope-read")
+        self._holds[slot] = k
+        self._pending[slot] = self._reader.submit(self.read, slot, k)
+
+    def close(self) -> None:
+        """Stop the read-ahead thread; what it was reading is forgotten."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=True, cancel_futures=True)
+        self._reader = None
+        for slot in list(self._pending):
+            del self._pending[slot]
+            if all(s != slot for s, _ in self._attached.values()):
+                self._holds[slot] = None
+
+    def read(self, slot: int, k: int) -> None:
+        """Block k's tensors from the files into `slot`."""
+        event = self._copied[slot]
+        if event is not None:
+            event.synchronize()  # the slot's last copy to the device is done
+        views = self.host[slot][1]
+        for name, read in self.reads[k].items():
+            read_into(read, views[name], self._staging[slot])
+        self._holds[slot] = k
+
+    def _slot_holding(self, k: int, wait: bool = True) -> int | None:
+        for slot, held in enumerate(self._holds):
+            if held == k:
+                if wait and slot in self._pending:
+                    try:
+                        self._pending.pop(slot).result()
+                    except BaseException:
+                        self._holds[slot] = None  # half read: never taken for block k
+                        raise
+                return slot
+        return None
+
+    def _free_slot(self) -> int:
+        attached = {slot for slot, _ in self._attached.values()}
+        free = [s for s in range(len(self.host)) if s not in attached]
+        idle = [s for s in free if s not in self._pending]
+        slot = idle[0] if idle else free[0]
+        if slot in self._pending:  # read ahead for a block not asked for after all
+            self._pending.pop(slot).result()
+        self._holds[slot] = None
+        return slot
+
+
+def data_ranges(buffers: BlockBuffers) -> list[tuple[int, int]]:
+    """The address ranges of every slot (and the device set), for a check that weights live there."""
+    wholes = [whole for whole, _ in buffers.host] + ([buffers.device[0]] if buffers.device else [])
+    return [(w.data_ptr(), w.data_ptr() + w.numel()) for w in wholes]
+

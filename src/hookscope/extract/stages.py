@@ -1,0 +1,143 @@
+"""The extraction pipeline's stages, in one place, and what bounds a run.
+
+    data (a worker thread: read, tokenize, pack `AHEAD` batches ahead of the model)
+      -> model (the executor: inputs to the device, the forward with its captures)
+      -> out (statistics where the activations are, then the copy to the host: `to_host`)
+      -> writer (store/writer.py: its thread assembles shards, a thread pool copies them to disk,
+         checksummed as written; then the commit)
+
+Between stages are bounded queues (`AHEAD` batches here, the writer's `queue_size`), so memory stays
+flat. `Stages` counts each stage's busy seconds; `bound()` names the stage that sets the pace.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+
+from ..store.stats import PointStats
+
+T = TypeVar("T")
+STAGES = ("data", "model", "out", "writer")
+AHEAD = 4  # batches the data worker prepares ahead of the model
+_END = object()
+
+
+@dataclass
+class Stages:
+    """Busy seconds per stage (`data`, `model`, `out`, `writer`) over a run's wall time."""
+
+    busy: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    started: float = field(default_factory=time.perf_counter)
+
+    def add(self, stage: str, seconds: float) -> None:
+        self.busy[stage] = self.busy.get(stage, 0.0) + seconds
+
+    def shares(self, wall: float | None = None) -> dict[str, float]:
+        """Each stage's busy seconds over the wall time (the model's queue wait for data left out)."""
+        wall = wall if wall is not None else time.perf_counter() - self.started
+        return {k: min(v / wall, 1.0) if wall > 0 else 0.0 for k, v in self.busy.items() if k != "wait"}
+
+    def bound(self, nbytes: int, wall: float | None = None) -> str:
+        """Which stage set the pace, in words a user can act on: the busiest (the model's share
+        includes taking its activations out: both run on the main thread)."""
+        shares = self.shares(wall)
+        main = shares["model"] + shares["out"]
+        stage = max(("data", "model", "writer"), key=lambda k: main if k == "model" else shares[k])
+        if stage == "data":
+            return "bound by the data (reading, tokenizing, packing)"
+        if stage == "writer":
+            rate = nbytes / self.busy["writer"] if self.busy["writer"] > 0 else 0.0
+            shown = f"{rate / 1e9:.2f} GB/s" if rate >= 1e9 else f"{rate / 1e6:,.1f} MB/s"
+            return f"bound by the disk at {shown}"
+        return "bound by the model"
+
+    def describe(self, nbytes: int, wall: float | None = None) -> str:
+        shares = self.shares(wall)
+        return ("busy: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items()) + "; "
+                + self.bound(nbytes, wall))
+
+
+def ahead(items: Iterable[T], stages: Stages, depth: int = AHEAD) -> Iterator[T]:
+    """`items`, produced by a worker thread up to `depth` ahead of the consumer; the worker's time
+    counts as the data stage's. An error in the worker is raised here, in order."""
+    out: queue.Queue = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def work() -> None:
+        source = iter(items)
+        try:
+            while not stop.is_set():
+                start = time.perf_counter()
+                try:
+                    item = next(source)
+                except StopIteration:
+                    break
+                stages.add("data", time.perf_counter() - start)
+                while not stop.is_set():
+                    try:
+                        out.put((item, None), timeout=0.1)
+                        break
+                    except queue.Full:
+                        continue
+        except BaseException as e:  # noqa: BLE001 - handed to the consumer
+            out.put((_END, e))
+            return
+        out.put((_END, None))
+
+    worker = threading.Thread(target=work, name="hookscope-data", daemon=True)
+    worker.start()
+    try:
+        while True:
+            start = time.perf_counter()
+            item, error = out.get()
+            stages.add("wait", time.perf_counter() - start)
+            if item is _END:
+                if error is not None:
+                    raise error
+                return
+            yield item
+    finally:
+        stop.set()
+        while worker.is_alive():  # let it see the stop: drain what it is blocked putting
+            try:
+                out.get(timeout=0.1)
+            except queue.Empty:
+                pass
+
+
+def stats_and_host(acts: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, PointStats]]:
+    """Each point's statistics computed where its activations are (on a GPU, where they cost
+    nothing), then the activations on the host: copied into pinned memory without blocking the
+    device's stream, synchronized before the writer reads them. Activations already on the CPU
+    are neither copied nor measured here: the writer's thread measures them, beside the main
+    thread's forward, rather than after it on the same thread (no statistics: {})."""
+    if not any(a.device.type == "cuda" for a in acts.values()):
+        return {name: a.cpu() for name, a in acts.items()}, {}
+    stats = {name: _to_host(PointStats.of(a)) for name, a in acts.items() if a.device.type == "cuda"}
+    host, events = {}, []
+    for name, a in acts.items():
+        if a.device.type != "cuda":
+            host[name] = a.cpu()
+            continue
+        buffer = torch.empty(a.shape, dtype=a.dtype, pin_memory=True)
+        buffer.copy_(a, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream(a.device))
+        host[name], events = buffer, [*events, event]
+    for event in events:
+        event.synchronize()
+    return host, stats
+
+
+def _to_host(stats: PointStats) -> PointStats:
+    """`stats` with its per-dimension tensors (if any) on the CPU, where the writer merges them."""
+    moved = {k: v.cpu() for k, v in vars(stats).items() if isinstance(v, torch.Tensor)}
+    return dataclasses.replace(stats, **moved) if moved else stats

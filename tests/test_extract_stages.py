@@ -1,0 +1,110 @@
+"""The extraction pipeline's stages (extract/stages.py): a run names the stage that bounds it. Each
+test makes one stage deliberately slow (batches that sleep as they are packed, a model whose first
+block sleeps, a shard file write that sleeps) and checks that the summary names that stage, with
+the largest busy share; and the rows are those of a run without the delay."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+from helpers import corpus_fixture
+
+import hookscope.store.writer as writer_module
+from hookscope.extract import ExtractConfig, extract
+from hookscope.extract.stages import Stages, ahead
+from hookscope.sources import TextSource
+from hookscope.store import open_store
+
+corpus = corpus_fixture(60)
+DELAY = 0.25  # seconds: far above what a stage of this tiny model costs
+
+
+def config(tiny_dirs, corpus, out) -> ExtractConfig:
+    return ExtractConfig(out=str(out), model=str(tiny_dirs["gpt2"]), points=["blocks.1.resid_post"],
+                         data=str(corpus), context=32, batch_size=4, dtype="float32", shard_rows=64,
+                         max_tokens=32 * 4 * 8, progress=False)
+
+
+def slow_data(monkeypatch) -> None:
+    real = TextSource.batches
+
+    def batches(self):
+        for batch in real(self):
+            time.sleep(DELAY)
+            yield batch
+
+    monkeypatch.setattr(TextSource, "batches", batches)
+
+
+def slow_model(monkeypatch) -> None:
+    real = TextSource.model_call
+
+    def model_call(self, batch):  # runs on the main thread, inside the executor's step
+        time.sleep(DELAY)
+        return real(self, batch)
+
+    monkeypatch.setattr(TextSource, "model_call", model_call)
+
+
+def slow_disk(monkeypatch) -> None:
+    real = writer_module.save_columns
+
+    def save_columns(*args, **kwargs):
+        time.sleep(DELAY * 2)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(writer_module, "save_columns", save_columns)
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_dirs, corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("reference") / "store"
+    extract(config(tiny_dirs, corpus, out))
+    return open_store(out).tensor("blocks.1.resid_post")
+
+
+@pytest.mark.parametrize("slow, stage, says", [
+    (slow_data, "data", "bound by the data"),
+    (slow_model, "model", "bound by the model"),
+    (slow_disk, "writer", "bound by the disk at"),
+])
+def test_the_summary_names_the_slow_stage(slow, stage, says, tiny_dirs, corpus, reference, tmp_path,
+                                          monkeypatch):
+    slow(monkeypatch)
+    summary = extract(config(tiny_dirs, corpus, tmp_path / "store"))
+    assert says in summary.bound and says in str(summary), str(summary)
+    others = {k: v for k, v in summary.busy.items() if k not in (stage, "out")}
+    assert summary.busy[stage] > 0.5 and all(summary.busy[stage] > v for v in others.values()), summary.busy
+    assert torch.equal(open_store(tmp_path / "store", verify=True).tensor("blocks.1.resid_post"), reference)
+
+
+def test_ahead_gives_every_item_in_order_and_raises_the_workers_error():
+    stages = Stages()
+    assert list(ahead(iter(range(50)), stages, depth=3)) == list(range(50))
+
+    def failing():
+        yield 1
+        raise ValueError("the data broke")
+
+    got = ahead(failing(), stages)
+    assert next(got) == 1
+    with pytest.raises(ValueError, match="the data broke"):
+        next(got)
+
+
+def test_ahead_stops_its_worker_when_the_consumer_stops():
+    produced = []
+
+    def endless():
+        while True:
+            produced.append(len(produced))
+            yield produced[-1]
+
+    got = ahead(endless(), Stages(), depth=2)
+    assert [next(got) for _ in range(5)] == [0, 1, 2, 3, 4]
+    got.close()
+    count = len(produced)
+    time.sleep(0.3)
+    assert len(produced) == count <= 5 + 2 + 2  # bounded: depth queued, one in hand, none after close

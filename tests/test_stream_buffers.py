@@ -1,0 +1,125 @@
+"""Block streaming into reused buffers (block_buffers.py): every block's weights are read into one
+of two buffer sets allocated once (the process's memory does not grow with the blocks: that is
+measured by bench/bench_stream_memory.py, not timed here), with the values the checkpoint holds,
+converted as the in-memory load converts them; blocks that differ fall back to the ordinary load."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from faultkit import compare_stores, extract_config, write_corpus
+from safetensors.torch import load_file
+
+import hookscope as hs
+from hookscope.block_buffers import data_ranges
+from hookscope.extract import ExtractConfig, extract
+from hookscope.stream import parse_size, streamer_for
+from hookscope.testing import save_tiny
+
+SAME = {"rows_lost": 0, "rows_duplicated": 0, "same_values": True, "same_files": True}
+
+
+def _converting_copy(model_dir: Path, to: Path) -> Path:
+    """The same float32 weights, with a config that asks for bfloat16: every block is converted."""
+    shutil.copytree(model_dir, to)
+    config = json.loads((to / "config.json").read_text())
+    (to / "config.json").write_text(json.dumps({**config, "dtype": "bfloat16"}))
+    return to
+
+
+def _params_seen_in_each_block(model_dir: Path, point: str, chunks: int, limit: str, **load):
+    """Run `chunks` chunks of one batch through a streamer; per real block call (a pre-hook on the
+    module path written here): the block index and, per parameter as the forward sees it, its
+    address and a copy of its values (the buffers are overwritten by later blocks)."""
+    loaded = hs.load(str(model_dir), device="meta", **load)
+    streamer = streamer_for(loaded, [point], parse_size(limit), batch_size=2, context=16, dtype=torch.float32)
+    seen: list[tuple[int, dict[str, tuple[int, torch.Tensor]]]] = []
+    layers = loaded.model.model.layers
+    hooks = [layers[k].register_forward_pre_hook(
+        lambda module, args, k=k: seen.append((k, {name: (p.data_ptr(), p.detach().clone())
+                                                   for name, p in module.named_parameters()})))
+        for k in range(len(layers))]
+    ids = torch.randint(3, 100, (2, 16))
+    try:
+        for _ in range(chunks):
+            streamer.run_chunk([{"input_ids": ids, "attention_mask": torch.ones_like(ids)}], [None])
+    finally:
+        for hook in hooks:
+            hook.remove()
+        streamer.close()
+    return streamer, seen
+
+
+def test_every_block_runs_on_the_buffers_allocated_once_holding_its_own_weights(tiny_dirs):
+    """Three blocks, three chunks: each block's parameters, as its forward sees them, lie inside the
+    two buffer sets allocated when the streamer started (a fresh tensor per block would lie
+    elsewhere), use exactly those two sets, and hold that block's tensors of the checkpoint file
+    (read with safetensors' own loader: a read ahead into the wrong slot, or a stale slot, would show)."""
+    stored = load_file(tiny_dirs["llama"] / "model.safetensors")
+    streamer, seen = _params_seen_in_each_block(tiny_dirs["llama"], "blocks.2.resid_post", 3, "700KB")
+    ranges = data_ranges(streamer.buffers)
+    assert [k for k, _ in seen] == [0, 1, 2] * 3 and len(ranges) == 2
+    slots_used = set()
+    for k, params in seen:
+        for name, (address, param) in params.items():
+            slot = next(i for i, (lo, hi) in enumerate(ranges) if lo <= address < hi)
+            assert address + param.numel() * param.element_size() <= ranges[slot][1]
+            slots_used.add(slot)
+            assert torch.equal(param, stored[f"model.layers.{k}.{name}"])
+    assert slots_used == {0, 1}
+
+
+def test_a_float32_checkpoint_computed_in_bfloat16_is_converted_into_the_buffers(tiny_dirs, tmp_path):
+    """The buffers are bfloat16 and each block's weights in them are the file's float32 tensors
+    rounded as `Tensor.to` rounds (to nearest even; truncating would differ in the last bit)."""
+    model_dir = _converting_copy(tiny_dirs["llama"], tmp_path / "bf16")
+    stored = load_file(model_dir / "model.safetensors")
+    assert stored["model.layers.0.mlp.up_proj.weight"].dtype == torch.float32
+    streamer, seen = _params_seen_in_each_block(model_dir, "blocks.2.resid_post", 2, "700KB")
+    assert streamer.buffers is not None
+    for k, params in seen:
+        for name, (_, param) in params.items():
+            want = stored[f"model.layers.{k}.{name}"].to(torch.bfloat16)
+            assert param.dtype == torch.bfloat16
+            assert torch.equal(param.view(torch.int16), want.view(torch.int16))
+
+
+def test_a_converting_checkpoint_streams_the_in_memory_store_byte_for_byte(tiny_dirs, tmp_path):
+    """The whole extraction of the float32 checkpoint computed in bfloat16: the store streamed
+    through the buffers is the in-memory one's, byte for byte."""
+    model_dir = _converting_copy(tiny_dirs["llama"], tmp_path / "bf16")
+    points = ["blocks.2.resid_post", "blocks.0.attn.z"]
+    diff = _streamed_against_in_memory(model_dir, points, "600KB", tmp_path)
+    assert diff == {**diff, **SAME} and diff["rows"] > 500
+
+
+@pytest.mark.parametrize("convert", [False, True], ids=["float32", "float32 computed in bfloat16"])
+def test_blocks_that_differ_stream_without_buffers(tmp_path, convert):
+    """RWKV's block 0 holds a norm the others lack: its blocks are loaded the ordinary way, one at
+    a time (the next one's bytes paged in ahead, converted ones too: that read ahead used to fail
+    on them), and the streamed store is still the in-memory one."""
+    model_dir = save_tiny("rwkv", tmp_path / "rwkv", d_model=32, n_layers=3)
+    if convert:
+        model_dir = _converting_copy(model_dir, tmp_path / "rwkv-bf16")
+    loaded = hs.load(str(model_dir), device="meta")
+    blocks = [dict(loaded.model.get_submodule(path).named_parameters()) for path in loaded.arch.block_paths]
+    assert set(blocks[0]) != set(blocks[1])  # the premise: the blocks differ
+    streamer = streamer_for(loaded, ["blocks.2.resid_post"], 10**8, batch_size=2, context=16,
+                            dtype=torch.float32)
+    assert streamer.buffers is None
+    points = ["blocks.2.resid_post", "blocks.0.resid_post"]
+    diff = _streamed_against_in_memory(model_dir, points, "1MB", tmp_path)
+    assert diff == {**diff, **SAME} and diff["rows"] > 300
+
+
+def _streamed_against_in_memory(model_dir: Path, points: list[str], limit: str, tmp_path: Path) -> dict:
+    """compare_stores of 800 tokens extracted streamed under `limit` against in memory."""
+    corpus = write_corpus(tmp_path / "corpus.txt", docs=20)
+    for mode, max_memory in (("memory", None), ("streamed", limit)):
+        extract(ExtractConfig(**extract_config(model_dir, corpus, tmp_path / mode, points=points,
+                                               max_tokens=800, max_memory=max_memory)))
+    return compare_stores(tmp_path / "streamed", tmp_path / "memory")
