@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 from helpers import corpus_fixture, extract_cli_args
 from tokenizers import Tokenizer, models, pre_tokenizers
@@ -145,3 +146,22 @@ def test_the_cli_takes_workers_and_refuses_a_negative_count(tiny_dirs, corpus, t
     with pytest.raises(SystemExit):
         main(extract_cli_args(tiny_dirs["gpt2"], corpus, tmp_path / "c", **{"--workers": "-1"}))
     assert "--workers" in capsys.readouterr().err
+
+
+def test_chunks_larger_than_a_pipe_do_not_deadlock():
+    """The parent sends the next chunk while the worker sends back a result of megabytes."""
+    docs = ["a b c d e f g h " * 1000] * 400  # 8,000 tokens each: 0.5 MB a chunk out, 4 MB back
+
+    def hung(*_):
+        raise TimeoutError("packing with a worker hung")
+
+    before = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(120)
+    try:
+        got = list(pack_batches(docs, words_tokenizer(), 512, 8, workers=1))
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, before)
+    want = list(pack_batches(docs, words_tokenizer(), 512, 8))
+    assert len(got) == len(want) > 700
+    assert all(torch.equal(g["input_ids"], w["input_ids"]) for g, w in zip(got, want, strict=True))

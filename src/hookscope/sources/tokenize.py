@@ -16,6 +16,7 @@ import collections
 import itertools
 import multiprocessing
 import os
+import queue
 import signal
 import sys
 import threading
@@ -104,18 +105,24 @@ def _in_processes(documents: Iterable[str], tokenizer: Any, workers: int) -> Ite
 def _work(connection: Any, tokenizer: Any, parent: int) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle: it stops us
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
 
     def watch() -> None:  # a parent killed outright (SIGKILL) cannot stop us: leave with it
         while os.getppid() == parent:
             time.sleep(0.5)
         os._exit(1)
 
+    def receive() -> None:  # always reading, so a parent sending a chunk never waits on our result
+        while True:
+            try:
+                inbox.put(connection.recv())
+            except (EOFError, OSError):
+                inbox.put(None)
+                return
+
     threading.Thread(target=watch, daemon=True).start()
-    while True:
-        try:
-            chunk = connection.recv()
-        except EOFError:
-            return
+    threading.Thread(target=receive, daemon=True).start()
+    while (chunk := inbox.get()) is not None:
         try:
             connection.send((True, encode(tokenizer, chunk)))
         except Exception as e:  # noqa: BLE001 - the tokenizer's own error, named in the parent
