@@ -150,7 +150,9 @@ def test_the_cli_takes_workers_and_refuses_a_negative_count(tiny_dirs, corpus, t
 
 def test_chunks_larger_than_a_pipe_do_not_deadlock():
     """The parent sends the next chunk while the worker sends back a result of megabytes."""
-    docs = ["a b c d e f g h " * 1000] * 400  # 8,000 tokens each: 0.5 MB a chunk out, 4 MB back
+    # ~8,000 tokens each, each its own object (pickle would send one shared string once):
+    # 1 MB a chunk out, 4 MB back
+    docs = ["a b c d e f g h " * 1000 + "abcdefgh"[i % 8] for i in range(400)]
 
     def hung(*_):
         raise TimeoutError("packing with a worker hung")
