@@ -24,14 +24,14 @@ import torch
 from torch import Tensor
 
 from ..errors import DataError, HookscopeError
-from ..models import sha256_text
+from ..loading import sha256_text
 from .base import Rows, Run, Source
 from .columns import patch_columns
 from .identity import model_identity
 
 if TYPE_CHECKING:
     from ..extract import ExtractConfig
-    from ..models import Loaded
+    from ..loading import Loaded
 
 PREFIX = "images:"
 SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
