@@ -23,6 +23,7 @@ from torch import nn
 
 from ..arch import Arch, PointSpec
 from ..errors import PointNotLoadedError
+from ..stopping import Stop
 
 
 @dataclass(frozen=True)
@@ -133,10 +134,6 @@ def plan(arch: Arch, specs: Iterable[PointSpec], prologue: set[str], points: Ite
     return PartialLoad(partial.points, through, partial.block_paths, partial.prologue)
 
 
-class _Stop(Exception):
-    pass
-
-
 def prologue_modules(make_meta_model: Callable[[], nn.Module], first_block: str) -> set[str]:
     """The modules a forward runs before `first_block`, by running a fresh `meta` copy of the model
     on `meta` inputs up to there (a copy, since some forwards change state on their first call:
@@ -145,16 +142,13 @@ def prologue_modules(make_meta_model: Callable[[], nn.Module], first_block: str)
     ran: list[str] = []
     handles = [m.register_forward_pre_hook(lambda _m, _a, name=name: ran.append(name))
                for name, m in model.named_modules()]
-
-    def stop(*_: Any) -> None:
-        raise _Stop
-
-    handles.append(model.get_submodule(first_block).register_forward_pre_hook(stop))
+    stop = Stop()
+    handles.append(stop.before(model.get_submodule(first_block)))  # after the block's name is recorded
     try:
         with torch.no_grad():
-            model(**_meta_inputs(model))
-    except _Stop:
-        return set(ran)
+            _, stopped = stop.run(model, _meta_inputs(model))
+        if stopped:
+            return set(ran)
     except Exception:  # a forward that cannot run on meta: every module outside the blocks
         pass
     finally:

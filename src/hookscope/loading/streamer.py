@@ -32,19 +32,14 @@ import torch
 from torch import Tensor, nn
 
 from ..arch import Arch
-from ..capture import Capture, _builds_kv_cache
+from ..capture import Capture
 from ..errors import HookscopeError
-from ..inputs import call_model
+from ..stopping import Stop, no_cache
 from .block_buffers import BlockBuffers, layout_of
 from .checkpoint import Checkpoint
 from .loader import Loaded
 from .stream_plan import StreamPlan, nbytes, plan_stream, resident_bytes
 from .weight_files import checkpoint_files, resolve_source
-
-
-class _BlockDone(BaseException):
-    """Raised after the block a streaming pass runs: the rest of the model is not needed.
-    BaseException so that model code that catches `Exception` cannot swallow it."""
 
 
 class _Replay(nn.Module):
@@ -195,10 +190,9 @@ class BlockStreamer:
                 stop=False if wants_output else None)) if points else None
             if wants_output:
                 block = self.model.get_submodule(self.arch.block_paths[k])
-                stack.callback(block.register_forward_hook(self._stop_after(out)).remove)
-                options = {"use_cache": False} if _builds_kv_cache(self.model) else {}
-                with contextlib.suppress(_BlockDone):
-                    call_model(self.model, batch, **options)
+                stop = Stop()  # after block k: the rest of the model is not needed
+                stack.callback(stop.after(block, self._keep_output(out)).remove)
+                stop.run(self.model, batch, **no_cache(self.model))
                 if not out:
                     raise HookscopeError(f"block {k} ({self.arch.block_paths[k]}) never ran in the forward "
                                          "pass: this model cannot be streamed; run without --max-memory")
@@ -208,17 +202,16 @@ class BlockStreamer:
                 acts[point] = cap[point]
         return out[0] if out else None
 
-    def _stop_after(self, out: list[Tensor]) -> Callable:
-        def hook(module: nn.Module, args: tuple, output) -> None:
+    def _keep_output(self, out: list[Tensor]) -> Callable[[Tensor | tuple], None]:
+        def keep(output: Tensor | tuple) -> None:
             if isinstance(output, Tensor):
                 self._extras = -1
                 out.append(output)
             else:
                 self._extras = len(output) - 1
                 out.append(output[0])
-            raise _BlockDone
 
-        return hook
+        return keep
 
     @contextlib.contextmanager
     def _replaying(self, k: int, saved: Tensor | None) -> Iterator[None]:
