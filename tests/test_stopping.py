@@ -157,3 +157,17 @@ def test_a_points_load_finds_the_modules_before_the_first_block():
     assert later == []
     assert {"", "transformer", "transformer.wte", "transformer.wpe", "transformer.h.0"} <= found
     assert not {"transformer.h.0.attn", "transformer.h.1", "transformer.ln_f", "lm_head"} & found
+
+
+def test_a_captures_stop_inside_another_pass_ends_its_own_with_block(gpt2_dir):
+    """`with hs.capture(..., stop=True)` around `hs.collect` of a later point: the outer capture's
+    stop, raised in the collect's pass, is not taken for the collect's own; it ends the `with` body."""
+    model = hs.load(str(gpt2_dir), tokenizer=False).model
+    want = whole_pass_output(model, "transformer.h.0", IDS)
+    later, handle = fired(model.transformer.h[1])
+    after_collect = []
+    with hs.capture(model, "blocks.0.resid_post", stop=True) as outer:
+        hs.collect(model, IDS, "blocks.2.resid_post")
+        after_collect.append(1)
+    handle.remove()
+    assert (later, after_collect) == ([], []) and torch.equal(outer["blocks.0.resid_post"], want)
