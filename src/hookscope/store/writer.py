@@ -287,8 +287,7 @@ class ShardWriter:
         name = f"{self._prefix}{self._next_shard:06d}.safetensors"
         tmp = self._staging / (name + ".tmp")
         runs = runs_of([i for i, _ in pending])
-        # the identity, then the per-dimension statistics (the manifest keeps only the scalars): two
-        # keys in this order, each text deterministic, so the shard's bytes are the same from run to run
+        # the identity, then the per-dimension statistics (the manifest keeps their scalars): deterministic bytes
         metadata = {**shard_identity(self.manifest.settings_hash, runs, self.rank), HEADER_KEY: header_text(stats)}
         try:
             self._staging.mkdir(exist_ok=True)  # made on the first write: a store never written has none
