@@ -230,6 +230,16 @@ def test_inspect_reports_and_verifies(store, location, capsys):
     assert f"verified: {store.num_shards} shards" in out
 
 
+def test_the_per_dimension_stats_come_from_every_shard_header(store):
+    """Merged from the headers, read through the store's filesystem (ranged reads at a URL): the
+    float64 mean and variance of the rows this test wrote."""
+    x = REF[POINT].double()
+    st = store.stats[POINT]
+    var = x.var(0, correction=0)
+    assert float(((st.mean - x.mean(0)).abs() / var.sqrt()).max()) < 1e-6  # float32 sums per batch
+    assert torch.allclose(st.var, var, rtol=1e-5, atol=0)
+
+
 def test_an_interrupted_store_resumes_to_the_rows_written(location, tmp_path):
     write(location, range(5), interrupt=True)  # Ctrl-C after batch 4: the unfinished shard is dropped
     partial = open_store(location)

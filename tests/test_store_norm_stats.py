@@ -18,6 +18,7 @@ import torch
 from hookscope.cli import main
 from hookscope.errors import StoreError
 from hookscope.store import PointStats, ShardWriter, merge_rank_manifests, open_store
+from hookscope.store import dimstats
 from hookscope.store.stats import HEADER_KEY
 
 POINTS = {"blocks.0.resid_post": (torch.bfloat16, (24,)), "blocks.0.mlp.out": (torch.float16, (3, 8))}
@@ -196,7 +197,8 @@ def test_a_damaged_shard_header_is_refused_by_name(tmp_path, capsys):
     assert "shard-r000-000000.safetensors: its 'hookscope.stats' metadata" in capsys.readouterr().err
 
 
-def test_a_resumed_store_merges_them_exactly(tmp_path):
+def test_a_resumed_store_merges_them_exactly(tmp_path, monkeypatch):
+    monkeypatch.setattr(dimstats, "_GROUP", 2)  # shards merged in groups of 2, the groups with Chan's update
     write(tmp_path / "s", range(5))  # 2 shards and a last one of 1 batch
     write(tmp_path / "s", range(5, 9))
     store = open_store(tmp_path / "s")
