@@ -14,6 +14,8 @@ event of that site to die at, counted from 1 over the whole run:
                                      reaches: the process dies there (SIGXFSZ, as abrupt as SIGKILL),
                                      leaving whatever temporary file the library writes half-written
     manifest-write:N                 inside the N-th manifest save, leaving a half-written .tmp
+    journal-write:N                  inside the N-th shard commit appended to a journal, leaving its
+                                     line half-written (a torn last line: that shard not committed)
     fsync:N                          inside the N-th os.fsync (shard data, shard directory,
                                      manifest, store directory)
     batch:N                          as the N-th new batch is handed to the writer (the writer
@@ -55,8 +57,8 @@ from hookscope.store import ShardWriter
 from hookscope.store import fs as fs_module
 from hookscope.store import writer as writer_module
 
-SITES = ("replace", "rename", "manifest-replace", "save", "library-save", "manifest-write", "fsync", "batch",
-         "forward", "tokenize", "upload", "put", "manifest-put")
+SITES = ("replace", "rename", "manifest-replace", "save", "library-save", "manifest-write", "journal-write",
+         "fsync", "batch", "forward", "tokenize", "upload", "put", "manifest-put")
 
 
 SIGNAL = signal.SIGKILL  # what die() sends; `cli` mode may choose SIGINT or SIGTERM
@@ -104,6 +106,13 @@ def die_in_next_write(limit: int) -> None:
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
 
 
+def _tear_last_line(path: str) -> None:
+    with open(path, "rb") as f:
+        data = f.read()
+    start = data.rfind(b"\n", 0, len(data) - 1) + 1  # where the last line begins
+    os.truncate(path, start + (len(data) - start) // 2)
+
+
 def _fd_path(fd: int) -> str:
     return os.readlink(f"/proc/self/fd/{fd}")
 
@@ -127,6 +136,9 @@ def arm(kill_at: str) -> Plan:
         path = _fd_path(fd)
         if path.endswith(".json.tmp") and plan.event("manifest-write") and SIGNAL == signal.SIGKILL:
             os.truncate(path, os.path.getsize(path) // 2)  # the rest of the JSON never reached the disk
+            die()
+        if path.endswith(".journal") and plan.event("journal-write") and SIGNAL == signal.SIGKILL:
+            _tear_last_line(path)  # the line's end never reached the disk
             die()
         if plan.event("fsync"):
             die()

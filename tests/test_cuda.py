@@ -390,3 +390,7 @@ def test_statistics_where_the_activations_are_and_the_copy_out(device):
         assert (stats[name].nonfinite, stats[name].norm_count) == (want.nonfinite, want.norm_count)
         assert stats[name].norm_sum == pytest.approx(want.norm_sum, rel=1e-5)
         assert stats[name].norm_sumsq == pytest.approx(want.norm_sumsq, rel=1e-5)
+        for got, ref in ((stats[name].mean, want.mean), (stats[name].m2, want.m2)):
+            if ref is not None:  # per-dimension moments: on the host, where the writer merges them
+                assert got.device.type == "cpu"
+                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)

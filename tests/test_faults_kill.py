@@ -35,6 +35,7 @@ SITES = {
     "rename": ("around a shard's rename into place", 4),
     "manifest-replace": ("around the manifest replace", 4),
     "manifest-write": ("inside the manifest write (half-written .tmp left)", 3),
+    "journal-write": ("inside a shard's commit record (its journal line half-written)", 3),
     "fsync": ("inside an fsync (shard, manifest or directory)", 3),
     "batch": ("as a batch is queued (the writer thread mid-shard)", 3),
     "forward": ("in the middle of a forward pass", 3),
@@ -43,7 +44,8 @@ SITES = {
     # the process dies of SIGXFSZ there: a file-size limit set just before the write
     "library-save": ("inside safetensors' own shard write (its temporary file left)", 2),
 }
-DEFAULT = ("save", "manifest-replace", "manifest-write", "fsync", "batch", "forward", "library-save")
+DEFAULT = ("save", "manifest-replace", "manifest-write", "journal-write", "fsync", "batch", "forward",
+           "library-save")
 # a crash, then a second crash early in the resume, then the resume that finishes
 TWICE = [("batch", "save:1"), ("fsync", "rename:1:after"), ("forward", "manifest-write:2")]
 

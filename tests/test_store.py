@@ -21,6 +21,8 @@ import xxhash
 from hookscope.errors import StoreError
 from hookscope.store import Manifest, ShardWriter, merge_rank_manifests, open_store
 from hookscope.store import writer as writer_module
+from hookscope.store.fs import LocalFS
+from hookscope.store.journal import load_manifest
 
 SETTINGS = {"model": "tiny", "points": ["blocks.1.resid_post", "blocks.1.attn.z"], "context": 8, "seed": 0}
 N_BATCHES = 12
@@ -213,6 +215,11 @@ with wm.ShardWriter(out, SETTINGS, shard_rows=SHARD_ROWS) as w:
 """
 
 
+def committed_manifest(out: Path) -> Manifest:
+    """What a crashed writer committed: its manifest and the commits journaled beside it."""
+    return load_manifest(LocalFS(out), "manifest.json")
+
+
 @pytest.mark.parametrize("mode", ["after_tmp", "after_rename", "inside_library", "poll"])
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path: Path, store_dir: Path, mode: str):
     out = tmp_path / "crashed"
@@ -222,15 +229,15 @@ def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path: Path, store_
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and child.poll() is None:
             try:
-                if len(json.loads((out / "manifest.json").read_text())["shards"]) >= 2:
+                if len(committed_manifest(out).shards) >= 2:  # manifest.json + manifest.journal
                     break
-            except (OSError, ValueError):
+            except (OSError, ValueError, StoreError):
                 pass
             time.sleep(0.01)
         child.send_signal(signal.SIGKILL)
     assert child.wait(timeout=60) == -(signal.SIGXFSZ if mode == "inside_library" else signal.SIGKILL)
     leftovers = {p.relative_to(out / "shards").as_posix() for p in (out / "shards").rglob("*")}
-    committed = Manifest.load(out / "manifest.json")
+    committed = committed_manifest(out)
     if mode == "after_tmp":  # in the writer's own directory, with whatever the library left beside it
         assert "shard-r000-writing/shard-r000-000002.safetensors.tmp" in leftovers
     if mode == "inside_library":  # the library's own partial file, wherever it writes it

@@ -12,6 +12,7 @@ flat. `Stages` counts each stage's busy seconds; `bound()` names the stage that 
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -53,8 +54,9 @@ class Stages:
         if stage == "data":
             return "bound by the data (reading, tokenizing, packing)"
         if stage == "writer":
-            rate = nbytes / self.busy["writer"] / 1e9 if self.busy["writer"] > 0 else 0.0
-            return f"bound by the disk at {rate:.2f} GB/s"
+            rate = nbytes / self.busy["writer"] if self.busy["writer"] > 0 else 0.0
+            shown = f"{rate / 1e9:.2f} GB/s" if rate >= 1e9 else f"{rate / 1e6:,.1f} MB/s"
+            return f"bound by the disk at {shown}"
         return "bound by the model"
 
     def describe(self, nbytes: int, wall: float | None = None) -> str:
@@ -119,7 +121,7 @@ def stats_and_host(acts: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
     thread's forward, rather than after it on the same thread (no statistics: {})."""
     if not any(a.device.type == "cuda" for a in acts.values()):
         return {name: a.cpu() for name, a in acts.items()}, {}
-    stats = {name: PointStats.of(a) for name, a in acts.items() if a.device.type == "cuda"}
+    stats = {name: _to_host(PointStats.of(a)) for name, a in acts.items() if a.device.type == "cuda"}
     host, events = {}, []
     for name, a in acts.items():
         if a.device.type != "cuda":
@@ -133,3 +135,9 @@ def stats_and_host(acts: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tenso
     for event in events:
         event.synchronize()
     return host, stats
+
+
+def _to_host(stats: PointStats) -> PointStats:
+    """`stats` with its per-dimension tensors (if any) on the CPU, where the writer merges them."""
+    moved = {k: v.cpu() for k, v in vars(stats).items() if isinstance(v, torch.Tensor)}
+    return dataclasses.replace(stats, **moved) if moved else stats

@@ -84,6 +84,10 @@ class FS:
         """Name -> bytes of the files directly under `rel` ({} if there are none)."""
         raise NotImplementedError
 
+    def file_names(self, rel: str = "") -> set[str]:
+        """Names of the files directly under `rel` (not directories), without their sizes."""
+        return set(self.sizes(rel))
+
     def size(self, rel: str) -> int | None:
         """Bytes in file `rel`, None if there is no such file."""
         raise NotImplementedError
@@ -158,6 +162,10 @@ class FS:
         """The writer is done with `staging()`'s directory: it goes, with anything left in it."""
         shutil.rmtree(staged, ignore_errors=True)
 
+    def remove_tree(self, rel: str) -> None:
+        """Delete `rel`, a file or everything under it (at a URL: every object under the prefix)."""
+        self.remove(rel)
+
     def makedirs(self, rel: str) -> None:
         """Make directory `rel` (and those above it) where directories exist; an object store has none."""
 
@@ -214,6 +222,13 @@ class LocalFS(FS):
         except OSError as e:
             raise StoreError(f"{self.where(rel)}: cannot list it ({e})") from e
         return out
+
+    def file_names(self, rel: str = "") -> set[str]:
+        try:
+            with os.scandir(self.local(rel)) as found:  # the entry's type, from the listing: no stat
+                return {entry.name for entry in found if entry.is_file()}
+        except (FileNotFoundError, NotADirectoryError):
+            return set()
 
     def size(self, rel: str) -> int | None:
         try:
@@ -351,6 +366,10 @@ class RemoteFS(FS):
     def remove(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):
             self.fs.rm_file(self.path(rel))
+
+    def remove_tree(self, rel: str) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            self.fs.rm(self.path(rel), recursive=True)
 
 
 def _takes_refresh(fs: Any) -> bool:

@@ -10,10 +10,13 @@ entries. See docs/store-format.md for the format on one page.
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import hashlib
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -21,48 +24,25 @@ from typing import Any
 import torch
 
 from ..errors import StoreError
-from .checksum import ALGORITHMS
+from .entry import (  # noqa: F401 - the store's modules import the entry's names from here
+    IDENTITY,
+    SHARDS_DIR,
+    Runs,
+    ShardEntry,
+    check_fits,
+    expect,
+    nonnegative,
+    runs_of,
+    shard_from_json,
+    shard_identity,
+    shard_v1_from_json,
+    stats_from_json,
+)
 from .stats import PointStats
 
 FORMAT = "hookscope-store"
 VERSION = 2  # 2: shards list their batches explicitly and carry their own stats (elastic resume)
 MANIFEST = "manifest.json"
-SHARDS_DIR = "shards"
-IDENTITY = "hookscope.shard"  # the shard's __metadata__ key naming its place in its store
-
-
-Runs = tuple[tuple[int, int, int], ...]  # (first, last, step) runs of batch indices, increasing
-
-
-def runs_of(indices: list[int]) -> Runs:
-    """Increasing batch indices as (first, last, step) runs, greedily: [0, 2, 4, 5] gives
-    (0, 4, 2), (5, 5, 1)."""
-    runs, i = [], 0
-    while i < len(indices):
-        if i + 1 == len(indices):
-            runs.append((indices[i], indices[i], 1))
-            break
-        step, j = indices[i + 1] - indices[i], i + 1
-        while j + 1 < len(indices) and indices[j + 1] - indices[j] == step:
-            j += 1
-        runs.append((indices[i], indices[j], step))
-        i = j + 1
-    return tuple(runs)
-
-
-def _show_runs(runs: Runs, steps: bool = True) -> str:
-    return ",".join(f"{a}-{b}" + (f"/{s}" if steps and s != 1 else "") for a, b, s in runs)
-
-
-def shard_identity(settings_hash: str, batches: Runs, rank: int) -> dict[str, str]:
-    """What a shard's safetensors `__metadata__` says about where it belongs. A reader refuses a
-    shard whose identity differs from its manifest entry: one copied from another store, or moved
-    within this one, would otherwise read as valid rows. One key: safetensors writes metadata keys
-    in a random order, and shards must be byte-identical from run to run. A shard of one process
-    holding batches 0 to 7 says `batches 0-7 of rank 0, settings HASH`, as in format version 1."""
-    return {IDENTITY: f"batches {_show_runs(batches)} of rank {rank}, settings {settings_hash}"}
-
-
 def manifest_name(rank: int, world_size: int, generation: int = 0) -> str:
     """`manifest.json` for a single process; `manifest.rank{r}.json` per rank under torchrun, and
     `manifest.rank{r}.gen{g}.json` for the ranks of a later attempt with another world size."""
@@ -122,43 +102,20 @@ class Column:
         return math.prod(self.shape) * getattr(torch, self.dtype).itemsize
 
 
-@dataclass(frozen=True)
-class ShardEntry:
-    file: str  # relative to the store directory, e.g. "shards/shard-r000-000003.safetensors"
-    rows: int
-    checksum: str  # hex digest of the whole file, by `algorithm` (store/checksum.py)
-    bytes: int
-    batches: Runs  # the batch indices the shard holds, in row order, as (first, last, step) runs
-    rank: int
-    generation: int = 0  # the attempt (a run of one world size) that wrote it
-    stats: dict[str, PointStats] | None = field(default=None, hash=False)  # None: format version 1
-    legacy: bool = field(default=False, compare=False, repr=False)  # read from format version 1
-    algorithm: str = "sha256"  # of `checksum`; the JSON keeps the digest under this name
+_SHARDS = "hookscope: the shard entries go here"
 
-    @property
-    def batch_start(self) -> int:
-        return self.batches[0][0]
 
-    @property
-    def batch_end(self) -> int:
-        return self.batches[-1][1]
-
-    def batch_indices(self) -> list[int]:
-        return [b for first, last, step in self.batches for b in range(first, last + 1, step)]
-
-    def identity(self, settings_hash: str) -> str:
-        """The identity string the shard file's metadata must hold (see `shard_identity`)."""
-        if self.legacy:  # version 1 wrote first-last only, the step being the world size
-            runs = _show_runs(self.batches, steps=False)
-            return f"batches {runs} of rank {self.rank}, settings {settings_hash}"
-        return shard_identity(settings_hash, self.batches, self.rank)[IDENTITY]
-
-    def to_json(self) -> dict[str, Any]:
-        out = {"file": self.file, "rows": self.rows, self.algorithm: self.checksum, "bytes": self.bytes,
-               "batches": [list(r) for r in self.batches], "rank": self.rank, "generation": self.generation}
-        if self.stats is not None:
-            out["stats"] = {k: s.to_json() for k, s in self.stats.items()}
-        return out
+@contextlib.contextmanager
+def no_gc() -> Iterator[None]:
+    """The cyclic garbage collector paused: building a million small objects that form no cycles (a
+    100,000-shard manifest) otherwise runs it again and again over all of them, half the time."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def summed_stats(shards: list[ShardEntry]) -> dict[str, PointStats]:
@@ -174,7 +131,7 @@ def summed_stats(shards: list[ShardEntry]) -> dict[str, PointStats]:
 class Manifest:
     """A store's manifest.json (`store.manifest`): the `settings` that shape its rows (model,
     points, data, context, dtype...), its columns (`points`: activations; `meta`: token_ids,
-    doc_ids, positions, seq_ids), its `shards` with rows and SHA-256, and per-point `stats`.
+    doc_ids, positions, seq_ids), its `shards` with rows and checksums, and per-point `stats`.
     docs/store-format.md gives every field."""
 
     settings: dict[str, Any]
@@ -207,7 +164,8 @@ class Manifest:
         """Batch indices committed to shards (of one rank, or of all)."""
         return {b for s in self.shards if rank is None or s.rank == rank for b in s.batch_indices()}
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, shards: Any = None) -> dict[str, Any]:
+        """The manifest as JSON; `shards`, if given, stands in for the list of shard entries."""
         return {
             "format": FORMAT,
             "version": VERSION,
@@ -220,12 +178,22 @@ class Manifest:
             "points": {k: {"shape": list(c.shape), "dtype": c.dtype} for k, c in self.points.items()},
             "meta": {k: {"shape": list(c.shape), "dtype": c.dtype} for k, c in self.meta.items()},
             "stats": {k: s.to_json() for k, s in self.stats.items()},
-            "shards": [s.to_json() for s in self.shards],
+            "shards": [s.to_json() for s in self.shards] if shards is None else shards,
         }
 
-    def to_bytes(self) -> bytes:
-        """The manifest file's exact bytes."""
-        return (json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n").encode()
+    def to_bytes(self, texts: dict[str, str] | None = None) -> bytes:
+        """The manifest file's exact bytes: `json.dumps(self.to_json(), indent=1)` and a newline.
+        `texts` keeps each shard entry's text by file, so that a writer rewriting its manifest
+        encodes only the entries it has not encoded before (json's indented encoder is pure Python)."""
+        texts = {} if texts is None else texts
+        if not self.shards:
+            return (json.dumps(self.to_json(), indent=1, allow_nan=False) + "\n").encode()
+        head = json.dumps(self.to_json(_SHARDS), indent=1, allow_nan=False)  # the last key, replaced below
+        for s in self.shards:  # an entry at depth 2: its own indented text, two spaces further in
+            if s.file not in texts:
+                texts[s.file] = json.dumps(s.to_json(), indent=1, allow_nan=False).replace("\n", "\n  ")
+        entries = ",".join(f"\n  {texts[s.file]}" for s in self.shards)
+        return (head.removesuffix(f'"{_SHARDS}"\n}}') + f"[{entries}\n ]\n}}\n").encode()
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Manifest:
@@ -242,134 +210,82 @@ class Manifest:
     def from_bytes(cls, data: bytes, where: str) -> Manifest:
         """Parse and check a manifest's bytes; `where` names it in errors."""
         path = where
-        try:
-            raw = json.loads(data.decode("utf-8"))
-        except (ValueError, RecursionError) as e:  # ValueError: bad UTF-8 / JSON, a 5,000-digit int
-            raise StoreError(f"{path}: manifest is not readable JSON ({e}); the store is damaged") from e
-        try:
-            return cls._from_json(raw)
-        except (KeyError, TypeError, ValueError) as e:
-            raise StoreError(f"{path}: malformed manifest: {e}") from e
+        with no_gc():
+            try:
+                raw = json.loads(data.decode("utf-8"))
+            except (ValueError, RecursionError) as e:  # ValueError: bad UTF-8 / JSON, a 5,000-digit int
+                raise StoreError(f"{path}: manifest is not readable JSON ({e}); the store is damaged") from e
+            try:
+                return cls._from_json(raw)
+            except (KeyError, TypeError, ValueError) as e:
+                raise StoreError(f"{path}: malformed manifest: {e}") from e
 
     @classmethod
     def _from_json(cls, raw: Any) -> Manifest:
-        _expect(raw, dict, "manifest")
+        expect(raw, dict, "manifest")
         if raw.get("format") != FORMAT:
             raise ValueError(f"'format' is {raw.get('format')!r}, expected {FORMAT!r}")
         version = raw.get("version")
         if version not in (1, VERSION) or isinstance(version, bool):
             raise ValueError(f"format version {version!r}; this hookscope reads versions 1 and {VERSION}")
-        settings = _expect(raw["settings"], dict, "settings")
-        stored_hash = _expect(raw["settings_hash"], str, "settings_hash")
+        settings = expect(raw["settings"], dict, "settings")
+        stored_hash = expect(raw["settings_hash"], str, "settings_hash")
         if stored_hash != settings_hash(settings):
             raise ValueError("settings_hash does not match the settings (edited by hand?)")
-        world_size = _int(raw["world_size"], "world_size", minimum=1)
-        raw_shards = _expect(raw["shards"], list, "shards")
-        shards = ([_shard_v1(s, i, world_size) for i, s in enumerate(raw_shards)] if version == 1
-                  else [_shard(s, i) for i, s in enumerate(raw_shards)])
+        world_size = nonnegative(raw["world_size"], "world_size", minimum=1)
+        raw_shards = expect(raw["shards"], list, "shards")
+        shards = ([shard_v1_from_json(s, i, world_size) for i, s in enumerate(raw_shards)] if version == 1
+                  else [shard_from_json(s, f"shards[{i}]") for i, s in enumerate(raw_shards)])
         m = cls(
             settings=settings,
             world_size=world_size,
             points=_columns(raw["points"], "points"),
             meta=_columns(raw["meta"], "meta"),
             shards=shards,
-            stats={k: _stats(v, f"stats.{k}") for k, v in _expect(raw["stats"], dict, "stats").items()},
+            stats={k: stats_from_json(v, f"stats.{k}")
+                   for k, v in expect(raw["stats"], dict, "stats").items()},
             settings_hash=stored_hash,
-            generation=0 if version == 1 else _int(raw["generation"], "generation"),
+            generation=0 if version == 1 else nonnegative(raw["generation"], "generation"),
             version=version,
         )
-        if _int(raw["rows"], "rows") != m.rows or _int(raw["bytes"], "bytes") != m.bytes:
+        if nonnegative(raw["rows"], "rows") != m.rows or nonnegative(raw["bytes"], "bytes") != m.bytes:
             raise ValueError("totals 'rows'/'bytes' disagree with the shard list")
         for where, stats in [("stats", m.stats), *((f"shards[{i}].stats", s.stats or {})
                                                    for i, s in enumerate(m.shards))]:
-            for name, st in stats.items():
-                if name not in m.points:
-                    raise ValueError(f"{where} has {name!r}, which is not a point of the store")
-                if st.mean is not None and len(st.mean) != math.prod(m.points[name].shape):
-                    raise ValueError(f"{where}.{name} holds {len(st.mean)} dimensions, the point has "
-                                     f"{math.prod(m.points[name].shape)}")
+            check_stats(stats, m.points, where)
         if version != 1 and m.stats != summed_stats(m.shards):
             raise ValueError("'stats' disagree with the sum of the shards' stats")
         if len({s.file for s in m.shards}) != len(m.shards):
             raise ValueError("a shard file is listed twice")
-        row_bytes = sum(c.row_bytes for c in m.columns.values())
-        for i, s in enumerate(m.shards):  # bounds what a reader allocates from the manifest's word alone
-            if s.rows * row_bytes > s.bytes:
-                raise ValueError(f"shards[{i}] ({s.file}) claims {s.rows} rows of {row_bytes} bytes each, "
-                                 f"more than its {s.bytes} bytes: the manifest or the shard is damaged")
+        row_bytes = m.row_bytes
+        for i, s in enumerate(m.shards):
+            check_fits(s, row_bytes, f"shards[{i}]")
         return m
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one row over every column."""
+        return sum(c.row_bytes for c in self.columns.values())
 
-def _expect(value: Any, kind: type, what: str) -> Any:
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise TypeError(f"{what} should be {kind.__name__}, got {type(value).__name__}")
-    return value
 
-
-def _int(value: Any, what: str, minimum: int = 0) -> int:
-    _expect(value, int, what)
-    if value < minimum:
-        raise ValueError(f"{what} is {value}, should be >= {minimum}")
-    return value
+def check_stats(stats: dict[str, PointStats], points: dict[str, Column], where: str) -> None:
+    """Statistics only for the store's points (their per-dimension side is in the shards' headers:
+    store/dimstats.py checks it)."""
+    for name in stats:
+        if name not in points:
+            raise ValueError(f"{where} has {name!r}, which is not a point of the store")
 
 
 def _columns(raw: Any, what: str) -> dict[str, Column]:
     out = {}
-    for name, c in _expect(raw, dict, what).items():
-        _expect(c, dict, f"{what}.{name}")
-        shape = tuple(_int(d, f"{what}.{name}.shape")
-                      for d in _expect(c["shape"], list, f"{what}.{name}.shape"))
-        dtype = _expect(c["dtype"], str, f"{what}.{name}.dtype")
+    for name, c in expect(raw, dict, what).items():
+        expect(c, dict, f"{what}.{name}")
+        shape = tuple(nonnegative(d, f"{what}.{name}.shape")
+                      for d in expect(c["shape"], list, f"{what}.{name}.shape"))
+        dtype = expect(c["dtype"], str, f"{what}.{name}.dtype")
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"{what}.{name}.dtype {dtype!r} is not a torch dtype")
         out[name] = Column(shape, dtype)
     return out
 
 
-def _shard_common(raw: Any, w: str) -> tuple[str, int, str, int, int, str]:
-    _expect(raw, dict, w)
-    file = _expect(raw["file"], str, f"{w}.file")
-    if not file.startswith(SHARDS_DIR + "/") or ".." in file or not file.endswith(".safetensors"):
-        raise ValueError(f"{w}.file {file!r} should be shards/<name>.safetensors")
-    named = [a for a in ALGORITHMS if a in raw]
-    if len(named) != 1:
-        raise ValueError(f"{w} should hold one checksum, under one of {list(ALGORITHMS)}; it holds {named}")
-    algorithm = named[0]
-    digest = _expect(raw[algorithm], str, f"{w}.{algorithm}")
-    if len(digest) != ALGORITHMS[algorithm] or any(ch not in "0123456789abcdef" for ch in digest):
-        raise ValueError(f"{w}.{algorithm} {digest!r} is not a hex {algorithm} digest")
-    rows, size, rank = (_int(raw[k], f"{w}.{k}") for k in ("rows", "bytes", "rank"))
-    return file, rows, digest, size, rank, algorithm
-
-
-def _shard(raw: Any, i: int) -> ShardEntry:
-    w = f"shards[{i}]"
-    file, rows, digest, size, rank, algorithm = _shard_common(raw, w)
-    runs = []
-    for j, run in enumerate(_expect(raw["batches"], list, f"{w}.batches")):
-        if not isinstance(run, list) or len(run) != 3:
-            raise ValueError(f"{w}.batches[{j}] should be [first, last, step]")
-        first, last, step = (_int(x, f"{w}.batches[{j}]") for x in run)
-        if last < first or step < 1 or (last - first) % step or (runs and first <= runs[-1][1]):
-            raise ValueError(f"{w}.batches[{j}] {run} is not an increasing run after the ones before it")
-        runs.append((first, last, step))
-    if not runs:
-        raise ValueError(f"{w}.batches is empty")
-    stats = {k: _stats(v, f"{w}.stats.{k}") for k, v in _expect(raw["stats"], dict, f"{w}.stats").items()}
-    generation = _int(raw["generation"], f"{w}.generation")
-    return ShardEntry(file, rows, digest, size, tuple(runs), rank, generation, stats, algorithm=algorithm)
-
-
-def _shard_v1(raw: Any, i: int, world_size: int) -> ShardEntry:
-    """A version 1 entry: batch_start..batch_end stepping by the world size."""
-    w = f"shards[{i}]"
-    file, rows, digest, size, rank, algorithm = _shard_common(raw, w)
-    start, end = _int(raw["batch_start"], f"{w}.batch_start"), _int(raw["batch_end"], f"{w}.batch_end")
-    if end < start or (end - start) % world_size:
-        raise ValueError(f"{w}: batch_start..batch_end ({start}..{end}) is no run of step {world_size}")
-    return ShardEntry(file, rows, digest, size, ((start, end, world_size),), rank, legacy=True,
-                      algorithm=algorithm)
-
-
-def _stats(raw: Any, where: str) -> PointStats:
-    return PointStats.from_json(raw, where)

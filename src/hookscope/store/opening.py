@@ -42,8 +42,9 @@ class StoreView:
             manifest_name(self.rank, deal.world_size, deal.generation)}
 
         def mine(sizes: dict[str, int]) -> dict[str, int]:
+            # theirs: their manifests, and the files named after them (.tmp, journal, lock)
             return {k: v for k, v in sizes.items() if k != CARD and k not in theirs
-                    and not any(k.startswith(t + ".") for t in theirs)}
+                    and not any(k.startswith(t.removesuffix(".json") + ".") for t in theirs)}
 
         return mine(fs.sizes()) != mine(self.sizes)
 

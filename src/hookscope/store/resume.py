@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import bisect
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import StoreError
 from . import meanings
 from .fs import FS, open_fs
+from .journal import load_manifest
 from .manifest import VERSION, Column, Manifest, ShardEntry, settings_diff, settings_hash
 
 
@@ -56,6 +57,7 @@ class Plan:
     shards: list[ShardEntry]  # every committed shard of every attempt, by first batch
     points: dict[str, Column]
     meta: dict[str, Column]
+    manifests: dict[str, Manifest] = field(default_factory=dict)  # as read, by name, journals applied
 
     def own(self, rank: int) -> list[ShardEntry]:
         """The shards `rank` of this attempt committed before (when it continues an attempt)."""
@@ -75,7 +77,7 @@ def read_manifests(fs: FS) -> list[tuple[str, Manifest]]:
     for name in fs.list():
         if is_manifest(name):
             try:
-                out.append((name, Manifest.from_bytes(fs.read(name), fs.where(name))))
+                out.append((name, load_manifest(fs, name)))
             except FileNotFoundError:  # renamed away between the listing and the read: not there
                 continue
     return out
@@ -138,7 +140,7 @@ def plan(manifests: list[tuple[str, Manifest]], settings: dict[str, Any], world_
                              f"processes ({sorted(sizes)}); the store is damaged")
         generation = latest if sizes == {world_size} else latest + 1
     done_before = sorted(b for s in shards if s.generation < generation for b in s.batch_indices())
-    return Plan(Deal(generation, world_size, tuple(done_before)), shards, points, meta)
+    return Plan(Deal(generation, world_size, tuple(done_before)), shards, points, meta, dict(manifests))
 
 
 def plan_for(out_dir: str | os.PathLike, settings: dict[str, Any], world_size: int) -> Plan:

@@ -13,7 +13,6 @@ shard for shard. A resume with another number of ranks re-deals the batches not 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import queue
 import re
@@ -30,6 +29,7 @@ from ..errors import StoreError
 from .card import CARD, card_bytes
 from .checksum import ALGORITHMS, WRITTEN
 from .fs import open_fs
+from .journal import Commits, journal_name
 from .manifest import (
     MANIFEST,
     SHARDS_DIR,
@@ -102,12 +102,15 @@ class ShardWriter:
                                  points=found.points if shards else {}, meta=found.meta if shards else {},
                                  shards=shards, stats=summed_stats(shards))
         try:  # stamps the settings into the directory now, and proves it is writable before any compute
+            self._commits = Commits(self.fs, self._manifest_name)  # shard commits: store/journal.py
+            self._commits.lock()  # before anything is touched: a second run on the store is refused
             self._remove_orphans(found_at_open)
-            self.fs.put(self._manifest_name, self.manifest.to_bytes())
+            self._commits.open(self.manifest, found.manifests.get(self._manifest_name))
             # README.md: datasets.load_dataset(DIR) fails clearly rather than misreading the store
             if self.fs.size(CARD) is None:
                 self.fs.put(CARD, card_bytes(), durable=False)
         except OSError as e:
+            self._commits.unlock()  # refused: the next try, in this process too, may take the store
             raise StoreError(f"cannot write to the store directory {self.out}: {e}; make it writable (or "
                              "free space) or choose another --out, and re-run") from e
         # to skip: what earlier attempts committed, and this rank's own shards of this attempt
@@ -250,6 +253,9 @@ class ShardWriter:
                 if self._pending and self._error is None and not self._discard_partial:
                     self._guard(self._flush)
                 self._copiers.shutdown()
+                if self._error is None:
+                    self._guard(self._commits.finish, self.manifest)
+                self._commits.unlock()
                 self.fs.done_staging(self._staging)
                 return
             if self._error is None:  # after an error, keep draining so that write() never blocks
@@ -304,27 +310,13 @@ class ShardWriter:
 
     def _commit(self, entry: ShardEntry, stats: dict[str, PointStats]) -> None:
         """Shard `entry`, in its final place, becomes part of the store (its batches count as done)."""
-        size = entry.bytes
-        old = self.manifest
-        shards = [*old.shards, entry]
-        if len(shards) > 1 and shards[-2].batch_start > entry.batch_start:  # among earlier attempts' shards
-            shards.sort(key=lambda s: s.batch_start)
-            totals = summed_stats(shards)
-        else:  # appended: the same sums as summed_stats(shards), without going over every shard again
-            totals = {**old.stats, **{k: old.stats.get(k, PointStats()).merge(s) for k, s in stats.items()}}
-        new = dataclasses.replace(
-            old, shards=shards, stats=totals,
-            points={k: c for k, c in self._layout.items() if k in stats},
-            meta={k: c for k, c in self._layout.items() if k not in stats},
-        )
-        try:
-            self.fs.put(self._manifest_name, new.to_bytes())
+        try:  # rebinding, so the caller's thread always sees a whole manifest
+            self.manifest = self._commits.commit(self.manifest, entry, self._layout, stats)
         except BaseException:
             self.fs.remove(entry.file)  # not committed: free its space; a resume would delete it anyway
             raise
-        self.manifest = new  # rebinding, so the caller's thread always sees a whole manifest
         self.done_batches = self.done_batches | set(entry.batch_indices())
-        self.bytes_written += size
+        self.bytes_written += entry.bytes
         self._next_shard += 1
 
     # -- opening ----------------------------------------------------------------------------------
@@ -381,6 +373,7 @@ def merge_rank_manifests(out_dir: str | os.PathLike, world_size: int | None = No
                       points=united.points, meta=united.meta, shards=united.shards,
                       stats=summed_stats(united.shards), settings_hash=latest.settings_hash)
     fs.put(MANIFEST, merged.to_bytes())
+    fs.remove_tree(journal_name(MANIFEST))  # a single process's commits of an earlier attempt: merged now
     return merged
 
 
