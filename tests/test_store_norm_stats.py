@@ -152,9 +152,11 @@ def test_the_manifest_keeps_no_vector_the_shards_do(tmp_path):
         for b in range(6):
             g = torch.Generator().manual_seed(b)
             w.write(b, {"p": torch.randn(50, width, generator=g) + 1000}, {"token_ids": torch.arange(50)})
-        while len(w.manifest.shards) < 3:  # committed, the last batches still queued: journals are live
+        while len(w.manifest.shards) < 3:  # every shard committed, the writer still open: its journal is live
             time.sleep(0.01)
         files = {f: f.read_bytes() for f in out.rglob("*") if f.is_file() and "shards" not in f.parts}
+        journal = files[out / "manifest.journal"]  # shards 2 and 3 (the first one's commit compacts)
+        assert journal.count(b"\n") == 2 and b'"norm_sumsq"' in journal
         w.close()
         files |= {f: f.read_bytes() for f in out.rglob("*") if f.is_file() and "shards" not in f.parts}
         for data in files.values():
