@@ -17,6 +17,7 @@ import threading
 from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 
+import numpy as np
 import torch
 
 from ..errors import StoreError
@@ -111,12 +112,13 @@ class StoreStats(Mapping[str, PointStats]):
 
 def _pooled(scalars: list[PointStats], vectors: list[tuple[torch.Tensor, torch.Tensor]]) -> PointStats:
     """The (count, mean, M2) of a group of shards from theirs: count-weighted means, and the M2s
-    plus each shard's count times its mean's squared deviation from the pooled mean (no cancellation)."""
-    counts = torch.tensor([s.norm_count for s in scalars], dtype=torch.float64)[:, None]
-    means = torch.stack([mean for mean, _ in vectors])
+    plus each shard's count times its mean's squared deviation from the pooled mean (no
+    cancellation). In numpy: one thread, no pool to wake for a few small sums."""
+    counts = np.array([s.norm_count for s in scalars], dtype=np.float64)[:, None]
     n = int(counts.sum())
     if not n:
         return PointStats()
+    means = np.stack([mean.numpy() for mean, _ in vectors])
     mean = (counts * means).sum(0) / n
-    m2 = torch.stack([m2 for _, m2 in vectors]).sum(0) + (counts * (means - mean) ** 2).sum(0)
-    return PointStats(norm_count=n, mean=mean, m2=m2)
+    m2 = np.stack([m2.numpy() for _, m2 in vectors]).sum(0) + (counts * (means - mean) ** 2).sum(0)
+    return PointStats(norm_count=n, mean=torch.from_numpy(mean), m2=torch.from_numpy(m2))
