@@ -13,6 +13,7 @@ import json
 import pytest
 import torch
 import xxhash
+from test_store_norm_stats import header_of, with_header
 
 import hookscope as hs
 from hookscope.errors import StoreError
@@ -20,7 +21,6 @@ from hookscope.store import ShardWriter, open_store
 from hookscope.store.fs import open_fs
 from hookscope.store.manifest import Manifest
 from hookscope.store.stats import HEADER_KEY
-from test_store_norm_stats import header_of, with_header
 
 try:
     import moto.server  # noqa: F401

@@ -1,8 +1,9 @@
 """Normalisation statistics per point: per-dimension mean and variance and the mean squared row norm,
 equal to a float64 recomputation from the rows the store holds (several shards, two ranks merged, a
 resumed and an elastic store, bfloat16 and float16, rows with NaN/Inf left out); the vectors in each
-shard's header, never in the manifest, and refused when a header's copy of them is damaged. The reference reads the stored rows (`store.tensor`) and computes in
-float64 with the textbook formulas; nothing of it comes from `PointStats`."""
+shard's header, never in the manifest, and refused when a header's copy of them is damaged. The
+reference reads the stored rows (`store.tensor`) and computes in float64 with the textbook
+formulas; nothing of it comes from `PointStats`."""
 
 from __future__ import annotations
 
@@ -17,8 +18,7 @@ import torch
 
 from hookscope.cli import main
 from hookscope.errors import StoreError
-from hookscope.store import PointStats, ShardWriter, merge_rank_manifests, open_store
-from hookscope.store import dimstats
+from hookscope.store import PointStats, ShardWriter, dimstats, merge_rank_manifests, open_store
 from hookscope.store.stats import HEADER_KEY
 
 POINTS = {"blocks.0.resid_post": (torch.bfloat16, (24,)), "blocks.0.mlp.out": (torch.float16, (3, 8))}
@@ -218,7 +218,8 @@ def test_an_elastic_store_merges_them_exactly(tmp_path):
         assert w.generation == 1
         for b in range(11):
             if w.owns(b):
-                w.write(b, {n: make_rows(b, n) for n in POINTS}, {"token_ids": torch.arange(b * 50, b * 50 + 50)})
+                w.write(b, {n: make_rows(b, n) for n in POINTS},
+                        {"token_ids": torch.arange(b * 50, b * 50 + 50)})
     store = open_store(out)
     assert len(store) == 11 * 50 and {s.generation for s in store.manifest.shards} == {0, 1}
     for name in POINTS:
@@ -240,7 +241,8 @@ def test_a_store_written_before_the_per_dimension_stats_opens(tmp_path, capsys):
     assert st.mean is None and st.var is None and st.norm_count == 150 - 2
     assert "shard-r000-000000.safetensors and 1 other shard(s) were written before" in store.stats.missing[
         "blocks.0.resid_post"]
-    assert st.mean_squared_norm == pytest.approx(reference(store.tensor("blocks.0.resid_post"))["msn"], rel=1e-6)
+    want = reference(store.tensor("blocks.0.resid_post"))
+    assert st.mean_squared_norm == pytest.approx(want["msn"], rel=1e-6)
     assert main(["inspect", str(tmp_path / "s"), "--no-verify"]) == 0
     out = capsys.readouterr().out
     assert "blocks.0.resid_post" in out and "per-dim mean" not in out and "were written before" in out
@@ -257,7 +259,8 @@ def test_resuming_a_store_without_them_keeps_the_rest_exact(tmp_path):
     assert len(store) == 300
     st = store.stats["blocks.0.resid_post"]
     assert st.mean is None and st.norm_count == reference(store.tensor("blocks.0.resid_post"))["rows"]
-    assert st.mean_squared_norm == pytest.approx(reference(store.tensor("blocks.0.resid_post"))["msn"], rel=1e-6)
+    want = reference(store.tensor("blocks.0.resid_post"))
+    assert st.mean_squared_norm == pytest.approx(want["msn"], rel=1e-6)
     last, _ = header_of((tmp_path / "s" / store.manifest.shards[-1].file).read_bytes())
     assert HEADER_KEY in last["__metadata__"]  # the new shards have them
 

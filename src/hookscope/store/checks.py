@@ -41,7 +41,8 @@ def check_size(where: str, size: int | None, entry: ShardEntry) -> int:
 
 
 def checked_header(where: str, head: bytes, size: int, entry: ShardEntry, settings_hash: str,
-                   columns: dict[str, Column], rest: Callable[[int, int], bytes], keep_stats: bool = False) -> Header:
+                   columns: dict[str, Column], rest: Callable[[int, int], bytes],
+                   keep_stats: bool = False) -> Header:
     """The header of a shard of `size` bytes from its first bytes `head` (at least `HEAD_BYTES` of
     them; `rest(start, end)` reads more when the header is longer), checked against its manifest
     entry and `columns`. Its per-dimension statistics (`__metadata__[HEADER_KEY]`, checked where

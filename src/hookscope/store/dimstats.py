@@ -84,7 +84,7 @@ class StoreStats(Mapping[str, PointStats]):
         if without:
             self._note(totals, without)
             return totals
-        for name, st in merged.items():  # the manifest's scalar sums, added in its order; the vectors merged here
+        for name, st in merged.items():  # the manifest's scalar sums, in its order; the vectors merged here
             totals[name].mean, totals[name].m2 = st.mean, st.m2
             if st.mean is None:
                 self._missing[name] = "no row of it is free of NaN/Inf"
@@ -97,6 +97,9 @@ class StoreStats(Mapping[str, PointStats]):
         if text is None:
             return None
         counts = {name: st.norm_count for name, st in (entry.stats or {}).items()}
+        if set(counts) != set(widths):
+            raise StoreError(f"{self._where(i)}: its manifest entry has statistics for {sorted(counts)}, the "
+                             f"store's points are {sorted(widths)}: the manifest is damaged")
         try:
             return from_header_text(text, counts, widths, f"its {HEADER_KEY!r} metadata")
         except (TypeError, ValueError) as e:

@@ -166,12 +166,13 @@ class Store:
         reader caches leave them out), in one read where the statistics fit the first bytes."""
         entry = self.manifest.shards[i]
         where = self.fs.where(entry.file)
-        listed = self._ranged.blocks.sizes.get(entry.file) if self._ranged is not None else self.fs.size(entry.file)
-        size = check_size(where, listed, entry)
+        size = check_size(where, self.fs.size(entry.file) if self._ranged is None
+                          else self._ranged.blocks.sizes.get(entry.file), entry)
         first = min(size, HEAD_BYTES + stats_header_bytes(self.manifest.points))
         head = self.fs.read_ranges(entry.file, [(0, first)])[0]
         return checked_header(where, head, size, entry, self.manifest.settings_hash, self.manifest.columns,
-                              lambda start, end: self.fs.read_ranges(entry.file, [(start, end)])[0], keep_stats=True)
+                              lambda start, end: self.fs.read_ranges(entry.file, [(start, end)])[0],
+                              keep_stats=True)
 
     def read_ahead(self, shards: Sequence[int], names: Sequence[str] | None = None) -> None:
         """On a URL, start fetching columns `names` of `shards` into the block cache in the background,

@@ -23,8 +23,8 @@ from __future__ import annotations
 import base64
 import json
 import math
-from dataclasses import dataclass
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -163,7 +163,8 @@ def header_text(stats: dict[str, PointStats]) -> str:
     JSON (sorted keys, so the shard's bytes are the same from run to run) of, per point, the rows
     they cover (`norm_count`) and the float64 `mean` and `m2` as base64 of their little-endian bytes
     (exact, and 2.7x shorter than JSON numbers)."""
-    return json.dumps({name: {"norm_count": s.norm_count, "mean": _vector_text(s.mean), "m2": _vector_text(s.m2)}
+    return json.dumps({name: {"norm_count": s.norm_count, "mean": _vector_text(s.mean),
+                              "m2": _vector_text(s.m2)}
                        for name, s in stats.items() if s.mean is not None and s.m2 is not None},
                       sort_keys=True, separators=(",", ":"))
 
@@ -190,7 +191,8 @@ def from_header_text(raw: Any, counts: dict[str, int], widths: dict[str, int],
     out = {}
     for name, st in parsed.items():
         at = f"{where}[{name!r}]"
-        if not isinstance(st, dict) or st.get("norm_count") != counts[name] or isinstance(st["norm_count"], bool):
+        count = st.get("norm_count") if isinstance(st, dict) else None
+        if type(count) is not int or count != counts[name]:
             raise ValueError(f"{at} does not cover the {counts[name]} rows its manifest entry counts")
         mean, m2 = _vector(st.get("mean"), f"{at}.mean"), _vector(st.get("m2"), f"{at}.m2")
         for label, v in (("mean", mean), ("m2", m2)):

@@ -293,8 +293,10 @@ class ShardWriter:
         name = f"{self._prefix}{self._next_shard:06d}.safetensors"
         tmp = self._staging / (name + ".tmp")
         runs = runs_of([i for i, _ in pending])
-        # the identity, then the per-dimension statistics (the manifest keeps their scalars): deterministic bytes
-        metadata = {**shard_identity(self.manifest.settings_hash, runs, self.rank), HEADER_KEY: header_text(stats)}
+        # the identity, then the per-dimension statistics (the manifest keeps their scalars), each
+        # text deterministic: the shard's bytes are the same from run to run
+        metadata = {**shard_identity(self.manifest.settings_hash, runs, self.rank),
+                    HEADER_KEY: header_text(stats)}
         try:
             self._staging.mkdir(exist_ok=True)  # made on the first write: a store never written has none
             size, digest = save_columns(columns, tmp, metadata, self.checksum, self._copiers, self._file_mode)
