@@ -97,7 +97,7 @@ def chunk_batches() -> int:
     import torch
 
     import hookscope as hs
-    from hookscope.stream import plan_stream
+    from hookscope.loading.stream_plan import plan_stream
 
     loaded = hs.load(str(bench_big.BIG_DIR), device="meta", tokenizer=False)
     return plan_stream(loaded.model, loaded.arch, [POINT], limit_bytes(), batch_size=BATCH,

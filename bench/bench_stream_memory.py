@@ -127,7 +127,7 @@ def chunk_batches(name: str) -> int:
     import torch
 
     import hookscope as hs
-    from hookscope.stream import plan_stream
+    from hookscope.loading.stream_plan import plan_stream
 
     loaded = hs.load(str(model_dir(name)), device="meta", tokenizer=False)
     return plan_stream(loaded.model, loaded.arch, [POINT], limit_bytes(name), batch_size=BATCH,

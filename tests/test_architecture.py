@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import builtins
 import inspect
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -347,3 +348,16 @@ def test_no_code_reads_a_room_through_the_verb_that_shadows_it():
                         and inner.value.id in ("hookscope", "hs") and inner.attr in shadowed):
                     bad.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
     assert not bad, "reads a module through the function that shadows it:\n" + "\n".join(bad)
+
+
+def test_the_loading_room_imports_one_way():
+    """loading/'s files, in the order its row of docs/architecture.md lists them: each imports only
+    files listed before it (checkpoint reading -> a `points=` load -> `load` -> block streaming)."""
+    row = next(r for r in ARCHITECTURE_MD.read_text().splitlines() if r.startswith("| `loading/`"))
+    order = [f"hookscope.loading.{name}" for name in re.findall(r"`(\w+)\.py`", row.split("|")[2])]
+    files = {module_name(p) for p in (SRC / "loading").glob("*.py")} - {"hookscope.loading"}
+    assert sorted(order) == sorted(files), "list every file of loading/ in its row, once"
+    against = {f"{module} imports {imp.target} (line {imp.line}), listed after it"
+               for i, module in enumerate(order) for imp in imports_of(SRC / "loading" / f"{module[18:]}.py")
+               if imp.target.startswith("hookscope.loading.") and imp.target not in order[:i]}
+    assert not against, "\n".join(sorted(against))

@@ -336,8 +336,8 @@ def test_streamed_blocks_run_on_buffers_allocated_once(model_dirs, device):
     are pinned on CUDA, and the values are the block's tensors of the checkpoint file."""
     from safetensors.torch import load_file
 
-    from hookscope.block_buffers import data_ranges
-    from hookscope.stream import streamer_for
+    from hookscope.loading import streamer_for
+    from hookscope.loading.block_buffers import data_ranges
 
     stored = load_file(model_dirs["llama"] / "model.safetensors")
     loaded = hs.load(str(model_dirs["llama"]), device="meta")

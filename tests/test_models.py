@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from helpers import count_connections
 
 import hookscope as hs
-from hookscope.models import DEFAULT_MODEL
+from hookscope.loading import DEFAULT_MODEL
 from hookscope.testing import build_tiny
 
 CLASSES = {

@@ -188,12 +188,12 @@ def test_a_pickled_bin_checkpoint_loads_per_tensor_too(saved, tmp_path, sharded)
 
 @pytest.mark.parametrize("family", ["llama", "mixtral"])
 def test_dtype_conversion_equals_the_full_load_converted(saved, family, monkeypatch):
-    import hookscope.partial
+    import hookscope.loading.checkpoint
 
-    monkeypatch.setattr(hookscope.partial, "_CHUNK_BYTES", 1000)  # many chunks per tensor
+    monkeypatch.setattr(hookscope.loading.checkpoint, "_CHUNK_BYTES", 1000)  # many chunks per tensor
     chunked = []
-    read_whole = hookscope.partial._Converting.__getitem__
-    monkeypatch.setattr(hookscope.partial._Converting, "__getitem__",
+    read_whole = hookscope.loading.checkpoint._Converting.__getitem__
+    monkeypatch.setattr(hookscope.loading.checkpoint._Converting, "__getitem__",
                         lambda self, index: chunked.append(self.key) or read_whole(self, index))
     path = saved[family]
     full = plain_model(path, dtype=torch.bfloat16)
@@ -284,7 +284,7 @@ def test_device_map_auto_budgets_the_needed_modules_alone(saved, monkeypatch):
     import accelerate.utils.modeling as modeling
     from accelerate.utils import infer_auto_device_map
 
-    import hookscope.partial
+    import hookscope.loading.checkpoint
 
     budget = {0: 500_000, 1: 500_000, "cpu": 10**9}
     real_max_memory = modeling.get_max_memory
@@ -298,7 +298,7 @@ def test_device_map_auto_budgets_the_needed_modules_alone(saved, monkeypatch):
         placed.append(device_map)
         raise Placed
 
-    monkeypatch.setattr(hookscope.partial.Checkpoint, "materialize", spy)
+    monkeypatch.setattr(hookscope.loading.checkpoint.Checkpoint, "materialize", spy)
     with pytest.raises(Placed):
         hs.load(str(saved["llama"]), tokenizer=False, device_map="auto", points=["blocks.1.resid_post"])
     full = plain_model(saved["llama"])
@@ -361,7 +361,8 @@ def test_extract_loads_only_what_its_points_need(saved, tmp_path, monkeypatch):
 
 def test_a_block_materialized_later_and_released(saved):
     """What block streaming builds on: one block's weights in from the files, then back to meta."""
-    from hookscope.partial import Checkpoint, checkpoint_files
+    from hookscope.loading.checkpoint import Checkpoint
+    from hookscope.loading.weight_files import checkpoint_files
 
     path = saved["llama"]
     full = plain_model(path)

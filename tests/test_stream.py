@@ -15,12 +15,12 @@ from faultkit import compare_stores, extract_config, shard_digests, write_corpus
 from forkserver import ForkServer
 
 import hookscope as hs
-from hookscope.block_buffers import BlockBuffers
 from hookscope.errors import HookscopeError
 from hookscope.extract import ExtractConfig, extract
-from hookscope.partial import Checkpoint
+from hookscope.loading import parse_size, streamer_for
+from hookscope.loading.block_buffers import BlockBuffers
+from hookscope.loading.checkpoint import Checkpoint
 from hookscope.store import open_store
-from hookscope.stream import parse_size, streamer_for
 from hookscope.testing import save_tiny
 
 RUN = "kill_driver:run_extract"

@@ -15,9 +15,9 @@ from faultkit import compare_stores, extract_config, write_corpus
 from safetensors.torch import load_file
 
 import hookscope as hs
-from hookscope.block_buffers import data_ranges
 from hookscope.extract import ExtractConfig, extract
-from hookscope.stream import parse_size, streamer_for
+from hookscope.loading import parse_size, streamer_for
+from hookscope.loading.block_buffers import data_ranges
 from hookscope.testing import save_tiny
 
 SAME = {"rows_lost": 0, "rows_duplicated": 0, "same_values": True, "same_files": True}

@@ -26,9 +26,9 @@ from source_kit import write_images
 
 import hookscope as hs
 from hookscope.extract import ExtractConfig, extract
+from hookscope.loading.stream_plan import plan_stream
 from hookscope.sources import Run, source_for
 from hookscope.store import open_store
-from hookscope.stream import plan_stream
 from hookscope.testing import image_processor, train_tokenizer
 
 POINTS = ["blocks.0.resid_post", "blocks.1.resid_post"]  # family_models' models have two blocks

@@ -39,7 +39,7 @@ from .export import SaelensExport, export_hf, export_saelens
 from .extract import ExtractConfig, ExtractInterrupted, ExtractSummary, extract
 from .generate import Generation, generate
 from .hooks import Hooks, hooks
-from .models import Loaded, load
+from .loading import Loaded, load
 from .profiling import ProfileReport, profile
 from .selection import Selection
 from .store import ActivationDataset, Column, Manifest, PointStats, Store, open_store

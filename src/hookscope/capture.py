@@ -37,21 +37,10 @@ from .arch import Arch, PointSpec, arch_of, state_of
 from .errors import HookscopeError, PointNotReachedError, SelectionError
 from .files import write_atomic
 from .hooks import Hook, Hooks, grad_leaf
-from .inputs import attention_mask_of, call_model, forward_parameters
+from .inputs import attention_mask_of, call_model
 from .names import canonical, find_key, is_pattern, meaning
 from .selection import Heads, Positions, Selection
-
-
-class _StopForward(BaseException):
-    """Raised after the last needed point; a BaseException, so model code catching Exception can't eat it."""
-
-
-def _builds_kv_cache(model: nn.Module) -> bool:
-    """Whether `model(...)` builds a key/value cache unless told `use_cache=False` (Hugging Face decoders
-    do by default). A pass that stops early returns nothing, so that cache is pure waste: 2 x [batch,
-    heads, pos, d_head] per layer run, +58% peak memory capturing block 5 of GPT-2-small at 8 x 128."""
-    return bool(getattr(getattr(model, "config", None), "use_cache", False)) \
-        and "use_cache" in forward_parameters(type(model))
+from .stopping import Stop, no_cache
 
 
 def keyed_specs(arch: Arch, points: str | Sequence[str]) -> dict[str, PointSpec]:
@@ -181,6 +170,7 @@ class Capture(Kept):
         self.specs: list[PointSpec] = list(self._keys.values())
         self.stop = stop  # None: stop only inside run() / collect(), where nobody sees the cut
         self._stopping = stop is True  # raise after the last pending point of a pass
+        self._stopper = Stop()  # what ends this capture's passes, and only theirs
         self.hooks = Hooks(model, arch)
         self._pending: set[str] = set()
         self.pass_mask: Tensor | None = None  # the attention mask of the pass running now
@@ -205,7 +195,7 @@ class Capture(Kept):
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._close()
-        return exc_type is _StopForward  # a user-requested stop=True ends the `with` body quietly
+        return self._stopper.ended(exc)  # a user-requested stop=True ends the `with` body quietly
 
     def _close(self) -> None:
         self.hooks.remove()
@@ -217,14 +207,12 @@ class Capture(Kept):
     def run(self, inputs: Any) -> Any:
         """Run the model on `inputs`, stopping after the last point unless stop=False.
         Returns the model output, or None when the pass was stopped early. Unless stop=False, a
-        Hugging Face decoder runs without building its key/value cache (see `_builds_kv_cache`)."""
+        Hugging Face decoder runs without building its key/value cache (see `stopping.builds_kv_cache`)."""
         self._stopping = self.stop is not False
         self._start_pass(attention_mask_of(inputs) if isinstance(inputs, Mapping) else None)
-        options = {"use_cache": False} if self._stopping and _builds_kv_cache(self.model) else {}
+        options = no_cache(self.model) if self._stopping else {}
         try:
-            output = call_model(self.model, inputs, **options)
-        except _StopForward:
-            output = None
+            output, _ = self._stopper.run(self.model, inputs, **options)
         finally:
             self._stopping = self.stop is True
         if self._pending:  # only after a pass that ended normally: an error mid-pass must reach the caller
@@ -250,7 +238,7 @@ class Capture(Kept):
         self.keep(name, kept)
         self._pending.discard(name)
         if self._stopping and not self._pending:
-            raise _StopForward
+            self._stopper.now()
 
 
 def capture(model: nn.Module, points: str | Sequence[str], **options: Any) -> Capture:
@@ -365,21 +353,19 @@ def points(model: nn.Module, example: Any = None, *, pattern: str | None = None)
     measured = specs if arch.loaded is None else [s for s in specs if arch.loaded.reaches(s)]
     if example is not None and measured:
         pending = {s.name for s in measured}
+        stop = Stop()
 
         def record(act: Tensor, hook: Hook) -> None:
             shapes[hook.spec.name] = tuple(act.shape)
             pending.discard(hook.spec.name)
             if arch.loaded is not None and not pending:
-                raise _StopForward  # before the pass reaches the weights left on meta
+                stop.now()  # before the pass reaches the weights left on meta
 
         # a one-off pass: compiling a graph per hooked layer for it would cost far more
         with Hooks(model, arch) as h, torch.inference_mode(), torch.compiler.set_stance("force_eager"):
             for spec in measured:
                 h.forward(spec, record)
-            try:
-                call_model(model, example)
-            except _StopForward:
-                pass
+            stop.run(model, example)
     return [
         PointInfo(s.name, s.module or "<root>", s.io, s.view.label if s.view else "", shapes.get(s.name),
                   meaning(s.name))

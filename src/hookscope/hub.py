@@ -1,7 +1,7 @@
 """Can this machine reach the Hugging Face hub? Asked before a model or dataset is fetched by name,
 so that an offline machine gets a clear error in seconds instead of a minute of retries.
 
-Imports nothing of ours: models.py and data.py both ask it.
+Imports nothing of ours: loading/loader.py and the sources ask it.
 """
 
 from __future__ import annotations

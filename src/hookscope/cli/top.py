@@ -37,7 +37,7 @@ def _store_tokenizer(store, override: str | None):
     """The tokenizer a store was made with: its settings name the model (a path, a hub id, or the
     bundled default); refused if it is not the one whose hash the store recorded."""
     from ..errors import HookscopeError
-    from ..models import load_tokenizer
+    from ..loading import load_tokenizer
 
     settings = store.manifest.settings
     name = override or settings.get("model")

@@ -41,7 +41,7 @@ class ExtractConfig:
     progress: bool = True
     generate: int = 0  # --generate N: also store N greedy tokens after each sequence (sources/generated.py)
     # --max-memory SIZE ("2GiB"): stream the blocks through chunks of batches, weights under SIZE
-    # (stream.py). Not a setting of the store: the rows are the same with it or without it
+    # (loading/streamer.py). Not a setting of the store: the rows are the same with it or without it
     max_memory: str | int | None = None
     # --workers N: processes that tokenize text (0: the data thread, with the tokenizer's own threads).
     # Not a setting of the store: the batches are the same for any N
@@ -74,7 +74,7 @@ def validate_config(cfg: ExtractConfig) -> None:
     if not str(cfg.out).strip():
         raise HookscopeError("--out is empty; name the store directory to write")
     if cfg.max_memory is not None:
-        from ..stream import parse_size
+        from ..loading import parse_size
 
         parse_size(cfg.max_memory)
         for flag, value in (("--generate", cfg.generate), ("--device-map", cfg.device_map)):

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..errors import DataError
-from ..models import load
+from ..loading import load
 from ..progress import RowsBar, mib_written
 from ..sources import Rows, Run, Source, source_for
 from ..store import ShardWriter, merge_rank_manifests

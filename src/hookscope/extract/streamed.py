@@ -12,9 +12,8 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import Tensor
 
-from ..models import Loaded
+from ..loading import Loaded, parse_size, streamer_for
 from ..sources import Rows, Run, Source
-from ..stream import parse_size, streamer_for
 from .config import ExtractConfig
 
 Batches = Iterable[tuple[int, dict[str, Tensor]]]

@@ -22,7 +22,8 @@ from torch.profiler import ProfilerActivity, schedule
 from ..arch import Arch, arch_of
 from ..errors import HookscopeError
 from ..hooks import Hooks, input_tensor
-from ..inputs import call_model, max_positions
+from ..inputs import max_positions
+from ..stopping import Stop
 from .events import build_rows, cpu_threads, label_totals, top_ops
 from .labels import STEP, BlockLabels, LabelledHooks, block_labels, first_tensor
 from .report import ProfileReport
@@ -118,11 +119,6 @@ def default_loss(output: Any) -> Tensor:
     return first.float().mean()
 
 
-class _Stopped(BaseException):
-    """Ends a step where a `points=` model's weights end. BaseException so that model code that
-    catches `Exception` cannot swallow it."""
-
-
 class _WeightsEnd:
     """On a model loaded with `points=`, pre-hooks on the modules a pass reaches first after the
     loaded weights (`PartialLoad.frontier`), while the `with` block lasts: each keeps the hidden
@@ -133,10 +129,11 @@ class _WeightsEnd:
         self.paths = [] if arch.loaded is None else arch.loaded.frontier(model)
         self.hidden: Tensor | None = None
         self._handles: list = []
+        self._stop = Stop()
 
     def __enter__(self) -> _WeightsEnd:
-        self._handles = [self.model.get_submodule(path).register_forward_pre_hook(
-            self._stop, with_kwargs=True, prepend=True) for path in self.paths]
+        self._handles = [self._stop.before(self.model.get_submodule(path), self._keep_hidden, first=True)
+                         for path in self.paths]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -144,18 +141,17 @@ class _WeightsEnd:
             handle.remove()
         self._handles.clear()
 
-    def _stop(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+    def _keep_hidden(self, args: tuple, kwargs: dict) -> None:
         found = input_tensor(args, kwargs)
         self.hidden = None if found is None else found[0]
-        raise _Stopped
 
     def forward(self, inputs: Any) -> Any:
         """The model's output, or the hidden state where the weights end."""
-        try:
-            return call_model(self.model, inputs)
-        except _Stopped:
-            hidden, self.hidden = self.hidden, None
-            return hidden
+        output, stopped = self._stop.run(self.model, inputs)
+        if not stopped:
+            return output
+        hidden, self.hidden = self.hidden, None
+        return hidden
 
 
 def _not_loaded(arch: Arch) -> str | None:

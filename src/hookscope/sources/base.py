@@ -40,7 +40,7 @@ from ..capture import Capture
 
 if TYPE_CHECKING:
     from ..extract import ExtractConfig
-    from ..models import Loaded
+    from ..loading import Loaded
 
 Rows = tuple[dict[str, Tensor], dict[str, Tensor]]  # {point: [rows, ...]}, {column: [rows]}
 

@@ -21,7 +21,7 @@ from .text import TextSource
 
 if TYPE_CHECKING:
     from ..extract import ExtractConfig
-    from ..models import Loaded
+    from ..loading import Loaded
 
 
 class GeneratedSource(TextSource):

@@ -8,10 +8,10 @@ import re
 from typing import TYPE_CHECKING, Any
 
 from ..arch import arch_of, meaning_changes
-from ..models import sha256_text
+from ..loading import sha256_text
 
 if TYPE_CHECKING:
-    from ..models import Loaded
+    from ..loading import Loaded
 
 
 def model_identity(loaded: Loaded) -> dict[str, str]:

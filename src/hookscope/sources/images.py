@@ -24,14 +24,15 @@ import torch
 from torch import Tensor
 
 from ..errors import DataError, HookscopeError
-from ..models import sha256_text
+from ..loading import sha256_text
+from ..stopping import Stop
 from .base import Rows, Run, Source
 from .columns import patch_columns
 from .identity import model_identity
 
 if TYPE_CHECKING:
     from ..extract import ExtractConfig
-    from ..models import Loaded
+    from ..loading import Loaded
 
 PREFIX = "images:"
 SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -114,11 +115,6 @@ def patch_grid(model: torch.nn.Module, pixels: torch.Tensor) -> tuple[int, int]:
     return pixels.shape[-2] // ph, pixels.shape[-1] // pw
 
 
-class _Counted(BaseException):
-    """Stops a pass once the first block's input is seen (BaseException: model code that catches
-    `Exception` cannot swallow it)."""
-
-
 def _first_block_tokens(model: torch.nn.Module, first_block: str, pixels: Tensor, device: str) -> int:
     """The token length of the first block's input for these pixels, in a pass stopped there. On a
     model still on `meta` (a block-streamed run, before any weight is read) the pass runs on meta:
@@ -127,18 +123,16 @@ def _first_block_tokens(model: torch.nn.Module, first_block: str, pixels: Tensor
         device = "meta"
     lengths: list[int] = []
 
-    def count(module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
+    def count(args: tuple, kwargs: dict) -> None:
         hidden = next(x for x in (*args, *kwargs.values()) if isinstance(x, Tensor))
         lengths.append(hidden.shape[1])  # [picture, token, d_model]
-        raise _Counted
 
+    stop = Stop()  # the pass ends at the first block's input
     # first in line: before a points= load's guard on a block that was not loaded
-    handle = model.get_submodule(first_block).register_forward_pre_hook(count, with_kwargs=True, prepend=True)
+    handle = stop.before(model.get_submodule(first_block), count, first=True)
     try:
         with torch.inference_mode():
-            model(pixel_values=pixels.to(device))
-    except _Counted:
-        pass
+            stop.run(model, {"pixel_values": pixels.to(device)})
     finally:
         handle.remove()
     return lengths[0]

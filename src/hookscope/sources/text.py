@@ -12,7 +12,7 @@ from torch import Tensor
 
 from ..errors import HookscopeError
 from ..inputs import max_positions
-from ..models import tokenizer_hash
+from ..loading import tokenizer_hash
 from .base import Rows, Run, Source
 from .columns import token_columns
 from .documents import iter_documents
@@ -22,7 +22,7 @@ from .packing import pack_batches, pack_policy
 
 if TYPE_CHECKING:
     from ..extract import ExtractConfig
-    from ..models import Loaded
+    from ..loading import Loaded
 
 DEFAULT_CONTEXT = 128
 

