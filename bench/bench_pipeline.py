@@ -319,7 +319,8 @@ def main() -> None:
                 md = statistics.median(r["tokens"] / r["model_s"] for r in rs)
                 both = statistics.median(max(r["pack_s"], r["model_s"]) / r["extract_s"] for r in rs)
                 print(f"(b) extract, free forward, {n} point(s), {rs[0]['tokens']:,} tokens "
-                      f"({args.batch} x {args.context} bf16, store in {MEMORY_DIR}, --workers {args.workers}): "
+                      f"({args.batch} x {args.context} bf16, store in {MEMORY_DIR}, "
+                      f"--workers {args.workers}): "
                       f"{ext:,.0f} tokens/s "
                       f"({mbs:,.0f} MB/s) vs packing alone {pk:,.0f} tokens/s: {ratio:.2f}x "
                       "(target >= 0.6x); "
@@ -334,7 +335,8 @@ def main() -> None:
             words = args.tokens * 11 // 10 + 4096
             prepare(work, docs=max(4, words // 2048), words_per_doc=min(2048, words), points=1)
             short_documents(work, words)
-            for corpus, what in (("corpus.jsonl", "2,048-word documents"), ("short.jsonl", "1-120-word documents")):
+            for corpus, what in (("corpus.jsonl", "2,048-word documents"),
+                                 ("short.jsonl", "1-120-word documents")):
                 rs = fresh("data", ["--work", str(work), "--corpus", corpus, "--context", str(args.context),
                                     "--batch", str(args.batch), "--workers", str(args.workers)], args.runs)
                 pk = statistics.median(r["tokens"] / r["pack_s"] for r in rs)
@@ -343,7 +345,8 @@ def main() -> None:
                                           for r in rs)
                 print(f"(c) the data stage alone, {what}, {rs[0]['tokens']:,} tokens packed ({args.batch} x "
                       f"{args.context}, --workers {args.workers}): reading + tokenizing + packing {pk:,.0f} "
-                      f"tokens/s vs the tokenizer alone {tk:,.0f} tokens/s: {ratio:.2f}x; {load()}", flush=True)
+                      f"tokens/s vs the tokenizer alone {tk:,.0f} tokens/s: {ratio:.2f}x; {load()}",
+                      flush=True)
 
 
 if __name__ == "__main__":

@@ -84,7 +84,8 @@ def reference_batches(documents, tokenizer, context, batch_size, *, bos="auto", 
         if seen and policy.separator_id is not None:
             ids, docs, positions = ids + [policy.separator_id], docs + [-1], positions + [-1]
         seen += len(tokens)
-        ids, docs, positions = ids + tokens, docs + [doc_id] * len(tokens), positions + list(range(len(tokens)))
+        ids, docs = ids + tokens, docs + [doc_id] * len(tokens)
+        positions += range(len(tokens))
         while len(ids) >= body and budget >= context:
             seqs.append(sequence(ids[:body], docs[:body], positions[:body]))
             ids, docs, positions, budget = ids[body:], docs[body:], positions[body:], budget - context

@@ -22,8 +22,8 @@ from hookscope.cli import main
 from hookscope.errors import DataError, HookscopeError
 from hookscope.extract import ExtractConfig
 from hookscope.extract.config import validate_config
-from hookscope.store import open_store
 from hookscope.sources.packing import pack_batches
+from hookscope.store import open_store
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process checks read /proc")
 
@@ -63,7 +63,8 @@ def test_a_tokenizer_error_in_a_worker_is_a_data_error_naming_the_documents():
 
 
 def test_a_worker_that_dies_is_a_data_error():
-    with pytest.raises(DataError, match=r"worker process died while tokenizing documents 64-127 \(exit code 3.*--workers 0"):
+    died = r"worker process died while tokenizing documents 64-127 \(exit code 3.*--workers 0"
+    with pytest.raises(DataError, match=died):
         list(pack_batches(docs_with("die", 70), Trapped(words_tokenizer()), 16, 4, workers=2))
 
 

@@ -21,7 +21,8 @@ class ExtractConfig:
     MiniLM), `points`, `data` (a .txt / .jsonl file or folder, a saved dataset, `hf:NAME`,
     `images:DIR`; default: Python's own docstrings, built offline), `context` tokens per sequence,
     `batch_size`, `dtype` of the stored rows, `max_tokens`, `shard_rows` per shard, `max_memory`
-    to stream blocks under a weight budget, `workers` processes that tokenize text. Checked by `hs.extract` before anything is loaded."""
+    to stream blocks under a weight budget, `workers` processes that tokenize text. Checked by
+    `hs.extract` before anything is loaded."""
 
     out: str
     model: str | None = None

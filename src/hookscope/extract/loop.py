@@ -129,7 +129,8 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
     found = view.plan
     done = found.done(rank)
     started = time.perf_counter()
-    stages = Stages(data_bound=source.bound_by_data)  # the stages are listed in stages.py: data -> model -> out -> writer
+    # the stages are listed in stages.py: data -> model -> out -> writer
+    stages = Stages(data_bound=source.bound_by_data)
     ours = ahead(((i, b) for i, b in enumerate(source.batches()) if found.deal.visits(i, rank)), stages)
     first = next(ours, None)
     if first is None and rank == 0:

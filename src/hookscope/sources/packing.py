@@ -170,7 +170,7 @@ def _rows(stream: Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]], poli
     full = max_tokens // context if max_tokens is not None else sys.maxsize
     rest: list[np.ndarray] = [np.empty(0, dtype=np.int64)] * 3  # stream tokens not yet in a sequence
     seq_id = seen = 0
-    for *parts, seen in stream:
+    for *parts, seen in stream:  # noqa: B007 - the last count of tokens seen names a shortfall
         joined = [np.concatenate((r, p)) for r, p in zip(rest, parts, strict=True)]
         n = min(len(joined[0]) // body, full - seq_id)
         if n:

@@ -152,7 +152,8 @@ def _died(process: Any, start: int, count: int) -> DataError:
     process.join(timeout=5)
     code = process.exitcode
     how = (f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}")
-    return DataError(f"a tokenizer worker process died while tokenizing documents {start}-{start + count - 1} "
+    return DataError("a tokenizer worker process died while tokenizing documents "
+                     f"{start}-{start + count - 1} "
                      f"({how}; out of memory?); run again with fewer --workers, or --workers 0 to "
                      "tokenize in the data thread")
 
