@@ -168,3 +168,14 @@ def test_chunks_larger_than_a_pipe_do_not_deadlock():
     want = list(pack_batches(docs, words_tokenizer(), 512, 8))
     assert len(got) == len(want) > 700
     assert all(torch.equal(g["input_ids"], w["input_ids"]) for g, w in zip(got, want, strict=True))
+
+
+def test_progress_is_exact_for_documents_as_far_back_as_the_workers_read_ahead():
+    from hookscope.sources.fingerprint import ReadMeter
+
+    docs = [f"{'x' * (i % 13 + 1)}" for i in range(2000)]
+    meter = ReadMeter(docs, total_chars=sum(map(len, docs)), workers=4)
+    for _ in meter:
+        pass
+    back = 2000 - (4 + 2 * 4) * 64  # the oldest document a packing with 4 workers can still be on
+    assert meter.fraction(back) == sum(map(len, docs[: back + 1])) / meter.total_chars

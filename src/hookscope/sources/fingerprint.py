@@ -74,12 +74,13 @@ class ReadMeter:
     """Passes documents through, counting their characters, so a progress bar can tell how much of
     the source has been packed (`fraction`) when the source's size is known (`source_chars`)."""
 
-    def __init__(self, documents: Iterable[str], total_chars: int | None):
+    def __init__(self, documents: Iterable[str], total_chars: int | None, workers: int = 0):
         self._documents, self.total_chars = documents, total_chars
         self.chars = self.count = 0
         # characters read up to and including each of the last documents: the tokenizer reads
-        # ahead of packing by up to TOKENIZE_BATCH documents, so progress is asked by document
-        self._recent: collections.deque[int] = collections.deque(maxlen=4 * TOKENIZE_BATCH)
+        # ahead of packing by a chunk of TOKENIZE_BATCH documents, two per worker process, so
+        # progress is asked by document
+        self._recent: collections.deque[int] = collections.deque(maxlen=(4 + 2 * workers) * TOKENIZE_BATCH)
 
     def __iter__(self) -> Iterator[str]:
         for doc in self._documents:

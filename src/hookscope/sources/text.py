@@ -47,7 +47,8 @@ class TextSource(Source):
 
     def __init__(self, cfg: ExtractConfig, loaded: Loaded, points: list[str], context: int, run: Run):
         self.cfg, self.loaded, self.points, self.context = cfg, loaded, points, context
-        self.meter = ReadMeter(iter_documents(cfg.data, text_field=cfg.text_field), source_chars(cfg.data))
+        self.meter = ReadMeter(iter_documents(cfg.data, text_field=cfg.text_field), source_chars(cfg.data),
+                               workers=cfg.workers)
         # progress: the tokens packed so far and the last document they reach into
         self.tokens, self.last_doc = 0, -1
         self.budget = (None if cfg.max_tokens is None  # the tokens of this rank (whole sequences only)
