@@ -9,7 +9,9 @@ what bounds an extraction?
     32 x 1024 bf16, store in /dev/shm) against the packing alone (the same documents tokenized and
     packed into the same batches in one thread), and the same with 12 points (embed and
     blocks.0-10.resid_post) where every block is replaced by the identity, so that the forward stays
-    free and only hookscope's own work is left.
+    free and only hookscope's own work is left. Beside them: the model stage alone (the forward
+    and captures on batches packed already) and its floor here, the bare embedding lookup on the
+    same batches (`extract()` sets THP_MEM_ALLOC_ENABLE=1 unless it is set: the figures name it).
 
     python bench/bench_pipeline.py                 # 3 fresh processes per figure, medians
     python bench/bench_pipeline.py --smoke         # tiny, seconds
