@@ -1,7 +1,7 @@
 """The floor environment tests the floors pyproject.toml declares: each pin of scripts/test-all's
 FLOOR_PINS is the lowest version its requirement allows, and, in that environment (HOOKSCOPE_PINS
-set), the installed versions are the pinned ones. torch is the exception: only 2.13 is on this
-machine (README: "Tested versions")."""
+set), the installed versions are the pinned ones. torch is the exception: 2.13 is the one CPU
+wheel this machine reaches (README: "Tested versions")."""
 
 from __future__ import annotations
 
@@ -52,7 +52,7 @@ def test_the_floor_environment_has_the_floor_versions():
 
 def test_a_family_that_needs_a_newer_transformers_says_so(tmp_path):
     """DINOv2's table follows transformers >= 5.18's module names: on an older one (the floor
-    environment's 5.17) loading it is refused, naming the version; elsewhere its points are there."""
+    environment's 5.9) loading it is refused, naming the version; elsewhere its points are there."""
     import hookscope as hs
     from hookscope.errors import ModelLoadError
     from hookscope.testing import save_tiny

@@ -261,3 +261,45 @@ def test_same_weights_same_points_as_transformer_lens(tiny, make_ids, key):
         torch.testing.assert_close(
             ours, theirs, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+def gemma2_config(c) -> HookedTransformerConfig:
+    """TransformerLens's own Gemma 2 config (loading_from_pretrained's google/gemma-2-2b entry), with
+    the tiny model's sizes and settings written in."""
+    return HookedTransformerConfig(
+        d_model=c.hidden_size, d_head=c.head_dim, n_heads=c.num_attention_heads, d_mlp=c.intermediate_size,
+        n_layers=c.num_hidden_layers, n_ctx=c.max_position_embeddings, eps=c.rms_norm_eps, d_vocab=c.vocab_size,
+        act_fn=c.hidden_activation, normalization_type="RMS", rotary_base=c.rope_parameters["rope_theta"],
+        rotary_dim=c.head_dim, positional_embedding_type="rotary", use_attn_scale=True,
+        attn_scale=c.query_pre_attn_scalar**0.5, n_key_value_heads=c.num_key_value_heads,
+        window_size=c.sliding_window, use_local_attn=True,
+        attn_types=["local" if t == "sliding_attention" else "global" for t in c.layer_types],
+        attn_scores_soft_cap=c.attn_logit_softcapping or -1.0, output_logits_soft_cap=c.final_logit_softcapping or -1.0,
+        gated_mlp=True, final_rms=True, use_normalization_before_and_after=True,
+        original_architecture="Gemma2ForCausalLM")
+
+
+def test_gemma2_names_mean_what_hooked_transformer_means():
+    """Gemma 2 normalises each sublayer's output before the residual add: HookedTransformer's
+    hook_attn_out / hook_mlp_out are after that norm, and so are hookscope's attn.out / mlp.out. Every
+    name both have equals HookedTransformer on the same weights, but ln_final: TransformerLens hooks
+    it before the final norm's weight (ln_final.hook_normalized), hookscope after it, the tensor the
+    unembedding reads; the two agree only with the weight folded in (fold_ln)."""
+    import family_models
+    from transformer_lens.pretrained.weight_conversions import convert_gemma_weights
+
+    hf = family_models.build("gemma2").float()
+    cfg = gemma2_config(hf.config)
+    tl = HookedTransformer(cfg).eval()
+    missing, unexpected = tl.load_state_dict(convert_gemma_weights(hf, cfg), strict=False)
+    assert not unexpected and {m.rsplit(".", 1)[-1] for m in missing} <= {"mask", "IGNORE", "rotary_sin", "rotary_cos"}
+    ids = family_models.inputs("gemma2")["input_ids"]
+    logits, cache = tl.run_with_cache(ids)
+    want = {canonical(k): v for k, v in cache.items()} | {"logits": logits}
+    names = [n for n in arch_of(hf).names if n in want and n != "ln_final"]
+    for must in ("blocks.1.attn.out", "blocks.1.mlp.out", "blocks.1.ln2.normalized", "blocks.1.resid_mid"):
+        assert must in names
+    got = hs.collect(hf, ids, names)
+    for name in names:
+        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5,
+                                   msg=lambda m, name=name: f"{name}: {m}")

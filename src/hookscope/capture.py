@@ -187,8 +187,8 @@ class Capture(Kept):
         self._mode: Any = None  # the inference_mode context while the `with` block runs
 
     def __enter__(self) -> Capture:
-        if self.inference:
-            self._mode = torch.inference_mode()
+        if self.inference and not torch.is_inference_mode_enabled():
+            self._mode = torch._C._InferenceMode(True)  # inference_mode()'s context, minus its wrapper
             self._mode.__enter__()
         try:
             layer = state_of(self.model).layer

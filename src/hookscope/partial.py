@@ -20,6 +20,7 @@ streamer can bring one block in and send it back to `meta` without reopening the
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -268,7 +269,9 @@ class Checkpoint:
         chosen = {key: s for key, s in self._slices.items() if wants(self._target[key])}
         config = LoadStateDictConfig(device_map=device_map, dtype=self.dtype, weight_mapping=self.mapping,
                                      dtype_plan=model._get_dtype_plan(self.dtype))
-        info, _ = convert_and_load_state_dict_in_model(model, chosen, config)
+        # transformers < 5.16 takes a tensor-parallel plan as a fourth, required argument: none here
+        older = "tp_plan" in inspect.signature(convert_and_load_state_dict_in_model).parameters
+        info, _ = convert_and_load_state_dict_in_model(model, chosen, config, *((None,) if older else ()))
         missing = sorted(k for k in info.missing_keys if wants(k) and k not in model.all_tied_weights_keys)
         if any(not _is_buffer(model, k) for k in missing):
             raise ModelLoadError(f"the checkpoint has no weights for {', '.join(missing[:5])}: it does not "

@@ -68,7 +68,7 @@ class Selection:
     def of(cls, positions: Positions = None, heads: Heads = None, token_mask: Tensor | None = None,
            dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Selection:
         if positions is None and heads is None and token_mask is None and dtype is None and device is None:
-            return _EVERYTHING  # frozen, so one value serves every capture that keeps everything
+            return EVERYTHING  # frozen, so one value serves every capture that keeps everything
         if token_mask is not None and positions is not None:
             raise SelectionError("give either positions= or token_mask=, not both")
         if token_mask is not None and (not isinstance(token_mask, Tensor) or token_mask.dtype != torch.bool
@@ -141,6 +141,8 @@ class Selection:
         unless a cast or a move already did (no storage check: it runs inside a compiled graph);
         "never" hands back what the selections made (the caller owns `act`).
         `events`: CUDA events of pinned, non-blocking host copies are appended (sync before use)."""
+        if self is EVERYTHING:  # (the common case: no selection to make, only the copy)
+            return act if copy == "never" else act.clone()
         cast = self.dtype if self.dtype is not None and act.is_floating_point() else None
         x = self._select(act, spec, attention_mask, cast)
         fresh = copy == "never" or x.dtype != act.dtype  # a cast inside the token gather made x
@@ -392,4 +394,4 @@ def _to_device(x: Tensor, device: torch.device, events: list | None) -> Tensor:
     return x.to(device, non_blocking=True, copy=True)
 
 
-_EVERYTHING = Selection()
+EVERYTHING = Selection()  # keeps every position and head, as computed

@@ -6,7 +6,7 @@ from __future__ import annotations
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="summarise and check a store")
     p.add_argument("dir", help="store directory or URL")
-    p.add_argument("--no-verify", action="store_true", help="skip the SHA-256 check of every shard")
+    p.add_argument("--no-verify", action="store_true", help="skip the checksum check of every shard (xxh3_128, or SHA-256 in older stores)")
     p.set_defaults(run=run)
 
 
@@ -44,7 +44,7 @@ def run(args) -> int:
     print("  per-row columns: " + ", ".join(f"{k} ({v.dtype})" for k, v in store.meta.items()))
     if not args.no_verify:
         store.verify()
-        print(f"  verified: {store.num_shards} shards, sizes and SHA-256 match the manifest")
+        print(f"  verified: {store.num_shards} shards, sizes and checksums match the manifest")
     return 0
 
 

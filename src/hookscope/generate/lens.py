@@ -38,7 +38,10 @@ class Lens(Bridge):
                                  "tokenizer (generate reads the padding off its pad token): "
                                  "model.set_tokenizer(tokenizer), or give rows of equal length / generate "
                                  "them one by one")
-        from transformer_lens.utils import get_attention_mask
+        try:  # TransformerLens 3.9 deprecates `transformer_lens.utils` (a DeprecationWarning) for `utilities`
+            from transformer_lens.utilities import get_attention_mask
+        except ImportError:  # older 3.x releases have only `utils`
+            from transformer_lens.utils import get_attention_mask
 
         ids = input_ids.masked_fill(attention_mask == 0, pad)
         derived = get_attention_mask(tokenizer, ids, prepend_bos, padding_side="left")

@@ -76,13 +76,17 @@ def follow(first: nn.Module, last: nn.Module, steps: Steps, step_edits: list[Ste
     first block and its unembed), which run eagerly under every compile policy (`full` compiles
     forward, not hooks)."""
 
+    cache_checked = False  # the first cached step tells: a cache that one fills stays filled
+
     def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
+        nonlocal cache_checked
         length = _input_length(args, kwargs)
         if length is None:
             raise HookscopeError("cannot tell the sequence length of a forward pass during generate")
         steps.start(length)
-        if length == 1 and steps.filled > 0:  # one new token, the rest read from the KV cache
+        if length == 1 and steps.filled > 0 and not cache_checked:  # one new token, the rest in the KV cache
             check_cache_filled(kwargs, steps.filled, cache_keys)
+            cache_checked = True
         for step_edit in step_edits:
             step_edit.prepare(*steps.window)
 

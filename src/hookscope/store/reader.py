@@ -2,7 +2,7 @@
 
 Every shard passes one check before its bytes are read (store/checks.py). A local shard is then
 memory-mapped; a shard at a URL is read by byte range, only the columns and rows asked for
-(store/ranged.py). The whole-shard SHA-256 needs every byte, so only `verify()` checks it
+(store/ranged.py). The whole-shard checksum needs every byte, so only `verify()` checks it
 (docs/store-format.md). Exports and the top-k index are rooms above this one: they take a Store.
 """
 
@@ -39,7 +39,7 @@ _UNMERGED = ("{root}: only per-rank manifests here; the torchrun job did not fin
 def open_store(location: str | os.PathLike, *, verify: bool = False,
                storage_options: dict[str, Any] | None = None) -> Store:
     """Open the store at `location` (a directory with manifest.json, `file://DIR`, or a URL such as
-    s3://bucket/dir: see store/fs.py); `verify=True` also checks every shard's size and SHA-256
+    s3://bucket/dir: see store/fs.py); `verify=True` also checks every shard's size and checksum
     against the manifest. A remote store is read with ranged GETs of only the columns and rows asked
     for, through a bounded in-memory cache, reading ahead on sequential scans; reading works as it
     does locally. `storage_options` go to the URL's fsspec filesystem.
