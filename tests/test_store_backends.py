@@ -13,12 +13,14 @@ import json
 import pytest
 import torch
 import xxhash
+from test_store_norm_stats import header_of, with_header
 
 import hookscope as hs
 from hookscope.errors import StoreError
 from hookscope.store import ShardWriter, open_store
 from hookscope.store.fs import open_fs
 from hookscope.store.manifest import Manifest
+from hookscope.store.stats import HEADER_KEY
 
 try:
     import moto.server  # noqa: F401
@@ -91,9 +93,9 @@ def store(location):
 
 
 # SHA-256 of each file of this store as b05e947's writer wrote it (before the filesystem interface):
-# the shards are unchanged, byte for byte, on every backend; the manifest too, once each shard's
-# checksum is named as b05e947 named it (SHA-256; shards are now checksummed with xxh3_128)
-# and the per-dimension statistics added since (`mean`, `m2`) are taken out
+# the shards are unchanged, byte for byte, on every backend, once the per-dimension statistics added
+# to their headers since are taken out; the manifest too, once each shard's checksum is named as
+# b05e947 named it (SHA-256 of that shard; shards are now checksummed with xxh3_128)
 SHARD = "shards/shard-r000-{:06d}.safetensors"
 WRITTEN_BY_B05E947 = {
     "manifest.json": "40b26d7ec3e11be36a3860d9d7c1b5ecc42e9294299076d4d149cfd2ad29c5b9",
@@ -109,16 +111,17 @@ def test_the_files_are_those_the_earlier_writer_wrote(store, location):
     fs = open_fs(location)
     assert fs.list("shards") == sorted(name.removeprefix("shards/") for name in WRITTEN_BY_B05E947
                                        if name.startswith("shards/"))
-    got = {name: hashlib.sha256(fs.read(name)).hexdigest() for name in WRITTEN_BY_B05E947
-           if name != "manifest.json"}
+    got = {}
     raw = json.loads(fs.read("manifest.json"))
     for entry in raw["shards"]:
         data = fs.read(entry["file"])
         assert entry.pop("xxh3_128") == xxhash.xxh3_128(data).hexdigest()
-        entry["sha256"] = hashlib.sha256(data).hexdigest()
-    for stats in [raw["stats"], *(s["stats"] for s in raw["shards"])]:
-        for point in stats.values():
-            del point["mean"], point["m2"]
+        header, body = header_of(data)
+        assert set(json.loads(header["__metadata__"].pop(HEADER_KEY))) == {POINT}
+        before = with_header(header, body)
+        got[entry["file"]] = entry["sha256"] = hashlib.sha256(before).hexdigest()
+        entry["bytes"] = len(before)
+    raw["bytes"] = sum(entry["bytes"] for entry in raw["shards"])
     got["manifest.json"] = hashlib.sha256(Manifest._from_json(raw).to_bytes()).hexdigest()
     assert got == WRITTEN_BY_B05E947
 
@@ -225,6 +228,16 @@ def test_inspect_reports_and_verifies(store, location, capsys):
     assert f"{ROWS:,} rows in {store.num_shards} shards" in out
     assert f"{POINT}: [{UNITS}] float16" in out
     assert f"verified: {store.num_shards} shards" in out
+
+
+def test_the_per_dimension_stats_come_from_every_shard_header(store):
+    """Merged from the headers, read through the store's filesystem (ranged reads at a URL): the
+    float64 mean and variance of the rows this test wrote."""
+    x = REF[POINT].double()
+    st = store.stats[POINT]
+    var = x.var(0, correction=0)
+    assert float(((st.mean - x.mean(0)).abs() / var.sqrt()).max()) < 1e-6  # float32 sums per batch
+    assert torch.allclose(st.var, var, rtol=1e-5, atol=0)
 
 
 def test_an_interrupted_store_resumes_to_the_rows_written(location, tmp_path):

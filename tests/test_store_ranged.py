@@ -8,6 +8,7 @@ test_store_s3.py and skip without `moto[server]` and `s3fs`."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import fsspec
@@ -27,7 +28,10 @@ if gate.problem("s3") is None:
 WIDE, NARROW = 256, 8  # p: 256 float32 = 1 KiB a row, q: 8 bfloat16 = 16 B a row
 SHARD_ROWS = 100  # shards of ~100 KiB, larger than the 64 KiB first GET, so ranges are visible
 BLOCK = 4096
-HEADER_GET = 16 << 10  # checks.HEAD_BYTES: the first GET of a shard, for its header
+# the first GET of a shard, for its header: checks.HEAD_BYTES, and room for its per-dimension
+# statistics (per point: its name, 64 bytes of JSON, two float64 vectors in base64)
+HEADER_GET = (16 << 10) + sum(len(name) + 64 + 2 * 4 * math.ceil(8 * width / 3)
+                              for name, width in (("p", WIDE), ("q", NARROW)))
 
 
 def write(out: str, settings: dict | None = None, batches: int = 12) -> None:

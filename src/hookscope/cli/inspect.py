@@ -34,9 +34,11 @@ def run(args) -> int:
         if st and st.norm_count:
             norms = (f"row L2 norm {st.norm_mean:.3f} +/- {st.norm_std:.3f}, "
                      f"mean squared norm {st.mean_squared_norm:.4g}")
-            if st.mean is not None and st.std is not None:
+            if st.mean is not None and st.std is not None:  # merged from every shard's header
                 norms += (f"; per-dim mean {float(st.mean.min()):.3g}..{float(st.mean.max()):.3g}, "
                           f"std {float(st.std.min()):.3g}..{float(st.std.max()):.3g}")
+            elif name in store.stats.missing:
+                norms += f"; no per-dim statistics: {store.stats.missing[name]}"
         bad = f", {st.nonfinite} NaN/Inf" if st and st.nonfinite else ""
         print(f"    {name}: {list(col.shape)} {col.dtype}  {norms}{bad}")
         if name in meanings:

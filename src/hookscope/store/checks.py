@@ -18,6 +18,7 @@ import torch
 
 from ..errors import StoreError
 from .manifest import IDENTITY, Column, ShardEntry
+from .stats import HEADER_KEY
 
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 HEAD_BYTES = 16 << 10  # the first read of a shard: its header is a few KiB, so one read does
@@ -40,12 +41,16 @@ def check_size(where: str, size: int | None, entry: ShardEntry) -> int:
 
 
 def checked_header(where: str, head: bytes, size: int, entry: ShardEntry, settings_hash: str,
-                   columns: dict[str, Column], rest: Callable[[int, int], bytes]) -> Header:
-    """The header of a shard of `size` bytes from its first bytes `head` (`rest(start, end)` reads
-    more when the header is longer), checked against its manifest entry and `columns`."""
+                   columns: dict[str, Column], rest: Callable[[int, int], bytes],
+                   keep_stats: bool = False) -> Header:
+    """The header of a shard of `size` bytes from its first bytes `head` (at least `HEAD_BYTES` of
+    them; `rest(start, end)` reads more when the header is longer), checked against its manifest
+    entry and `columns`. Its per-dimension statistics (`__metadata__[HEADER_KEY]`, checked where
+    they are read: store/dimstats.py) are left out unless `keep_stats`: headers kept in memory
+    stay small."""
     if size < 8:
         raise StoreError(f"{where}: {size} bytes, too short for a safetensors header: truncated")
-    if len(head) != min(size, HEAD_BYTES):
+    if len(head) < min(size, HEAD_BYTES):
         raise StoreError(f"{where}: its first {min(size, HEAD_BYTES)} bytes came back as {len(head)}: "
                          "the file is shorter than listed (truncated or replaced); re-open the store")
     n = int.from_bytes(head[:8], "little")
@@ -62,6 +67,8 @@ def checked_header(where: str, head: bytes, size: int, entry: ShardEntry, settin
     header = _parse(where, raw, size - 8 - n)
     _check_identity(where, header, entry, settings_hash)
     _check_columns(where, header, entry, columns)
+    if not keep_stats:
+        header["__metadata__"].pop(HEADER_KEY, None)
     return 8 + n, header
 
 

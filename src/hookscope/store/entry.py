@@ -157,7 +157,7 @@ def _plain_shard(raw: Any) -> ShardEntry | None:
             return None
         batches.append((first, end, step))
         last = end
-    try:  # the per-dimension statistics need their own checks (base64 float64 vectors)
+    try:  # the statistics' own checks (store/stats.py)
         point_stats = {name: PointStats.from_json(st, name) for name, st in stats.items()}
     except (KeyError, TypeError, ValueError):
         return None

@@ -18,6 +18,7 @@ from .blocks import BlockCache, Extent
 from .checks import HEAD_BYTES, Header, check_size, checked_header, tensor_of
 from .fs import FS
 from .manifest import Manifest
+from .stats import stats_header_bytes
 
 _HEADER_BATCH = 16  # a header is fetched with those of the next shards not known yet: one round trip
 _READ_AHEAD = 2  # shards whose columns a sequential scan fetches ahead
@@ -122,8 +123,8 @@ class RangedShards:
         batch = [i] + [j for j in range(i + 1, min(i + _HEADER_BATCH, len(shards)))
                        if j not in self._headers and j not in self._heads
                        and sizes.get(shards[j].file) == shards[j].bytes][: _HEADER_BATCH - 1]
-        datas = self.fs.read_parts([(shards[j].file, 0, min(sizes[shards[j].file], HEAD_BYTES))
-                                    for j in batch])
+        first = HEAD_BYTES + stats_header_bytes(self.manifest.points)  # the statistics too: one GET
+        datas = self.fs.read_parts([(shards[j].file, 0, min(sizes[shards[j].file], first)) for j in batch])
         with self._header_lock:
             for j, data in zip(batch[1:], datas[1:], strict=True):
                 if isinstance(data, bytes):

@@ -22,11 +22,12 @@ from safetensors import SafetensorError, safe_open
 from ..errors import StoreError
 from .checks import HEAD_BYTES, SAFETENSORS_DTYPES, Header, check_size, checked_header, tensor_of
 from .checksum import checksum_of
+from .dimstats import StoreStats
 from .fs import FS, open_fs
 from .journal import load_manifest
 from .manifest import MANIFEST, SHARDS_DIR, Column, Manifest
 from .ranged import RangedShards
-from .stats import PointStats
+from .stats import stats_header_bytes
 
 if TYPE_CHECKING:
     from .dataset import ActivationDataset
@@ -92,6 +93,7 @@ class Store:
         for s in manifest.shards:
             self._starts.append(self._starts[-1] + s.rows)
         self._cache: dict[int, dict[str, torch.Tensor]] = {}
+        self._stats = StoreStats(manifest, self._stats_header, lambda i: fs.where(manifest.shards[i].file))
 
     @property
     def points(self) -> dict[str, Column]:
@@ -104,8 +106,11 @@ class Store:
         return self.manifest.meta
 
     @property
-    def stats(self) -> dict[str, PointStats]:
-        return self.manifest.stats
+    def stats(self) -> StoreStats:
+        """Per point, its `PointStats` over the whole store: the per-dimension mean and M2 merged
+        from every shard's header on the first `stats[point]` (then cached); the scalar statistics
+        alone, read from the manifest with no shard read: `store.manifest.stats`."""
+        return self._stats
 
     @property
     def num_shards(self) -> int:
@@ -155,6 +160,19 @@ class Store:
         head = self.fs.read_ranges(entry.file, [(0, min(size, HEAD_BYTES))])[0]
         return checked_header(where, head, size, entry, self.manifest.settings_hash, self.manifest.columns,
                               lambda start, end: self.fs.read_ranges(entry.file, [(start, end)])[0])
+
+    def _stats_header(self, i: int) -> Header:
+        """Shard `i`'s checked header with its per-dimension statistics (not kept: headers a
+        reader caches leave them out), in one read where the statistics fit the first bytes."""
+        entry = self.manifest.shards[i]
+        where = self.fs.where(entry.file)
+        size = check_size(where, self.fs.size(entry.file) if self._ranged is None
+                          else self._ranged.blocks.sizes.get(entry.file), entry)
+        first = min(size, HEAD_BYTES + stats_header_bytes(self.manifest.points))
+        head = self.fs.read_ranges(entry.file, [(0, first)])[0]
+        return checked_header(where, head, size, entry, self.manifest.settings_hash, self.manifest.columns,
+                              lambda start, end: self.fs.read_ranges(entry.file, [(start, end)])[0],
+                              keep_stats=True)
 
     def read_ahead(self, shards: Sequence[int], names: Sequence[str] | None = None) -> None:
         """On a URL, start fetching columns `names` of `shards` into the block cache in the background,

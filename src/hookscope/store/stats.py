@@ -12,12 +12,18 @@ copy: sums of deviations keep their precision where the mean is large beside the
 sum of squares minus the squared sum would cancel). They become the batch's (count, mean, M2) in
 float64, and batches, shards and ranks merge with Chan et al.'s pairwise update (float64), which is
 exact up to float64 rounding whatever the order.
+
+The manifest keeps the scalar statistics (`to_json`: a few numbers per point per shard, whatever
+the point's width); each shard keeps its own per-dimension mean and M2 in its safetensors header
+(`header_text`), and a reader merges them on demand (store/dimstats.py).
 """
 
 from __future__ import annotations
 
 import base64
+import json
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +31,7 @@ import numpy as np
 import torch
 
 _SHIFT_ROWS = 256  # rows whose mean is the shift
+HEADER_KEY = "hookscope.stats"  # the shard's __metadata__ key holding its per-dimension statistics
 
 
 def count_nonfinite(t: torch.Tensor) -> int:
@@ -84,20 +91,20 @@ class PointStats:
                 == (other.nonfinite, other.norm_count, other.norm_sum, other.norm_sumsq)
                 and _same(self.mean, other.mean) and _same(self.m2, other.m2))
 
+    def scalars(self) -> PointStats:
+        """These statistics without the per-dimension mean and M2: what the manifest keeps."""
+        return PointStats(self.nonfinite, self.norm_count, self.norm_sum, self.norm_sumsq)
+
     def to_json(self) -> dict[str, Any]:
-        """These statistics in the manifest. The per-dimension mean and M2 are float64 vectors as
-        base64 of their little-endian bytes: exact, and 2.7x shorter than JSON numbers (a 768-wide
-        point: 16 KiB per shard, beside its 96 MiB of rows in a 65,536-row bfloat16 shard)."""
-        out: dict[str, Any] = {"nonfinite": self.nonfinite, "norm_count": self.norm_count,
-                               "norm_sum": self.norm_sum, "norm_sumsq": self.norm_sumsq}
-        if self.mean is not None and self.m2 is not None:
-            out["mean"], out["m2"] = _vector_text(self.mean), _vector_text(self.m2)
-        return out
+        """The scalar statistics, as the manifest keeps them (its entries, totals and journal lines:
+        a few numbers whatever the point's width). The per-dimension mean and M2 live in each
+        shard's own header (`header_text`)."""
+        return {"nonfinite": self.nonfinite, "norm_count": self.norm_count,
+                "norm_sum": self.norm_sum, "norm_sumsq": self.norm_sumsq}
 
     @classmethod
     def from_json(cls, raw: Any, where: str) -> PointStats:
-        """Checked field by field (TypeError / ValueError naming `where`); a manifest written before
-        the per-dimension statistics were kept has none (`mean` None)."""
+        """The scalar statistics, checked field by field (TypeError / ValueError naming `where`)."""
         if not isinstance(raw, dict):
             raise TypeError(f"{where} should be dict, got {type(raw).__name__}")
         for k in ("nonfinite", "norm_count"):
@@ -106,15 +113,7 @@ class PointStats:
         for k in ("norm_sum", "norm_sumsq"):
             if not isinstance(raw[k], int | float) or isinstance(raw[k], bool):
                 raise TypeError(f"{where}.{k} should be a number")
-        mean = m2 = None
-        if "mean" in raw or "m2" in raw:
-            mean, m2 = _vector(raw["mean"], f"{where}.mean"), _vector(raw["m2"], f"{where}.m2")
-            if len(mean) != len(m2):
-                raise ValueError(f"{where}: mean has {len(mean)} dimensions, m2 {len(m2)}")
-            if bool((m2 < 0).any()):
-                raise ValueError(f"{where}.m2 holds a negative sum of squares")
-        return cls(raw["nonfinite"], raw["norm_count"], float(raw["norm_sum"]), float(raw["norm_sumsq"]),
-                   mean, m2)
+        return cls(raw["nonfinite"], raw["norm_count"], float(raw["norm_sum"]), float(raw["norm_sumsq"]))
 
     @property
     def norm_mean(self) -> float:
@@ -157,6 +156,52 @@ def _moments(flat: torch.Tensor, owned: bool) -> tuple[torch.Tensor, torch.Tenso
     mean = (shift.double() + s1 / n).cpu()
     m2 = (s2 - s1**2 / n).clamp_(min=0).cpu()
     return mean, m2
+
+
+def header_text(stats: dict[str, PointStats]) -> str:
+    """The per-dimension statistics of one shard, as its safetensors `__metadata__[HEADER_KEY]`:
+    JSON (sorted keys, so the shard's bytes are the same from run to run) of, per point, the rows
+    they cover (`norm_count`) and the float64 `mean` and `m2` as base64 of their little-endian bytes
+    (exact, and 2.7x shorter than JSON numbers)."""
+    return json.dumps({name: {"norm_count": s.norm_count, "mean": _vector_text(s.mean),
+                              "m2": _vector_text(s.m2)}
+                       for name, s in stats.items() if s.mean is not None and s.m2 is not None},
+                      sort_keys=True, separators=(",", ":"))
+
+
+def stats_header_bytes(points: Mapping[str, Any]) -> int:
+    """About how long `header_text` is for `points` (name -> a Column): a first read that long
+    holds a shard's whole header."""
+    return sum(len(name) + 64 + 2 * 4 * math.ceil(8 * math.prod(c.shape) / 3) for name, c in points.items())
+
+
+def from_header_text(raw: Any, counts: dict[str, int], widths: dict[str, int],
+                     where: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Each point's (mean, M2) from a shard's `HEADER_KEY` text, every field checked against the
+    shard's manifest entry (`counts`: its rows per point) and the points' `widths` (ValueError)."""
+    if not isinstance(raw, str):
+        raise ValueError(f"{where} should be a string, got {type(raw).__name__}")
+    try:
+        parsed = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        raise ValueError(f"{where} is not valid JSON ({type(e).__name__})") from None
+    if not isinstance(parsed, dict) or set(parsed) != set(counts):
+        got = sorted(parsed) if isinstance(parsed, dict) else type(parsed).__name__
+        raise ValueError(f"{where} holds {got}, the manifest lists the points {sorted(counts)}")
+    out = {}
+    for name, st in parsed.items():
+        at = f"{where}[{name!r}]"
+        count = st.get("norm_count") if isinstance(st, dict) else None
+        if type(count) is not int or count != counts[name]:
+            raise ValueError(f"{at} does not cover the {counts[name]} rows its manifest entry counts")
+        mean, m2 = _vector(st.get("mean"), f"{at}.mean"), _vector(st.get("m2"), f"{at}.m2")
+        for label, v in (("mean", mean), ("m2", m2)):
+            if len(v) != widths[name]:
+                raise ValueError(f"{at}.{label} holds {len(v)} dimensions, the point has {widths[name]}")
+        if bool((m2 < 0).any()):
+            raise ValueError(f"{at}.m2 holds a negative sum of squares")
+        out[name] = mean, m2
+    return out
 
 
 def _vector_text(v: torch.Tensor) -> str:

@@ -45,7 +45,7 @@ from .manifest import (
 from .opening import StoreView
 from .resume import plan, read_manifests
 from .shardfile import save_columns
-from .stats import PointStats
+from .stats import HEADER_KEY, PointStats, header_text
 
 _STOP = object()
 
@@ -293,18 +293,22 @@ class ShardWriter:
         name = f"{self._prefix}{self._next_shard:06d}.safetensors"
         tmp = self._staging / (name + ".tmp")
         runs = runs_of([i for i, _ in pending])
-        identity = shard_identity(self.manifest.settings_hash, runs, self.rank)
+        # the identity, then the per-dimension statistics (the manifest keeps their scalars), each
+        # text deterministic: the shard's bytes are the same from run to run
+        metadata = {**shard_identity(self.manifest.settings_hash, runs, self.rank),
+                    HEADER_KEY: header_text(stats)}
         try:
             self._staging.mkdir(exist_ok=True)  # made on the first write: a store never written has none
-            size, digest = save_columns(columns, tmp, identity, self.checksum, self._copiers, self._file_mode)
+            size, digest = save_columns(columns, tmp, metadata, self.checksum, self._copiers, self._file_mode)
             # renamed, or uploaded under its final name: on an object store the manifest PUT commits it
             self.fs.put_file(tmp, f"{SHARDS_DIR}/{name}")
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         rows = sum(b[next(iter(b))].shape[0] for _, b in pending)
+        scalars = {k: s.scalars() for k, s in stats.items()}
         self._commit(ShardEntry(f"{SHARDS_DIR}/{name}", rows, digest, size, runs, self.rank, self.generation,
-                                dict(stats), algorithm=self.checksum), stats)
+                                scalars, algorithm=self.checksum), scalars)
 
     def _commit(self, entry: ShardEntry, stats: dict[str, PointStats]) -> None:
         """Shard `entry`, in its final place, becomes part of the store (its batches count as done)."""

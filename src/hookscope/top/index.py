@@ -167,7 +167,7 @@ def build_index(store: Store, point: str, *, encoder: Encoder | None = None, k: 
     units = encoder.units
     # a batch of unit values is at most ~64 MiB of float32, and at least 1024 rows
     batch_rows = batch_rows or max(1024, min(65536, (1 << 24) // max(units, 1)))
-    has_nonfinite = store.stats.get(point) is None or store.stats[point].nonfinite > 0
+    has_nonfinite = store.manifest.stats.get(point) is None or store.manifest.stats[point].nonfinite > 0
     top_v = torch.full((units, 0), float("-inf"))
     top_r = torch.zeros((units, 0), dtype=torch.long)
     hist = torch.zeros((units, HIST_BINS), dtype=torch.long)
