@@ -9,7 +9,9 @@ what bounds an extraction?
     32 x 1024 bf16, store in /dev/shm) against the packing alone (the same documents tokenized and
     packed into the same batches in one thread), and the same with 12 points (embed and
     blocks.0-10.resid_post) where every block is replaced by the identity, so that the forward stays
-    free and only hookscope's own work is left.
+    free and only hookscope's own work is left. Beside them: the model stage alone (the forward
+    and captures on batches packed already) and its floor here, the bare embedding lookup on the
+    same batches (`extract()` sets THP_MEM_ALLOC_ENABLE=1 unless it is set: the figures name it).
 
     python bench/bench_pipeline.py                 # 3 fresh processes per figure, medians
     python bench/bench_pipeline.py --smoke         # tiny, seconds
@@ -195,8 +197,17 @@ def extract_run(args: argparse.Namespace) -> dict[str, float]:
             cap.run({"input_ids": b["input_ids"], "attention_mask": b["attention_mask"]})
             [cap[p] for p in points]
     model_s = time.perf_counter() - start
+    # the model stage's floor here: the bare embedding lookup on the same batches (every point is
+    # at or after it, and the blocks are free), its output made and dropped as the forward's is
+    embedding = loaded.model.get_input_embeddings()
+    start = time.perf_counter()
+    with torch.inference_mode():
+        for b in packed:
+            embedding(b["input_ids"])
+    embed_s = time.perf_counter() - start
     return {"tokens": tokens, "rows": rows, "bytes": nbytes, "extract_s": extract_s, "pack_s": pack_s,
-            "model_s": model_s, "summary": str(summary)}
+            "model_s": model_s, "embed_s": embed_s, "summary": str(summary),
+            "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE", "")}
 
 
 # --- (c) the data stage alone --------------------------------------------------------------------
@@ -328,6 +339,12 @@ def main() -> None:
                 print(f"    the model stage alone (forward + captures on batches packed already): "
                       f"{md:,.0f} tokens/s; extract / the slower of packing and the model stage: {both:.2f}x",
                       flush=True)
+                if "embed_s" in rs[0]:
+                    em = statistics.median(r["tokens"] / r["embed_s"] for r in rs)
+                    floor = statistics.median(max(r["pack_s"], r["embed_s"]) / r["extract_s"] for r in rs)
+                    print(f"    the model stage's floor, the bare embedding lookup on the same batches: "
+                          f"{em:,.0f} tokens/s; extract / the slower of packing and that floor: {floor:.2f}x "
+                          f"(THP_MEM_ALLOC_ENABLE={rs[0]['huge_pages'] or 'unset'})", flush=True)
                 print("    last run's summary: " + rs[-1]["summary"].replace("\n", "\n    "), flush=True)
     if args.only == "data":
         with tempfile.TemporaryDirectory(prefix="hookscope-bench-data-") as tmp:

@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
 
 from .errors import SelectionError
+from .token_rows import KeptRows, select_tokens
 
 Positions = None | int | slice | Sequence[int] | Tensor | str
 Heads = None | int | Sequence[int] | Tensor
@@ -60,6 +61,8 @@ class Selection:
     dtype: torch.dtype | None = None
     device: torch.device | None = None
     offset: int | None = None  # from `at`: the activation's position 0 is this sequence position
+    # the token mask's kept rows, found once for every point of a capture
+    _kept_rows: KeptRows = field(default_factory=KeptRows, init=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, positions: Positions = None, heads: Heads = None, token_mask: Tensor | None = None,
@@ -140,22 +143,29 @@ class Selection:
         `events`: CUDA events of pinned, non-blocking host copies are appended (sync before use)."""
         if self is EVERYTHING:  # (the common case: no selection to make, only the copy)
             return act if copy == "never" else act.clone()
-        x = self.select(act, spec, attention_mask=attention_mask)
-        fresh = copy == "never"
+        cast = self.dtype if self.dtype is not None and act.is_floating_point() else None
+        x = self._select(act, spec, attention_mask, cast)
+        fresh = copy == "never" or x.dtype != act.dtype  # a cast inside the token gather made x
         if not fresh and copy == "auto" and x is not act:  # (act itself: shares its own storage)
             # compare storages: views made under inference_mode have no _base, and a view at an
             # offset (positions=1) has a different data_ptr
             fresh = x.untyped_storage().data_ptr() != act.untyped_storage().data_ptr()
         # integer points (router indices, expert token indices) keep their dtype: a float cast
         # would silently round indices above 256 in bfloat16
-        if self.dtype is not None and x.dtype != self.dtype and x.is_floating_point():
-            x, fresh = x.to(self.dtype), True  # cast on the device, before the copy: fewer bytes to move
+        if cast is not None and x.dtype != cast and x.is_floating_point():
+            x, fresh = x.to(cast), True  # cast on the device, before the copy: fewer bytes to move
         if self.device is not None and x.device != self.device:
             return _to_device(x, self.device, events)
         return x if fresh else x.clone()  # never keep a view: a later in-place op would rewrite it
 
     def select(self, act: Tensor, spec: Dims, *, attention_mask: Tensor | None = None) -> Tensor:
         """Heads, then positions or the token mask (no cast, no copy)."""
+        return self._select(act, spec, attention_mask, None)
+
+    def _select(self, act: Tensor, spec: Dims, attention_mask: Tensor | None, cast: torch.dtype | None
+                ) -> Tensor:
+        """`select`; a token mask's gather may cast to `cast` on the way (whichever order moves
+        fewer bytes: the same bits either way, a cast is element by element)."""
         x = act
         if self.heads is not None:
             if spec.head_dim is None:
@@ -163,7 +173,7 @@ class Selection:
                                      "heads= works on attn.q|k|v|z (and attn.pattern)")
             x = x.index_select(spec.head_dim, _index(self.heads, x.shape[spec.head_dim], "head", x.device))
         if self.token_mask is not None:
-            return _select_tokens(x, self.token_mask, spec.pos_dim)
+            return select_tokens(x, self.token_mask, spec.pos_dim, self._kept_rows, cast)
         if self.positions is None:
             return x
         pos_dim = _pos_dim(spec, x)
@@ -360,18 +370,6 @@ def last_real(attention_mask: Tensor, batch: int, size: int) -> Tensor:
         raise SelectionError("positions='last': a row of the attention mask has no real token")
     # the highest index holding a real token: flip, find the first one, count back
     return size - 1 - real.flip(1).int().argmax(dim=1)
-
-
-def _select_tokens(x: Tensor, mask: Tensor, pos_dim: int | None) -> Tensor:
-    """Keep the tokens where mask [batch, pos] is True, as rows: [n_tokens, ...]."""
-    if pos_dim is None or pos_dim % x.ndim != 1:
-        raise SelectionError("token_mask needs a [batch, pos, ...] activation")
-    if x.shape[0] == 1 and mask.shape[0] > 1:
-        x = x.expand(mask.shape[0], *x.shape[1:])  # batch-shared points (HF position embeddings)
-    if tuple(mask.shape) != tuple(x.shape[:2]):
-        raise SelectionError(f"token_mask must be a bool tensor of shape {tuple(x.shape[:2])} (batch, pos), "
-                             f"got {mask.dtype} {tuple(mask.shape)}")
-    return x[mask.to(x.device)]
 
 
 def _token_region(x: Tensor, mask: Tensor, pos_dim: int | None) -> Tensor:

@@ -1,0 +1,48 @@
+"""A token mask's gather: the kept tokens of a [batch, pos, ...] activation as rows [n_tokens, ...].
+
+One capture gathers every point with the same mask, so `KeptRows` finds the kept rows once per
+device (on a GPU, finding them waits for the device) and each point is one `index_select`. Where
+most tokens are kept and the capture casts, the cast goes first: it makes and moves fewer bytes
+than gather-then-cast, and the bits are the same (a cast is element by element, a gather moves
+elements whole).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from .errors import SelectionError
+
+
+class KeptRows:
+    """The row-major indices of the True tokens of a [batch, pos] mask, per device."""
+
+    def __init__(self) -> None:
+        self._rows: dict[torch.device, tuple[int | None, Tensor]] = {}
+
+    def of(self, mask: Tensor, device: torch.device) -> Tensor:
+        version = None if mask.is_inference() else mask._version  # a mask changed in place is read anew
+        found = self._rows.get(device)
+        if found is None or found[0] is None or found[0] != version:
+            found = self._rows[device] = (version, mask.to(device).flatten().nonzero().squeeze(1))
+        return found[1]
+
+
+def select_tokens(x: Tensor, mask: Tensor, pos_dim: int | None, kept: KeptRows,
+                  cast: torch.dtype | None = None) -> Tensor:
+    """Keep the tokens where mask [batch, pos] is True, as rows; cast to `cast` on the way when
+    that is cheaper before the gather (else the caller casts the rows)."""
+    if pos_dim is None or pos_dim % x.ndim != 1:
+        raise SelectionError("token_mask needs a [batch, pos, ...] activation")
+    if x.shape[0] == 1 and mask.shape[0] > 1:
+        x = x.expand(mask.shape[0], *x.shape[1:])  # batch-shared points (HF position embeddings)
+    if tuple(mask.shape) != tuple(x.shape[:2]):
+        raise SelectionError(f"token_mask must be a bool tensor of shape {tuple(x.shape[:2])} (batch, pos), "
+                             f"got {mask.dtype} {tuple(mask.shape)}")
+    if x.shape[0] > 1 and x.stride(0) != x.stride(1) * x.shape[1]:  # batch and pos not one dim (expanded)
+        return x[mask.to(x.device)]
+    rows = kept.of(mask, x.device)
+    if cast is not None and x.dtype != cast and 2 * rows.numel() > mask.numel():
+        x = x.to(cast)  # keeps a dense x's strides (batch and pos stay one dim), else contiguous
+    return x.flatten(0, 1).index_select(0, rows)
