@@ -11,7 +11,7 @@ what bounds an extraction?
     blocks.0-10.resid_post) where every block is replaced by the identity, so that the forward stays
     free and only hookscope's own work is left. Beside them: the model stage alone (the forward
     and captures on batches packed already) and its floor here, the bare embedding lookup on the
-    same batches (`extract()` sets THP_MEM_ALLOC_ENABLE=1 unless it is set: the figures name it).
+    same batches (THP_MEM_ALLOC_ENABLE=1 unless it is set, as `hookscope extract` does: the figures name it).
 
     python bench/bench_pipeline.py                 # 3 fresh processes per figure, medians
     python bench/bench_pipeline.py --smoke         # tiny, seconds
@@ -266,6 +266,7 @@ def load() -> str:
 
 
 def main() -> None:
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as `hookscope extract` runs; workers inherit it
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--smoke", action="store_true")

@@ -51,7 +51,11 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..extract import ExtractConfig, ExtractInterrupted, extract
+    from ..extract.stages import prefer_huge_pages
 
+    # the command's own process: huge pages before the model's weights (the first large allocation
+    # fixes the setting); the Python API leaves a caller's environment as it is
+    prefer_huge_pages()
     quiet_transformers()
     cfg = ExtractConfig(
         out=args.out, model=args.model, points=args.points, data=args.data, text_field=args.text_field,

@@ -29,7 +29,7 @@ from ..store.opening import StoreView
 from ..store.stats import PointStats
 from .config import ExtractConfig, validate_config
 from .report import ExtractInterrupted, ExtractSummary, check_finite, signals_interrupt
-from .stages import Stages, ahead, prefer_huge_pages, stats_and_host
+from .stages import Stages, ahead, stats_and_host
 
 Batches = Iterable[tuple[int, dict[str, Tensor]]]
 
@@ -75,7 +75,6 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
         StoreError: a store at `out` written with other settings (never mixed), or damaged.
         ExtractInterrupted: SIGINT / SIGTERM (Ctrl-C); the same call resumes where it stopped."""
     validate_config(cfg)
-    prefer_huge_pages()  # before the model's weights: the first large allocation fixes it
     kind = source_for(cfg)  # refuses options the source cannot honour, nothing loaded yet
     opened: list[ShardWriter] = []  # the writer, once the store is open: how many rows it holds
     with signals_interrupt():
