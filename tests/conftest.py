@@ -50,6 +50,19 @@ def tiny_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="session")
+def gemma2_dir(tmp_path_factory) -> str:
+    """A tiny Gemma 2 (a post-norm family: its `mlp.out` changed meaning) with a tokenizer, saved."""
+    import family_models
+
+    from hookscope.testing import train_tokenizer
+
+    path = tmp_path_factory.mktemp("gemma2")
+    family_models.build("gemma2").float().save_pretrained(path)
+    train_tokenizer(family_models.VOCAB).save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def tiny(tiny_dirs) -> dict[str, hs.Loaded]:
     """Every tiny model, loaded by path with `hs.load(path)`."""
     return {key: hs.load(str(path)) for key, path in tiny_dirs.items()}

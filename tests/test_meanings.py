@@ -18,18 +18,14 @@ from hookscope.cli import main
 from hookscope.extract import ExtractConfig, extract
 from hookscope.sources import text
 from hookscope.store import open_store
-from hookscope.testing import train_tokenizer
 
 corpus = corpus_fixture(30)
 CHANGED = "blocks.1.mlp.out"
 
 
 @pytest.fixture(scope="module")
-def gemma2(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("gemma2")
-    family_models.build("gemma2").float().save_pretrained(path)
-    train_tokenizer(family_models.VOCAB).save_pretrained(path)
-    return str(path)
+def gemma2(gemma2_dir) -> str:
+    return gemma2_dir
 
 
 def config(model: str, corpus, out, points: list[str], max_tokens: int) -> ExtractConfig:

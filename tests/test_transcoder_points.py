@@ -13,22 +13,19 @@ from transformers import AutoModelForCausalLM
 
 from hookscope.cli import main
 from hookscope.store import open_store
-from hookscope.testing import train_tokenizer
 
 corpus = corpus_fixture(30)
 
 
 @pytest.fixture(scope="module")
-def gemma2(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("gemma2")
-    family_models.build("gemma2").float().save_pretrained(path)
-    train_tokenizer(family_models.VOCAB).save_pretrained(path)
-    return str(path)
+def gemma2(gemma2_dir) -> str:
+    return gemma2_dir
 
 
 def test_points_says_what_names_mean(gemma2, capsys):
     assert main(["points", gemma2, "--pattern", "blocks.1.*"]) == 0
-    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines() if line.startswith("  blocks.")}
+    out = capsys.readouterr().out.splitlines()
+    lines = {line.split()[0]: line for line in out if line.startswith("  blocks.")}
     assert "what the MLP reads (after ln2)" in lines["blocks.1.mlp.in"]
     assert "what the MLP adds to the residual stream" in lines["blocks.1.mlp.out"]
     assert "post_feedforward_layernorm:output" in lines["blocks.1.mlp.out"]
@@ -49,7 +46,8 @@ def test_extract_mlp_in_and_out_of_every_layer_in_one_run(gemma2, corpus, tmp_pa
     model = AutoModelForCausalLM.from_pretrained(gemma2, attn_implementation="eager").eval()
     blocks = model.model.layers
     taps = {f"blocks.{L}.mlp.in": (blocks[L].mlp, "input", lambda x: x) for L in layers}
-    taps |= {f"blocks.{L}.mlp.out": (blocks[L].post_feedforward_layernorm, "output", lambda x: x) for L in layers}
+    taps |= {f"blocks.{L}.mlp.out": (blocks[L].post_feedforward_layernorm, "output", lambda x: x)
+             for L in layers}
     seq, pos, ids = store.tensor("seq_ids"), store.tensor("positions"), store.tensor("token_ids")
     stored = {name: store.tensor(name) for name in names}
     for s in seq.unique():
