@@ -13,8 +13,10 @@ Cases, each against its own reference in the same process tree:
                (embeddings + blocks 0..L + the final norm), run by hand
   capture_host the same capture copied to pinned host memory (device="cpu", non-blocking)
   hooks12      12 no-op hooks on the full forward vs no hooks
-  extract      `extract()` tokens/s vs the truncated forward alone over the same packed batches;
-               a torch.profiler trace of a few extraction batches shows compute and copies overlap
+  extract      `extract()` tokens/s vs min(the truncated forward alone over the same packed batches,
+               the disk's own fsynced write of the same bytes / bytes per token); a torch.profiler
+               trace of a few extraction batches shows compute and copies overlap
+  extract_all  the same with every block's resid_post (the Llama shape only: 16 points)
   compile      blocks vs full: first call in a cold process (empty inductor cache), first call in a
                warm one (the cache the cold one filled), and the steady per-call time vs eager
   generate     per-token latency of greedy generation with one captured point / one steering edit
@@ -45,8 +47,8 @@ SHAPES = {
 }
 SMOKE = {"gpt2-tiny": ("gpt2", {"d_model": 64, "n_layers": 3, "n_heads": 4, "vocab_size": 512,
                                 "context": 64}, 1)}
-CASES = ("capture", "capture_host", "hooks12", "extract", "compile_blocks", "compile_full", "generate",
-         "peers")
+CASES = ("capture", "capture_host", "hooks12", "extract", "extract_all", "compile_blocks", "compile_full",
+         "generate", "peers")
 
 
 # --- one case, in a fresh process ------------------------------------------------------------
@@ -154,7 +156,7 @@ def case_main(args) -> dict:
             for name in [f"blocks.{i}.resid_post" for i in range(model.config.num_hidden_layers)][:12]:
                 h.forward(name, lambda act, hook: None)
             result["hookscope_s"] = timed(forward, args.device, args.runs)
-    elif args.case == "extract":
+    elif args.case in ("extract", "extract_all"):
         result.update(extract_case(model, layer, args))
     elif args.case.startswith("compile_"):
         result.update(compile_case(model, ids, point, args.case.removeprefix("compile_"), args))
@@ -166,34 +168,38 @@ def case_main(args) -> dict:
 
 
 def extract_case(model, layer: int, args) -> dict:
-    """extract() over a generated corpus vs the truncated forward over the same packed batches."""
+    """extract() over a generated corpus vs the truncated forward over the same packed batches and
+    vs the disk: the same number of bytes written raw into files of a shard's size, fsynced."""
     import torch
 
     from hookscope.extract import ExtractConfig, extract
     from hookscope.sources import batches, pack
     from hookscope.testing import train_tokenizer
 
+    every = args.case == "extract_all"
+    last = model.config.num_hidden_layers - 1 if every else layer
+    points = [f"blocks.{i}.resid_post" for i in range(last + 1)] if every else [f"blocks.{layer}.resid_post"]
     work = Path(tempfile.mkdtemp(prefix="hookscope-gpu-extract-"))
     model_dir = work / "model"
     model.save_pretrained(model_dir)
     tokenizer = train_tokenizer(min(model.config.vocab_size, 4096))
     tokenizer.save_pretrained(model_dir)
+    n_batches = 4 if args.smoke else (6 if every else 48)
+    tokens = args.batch * args.seq * n_batches
     words = "the residual stream of a transformer carries features between layers".split()
     g = torch.Generator().manual_seed(0)
     corpus = work / "corpus.jsonl"
     with corpus.open("w") as f:
-        for _ in range(max(64, args.batch * 8)):
+        for _ in range(max(64, tokens // args.seq + 16)):
             idx = torch.randint(0, len(words), (args.seq * 2,), generator=g).tolist()
             f.write(json.dumps({"text": " ".join(words[i] for i in idx)}) + "\n")
-    tokens = args.batch * args.seq * (4 if args.smoke else 16)
-    cfg = ExtractConfig(out=str(work / "store"), model=str(model_dir), points=[f"blocks.{layer}.resid_post"],
+    cfg = ExtractConfig(out=str(work / "store"), model=str(model_dir), points=points,
                         data=str(corpus), context=args.seq, batch_size=args.batch, dtype="bfloat16",
-                        device=args.device, max_tokens=tokens, progress=False)
-    sync(args.device)
-    start = time.perf_counter()
+                        device=args.device, max_tokens=tokens, progress=False,
+                        workers=0 if args.smoke else 4)
     summary = extract(cfg)
-    extract_s = time.perf_counter() - start
-    floor_model = truncated(model, layer)
+    extract_s = summary.seconds  # the run itself: the model's load is not in it
+    floor_model = truncated(model, last)
     packed = list(batches(pack(_jsonl(corpus), tokenizer, context=args.seq, max_tokens=tokens), args.batch))
     sync(args.device)
     start = time.perf_counter()
@@ -203,17 +209,43 @@ def extract_case(model, layer: int, args) -> dict:
                         attention_mask=b["attention_mask"].to(args.device), use_cache=False)
     sync(args.device)
     floor_s = time.perf_counter() - start
+    disk_s = _raw_write_s(work, summary.bytes_written, cfg.shard_rows * 2 * model.config.hidden_size)
     trace = None
-    if args.trace_dir:  # a few batches under the profiler: compute and device->host copies overlap
+    if args.trace_dir and not every:  # a few batches under the profiler: compute and copies overlap
         trace = str(Path(args.trace_dir) / f"extract-{args.shape}.json")
         small = ExtractConfig(**{**cfg.__dict__, "out": str(work / "traced"),
                                  "max_tokens": args.batch * args.seq * 3})
         with torch.profiler.profile() as prof:
             extract(small)
         prof.export_chrome_trace(trace)
-    return {"rows": summary.rows, "extract_s": extract_s, "floor_s": floor_s,
-            "extract_tok_s": summary.new_rows / extract_s, "floor_tok_s": summary.new_rows / floor_s,
-            "trace": trace}
+    rows = summary.new_rows
+    return {"rows": summary.rows, "points": len(points), "extract_s": extract_s, "floor_s": floor_s,
+            "disk_s": disk_s, "bytes": summary.bytes_written, "extract_tok_s": rows / extract_s,
+            "floor_tok_s": rows / floor_s, "disk_tok_s": rows / disk_s, "busy": summary.busy,
+            "bound": summary.bound, "trace": trace}
+
+
+def _raw_write_s(folder: Path, total: int, file_bytes: int) -> float:
+    """Seconds to write `total` bytes into files of `file_bytes` in `folder`, each file fsynced."""
+    import numpy as np
+
+    chunk = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
+    start = time.perf_counter()
+    written, n = 0, 0
+    while written < total:
+        with open(folder / f"raw-{n:05d}.bin", "wb") as f:
+            in_file = 0
+            while in_file < file_bytes and written < total:
+                part = min(len(chunk), file_bytes - in_file, total - written)
+                f.write(memoryview(chunk)[:part])
+                in_file, written = in_file + part, written + part
+            f.flush()
+            os.fsync(f.fileno())
+        n += 1
+    seconds = time.perf_counter() - start
+    for p in folder.glob("raw-*.bin"):
+        p.unlink()
+    return seconds
 
 
 def _jsonl(path: Path):
@@ -345,9 +377,13 @@ def table(results: list[dict]) -> str:
             fig = f"time {ratio(r['hookscope_s'], r['floor_s'])} the floor ({ms}), peak memory {mem}"
         elif r["case"] == "hooks12":
             fig = f"12 no-op hooks {ratio(r['hookscope_s'], r['plain_s'])} the plain forward"
-        elif r["case"] == "extract":
-            fig = (f"extract {r['extract_tok_s']:,.0f} tok/s vs truncated forward "
-                   f"{r['floor_tok_s']:,.0f} tok/s = {r['extract_tok_s'] / r['floor_tok_s']:.3f}x")
+        elif r["case"] in ("extract", "extract_all"):
+            floor = min(r["floor_tok_s"], r["disk_tok_s"])
+            busy = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r.get("busy", {}).items())
+            fig = (f"{r['points']} point(s): extract {r['extract_tok_s']:,.0f} tok/s vs truncated forward "
+                   f"{r['floor_tok_s']:,.0f}, disk {r['disk_tok_s']:,.0f} "
+                   f"({r['bytes'] / r['disk_s'] / 1e6:,.0f} MB/s) = **{r['extract_tok_s'] / floor:.3f}x** "
+                   f"the lower; busy {busy}; {r.get('bound', '')}")
         elif r["case"].startswith("compile_"):
             fig = (f"{r.get('start', '')} first call {r['first_call_s']:.1f} s, steady "
                    f"{ratio(r['steady_s'], r['eager_s'])} eager")
@@ -412,6 +448,8 @@ def main() -> None:
     for shape in (SMOKE if args.smoke else args.shapes.split(",")):
         for case in args.cases.split(","):
             batch, env = args.batch, {}
+            if case == "extract_all" and shape not in ("llama-1b", "gpt2-tiny"):
+                continue  # the issue's every-block case is the Llama shape's
             if case.startswith("compile_"):
                 cache = tempfile.mkdtemp(prefix="inductor-")
                 for start in ("cold", "warm"):  # warm: a new process on the cache the cold one filled
