@@ -6,7 +6,11 @@ converted as the in-memory load converts them; blocks that differ fall back to t
 from __future__ import annotations
 
 import json
+import os
+import platform
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +23,8 @@ from hookscope.extract import ExtractConfig, extract
 from hookscope.loading import parse_size, streamer_for
 from hookscope.loading.block_buffers import data_ranges
 from hookscope.testing import save_tiny
+
+SRC = Path(hs.__file__).parent.parent
 
 SAME = {"rows_lost": 0, "rows_duplicated": 0, "same_values": True, "same_files": True}
 
@@ -86,6 +92,76 @@ def test_a_float32_checkpoint_computed_in_bfloat16_is_converted_into_the_buffers
             want = stored[f"model.layers.{k}.{name}"].to(torch.bfloat16)
             assert param.dtype == torch.bfloat16
             assert torch.equal(param.view(torch.int16), want.view(torch.int16))
+
+
+def test_converted_blocks_and_embeddings_hold_what_from_pretrained_gives(tiny_dirs, tmp_path):
+    """A float32 checkpoint whose config asks bfloat16: every streamed block's parameters, and the
+    embeddings kept resident, are bit for bit what a plain `from_pretrained(dtype=torch.bfloat16)`
+    of the same directory holds (an independent load: transformers' own, no hookscope)."""
+    from transformers import AutoModelForCausalLM
+
+    model_dir = _converting_copy(tiny_dirs["llama"], tmp_path / "bf16")
+    plain = dict(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).named_parameters())
+    streamer, seen = _params_seen_in_each_block(model_dir, "blocks.2.resid_post", 1, "700KB")
+    assert [k for k, _ in seen] == [0, 1, 2]
+    for k, params in seen:
+        for name, (_, param) in params.items():
+            want = plain[f"model.layers.{k}.{name}"]
+            assert param.dtype == want.dtype == torch.bfloat16
+            assert torch.equal(param.view(torch.int16), want.view(torch.int16)), (k, name)
+    embed = streamer.model.get_submodule("model.embed_tokens").weight
+    assert torch.equal(embed.view(torch.int16), plain["model.embed_tokens.weight"].view(torch.int16))
+
+
+_FREED_PROBE = """
+import contextlib, re, sys
+import torch
+import hookscope as hs
+from hookscope.loading import parse_size, streamer_for
+
+def anon():
+    return int(re.search(r"^RssAnon:\\s+(\\d+)", open("/proc/self/status").read(), re.M).group(1)) * 1024
+
+def kept_after_free(module, args):
+    # 8 tensors of 2 MiB made and freed, a small one made after them: what the process still holds
+    before = anon()
+    made = [torch.ones(2 * 2**20, dtype=torch.uint8) for _ in range(8)]
+    later = torch.ones(16, dtype=torch.uint8)
+    del made
+    print((anon() - before) / 2**20, flush=True)
+
+big = torch.ones(16 * 2**20, dtype=torch.uint8)  # freed: glibc's sliding threshold rises to 16 MiB
+del big
+loaded = hs.load(sys.argv[1], device="meta")
+layers = loaded.model.model.layers
+if sys.argv[2] == "streaming":
+    streamer = streamer_for(loaded, ["blocks.1.resid_post"], parse_size("700KB"), batch_size=2, context=16,
+                            dtype=torch.float32)
+    layers[1].register_forward_pre_hook(kept_after_free)
+    ids = torch.randint(3, 100, (2, 16))
+    streamer.run_chunk([{"input_ids": ids, "attention_mask": torch.ones_like(ids)}], [None])
+    streamer.close()
+else:
+    kept_after_free(None, None)
+"""
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or not Path("/proc/self/status").exists(),
+                    reason="glibc's allocator and Linux's /proc")
+def test_inside_a_streamed_block_freed_tensors_go_back_to_the_system(tiny_dirs):
+    """In a fresh process whose heap would keep them (glibc's threshold slid up by a freed 16 MiB
+    tensor), 16 MiB of tensors made and freed inside a streamed block's forward leave the resident
+    anonymous memory as it was; the same outside streaming stays resident (the premise). Rejects a
+    streamer that does not return freed memory (the heap then holds it, as measured before)."""
+    def kept(mode: str) -> float:
+        env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        out = subprocess.run([sys.executable, "-c", _FREED_PROBE, str(tiny_dirs["llama"]), mode], env=env,
+                             capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        return float(out.stdout.split()[-1])
+
+    assert kept("plain") > 12
+    assert kept("streaming") < 2
 
 
 def test_a_converting_checkpoint_streams_the_in_memory_store_byte_for_byte(tiny_dirs, tmp_path):

@@ -6,7 +6,7 @@ capped at the weights of two blocks was measured holding most of the model. Here
 whose tensors have the same names, shapes and dtypes shares one or two buffer sets ("slots"),
 allocated once: a block's parameters are pointed at a slot while it runs and back at `meta` after.
 A block's tensors are read from the safetensors files straight into the slot (`pread` into its
-bytes; a dtype conversion goes through one small staging buffer), so no whole-tensor temporary
+bytes; a dtype conversion goes through one 1 MiB staging buffer), so no whole-tensor temporary
 and no memory map's pages are left behind. On CUDA the slots are pinned host memory, copied into
 one set of device buffers, reused too. The next block is read into the spare slot in a thread
 while this one computes.
@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from .safetensors_reads import TensorRead, read_into
 
 _ALIGN = 64  # bytes: each tensor's start in a slot (any dtype's view needs its own size)
-_STAGING_BYTES = 4 * 2**20
+_STAGING_BYTES = 2**20  # resident while converting, one per slot: kept small
 
 
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]  # parameter name in the block -> shape, dtype

@@ -35,6 +35,7 @@ from ..arch import Arch
 from ..capture import Capture
 from ..errors import HookscopeError
 from ..stopping import Stop, no_cache
+from .allocator import returning_freed_memory
 from .block_buffers import BlockBuffers, layout_of
 from .checkpoint import Checkpoint
 from .loader import Loaded
@@ -77,11 +78,19 @@ class BlockStreamer:
         self._extras = -1  # the blocks' output format: -1 a tensor, else a tuple of 1 + extras
         self.peak_weight_bytes = 0
         self._final = max(plan.stage_of.values())
-        resident = set(plan.resident)
-        self._materialize(lambda name: name in resident)
-        self.buffers = self._block_buffers()  # None: each block loaded afresh by transformers' loader
+        self._allocator: contextlib.ExitStack | None = None
+        self.buffers: BlockBuffers | None = None
+        self._return_freed_memory()
+        try:
+            resident = set(plan.resident)
+            self._materialize(lambda name: name in resident)
+            self.buffers = self._block_buffers()  # None: each block loaded afresh by transformers' loader
+        except BaseException:
+            self.close()
+            raise
 
     def run_chunk(self, inputs: list[dict[str, Tensor]], keeps: list[Tensor]) -> list[dict[str, Tensor]]:
+        self._return_freed_memory()
         acts: list[dict[str, Tensor]] = [{} for _ in inputs]
         hidden: list[Tensor | None] = [None] * len(inputs)
         stages = sorted(set(range(self.plan.last_block + 1)) | set(self.plan.stage_of.values()))
@@ -100,12 +109,23 @@ class BlockStreamer:
         return acts
 
     def close(self) -> None:
-        """Stop the read-ahead thread (a later chunk starts another)."""
+        """Stop the read-ahead thread and give the allocator back its settings (a later chunk
+        starts both again)."""
         if self.buffers is not None:
             self.buffers.close()
         if self._reader is not None:
             self._reader.shutdown(wait=True, cancel_futures=True)
         self._reader, self._ahead = None, None
+        if self._allocator is not None:
+            self._allocator.close()
+        self._allocator = None
+
+    def _return_freed_memory(self) -> None:
+        """The freed tensors of a pass go back to the system, not into the heap (allocator.py): the
+        process then holds what `max_memory` counts, not that plus what the passes freed."""
+        if self._allocator is None:
+            self._allocator = contextlib.ExitStack()
+            self._allocator.enter_context(returning_freed_memory())
 
     def _materialize(self, wants: Callable[[str], bool]) -> None:
         with contextlib.closing(self.open_checkpoint()) as checkpoint:
