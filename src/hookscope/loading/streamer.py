@@ -78,16 +78,11 @@ class BlockStreamer:
         self._extras = -1  # the blocks' output format: -1 a tensor, else a tuple of 1 + extras
         self.peak_weight_bytes = 0
         self._final = max(plan.stage_of.values())
-        self._allocator: contextlib.ExitStack | None = None
-        self.buffers: BlockBuffers | None = None
-        self._return_freed_memory()
-        try:
-            resident = set(plan.resident)
+        self._allocator: contextlib.ExitStack | None = None  # entered by run_chunk, left by close
+        resident = set(plan.resident)
+        with returning_freed_memory():  # the loader's temporaries (a conversion's) too
             self._materialize(lambda name: name in resident)
             self.buffers = self._block_buffers()  # None: each block loaded afresh by transformers' loader
-        except BaseException:
-            self.close()
-            raise
 
     def run_chunk(self, inputs: list[dict[str, Tensor]], keeps: list[Tensor]) -> list[dict[str, Tensor]]:
         self._return_freed_memory()
