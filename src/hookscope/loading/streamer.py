@@ -35,7 +35,7 @@ from ..arch import Arch
 from ..capture import Capture
 from ..errors import HookscopeError
 from ..stopping import Stop, no_cache
-from .allocator import returning_freed_memory
+from .allocator import give_back_freed, returning_freed_memory
 from .block_buffers import BlockBuffers, layout_of
 from .checkpoint import Checkpoint
 from .loader import Loaded
@@ -98,6 +98,7 @@ class BlockStreamer:
             points = [p for p, s in self.plan.stage_of.items() if s == k]
             for b, (batch, keep) in enumerate(zip(inputs, keeps, strict=True)):
                 hidden[b] = self._pass(k, batch, keep, hidden[b], points, acts[b])
+                give_back_freed()
             if in_block and self.plan.last_block > 0:  # one block only: it stays for the next chunk
                 self._release(k)
                 self._loaded.discard(k)
