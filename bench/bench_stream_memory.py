@@ -113,7 +113,8 @@ def worker(mode: str, name: str) -> None:
 
     # the process's own: torch, transformers, hookscope and the model's code imported, no weight read
     hs.load(str(model_dir(name)), device="meta")
-    baseline = status_kib()["VmRSS"]
+    own = status_kib()
+    baseline = own["VmRSS"]
     with tempfile.TemporaryDirectory() as folder:
         data = bench_stream.corpus(folder, docs=120)  # 8 batches of 4 x 128 tokens
         start = time.perf_counter()
@@ -124,7 +125,8 @@ def worker(mode: str, name: str) -> None:
         seconds = time.perf_counter() - start
     end = status_kib()
     common.emit({"mode": mode, "model": name, "tokens_per_s": summary.rows / seconds, "peak": end["VmHWM"],
-                 "baseline": baseline, "anon_end": end["RssAnon"], "chunk_batches": chunk_batches(name)})
+                 "baseline": baseline, "anon_end": end["RssAnon"],
+                 "file_growth": end["RssFile"] - own["RssFile"], "chunk_batches": chunk_batches(name)})
 
 
 def chunk_batches(name: str) -> int:
@@ -175,10 +177,11 @@ def report(name: str, rows: dict[str, list[dict]], imports: int) -> None:
         if not ok:
             print(f"  {mode:7s} ERROR {results[0]['error']}")
             continue
-        med = {k: common.median([r[k] for r in ok]) for k in ("tokens_per_s", "peak", "baseline", "anon_end")}
+        med = {k: common.median([r[k] for r in ok]) for k in ("tokens_per_s", "peak", "baseline", "anon_end", "file_growth")}
         best[mode] = med
         print(f"  {mode:7s} {med['tokens_per_s']:8.1f} tokens/s  peak RSS {med['peak'] / MB:7.1f} MB  "
-              f"(the process's own {med['baseline'] / MB:.1f}, anon at end {med['anon_end'] / MB:.1f}; runs: "
+              f"(the process's own {med['baseline'] / MB:.1f}, anon at end {med['anon_end'] / MB:.1f}, file-backed "
+              f"pages mapped in by the run {med['file_growth'] / MB:+.1f}; runs: "
               + ", ".join(f"{r['tokens_per_s']:.0f} t/s {r['peak'] / MB:.0f} MB" for r in ok) + ")"
               + (f" chunk {ok[0]['chunk_batches']} batches" if mode == "stream" else ""))
     if len(best) == 2:
