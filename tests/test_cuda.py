@@ -394,3 +394,44 @@ def test_statistics_where_the_activations_are_and_the_copy_out(device):
             if ref is not None:  # per-dimension moments: on the host, where the writer merges them
                 assert got.device.type == "cpu"
                 torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+
+
+# --- the extraction pipeline: nothing in the forward or the out stage waits for the device ------
+
+
+class _NoSync:
+    """On CUDA, any operation that makes the host wait for the device raises inside the block."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def __enter__(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc) -> None:
+        if self.device == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_host_token_mask_gathers_rows_without_waiting_for_the_device(model_dirs, device):
+    """The extraction's token mask stays on the CPU (its data stage made it there): the kept rows
+    are found there and sent to the device without a host sync (finding them on the device waits
+    for it), and the rows equal a plain hook's activation under the same mask."""
+    from hookscope.token_rows import KeptRows, select_tokens
+
+    g = torch.Generator().manual_seed(3)
+    mask = torch.rand(3, 11, generator=g) > 0.4
+    x = torch.randn(3, 11, 16, generator=g).to(device)
+    with _NoSync(device):
+        got = select_tokens(x, mask, 1, KeptRows())
+        cast = select_tokens(x, mask, 1, KeptRows(), cast=torch.bfloat16)
+    assert torch.equal(got, x[mask.to(device)])
+    assert torch.equal(cast.to(torch.bfloat16), x[mask.to(device)].to(torch.bfloat16))
+
+    model = load(model_dirs, "gpt2", device)
+    ids = token_ids(model, batch=3, length=11, device=device)
+    want = plain_resid_post(model, ids)[1][mask.to(device)]
+    assert torch.equal(hs.collect(model, ids, "blocks.1.resid_post", token_mask=mask)["blocks.1.resid_post"], want)

@@ -40,13 +40,13 @@ def slow_data(monkeypatch) -> None:
 
 
 def slow_model(monkeypatch) -> None:
-    real = TextSource.model_call
+    real = TextSource.compute
 
-    def model_call(self, batch):  # runs on the main thread, inside the executor's step
+    def compute(self, *args, **kwargs):  # the executor's step, on the main thread
         time.sleep(DELAY)
-        return real(self, batch)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(TextSource, "model_call", model_call)
+    monkeypatch.setattr(TextSource, "compute", compute)
 
 
 def slow_disk(monkeypatch) -> None:

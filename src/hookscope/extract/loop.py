@@ -131,7 +131,10 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
     started = time.perf_counter()
     # the stages are listed in stages.py: data -> model -> out -> writer
     stages = Stages(data_bound=source.bound_by_data)
-    ours = ahead(((i, b) for i, b in enumerate(source.batches()) if found.deal.visits(i, rank)), stages)
+    device = executor.run_on.device
+    # the data stage's thread also makes each batch to do ready for the model (Source.prepare)
+    ours = ahead(((i, b if i in done else source.prepare(b, device)) for i, b in enumerate(source.batches())
+                  if found.deal.visits(i, rank)), stages)
     first = next(ours, None)
     if first is None and rank == 0:
         raise DataError(source.nothing_to_extract())

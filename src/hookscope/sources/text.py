@@ -93,6 +93,9 @@ class TextSource(Source):
     def rows(self, batch: dict[str, Tensor], acts: dict[str, Tensor]) -> Rows:
         return acts, token_columns(batch, self.keep(batch))
 
+    def columns(self, batch: dict[str, Tensor], keep: Tensor | None) -> dict[str, Tensor] | None:
+        return token_columns(batch, self.keep(batch) if keep is None else keep)
+
     def item_tokens(self) -> int:
         return self.context
 
