@@ -2,7 +2,8 @@
 
     data (a worker thread: read, tokenize, pack `AHEAD` batches ahead of the model)
       -> model (the executor: inputs to the device, the forward with its captures)
-      -> out (statistics where the activations are, then the copy to the host: `to_host`)
+      -> out (copyout.py: statistics where the activations are, the copy to the host into reused
+         buffers, on a side stream: the main thread never waits for the device)
       -> writer (store/writer.py: its thread assembles shards, a thread pool copies them to disk,
          checksummed as written; then the commit)
 
@@ -12,7 +13,6 @@ flat. `Stages` counts each stage's busy seconds; `bound()` names the stage that 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import queue
 import threading
@@ -20,10 +20,6 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
-
-import torch
-
-from ..store.stats import PointStats
 
 T = TypeVar("T")
 STAGES = ("data", "model", "out", "writer")
@@ -123,33 +119,3 @@ def ahead(items: Iterable[T], stages: Stages, depth: int = AHEAD) -> Iterator[T]
                 out.get(timeout=0.1)
             except queue.Empty:
                 pass
-
-
-def stats_and_host(acts: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, PointStats]]:
-    """Each point's statistics computed where its activations are (on a GPU, where they cost
-    nothing), then the activations on the host: copied into pinned memory without blocking the
-    device's stream, synchronized before the writer reads them. Activations already on the CPU
-    are neither copied nor measured here: the writer's thread measures them, beside the main
-    thread's forward, rather than after it on the same thread (no statistics: {})."""
-    if not any(a.device.type == "cuda" for a in acts.values()):
-        return {name: a.cpu() for name, a in acts.items()}, {}
-    stats = {name: _to_host(PointStats.of(a)) for name, a in acts.items() if a.device.type == "cuda"}
-    host, events = {}, []
-    for name, a in acts.items():
-        if a.device.type != "cuda":
-            host[name] = a.cpu()
-            continue
-        buffer = torch.empty(a.shape, dtype=a.dtype, pin_memory=True)
-        buffer.copy_(a, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(a.device))
-        host[name], events = buffer, [*events, event]
-    for event in events:
-        event.synchronize()
-    return host, stats
-
-
-def _to_host(stats: PointStats) -> PointStats:
-    """`stats` with its per-dimension tensors (if any) on the CPU, where the writer merges them."""
-    moved = {k: v.cpu() for k, v in vars(stats).items() if isinstance(v, torch.Tensor)}
-    return dataclasses.replace(stats, **moved) if moved else stats

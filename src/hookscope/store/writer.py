@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 import torch
 
@@ -29,9 +29,8 @@ from ..errors import StoreError
 from .card import CARD, card_bytes
 from .checksum import ALGORITHMS, WRITTEN
 from .fs import open_fs
-from .journal import Commits, journal_name
+from .journal import Commits
 from .manifest import (
-    MANIFEST,
     SHARDS_DIR,
     Column,
     Manifest,
@@ -43,11 +42,19 @@ from .manifest import (
     summed_stats,
 )
 from .opening import StoreView
-from .resume import plan, read_manifests
 from .shardfile import save_columns
 from .stats import HEADER_KEY, PointStats, header_text
 
 _STOP = object()
+
+
+class Handoff(Protocol):
+    """A batch still being copied to the host (extract/copyout.py): `wait()` before its tensors are
+    read (it gives the statistics computed where they were), `release()` once they are written."""
+
+    def wait(self) -> Mapping[str, PointStats]: ...
+
+    def release(self) -> None: ...
 
 
 class ShardWriter:
@@ -125,6 +132,7 @@ class ShardWriter:
         self._discard_partial = False  # set on an interrupt: the final, partial shard is not written
         # the batches waiting to become the next shard; only the writer thread touches them
         self._pending: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self._handoffs: list[Handoff] = []  # of the pending batches: released once written
         self._pending_stats: dict[str, PointStats] = {}
         self._pending_rows = 0
         # the threads that copy a shard's bytes into its file, each its own range (the writer thread
@@ -154,12 +162,14 @@ class ShardWriter:
 
     def write(self, batch_index: int, tensors: Mapping[str, torch.Tensor],
               meta: Mapping[str, torch.Tensor] | None = None, *,
-              stats: Mapping[str, PointStats] | None = None) -> None:
+              stats: Mapping[str, PointStats] | None = None, handoff: Handoff | None = None) -> None:
         """Queue batch `batch_index`: `tensors` are activations [rows, ...], `meta` integer [rows]
         columns (token_ids, doc_ids, positions, seq_ids). `stats`: each point's `PointStats.of` its
         tensor, computed by the caller where the activations were (on a GPU, before the copy to the
-        host); the writer computes those not given. The writer owns the tensors afterwards: do not
-        modify them in place."""
+        host); the writer computes those not given. `handoff`: the tensors are still being filled
+        (a copy from a device): the writer thread waits on it before reading them, takes the
+        statistics it gives, and releases it once they are written. The writer owns the tensors
+        afterwards: do not modify them in place."""
         self._raise_if_failed()
         if self._closed:
             raise StoreError("write() after close()")
@@ -179,7 +189,7 @@ class ShardWriter:
             raise StoreError(f"batch {batch_index}: stats given for {sorted(extra)}, not activations of it")
         self._last_batch = batch_index
         # a tuple, not a set: the manifest's stats follow this order, the same in every process
-        self._queue.put((batch_index, batch, tuple(tensors), dict(stats or {})))
+        self._queue.put((batch_index, batch, tuple(tensors), dict(stats or {}), handoff))
 
     def close(self) -> None:
         """Write the remaining rows as a final shard, stop the thread, raise any writer error."""
@@ -252,6 +262,7 @@ class ShardWriter:
             if item is _STOP:
                 if self._pending and self._error is None and not self._discard_partial:
                     self._guard(self._flush)
+                self._release()  # a partial shard dropped, or a failed one: nothing reads them now
                 self._copiers.shutdown()
                 if self._error is None:
                     self._guard(self._commits.finish, self.manifest)
@@ -260,6 +271,8 @@ class ShardWriter:
                 return
             if self._error is None:  # after an error, keep draining so that write() never blocks
                 self._guard(self._take, *item)
+            if self._error is not None:
+                self._release(item[-1])
 
     def _guard(self, fn, *args) -> None:
         try:
@@ -268,10 +281,13 @@ class ShardWriter:
             self._error = e
 
     def _take(self, index: int, batch: dict[str, torch.Tensor], points: tuple[str, ...],
-              given: dict[str, PointStats]) -> None:
+              given: dict[str, PointStats], handoff: Handoff | None) -> None:
         if self._pending and (self.deal.position(index)
                               != self.deal.position(self._pending[-1][0]) + self.world_size):
             self._flush()  # a batch of this rank was left out: a shard holds an unbroken run of them
+        if handoff is not None:
+            self._handoffs.append(handoff)
+            given = {**given, **handoff.wait()}  # the batch's bytes are on the host from here
         self._pending.append((index, batch))
         for name in points:
             stats = given[name] if name in given else PointStats.of(batch[name])
@@ -284,7 +300,15 @@ class ShardWriter:
         started = time.perf_counter()
         self._write_shard(self._pending, self._pending_stats)
         self._pending, self._pending_stats, self._pending_rows = [], {}, 0
+        self._release()
         self.busy_seconds += time.perf_counter() - started
+
+    def _release(self, *more: Handoff | None) -> None:
+        """Hand back the memory of the pending batches (and `more`): nothing reads it any more."""
+        for handoff in [*self._handoffs, *more]:
+            if handoff is not None:
+                handoff.release()
+        self._handoffs = []
 
     def _write_shard(self, pending: list[tuple[int, dict[str, torch.Tensor]]],
                      stats: dict[str, PointStats]) -> None:
@@ -350,33 +374,6 @@ _LIBRARY_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 def _of_generation(name: str, generation: int) -> bool:
     """Whether shard file `name` was written by attempt `generation`."""
     return bool(re.match(r"shard-r\d{3}-" if generation == 0 else rf"shard-g{generation:03d}-", name))
-
-
-def merge_rank_manifests(out_dir: str | os.PathLike, world_size: int | None = None) -> Manifest:
-    """Unite every manifest in the store (each rank's, of every attempt) into `manifest.json`: its
-    shards ordered by first batch, stats summed. Rank 0 calls it once every rank has closed;
-    `world_size`, if given, must be that of the latest attempt."""
-    fs = open_fs(out_dir)
-    out = fs.url
-    manifests = read_manifests(fs)
-    if not manifests:
-        raise StoreError(f"{out}: no manifest here; is this a hookscope store?")
-    latest = max((m for _, m in manifests), key=lambda m: m.generation)
-    if world_size is not None and world_size != latest.world_size:
-        raise StoreError(f"{out}: its latest run had {latest.world_size} process(es), not {world_size}")
-    names = {name for name, _ in manifests}
-    missing = [r for r in range(latest.world_size)
-               if manifest_name(r, latest.world_size, latest.generation) not in names]
-    if missing:
-        raise StoreError(f"{out}: rank {missing[0]} of the latest run left no manifest; re-run the job "
-                         "(it resumes) to finish the store")
-    united = plan(manifests, latest.settings, latest.world_size, out)
-    merged = Manifest(settings=latest.settings, world_size=latest.world_size, generation=latest.generation,
-                      points=united.points, meta=united.meta, shards=united.shards,
-                      stats=summed_stats(united.shards), settings_hash=latest.settings_hash)
-    fs.put(MANIFEST, merged.to_bytes())
-    fs.remove_tree(journal_name(MANIFEST))  # a single process's commits of an earlier attempt: merged now
-    return merged
 
 
 def _umask() -> int:
