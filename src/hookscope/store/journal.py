@@ -18,6 +18,7 @@ See docs/store-format.md.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import hashlib
@@ -176,16 +177,26 @@ def load_manifest(fs: FS, name: str) -> Manifest:
 
 def with_shard(old: Manifest, entry: ShardEntry, layout: dict[str, Column],
                stats: dict[str, PointStats]) -> Manifest:
-    """`old` with `entry` committed: kept in order of first batch, stats summed in that order."""
-    shards = [*old.shards, entry]
-    if len(shards) > 1 and shards[-2].batch_start > entry.batch_start:  # among earlier attempts' shards
-        shards.sort(key=lambda s: s.batch_start)
+    """`old` with `entry` committed: kept in order of first batch, stats summed in that order. The
+    shard list is `old`'s own, grown in place (a copy would cost O(shards) per commit): `Commits`
+    takes the entry out again if the commit fails."""
+    shards = old.shards
+    if shards and shards[-1].batch_start > entry.batch_start:  # among earlier attempts' shards
+        bisect.insort(shards, entry, key=lambda s: s.batch_start)
         totals = summed_stats(shards)
     else:  # appended: the same sums as summed_stats(shards), without going over every shard again
+        shards.append(entry)
         totals = {**old.stats, **{k: old.stats.get(k, PointStats()).merge(s) for k, s in stats.items()}}
     return dataclasses.replace(old, shards=shards, stats=totals,
                                points={k: c for k, c in layout.items() if k in stats},
                                meta={k: c for k, c in layout.items() if k not in stats})
+
+
+def _without(shards: list[ShardEntry], entry: ShardEntry) -> None:
+    """Take `entry` (just put in by `with_shard`) out of `shards` again."""
+    at = len(shards) - 1 if shards and shards[-1] is entry else next(
+        i for i, s in enumerate(shards) if s is entry)
+    del shards[at]
 
 
 class Commits:
@@ -254,10 +265,14 @@ class Commits:
                stats: dict[str, PointStats]) -> Manifest:
         """Commit `entry` durably; the manifest with it. Raises if it is not committed."""
         new = with_shard(old, entry, layout, stats)
-        if new.columns != old.columns or self.lines >= max(COMPACT_AFTER, self.based):
-            self.compact(new)
-        else:
-            self.append(entry)
+        try:
+            if new.columns != old.columns or self.lines >= max(COMPACT_AFTER, self.based):
+                self.compact(new)
+            else:
+                self.append(entry)
+        except BaseException:
+            _without(new.shards, entry)  # not committed: the manifest in memory says so too
+            raise
         return new
 
     def append(self, entry: ShardEntry) -> None:

@@ -121,7 +121,7 @@ class ShardWriter:
             raise StoreError(f"cannot write to the store directory {self.out}: {e}; make it writable (or "
                              "free space) or choose another --out, and re-run") from e
         # to skip: what earlier attempts committed, and this rank's own shards of this attempt
-        self.done_batches: frozenset[int] = found.done(rank)
+        self.done_batches: set[int] = set(found.done(rank))  # grown in place by the writer thread
         self.bytes_written = 0  # this session, for a progress bar
         self._layout = {**found.points, **found.meta}  # every rank's batches must match the store's columns
         self._next_shard = 1 + max((_shard_number(s.file) for s in own), default=-1)
@@ -341,7 +341,7 @@ class ShardWriter:
         except BaseException:
             self.fs.remove(entry.file)  # not committed: free its space; a resume would delete it anyway
             raise
-        self.done_batches = self.done_batches | set(entry.batch_indices())
+        self.done_batches.update(entry.batch_indices())  # in place: O(1) per shard, read by `in` only
         self.bytes_written += entry.bytes
         self._next_shard += 1
 
