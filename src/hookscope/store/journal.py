@@ -179,7 +179,7 @@ def with_shard(old: Manifest, entry: ShardEntry, layout: dict[str, Column],
                stats: dict[str, PointStats]) -> Manifest:
     """`old` with `entry` committed: kept in order of first batch, stats summed in that order. The
     shard list is `old`'s own, grown in place (a copy would cost O(shards) per commit): `Commits`
-    takes the entry out again if the commit fails."""
+    calls it once the entry is durable, or on a copy when it rewrites the whole manifest."""
     shards = old.shards
     if shards and shards[-1].batch_start > entry.batch_start:  # among earlier attempts' shards
         bisect.insort(shards, entry, key=lambda s: s.batch_start)
@@ -187,16 +187,13 @@ def with_shard(old: Manifest, entry: ShardEntry, layout: dict[str, Column],
     else:  # appended: the same sums as summed_stats(shards), without going over every shard again
         shards.append(entry)
         totals = {**old.stats, **{k: old.stats.get(k, PointStats()).merge(s) for k, s in stats.items()}}
-    return dataclasses.replace(old, shards=shards, stats=totals,
-                               points={k: c for k, c in layout.items() if k in stats},
-                               meta={k: c for k, c in layout.items() if k not in stats})
+    return dataclasses.replace(old, shards=shards, stats=totals, **_columns(layout, stats))
 
 
-def _without(shards: list[ShardEntry], entry: ShardEntry) -> None:
-    """Take `entry` (just put in by `with_shard`) out of `shards` again."""
-    at = len(shards) - 1 if shards and shards[-1] is entry else next(
-        i for i, s in enumerate(shards) if s is entry)
-    del shards[at]
+def _columns(layout: dict[str, Column], stats: dict[str, PointStats]) -> dict[str, dict[str, Column]]:
+    """The manifest's `points` (the columns with statistics) and `meta` (the others)."""
+    return {"points": {k: c for k, c in layout.items() if k in stats},
+            "meta": {k: c for k, c in layout.items() if k not in stats}}
 
 
 class Commits:
@@ -264,16 +261,14 @@ class Commits:
     def commit(self, old: Manifest, entry: ShardEntry, layout: dict[str, Column],
                stats: dict[str, PointStats]) -> Manifest:
         """Commit `entry` durably; the manifest with it. Raises if it is not committed."""
-        new = with_shard(old, entry, layout, stats)
-        try:
-            if new.columns != old.columns or self.lines >= max(COMPACT_AFTER, self.based):
-                self.compact(new)
-            else:
-                self.append(entry)
-        except BaseException:
-            _without(new.shards, entry)  # not committed: the manifest in memory says so too
-            raise
-        return new
+        columns = _columns(layout, stats)
+        if ({**columns["points"], **columns["meta"]} != old.columns
+                or self.lines >= max(COMPACT_AFTER, self.based)):
+            new = with_shard(dataclasses.replace(old, shards=list(old.shards)), entry, layout, stats)
+            self.compact(new)  # the whole manifest rewritten: O(shards) now and then, on a copy
+            return new
+        self.append(entry)  # durable: only now does the shard list in memory hold it
+        return with_shard(old, entry, layout, stats)
 
     def append(self, entry: ShardEntry) -> None:
         line = record(entry)
