@@ -483,4 +483,5 @@ def test_a_host_token_mask_gathers_rows_without_waiting_for_the_device(model_dir
     model = load(model_dirs, "gpt2", device)
     ids = token_ids(model, batch=3, length=11, device=device)
     want = plain_resid_post(model, ids)[1][mask.to(device)]
-    assert torch.equal(hs.collect(model, ids, "blocks.1.resid_post", token_mask=mask)["blocks.1.resid_post"], want)
+    got = hs.collect(model, ids, "blocks.1.resid_post", token_mask=mask)["blocks.1.resid_post"]
+    assert torch.equal(got, want)

@@ -129,7 +129,8 @@ def test_a_run_whose_stages_share_saturated_cores_is_bound_by_the_cpu():
     stages.busy.update(data=3.0, model=5.0, out=0.5, writer=6.0)
     cpu_bound = "bound by the CPU: its 2 cores busy 95% with every stage at once"
     assert stages.bound(10**9, wall=10.0, cpu=0.95) == cpu_bound
-    assert stages.bound(10**9, wall=10.0, cpu=0.5).startswith("bound by the disk at")  # cores idle: the writer
+    # the cores idle: the busiest stage, the writer
+    assert stages.bound(10**9, wall=10.0, cpu=0.5).startswith("bound by the disk at")
     stages.busy.update(writer=9.5)  # one stage busy nearly all the time: that stage, whatever the cores do
     assert stages.bound(10**9, wall=10.0, cpu=0.95).startswith("bound by the disk at")
     stages.busy.update(writer=1.0, model=9.0)

@@ -19,7 +19,7 @@ import re
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Protocol, Self
 
@@ -42,7 +42,8 @@ from .manifest import (
     summed_stats,
 )
 from .opening import StoreView
-from .shardfile import save_columns
+from .orphans import remove_orphans
+from .shardfile import save_columns, sync_file
 from .stats import HEADER_KEY, PointStats, header_text
 
 _STOP = object()
@@ -94,7 +95,7 @@ class ShardWriter:
         self.generation = found.deal.generation
         self._prefix = shard_prefix(rank, self.generation)
         try:  # where a shard is written before it counts: a directory of this writer's own, named
-            # with its shard prefix, inside shards/ (or a local one for a URL); see _remove_orphans
+            # with its shard prefix, inside shards/ (or a local one for a URL); see orphans.py
             self._staging = self.fs.staging(SHARDS_DIR, f"{self._prefix}writing")
         except OSError as e:
             raise StoreError(f"cannot create the store directory {self.out}: {e}; "
@@ -111,7 +112,8 @@ class ShardWriter:
         try:  # stamps the settings into the directory now, and proves it is writable before any compute
             self._commits = Commits(self.fs, self._manifest_name)  # shard commits: store/journal.py
             self._commits.lock()  # before anything is touched: a second run on the store is refused
-            self._remove_orphans(found_at_open)
+            remove_orphans(self.fs, self.rank, self.generation, self._prefix, self._listed,
+                           self._manifest_name, found_at_open)
             self._commits.open(self.manifest, found.manifests.get(self._manifest_name))
             # README.md: datasets.load_dataset(DIR) fails clearly rather than misreading the store
             if self.fs.size(CARD) is None:
@@ -139,6 +141,10 @@ class ShardWriter:
         # checksums the same bytes meanwhile): the copy scales with the cores
         self._copiers = ThreadPoolExecutor(writers or _default_writers(),
                                            thread_name_prefix="hookscope-shard-copy")
+        # a shard's fsync, rename and commit, in shard order, while the next shard is written: the
+        # disk flushes one shard as the next one's bytes are copied (one in flight at most)
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="hookscope-shard-commit")
+        self._committing: Future | None = None
         self.busy_seconds = 0.0  # the writer thread's time spent writing shards, for a run's report
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._run, name="hookscope-shard-writer", daemon=True)
@@ -263,7 +269,11 @@ class ShardWriter:
                 if self._pending and self._error is None and not self._discard_partial:
                     self._guard(self._flush)
                 self._release()  # a partial shard dropped, or a failed one: nothing reads them now
+                started = time.perf_counter()
+                self._guard(self._wait_commit)  # the last shard's commit, before the staging goes
+                self.busy_seconds += time.perf_counter() - started
                 self._copiers.shutdown()
+                self._committer.shutdown()
                 if self._error is None:
                     self._guard(self._commits.finish, self.manifest)
                 self._commits.unlock()
@@ -278,7 +288,7 @@ class ShardWriter:
         try:
             fn(*args)
         except Exception as e:  # noqa: BLE001 - any failure is handed to the caller at its next write() / close()
-            self._error = e
+            self._error = self._error or e  # the first failure is the one reported
 
     def _take(self, index: int, batch: dict[str, torch.Tensor], points: tuple[str, ...],
               given: dict[str, PointStats], handoff: Handoff | None) -> None:
@@ -300,8 +310,14 @@ class ShardWriter:
         started = time.perf_counter()
         self._write_shard(self._pending, self._pending_stats)
         self._pending, self._pending_stats, self._pending_rows = [], {}, 0
-        self._release()
+        self._release()  # their bytes are in the shard file: the buffers may be reused
         self.busy_seconds += time.perf_counter() - started
+
+    def _wait_commit(self) -> None:
+        """Wait for the shard in flight to be committed; raise its error (it is not committed)."""
+        if self._committing is not None:
+            committing, self._committing = self._committing, None
+            committing.result()
 
     def _release(self, *more: Handoff | None) -> None:
         """Hand back the memory of the pending batches (and `more`): nothing reads it any more."""
@@ -315,6 +331,7 @@ class ShardWriter:
         # each column as its batches: written one after the other, never concatenated into a copy
         columns = {k: [b[k] for _, b in pending] for k in pending[0][1]}
         name = f"{self._prefix}{self._next_shard:06d}.safetensors"
+        self._next_shard += 1
         tmp = self._staging / (name + ".tmp")
         runs = runs_of([i for i, _ in pending])
         # the identity, then the per-dimension statistics (the manifest keeps their scalars), each
@@ -323,16 +340,29 @@ class ShardWriter:
                     HEADER_KEY: header_text(stats)}
         try:
             self._staging.mkdir(exist_ok=True)  # made on the first write: a store never written has none
-            size, digest = save_columns(columns, tmp, metadata, self.checksum, self._copiers, self._file_mode)
-            # renamed, or uploaded under its final name: on an object store the manifest PUT commits it
-            self.fs.put_file(tmp, f"{SHARDS_DIR}/{name}")
+            size, digest = save_columns(columns, tmp, metadata, self.checksum, self._copiers, self._file_mode,
+                                        sync=False)
+            self._wait_commit()  # the shard before: committed first (or failed, and this one goes too)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         rows = sum(b[next(iter(b))].shape[0] for _, b in pending)
         scalars = {k: s.scalars() for k, s in stats.items()}
-        self._commit(ShardEntry(f"{SHARDS_DIR}/{name}", rows, digest, size, runs, self.rank, self.generation,
-                                scalars, algorithm=self.checksum), scalars)
+        entry = ShardEntry(f"{SHARDS_DIR}/{name}", rows, digest, size, runs, self.rank, self.generation,
+                           scalars, algorithm=self.checksum)
+        self._committing = self._committer.submit(self._put_and_commit, tmp, entry, scalars)
+
+    def _put_and_commit(self, tmp: Path, entry: ShardEntry, stats: dict[str, PointStats]) -> None:
+        """On the commit thread: shard file `tmp`, written, becomes durable, takes its place, and is
+        committed."""
+        try:
+            sync_file(tmp)  # raises the fsync's error (a full disk): the shard is not durable
+            # renamed, or uploaded under its final name: on an object store the manifest PUT commits it
+            self.fs.put_file(tmp, entry.file)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._commit(entry, stats)
 
     def _commit(self, entry: ShardEntry, stats: dict[str, PointStats]) -> None:
         """Shard `entry`, in its final place, becomes part of the store (its batches count as done)."""
@@ -343,37 +373,6 @@ class ShardWriter:
             raise
         self.done_batches.update(entry.batch_indices())  # in place: O(1) per shard, read by `in` only
         self.bytes_written += entry.bytes
-        self._next_shard += 1
-
-    # -- opening ----------------------------------------------------------------------------------
-
-    def _remove_orphans(self, found_at_open: list[str]) -> None:
-        """Delete leftovers of a crash: this rank's staging directory (a half-written shard and any
-        temporary file safetensors made beside it), `.tmp` files and the shards no manifest lists,
-        and (rank 0) those of earlier attempts, whose processes have stopped, and safetensors'
-        temporary files in shards/ itself (only writers before the staging directories left them)."""
-        def debris(name: str) -> bool:
-            if self.rank == 0 and _LIBRARY_TEMP.fullmatch(name):
-                return True
-            if not name.startswith(self._prefix) and (self.rank != 0 or not name.startswith("shard-")
-                                                      or _of_generation(name, self.generation)):
-                return False  # another rank's of this attempt: it may be writing it right now
-            return name.endswith(".tmp") or name not in self._listed
-
-        for name in self.fs.list(SHARDS_DIR):
-            if debris(name):
-                self.fs.remove(f"{SHARDS_DIR}/{name}")
-        if self._manifest_name + ".tmp" in found_at_open:  # a local manifest write cut short
-            self.fs.remove(self._manifest_name + ".tmp")
-
-
-# safetensors' save_file writes `.tmp` + 6 letters or digits beside its target, then renames it
-_LIBRARY_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
-
-
-def _of_generation(name: str, generation: int) -> bool:
-    """Whether shard file `name` was written by attempt `generation`."""
-    return bool(re.match(r"shard-r\d{3}-" if generation == 0 else rf"shard-g{generation:03d}-", name))
 
 
 def _umask() -> int:
