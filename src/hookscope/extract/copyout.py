@@ -25,12 +25,18 @@ class Handoff:
     statistics, by point) before reading, `release()` once its bytes are written."""
 
     def __init__(self, events: Sequence[Any], stats: dict[str, tuple[torch.Tensor, ...]],
-                 ring: HostRing | None = None, buffer: torch.Tensor | None = None):
+                 ring: HostRing | None = None, buffer: torch.Tensor | None = None,
+                 sources: Sequence[torch.Tensor] = ()):
         self.events, self.stats, self.ring, self.buffer = list(events), stats, ring, buffer
+        # the device tensors being read: held until the copy is done, so that the allocator cannot
+        # hand their memory to the next forward meanwhile (record_stream would be the other way,
+        # but it is an in-place op, refused on a capture's inference tensors)
+        self.sources = list(sources)
 
     def wait(self) -> dict[str, PointStats]:
         for event in self.events:
             event.synchronize()
+        self.sources = []
         return {name: PointStats.of_tensors(*parts) for name, parts in self.stats.items()}
 
     def release(self) -> None:
@@ -61,7 +67,6 @@ class CopyOut:
             if side is None:
                 side = sides[a.device] = self._side(a.device)
                 side.wait_stream(torch.cuda.current_stream(a.device))  # after the forward that made them
-            a.record_stream(side)  # the allocator keeps `a` until the side stream is done with it
             with torch.cuda.stream(side):
                 parts = stats_tensors(a)
                 placed[name].copy_(a, non_blocking=True)
@@ -72,7 +77,7 @@ class CopyOut:
             event.record(side)
             events.append(event)
         host = {name: placed[name] if name in placed else a.cpu() for name, a in acts.items()}
-        return host, Handoff(events, stats, self.ring, buffer)
+        return host, Handoff(events, stats, self.ring, buffer, sources=list(cuda.values()))
 
     def _side(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self.streams:

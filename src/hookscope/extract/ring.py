@@ -35,10 +35,9 @@ class HostRing:
     def take(self, nbytes: int) -> torch.Tensor:
         """A uint8 buffer of at least `nbytes`, the smallest free one that fits, else a new one."""
         with self.lock:
-            fits = [b for b in self.free if b.numel() >= nbytes]
-            if fits:
-                buffer = min(fits, key=torch.Tensor.numel)
-                self.free.remove(buffer)
+            fits = [i for i, b in enumerate(self.free) if b.numel() >= nbytes]
+            if fits:  # by index: list.remove would compare tensors by value
+                buffer = self.free.pop(min(fits, key=lambda i: self.free[i].numel()))
                 self.out += 1
                 return buffer
             self.out += 1
@@ -52,7 +51,7 @@ class HostRing:
             self.out -= 1
             self.free.append(buffer)
             if len(self.free) + self.out > self.keep and self.free:
-                self.free.remove(min(self.free, key=torch.Tensor.numel))  # the smallest goes
+                self.free.pop(min(range(len(self.free)), key=lambda i: self.free[i].numel()))  # the smallest
 
 
 def views(buffer: torch.Tensor, tensors: Iterable[torch.Tensor]) -> list[torch.Tensor]:
