@@ -118,11 +118,8 @@ def write_shard_file(columns: Columns, path: Path, metadata: Mapping[str, str] |
 
 def sync_file(path: Path) -> None:
     """fsync `path`'s data (written earlier, through another descriptor): raises the disk's error."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def _write_at(fd: int, data: memoryview, offset: int) -> None:
