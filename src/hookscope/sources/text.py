@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from ..errors import HookscopeError
-from ..model_inputs import max_positions
 from ..loading import tokenizer_hash
+from ..model_inputs import max_positions
 from .base import Rows, Run, Source
 from .columns import token_columns
 from .documents import iter_documents

@@ -27,8 +27,8 @@ import os
 import re
 from pathlib import Path
 
-from ..errors import StoreError
 from ..atomic_files import fsync_dir
+from ..errors import StoreError
 from .card import CARD, card_bytes
 from .fs import FS
 from .manifest import (
