@@ -43,20 +43,28 @@ class Watched(Handoff):
     """A handoff that records, when its buffer is handed back, whether the batch's bytes are in a
     shard file already (its `.tmp` in the writer's staging directory, or its final place)."""
 
-    def __init__(self, *args, store, value: torch.Tensor, log: list, **kwargs):
+    def __init__(self, *args, store, value: torch.Tensor, log: list, renames: threading.Lock, **kwargs):
         super().__init__(*args, **kwargs)
-        self.store, self.value, self.log = store, value, log
+        self.store, self.value, self.log, self.renames = store, value, log, renames
 
     def release(self) -> None:
         if self.buffer is not None:
-            written = b"".join(f.read_bytes() for f in (self.store / "shards").rglob("*.safetensors*"))
+            with self.renames:  # no shard moves from its .tmp to its place while the files are read
+                written = b"".join(f.read_bytes() for f in (self.store / "shards").rglob("*.safetensors*"))
             self.log.append(self.value.view(torch.uint8).numpy().tobytes() in written)
         super().release()
 
 
 def test_the_writer_waits_on_each_handoff_and_hands_buffers_back_after_writing(tmp_path):
-    out, ring, log = tmp_path / "store", HostRing(keep=6, pinned=False), []
+    out, ring, log, renames = tmp_path / "store", HostRing(keep=6, pinned=False), [], threading.Lock()
     with ShardWriter(out, SETTINGS, shard_rows=3 * ROWS, queue_size=2) as writer:
+        commit = writer._put_and_commit  # runs on the commit thread, beside the next shard's write
+
+        def commit_holding_the_files(*args, **kwargs):
+            with renames:
+                return commit(*args, **kwargs)
+
+        writer._put_and_commit = commit_holding_the_files
         for i in range(12):
             value = rows_of(i)
             buffer = ring.take(nbytes_of([value]))
@@ -64,7 +72,7 @@ def test_the_writer_waits_on_each_handoff_and_hands_buffers_back_after_writing(t
             view.fill_(float("nan"))  # what a buffer holds before its copy lands
             parts = stats_tensors(value)  # as the device would compute them
             handoff = Watched([LateCopy(view, value)], {"x": parts}, ring, buffer, store=out, value=value,
-                              log=log)
+                              log=log, renames=renames)
             writer.write(i, {"x": view}, {"token_ids": torch.arange(len(value)) + 1000 * i}, handoff=handoff)
     store = open_store(out, verify=True)
     want = torch.cat([rows_of(i) for i in range(12)])
