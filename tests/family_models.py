@@ -1,7 +1,7 @@
 """Tiny random models of every family hookscope has a table for, built in memory (no tokenizer,
 no disk), in float64 and with every parameter nudged off its initial value, so that no two
 points are equal by accident: a LayerScale of exactly 1, a zero bias or a unit norm weight would
-make `attn.scaled` equal `attn.out`, or a module's input equal its output, and hide a wrong table
+make `attn.out` equal `attn.out_pre_scale`, or a module's input equal its output, and hide a wrong table
 entry. Used by test_relations.py and scripts/mutate-tables."""
 
 from __future__ import annotations

@@ -80,14 +80,16 @@ def vision_paths(model: nn.Module, prefix: str = "") -> dict[str, Path]:
         paths[p + "resid_pre"] = (f"{blk}.{norms[0]}", IN, same)
         paths |= _norm(model, p, "ln1", f"{blk}.{norms[0]}") | _norm(model, p, "ln2", f"{blk}.{norms[1]}")
         paths |= _attention(p, f"{blk}.{attn}", o, H, H)
-        if kind.startswith("dinov2"):
-            paths[p + "attn.scaled"] = (f"{blk}.layer_scale1", OUT, same)
-            paths[p + "mlp.scaled"] = (f"{blk}.layer_scale2", OUT, same)
         paths |= {p + "resid_mid": (f"{blk}.{norms[1]}", IN, same),
                   p + "mlp.pre": (f"{blk}.mlp.fc1", OUT, same),
                   p + "mlp.post": (f"{blk}.mlp.activation_fn", OUT, same),
                   p + "mlp.out": (f"{blk}.mlp", OUT, same),
                   p + "resid_post": (blk, OUT, same)}
+        if kind.startswith("dinov2"):  # what is added to the stream: after LayerScale
+            paths[p + "attn.out_pre_scale"] = paths[p + "attn.out"]
+            paths[p + "mlp.out_pre_scale"] = paths[p + "mlp.out"]
+            paths[p + "attn.out"] = (f"{blk}.layer_scale1", OUT, same)
+            paths[p + "mlp.out"] = (f"{blk}.layer_scale2", OUT, same)
     return paths | {"ln_final": (prefix + final, OUT, same)}
 
 

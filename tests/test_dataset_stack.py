@@ -160,7 +160,8 @@ def one_part_store(path, names_widths: dict[str, int], rows: int = 200):
     with ShardWriter(path, {"test": "one part"}, shard_rows=32) as w:
         for b in range(rows // 8):
             at = slice(b * 8, b * 8 + 8)
-            w.write(1000 + b, {n: v[at] for n, v in written.items()}, {"token_ids": torch.arange(b * 8, b * 8 + 8)})
+            w.write(1000 + b, {n: v[at] for n, v in written.items()},
+                    {"token_ids": torch.arange(b * 8, b * 8 + 8)})
     return open_store(path), written
 
 
@@ -185,7 +186,8 @@ def test_a_stack_across_columns_of_another_width(tmp_path):
     """`blocks.L.a` (6 wide) with `blocks.L.b` (5 wide) between them in each file: some `a` columns
     lie a whole number of rows after an earlier one (one mapping), others do not (their own); the
     stack is right either way, and `b` beside it too."""
-    names = {f"blocks.{layer}.{kind}": width for layer in range(LAYERS) for kind, width in (("a", 6), ("b", 5))}
+    names = {f"blocks.{layer}.{kind}": width for layer in range(LAYERS)
+             for kind, width in (("a", 6), ("b", 5))}
     store, written = one_part_store(tmp_path / "s", names)
     ds = store.dataset(["blocks.*.a", "blocks.3.b", "token_ids"], stack=True, batch_size=40, seed=2,
                        buffer_rows=64)

@@ -91,7 +91,8 @@ class Mapper:
         parts = np.repeat(np.array(part, dtype=np.int64), sizes)
         return Layout(sources, self.dtypes, np.arange(len(parts), dtype=np.int64), parts, rows, hold=runs)
 
-    def _place(self, runs: dict[str, Runs], path: str, offsets: dict[str, int]) -> dict[str, tuple[str, int, int]]:
+    def _place(self, runs: dict[str, Runs], path: str,
+               offsets: dict[str, int]) -> dict[str, tuple[str, int, int]]:
         """Map one shard file: each column's (the column whose runs hold it, run, first row). The file
         is mapped once for all the columns that lie a whole number of rows after an earlier column of
         the same row shape and element size (a writer's equal columns, side by side): they are rows
