@@ -57,6 +57,11 @@ def test_every_point_equals_run_with_cache(flags, toks):
     model = hooked_transformer(**flags)
     logits, cache = model.run_with_cache(toks)
     want = {canonical(k): v for k, v in cache.items()} | {"logits": logits}
+    # ln_final, the final norm's output, has no HookPoint: it is what the unembedding reads
+    handle = model.unembed.register_forward_pre_hook(lambda _, args: want.__setitem__("ln_final", args[0]))
+    with torch.no_grad():
+        model(toks)
+    handle.remove()
     arch = arch_of(model)
     ran = [n for n in arch.names if n in want]
     assert set(ran) == set(want)  # every HookPoint that fired is a point
@@ -215,7 +220,7 @@ def tl_config(hf: nn.Module) -> HookedTransformerConfig:
 
 
 CONVERT = {"gpt2": convert_gpt2_weights, "llama": convert_llama_weights, "gpt_neox": convert_neox_weights}
-SHARED = ["embed", "pos_embed", "ln_final", "logits"] + [
+SHARED = ["embed", "pos_embed", "ln_final.scale", "ln_final.normalized", "logits"] + [
     f"blocks.{L}.{s}"
     for L in range(3)
     for s in (
@@ -282,9 +287,8 @@ def gemma2_config(c) -> HookedTransformerConfig:
 def test_gemma2_names_mean_what_hooked_transformer_means():
     """Gemma 2 normalises each sublayer's output before the residual add: HookedTransformer's
     hook_attn_out / hook_mlp_out are after that norm, and so are hookscope's attn.out / mlp.out. Every
-    name both have equals HookedTransformer on the same weights, but ln_final: TransformerLens hooks
-    it before the final norm's weight (ln_final.hook_normalized), hookscope after it, the tensor the
-    unembedding reads; the two agree only with the weight folded in (fold_ln)."""
+    name both have equals HookedTransformer on the same weights, the final norm's before its weight
+    (ln_final.hook_normalized: ln_final.normalized) included."""
     import family_models
     from transformer_lens.pretrained.weight_conversions import convert_gemma_weights
 
@@ -296,8 +300,9 @@ def test_gemma2_names_mean_what_hooked_transformer_means():
     ids = family_models.inputs("gemma2")["input_ids"]
     logits, cache = tl.run_with_cache(ids)
     want = {canonical(k): v for k, v in cache.items()} | {"logits": logits}
-    names = [n for n in arch_of(hf).names if n in want and n != "ln_final"]
-    for must in ("blocks.1.attn.out", "blocks.1.mlp.out", "blocks.1.ln2.normalized", "blocks.1.resid_mid"):
+    names = [n for n in arch_of(hf).names if n in want]
+    for must in ("blocks.1.attn.out", "blocks.1.mlp.out", "blocks.1.ln2.normalized", "blocks.1.resid_mid",
+                 "ln_final.normalized", "ln_final.scale"):
         assert must in names
     got = hs.collect(hf, ids, names)
     for name in names:

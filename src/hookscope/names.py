@@ -2,8 +2,8 @@
 
 Canonical names follow TransformerLens (`blocks.6.resid_post`, `blocks.6.attn.z`, `embed`), and
 TransformerLens's own spellings are accepted as aliases (`blocks.6.hook_resid_post`,
-`blocks.6.hook_attn_out`, `ln_final.hook_normalized`). Any module of any model is reachable as
-`module:<dotted.path>:input` or `module:<dotted.path>:output`.
+`blocks.6.hook_attn_out`, `ln_final.hook_normalized` for `ln_final.normalized`). Any module of any
+model is reachable as `module:<dotted.path>:input` or `module:<dotted.path>:output`.
 """
 
 from __future__ import annotations
@@ -54,6 +54,8 @@ MEANINGS = {
     "mlp.out_pre_scale": "MLP output before LayerScale (DINOv2)",
     "mlp.out": "what the MLP adds to the residual stream",
     "resid_post": "residual stream out of the block",
+    "ln_final.scale": "final norm's scale, sqrt(mean square + eps)",
+    "ln_final.normalized": "final norm's input / scale, before its weight",
     "ln_final": "final norm's output, what the unembedding reads", "logits": "the model's output logits",
 }
 
@@ -77,7 +79,7 @@ def canonical(name: str) -> str:
     if name.startswith(MODULE_PREFIX):
         mp = parse_module_path(name)
         return f"{MODULE_PREFIX}{mp.path}:{mp.io}"
-    if name == "ln_final.hook_normalized":
+    if name == "ln_final.hook_out":  # the bridge's final norm output: what the unembedding reads
         return "ln_final"
     parts = name.split(".")
     last = parts[-1]

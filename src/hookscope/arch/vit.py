@@ -58,7 +58,7 @@ def encoder(config, prefix: str, lm_head: str | None, *, layer: str, norm_paths:
             **out("mlp.out", "mlp", mlp_scale),
             "resid_post": (layer, "output", None),
         },
-        final={"ln_final": ("layernorm", "output", None),
+        final={**norms.entries("ln_final", "layernorm"), "ln_final": ("layernorm", "output", None),
                **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
         n_heads=H, d_model=config.hidden_size,
     )
