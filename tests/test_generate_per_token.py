@@ -107,6 +107,11 @@ def test_a_buffer_grown_step_by_step_keeps_what_a_teacher_forced_pass_computes(g
     """Without a length known ahead the buffer starts at the prompt's length and doubles."""
     driver = importlib.import_module("hookscope.generate.driver")  # (hs.generate is the function)
     monkeypatch.setattr(driver._Run, "_expected_length", lambda self: 0)
+    with torch.inference_mode():
+        plain_ops, _ = per_token(lambda n: lambda: gpt2.generate(**prompt(), **options(n)), monkeypatch)
+        ours_ops, _ = per_token(runs(gpt2, "capture"), monkeypatch)
+    allocations = sum(ours_ops.get(op, 0) - plain_ops.get(op, 0) for op in ("aten::empty", "aten::new_empty"))
+    assert allocations <= 0.3  # 5 -> 10 -> 20 positions: one more buffer (2 ops) over the 8 tokens LONG adds
     inputs = prompt()
     gen = hs.generate(gpt2, inputs, [POINT, "blocks.0.resid_post"], **options(LONG))
     assert gen[POINT].shape == (2, 5 + LONG, 32) and gen[POINT].is_contiguous()
