@@ -35,9 +35,9 @@ from torch import Tensor, nn
 
 from .arch import Arch, PointSpec, arch_of, state_of
 from .errors import HookscopeError, PointNotReachedError, SelectionError
-from .files import write_atomic
+from .atomic_files import write_atomic
 from .hooks import Hook, Hooks, grad_leaf
-from .inputs import attention_mask_of, call_model
+from .model_inputs import attention_mask_of, call_model
 from .names import canonical, find_key, is_pattern, meaning
 from .selection import Heads, Positions, Selection
 from .stopping import Stop, no_cache

@@ -9,7 +9,7 @@ Locally a put writes `.tmp`, fsyncs and renames (then fsyncs the directory), and
 the file. Object stores have no atomic rename, so there an object is uploaded under its final
 name (one PUT: whole or not at all) and the manifest object is the commit point: a shard that the
 manifest does not list does not exist for readers, and the next writer deletes it. Reading a URL
-uses ranged GETs through `BlockCache` (store/blocks.py).
+uses ranged GETs through `BlockCache` (store/range_cache.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import StoreError
-from ..files import fsync_dir, write_atomic
+from ..atomic_files import fsync_dir, write_atomic
 from .checksum import checksum_of
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough to read at disk speed, small enough to stay flat in memory
