@@ -169,3 +169,23 @@ def test_a_steer_with_a_vector_of_another_dtype_gives_a_hand_written_hook_values
     assert torch.equal(gen.sequences, expected)
     steered = torch.cat(seen, dim=1)  # every pass generate ran (all but the last token's)
     torch.testing.assert_close(gen[POINT][:, :steered.shape[1]], steered, atol=0, rtol=0)
+
+
+def test_the_pass_on_the_last_token_stops_after_the_last_captured_point(gpt2):
+    """generate never runs its last sampled token; the pass hs.generate adds for it runs only up to
+    the deepest captured point (unless the caller takes generate's cache, which it then extends in
+    every layer). Counted with plain forward hooks on the blocks."""
+    runs = Counter()
+    handles = [block.register_forward_hook(lambda m, a, o, i=i: runs.update([i]))
+               for i, block in enumerate(gpt2.transformer.h)]
+    try:
+        gen = hs.generate(gpt2, prompt(), "blocks.1.resid_post", **options(LONG))
+        stopped, runs = runs, Counter()
+        hs.generate(gpt2, prompt(), "blocks.1.resid_post", return_dict_in_generate=True, **options(LONG))
+        whole = runs
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert dict(stopped) == {0: LONG + 1, 1: LONG + 1, 2: LONG}  # generate's LONG passes, + 1 up to block 1
+    assert dict(whole) == {0: LONG + 1, 1: LONG + 1, 2: LONG + 1}
+    assert gen["blocks.1.resid_post"].shape[1] == 5 + LONG

@@ -149,9 +149,11 @@ class _Run:
             edit_hooks = stack.enter_context(hooks(model))
             for step_edit in self.step_edits:
                 edit_hooks.forward(step_edit.spec, step_edit)
+            cap = None
             if self.keys:
                 s = self.selection  # positions are kept step by step (keep.py); the rest by the capture
-                stack.enter_context(StepCapture(model, kept, heads=s.heads, dtype=s.dtype, device=s.device))
+                cap = stack.enter_context(StepCapture(model, kept, heads=s.heads, dtype=s.dtype,
+                                                      device=s.device))
             stack.enter_context(follow(*backend.hooked_modules(), self.steps, self.step_edits,
                                        backend.cache_keys))
             output = model.generate(self.input_ids, **kwargs)
@@ -160,8 +162,13 @@ class _Run:
                 # num_return_sequences: generate repeats each prompt row that many times
                 repeats = sequences.shape[0] // attention_mask.shape[0]
                 attention_mask = attention_mask.repeat_interleave(repeats, 0)
-            if any(k.filled < sequences.shape[1] for k in kept.values()):
-                backend.complete(output, sequences, attention_mask, self.extra)
+            if cap is not None and any(k.filled < sequences.shape[1] for k in kept.values()):
+                def last() -> None:
+                    backend.complete(output, sequences, attention_mask, self.extra)
+                if backend.options.get("return_dict_in_generate"):
+                    last()  # the caller gets generate's cache: every layer of it sees the last token
+                else:
+                    cap.run_last(last)  # up to the last captured point only
         return output, sequences, attention_mask
 
 

@@ -15,11 +15,14 @@ else runs per token.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 
 from ..capture import Capture
 from ..selection import Selection
+from ..stopping import ForwardStopped, Stop
 from .steps import pass_window
 
 
@@ -123,6 +126,25 @@ class StepCapture(Capture):
         self.by_name = {spec.name: kept[key] for key, spec in self._keys.items()}
         if all(k.buffered for k in kept.values()):
             self.copy = "never"
+        self.last_pass: Stop | None = None  # during `run_last`: what ends the pass
+        self.unfiled: set[str] = set()
 
     def file(self, name: str, kept: Tensor) -> None:
         self.by_name[name].file(kept)
+        if self.last_pass is not None:
+            self.unfiled.discard(name)
+            if not self.unfiled:
+                self.last_pass.now()
+
+    def run_last(self, run: Callable[[], None]) -> None:
+        """`run()` the pass on the last sampled token (which generate never runs), ended once every
+        point has been filed: no layer after the last captured point runs, nor the unembedding."""
+        stop = self.last_pass = Stop()
+        self.unfiled = set(self.by_name)
+        try:
+            run()
+        except ForwardStopped as exc:
+            if not stop.ended(exc):
+                raise
+        finally:
+            self.last_pass = None
