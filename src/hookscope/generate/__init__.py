@@ -10,7 +10,7 @@ token on that token alone, so a point's hook sees chunks of positions; `steps.py
 positions a pass covers, and `keep.py` files each chunk at those positions, keeping only what
 the `positions=` selection can still need (`Selection.at(offset)` reads positions as counted
 from the sequence's start). `generate` never runs the model on the token it samples last; the
-backend's `complete` runs it.
+backend's `complete` runs it, up to the deepest captured point (`StepCapture.run_last`).
 
 Heads, dtype and device selections are those of `hs.capture`, which does the hooking (so the
 compile policy and early-copy rules are the capture's own); positions are sequence positions
