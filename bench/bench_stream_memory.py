@@ -157,8 +157,8 @@ def main() -> None:
     ensure_models()
     runs = 1 if args.quick else args.runs
     print(f"load before: {os.getloadavg()[0]:.2f}")
-    imports = common.median([common.run_fresh(args.python, Path(__file__), ["--worker", "imports", "same"])["rss"]
-                             for _ in range(runs)])
+    imports = common.median([common.run_fresh(args.python, Path(__file__), ["--worker", "imports", "same"])
+                             ["rss"] for _ in range(runs)])
     print(f"python + torch + transformers imported: {imports / MB:.1f} MB")
     for name in args.models.split(","):
         rows = {mode: [common.run_fresh(args.python, Path(__file__), ["--worker", mode, name])
@@ -177,11 +177,12 @@ def report(name: str, rows: dict[str, list[dict]], imports: int) -> None:
         if not ok:
             print(f"  {mode:7s} ERROR {results[0]['error']}")
             continue
-        med = {k: common.median([r[k] for r in ok]) for k in ("tokens_per_s", "peak", "baseline", "anon_end", "file_growth")}
+        med = {k: common.median([r[k] for r in ok])
+               for k in ("tokens_per_s", "peak", "baseline", "anon_end", "file_growth")}
         best[mode] = med
         print(f"  {mode:7s} {med['tokens_per_s']:8.1f} tokens/s  peak RSS {med['peak'] / MB:7.1f} MB  "
-              f"(the process's own {med['baseline'] / MB:.1f}, anon at end {med['anon_end'] / MB:.1f}, file-backed "
-              f"pages mapped in by the run {med['file_growth'] / MB:+.1f}; runs: "
+              f"(the process's own {med['baseline'] / MB:.1f}, anon at end {med['anon_end'] / MB:.1f}, "
+              f"file-backed pages mapped in by the run {med['file_growth'] / MB:+.1f}; runs: "
               + ", ".join(f"{r['tokens_per_s']:.0f} t/s {r['peak'] / MB:.0f} MB" for r in ok) + ")"
               + (f" chunk {ok[0]['chunk_batches']} batches" if mode == "stream" else ""))
     if len(best) == 2:
