@@ -252,6 +252,7 @@ class ShardWriter:
             if item is _STOP:
                 if self._pending and self._error is None and not self._discard_partial:
                     self._guard(self._flush)
+                self._guard(self.fs.settle)  # every shard put is committed (or failed) before the end
                 self._copiers.shutdown()
                 if self._error is None:
                     self._guard(self._commits.finish, self.manifest)
@@ -300,15 +301,16 @@ class ShardWriter:
         try:
             self._staging.mkdir(exist_ok=True)  # made on the first write: a store never written has none
             size, digest = save_columns(columns, tmp, metadata, self.checksum, self._copiers, self._file_mode)
-            # renamed, or uploaded under its final name: on an object store the manifest PUT commits it
-            self.fs.put_file(tmp, f"{SHARDS_DIR}/{name}")
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
         rows = sum(b[next(iter(b))].shape[0] for _, b in pending)
         scalars = {k: s.scalars() for k, s in stats.items()}
-        self._commit(ShardEntry(f"{SHARDS_DIR}/{name}", rows, digest, size, runs, self.rank, self.generation,
-                                scalars, algorithm=self.checksum), scalars)
+        entry = ShardEntry(f"{SHARDS_DIR}/{name}", rows, digest, size, runs, self.rank, self.generation,
+                           scalars, algorithm=self.checksum)
+        self._next_shard += 1  # named now: at a URL its commit may come after the next shard is cut
+        # renamed, or uploaded under its final name (at a URL in the background: upload.py), then committed
+        self.fs.put_shard(tmp, entry.file, lambda: self._commit(entry, scalars))
 
     def _commit(self, entry: ShardEntry, stats: dict[str, PointStats]) -> None:
         """Shard `entry`, in its final place, becomes part of the store (its batches count as done)."""
@@ -319,7 +321,6 @@ class ShardWriter:
             raise
         self.done_batches = self.done_batches | set(entry.batch_indices())
         self.bytes_written += entry.bytes
-        self._next_shard += 1
 
     # -- opening ----------------------------------------------------------------------------------
 
