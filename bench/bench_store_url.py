@@ -59,13 +59,13 @@ POINT_DIM, SHARD_ROWS = 1024, 4096
 EXTRACT = ["--points", "blocks.3.resid_post", "--context", "128", "--batch-size", "8", "--dtype", "float16",
            "--shard-rows", "4096", "--no-progress"]
 EXTRACT_BEFORE = "78ee847"  # main before background uploads: the writer thread uploaded each shard itself
-# the paced writer: batches, rows, width, seconds a batch, rows a shard (12 shards of 25 MB, 16 MB/s)
+# the paced writer: batches, rows, width, seconds a batch (--pace), rows a shard: 12 shards of 25 MB
 PACE = (192, 1024, 768, 0.1, 16384)
 # case -> (the command's options, its environment, tokens): model-bound, and where the bytes weigh
 CASES = {"model": (EXTRACT, {}, 40000),
          "bytes": (["--points", "blocks.0.resid_post", *EXTRACT[2:9], "16384", "--no-progress"],
                    {"HOOKSCOPE_UPLOAD_PART_BYTES": str(8 << 20)}, 65536),
-         # the writer alone, fed at a GPU's pace (16 MB/s): no model on the cores, the upload is what shows;
+         # the writer alone, fed at a GPU's pace (16 MB/s at 0.1 s a batch): no model on the cores;
          # shards in one PUT each (the default 100 MiB parts), and in 8 MiB parts
          "paced": (["paced"], {}, PACE[0] * PACE[1]),
          "paced-parts": (["paced"], {"HOOKSCOPE_UPLOAD_PART_BYTES": str(8 << 20)}, PACE[0] * PACE[1])}
@@ -164,15 +164,15 @@ def write_store(out: Path, shards: int) -> None:
             w.write(i, points, meta)
 
 
-def write_paced(out: str) -> None:
-    """Feed a ShardWriter as a GPU would: each batch of float16 rows takes PACE[3] s to compute (a
+def write_paced(out: str, pace: float) -> None:
+    """Feed a ShardWriter as a GPU would: each batch of float16 rows takes `pace` s to compute (a
     sleep: the cores stay free, as beside a GPU), and time the writer holds the loop up is lost;
     print rows/s, the clock stopped once all is committed."""
     import torch
 
     from hookscope.store import ShardWriter
 
-    batches, rows, width, pace, shard_rows = PACE
+    batches, rows, width, _, shard_rows = PACE
     x = torch.randn(rows, width, generator=torch.Generator().manual_seed(0)).half()
     t0 = time.perf_counter()
     with ShardWriter(out, {"bench": "paced"}, shard_rows=shard_rows) as w:
@@ -202,8 +202,8 @@ def read_round(src: Path, reads: list[list[str]], env: dict[str, str]) -> list[d
 
 def extract_rate(out: str, max_tokens: int, options: list[str], env: dict[str, str]) -> float:
     if options == ["paced"]:
-        run = subprocess.run([sys.executable, __file__, "--paced", out], capture_output=True, text=True,
-                             env=env, check=False)
+        run = subprocess.run([sys.executable, __file__, "--paced", out, "--pace", env["PACE"]],
+                             capture_output=True, text=True, env=env, check=False)
         if run.returncode:
             raise SystemExit(f"the paced writer to {out} failed:\n{run.stderr[-3000:]}")
         return float(run.stdout.strip().splitlines()[-1])
@@ -230,7 +230,8 @@ def extraction(args, code: dict[str, Path], env: dict[str, str], tmp: Path) -> d
             for name in order:
                 tree = code["before" if name.endswith("before") else "after"]
                 rates[name].append(extract_rate(where[name](f"{case}{i}"), tokens, options,
-                                                {**env, **extra, "PYTHONPATH": str(tree)}))
+                                                {**env, **extra, "PYTHONPATH": str(tree),
+                                                 "PACE": str(args.pace)}))
             shutil.rmtree(tmp / f"x{case}{i}")
             loads.append(load())
             print(f"extract {case} {i}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items())
@@ -240,7 +241,8 @@ def extraction(args, code: dict[str, Path], env: dict[str, str], tmp: Path) -> d
                   for k in ("s3 after", "s3 before")}
         out[case] = {"tokens_per_s": med, "s3_after_over_local": med["s3 after"] / med["local"],
                      "s3_before_over_local": med["s3 before"] / med["local"], "paired_over_local": paired,
-                     "runs": rates, "loads": loads, "env": extra, "tokens": tokens}
+                     "runs": rates, "loads": loads, "env": extra, "tokens": tokens,
+                     **({"pace_s": args.pace} if options == ["paced"] else {})}
     return out
 
 
@@ -329,9 +331,10 @@ def main() -> None:
     parser.add_argument("--extract-before", default=EXTRACT_BEFORE, help="commit whose writer is 'before'")
     parser.add_argument("--write-store", metavar="DIR", help=argparse.SUPPRESS)  # child: write the store
     parser.add_argument("--paced", metavar="OUT", help=argparse.SUPPRESS)  # child: the paced writer
+    parser.add_argument("--pace", type=float, default=PACE[3], help="paced cases: seconds a batch computes")
     args = parser.parse_args()
     if args.paced:
-        write_paced(args.paced)
+        write_paced(args.paced, args.pace)
         return
     if args.write_store:
         write_store(Path(args.write_store), args.shards)
