@@ -11,43 +11,17 @@ Run with PYTHONPATH=<old checkout>/src to time an older hookscope the same way.
 import statistics
 import sys
 import time
+from pathlib import Path
 
 import torch
 
 import hookscope as hs
-from hookscope.testing import build_tiny
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+from test_capture_calls import configs  # noqa: E402  (the three calls its count test compares)
 
 torch.set_num_threads(1)
-model = build_tiny("gpt2", n_layers=3, d_model=64, n_heads=4).eval()
-ids = torch.randint(1, 100, (1, 16), generator=torch.Generator().manual_seed(0))
-POINT = "blocks.1.resid_post"
-block = model.transformer.h[1]
-
-
-def plain():
-    with torch.inference_mode():
-        return model(ids)
-
-
-def capture():
-    with hs.capture(model, POINT) as cap:
-        model(ids)
-    return cap[POINT]
-
-
-def raw_hook():
-    kept = {}
-    handle = block.register_forward_hook(lambda m, a, out: kept.__setitem__("x", out.clone()))
-    try:
-        with torch.inference_mode():
-            model(ids)
-    finally:
-        handle.remove()
-    return kept["x"]
-
-
-CONFIGS = {"plain": plain, "capture": capture, "raw_hook": raw_hook}
-assert torch.equal(capture(), raw_hook())
+CONFIGS = configs()
 for _ in range(50):
     for fn in CONFIGS.values():
         fn()

@@ -361,3 +361,24 @@ def test_the_loading_room_imports_one_way():
                for i, module in enumerate(order) for imp in imports_of(SRC / "loading" / f"{module[18:]}.py")
                if imp.target.startswith("hookscope.loading.") and imp.target not in order[:i]}
     assert not against, "\n".join(sorted(against))
+
+
+def test_the_picture_draws_exactly_the_table():
+    """docs/img/architecture.svg (drawn by tests/architecture_picture.py) has a box per room of the
+    table and an arrow per import the table allows, no more: `everything` is one arrow to "*"."""
+    import xml.etree.ElementTree as ET
+
+    svg = ET.parse(ARCHITECTURE_MD.parent / "img" / "architecture.svg").getroot()
+    ns = "{http://www.w3.org/2000/svg}"
+    drawn = {(e.get("data-from"), e.get("data-to")) for e in svg.iter(f"{ns}path") if e.get("class") == "edge"}
+    rooms = {g.get("data-room") for g in svg.iter(f"{ns}g") if g.get("class") == "room"}
+    want: set[tuple[str, str]] = set()
+    for row in ARCHITECTURE_MD.read_text().splitlines():
+        cells = [c.strip() for c in row.split("|")]
+        if row.startswith("| `") and len(cells) >= 4:
+            room = cells[1].strip("`").removesuffix("/").removesuffix(".py")
+            want |= {(room, "*")} if cells[-2] == "everything" else {(room, n) for n in ALLOWED[room]}
+    assert rooms == set(ALLOWED), f"boxes for no room: {rooms - set(ALLOWED)}; rooms with no box: " \
+                                  f"{set(ALLOWED) - rooms}: run `python tests/architecture_picture.py`"
+    assert drawn == want, (f"arrows the table does not allow: {sorted(drawn - want)}; imports not drawn: "
+                           f"{sorted(want - drawn)}: run `python tests/architecture_picture.py`")

@@ -228,3 +228,21 @@ def test_no_empty_bar_before_an_early_error(tiny_dirs, tmp_path, capsys):
     assert "not enough for one sequence" in err  # an error found only once the data is read
     assert err.startswith("hookscope: error: ") and "extract" not in err.split("error: ", 1)[0]
     assert "tok" not in err.replace("tokens", "") and "row/s" not in err and "it/s" not in err
+
+
+def test_extract_flags_left_out_run_the_config_defaults(tmp_path, monkeypatch):
+    """`hookscope extract --out S` with nothing else runs exactly `ExtractConfig(out=S)` (with the
+    progress bar): a flag whose default drifted from the config's (batch size 8, float16, 65,536
+    rows per shard, ...) is caught here."""
+    import dataclasses
+    import importlib
+
+    extract_room = importlib.import_module("hookscope.extract")
+    ran = []
+    monkeypatch.setattr(extract_room, "extract", lambda cfg: ran.append(cfg) or "ok")
+    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")
+    out = str(tmp_path / "s")
+    assert main(["extract", "--out", out]) == 0
+    expected = dataclasses.asdict(extract_room.ExtractConfig(out=out))
+    assert dataclasses.asdict(ran[0]) == expected
+    assert (expected["batch_size"], expected["dtype"], expected["shard_rows"]) == (8, "float16", 65536)

@@ -395,3 +395,26 @@ def test_several_columns_reuse_memory_and_keep_their_bytes(mixed_store, monkeypa
     assert batches == 30
     for shape in ((10, 5), (10, 2, 3), (10,)):  # 30 batches of each column
         assert 0 < allocated.count(shape) <= 4, (shape, allocated.count(shape))
+
+
+def test_store_dataset_passes_every_keyword_through_and_names_each(id_store):
+    """`Store.dataset` is `ActivationDataset` without the store: each keyword reaches the dataset
+    (the rows are the ones the same keywords give `ActivationDataset` directly), its docstring names
+    every keyword the dataset takes, and a misspelt keyword is refused, not ignored."""
+    import inspect
+    import re
+
+    from hookscope.store.dataset import ActivationDataset
+
+    keywords = [n for n, p in inspect.signature(ActivationDataset).parameters.items()
+                if p.kind is p.KEYWORD_ONLY]
+    documented = re.findall(r"`(\w+)`", id_store.dataset.__doc__)
+    assert set(keywords) <= set(documented), set(keywords) - set(documented)
+    kw = dict(seed=3, buffer_rows=16, split="val", val_fraction=0.25, rank=1, world_size=2, epoch=2,
+              batch_size=4, drop_last=True, prefetch=False)
+    got = [b["x"][:, 0].long().tolist() for b in id_store.dataset(["x"], **kw)]
+    want = [b["x"][:, 0].long().tolist() for b in ActivationDataset(id_store, ["x"], **kw)]
+    assert got == want and got and all(len(b) == 4 for b in got)
+    assert got != [b["x"][:, 0].long().tolist() for b in id_store.dataset(["x"], **{**kw, "seed": 4})]
+    with pytest.raises(TypeError, match="buffer_row"):
+        id_store.dataset("x", buffer_row=16)

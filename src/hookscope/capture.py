@@ -35,9 +35,9 @@ from torch import Tensor, nn
 
 from .arch import Arch, PointSpec, arch_of, state_of
 from .errors import HookscopeError, PointNotReachedError, SelectionError
-from .files import write_atomic
+from .atomic_files import write_atomic
 from .hooks import Hook, Hooks, grad_leaf
-from .inputs import attention_mask_of, call_model
+from .model_inputs import attention_mask_of, call_model
 from .names import canonical, find_key, is_pattern, meaning
 from .selection import Heads, Positions, Selection
 from .stopping import Stop, no_cache
@@ -103,20 +103,14 @@ class PointDict(dict):
 
 class Kept(Mapping[str, Tensor]):
     """What a capture kept, read like a dict: keyed by the names asked for, and any other spelling
-    of a captured point reads it too. With `accumulate`, each pass adds a part; a read
-    concatenates them along the batch dim."""
+    of a captured point reads it too. With `accumulate`, each pass adds a part (`Capture.file`); a
+    read concatenates them along the batch dim."""
 
     def __init__(self, arch: Arch, keys: dict[str, PointSpec], accumulate: bool):
         self.arch, self._keys, self.accumulate = arch, keys, accumulate
         self._key_of = {spec.name: key for key, spec in keys.items()}
         self._parts: dict[str, list[Tensor]] = {}  # canonical name -> parts (one per pass)
         self.events: list = []  # CUDA events of non-blocking host copies: waited for before a read
-
-    def keep(self, name: str, value: Tensor) -> None:
-        if self.accumulate:
-            self._parts.setdefault(name, []).append(value)
-        else:
-            self._parts[name] = [value]
 
     def sync(self) -> None:
         for event in self.events:
@@ -127,7 +121,8 @@ class Kept(Mapping[str, Tensor]):
         spec = self._keys.get(name) or self.arch.spec(name)
         if spec.name not in self._key_of:
             raise KeyError(f"{spec.name!r} is not one of the captured points: {list(self._keys)}")
-        self.sync()
+        if self.events:
+            self.sync()
         parts = self._parts.get(spec.name)
         if not parts:
             raise PointNotReachedError(f"point {name!r} has not run since the capture started")
@@ -163,7 +158,9 @@ class Capture(Kept):
                  heads: Heads = None, token_mask: Tensor | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, stop: bool | None = None, inference: bool = True,
                  accumulate: bool = False, attention_mask: Tensor | None = None, arch: Arch | None = None):
-        arch = arch if arch is not None else arch_of(model)
+        self._state = state_of(model)  # its `layer` is asked at enter
+        if arch is None:
+            arch = self._state.arch if self._state.arch is not None else arch_of(model)
         super().__init__(arch, keyed_specs(arch, points), accumulate)
         self.model, self.inference, self.attention_mask = model, inference, attention_mask
         self.selection = Selection.of(positions, heads, token_mask, dtype, device)
@@ -172,6 +169,8 @@ class Capture(Kept):
         self._stopping = stop is True  # raise after the last pending point of a pass
         self._stopper = Stop()  # what ends this capture's passes, and only theirs
         self.hooks = Hooks(model, arch)
+        # whether each pass's own attention mask is read (for "last", when none was given)
+        self._mask_per_pass = attention_mask is None and self.selection.wants_attention_mask
         self._pending: set[str] = set()
         self.pass_mask: Tensor | None = None  # the attention mask of the pass running now
         self._mode: Any = None  # the inference_mode context while the `with` block runs
@@ -181,13 +180,13 @@ class Capture(Kept):
             self._mode = torch._C._InferenceMode(True)  # inference_mode()'s context, minus its wrapper
             self._mode.__enter__()
         try:
-            layer = state_of(self.model).layer
+            layer = self._state.layer
             for spec in self.specs if layer is None else layer.split_capture(self, self.specs):
                 self.hooks.forward(spec, self._keep)
             # a hook on the root only where a pass needs its own start: to stop it, or to read its mask
-            if self.stop is True or (self.attention_mask is None and self.selection.wants_attention_mask):
+            if self.stop is True or self._mask_per_pass:
                 self.hooks.pass_start(self._start_pass)
-            self._start_pass(None)
+            self._pending, self.pass_mask = set(self._key_of), self.attention_mask  # _start_pass(None)
         except BaseException:
             self._close()
             raise
@@ -195,14 +194,16 @@ class Capture(Kept):
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         self._close()
-        return self._stopper.ended(exc)  # a user-requested stop=True ends the `with` body quietly
+        # a user-requested stop=True ends the `with` body quietly
+        return exc is not None and self._stopper.ended(exc)
 
     def _close(self) -> None:
         self.hooks.remove()
         mode, self._mode = self._mode, None
         if mode is not None:
             mode.__exit__(None, None, None)
-        self.sync()
+        if self.events:
+            self.sync()
 
     def run(self, inputs: Any) -> Any:
         """Run the model on `inputs`, stopping after the last point unless stop=False.
@@ -224,9 +225,7 @@ class Capture(Kept):
     def _start_pass(self, mask: Tensor | None) -> None:
         """A pass starts, called with attention mask `mask` (or None)."""
         self._pending = set(self._key_of)
-        if self.attention_mask is not None or not self.selection.wants_attention_mask:
-            mask = self.attention_mask
-        self.pass_mask = mask
+        self.pass_mask = mask if self._mask_per_pass else self.attention_mask
 
     def _keep(self, act: Tensor, hook: Hook) -> None:
         self.file(hook.spec.name, self.selection.take(act, hook.spec, attention_mask=self.pass_mask,
@@ -235,7 +234,10 @@ class Capture(Kept):
     def file(self, name: str, kept: Tensor) -> None:
         """Keep `kept` as this pass's value of point `name`; stop the pass if it was the last one
         pending (and stopping was asked for)."""
-        self.keep(name, kept)
+        if self.accumulate:
+            self._parts.setdefault(name, []).append(kept)
+        else:
+            self._parts[name] = [kept]
         self._pending.discard(name)
         if self._stopping and not self._pending:
             self._stopper.now()

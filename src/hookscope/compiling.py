@@ -48,7 +48,7 @@ from torch import nn
 from .arch import PointSpec, state_of
 from .capture import Capture
 from .errors import HookscopeError
-from .files import write_atomic
+from .atomic_files import write_atomic
 from .hooks import Held, Hook, hold
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from .arch import Arch, PointSpec, arch_of, state_of
 from .arch.base import ROOT, Call
 from .errors import HookscopeError
-from .inputs import attention_mask_of
+from .model_inputs import attention_mask_of
 
 HookFn = Callable[[Tensor, "Hook"], Tensor | None]
 

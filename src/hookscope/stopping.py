@@ -17,7 +17,7 @@ from typing import Any, NoReturn
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from .inputs import call_model, forward_parameters
+from .model_inputs import call_model, forward_parameters
 
 
 class ForwardStopped(BaseException):

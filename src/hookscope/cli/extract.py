@@ -8,43 +8,46 @@ from .args import DTYPES, at_least, model_args, points_arg, quiet_transformers
 
 
 def add_parser(sub) -> None:
-    from ..extract import DEFAULT_DATA, DEFAULT_POINT
+    from ..extract import ExtractConfig
     from ..sources import DEFAULT_CONTEXT
+
+    default = ExtractConfig(out="")  # the one copy of the defaults: each flag shows the config's
 
     p = sub.add_parser("extract", help="stream chosen points of a dataset to a sharded store (resumable)")
     model_args(p)
     p.add_argument("--out", required=True,
                    help="store directory or URL (s3://, gs://, az://, hf://, memory://); "
                         "re-run the same command to resume")
-    points_arg(p, default=[DEFAULT_POINT],
-               help=f"comma-separated point names or globs (default {DEFAULT_POINT})")
-    p.add_argument("--data", default=DEFAULT_DATA,
+    points_arg(p, default=default.points,
+               help=f"comma-separated point names or globs (default {','.join(default.points)})")
+    p.add_argument("--data", default=default.data,
                    help=".txt / .jsonl file, a directory of them, a saved HF dataset dir, hf:NAME[:split], "
-                        f"or {DEFAULT_DATA} (default; built offline from Python's docstrings)")
-    p.add_argument("--text-field", default="text", help="field holding the text in .jsonl / datasets")
-    p.add_argument("--context", type=int, default=None,
+                        f"or {default.data} (default; built offline from Python's docstrings)")
+    p.add_argument("--text-field", default=default.text_field,
+                   help="field holding the text in .jsonl / datasets")
+    p.add_argument("--context", type=int, default=default.context,
                    help=f"tokens per packed sequence (default {DEFAULT_CONTEXT}; not for images)")
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--dtype", default="float16", choices=DTYPES)
+    p.add_argument("--batch-size", type=int, default=default.batch_size)
+    p.add_argument("--dtype", default=default.dtype, choices=DTYPES)
     p.add_argument("--keep-bos", action="store_true",
                    help="also store BOS / CLS / SEP tokens (dropped by default; images keep every token)")
-    p.add_argument("--max-tokens", type=int, default=None,
+    p.add_argument("--max-tokens", type=int, default=default.max_tokens,
                    help="stop after this many tokens (whole sequences; images: whole images)")
-    p.add_argument("--shard-rows", type=int, default=65536, help="rows per shard file")
-    p.add_argument("--on-nonfinite", default="warn", choices=["warn", "error"],
+    p.add_argument("--shard-rows", type=int, default=default.shard_rows, help="rows per shard file")
+    p.add_argument("--on-nonfinite", default=default.on_nonfinite, choices=["warn", "error"],
                    help="NaN/Inf activations: count and report (warn), or refuse to write them (error)")
-    p.add_argument("--revision", default=None, help="model revision (hub ids)")
-    p.add_argument("--device-map", default=None,
+    p.add_argument("--revision", default=default.revision, help="model revision (hub ids)")
+    p.add_argument("--device-map", default=default.device_map,
                    help="'auto' spreads a model bigger than one device (accelerate)")
-    p.add_argument("--max-memory", default=None, metavar="SIZE",
+    p.add_argument("--max-memory", default=default.max_memory, metavar="SIZE",
                    help="stream the blocks through chunks of batches, weights kept under SIZE (2GiB, 500MB): "
                         "for a model whose needed weights do not fit")
-    p.add_argument("--workers", type=at_least(0), default=0, metavar="N",
+    p.add_argument("--workers", type=at_least(0), default=default.workers, metavar="N",
                    help="processes that tokenize text ahead of the model (default 0: the data thread, "
                         "with the tokenizer's own threads); raise it when the run says it is bound by "
                         "tokenization")
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--generate", type=at_least(0), default=0, metavar="N",
+    p.add_argument("--generate", type=at_least(0), default=default.generate, metavar="N",
                    help="also store N greedy tokens the model generates after each sequence")
     p.set_defaults(run=run)
 

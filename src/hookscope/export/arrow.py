@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ..errors import StoreError
-from ..extras import require
+from ..optional_imports import require
 
 SIDECAR = "hookscope_export.json"  # what the export holds and which store it came from
 

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..inputs import forward_parameters
+from ..model_inputs import forward_parameters
 from .backend import Backend
 from .result import eos_list
 

@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, schedule
 from ..arch import Arch, arch_of
 from ..errors import HookscopeError
 from ..hooks import Hooks, input_tensor
-from ..inputs import max_positions
+from ..model_inputs import max_positions
 from ..stopping import Stop
 from .events import build_rows, cpu_threads, label_totals, top_ops
 from .labels import STEP, BlockLabels, LabelledHooks, block_labels, first_tensor

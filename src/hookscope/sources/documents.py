@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
-from ..extras import require
+from ..optional_imports import require
 from ..hub import offline_variable, unreachable_reason
 
 BUILTIN_STDLIB = "builtin:stdlib-docstrings"

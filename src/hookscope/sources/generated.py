@@ -14,7 +14,7 @@ from torch import Tensor, nn
 
 from ..errors import HookscopeError
 from ..generate import generate
-from ..inputs import max_positions
+from ..model_inputs import max_positions
 from .base import Rows, Run
 from .columns import token_columns
 from .text import TextSource

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from ..errors import HookscopeError
-from ..inputs import max_positions
+from ..model_inputs import max_positions
 from ..loading import tokenizer_hash
 from .base import Rows, Run, Source
 from .columns import token_columns

@@ -9,7 +9,7 @@ Locally a put writes `.tmp`, fsyncs and renames (then fsyncs the directory), and
 the file. Object stores have no atomic rename, so there an object is uploaded under its final
 name (one PUT or a multipart upload: whole or not at all; shards in the background, store/upload.py)
 and its commit record is the commit point: a shard no manifest or record lists does not exist for
-readers, and the next writer deletes it. Reading a URL uses ranged GETs (store/blocks.py).
+readers, and the next writer deletes it. Reading a URL uses ranged GETs (store/range_cache.py).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import StoreError
-from ..files import fsync_dir, write_atomic
+from ..atomic_files import fsync_dir, write_atomic
 from .checksum import checksum_of
 from .upload import Uploads
 

@@ -27,7 +27,7 @@ import re
 from pathlib import Path
 
 from ..errors import StoreError
-from ..files import fsync_dir
+from ..atomic_files import fsync_dir
 from .card import CARD, card_bytes
 from .fs import FS
 from .manifest import (

@@ -1,6 +1,6 @@
 """Reading a store at a URL with ranged GETs: a shard's header with one small GET (batched with the
 next shards' headers), checked like a local one (store/checks.py), then only the byte ranges of the
-columns and rows asked for, through a bounded in-memory block cache (store/blocks.py), reading the
+columns and rows asked for, through a bounded in-memory block cache (store/range_cache.py), reading the
 next shards ahead on a sequential scan."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 import torch
 
 from ..errors import StoreError
-from .blocks import BlockCache, Extent
+from .range_cache import BlockCache, Extent
 from .checks import HEAD_BYTES, Header, check_size, checked_header, tensor_of
 from .fs import FS
 from .manifest import Manifest

@@ -299,20 +299,15 @@ class Store:
         t = self.tensor(name)
         return (t.float() if t.dtype == torch.bfloat16 else t).numpy()
 
-    def dataset(self, point: str | Sequence[str], *, shuffle: bool = True, seed: int = 0,
-                buffer_rows: int = 1 << 18, split: str | None = None, val_fraction: float = 0.1,
-                rank: int = 0, world_size: int = 1, epoch: int = 0, batch_size: int | None = None,
-                drop_last: bool = False, repeat: bool = False, prefetch: bool = True,
-                stack: bool = False) -> ActivationDataset:
-        """A shuffled `IterableDataset` over column(s) `point` (names or globs); see `ActivationDataset`
-        (`repeat=True`: one `iter()` runs through epoch after epoch, for trainers that call `next()`;
-        `stack=True`: each pattern's columns as one `[batch, layers, ...]` tensor, in block order)."""
+    def dataset(self, point: str | Sequence[str], **options: Any) -> ActivationDataset:
+        """A shuffled `IterableDataset` over column(s) `point` (names or globs). `options` are
+        `ActivationDataset`'s keywords, which say what each does: `shuffle`, `seed`, `buffer_rows`,
+        `split`, `val_fraction`, `rank`, `world_size`, `epoch`, `batch_size`, `drop_last`, `repeat`
+        (one `iter()` runs through epoch after epoch, for trainers that call `next()`), `prefetch`,
+        `stack` (each pattern's columns as one `[batch, layers, ...]` tensor, in block order)."""
         from .dataset import ActivationDataset
 
-        return ActivationDataset(self, point, shuffle=shuffle, seed=seed, buffer_rows=buffer_rows,
-                                 split=split, val_fraction=val_fraction, rank=rank, world_size=world_size,
-                                 epoch=epoch, batch_size=batch_size, drop_last=drop_last, repeat=repeat,
-                                 prefetch=prefetch, stack=stack)
+        return ActivationDataset(self, point, **options)
 
     def column_names(self, names: Sequence[str] | None) -> list[str]:
         """`names` (default every column), each checked to be a column of the store."""

@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from ..errors import StoreError
-from ..files import write_atomic
+from ..atomic_files import write_atomic
 from ..progress import RowsBar
 from .contexts import Gatherer, build_contexts
 from .encoders import Encoder

@@ -36,7 +36,7 @@ import torch
 from safetensors.torch import save
 
 from ..errors import StoreError
-from ..files import write_atomic
+from ..atomic_files import write_atomic
 from ..progress import RowsBar
 from .encoders import Encoder, neurons
 
