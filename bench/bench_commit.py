@@ -6,7 +6,8 @@ and how long a store of 100,000 shards takes to open, verify and resume.
 
 Commits: one `ShardWriter` (shard_rows = the batch's rows, so every batch is one shard) is fed
 `--shards` tiny batches (4 rows of 8 float32 and a `token_ids` column); the time of each shard's
-`_write_shard` (save, fsync, hash, rename, commit) is recorded, and the median per tenth of the run
+`_put_and_commit` (fsync, rename, commit; `_write_shard` before the writer had a commit thread:
+save, hash, fsync, rename, commit) is recorded, and the median per tenth of the run
 is printed with its ratio to the first tenth. The floor beside it: the same shard files written and
 fsynced by hand (safetensors save + fsync + rename), no manifest at all.
 
@@ -47,14 +48,16 @@ def commits(root: Path, shards: int) -> dict:
     from hookscope.store import writer as writer_module
 
     times: list[float] = []
-    real = writer_module.ShardWriter._write_shard
+    # a shard's fsync, rename and commit (on the writer's commit thread, where it has one)
+    step = "_put_and_commit" if hasattr(writer_module.ShardWriter, "_put_and_commit") else "_write_shard"
+    real = getattr(writer_module.ShardWriter, step)
 
     def timed(self, *args):
         t = time.perf_counter()
         real(self, *args)
         times.append(time.perf_counter() - t)
 
-    writer_module.ShardWriter._write_shard = timed
+    setattr(writer_module.ShardWriter, step, timed)
     out = root / "commits"
     t0 = time.perf_counter()
     with ShardWriter(out, SETTINGS, shard_rows=ROWS) as w:
@@ -62,7 +65,7 @@ def commits(root: Path, shards: int) -> dict:
             x, meta = batch(i)
             w.write(i, x, meta)
     total = time.perf_counter() - t0
-    writer_module.ShardWriter._write_shard = real
+    setattr(writer_module.ShardWriter, step, real)
     tenth = shards // 10
     medians = [statistics.median(times[k * tenth:(k + 1) * tenth]) * 1e3 for k in range(10)]
     means = [statistics.mean(times[k * tenth:(k + 1) * tenth]) * 1e3 for k in range(10)]

@@ -248,8 +248,6 @@ def extraction(args, code: dict[str, Path], env: dict[str, str], tmp: Path) -> d
 
 def moto_rate(mb: int = 13, runs: int = 3) -> dict[str, float]:
     """MB/s moto takes one object of `mb` MB at: one PUT, and two parts uploaded at once."""
-    from concurrent.futures import ThreadPoolExecutor
-
     import s3fs
 
     sys.path.insert(0, str(REPO / "src"))  # this tree's uploader, not the one the venv installed
@@ -257,14 +255,14 @@ def moto_rate(mb: int = 13, runs: int = 3) -> dict[str, float]:
 
     fs, size = s3fs.S3FileSystem(), mb * 10**6
     out = {}
-    with tempfile.NamedTemporaryFile() as f, ThreadPoolExecutor(2) as pool:
+    with tempfile.NamedTemporaryFile() as f:
         f.write(os.urandom(size))
         f.flush()
         for name, part in (("one PUT", size), ("2 parts at once", (size + 1) // 2)):
             times = []
             for _ in range(runs):
                 t0 = time.perf_counter()
-                upload_file(fs, Path(f.name), "bench/rate", "moto", UploadSettings(part_bytes=part), pool)
+                upload_file(fs, Path(f.name), "bench/rate", "moto", UploadSettings(part, threads=2))
                 times.append(time.perf_counter() - t0)
             out[name] = mb / statistics.median(times)
     return out

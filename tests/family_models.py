@@ -1,7 +1,7 @@
 """Tiny random models of every family hookscope has a table for, built in memory (no tokenizer,
 no disk), in float64 and with every parameter nudged off its initial value, so that no two
 points are equal by accident: a LayerScale of exactly 1, a zero bias or a unit norm weight would
-make `attn.scaled` equal `attn.out`, or a module's input equal its output, and hide a wrong table
+make `attn.out` equal `attn.out_pre_scale`, or a module's input equal its output, and hide a wrong table
 entry. Used by test_relations.py and scripts/mutate-tables."""
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ def _config(kind: str, overrides: dict):
             conv_kernel=4,
             residual_in_fp32=False,
         )
-    extra = {"final_logit_softcapping": None} if kind == "gemma2" else {}  # logits = lm_head(ln_final)
+    # logits = lm_head(ln_final); a case's overrides last
+    extra = {"final_logit_softcapping": None, **overrides} if kind == "gemma2" else overrides
     return AutoConfig.for_model(
         kind,
         vocab_size=VOCAB,
@@ -75,23 +76,23 @@ def _config(kind: str, overrides: dict):
         intermediate_size=2 * D_MODEL,
         num_hidden_layers=N_LAYERS,
         num_attention_heads=N_HEADS,
-        num_key_value_heads=N_HEADS // 2,
+        **{"num_key_value_heads": N_HEADS // 2, **extra},
         head_dim=D_MODEL // N_HEADS,
         max_position_embeddings=64,
         tie_word_embeddings=False,
         bos_token_id=0,
         eos_token_id=0,
         pad_token_id=None,
-        **extra,
     )
 
 
-def build(case: str, seed: int = 0) -> nn.Module:
-    """The case's tiny model: eval mode, eager attention (attn.pattern), float64, nudged."""
+def build(case: str, seed: int = 0, **settings: object) -> nn.Module:
+    """The case's tiny model: eval mode, eager attention (attn.pattern), float64, nudged;
+    `settings`: config values over the case's own."""
     from transformers import AutoModel, AutoModelForCausalLM
 
     kind, overrides = CASES[case]
-    config = _config(kind, overrides)
+    config = _config(kind, {**overrides, **settings})
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     auto = AutoModel if case in ENCODERS else AutoModelForCausalLM

@@ -33,6 +33,11 @@ def per_head(n: int, read: Callable = same) -> Callable[[Any], Tensor]:
 def _norm(model: nn.Module, p: str, ln: str, path: str) -> dict[str, Path]:
     """TransformerLens's `ln.scale` / `ln.normalized` (before weight and bias) from the input of
     the norm at `path`, by hand; what the sublayer reads is the norm's output."""
+    return _normalized(model, p + ln, path) | {p + {"ln1": "attn.in", "ln2": "mlp.in"}[ln]: (path, OUT, same)}
+
+
+def _normalized(model: nn.Module, ln: str, path: str) -> dict[str, Path]:
+    """`{ln}.scale` / `{ln}.normalized` of the norm at `path`, by hand from its input."""
     norm = model.get_submodule(path)
     eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon")
     centre = "RMS" not in type(norm).__name__
@@ -43,8 +48,7 @@ def _norm(model: nn.Module, p: str, ln: str, path: str) -> dict[str, Path]:
     def scale(x: Tensor) -> Tensor:
         return (centred(x).pow(2).mean(-1, keepdim=True) + eps).sqrt()
 
-    return {p + ln + ".scale": (path, IN, scale), p + ln + ".normalized": (path, IN, lambda x: centred(x) / scale(x)),
-            p + {"ln1": "attn.in", "ln2": "mlp.in"}[ln]: (path, OUT, same)}
+    return {ln + ".scale": (path, IN, scale), ln + ".normalized": (path, IN, lambda x: centred(x) / scale(x))}
 
 
 def _attention(p: str, attn: str, o: str, n_heads: int, n_kv: int) -> dict[str, Path]:
@@ -80,14 +84,18 @@ def vision_paths(model: nn.Module, prefix: str = "") -> dict[str, Path]:
         paths[p + "resid_pre"] = (f"{blk}.{norms[0]}", IN, same)
         paths |= _norm(model, p, "ln1", f"{blk}.{norms[0]}") | _norm(model, p, "ln2", f"{blk}.{norms[1]}")
         paths |= _attention(p, f"{blk}.{attn}", o, H, H)
-        if kind.startswith("dinov2"):
-            paths[p + "attn.scaled"] = (f"{blk}.layer_scale1", OUT, same)
-            paths[p + "mlp.scaled"] = (f"{blk}.layer_scale2", OUT, same)
         paths |= {p + "resid_mid": (f"{blk}.{norms[1]}", IN, same),
                   p + "mlp.pre": (f"{blk}.mlp.fc1", OUT, same),
                   p + "mlp.post": (f"{blk}.mlp.activation_fn", OUT, same),
                   p + "mlp.out": (f"{blk}.mlp", OUT, same),
                   p + "resid_post": (blk, OUT, same)}
+        if kind.startswith("dinov2"):  # what is added to the stream: after LayerScale
+            paths[p + "attn.out_pre_scale"] = paths[p + "attn.out"]
+            paths[p + "mlp.out_pre_scale"] = paths[p + "mlp.out"]
+            paths[p + "attn.out"] = (f"{blk}.layer_scale1", OUT, same)
+            paths[p + "mlp.out"] = (f"{blk}.layer_scale2", OUT, same)
+    if kind == "vit" or kind.startswith("dinov2"):  # CLIP's post_layernorm norms the pooled token only
+        paths |= _normalized(model, "ln_final", prefix + final)
     return paths | {"ln_final": (prefix + final, OUT, same)}
 
 
@@ -126,7 +134,8 @@ def moe_paths(model: nn.Module) -> dict[str, Path]:
                       p + "mlp.shared.post": (f"{shared}.down_proj", IN, same),
                       p + "mlp.shared.out": (shared, OUT, same),
                       p + "mlp.shared.gate": (f"{blk}.mlp.shared_expert_gate", OUT, same)}
-    return paths | {"ln_final": ("model.norm", OUT, same), "logits": ("lm_head", OUT, same)}
+    return paths | _normalized(model, "ln_final", "model.norm") | {"ln_final": ("model.norm", OUT, same),
+                                                                   "logits": ("lm_head", OUT, same)}
 
 
 # --- state-space and recurrent models ---------------------------------------------------------
@@ -156,8 +165,9 @@ def ssm_paths(model: nn.Module) -> dict[str, Path]:
                       p + "resid_post": (blk, OUT, same)}
     rwkv = cfg.model_type == "rwkv"
     base, final, head = ("rwkv", "ln_out", "head") if rwkv else ("backbone", "norm_f", "lm_head")
-    return paths | {"embed": (f"{base}.embeddings", OUT, same),
-                    "ln_final": (f"{base}.{final}", OUT, same), "logits": (head, OUT, same)}
+    return paths | _normalized(model, "ln_final", f"{base}.{final}") | {
+        "embed": (f"{base}.embeddings", OUT, same), "ln_final": (f"{base}.{final}", OUT, same),
+        "logits": (head, OUT, same)}
 
 
 def reference(model: nn.Module, paths: dict[str, Path], inputs: dict, names=None) -> dict[str, Tensor]:

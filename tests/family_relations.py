@@ -89,7 +89,10 @@ def normed(a: Reads, L: int, ln: str, x: Tensor, norm: nn.Module) -> list[Check]
     """TransformerLens's `ln.scale` and `ln.normalized` of the norm `norm` reading x: (x - mean)
     / sqrt(var + eps) for a LayerNorm, x / sqrt(mean(x^2) + eps) for an RMSNorm (no weight, no
     bias), by hand from the norm's eps."""
-    p = f"blocks.{L}.{ln}."
+    return _normed(a, f"blocks.{L}.{ln}.", x, norm)
+
+
+def _normed(a: Reads, p: str, x: Tensor, norm: nn.Module) -> list[Check]:
     eps = _FIXED_EPS.get(type(norm).__name__) or next(
         getattr(norm, n) for n in ("eps", "variance_epsilon") if hasattr(norm, n))
     centred = x - x.mean(-1, keepdim=True) if "RMS" not in type(norm).__name__ else x
@@ -114,9 +117,13 @@ def stream(a: Reads, n_layers: int, first: Tensor) -> list[Check]:
 def final(
     a: Reads, n_layers: int, norm: nn.Module, head: nn.Module | None, pick: Callable[[Tensor], Tensor] = same
 ) -> list[Check]:
-    """ln_final is the final norm of the last block's output (of `pick` of it); logits the head's."""
+    """ln_final is the final norm of the last block's output (of `pick` of it), and, where the
+    family has them, ln_final.scale / ln_final.normalized its scale and its input / scale, before
+    its weight (by hand, as ln1 / ln2's); logits the head's."""
     last = a[f"blocks.{n_layers - 1}.resid_post"]
     checks = [("ln_final = norm(last resid_post)", a["ln_final"], norm(pick(last)))]
+    if "ln_final.normalized" in a.acts:
+        checks += _normed(a, "ln_final.", pick(last), norm)
     if head is not None:
         checks.append(("logits = head(ln_final)", a["logits"], head(a["ln_final"])))
     return checks

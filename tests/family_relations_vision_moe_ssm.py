@@ -24,25 +24,25 @@ def _prenorm_block(a: Reads, L: int, blk: nn.Module, names: dict, n_heads: int, 
     x = sub("ln1")(a[p + "resid_pre"])
     checks = normed(a, L, "ln1", a[p + "resid_pre"], sub("ln1")) + [(p + "attn.in", a[p + "attn.in"], x)]
     attn = sub("attn")
-    checks += attention(a, L, *projections(attn, x), sub("o"), n_heads)
-    added = a[p + "attn.out"]
-    if scales:
-        checks.append(
-            (p + "attn.scaled = lambda1 * attn.out", a[p + "attn.scaled"], added * scales[0].lambda1)
-        )
-        added = a[p + "attn.scaled"]
-    checks.append((p + "resid_mid = resid_pre + attn.out", a[p + "resid_mid"], a[p + "resid_pre"] + added))
+    # with LayerScale, o(z) is the sublayer's own output, before the scale
+    pre = "_pre_scale" if scales else ""
+    checks += attention(a, L, *projections(attn, x), sub("o"), n_heads, out="attn.out" + pre)
+    if scales:  # what is added to the stream is the sublayer's output times its LayerScale
+        checks.append((p + "attn.out = lambda1 * attn.out_pre_scale", a[p + "attn.out"],
+                       a[p + "attn.out_pre_scale"] * scales[0].lambda1))
+    checks.append((p + "resid_mid = resid_pre + attn.out", a[p + "resid_mid"],
+                   a[p + "resid_pre"] + a[p + "attn.out"]))
     x = sub("ln2")(a[p + "resid_mid"])
     checks += normed(a, L, "ln2", a[p + "resid_mid"], sub("ln2"))
     if "gate" in names:
-        checks += mlp(a, L, x, sub("gate"), sub("act"), sub("down"), up=sub("up"))
+        checks += mlp(a, L, x, sub("gate"), sub("act"), sub("down"), up=sub("up"), out_name="mlp.out" + pre)
     else:
-        checks += mlp(a, L, x, sub("fc1"), sub("act"), sub("fc2"))
-    added = a[p + "mlp.out"]
+        checks += mlp(a, L, x, sub("fc1"), sub("act"), sub("fc2"), out_name="mlp.out" + pre)
     if scales:
-        checks.append((p + "mlp.scaled = lambda2 * mlp.out", a[p + "mlp.scaled"], added * scales[1].lambda1))
-        added = a[p + "mlp.scaled"]
-    checks.append((p + "resid_post = resid_mid + mlp.out", a[p + "resid_post"], a[p + "resid_mid"] + added))
+        checks.append((p + "mlp.out = lambda2 * mlp.out_pre_scale", a[p + "mlp.out"],
+                       a[p + "mlp.out_pre_scale"] * scales[1].lambda1))
+    checks.append((p + "resid_post = resid_mid + mlp.out", a[p + "resid_post"],
+                   a[p + "resid_mid"] + a[p + "mlp.out"]))
     return checks
 
 

@@ -90,7 +90,8 @@ def gpt2_table(model: nn.Module) -> dict[str, Entry]:
             p + "mlp.out": (blk.mlp, OUT, same),
             p + "resid_post": (blk, OUT, block_out),
         }
-    return t | {"ln_final": (base.ln_f, OUT, same), "logits": (model.lm_head, OUT, same)}
+    return t | norm_parts("ln_final", base.ln_f) | {"ln_final": (base.ln_f, OUT, same),
+                                                    "logits": (model.lm_head, OUT, same)}
 
 
 def llama_table(model: nn.Module) -> dict[str, Entry]:
@@ -119,7 +120,8 @@ def llama_table(model: nn.Module) -> dict[str, Entry]:
             p + "mlp.out": (mlp, OUT, same),
             p + "resid_post": (blk, OUT, block_out),
         }
-    return t | {"ln_final": (base.norm, OUT, same), "logits": (model.lm_head, OUT, same)}
+    return t | norm_parts("ln_final", base.norm) | {"ln_final": (base.norm, OUT, same),
+                                                    "logits": (model.lm_head, OUT, same)}
 
 
 def neox_table(model: nn.Module) -> dict[str, Entry]:
@@ -157,7 +159,8 @@ def neox_table(model: nn.Module) -> dict[str, Entry]:
             t[p + "resid_mid"] = (blk.post_attention_layernorm, IN, same)
     # the head is `embed_out` in transformers 5.0, `lm_head` later: HF's own accessor finds either
     head = model.get_output_embeddings()
-    return t | {"ln_final": (base.final_layer_norm, OUT, same), "logits": (head, OUT, same)}
+    final = base.final_layer_norm
+    return t | norm_parts("ln_final", final) | {"ln_final": (final, OUT, same), "logits": (head, OUT, same)}
 
 
 def bert_table(model: nn.Module) -> dict[str, Entry]:

@@ -366,31 +366,122 @@ def test_streamed_blocks_run_on_buffers_allocated_once(model_dirs, device):
             assert torch.equal(value.cpu(), stored[f"model.layers.{k}.{name}"])
 
 
+def float64_stats(rows: Tensor) -> tuple[int, int, float, float, Tensor, Tensor]:
+    """The reference statistics, in float64 from the rows on the CPU: non-finite values, then over
+    the rows with no non-finite value their count, sum and sum of squares of L2 norms, and the
+    per-dimension mean and sum of squared deviations."""
+    flat = rows.detach().cpu().double().reshape(rows.shape[0], -1)
+    whole = torch.isfinite(flat).all(dim=1)
+    kept = flat[whole]
+    norms = kept.norm(dim=1)
+    mean = kept.mean(0) if len(kept) else torch.zeros(flat.shape[1], dtype=torch.float64)
+    return (int((~torch.isfinite(flat)).sum()), len(kept), float(norms.sum()), float((norms**2).sum()),
+            mean, ((kept - mean) ** 2).sum(0))
+
+
+def assert_stats_equal_float64(got, rows: Tensor) -> None:
+    nonfinite, count, norm_sum, norm_sumsq, mean, m2 = float64_stats(rows)
+    assert (got.nonfinite, got.norm_count) == (nonfinite, count)
+    assert got.norm_sum == pytest.approx(norm_sum, rel=1e-5)
+    assert got.norm_sumsq == pytest.approx(norm_sumsq, rel=1e-5)
+    assert got.mean.device.type == "cpu" and got.m2.device.type == "cpu"
+    torch.testing.assert_close(got.mean, mean, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got.m2, m2, rtol=1e-4, atol=1e-3)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_statistics_where_the_activations_are_and_the_copy_out(device):
-    """The extraction's `out` stage: statistics taken on the device, the values copied to pinned host
-    memory without blocking; the host copy equals the device values bit for bit, and the statistics
-    equal those of the host copy (sums to float tolerance: another reduction order on a GPU)."""
-    from hookscope.extract.stages import stats_and_host
-    from hookscope.store.stats import PointStats
+    """The extraction's `out` stage: on a device, statistics taken there and the values copied into a
+    reused page-locked buffer on a side stream, with no host sync; once the handoff is waited on,
+    the host copy equals the device values bit for bit and the statistics equal a float64
+    recomputation (sums to float tolerance: another reduction order). On the CPU the rows go as
+    they are and the writer measures them."""
+    from hookscope.extract.copyout import CopyOut
 
     g = torch.Generator().manual_seed(0)
-    acts = {"a": torch.randn(300, 64, generator=g).to(device, torch.bfloat16),
-            "b": torch.randn(300, 4, 16, generator=g).to(device)}
-    acts["b"][7, 1, 3] = float("nan")
-    host, stats = stats_and_host(acts)
-    for name, value in acts.items():
-        assert host[name].device.type == "cpu"
-        torch.testing.assert_close(host[name], value.cpu(), rtol=0, atol=0, equal_nan=True)
-        assert host[name].is_pinned() == (device == "cuda")
-        if device == "cpu":  # left to the writer's thread, which computes what it is not given
-            assert stats == {}
+    copy_out = CopyOut()
+    buffers = set()
+    for step in range(4):
+        acts = {"a": (torch.randn(300 + step, 64, generator=g) * 2 + 5).to(device, torch.bfloat16),
+                "b": torch.randn(300 + step, 4, 16, generator=g).to(device)}
+        acts["b"][7, 1, 3] = float("nan")
+        acts["b"][11, 0, 0] = float("inf")
+        with _NoSync(device):
+            host, handoff = copy_out(acts)
+        if device == "cpu":
+            assert handoff is None
+            for name, value in acts.items():
+                assert host[name] is value
             continue
-        want = PointStats.of(value.cpu())
-        assert (stats[name].nonfinite, stats[name].norm_count) == (want.nonfinite, want.norm_count)
-        assert stats[name].norm_sum == pytest.approx(want.norm_sum, rel=1e-5)
-        assert stats[name].norm_sumsq == pytest.approx(want.norm_sumsq, rel=1e-5)
-        for got, ref in ((stats[name].mean, want.mean), (stats[name].m2, want.m2)):
-            if ref is not None:  # per-dimension moments: on the host, where the writer merges them
-                assert got.device.type == "cpu"
-                torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-6)
+        stats = handoff.wait()
+        for name, value in acts.items():
+            assert host[name].device.type == "cpu" and host[name].is_pinned()
+            torch.testing.assert_close(host[name], value.cpu(), rtol=0, atol=0, equal_nan=True)
+            assert_stats_equal_float64(stats[name], value)
+        buffers.add(handoff.buffer.data_ptr())
+        handoff.release()
+    if device == "cuda":  # each batch reused the buffer the last one handed back: memory stays flat
+        assert len(buffers) == 1 and copy_out.ring.made == 1
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_stats_tensors_equal_a_float64_recomputation(device):
+    """`stats_tensors`: the statistics with no branch on a value (so no host sync), non-finite rows
+    and an all-non-finite batch included."""
+    from hookscope.store.stats import PointStats, stats_tensors
+
+    g = torch.Generator().manual_seed(1)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        rows = (torch.randn(700, 48, generator=g) * 3 + 100).to(device, dtype)
+        rows[5, 3], rows[600, 1] = float("nan"), float("-inf")
+        before = rows.clone()
+        with _NoSync(device):
+            parts = stats_tensors(rows)
+        assert torch.equal(rows.nan_to_num(), before.nan_to_num())  # the caller's rows are untouched
+        assert_stats_equal_float64(PointStats.of_tensors(*(p.cpu() for p in parts)), rows)
+    empty = PointStats.of_tensors(*(p.cpu() for p in stats_tensors(torch.full((5, 4), float("nan"),
+                                                                                device=device))))
+    assert (empty.nonfinite, empty.norm_count, empty.norm_sum) == (20, 0, 0.0)
+    assert torch.equal(empty.mean, torch.zeros(4, dtype=torch.float64)) and torch.equal(empty.m2, empty.mean)
+
+
+# --- the extraction pipeline: nothing in the forward or the out stage waits for the device ------
+
+
+class _NoSync:
+    """On CUDA, any operation that makes the host wait for the device raises inside the block."""
+
+    def __init__(self, device: str):
+        self.device = device
+
+    def __enter__(self) -> None:
+        if self.device == "cuda":
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+
+    def __exit__(self, *exc) -> None:
+        if self.device == "cuda":
+            torch.cuda.set_sync_debug_mode(0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_host_token_mask_gathers_rows_without_waiting_for_the_device(model_dirs, device):
+    """The extraction's token mask stays on the CPU (its data stage made it there): the kept rows
+    are found there and sent to the device without a host sync (finding them on the device waits
+    for it), and the rows equal a plain hook's activation under the same mask."""
+    from hookscope.token_rows import KeptRows, select_tokens
+
+    g = torch.Generator().manual_seed(3)
+    mask = torch.rand(3, 11, generator=g) > 0.4
+    x = torch.randn(3, 11, 16, generator=g).to(device)
+    with _NoSync(device):
+        got = select_tokens(x, mask, 1, KeptRows())
+        cast = select_tokens(x, mask, 1, KeptRows(), cast=torch.bfloat16)
+    assert torch.equal(got, x[mask.to(device)])
+    assert torch.equal(cast.to(torch.bfloat16), x[mask.to(device)].to(torch.bfloat16))
+
+    model = load(model_dirs, "gpt2", device)
+    ids = token_ids(model, batch=3, length=11, device=device)
+    want = plain_resid_post(model, ids)[1][mask.to(device)]
+    got = hs.collect(model, ids, "blocks.1.resid_post", token_mask=mask)["blocks.1.resid_post"]
+    assert torch.equal(got, want)

@@ -148,3 +148,56 @@ def test_stacked_batches_from_dataloader_workers(clt_store):
         check_stack(batch["blocks.*.resid_post"], batch["token_ids"], written, "resid_post")
         seen += batch["token_ids"].tolist()
     assert sorted(seen) == list(range(240))
+
+
+def one_part_store(path, names_widths: dict[str, int], rows: int = 200):
+    """Shards of 32 rows whose identities all have one length (batches from 1000), so that every
+    shard lies on one stride and a window is one part: the path where a stack of columns that are
+    rows of one mapping is gathered in one `index_select` (store/mapper.py, window.py). The last
+    shard is short (8 rows), so its columns lie at other distances from each other."""
+    g = torch.Generator().manual_seed(1)
+    written = {n: (torch.randn(rows, w, generator=g) * 4).to(torch.bfloat16) for n, w in names_widths.items()}
+    with ShardWriter(path, {"test": "one part"}, shard_rows=32) as w:
+        for b in range(rows // 8):
+            at = slice(b * 8, b * 8 + 8)
+            w.write(1000 + b, {n: v[at] for n, v in written.items()},
+                    {"token_ids": torch.arange(b * 8, b * 8 + 8)})
+    return open_store(path), written
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_a_stack_of_one_mapping_is_every_layer_of_each_row(tmp_path, shuffle):
+    """Columns side by side in each file, read through one mapping of it: a wrong row offset for a
+    borrowed column, or the stack's indices joined in the wrong order, gives another row's or another
+    layer's values."""
+    names = {f"blocks.{layer}.{kind}": D for layer in range(LAYERS) for kind in ("mlp.in", "mlp.out")}
+    store, written = one_part_store(tmp_path / "s", names)
+    ds = store.dataset(["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"], stack=True, batch_size=48,
+                       seed=3, buffer_rows=64, shuffle=shuffle)
+    seen = []
+    for batch in ds:
+        check_stack(batch["blocks.*.mlp.in"], batch["token_ids"], written, "mlp.in")
+        check_stack(batch["blocks.*.mlp.out"], batch["token_ids"], written, "mlp.out")
+        seen += batch["token_ids"].tolist()
+    assert sorted(seen) == list(range(200))
+
+
+def test_a_stack_across_columns_of_another_width(tmp_path):
+    """`blocks.L.a` (6 wide) with `blocks.L.b` (5 wide) between them in each file: some `a` columns
+    lie a whole number of rows after an earlier one (one mapping), others do not (their own); the
+    stack is right either way, and `b` beside it too."""
+    names = {f"blocks.{layer}.{kind}": width for layer in range(LAYERS)
+             for kind, width in (("a", 6), ("b", 5))}
+    store, written = one_part_store(tmp_path / "s", names)
+    ds = store.dataset(["blocks.*.a", "blocks.3.b", "token_ids"], stack=True, batch_size=40, seed=2,
+                       buffer_rows=64)
+    seen = []
+    for batch in ds:
+        ids = batch["token_ids"]
+        stack = batch["blocks.*.a"]
+        assert stack.shape == (len(ids), LAYERS, 6)
+        for layer in range(LAYERS):
+            assert torch.equal(bits(stack[:, layer]), bits(written[f"blocks.{layer}.a"][ids])), layer
+        assert torch.equal(bits(batch["blocks.3.b"]), bits(written["blocks.3.b"][ids]))
+        seen += ids.tolist()
+    assert sorted(seen) == list(range(200))

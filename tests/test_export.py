@@ -164,7 +164,8 @@ def test_saelens_layout_of_a_per_head_point_and_of_ragged_sequences(ragged, tmp_
     ("blocks.3.resid_post", "blocks.3.hook_resid_post"), ("blocks.3.resid_pre", "blocks.3.hook_resid_pre"),
     ("blocks.0.attn.z", "blocks.0.attn.hook_z"), ("blocks.2.attn.out", "blocks.2.hook_attn_out"),
     ("blocks.2.mlp.out", "blocks.2.hook_mlp_out"), ("blocks.1.mlp.post", "blocks.1.mlp.hook_post"),
-    ("embed", "hook_embed"), ("ln_final", "ln_final.hook_normalized"),
+    ("embed", "hook_embed"), ("ln_final.normalized", "ln_final.hook_normalized"),
+    ("ln_final", "ln_final.hook_out"),  # after the norm's weight: the bridge's HookPoint
     # what the MLP reads (after ln2) is the bridge's mlp.hook_in; TL's hook_mlp_in is the stream before ln2
     ("blocks.1.mlp.in", "blocks.1.mlp.hook_in"), ("blocks.1.mlp.in_pre_norm", "blocks.1.hook_mlp_in"),
     ("blocks.1.attn.in", "blocks.1.attn.hook_in"), ("blocks.1.attn.in_pre_norm", "blocks.1.hook_attn_in"),
@@ -179,7 +180,9 @@ def test_tl_hook_names_exist_on_a_hooked_transformer():
     model = tiny_hooked_transformer(d_model=16, n_ctx=8, d_vocab=32)
     import hookscope as hs
 
-    points = [p.name for p in hs.points(model) if not p.name.startswith("module:") and p.name != "logits"]
+    # but the final norm's output, which HookedTransformer has no HookPoint for (hookscope hooks the module)
+    points = [p.name for p in hs.points(model) if not p.name.startswith("module:")
+              and p.name not in ("logits", "ln_final")]
     assert len(points) > 20
     missing = [p for p in points if tl_hook_name(p) not in model.hook_dict]
     assert missing == []

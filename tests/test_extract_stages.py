@@ -40,13 +40,13 @@ def slow_data(monkeypatch) -> None:
 
 
 def slow_model(monkeypatch) -> None:
-    real = TextSource.model_call
+    real = TextSource.compute
 
-    def model_call(self, batch):  # runs on the main thread, inside the executor's step
+    def compute(self, *args, **kwargs):  # the executor's step, on the main thread
         time.sleep(DELAY)
-        return real(self, batch)
+        return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(TextSource, "model_call", model_call)
+    monkeypatch.setattr(TextSource, "compute", compute)
 
 
 def slow_disk(monkeypatch) -> None:
@@ -120,3 +120,19 @@ def test_extract_asks_for_huge_pages_unless_the_user_chose(monkeypatch):
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")  # a user's opt-out stays
     stages.prefer_huge_pages()
     assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
+
+
+def test_a_run_whose_stages_share_saturated_cores_is_bound_by_the_cpu():
+    """No stage busy most of the time, yet the process keeps its cores busy: the stages share the
+    cores, and naming the busiest stage would send the user after the wrong one."""
+    stages = Stages(cores=2)
+    stages.busy.update(data=3.0, model=5.0, out=0.5, writer=6.0)
+    cpu_bound = "bound by the CPU: its 2 cores busy 95% with every stage at once"
+    assert stages.bound(10**9, wall=10.0, cpu=0.95) == cpu_bound
+    # the cores idle: the busiest stage, the writer
+    assert stages.bound(10**9, wall=10.0, cpu=0.5).startswith("bound by the disk at")
+    stages.busy.update(writer=9.5)  # one stage busy nearly all the time: that stage, whatever the cores do
+    assert stages.bound(10**9, wall=10.0, cpu=0.95).startswith("bound by the disk at")
+    stages.busy.update(writer=1.0, model=9.0)
+    assert stages.bound(10**9, wall=10.0, cpu=0.95) == "bound by the model"
+

@@ -25,7 +25,9 @@ PREFIX = {"vit": 1, "clip_vision_model": 1, "dinov2": 1, "siglip_vision_model": 
 
 @pytest.fixture(scope="module", params=VISION_FAMILIES)
 def vision(request, tmp_path_factory):
-    path = save_tiny(request.param, tmp_path_factory.mktemp(request.param), n_layers=2, d_model=32)
+    # DINOv2's LayerScale starts at 1 (attn.out would equal attn.out_pre_scale): one that is not
+    scale = {"layerscale_value": 0.5} if request.param.startswith("dinov2") else {}
+    path = save_tiny(request.param, tmp_path_factory.mktemp(request.param), n_layers=2, d_model=32, **scale)
     model = hs.load(str(path), tokenizer=False, attn_implementation="eager").model
     return request.param, path, model
 
@@ -64,6 +66,20 @@ def test_every_point_equals_a_forward_hook(vision, image_dir):
     assert acts["blocks.0.attn.q"].shape == (2, tokens, 4, 8)  # per head
     assert acts["blocks.1.attn.pattern"].shape == (2, 4, tokens, tokens)
     assert acts["blocks.0.mlp.post"].shape[:2] == (2, tokens)
+
+
+def test_dinov2_layerscale_outputs_keep_their_earlier_names(vision, image_dir):
+    """`attn.scaled` / `mlp.scaled`, the LayerScale outputs' names before they became `attn.out` /
+    `mlp.out`, still read them (a plain hook on `layer_scale1` / `layer_scale2`)."""
+    family, path, model = vision
+    if not family.startswith("dinov2"):
+        pytest.skip("LayerScale is DINOv2's")
+    pixels = {"pixel_values": _pixels(path, image_dir, ["pic0.png"])}
+    got = hs.collect(model, pixels, ["blocks.1.attn.scaled", "blocks.1.mlp.scaled"])
+    ref = reference(model, {"a": ("encoder.layer.1.layer_scale1", "output", lambda x: x),
+                            "m": ("encoder.layer.1.layer_scale2", "output", lambda x: x)}, pixels)
+    assert torch.equal(got["blocks.1.attn.scaled"], ref["a"])
+    assert torch.equal(got["blocks.1.mlp.scaled"], ref["m"])
 
 
 def test_positions_are_cls_and_patches(vision, image_dir):

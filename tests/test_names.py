@@ -41,7 +41,10 @@ KNOWN = (
         ("blocks.6.hook_q_input", "blocks.6.attn.q_input"),
         ("hook_embed", "embed"),
         ("hook_pos_embed", "pos_embed"),
-        ("ln_final.hook_normalized", "ln_final"),
+        # TransformerLens's final norm before its weight, and the bridge's after it
+        ("ln_final.hook_normalized", "ln_final.normalized"),
+        ("ln_final.hook_scale", "ln_final.scale"),
+        ("ln_final.hook_out", "ln_final"),
         ("  blocks.0.resid_post ", "blocks.0.resid_post"),
         ("blocks.0.resid_post", "blocks.0.resid_post"),
         ("module:model.layers.6.mlp.down_proj", "module:model.layers.6.mlp.down_proj:output"),

@@ -273,3 +273,42 @@ def test_compactions_mid_run_leave_the_same_store(tmp_path, reference, monkeypat
     w.write(N - 1, *batch(N - 1))
     w.close()
     assert files(out) == files(reference)
+
+
+def test_a_commit_costs_the_same_whatever_the_store_holds(tmp_path, monkeypatch):
+    """A commit adds to the shard list and the done batches in place: copying either (a new list, a
+    new frozenset) costs O(shards) per commit, so a run's bookkeeping would grow with its square.
+    Counted, not timed: no commit after the first may copy the shard list or the done set; and a
+    commit that fails leaves the manifest in memory without its shard."""
+    import hookscope.store.journal as journal
+
+    out = tmp_path / "store"
+    with ShardWriter(out, SETTINGS, shard_rows=1) as w:
+        w.write(0, *batch(0))
+    copies = []
+    real = journal.with_shard
+
+    def watched(old, entry, layout, stats):
+        before = old.shards
+        new = real(old, entry, layout, stats)
+        copies.append(new.shards is not before)
+        return new
+
+    monkeypatch.setattr(journal, "with_shard", watched)
+    with ShardWriter(out, SETTINGS, shard_rows=1) as w:
+        done = w.done_batches
+        for i in range(1, N):
+            w.write(i, *batch(i))
+    assert copies == [False] * (N - 1)
+    assert w.done_batches is done and done == set(range(N))
+
+    def refused(self, entry):
+        raise OSError("journal disk full")
+
+    monkeypatch.setattr(journal.Commits, "append", refused)
+    w = ShardWriter(out, SETTINGS, shard_rows=1)
+    shards = len(w.manifest.shards)
+    w.write(N, *batch(N))
+    with pytest.raises(StoreError, match="journal disk full"):
+        w.close()
+    assert len(w.manifest.shards) == shards and N not in w.done_batches

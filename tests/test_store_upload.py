@@ -1,9 +1,10 @@
-"""Shards at a URL go up in the background, in parallel multipart parts (store/upload.py), against
-moto's S3 server (the `s3` fixture of test_store_s3.py). Each test compares the objects with the
-files a local store of the same batches holds: the parts cover each shard exactly, the next shard is
-cut while one uploads, commits keep the order the shards were cut and come after their uploads, the
-shards in flight are bounded (and so is the caller), a failed part is retried, and a part that keeps
-failing is a StoreError naming the shard's URL after which nothing commits; the rerun resumes."""
+"""Shards at a URL go up while the next one is cut, on S3 in parallel multipart parts
+(store/upload.py), against moto's S3 server (the `s3` fixture of test_store_s3.py). Each test
+compares the objects with the files a local store of the same batches holds: the parts cover each
+shard exactly, the next shard is cut while one uploads, a shard commits only after its upload and
+before the next goes up, one shard uploads at a time (and the caller is held back), a failed part is
+retried, and a part that keeps failing is a StoreError naming the shard's URL after which nothing
+commits; the rerun resumes."""
 
 from __future__ import annotations
 
@@ -54,7 +55,6 @@ def committed(url: str) -> list[str]:
 @pytest.fixture(autouse=True)
 def small_parts(monkeypatch, tmp_path):
     monkeypatch.setenv("HOOKSCOPE_UPLOAD_PART_BYTES", str(PART))
-    monkeypatch.setenv("HOOKSCOPE_UPLOADS_IN_FLIGHT", "2")
     monkeypatch.setenv("HOOKSCOPE_STAGING_DIR", str(tmp_path))
 
 
@@ -89,28 +89,37 @@ def test_shards_go_up_in_parts_that_cover_them_exactly(s3, bucket, url, local, m
     assert open_uploads(s3, bucket) == []
 
 
-def test_the_next_shard_is_cut_while_one_uploads_and_commits_keep_their_order(s3, url, local,  # noqa: F811
-                                                                             monkeypatch):
-    """The first shard's upload waits until the second's has completed: with uploads done in turn
-    by the writer that never happens; and the second, in place first, must not commit first."""
-    second_up, seen, real = threading.Event(), {}, fs_module.RemoteFS.put_file
+def staged(tmp_path, i: int) -> bool:
+    """Whether shard `i` has been cut: its file written in the writer's local staging directory."""
+    return any(tmp_path.glob(f"hookscope-stage-*/{SHARD.format(i).removeprefix('shards/')}.tmp"))
+
+
+def test_the_next_shard_is_cut_while_one_uploads_and_commits_follow_their_uploads(s3, url, local,  # noqa: F811
+                                                                                 monkeypatch, tmp_path):
+    """The first shard's upload waits until the second shard is cut: a writer that uploads before it
+    takes the next batch never gets there; the second goes up only once the first is committed."""
+    seen, real = {}, fs_module.RemoteFS.put_file
 
     def put_file(self, path, rel):
         if rel == SHARD.format(0):
-            seen["overlapped"] = second_up.wait(30)
-            time.sleep(0.5)  # time enough for a wrong commit of the second shard to land
-            seen["committed"] = committed(url)
-        real(self, path, rel)
+            deadline = time.monotonic() + 30
+            while not staged(tmp_path, 1) and time.monotonic() < deadline:
+                time.sleep(0.02)
+            seen["cut while uploading"] = staged(tmp_path, 1)
+            seen["committed before the upload"] = committed(url)
         if rel == SHARD.format(1):
-            second_up.set()
+            seen["committed when the next goes up"] = committed(url)
+        real(self, path, rel)
 
     monkeypatch.setattr(fs_module.RemoteFS, "put_file", put_file)
     write(url)
-    assert seen == {"overlapped": True, "committed": []}
+    assert seen == {"cut while uploading": True, "committed before the upload": [],
+                    "committed when the next goes up": [SHARD.format(0)]}
     assert s3_objects(s3, url) == local_objects(local)
 
 
-def test_shards_in_flight_are_bounded_and_so_is_the_caller(s3, url, local, monkeypatch, tmp_path):  # noqa: F811
+def test_one_shard_uploads_at_a_time_and_the_caller_is_held_back(s3, url, local, monkeypatch,  # noqa: F811
+                                                                 tmp_path):
     release, started, fed, real = threading.Event(), [], [], fs_module.RemoteFS.put_file
 
     def put_file(self, path, rel):
@@ -129,12 +138,13 @@ def test_shards_in_flight_are_bounded_and_so_is_the_caller(s3, url, local, monke
     feeder.start()
     try:
         deadline = time.monotonic() + 30
-        while len(fed) < 7 and time.monotonic() < deadline:
+        while len(fed) < 6 and time.monotonic() < deadline:
             time.sleep(0.05)
         time.sleep(1.0)  # a writer without a bound would go on meanwhile
-        # two uploads; a third shard cut and waiting; 4 batches queued; the caller blocked on the next
-        assert (len(started), len(fed)) == (2, 7)
-        assert len(list(tmp_path.glob("hookscope-stage-*/*.tmp"))) == 3
+        # one upload; the next shard cut and waiting for its commit; 4 batches queued; the caller
+        # blocked on the next: memory and staged files stay bounded
+        assert (len(started), len(fed)) == (1, 6)
+        assert len(list(tmp_path.glob("hookscope-stage-*/*.tmp"))) == 2
     finally:
         release.set()
         feeder.join(60)

@@ -52,14 +52,11 @@ BRIDGE_ONLY = {"attn.in": ("attn.hook_in",), "mlp.in": ("mlp.hook_in", "hook_cha
 # mixer.ssm_out is the gated scan output entering out_proj (d_inner wide, the bridge's
 # mixer.out_proj.hook_in); the bridge's mixer.hook_ssm_out is another spelling of its mixer output
 NOT_THE_BRIDGES = {"mixer.ssm_out": ("mixer.out_proj.hook_in",)}
-# ln_final: the final norm's output, what the unembedding reads (the bridge's ln_final.hook_out;
-# TransformerLens's ln_final.hook_normalized is that only where the norm's weight is folded away)
-TOP_ONLY = {"ln_final": "ln_final.hook_out"}
 BRIDGE_LACKS = re.compile(r"\.mlp\.(experts\.|router\.(weights|routing)|shared\.)")
 # the names whose meaning this issue is about: each must be compared wherever hookscope has it
 MUST = ("resid_pre", "attn.in", "ln1.normalized", "ln1.scale", "attn.out", "attn.out_pre_norm",
         "resid_mid", "ln2.normalized", "ln2.scale", "mlp.in", "mlp.out", "mlp.out_pre_norm", "resid_post",
-        "mixer.in", "mixer.out")
+        "mixer.in", "mixer.out", "ln_final", "ln_final.normalized", "ln_final.scale")
 
 
 def save(case: str, directory) -> str:
@@ -93,8 +90,6 @@ def pairs(bridge: TransformerBridge, cache_keys, ours: list[str]) -> dict[str, s
             if spelling in cache_keys:
                 found[name] = spelling
                 break
-        if name in TOP_ONLY:
-            found[name] = TOP_ONLY[name]
     return found
 
 
@@ -142,13 +137,16 @@ def test_every_shared_name_equals_the_bridge(case, tmp_path):
     ("gemma2", "blocks.1.mlp.out", ("layers.1.mlp", "output")),  # the meaning before the fix
     ("olmo2", "blocks.0.attn.out", ("layers.0.self_attn", "output")),
     ("llama", "blocks.1.mlp.in", ("layers.1.post_attention_layernorm", "input")),  # before ln2
+    ("llama", "ln_final.normalized", ("norm", "output")),  # after the norm's weight: ln_final
+    ("gpt2", "ln_final", ("h.1", "output")),  # before the final norm
 ])
 def test_a_broken_entry_fails(case, point, wrong, tmp_path):
     import dataclasses
 
     def mutate(arch):
         spec = arch.specs[point]
-        arch.specs[point] = dataclasses.replace(spec, module="model." + wrong[0], io=wrong[1])
+        base = "transformer." if case == "gpt2" else "model."
+        arch.specs[point] = dataclasses.replace(spec, module=base + wrong[0], io=wrong[1], view=None, item=0)
 
     _, differ = compare(case, tmp_path, mutate)
     assert [w.split(" vs ")[0] for w in differ] == [point]
@@ -206,3 +204,26 @@ def test_vit_names_equal_the_bridge(tmp_path):
     wrong = [n for n, key in matched.items()
              if got[n].shape != cache[key].shape or not torch.allclose(got[n], cache[key], atol=TOL, rtol=TOL)]
     assert not wrong
+
+
+def test_the_final_norm_names_and_the_meaning_a_bridge_store_records(tmp_path):
+    """On the bridge, `ln_final` is the final norm's output (its hook_out: what the unembedding
+    reads, after the weight) and `ln_final.normalized` its hook_normalized (before the weight);
+    `ln_final` on the bridge meant hook_normalized before, so a store of it records the meaning."""
+    from types import SimpleNamespace
+
+    from hookscope.sources.identity import point_meanings
+
+    path = save(case="llama", directory=tmp_path / "llama")
+    bridge = boot(path)
+    ids = torch.randint(1, family_models.VOCAB - 50, (1, 5), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        _, cache = bridge.run_with_cache(ids)
+    got = hs.collect(bridge, ids, ["ln_final", "ln_final.normalized", "ln_final.hook_normalized"])
+    assert torch.equal(got["ln_final"], cache["ln_final.hook_out"])
+    assert torch.equal(got["ln_final.normalized"], cache["ln_final.hook_normalized"])
+    assert torch.equal(got["ln_final.hook_normalized"], cache["ln_final.hook_normalized"])
+    assert not torch.allclose(got["ln_final"], got["ln_final.normalized"])  # the weight is not 1
+    record = point_meanings(SimpleNamespace(model=bridge), ["ln_final", "ln_final.normalized", "embed"])
+    assert list(record["point_meanings"]) == ["ln_final"]
+    assert "before the norm's weight (now ln_final.normalized)" in record["point_meanings"]["ln_final"]["before"]

@@ -57,6 +57,11 @@ def test_every_point_equals_run_with_cache(flags, toks):
     model = hooked_transformer(**flags)
     logits, cache = model.run_with_cache(toks)
     want = {canonical(k): v for k, v in cache.items()} | {"logits": logits}
+    # ln_final, the final norm's output, has no HookPoint: it is what the unembedding reads
+    handle = model.unembed.register_forward_pre_hook(lambda _, args: want.__setitem__("ln_final", args[0]))
+    with torch.no_grad():
+        model(toks)
+    handle.remove()
     arch = arch_of(model)
     ran = [n for n in arch.names if n in want]
     assert set(ran) == set(want)  # every HookPoint that fired is a point
@@ -215,7 +220,7 @@ def tl_config(hf: nn.Module) -> HookedTransformerConfig:
 
 
 CONVERT = {"gpt2": convert_gpt2_weights, "llama": convert_llama_weights, "gpt_neox": convert_neox_weights}
-SHARED = ["embed", "pos_embed", "ln_final", "logits"] + [
+SHARED = ["embed", "pos_embed", "ln_final.scale", "ln_final.normalized", "logits"] + [
     f"blocks.{L}.{s}"
     for L in range(3)
     for s in (
@@ -279,27 +284,68 @@ def gemma2_config(c) -> HookedTransformerConfig:
         original_architecture="Gemma2ForCausalLM")
 
 
-def test_gemma2_names_mean_what_hooked_transformer_means():
-    """Gemma 2 normalises each sublayer's output before the residual add: HookedTransformer's
-    hook_attn_out / hook_mlp_out are after that norm, and so are hookscope's attn.out / mlp.out. Every
-    name both have equals HookedTransformer on the same weights, but ln_final: TransformerLens hooks
-    it before the final norm's weight (ln_final.hook_normalized), hookscope after it, the tensor the
-    unembedding reads; the two agree only with the weight folded in (fold_ln)."""
-    import family_models
-    from transformer_lens.pretrained.weight_conversions import convert_gemma_weights
+def gemma3_config(c) -> HookedTransformerConfig:
+    """TransformerLens's own Gemma 3 config (its google/gemma-3-1b entry), with the tiny model's
+    sizes and settings written in."""
+    rope = c.rope_parameters
+    return HookedTransformerConfig(
+        d_model=c.hidden_size, d_head=c.head_dim, n_heads=c.num_attention_heads, d_mlp=c.intermediate_size,
+        n_layers=c.num_hidden_layers, n_ctx=c.max_position_embeddings, eps=c.rms_norm_eps, d_vocab=c.vocab_size,
+        act_fn=c.hidden_activation, normalization_type="RMS", rotary_base=rope["full_attention"]["rope_theta"],
+        rotary_base_local=rope["sliding_attention"]["rope_theta"], rotary_dim=c.head_dim,
+        positional_embedding_type="rotary", use_attn_scale=True, attn_scale=c.query_pre_attn_scalar**0.5,
+        n_key_value_heads=c.num_key_value_heads, window_size=c.sliding_window, use_local_attn=True,
+        attn_types=["local" if t == "sliding_attention" else "global" for t in c.layer_types],
+        gated_mlp=True, final_rms=True, use_normalization_before_and_after=True, use_qk_norm=True,
+        original_architecture="Gemma3ForCausalLM")
 
-    hf = family_models.build("gemma2").float()
-    cfg = gemma2_config(hf.config)
+
+def olmo2_config(c) -> HookedTransformerConfig:
+    """TransformerLens's own OLMo 2 config (its allenai/OLMo-2-0425-1B entry), with the tiny model's
+    sizes written in (multi-head attention: TransformerLens converts OLMo 2's k / v as full heads)."""
+    return HookedTransformerConfig(
+        d_model=c.hidden_size, d_head=c.head_dim, n_heads=c.num_attention_heads, d_mlp=c.intermediate_size,
+        n_layers=c.num_hidden_layers, n_ctx=c.max_position_embeddings, eps=c.rms_norm_eps, d_vocab=c.vocab_size,
+        act_fn=c.hidden_act, normalization_type="RMS", rotary_base=c.rope_parameters["rope_theta"],
+        rotary_dim=c.head_dim, positional_embedding_type="rotary", gated_mlp=True, final_rms=True,
+        original_architecture="Olmo2ForCausalLM")
+
+
+# post-normed family -> (its HookedTransformer config, TransformerLens's weight conversion, settings
+# over family_models' case)
+POST_NORMED = {"gemma2": (gemma2_config, "convert_gemma_weights", {}),
+               "gemma3_text": (gemma3_config, "convert_gemma_weights", {}),
+               "olmo2": (olmo2_config, "convert_olmo2_weights", {"num_key_value_heads": 4})}
+
+
+@pytest.mark.parametrize("case", list(POST_NORMED))
+def test_post_normed_names_mean_what_hooked_transformer_means(case):
+    """Gemma 2 / 3 and OLMo 2 normalise each sublayer's output before the residual add:
+    HookedTransformer's hook_attn_out / hook_mlp_out are after that norm, and so are hookscope's
+    attn.out / mlp.out. Every name both have equals HookedTransformer on the same weights, the final
+    norm's before its weight (ln_final.hook_normalized: ln_final.normalized) included. (OLMo 2 has
+    no ln1 / ln2 before its sublayers: TransformerLens's ln1 / ln2 there are its post-norms.)"""
+    import family_models
+    from transformer_lens.pretrained import weight_conversions
+
+    make_config, convert, settings = POST_NORMED[case]
+    hf = family_models.build(case, **settings).float()
+    cfg = make_config(hf.config)
     tl = HookedTransformer(cfg).eval()
-    missing, unexpected = tl.load_state_dict(convert_gemma_weights(hf, cfg), strict=False)
+    weights = getattr(weight_conversions, convert)(hf, cfg)
+    missing, unexpected = tl.load_state_dict(weights, strict=False)
     assert not unexpected and {m.rsplit(".", 1)[-1] for m in missing} <= {"mask", "IGNORE", "rotary_sin", "rotary_cos"}
-    ids = family_models.inputs("gemma2")["input_ids"]
+    ids = family_models.inputs(case)["input_ids"]
     logits, cache = tl.run_with_cache(ids)
     want = {canonical(k): v for k, v in cache.items()} | {"logits": logits}
-    names = [n for n in arch_of(hf).names if n in want and n != "ln_final"]
-    for must in ("blocks.1.attn.out", "blocks.1.mlp.out", "blocks.1.ln2.normalized", "blocks.1.resid_mid"):
+    names = [n for n in arch_of(hf).names if n in want]
+    for must in ("blocks.1.attn.out", "blocks.1.mlp.out", "blocks.1.resid_mid", "ln_final.normalized",
+                 "ln_final.scale", "logits"):
         assert must in names
+    if case != "olmo2":
+        assert "blocks.1.ln2.normalized" in names
     got = hs.collect(hf, ids, names)
     for name in names:
         torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5,
                                    msg=lambda m, name=name: f"{name}: {m}")
+

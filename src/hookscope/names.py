@@ -2,8 +2,8 @@
 
 Canonical names follow TransformerLens (`blocks.6.resid_post`, `blocks.6.attn.z`, `embed`), and
 TransformerLens's own spellings are accepted as aliases (`blocks.6.hook_resid_post`,
-`blocks.6.hook_attn_out`, `ln_final.hook_normalized`). Any module of any model is reachable as
-`module:<dotted.path>:input` or `module:<dotted.path>:output`.
+`blocks.6.hook_attn_out`, `ln_final.hook_normalized` for `ln_final.normalized`). Any module of any
+model is reachable as `module:<dotted.path>:input` or `module:<dotted.path>:output`.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ MEANINGS = {
     "attn.pattern": "attention weights [batch, head, query, key]",
     "attn.z": "attention output per head, before W_O",
     "attn.out_pre_norm": "attention output before its post-norm",
+    "attn.out_pre_scale": "attention output before LayerScale (DINOv2)",
     "attn.out": "what attention adds to the residual stream",
     "attn.in_pre_norm": "residual stream before ln1 (TL hook_attn_in)",
     "resid_mid": "residual stream between attention and MLP",
@@ -50,8 +51,11 @@ MEANINGS = {
     "mlp.in": "what the MLP reads (after ln2): a transcoder's input",
     "mlp.pre": "MLP pre-activation (the gate, if gated)", "mlp.pre_linear": "gated MLP's up projection",
     "mlp.post": "MLP activation, into W_out", "mlp.out_pre_norm": "MLP output before its post-norm",
+    "mlp.out_pre_scale": "MLP output before LayerScale (DINOv2)",
     "mlp.out": "what the MLP adds to the residual stream",
     "resid_post": "residual stream out of the block",
+    "ln_final.scale": "final norm's scale, sqrt(mean square + eps)",
+    "ln_final.normalized": "final norm's input / scale, before its weight",
     "ln_final": "final norm's output, what the unembedding reads", "logits": "the model's output logits",
 }
 
@@ -75,7 +79,7 @@ def canonical(name: str) -> str:
     if name.startswith(MODULE_PREFIX):
         mp = parse_module_path(name)
         return f"{MODULE_PREFIX}{mp.path}:{mp.io}"
-    if name == "ln_final.hook_normalized":
+    if name == "ln_final.hook_out":  # the bridge's final norm output: what the unembedding reads
         return "ln_final"
     parts = name.split(".")
     last = parts[-1]

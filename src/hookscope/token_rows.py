@@ -1,7 +1,9 @@
 """A token mask's gather: the kept tokens of a [batch, pos, ...] activation as rows [n_tokens, ...].
 
 One capture gathers every point with the same mask, so `KeptRows` finds the kept rows once per
-device (on a GPU, finding them waits for the device) and each point is one `index_select`. Where
+device and each point is one `index_select`. Found on a GPU, they wait for the device (the count of
+rows is needed on the host); from a mask on the CPU they are found there and sent to the device
+without waiting, so a forward with such a mask never stops for the host. Where
 most tokens are kept and the capture casts, the cast goes first: it makes and moves fewer bytes
 than gather-then-cast, and the bits are the same (a cast is element by element, a gather moves
 elements whole).
@@ -25,7 +27,14 @@ class KeptRows:
         version = None if mask.is_inference() else mask._version  # a mask changed in place is read anew
         found = self._rows.get(device)
         if found is None or found[0] is None or found[0] != version:
-            found = self._rows[device] = (version, mask.to(device).flatten().nonzero().squeeze(1))
+            if mask.device.type == "cpu" and device.type != "cpu":
+                rows = self.of(mask, mask.device)
+                if device.type == "cuda":  # page-locked, so the copy leaves the host at once
+                    rows = rows.pin_memory()
+                rows = rows.to(device, non_blocking=True)
+            else:
+                rows = mask.to(device).flatten().nonzero().squeeze(1)
+            found = self._rows[device] = (version, rows)
         return found[1]
 
 

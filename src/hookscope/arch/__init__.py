@@ -114,18 +114,24 @@ def _has_path(model: nn.Module, path: str) -> bool:
 def meaning_changes(arch: Arch) -> dict[str, tuple[str, str]]:
     """Point-name suffixes whose meaning changed in this hookscope on this model's family ->
     (what the name means now, what it meant before): the meaning a store records for them."""
-    if arch.family == "tl_bridge":
+    return _family_meaning_changes(arch.family)
+
+
+def _family_meaning_changes(family: str) -> dict[str, tuple[str, str]]:
+    if family == "tl_bridge":
         return tl_bridge.MEANING_CHANGES
-    return llama.meaning_changes(arch.family)
+    module = _BY_MODEL_TYPE.get(family)
+    changes = getattr(module, "meaning_changes", None)
+    return changes(family) if changes else {}
 
 
 # model classes of the families in meaning_changes, for stores written before they recorded it
 # (their settings name the class, not the family)
 _CLASS_FAMILY = {"Gemma2": "gemma2", "Gemma3ForCausalLM": "gemma3_text", "Gemma3TextModel": "gemma3_text",
-                 "Olmo2": "olmo2", "TransformerBridge": "tl_bridge"}
+                 "Olmo2": "olmo2", "Dinov2": "dinov2", "TransformerBridge": "tl_bridge"}
 
 
 def meaning_changes_of_class(model_class: str) -> dict[str, tuple[str, str]]:
     """`meaning_changes` for a model known only by its class name (a store's settings)."""
     family = next((f for prefix, f in _CLASS_FAMILY.items() if model_class.startswith(prefix)), "")
-    return tl_bridge.MEANING_CHANGES if family == "tl_bridge" else llama.meaning_changes(family)
+    return _family_meaning_changes(family)

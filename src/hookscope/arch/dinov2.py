@@ -1,17 +1,19 @@
-"""DINOv2 image encoders (`Dinov2Model`, `Dinov2ForImageClassification`, `Dinov2Backbone`).
+"""DINOv2 image encoders (`Dinov2Model`, `Dinov2ForImageClassification`, `Dinov2Backbone`), read
+with ViT's table (vit.py). What differs from ViT: the modules' names; LayerScale, which scales each
+sublayer's output before the residual add, so `attn.out` / `mlp.out` are read after it (what is
+added to the stream, as TransformerLens means the names) and `attn.out_pre_scale` /
+`mlp.out_pre_scale` before it; and, with `use_swiglu_ffn`, a gated MLP: `mlp.pre` is the gate,
+`mlp.pre_linear` the up projection.
 
-Position 0 is the CLS token, 1..N the patches in row-major order. A DINOv2 block scales each
-sublayer's output (LayerScale) before adding it to the residual: `attn.out` / `mlp.out` are the
-sublayer outputs before that scale, `attn.scaled` / `mlp.scaled` what is added to the residual.
-With `use_swiglu_ffn` the MLP is gated: `mlp.pre` is the gate, `mlp.pre_linear` the up projection.
+Position 0 is the CLS token, 1..N the patches in row-major order.
 """
 
 import importlib.metadata
 import re
 
 from ..errors import ModelLoadError
-from . import norms
-from .base import Arch, build, heads
+from . import vit
+from .base import Arch
 
 # with registers: the register tokens sit between CLS and the patches (positions 1..R); only the
 # base Dinov2WithRegistersModel is recognised (its classifier holds it under another attribute)
@@ -21,6 +23,23 @@ LAYERS = "encoder.layer"
 # the attention's q_proj / k_proj / v_proj / o_proj modules (transformers 5.17 names them query / key /
 # value / output.dense): scripts/test-all's floor environment runs 5.17 and checks this error
 NEEDS_TRANSFORMERS = (5, 18)
+
+# Points whose meaning changed (issue 35): name suffix -> (what it means now, what it meant before).
+# A store records the meaning of such points, so one written before is refused on resume
+# (sources/identity.py, store/meanings.py).
+MEANING_CHANGES = {
+    "attn.out": ("what attention adds to the residual stream, after LayerScale (TransformerLens's "
+                 "meaning of hook_attn_out)",
+                 "attention's output before LayerScale (now attn.out_pre_scale)"),
+    "mlp.out": ("what the MLP adds to the residual stream, after LayerScale (TransformerLens's meaning "
+                "of hook_mlp_out)", "the MLP's output before LayerScale (now mlp.out_pre_scale)"),
+}
+# the names the LayerScale outputs had before they became attn.out / mlp.out
+EARLIER_NAMES = {"attn.scaled": "attn.out", "mlp.scaled": "mlp.out"}
+
+
+def meaning_changes(model_type: str) -> dict[str, tuple[str, str]]:
+    return MEANING_CHANGES
 
 
 def _check_transformers() -> None:
@@ -33,38 +52,13 @@ def _check_transformers() -> None:
 
 def table(config, prefix: str, lm_head: str | None) -> Arch:
     _check_transformers()
-    H = config.num_attention_heads
-    layer = "encoder.layer.{L}"
     if config.use_swiglu_ffn:
-        mlp = {"mlp.pre": (f"{layer}.mlp.gate_proj", "output", None),
-               "mlp.pre_linear": (f"{layer}.mlp.up_proj", "output", None),
-               "mlp.post": (f"{layer}.mlp.down_proj", "input", None)}
+        mlp = {"mlp.pre": ("mlp.gate_proj", "output"), "mlp.pre_linear": ("mlp.up_proj", "output"),
+               "mlp.post": ("mlp.down_proj", "input")}
     else:
-        mlp = {"mlp.pre": (f"{layer}.mlp.fc1", "output", None),
-               "mlp.post": (f"{layer}.mlp.fc2", "input", None)}
-    return build(
-        config.model_type, prefix, config.num_hidden_layers, layer,
-        top={"embed": ("embeddings", "output", None),
-             "patch_embed": ("embeddings.patch_embeddings", "output", None)},
-        per_layer={
-            "resid_pre": (layer, "input", None),
-            **norms.entries("ln1", f"{layer}.norm1"),
-            "attn.in": (f"{layer}.attention", "input", None),
-            "attn.q": (f"{layer}.attention.q_proj", "output", heads(H)),
-            "attn.k": (f"{layer}.attention.k_proj", "output", heads(H)),
-            "attn.v": (f"{layer}.attention.v_proj", "output", heads(H)),
-            "attn.z": (f"{layer}.attention.o_proj", "input", heads(H)),
-            "attn.out": (f"{layer}.attention", "output", None),
-            "attn.scaled": (f"{layer}.layer_scale1", "output", None),
-            "resid_mid": (f"{layer}.norm2", "input", None),
-            **norms.entries("ln2", f"{layer}.norm2"),
-            "mlp.in": (f"{layer}.mlp", "input", None),
-            **mlp,
-            "mlp.out": (f"{layer}.mlp", "output", None),
-            "mlp.scaled": (f"{layer}.layer_scale2", "output", None),
-            "resid_post": (layer, "output", None),
-        },
-        final={"ln_final": ("layernorm", "output", None),
-               **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
-        n_heads=H, d_model=config.hidden_size,
-    )
+        mlp = {"mlp.pre": ("mlp.fc1", "output"), "mlp.post": ("mlp.fc2", "input")}
+    arch = vit.encoder(config, prefix, lm_head, layer="encoder.layer.{L}", norm_paths=("norm1", "norm2"),
+                       mlp=mlp, layer_scales=("layer_scale1", "layer_scale2"))
+    arch.aliases = {f"blocks.{L}.{old}": f"blocks.{L}.{new}"
+                    for L in range(config.num_hidden_layers) for old, new in EARLIER_NAMES.items()}
+    return arch

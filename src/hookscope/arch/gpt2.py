@@ -30,7 +30,7 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
             "mlp.out": ("h.{L}.mlp", "output", None),
             "resid_post": ("h.{L}", "output", None),
         },
-        final={"ln_final": ("ln_f", "output", None),
+        final={**norms.entries("ln_final", "ln_f"), "ln_final": ("ln_f", "output", None),
                **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
         n_heads=H, d_model=config.n_embd,
     )

@@ -34,7 +34,8 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
         "gpt_neox", prefix, config.num_hidden_layers, "layers.{L}",
         top={"embed": ("embed_in", "output", None)},
         per_layer=per_layer,
-        final={"ln_final": ("final_layer_norm", "output", None),
+        final={**norms.entries("ln_final", "final_layer_norm"),
+               "ln_final": ("final_layer_norm", "output", None),
                **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
         n_heads=H, d_model=config.hidden_size,
     )

@@ -85,7 +85,7 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
             **mlp_out,
             "resid_post": ("layers.{L}", "output", None),
         },
-        final={"ln_final": ("norm", "output", None),
+        final={**norms.entries("ln_final", "norm"), "ln_final": ("norm", "output", None),
                **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
         n_heads=config.num_attention_heads, d_model=config.hidden_size,
     )

@@ -7,6 +7,7 @@ Those two live in the pure-torch path, which CPUs (and GPUs without the mamba-ss
 the fused CUDA kernel calls no submodule, so there they are never reached (an error, not a gap).
 """
 
+from . import norms
 from .base import Arch, build
 
 MODEL_TYPES = ("mamba", "falcon_mamba")
@@ -27,7 +28,7 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
             "mixer.out": (f"{layer}.mixer", "output", None),
             "resid_post": (layer, "output", None),
         },
-        final={"ln_final": ("norm_f", "output", None),
+        final={**norms.entries("ln_final", "norm_f"), "ln_final": ("norm_f", "output", None),
                **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
         n_heads=None, d_model=config.hidden_size,
     )

@@ -148,7 +148,7 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
              "mlp.post": ("layers.{L}.mlp.down_proj", "input", None),
              **tail}
 
-    final = {"ln_final": ("norm", "output", None),
+    final = {**norms.entries("ln_final", "norm"), "ln_final": ("norm", "output", None),
              **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})}
     args = (config.model_type, prefix, config.num_hidden_layers, "layers.{L}")
     kw = {"top": {"embed": ("embed_tokens", "output", None)}, "final": final,

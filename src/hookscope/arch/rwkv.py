@@ -8,6 +8,7 @@ In inference RWKV halves the stream after every `rescale_every`-th block (outsid
 there `blocks.{L}.resid_post` is the block's output before the halving, `blocks.{L+1}.resid_pre` after.
 """
 
+from . import norms
 from .base import Arch, build
 
 MODEL_TYPES = ("rwkv",)
@@ -29,7 +30,7 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
             "mlp.out": (f"{layer}.feed_forward", "output", None),
             "resid_post": (layer, "output", None),
         },
-        final={"ln_final": ("ln_out", "output", None),
+        final={**norms.entries("ln_final", "ln_out"), "ln_final": ("ln_out", "output", None),
                **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
         n_heads=None, d_model=config.hidden_size,
     )

@@ -56,6 +56,8 @@ MEANING_CHANGES = {
                "TransformerLens's hook_mlp_in, the residual stream before ln2 (now mlp.in_pre_norm)"),
     "attn.in": ("what attention reads, after ln1 (the bridge's attn.hook_in)",
                 "TransformerLens's hook_attn_in, the residual stream before ln1 (now attn.in_pre_norm)"),
+    "ln_final": ("the final norm's output, what the unembedding reads (the bridge's ln_final.hook_out)",
+                 "the bridge's ln_final.hook_normalized, before the norm's weight (now ln_final.normalized)"),
 }
 
 
@@ -65,13 +67,18 @@ def is_bridge(model: nn.Module) -> bool:
 
 # component inputs that are TransformerLens points: what attention / the MLP read (after ln1 / ln2)
 _SUBLAYER_INPUTS = (".attn.hook_in", ".mlp.hook_in")
+# the final norm's output, what the unembedding reads: `ln_final` (its hook_normalized, before the
+# weight, is `ln_final.normalized`, as ln1 / ln2's are)
+_FINAL_NORM_OUT = "ln_final.hook_out"
 
 
 def _tl_style(key: str) -> bool:
-    """A TransformerLens 3 spelling (`hook_resid_pre`, `attn.hook_q`) or a sublayer's input
-    (`attn.hook_in`: `attn.in`), not another component's own input / output (`attn.q.hook_out`)."""
+    """A TransformerLens 3 spelling (`hook_resid_pre`, `attn.hook_q`), a sublayer's input
+    (`attn.hook_in`: `attn.in`) or the final norm's output (`ln_final`), not another component's
+    own input / output (`attn.q.hook_out`)."""
     last = key.rsplit(".", 1)[-1]
-    return (last.startswith("hook_") and last not in ("hook_in", "hook_out")) or key.endswith(_SUBLAYER_INPUTS)
+    return ((last.startswith("hook_") and last not in ("hook_in", "hook_out"))
+            or key.endswith(_SUBLAYER_INPUTS) or key == _FINAL_NORM_OUT)
 
 
 def _view(hook_point: nn.Module) -> View | None:

@@ -15,6 +15,7 @@ _ORDER = [
     "attn.z", "attn.result", "attn.out", "resid_mid", "mlp.in_pre_norm", "ln2", "mlp.in", "mlp.pre", "mlp.pre_linear",
     "mlp.post", "mlp.out", "resid_post",
 ]
+_FINAL = ("ln_final.scale", "ln_final.normalized", "ln_final")  # in execution order
 # [batch, head, query_pos, key_pos] points
 _PATTERN_LIKE = ("attn.attn_scores", "attn.pattern")
 _PER_HEAD = ("attn.q", "attn.k", "attn.v", "attn.z", "attn.result", "attn.rot_q", "attn.rot_k",
@@ -28,7 +29,9 @@ def is_transformer_lens(model: nn.Module) -> bool:
 def _rank(name: str) -> tuple:
     layer = layer_of(name)
     if layer is None:
-        return (0 if not name.startswith(("ln_final", "unembed", "logits")) else 2, 0, 0, name)
+        if name in _FINAL:
+            return (2, _FINAL.index(name), 0, name)
+        return (0 if not name.startswith(("ln_final", "unembed", "logits")) else 2, len(_FINAL), 0, name)
     suffix = name.split(".", 2)[2]
     head = suffix.split(".")[0]
     order = _ORDER.index(suffix) if suffix in _ORDER else next(
@@ -50,6 +53,10 @@ def table(model: nn.Module) -> Arch:
             pos_dim=2 if suffix in _PATTERN_LIKE else 1,
             head_dim=1 if suffix in _PATTERN_LIKE else (2 if suffix in _PER_HEAD else None),
         ))
+    if isinstance(getattr(model, "ln_final", None), nn.Module) and "ln_final" not in modules:
+        # the final norm's output, what the unembedding reads (HookedTransformer hooks only its
+        # scale and its input / scale, `ln_final.normalized`): the module's own output
+        specs.append(PointSpec(name="ln_final", module="ln_final", io="output"))
     specs.sort(key=lambda s: _rank(s.name))
     specs.append(PointSpec(name="logits", module="", io="output"))
     n_layers = model.cfg.n_layers

@@ -64,6 +64,6 @@ def held_meanings(settings: dict) -> dict[str, str]:
     held = {}
     for point in settings.get("points", []):
         suffix = re.sub(r"^blocks\.\d+\.", "", point)
-        if suffix != point and suffix in changes:
+        if suffix in changes:
             held[point] = f"{changes[suffix][1]} (written before hookscope gave the name TransformerLens's meaning)"
     return held

@@ -50,8 +50,8 @@ def tl_hook_name(point: str) -> str:
     if point.startswith("module:"):
         raise StoreError(f"{point!r} is a raw module path with no TransformerLens hook name; pass "
                          "hook_name= (--hook-name) to name the SAELens column yourself")
-    if point == "ln_final":
-        return "ln_final.hook_normalized"
+    if point == "ln_final":  # after the norm's weight: the bridge's spelling (HookedTransformer has none)
+        return "ln_final.hook_out"
     block = _BLOCK.match(point)
     if block and block.group(2) in _TL_SPELLING:
         return f"{block.group(1)}.{_TL_SPELLING[block.group(2)]}"

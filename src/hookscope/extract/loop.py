@@ -26,10 +26,10 @@ from ..progress import RowsBar, mib_written
 from ..sources import Rows, Run, Source, source_for
 from ..store import ShardWriter, merge_rank_manifests
 from ..store.opening import StoreView
-from ..store.stats import PointStats
 from .config import ExtractConfig, validate_config
+from .copyout import CopyOut, Handoff
 from .report import ExtractInterrupted, ExtractSummary, check_finite, signals_interrupt
-from .stages import Stages, ahead, stats_and_host
+from .stages import Stages, ahead
 
 Batches = Iterable[tuple[int, dict[str, Tensor]]]
 
@@ -131,7 +131,10 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
     started = time.perf_counter()
     # the stages are listed in stages.py: data -> model -> out -> writer
     stages = Stages(data_bound=source.bound_by_data)
-    ours = ahead(((i, b) for i, b in enumerate(source.batches()) if found.deal.visits(i, rank)), stages)
+    device = executor.run_on.device
+    # the data stage's thread also makes each batch to do ready for the model (Source.prepare)
+    ours = ahead(((i, b if i in done else source.prepare(b, device)) for i, b in enumerate(source.batches())
+                  if found.deal.visits(i, rank)), stages)
     first = next(ours, None)
     if first is None and rank == 0:
         raise DataError(source.nothing_to_extract())
@@ -159,7 +162,7 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
                 yield index, batch
 
     ran = _timed(_checked(executor.run(pending(itertools.chain([first] if first else [], ours))),
-                          cfg.on_nonfinite, stages), stages)
+                          cfg.on_nonfinite, stages, CopyOut()), stages)
     try:
         # The first batch to do is run before the store is opened (a streamed run runs its whole
         # first chunk, so that no block's weights are read one extra time): an empty or bad data
@@ -169,8 +172,8 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
                              opened=view)  # refuses if another run wrote since the view was read
         opened.append(writer)
         with writer:  # on an interrupt it commits whole shards only (see ShardWriter.__exit__)
-            for index, batch, (acts, columns), stats in itertools.chain([head] if head else [], ran):
-                writer.write(index, acts, columns, stats=stats)
+            for index, batch, (acts, columns), handoff in itertools.chain([head] if head else [], ran):
+                writer.write(index, acts, columns, handoff=handoff)
                 rows = len(next(iter(columns.values())))
                 counts["done"], counts["new_rows"] = counts["done"] + 1, counts["new_rows"] + rows
                 advance(rows, batch)
@@ -191,19 +194,19 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
                           stages.bound(bytes_written, seconds))
 
 
-Done = tuple[int, dict[str, Tensor], Rows, dict[str, PointStats]]
+Done = tuple[int, dict[str, Tensor], Rows, Handoff | None]
 
 
-def _checked(ran: Iterator[tuple[int, dict[str, Tensor], Rows]], on_nonfinite: str, stages: Stages
-             ) -> Iterator[Done]:
-    """An executor's rows, each batch refused under --on-nonfinite error before it is written, with
-    each point's statistics taken where the activations are, then on the host (the `out` stage)."""
+def _checked(ran: Iterator[tuple[int, dict[str, Tensor], Rows]], on_nonfinite: str, stages: Stages,
+             copy_out: CopyOut) -> Iterator[Done]:
+    """An executor's rows, each batch refused under --on-nonfinite error before it is written, on
+    their way to the host (the `out` stage, copyout.py: nothing waits for a device here)."""
     for index, batch, (acts, columns) in ran:
         start = time.perf_counter()
         check_finite(acts, on_nonfinite, index)
-        host, stats = stats_and_host(acts)
+        host, handoff = copy_out(acts)
         stages.add("out", time.perf_counter() - start)
-        yield index, batch, (host, columns), stats
+        yield index, batch, (host, columns), handoff
 
 
 def _timed(ran: Iterator[Done], stages: Stages) -> Iterator[Done]:

@@ -2,7 +2,8 @@
 
     data (a worker thread: read, tokenize, pack `AHEAD` batches ahead of the model)
       -> model (the executor: inputs to the device, the forward with its captures)
-      -> out (statistics where the activations are, then the copy to the host: `to_host`)
+      -> out (copyout.py: statistics where the activations are, the copy to the host into reused
+         buffers, on a side stream: the main thread never waits for the device)
       -> writer (store/writer.py: its thread assembles shards, a thread pool copies them to disk,
          checksummed as written; then the commit)
 
@@ -12,7 +13,6 @@ flat. `Stages` counts each stage's busy seconds; `bound()` names the stage that 
 
 from __future__ import annotations
 
-import dataclasses
 import os
 import queue
 import threading
@@ -21,23 +21,32 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import TypeVar
 
-import torch
-
-from ..store.stats import PointStats
-
 T = TypeVar("T")
 STAGES = ("data", "model", "out", "writer")
 AHEAD = 4  # batches the data worker prepares ahead of the model
 _END = object()
 
 
+SATURATED = 0.85  # a share at or above which a stage, or the process's use of its cores, is the bound
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        return os.cpu_count() or 1
+
+
 @dataclass
 class Stages:
-    """Busy seconds per stage (`data`, `model`, `out`, `writer`) over a run's wall time."""
+    """Busy seconds per stage (`data`, `model`, `out`, `writer`) over a run's wall time, and the
+    process's CPU time over what its cores could give in that time."""
 
     busy: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
     started: float = field(default_factory=time.perf_counter)
     data_bound: str = "bound by the data"  # the source's words for a run its data stage bounds
+    cpu_started: float = field(default_factory=time.process_time)
+    cores: int = field(default_factory=_cores)
 
     def add(self, stage: str, seconds: float) -> None:
         self.busy[stage] = self.busy.get(stage, 0.0) + seconds
@@ -47,12 +56,23 @@ class Stages:
         wall = wall if wall is not None else time.perf_counter() - self.started
         return {k: min(v / wall, 1.0) if wall > 0 else 0.0 for k, v in self.busy.items() if k != "wait"}
 
-    def bound(self, nbytes: int, wall: float | None = None) -> str:
+    def cpu_share(self) -> float:
+        """The process's CPU seconds (every thread's) over its cores x the wall time, so far."""
+        wall = time.perf_counter() - self.started
+        return (time.process_time() - self.cpu_started) / (wall * self.cores) if wall > 0 else 0.0
+
+    def bound(self, nbytes: int, wall: float | None = None, cpu: float | None = None) -> str:
         """Which stage set the pace, in words a user can act on: the busiest (the model's share
-        includes taking its activations out: both run on the main thread)."""
+        includes taking its activations out: both run on the main thread). Where no stage is busy
+        most of the time but the process keeps its cores busy (`cpu`: its share of them, measured
+        when not given), the stages share the cores and none alone sets the pace: the cores do."""
         shares = self.shares(wall)
         main = shares["model"] + shares["out"]
         stage = max(("data", "model", "writer"), key=lambda k: main if k == "model" else shares[k])
+        cpu = self.cpu_share() if cpu is None else cpu
+        if (main if stage == "model" else shares[stage]) < SATURATED <= cpu:
+            return (f"bound by the CPU: its {self.cores} core{'s' if self.cores > 1 else ''} busy "
+                    f"{100 * min(cpu, 1.0):.0f}% with every stage at once")
         if stage == "data":
             return self.data_bound
         if stage == "writer":
@@ -123,33 +143,3 @@ def ahead(items: Iterable[T], stages: Stages, depth: int = AHEAD) -> Iterator[T]
                 out.get(timeout=0.1)
             except queue.Empty:
                 pass
-
-
-def stats_and_host(acts: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], dict[str, PointStats]]:
-    """Each point's statistics computed where its activations are (on a GPU, where they cost
-    nothing), then the activations on the host: copied into pinned memory without blocking the
-    device's stream, synchronized before the writer reads them. Activations already on the CPU
-    are neither copied nor measured here: the writer's thread measures them, beside the main
-    thread's forward, rather than after it on the same thread (no statistics: {})."""
-    if not any(a.device.type == "cuda" for a in acts.values()):
-        return {name: a.cpu() for name, a in acts.items()}, {}
-    stats = {name: _to_host(PointStats.of(a)) for name, a in acts.items() if a.device.type == "cuda"}
-    host, events = {}, []
-    for name, a in acts.items():
-        if a.device.type != "cuda":
-            host[name] = a.cpu()
-            continue
-        buffer = torch.empty(a.shape, dtype=a.dtype, pin_memory=True)
-        buffer.copy_(a, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(a.device))
-        host[name], events = buffer, [*events, event]
-    for event in events:
-        event.synchronize()
-    return host, stats
-
-
-def _to_host(stats: PointStats) -> PointStats:
-    """`stats` with its per-dimension tensors (if any) on the CPU, where the writer merges them."""
-    moved = {k: v.cpu() for k, v in vars(stats).items() if isinstance(v, torch.Tensor)}
-    return dataclasses.replace(stats, **moved) if moved else stats

@@ -38,11 +38,12 @@ class Streamed:
         pending = iter(batches)
         try:
             while chunk := list(itertools.islice(pending, self.streamer.plan.chunk_batches)):
-                calls = [self.source.model_call(batch) for _, batch in chunk]
                 device = self.run_on.device
-                inputs = [{k: v.to(device) for k, v in call.items()} for call, _ in calls]
-                keeps = [None if keep is None else keep.to(device) for _, keep in calls]
-                for (index, batch), acts in zip(chunk, self.streamer.run_chunk(inputs, keeps), strict=True):
-                    yield index, batch, self.source.rows(batch, acts)
+                calls = [self.source.call_of(batch, device) for _, batch in chunk]  # made in the data stage
+                inputs = [{k: v.to(device, non_blocking=True) for k, v in c.inputs.items()} for c in calls]
+                keeps = [None if c.keep is None else c.keep.to(device) for c in calls]
+                for (index, batch), call, acts in zip(chunk, calls, self.streamer.run_chunk(inputs, keeps),
+                                                      strict=True):
+                    yield index, batch, self.source.rows_of(batch, call, acts)
         finally:
             self.streamer.close()

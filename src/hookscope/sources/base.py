@@ -18,6 +18,10 @@ the data than it must. Then it gives:
   `rows(batch, acts)` (captured activations -> store rows and their per-row columns, built with
   `hookscope.sources.columns`). `compute` runs the two around one capture; a source whose rows do
   not come from one forward pass (`streamable = False`, e.g. generation) overrides `compute`.
+- `prepare(batch, device)`: what depends on the batch alone, done in the data stage's thread
+  ahead of the model (the model call, the columns a source's `columns` gives without the
+  activations, the inputs pinned for a non-blocking copy to a CUDA device), so the forward waits
+  on nothing the host does.
 - `item_tokens()`: the tokens one item of a batch runs as (a block-streamed run sizes its chunks
   by it).
 - `rows_in(batch)` (the rows a batch gives, for the progress of skipped batches, when known
@@ -43,6 +47,24 @@ if TYPE_CHECKING:
     from ..loading import Loaded
 
 Rows = tuple[dict[str, Tensor], dict[str, Tensor]]  # {point: [rows, ...]}, {column: [rows]}
+
+
+@dataclass(frozen=True)
+class Call:
+    """One batch's model call, made ready by `Source.prepare`: the inputs (pinned when bound for a
+    CUDA device), the token mask of the rows kept (on the CPU: the capture finds its rows there, so
+    the forward never waits for the device), and the rows' columns when the batch alone gives them
+    (else None: `rows` builds them from the activations)."""
+
+    inputs: dict[str, Tensor]
+    keep: Tensor | None
+    columns: dict[str, Tensor] | None
+
+
+class Prepared(dict):
+    """A batch (the same keys, the same tensors) with its `call` made ready ahead."""
+
+    call: Call
 
 
 @dataclass(frozen=True)
@@ -87,16 +109,39 @@ class Source:
     def rows(self, batch: dict[str, Tensor], acts: dict[str, Tensor]) -> Rows:
         raise NotImplementedError
 
+    def columns(self, batch: dict[str, Tensor], keep: Tensor | None) -> dict[str, Tensor] | None:
+        """The columns of the rows `keep` keeps, when they depend on the batch alone and the rows
+        are the captured activations as they are (text); None where `rows` needs the activations."""
+        return None
+
+    def prepare(self, batch: dict[str, Tensor], device: str | torch.device = "cpu") -> Prepared:
+        """`batch` with its `Call` made ready (see the module docstring); the data stage's thread
+        runs it for every batch to do."""
+        inputs, keep = self.model_call(batch)
+        if torch.device(device).type == "cuda":  # page-locked: the copy to the device does not block
+            inputs = {k: v.pin_memory() for k, v in inputs.items()}
+        prepared = Prepared(batch)
+        prepared.call = Call(inputs, keep, self.columns(batch, keep))
+        return prepared
+
+    def call_of(self, batch: dict[str, Tensor], device: str | torch.device = "cpu") -> Call:
+        """The batch's `Call`: the one made ahead, else made now."""
+        return batch.call if isinstance(batch, Prepared) else self.prepare(batch, device).call
+
+    def rows_of(self, batch: dict[str, Tensor], call: Call, acts: dict[str, Tensor]) -> Rows:
+        """The rows of `acts` captured for `call`: its ready columns, else `rows`."""
+        return (acts, call.columns) if call.columns is not None else self.rows(batch, acts)
+
     def compute(self, model: torch.nn.Module, batch: dict[str, Tensor], points: Sequence[str],
                 dtype: torch.dtype, device: str) -> Rows:
-        inputs, keep = self.model_call(batch)
-        inputs = {k: v.to(device) for k, v in inputs.items()}
-        # kept where the model ran: the loop takes statistics there, then copies to the host
-        with Capture(model, list(points), token_mask=None if keep is None else keep.to(device), dtype=dtype,
-                     device=None) as cap:
+        call = self.call_of(batch, device)
+        inputs = {k: v.to(device, non_blocking=True) for k, v in call.inputs.items()}
+        # kept where the model ran (the loop takes statistics there, then copies to the host); the
+        # mask stays on the CPU, where the capture finds the kept rows without waiting for the device
+        with Capture(model, list(points), token_mask=call.keep, dtype=dtype, device=None) as cap:
             cap.run(inputs)
             acts = {name: cap[name] for name in points}
-        return self.rows(batch, acts)
+        return self.rows_of(batch, call, acts)
 
     def item_tokens(self) -> int:
         """The tokens one item of a batch (a sequence, a picture) runs through the blocks as: what a

@@ -13,12 +13,15 @@ from ..errors import HookscopeError
 
 
 def token_columns(batch: dict[str, Tensor], keep: Tensor) -> dict[str, Tensor]:
-    """The columns of the kept tokens (`keep`, [batch, context]) of a packed batch, row-major."""
+    """The columns of the kept tokens (`keep`, [batch, context]) of a packed batch, row-major: the
+    kept positions found once, then one `index_select` per column (a boolean mask would find them
+    again for each)."""
+    kept = keep.flatten().nonzero().squeeze(1)
     return {
-        "token_ids": batch["input_ids"][keep],
-        "doc_ids": batch["doc_ids"][keep],
-        "positions": batch["doc_positions"][keep],
-        "seq_ids": batch["seq_ids"].unsqueeze(1).expand_as(keep)[keep],
+        "token_ids": batch["input_ids"].flatten().index_select(0, kept),
+        "doc_ids": batch["doc_ids"].flatten().index_select(0, kept),
+        "positions": batch["doc_positions"].flatten().index_select(0, kept),
+        "seq_ids": batch["seq_ids"].index_select(0, kept // keep.shape[1]),
     }
 
 

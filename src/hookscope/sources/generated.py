@@ -43,6 +43,9 @@ class GeneratedSource(TextSource):
     def settings(self) -> dict[str, Any]:
         return {**super().settings(), "generate": self.cfg.generate}
 
+    def columns(self, batch: dict[str, Tensor], keep: Tensor | None) -> None:
+        return None  # the continuation's rows come with their own columns (continuation_rows)
+
     def compute(self, model: torch.nn.Module, batch: dict[str, Tensor], points: Sequence[str],
                 dtype: torch.dtype, device: str) -> Rows:
         inputs, keep = self.model_call(batch)

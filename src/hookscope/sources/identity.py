@@ -29,8 +29,8 @@ def point_meanings(loaded: Loaded, points: list[str]) -> dict[str, Any]:
     changes = meaning_changes(arch_of(loaded.model))
     record = {}
     for name in points:
-        suffix = re.sub(r"^blocks\.\d+\.", "", name)
-        if suffix != name and suffix in changes:
+        suffix = re.sub(r"^blocks\.\d+\.", "", name)  # a block's point, or a top-level one (ln_final)
+        if suffix in changes:
             now, before = changes[suffix]
             record[name] = {"means": now, "before": before}
     return {"point_meanings": record} if record else {}

@@ -28,7 +28,7 @@ from ..loading import sha256_text
 from ..stopping import Stop
 from .base import Rows, Run, Source
 from .columns import patch_columns
-from .identity import model_identity
+from .identity import model_identity, point_meanings
 
 if TYPE_CHECKING:
     from ..extract import ExtractConfig
@@ -197,6 +197,7 @@ class ImageSource(Source):
             "data": self.cfg.data,
             "images": self.names,
             "images_sha256": _fingerprint(self.folder, self.names),
+            **point_meanings(self.loaded, self.points),  # DINOv2's attn.out / mlp.out: after LayerScale
         }
 
     def batches(self) -> Iterator[dict[str, Tensor]]:

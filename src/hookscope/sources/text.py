@@ -11,8 +11,8 @@ from typing import TYPE_CHECKING, Any
 from torch import Tensor
 
 from ..errors import HookscopeError
-from ..model_inputs import max_positions
 from ..loading import tokenizer_hash
+from ..model_inputs import max_positions
 from .base import Rows, Run, Source
 from .columns import token_columns
 from .documents import iter_documents
@@ -92,6 +92,9 @@ class TextSource(Source):
 
     def rows(self, batch: dict[str, Tensor], acts: dict[str, Tensor]) -> Rows:
         return acts, token_columns(batch, self.keep(batch))
+
+    def columns(self, batch: dict[str, Tensor], keep: Tensor | None) -> dict[str, Tensor] | None:
+        return token_columns(batch, self.keep(batch) if keep is None else keep)
 
     def item_tokens(self) -> int:
         return self.context

@@ -3,8 +3,9 @@
 from .dataset import ActivationDataset
 from .manifest import Column, Manifest, ShardEntry, settings_hash
 from .reader import Store, open_store
+from .resume import merge_rank_manifests
 from .stats import PointStats
-from .writer import ShardWriter, merge_rank_manifests
+from .writer import ShardWriter
 
 __all__ = [
     "ActivationDataset",

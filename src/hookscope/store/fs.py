@@ -7,7 +7,7 @@ index use only the operations of `FS`: list, size, ranged read, map, atomic put,
 
 Locally a put writes `.tmp`, fsyncs and renames (then fsyncs the directory), and a reader maps
 the file. Object stores have no atomic rename, so there an object is uploaded under its final
-name (one PUT or a multipart upload: whole or not at all; shards in the background, store/upload.py)
+name (one PUT, or on S3 a multipart upload in parallel parts: whole or not at all; store/upload.py)
 and its commit record is the commit point: a shard no manifest or record lists does not exist for
 readers, and the next writer deletes it. Reading a URL uses ranged GETs (store/range_cache.py).
 """
@@ -20,14 +20,13 @@ import shutil
 import stat
 import tempfile
 import threading
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import StoreError
 from ..atomic_files import fsync_dir, write_atomic
 from .checksum import checksum_of
-from .upload import Uploads
+from .upload import UploadSettings, upload_file
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough to read at disk speed, small enough to stay flat in memory
 
@@ -152,15 +151,6 @@ class FS:
     def put_file(self, local: Path, rel: str) -> None:
         """A finished, synced local file becomes `rel` (renamed, or uploaded and deleted)."""
         raise NotImplementedError
-
-    def put_shard(self, local: Path, rel: str, commit: Callable[[], None]) -> None:
-        """`put_file`, then `commit()`; at a URL in the background, commits in call order (store/
-        upload.py), so a failure may surface at a later call or at `settle`. `local` goes either way."""
-        self.put_file(local, rel)
-        commit()
-
-    def settle(self) -> None:
-        """Return once every `put_shard` has committed or failed; raise the first failure."""
 
     def staging(self, rel: str, owner: str) -> Path:
         """A local directory of `owner`'s alone where files bound for directory `rel` are written
@@ -312,7 +302,6 @@ class RemoteFS(FS):
         except ValueError as e:
             raise StoreError(f"{url}: not a store URL fsspec knows ({e})") from e
         self.url, self.fs, self.root = url.rstrip("/"), fs, root.rstrip("/")
-        self.uploads = Uploads(lambda local, rel: self.put_file(local, rel), self.remove)
 
     def path(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root
@@ -368,14 +357,9 @@ class RemoteFS(FS):
         self.fs.pipe_file(self.path(rel), data)
 
     def put_file(self, local: Path, rel: str) -> None:
-        self.uploads.upload(self.fs, local, self.path(rel), self.where(rel))  # whole or not at all
+        """Uploaded under its final name, whole or not at all: on S3 in parallel parts (store/upload.py)."""
+        upload_file(self.fs, local, self.path(rel), self.where(rel), UploadSettings.from_env())
         local.unlink()
-
-    def put_shard(self, local: Path, rel: str, commit: Callable[[], None]) -> None:
-        self.uploads.submit(local, rel, commit)
-
-    def settle(self) -> None:
-        self.uploads.settle()
 
     def staging(self, rel: str, owner: str) -> Path:
         return Path(tempfile.mkdtemp(prefix=f"hookscope-stage-{owner}-",

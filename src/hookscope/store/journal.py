@@ -18,6 +18,7 @@ See docs/store-format.md.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import dataclasses
 import hashlib
@@ -26,8 +27,8 @@ import os
 import re
 from pathlib import Path
 
-from ..errors import StoreError
 from ..atomic_files import fsync_dir
+from ..errors import StoreError
 from .card import CARD, card_bytes
 from .fs import FS
 from .manifest import (
@@ -176,16 +177,23 @@ def load_manifest(fs: FS, name: str) -> Manifest:
 
 def with_shard(old: Manifest, entry: ShardEntry, layout: dict[str, Column],
                stats: dict[str, PointStats]) -> Manifest:
-    """`old` with `entry` committed: kept in order of first batch, stats summed in that order."""
-    shards = [*old.shards, entry]
-    if len(shards) > 1 and shards[-2].batch_start > entry.batch_start:  # among earlier attempts' shards
-        shards.sort(key=lambda s: s.batch_start)
+    """`old` with `entry` committed: kept in order of first batch, stats summed in that order. The
+    shard list is `old`'s own, grown in place (a copy would cost O(shards) per commit): `Commits`
+    calls it once the entry is durable, or on a copy when it rewrites the whole manifest."""
+    shards = old.shards
+    if shards and shards[-1].batch_start > entry.batch_start:  # among earlier attempts' shards
+        bisect.insort(shards, entry, key=lambda s: s.batch_start)
         totals = summed_stats(shards)
     else:  # appended: the same sums as summed_stats(shards), without going over every shard again
+        shards.append(entry)
         totals = {**old.stats, **{k: old.stats.get(k, PointStats()).merge(s) for k, s in stats.items()}}
-    return dataclasses.replace(old, shards=shards, stats=totals,
-                               points={k: c for k, c in layout.items() if k in stats},
-                               meta={k: c for k, c in layout.items() if k not in stats})
+    return dataclasses.replace(old, shards=shards, stats=totals, **_columns(layout, stats))
+
+
+def _columns(layout: dict[str, Column], stats: dict[str, PointStats]) -> dict[str, dict[str, Column]]:
+    """The manifest's `points` (the columns with statistics) and `meta` (the others)."""
+    return {"points": {k: c for k, c in layout.items() if k in stats},
+            "meta": {k: c for k, c in layout.items() if k not in stats}}
 
 
 class Commits:
@@ -253,12 +261,14 @@ class Commits:
     def commit(self, old: Manifest, entry: ShardEntry, layout: dict[str, Column],
                stats: dict[str, PointStats]) -> Manifest:
         """Commit `entry` durably; the manifest with it. Raises if it is not committed."""
-        new = with_shard(old, entry, layout, stats)
-        if new.columns != old.columns or self.lines >= max(COMPACT_AFTER, self.based):
-            self.compact(new)
-        else:
-            self.append(entry)
-        return new
+        columns = _columns(layout, stats)
+        if ({**columns["points"], **columns["meta"]} != old.columns
+                or self.lines >= max(COMPACT_AFTER, self.based)):
+            new = with_shard(dataclasses.replace(old, shards=list(old.shards)), entry, layout, stats)
+            self.compact(new)  # the whole manifest rewritten: O(shards) now and then, on a copy
+            return new
+        self.append(entry)  # durable: only now does the shard list in memory hold it
+        return with_shard(old, entry, layout, stats)
 
     def append(self, entry: ShardEntry) -> None:
         line = record(entry)

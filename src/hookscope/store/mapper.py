@@ -28,11 +28,15 @@ class Mapper:
         self.store, self.names = store, names
         columns = {n: store.manifest.columns[n] for n in names}
         self.dtypes = {n: getattr(torch, c.dtype) for n, c in columns.items()}
+        self.row_bytes = {n: c.row_bytes for n, c in columns.items()}
+        # columns of one row kind can be rows of one mapping (their bytes gathered as the same ints)
+        self.row_kind = {n: (tuple(c.shape), self.dtypes[n].itemsize) for n, c in columns.items()}
         self.keep = sum(c.row_bytes for c in columns.values()) * len(store) <= ram_bytes() // 2
         self.strided = Runs.supported() and not store.fs.remote
         self.mapped: dict[int, dict[str, torch.Tensor]] = {}  # shard by shard: the kept shards
         self.runs: dict[str, Runs] | None = None  # strided and kept: every shard's place, once mapped
-        self.placed: dict[int, dict[str, tuple[int, int]]] = {}  # shard -> column -> (run, first row)
+        # shard -> column -> (the column whose runs map it, run, first row)
+        self.placed: dict[int, dict[str, tuple[str, int, int]]] = {}
 
     def layout(self, shards: list[int]) -> Layout:
         """The window of `shards`: mapped, in memory, and where each of its rows lies."""
@@ -69,24 +73,41 @@ class Mapper:
                 located = self.store.column_offsets(i, self.names)  # checked against the manifest
                 if located is None:  # a dtype it cannot check in the header: shard by shard
                     raise OSError("not mappable")
-                path, offsets = located
-                placed[i] = {n: runs[n].add(path, offsets[n]) for n in self.names}
-                for n, (run, first) in placed[i].items():
-                    populate(runs[n].tensor(run)[first : first + entries[i].rows])
+                placed[i] = self._place(runs, *located)
+                for owner, run, first in placed[i].values():
+                    populate(runs[owner].tensor(run)[first : first + entries[i].rows])
         # a part: one combination of runs (one per column); almost always a single one
-        keys = [tuple(placed[i][n][0] for n in self.names) for i in shards]
+        keys = [tuple(placed[i][n][:2] for n in self.names) for i in shards]
         distinct = list(dict.fromkeys(keys))
-        sources = [{n: runs[n].tensor(run) for n, run in zip(self.names, key, strict=True)}
+        sources = [{n: runs[owner].tensor(run) for n, (owner, run) in zip(self.names, key, strict=True)}
                    for key in distinct]
         part = [distinct.index(k) for k in keys]
         sizes = [entries[i].rows for i in shards]
         if len(self.names) == 1:
-            firsts = [placed[i][self.names[0]][1] for i in shards]
+            firsts = [placed[i][self.names[0]][2] for i in shards]
             return Layout(sources, self.dtypes, located_rows(part, firsts, sizes), hold=runs)
-        rows = {n: located_rows([0] * len(shards), [placed[i][n][1] for i in shards], sizes)
+        rows = {n: located_rows([0] * len(shards), [placed[i][n][2] for i in shards], sizes)
                 for n in self.names}
         parts = np.repeat(np.array(part, dtype=np.int64), sizes)
         return Layout(sources, self.dtypes, np.arange(len(parts), dtype=np.int64), parts, rows, hold=runs)
+
+    def _place(self, runs: dict[str, Runs], path: str,
+               offsets: dict[str, int]) -> dict[str, tuple[str, int, int]]:
+        """Map one shard file: each column's (the column whose runs hold it, run, first row). The file
+        is mapped once for all the columns that lie a whole number of rows after an earlier column of
+        the same row shape and element size (a writer's equal columns, side by side): they are rows
+        of that column's run, so a stack of them is gathered in one `index_select` (window.py)."""
+        placed: dict[str, tuple[str, int, int]] = {}
+        for n in sorted(self.names, key=offsets.__getitem__):  # file order: later columns borrow
+            row_bytes = self.row_bytes[n]
+            for m, (owner, run, first) in placed.items():
+                gap = offsets[n] - offsets[m]
+                if self.row_kind[m] == self.row_kind[n] and gap % row_bytes == 0:
+                    placed[n] = (owner, run, first + gap // row_bytes)
+                    break
+            else:
+                placed[n] = (n, *runs[n].add(path, offsets[n]))
+        return placed
 
     def _new_runs(self, shards: Sequence[int]) -> dict[str, Runs]:
         entries = self.store.manifest.shards

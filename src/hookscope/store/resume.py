@@ -19,8 +19,18 @@ from typing import Any
 from ..errors import StoreError
 from . import meanings
 from .fs import FS, open_fs
-from .journal import load_manifest
-from .manifest import VERSION, Column, Manifest, ShardEntry, settings_diff, settings_hash
+from .journal import journal_name, load_manifest
+from .manifest import (
+    MANIFEST,
+    VERSION,
+    Column,
+    Manifest,
+    ShardEntry,
+    manifest_name,
+    settings_diff,
+    settings_hash,
+    summed_stats,
+)
 
 
 @dataclass(frozen=True)
@@ -148,3 +158,30 @@ def plan_for(out_dir: str | os.PathLike, settings: dict[str, Any], world_size: i
     without writing anything."""
     fs = open_fs(out_dir)
     return plan(read_manifests(fs), settings, world_size, fs.url)
+
+
+def merge_rank_manifests(out_dir: str | os.PathLike, world_size: int | None = None) -> Manifest:
+    """Unite every manifest in the store (each rank's, of every attempt) into `manifest.json`: its
+    shards ordered by first batch, stats summed. Rank 0 calls it once every rank has closed;
+    `world_size`, if given, must be that of the latest attempt."""
+    fs = open_fs(out_dir)
+    out = fs.url
+    manifests = read_manifests(fs)
+    if not manifests:
+        raise StoreError(f"{out}: no manifest here; is this a hookscope store?")
+    latest = max((m for _, m in manifests), key=lambda m: m.generation)
+    if world_size is not None and world_size != latest.world_size:
+        raise StoreError(f"{out}: its latest run had {latest.world_size} process(es), not {world_size}")
+    names = {name for name, _ in manifests}
+    missing = [r for r in range(latest.world_size)
+               if manifest_name(r, latest.world_size, latest.generation) not in names]
+    if missing:
+        raise StoreError(f"{out}: rank {missing[0]} of the latest run left no manifest; re-run the job "
+                         "(it resumes) to finish the store")
+    united = plan(manifests, latest.settings, latest.world_size, out)
+    merged = Manifest(settings=latest.settings, world_size=latest.world_size, generation=latest.generation,
+                      points=united.points, meta=united.meta, shards=united.shards,
+                      stats=summed_stats(united.shards), settings_hash=latest.settings_hash)
+    fs.put(MANIFEST, merged.to_bytes())
+    fs.remove_tree(journal_name(MANIFEST))  # a single process's commits of an earlier attempt: merged now
+    return merged

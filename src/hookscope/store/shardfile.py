@@ -62,11 +62,12 @@ def header(columns: Columns, metadata: Mapping[str, str] | None) -> tuple[bytes,
 
 
 def save_columns(columns: Columns, path: Path, metadata: Mapping[str, str] | None, algorithm: str,
-                 pool: Executor | None = None, mode: int = 0o666) -> tuple[int, str]:
+                 pool: Executor | None = None, mode: int = 0o666, sync: bool = True) -> tuple[int, str]:
     """`write_shard_file`, or for a column it cannot write (a dtype it does not name, a tensor
-    elsewhere than the CPU) safetensors' own save_file, fsynced, then checksummed read back."""
+    elsewhere than the CPU) safetensors' own save_file, fsynced, then checksummed read back.
+    `sync=False`: not fsynced here (the caller calls `sync_file` before the file counts)."""
     if writable(columns):
-        return write_shard_file(columns, path, metadata, algorithm, pool, mode)
+        return write_shard_file(columns, path, metadata, algorithm, pool, mode, sync)
     from safetensors.torch import save_file
 
     save_file({k: torch.cat(list(v)) if len(v) > 1 else v[0] for k, v in columns.items()}, path,
@@ -78,8 +79,9 @@ def save_columns(columns: Columns, path: Path, metadata: Mapping[str, str] | Non
 
 
 def write_shard_file(columns: Columns, path: Path, metadata: Mapping[str, str] | None, algorithm: str,
-                     pool: Executor | None = None, mode: int = 0o666) -> tuple[int, str]:
-    """Write `columns` to `path` as a safetensors file, fsynced; (bytes, hex checksum by `algorithm`)."""
+                     pool: Executor | None = None, mode: int = 0o666, sync: bool = True) -> tuple[int, str]:
+    """Write `columns` to `path` as a safetensors file, fsynced unless `sync` is False; (bytes, hex
+    checksum by `algorithm`)."""
     head, order = header(columns, metadata)
     pieces = [memoryview(head)]
     for name in order:
@@ -107,10 +109,17 @@ def write_shard_file(columns: Columns, path: Path, metadata: Mapping[str, str] |
                 wait(done)  # every write has ended before the descriptor closes (or is reused)
             for d in done:
                 d.result()  # the first write error (a full disk), raised here
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     finally:
         os.close(fd)
     return at, h.hexdigest()
+
+
+def sync_file(path: Path) -> None:
+    """fsync `path`'s data (written earlier, through another descriptor): raises the disk's error."""
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def _write_at(fd: int, data: memoryview, offset: int) -> None:

@@ -72,6 +72,14 @@ class PointStats:
         mean, m2 = _moments(flat, owned)
         return cls(nonfinite, whole, float(norms.sum()), float((norms**2).sum()), mean, m2)
 
+    @classmethod
+    def of_tensors(cls, scalars: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> PointStats:
+        """The statistics `stats_tensors` gave (on the CPU, once the device has computed them)."""
+        nonfinite, count, norm_sum, norm_sumsq = scalars.tolist()
+        if not count:  # no whole row: as `of` gives (the device divided by zero)
+            mean, m2 = torch.zeros_like(mean), torch.zeros_like(m2)
+        return cls(int(nonfinite), int(count), norm_sum, norm_sumsq, mean, m2)
+
     def merge(self, other: PointStats) -> PointStats:
         n = self.norm_count + other.norm_count
         mean = m2 = None
@@ -156,6 +164,31 @@ def _moments(flat: torch.Tensor, owned: bool) -> tuple[torch.Tensor, torch.Tenso
     mean = (shift.double() + s1 / n).cpu()
     m2 = (s2 - s1**2 / n).clamp_(min=0).cpu()
     return mean, m2
+
+
+def stats_tensors(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`PointStats.of(rows)` as tensors on `rows`' device, computed without the host waiting for it
+    (no branch on a value): float64 (nonfinite, norm_count, norm_sum, norm_sumsq), and the float64
+    per-dimension mean and M2; `PointStats.of_tensors` reads them once on the host. The rows that
+    are not whole (a non-finite value) are zeroed out of every sum but `nonfinite`, as `of` leaves
+    them out; the shift is the mean of the whole rows among the first ones."""
+    flat = rows.reshape(rows.shape[0], -1)
+    owned = flat.dtype != torch.float32  # the float32 copy is ours to overwrite
+    flat = flat.float().contiguous()
+    finite = torch.isfinite(flat)
+    whole = finite.all(dim=1)
+    nonfinite = flat.numel() - finite.sum()
+    del finite
+    count = whole.sum()
+    norms = torch.where(whole, flat.norm(dim=1), 0).double()
+    head, head_whole = flat[:_SHIFT_ROWS], whole[:_SHIFT_ROWS, None]
+    shift = torch.where(head_whole, head, 0).sum(0) / head_whole.sum().clamp(min=1)
+    deviations = (flat.sub_(shift) if owned else flat - shift).masked_fill_(~whole[:, None], 0)
+    s1 = deviations.sum(0).double()
+    s2 = deviations.square_().sum(0).double()
+    n = count.double()
+    scalars = torch.stack([nonfinite.double(), n, norms.sum(), (norms**2).sum()])
+    return scalars, shift.double() + s1 / n, (s2 - s1**2 / n).clamp_(min=0)
 
 
 def header_text(stats: dict[str, PointStats]) -> str:

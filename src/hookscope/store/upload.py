@@ -1,26 +1,19 @@
-"""Shards on their way to an object store, uploaded while the next ones are cut and computed.
+"""A shard put at a URL: whole or not at all, on S3 in parallel multipart parts.
 
-The writer hands `Uploads.submit` a finished local shard, its final name and the commit that makes
-it part of the store, and goes on with the next shard. Each shard is uploaded under its final name
-(`upload_file`: on S3 a multipart upload of `part_bytes` parts, several at once, each part retried;
-elsewhere the filesystem's own `put_file`), and its commit runs once its object exists AND every
-shard submitted before it has committed: the store's commits keep the order the shards were cut,
-and no shard is committed before all its bytes are stored. At most `in_flight` shards are uploading
-or waiting for their commit (`submit` blocks beyond that), and at most `threads` parts are in memory
-at once, so the staged files and the parts held stay bounded however long the run.
+The writer's commit thread uploads each finished shard (`RemoteFS.put_file`) while the writer cuts
+the next one, and commits it once its object exists (store/writer.py). On S3 a shard larger than a
+part is a multipart upload of `part_bytes` parts, `threads` at once (so at most `threads` parts
+in memory), each request tried again `retries` times; elsewhere the filesystem's own `put_file`.
 
-A failed upload is a StoreError naming the shard's URL; no shard after it commits (their objects are
-deleted), so the store keeps an unbroken run of shards and the resume redoes the rest. A multipart
-upload that fails is aborted; one a killed process left behind (invisible to readers, but kept and
-billed on S3) is aborted when the resumed run uploads that shard again (`abort_unfinished`).
+An upload that fails for good is a StoreError naming the shard's URL, and its multipart upload is
+aborted. One a killed process left behind (invisible to readers, but kept and billed on S3) is
+aborted when the resumed run uploads that shard again (`abort_unfinished`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import queue
-import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -29,8 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import StoreError
-
-_DONE = object()
 
 
 def _env_int(name: str, default: int, least: int) -> int:
@@ -49,11 +40,10 @@ def _env_int(name: str, default: int, least: int) -> int:
 @dataclass(frozen=True)
 class UploadSettings:
     """How shards go up: `part_bytes` a part (S3 wants >= 5 MiB but the last), `threads` parts at
-    once, `in_flight` shards uploading or awaiting their commit, `retries` more tries of a part."""
+    once, `retries` more tries of a request."""
 
     part_bytes: int = 100 << 20  # Activault's part size: few requests, a part's loss cheap to redo
     threads: int = 4
-    in_flight: int = 2
     retries: int = 3
 
     @classmethod
@@ -61,7 +51,6 @@ class UploadSettings:
         d = cls()
         return cls(part_bytes=_env_int("HOOKSCOPE_UPLOAD_PART_BYTES", d.part_bytes, 1),
                    threads=_env_int("HOOKSCOPE_UPLOAD_THREADS", d.threads, 1),
-                   in_flight=_env_int("HOOKSCOPE_UPLOADS_IN_FLIGHT", d.in_flight, 1),
                    retries=_env_int("HOOKSCOPE_UPLOAD_RETRIES", d.retries, 0))
 
 
@@ -117,19 +106,18 @@ def abort_unfinished(fs: Any, path: str) -> None:
                 fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload["UploadId"])
 
 
-def upload_file(fs: Any, local: Path, path: str, where: str, settings: UploadSettings,
-                parts: ThreadPoolExecutor) -> None:
+def upload_file(fs: Any, local: Path, path: str, where: str, settings: UploadSettings) -> None:
     """Local file `local` becomes object `path` of fsspec filesystem `fs`, whole or not at all: on
-    S3 in parts of `settings.part_bytes` run by `parts` (aborted if one fails for good). `where`
-    names it in errors."""
+    S3 in parts of `settings.part_bytes`, `settings.threads` at once (aborted if one fails for
+    good). `where` names it in errors."""
     size = local.stat().st_size
     try:
         abort_unfinished(fs, path)
         if not _is_s3(fs) or size <= settings.part_bytes:
-            # in the part pool too: the bytes held at once stay bounded
-            parts.submit(_put_whole, fs, local, path, settings.retries).result()
+            _put_whole(fs, local, path, settings.retries)
         else:
-            _put_in_parts(fs, local, path, size, settings, parts)
+            with ThreadPoolExecutor(settings.threads, thread_name_prefix="hookscope-part") as parts:
+                _put_in_parts(fs, local, path, size, settings, parts)
     except Exception as e:
         raise UploadFailed(f"{where}: uploading this shard ({size:,} bytes) failed ({e!r}), after up to "
                            f"{settings.retries} retries of each request; the shards committed before it "
@@ -160,84 +148,3 @@ def _put_in_parts(fs: Any, local: Path, path: str, size: int, settings: UploadSe
             with contextlib.suppress(Exception):  # else a stored, billed, invisible upload stays behind
                 fs.call_s3("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id)
             raise
-
-
-class Uploads:
-    """A remote filesystem's uploads: the pool of part threads, and the shards of its writer on their
-    way up, uploaded by `put(local, rel)` in background threads and committed in the order submitted,
-    each only once its own upload has completed. Threads start at the first use; `settle` ends them."""
-
-    def __init__(self, put: Callable[[Path, str], None], remove: Callable[[str], None]):
-        self._put, self._remove = put, remove
-        self._settings: UploadSettings | None = None
-        self._parts: ThreadPoolExecutor | None = None
-        self._shards: ThreadPoolExecutor | None = None
-        self._lock = threading.Lock()
-
-    @property
-    def settings(self) -> UploadSettings:
-        if self._settings is None:  # read when first needed: a store only read never checks them
-            self._settings = UploadSettings.from_env()
-        return self._settings
-
-    def upload(self, fs: Any, local: Path, path: str, where: str) -> None:
-        """`upload_file` with these settings and part threads."""
-        with self._lock:
-            if self._parts is None:
-                self._parts = ThreadPoolExecutor(self.settings.threads, thread_name_prefix="hookscope-part")
-            parts = self._parts
-        upload_file(fs, local, path, where, self.settings, parts)
-
-    def submit(self, local: Path, rel: str, commit: Callable[[], None]) -> None:
-        """Upload `local` as `rel` (the file is deleted after), then `commit()` once it and every
-        shard before it are in place. Blocks while `in_flight` shards are pending; raises the first
-        failure of any earlier shard (and then deletes `local`, which will not be uploaded)."""
-        if self._shards is None:
-            self._slots = threading.Semaphore(self.settings.in_flight)
-            self._order: queue.Queue = queue.Queue()  # (upload's future, local, rel, commit), in order
-            self._error: BaseException | None = None
-            self._shards = ThreadPoolExecutor(self.settings.in_flight, thread_name_prefix="hookscope-upload")
-            self._committer = threading.Thread(target=self._commit_in_order, name="hookscope-upload-commit",
-                                               daemon=True)
-            self._committer.start()
-        self._slots.acquire()
-        if self._error is not None:
-            self._slots.release()
-            local.unlink(missing_ok=True)
-            raise self._error
-        self._order.put((self._shards.submit(self._put, local, rel), local, rel, commit))
-
-    def settle(self) -> None:
-        """Wait for every submitted shard to be committed (or refused), stop the threads, and raise
-        the first failure."""
-        error = None
-        if self._shards is not None:
-            self._order.put(_DONE)
-            self._committer.join()
-            self._shards.shutdown()
-            self._shards, error = None, self._error
-        with self._lock:
-            if self._parts is not None:
-                self._parts.shutdown()
-                self._parts = None
-        if error is not None:
-            raise error
-
-    def _commit_in_order(self) -> None:
-        while (item := self._order.get()) is not _DONE:
-            future, local, rel, commit = item
-            try:
-                if self._error is not None:
-                    if not future.cancel():
-                        future.exception()  # wait: it may still be storing the object deleted below
-                    raise self._error
-                future.result()
-                commit()
-            except BaseException as e:  # noqa: BLE001 - handed to the writer at its next submit / settle
-                if self._error is None:
-                    self._error = e
-                local.unlink(missing_ok=True)
-                with contextlib.suppress(Exception):  # an object no one will commit: free its space now
-                    self._remove(rel)
-            finally:
-                self._slots.release()

@@ -84,24 +84,35 @@ class MappedWindow:
     def gather(self, positions: slice, empty: Alloc) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
         """The rows at `positions` of the order, each column (or stack of columns) in one new tensor,
         grouped by part: returns (outputs, grouping) with outputs row k = the row at position
-        positions[grouping[k]] (grouping None: in order). A stack is gathered column by column into
-        the slices of one column-major buffer ([columns, rows, ...], each slice contiguous: a gather
-        into a strided `[rows, columns, ...]` destination measured 3-5x slower in torch) and handed
-        out as its `[rows, columns, ...]` view: the same single copy per row as one column."""
+        positions[grouping[k]] (grouping None: in order). A stack is gathered into one column-major
+        buffer ([columns, rows, ...]: a gather into a strided `[rows, columns, ...]` destination
+        measured 3-5x slower in torch), in one gather when its columns are rows of one mapping, else
+        column by column into its contiguous slices, and handed out as its `[rows, columns, ...]`
+        view: the same single copy per row as one column."""
         n = len(range(*positions.indices(self.rows)))
         shapes = {k: v.shape[1:] for k, v in self.sources[0].items()}
-        out, outs = {}, {}
+        out, outs, whole = {}, {}, {}
         for key, names in self.stacks.items():
             buffer = empty((len(names), n, *shapes[names[0]]), self.dtypes[names[0]])
             out[key] = buffer.movedim(0, 1)
             outs.update({name: same_size_ints(buffer[j]) for j, name in enumerate(names)})
+            whole[key] = same_size_ints(buffer).flatten(0, 1)
         for k in shapes:
             if k not in outs:
                 out[k] = empty((n, *shapes[k]), self.dtypes[k])
                 outs[k] = same_size_ints(out[k])
         index = {k: v[positions] for k, v in self.index.items()}
         if self.part is None:  # one part: the whole batch in one gather per column
-            for k, source in self.sources[0].items():
+            sources = dict(self.sources[0])
+            for key, names in self.stacks.items():
+                # a stack whose columns are rows of one mapping (mapper.py): one gather for all of
+                # them, one pass of torch's threads instead of one a column
+                source = sources[names[0]]
+                if all(sources[name] is source for name in names):
+                    torch.index_select(source, 0, torch.cat([index[name] for name in names]), out=whole[key])
+                    for name in names:
+                        del sources[name]
+            for k, source in sources.items():
                 torch.index_select(source, 0, index[k].contiguous(), out=outs[k])
             return out, None
         part = self.part[positions]

@@ -19,9 +19,9 @@ import re
 import threading
 import time
 from collections.abc import Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, Protocol, Self
 
 import torch
 
@@ -29,9 +29,8 @@ from ..errors import StoreError
 from .card import CARD, card_bytes
 from .checksum import ALGORITHMS, WRITTEN
 from .fs import open_fs
-from .journal import Commits, journal_name
+from .journal import Commits
 from .manifest import (
-    MANIFEST,
     SHARDS_DIR,
     Column,
     Manifest,
@@ -43,11 +42,20 @@ from .manifest import (
     summed_stats,
 )
 from .opening import StoreView
-from .resume import plan, read_manifests
-from .shardfile import save_columns
+from .orphans import remove_orphans
+from .shardfile import save_columns, sync_file
 from .stats import HEADER_KEY, PointStats, header_text
 
 _STOP = object()
+
+
+class Handoff(Protocol):
+    """A batch still being copied to the host (extract/copyout.py): `wait()` before its tensors are
+    read (it gives the statistics computed where they were), `release()` once they are written."""
+
+    def wait(self) -> Mapping[str, PointStats]: ...
+
+    def release(self) -> None: ...
 
 
 class ShardWriter:
@@ -87,7 +95,7 @@ class ShardWriter:
         self.generation = found.deal.generation
         self._prefix = shard_prefix(rank, self.generation)
         try:  # where a shard is written before it counts: a directory of this writer's own, named
-            # with its shard prefix, inside shards/ (or a local one for a URL); see _remove_orphans
+            # with its shard prefix, inside shards/ (or a local one for a URL); see orphans.py
             self._staging = self.fs.staging(SHARDS_DIR, f"{self._prefix}writing")
         except OSError as e:
             raise StoreError(f"cannot create the store directory {self.out}: {e}; "
@@ -104,7 +112,8 @@ class ShardWriter:
         try:  # stamps the settings into the directory now, and proves it is writable before any compute
             self._commits = Commits(self.fs, self._manifest_name)  # shard commits: store/journal.py
             self._commits.lock()  # before anything is touched: a second run on the store is refused
-            self._remove_orphans(found_at_open)
+            remove_orphans(self.fs, self.rank, self.generation, self._prefix, self._listed,
+                           self._manifest_name, found_at_open)
             self._commits.open(self.manifest, found.manifests.get(self._manifest_name))
             # README.md: datasets.load_dataset(DIR) fails clearly rather than misreading the store
             if self.fs.size(CARD) is None:
@@ -114,7 +123,7 @@ class ShardWriter:
             raise StoreError(f"cannot write to the store directory {self.out}: {e}; make it writable (or "
                              "free space) or choose another --out, and re-run") from e
         # to skip: what earlier attempts committed, and this rank's own shards of this attempt
-        self.done_batches: frozenset[int] = found.done(rank)
+        self.done_batches: set[int] = set(found.done(rank))  # grown in place by the writer thread
         self.bytes_written = 0  # this session, for a progress bar
         self._layout = {**found.points, **found.meta}  # every rank's batches must match the store's columns
         self._next_shard = 1 + max((_shard_number(s.file) for s in own), default=-1)
@@ -125,12 +134,17 @@ class ShardWriter:
         self._discard_partial = False  # set on an interrupt: the final, partial shard is not written
         # the batches waiting to become the next shard; only the writer thread touches them
         self._pending: list[tuple[int, dict[str, torch.Tensor]]] = []
+        self._handoffs: list[Handoff] = []  # of the pending batches: released once written
         self._pending_stats: dict[str, PointStats] = {}
         self._pending_rows = 0
         # the threads that copy a shard's bytes into its file, each its own range (the writer thread
         # checksums the same bytes meanwhile): the copy scales with the cores
         self._copiers = ThreadPoolExecutor(writers or _default_writers(),
                                            thread_name_prefix="hookscope-shard-copy")
+        # a shard's fsync, rename and commit, in shard order, while the next shard is written: the
+        # disk flushes one shard as the next one's bytes are copied (one in flight at most)
+        self._committer = ThreadPoolExecutor(1, thread_name_prefix="hookscope-shard-commit")
+        self._committing: Future | None = None
         self.busy_seconds = 0.0  # the writer thread's time spent writing shards, for a run's report
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._run, name="hookscope-shard-writer", daemon=True)
@@ -154,12 +168,14 @@ class ShardWriter:
 
     def write(self, batch_index: int, tensors: Mapping[str, torch.Tensor],
               meta: Mapping[str, torch.Tensor] | None = None, *,
-              stats: Mapping[str, PointStats] | None = None) -> None:
+              stats: Mapping[str, PointStats] | None = None, handoff: Handoff | None = None) -> None:
         """Queue batch `batch_index`: `tensors` are activations [rows, ...], `meta` integer [rows]
         columns (token_ids, doc_ids, positions, seq_ids). `stats`: each point's `PointStats.of` its
         tensor, computed by the caller where the activations were (on a GPU, before the copy to the
-        host); the writer computes those not given. The writer owns the tensors afterwards: do not
-        modify them in place."""
+        host); the writer computes those not given. `handoff`: the tensors are still being filled
+        (a copy from a device): the writer thread waits on it before reading them, takes the
+        statistics it gives, and releases it once they are written. The writer owns the tensors
+        afterwards: do not modify them in place."""
         self._raise_if_failed()
         if self._closed:
             raise StoreError("write() after close()")
@@ -179,7 +195,7 @@ class ShardWriter:
             raise StoreError(f"batch {batch_index}: stats given for {sorted(extra)}, not activations of it")
         self._last_batch = batch_index
         # a tuple, not a set: the manifest's stats follow this order, the same in every process
-        self._queue.put((batch_index, batch, tuple(tensors), dict(stats or {})))
+        self._queue.put((batch_index, batch, tuple(tensors), dict(stats or {}), handoff))
 
     def close(self) -> None:
         """Write the remaining rows as a final shard, stop the thread, raise any writer error."""
@@ -252,8 +268,12 @@ class ShardWriter:
             if item is _STOP:
                 if self._pending and self._error is None and not self._discard_partial:
                     self._guard(self._flush)
-                self._guard(self.fs.settle)  # every shard put is committed (or failed) before the end
+                self._release()  # a partial shard dropped, or a failed one: nothing reads them now
+                started = time.perf_counter()
+                self._guard(self._wait_commit)  # the last shard's commit, before the staging goes
+                self.busy_seconds += time.perf_counter() - started
                 self._copiers.shutdown()
+                self._committer.shutdown()
                 if self._error is None:
                     self._guard(self._commits.finish, self.manifest)
                 self._commits.unlock()
@@ -261,18 +281,23 @@ class ShardWriter:
                 return
             if self._error is None:  # after an error, keep draining so that write() never blocks
                 self._guard(self._take, *item)
+            if self._error is not None:
+                self._release(item[-1])
 
     def _guard(self, fn, *args) -> None:
         try:
             fn(*args)
         except Exception as e:  # noqa: BLE001 - any failure is handed to the caller at its next write() / close()
-            self._error = e
+            self._error = self._error or e  # the first failure is the one reported
 
     def _take(self, index: int, batch: dict[str, torch.Tensor], points: tuple[str, ...],
-              given: dict[str, PointStats]) -> None:
+              given: dict[str, PointStats], handoff: Handoff | None) -> None:
         if self._pending and (self.deal.position(index)
                               != self.deal.position(self._pending[-1][0]) + self.world_size):
             self._flush()  # a batch of this rank was left out: a shard holds an unbroken run of them
+        if handoff is not None:
+            self._handoffs.append(handoff)
+            given = {**given, **handoff.wait()}  # the batch's bytes are on the host from here
         self._pending.append((index, batch))
         for name in points:
             stats = given[name] if name in given else PointStats.of(batch[name])
@@ -285,13 +310,28 @@ class ShardWriter:
         started = time.perf_counter()
         self._write_shard(self._pending, self._pending_stats)
         self._pending, self._pending_stats, self._pending_rows = [], {}, 0
+        self._release()  # their bytes are in the shard file: the buffers may be reused
         self.busy_seconds += time.perf_counter() - started
+
+    def _wait_commit(self) -> None:
+        """Wait for the shard in flight to be committed; raise its error (it is not committed)."""
+        if self._committing is not None:
+            committing, self._committing = self._committing, None
+            committing.result()
+
+    def _release(self, *more: Handoff | None) -> None:
+        """Hand back the memory of the pending batches (and `more`): nothing reads it any more."""
+        for handoff in [*self._handoffs, *more]:
+            if handoff is not None:
+                handoff.release()
+        self._handoffs = []
 
     def _write_shard(self, pending: list[tuple[int, dict[str, torch.Tensor]]],
                      stats: dict[str, PointStats]) -> None:
         # each column as its batches: written one after the other, never concatenated into a copy
         columns = {k: [b[k] for _, b in pending] for k in pending[0][1]}
         name = f"{self._prefix}{self._next_shard:06d}.safetensors"
+        self._next_shard += 1
         tmp = self._staging / (name + ".tmp")
         runs = runs_of([i for i, _ in pending])
         # the identity, then the per-dimension statistics (the manifest keeps their scalars), each
@@ -300,7 +340,9 @@ class ShardWriter:
                     HEADER_KEY: header_text(stats)}
         try:
             self._staging.mkdir(exist_ok=True)  # made on the first write: a store never written has none
-            size, digest = save_columns(columns, tmp, metadata, self.checksum, self._copiers, self._file_mode)
+            size, digest = save_columns(columns, tmp, metadata, self.checksum, self._copiers, self._file_mode,
+                                        sync=False)
+            self._wait_commit()  # the shard before: committed first (or failed, and this one goes too)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -308,9 +350,19 @@ class ShardWriter:
         scalars = {k: s.scalars() for k, s in stats.items()}
         entry = ShardEntry(f"{SHARDS_DIR}/{name}", rows, digest, size, runs, self.rank, self.generation,
                            scalars, algorithm=self.checksum)
-        self._next_shard += 1  # named now: at a URL its commit may come after the next shard is cut
-        # renamed, or uploaded under its final name (at a URL in the background: upload.py), then committed
-        self.fs.put_shard(tmp, entry.file, lambda: self._commit(entry, scalars))
+        self._committing = self._committer.submit(self._put_and_commit, tmp, entry, scalars)
+
+    def _put_and_commit(self, tmp: Path, entry: ShardEntry, stats: dict[str, PointStats]) -> None:
+        """On the commit thread: shard file `tmp`, written, becomes durable, takes its place, and is
+        committed."""
+        try:
+            sync_file(tmp)  # raises the fsync's error (a full disk): the shard is not durable
+            # renamed, or uploaded under its final name: on an object store the manifest PUT commits it
+            self.fs.put_file(tmp, entry.file)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        self._commit(entry, stats)
 
     def _commit(self, entry: ShardEntry, stats: dict[str, PointStats]) -> None:
         """Shard `entry`, in its final place, becomes part of the store (its batches count as done)."""
@@ -319,65 +371,8 @@ class ShardWriter:
         except BaseException:
             self.fs.remove(entry.file)  # not committed: free its space; a resume would delete it anyway
             raise
-        self.done_batches = self.done_batches | set(entry.batch_indices())
+        self.done_batches.update(entry.batch_indices())  # in place: O(1) per shard, read by `in` only
         self.bytes_written += entry.bytes
-
-    # -- opening ----------------------------------------------------------------------------------
-
-    def _remove_orphans(self, found_at_open: list[str]) -> None:
-        """Delete leftovers of a crash: this rank's staging directory (a half-written shard and any
-        temporary file safetensors made beside it), `.tmp` files and the shards no manifest lists,
-        and (rank 0) those of earlier attempts, whose processes have stopped, and safetensors'
-        temporary files in shards/ itself (only writers before the staging directories left them)."""
-        def debris(name: str) -> bool:
-            if self.rank == 0 and _LIBRARY_TEMP.fullmatch(name):
-                return True
-            if not name.startswith(self._prefix) and (self.rank != 0 or not name.startswith("shard-")
-                                                      or _of_generation(name, self.generation)):
-                return False  # another rank's of this attempt: it may be writing it right now
-            return name.endswith(".tmp") or name not in self._listed
-
-        for name in self.fs.list(SHARDS_DIR):
-            if debris(name):
-                self.fs.remove(f"{SHARDS_DIR}/{name}")
-        if self._manifest_name + ".tmp" in found_at_open:  # a local manifest write cut short
-            self.fs.remove(self._manifest_name + ".tmp")
-
-
-# safetensors' save_file writes `.tmp` + 6 letters or digits beside its target, then renames it
-_LIBRARY_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
-
-
-def _of_generation(name: str, generation: int) -> bool:
-    """Whether shard file `name` was written by attempt `generation`."""
-    return bool(re.match(r"shard-r\d{3}-" if generation == 0 else rf"shard-g{generation:03d}-", name))
-
-
-def merge_rank_manifests(out_dir: str | os.PathLike, world_size: int | None = None) -> Manifest:
-    """Unite every manifest in the store (each rank's, of every attempt) into `manifest.json`: its
-    shards ordered by first batch, stats summed. Rank 0 calls it once every rank has closed;
-    `world_size`, if given, must be that of the latest attempt."""
-    fs = open_fs(out_dir)
-    out = fs.url
-    manifests = read_manifests(fs)
-    if not manifests:
-        raise StoreError(f"{out}: no manifest here; is this a hookscope store?")
-    latest = max((m for _, m in manifests), key=lambda m: m.generation)
-    if world_size is not None and world_size != latest.world_size:
-        raise StoreError(f"{out}: its latest run had {latest.world_size} process(es), not {world_size}")
-    names = {name for name, _ in manifests}
-    missing = [r for r in range(latest.world_size)
-               if manifest_name(r, latest.world_size, latest.generation) not in names]
-    if missing:
-        raise StoreError(f"{out}: rank {missing[0]} of the latest run left no manifest; re-run the job "
-                         "(it resumes) to finish the store")
-    united = plan(manifests, latest.settings, latest.world_size, out)
-    merged = Manifest(settings=latest.settings, world_size=latest.world_size, generation=latest.generation,
-                      points=united.points, meta=united.meta, shards=united.shards,
-                      stats=summed_stats(united.shards), settings_hash=latest.settings_hash)
-    fs.put(MANIFEST, merged.to_bytes())
-    fs.remove_tree(journal_name(MANIFEST))  # a single process's commits of an earlier attempt: merged now
-    return merged
 
 
 def _umask() -> int:

@@ -1,0 +1,89 @@
+"""The out stage: a batch's activations from the device to the host without the main thread waiting.
+
+On a CUDA device each point's statistics are computed where the activations are (`stats_tensors`:
+no host sync), and the activations and the statistics are copied into a reused page-locked buffer
+of the ring (ring.py), all on a side stream that first waits for the forward; one event per device
+marks the end. The main thread goes on to the next batch at once. The writer's thread receives a
+`Handoff`: it waits on the events before it reads the buffer (`wait`, which also gives the
+statistics), and hands the buffer back once the batch's bytes are on disk (`release`). Activations
+already on the CPU go as they are, with no handoff: the writer's thread measures them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..store.stats import PointStats, stats_tensors
+from .ring import HostRing, nbytes_of, views
+
+
+class Handoff:
+    """One batch's copy to the host, as the writer sees it: `wait()` (the copy is done: its
+    statistics, by point) before reading, `release()` once its bytes are written."""
+
+    def __init__(self, events: Sequence[Any], stats: dict[str, tuple[torch.Tensor, ...]],
+                 ring: HostRing | None = None, buffer: torch.Tensor | None = None,
+                 sources: Sequence[torch.Tensor] = ()):
+        self.events, self.stats, self.ring, self.buffer = list(events), stats, ring, buffer
+        # the device tensors being read: held until the copy is done, so that the allocator cannot
+        # hand their memory to the next forward meanwhile (record_stream would be the other way,
+        # but it is an in-place op, refused on a capture's inference tensors)
+        self.sources = list(sources)
+
+    def wait(self) -> dict[str, PointStats]:
+        for event in self.events:
+            event.synchronize()
+        self.sources = []
+        return {name: PointStats.of_tensors(*parts) for name, parts in self.stats.items()}
+
+    def release(self) -> None:
+        if self.buffer is not None and self.ring is not None:
+            buffer, self.buffer = self.buffer, None  # once only
+            self.ring.give_back(buffer)
+
+
+class CopyOut:
+    """The out stage of one run: a side stream per CUDA device and one ring of host buffers."""
+
+    def __init__(self, keep: int = 8):
+        self.ring = HostRing(keep=keep, pinned=True)
+        self.streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def __call__(self, acts: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Handoff | None]:
+        """`acts` on the host (views of a ring buffer for those on CUDA, still being filled), and the
+        handoff the writer waits on (None when nothing came from a CUDA device)."""
+        cuda = {name: a for name, a in acts.items() if a.device.type == "cuda"}
+        if not cuda:
+            return {name: a.cpu() for name, a in acts.items()}, None
+        buffer = self.ring.take(nbytes_of(cuda.values()))
+        placed = dict(zip(cuda, views(buffer, cuda.values()), strict=True))
+        sides: dict[torch.device, torch.cuda.Stream] = {}
+        stats: dict[str, tuple[torch.Tensor, ...]] = {}
+        for name, a in cuda.items():
+            side = sides.get(a.device)
+            if side is None:
+                side = sides[a.device] = self._side(a.device)
+                side.wait_stream(torch.cuda.current_stream(a.device))  # after the forward that made them
+            with torch.cuda.stream(side):
+                parts = stats_tensors(a)
+                placed[name].copy_(a, non_blocking=True)
+                stats[name] = tuple(_pinned(p).copy_(p, non_blocking=True) for p in parts)
+        events = []
+        for side in sides.values():
+            event = torch.cuda.Event()
+            event.record(side)
+            events.append(event)
+        host = {name: placed[name] if name in placed else a.cpu() for name, a in acts.items()}
+        return host, Handoff(events, stats, self.ring, buffer, sources=list(cuda.values()))
+
+    def _side(self, device: torch.device) -> torch.cuda.Stream:
+        if device not in self.streams:
+            self.streams[device] = torch.cuda.Stream(device)
+        return self.streams[device]
+
+
+def _pinned(like: torch.Tensor) -> torch.Tensor:
+    return torch.empty(like.shape, dtype=like.dtype, pin_memory=True)

@@ -1,0 +1,189 @@
+"""The extraction pipeline's hand-offs, on the CPU (the CUDA copy-out's own test is in test_cuda.py):
+the writer waits on a batch's handoff before it reads the batch, and hands each reused buffer back
+only once its bytes are in a shard; the ring (extract/ring.py) reuses what was handed back and keeps
+memory flat; the data stage's columns equal boolean-mask indexing."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from hookscope.errors import StoreError
+from hookscope.extract.copyout import Handoff
+from hookscope.extract.ring import HostRing, nbytes_of, views
+from hookscope.sources.columns import token_columns
+from hookscope.store import ShardWriter, open_store
+from hookscope.store.stats import PointStats, stats_tensors
+
+SETTINGS = {"test": "pipeline handoff"}
+ROWS, WIDTH = 37, 24
+
+
+def rows_of(i: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(i)
+    return torch.randn(ROWS + i % 3, WIDTH, generator=g).to(torch.bfloat16)
+
+
+class LateCopy:
+    """An event whose copy lands only when the writer synchronizes on it, a while after `write`
+    returned: a writer that reads before it waits stores the buffer's old bytes."""
+
+    def __init__(self, target: torch.Tensor, value: torch.Tensor):
+        self.target, self.value = target, value
+
+    def synchronize(self) -> None:
+        time.sleep(0.01)
+        self.target.copy_(self.value)
+
+
+class Watched(Handoff):
+    """A handoff that records, when its buffer is handed back, whether the batch's bytes are in a
+    shard file already (its `.tmp` in the writer's staging directory, or its final place)."""
+
+    def __init__(self, *args, store, value: torch.Tensor, log: list, renames: threading.Lock, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.store, self.value, self.log, self.renames = store, value, log, renames
+
+    def release(self) -> None:
+        if self.buffer is not None:
+            with self.renames:  # no shard moves from its .tmp to its place while the files are read
+                written = b"".join(f.read_bytes() for f in (self.store / "shards").rglob("*.safetensors*"))
+            self.log.append(self.value.view(torch.uint8).numpy().tobytes() in written)
+        super().release()
+
+
+def test_the_writer_waits_on_each_handoff_and_hands_buffers_back_after_writing(tmp_path):
+    out, ring, log, renames = tmp_path / "store", HostRing(keep=6, pinned=False), [], threading.Lock()
+    with ShardWriter(out, SETTINGS, shard_rows=3 * ROWS, queue_size=2) as writer:
+        commit = writer._put_and_commit  # runs on the commit thread, beside the next shard's write
+
+        def commit_holding_the_files(*args, **kwargs):
+            with renames:
+                return commit(*args, **kwargs)
+
+        writer._put_and_commit = commit_holding_the_files
+        for i in range(12):
+            value = rows_of(i)
+            buffer = ring.take(nbytes_of([value]))
+            (view,) = views(buffer, [value])
+            view.fill_(float("nan"))  # what a buffer holds before its copy lands
+            parts = stats_tensors(value)  # as the device would compute them
+            handoff = Watched([LateCopy(view, value)], {"x": parts}, ring, buffer, store=out, value=value,
+                              log=log, renames=renames)
+            writer.write(i, {"x": view}, {"token_ids": torch.arange(len(value)) + 1000 * i}, handoff=handoff)
+    store = open_store(out, verify=True)
+    want = torch.cat([rows_of(i) for i in range(12)])
+    assert torch.equal(store.tensor("x"), want)  # every batch read after its copy landed
+    assert all(log) and len(log) == 12  # each buffer back only once its bytes were in a shard file
+    # the statistics given by the handoffs, merged: those of the stored rows (float64 reference)
+    rows = want.double()
+    norms = rows.norm(dim=1)
+    stats = store.manifest.stats["x"]
+    assert (stats.nonfinite, stats.norm_count) == (0, len(rows))
+    assert stats.norm_sum == pytest.approx(float(norms.sum()), rel=1e-6)
+    assert ring.made <= 6 and ring.out == 0  # reused: the writer's bounds, not one buffer per batch
+
+
+def test_a_failed_writer_still_hands_every_buffer_back(tmp_path, monkeypatch):
+    import hookscope.store.writer as writer_module
+
+    def broken(*args, **kwargs):
+        raise OSError("disk on fire")
+
+    monkeypatch.setattr(writer_module, "save_columns", broken)
+    ring = HostRing(keep=4, pinned=False)
+    writer = ShardWriter(tmp_path / "store", SETTINGS, shard_rows=2 * ROWS)
+    refused = 0  # a write that raises does not take its handoff: the caller still holds it
+    for i in range(6):
+        value = rows_of(i)
+        buffer = ring.take(nbytes_of([value]))
+        (view,) = views(buffer, [value])
+        view.copy_(value)
+        try:
+            writer.write(i, {"x": view}, handoff=Handoff([], {}, ring, buffer))
+        except StoreError:
+            refused += 1
+            ring.give_back(buffer)
+        time.sleep(0.05)
+    writer.close()  # the error was reported at a write already
+    assert refused and ring.out == 0  # every batch the writer took was handed back, none twice
+    assert len(ring.free) == ring.made
+
+
+def test_the_ring_reuses_what_is_handed_back_and_never_hands_out_one_twice():
+    ring = HostRing(keep=3, pinned=False)
+    a, b = ring.take(1000), ring.take(1000)
+    assert a.data_ptr() != b.data_ptr() and ring.made == 2
+    ring.give_back(a)
+    c = ring.take(900)
+    assert c.data_ptr() == a.data_ptr() and ring.made == 2  # the free one, not a new one
+    bigger = ring.take(a.numel() + 1)  # none free fits: a new one
+    assert bigger.numel() > a.numel() and ring.made == 3
+    for t in (b, c, bigger):
+        ring.give_back(t)
+    assert len(ring.free) == 3
+    small = ring.take(10)
+    ring.give_back(ring.take(10 * 2**20))  # a fourth: the smallest free one is dropped, 3 kept
+    assert len(ring.free) + ring.out == 3
+    ring.give_back(small)
+
+    held, lock, twice = set(), threading.Lock(), []
+
+    def worker():  # four threads taking and giving back: never one buffer held by two at once
+        for _ in range(200):
+            t = ring.take(100)
+            with lock:
+                if t.data_ptr() in held:
+                    twice.append(t.data_ptr())
+                held.add(t.data_ptr())
+            with lock:
+                held.discard(t.data_ptr())
+            ring.give_back(t)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not twice and ring.out == 0 and len(ring.free) <= 3
+
+
+def test_views_lay_tensors_out_aligned_and_apart():
+    tensors = [torch.zeros(3, 5, dtype=torch.bfloat16), torch.zeros(7, dtype=torch.float32),
+               torch.zeros(0, 4, dtype=torch.float64), torch.zeros(2, 2, dtype=torch.int64)]
+    buffer = torch.zeros(nbytes_of(tensors), dtype=torch.uint8)
+    placed = views(buffer, tensors)
+    for i, (view, t) in enumerate(zip(placed, tensors, strict=True)):
+        assert view.shape == t.shape and view.dtype == t.dtype and view.data_ptr() % 64 == 0
+        view.fill_(i + 1)
+    for i, view in enumerate(placed):  # none overlaps another
+        assert bool((view == i + 1).all())
+
+
+def test_token_columns_equal_boolean_mask_indexing():
+    g = torch.Generator().manual_seed(4)
+    batch = {"input_ids": torch.randint(0, 1000, (5, 13), generator=g),
+             "doc_ids": torch.randint(0, 50, (5, 13), generator=g),
+             "doc_positions": torch.randint(0, 13, (5, 13), generator=g),
+             "seq_ids": torch.arange(5) + 70}
+    for keep in (torch.rand(5, 13, generator=g) > 0.3, torch.zeros(5, 13, dtype=torch.bool),
+                 torch.ones(5, 13, dtype=torch.bool)):
+        got = token_columns(batch, keep)
+        assert torch.equal(got["token_ids"], batch["input_ids"][keep])
+        assert torch.equal(got["doc_ids"], batch["doc_ids"][keep])
+        assert torch.equal(got["positions"], batch["doc_positions"][keep])
+        assert torch.equal(got["seq_ids"], batch["seq_ids"].unsqueeze(1).expand(5, 13)[keep])
+        assert all(v.dtype == torch.int64 for v in got.values())
+
+
+def test_stats_tensors_read_back_as_point_stats_of_the_rows():
+    rows = rows_of(5).float()
+    rows[3, 2] = float("nan")
+    got, want = PointStats.of_tensors(*stats_tensors(rows)), PointStats.of(rows)
+    assert (got.nonfinite, got.norm_count) == (want.nonfinite, want.norm_count) == (1, len(rows) - 1)
+    assert got.norm_sum == pytest.approx(want.norm_sum, rel=1e-6)
+    torch.testing.assert_close(got.mean, want.mean, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(got.m2, want.m2, rtol=1e-5, atol=1e-5)
