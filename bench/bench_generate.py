@@ -38,6 +38,15 @@ work done, which load stretches far less than wall time).
   group tl3      tl3_plain       TransformerLens 3.9 HookedTransformer.generate (its own KV cache)
                  tl3_capture     ... + model.hooks appending each step's hook_resid_post
                  tl3_steer       ... + model.hooks adding the vector
+Per token, two ways: the whole run's time over its NEW tokens (what a user waits, the run's setup
+and finish included: `x hf`), and each extra token's time, from the same configuration run at NEW
+and at SHORT = NEW / 4 tokens in the same repetition, (t_NEW - t_SHORT) / (NEW - SHORT), over plain
+generate's (`per extra token`: the hooks' cost per step alone). Beside them, counted in one more
+fresh process over runs of SHORT and NEW tokens (`common.per_token_counts`): aten ops, host reads of
+a tensor's value (`.item()`, `bool(t)`, nonzero: each a wait for the device on a GPU) and Python
+calls per generated token, as plain generate's count + what the configuration adds. On a GPU a
+small model's decoding step is bound by the host launching kernels, so these counts are what the
+CPU figures transfer there (`--batch 32` and `--model tiny` approach that regime here).
 Writes raw figures (every paired time) to bench/out/generate-MODEL-latest.json, after every process.
 """
 
@@ -62,6 +71,7 @@ GROUPS = {
 }
 PROMPT = 16
 SETTINGS = {"full": {"new": 64, "rounds": 2, "reps": 4}, "quick": {"new": 16, "rounds": 1, "reps": 2}}
+BATCH = 1  # (--batch)
 MODELS = {"small": (common.GPT2_SMALL_DIR, 5), "tiny": (common.TINY_DIR, 1)}
 
 
@@ -74,7 +84,7 @@ def steering_vector(d_model: int):
     return torch.randn(d_model, generator=torch.Generator().manual_seed(1))
 
 
-def make_run(config: str, model_name: str, new: int):
+def make_run(config: str, model_name: str, new: int, batch: int = 1):
     """A zero-argument call that generates `new` tokens as `config` does; returns the token ids
     [1, PROMPT + new]. The Hugging Face configurations share one copy of the weights (each removes
     its hooks after a run); nnsight and TransformerLens load their own (from the same files)."""
@@ -91,7 +101,7 @@ def make_run(config: str, model_name: str, new: int):
 
         model = common.load_tl3(path)
         model.set_tokenizer(AutoTokenizer.from_pretrained(path), default_padding_side="right")
-        ids = common.input_ids(model.cfg.d_vocab, 1, PROMPT)
+        ids = common.input_ids(model.cfg.d_vocab, batch, PROMPT)
         vector = steering_vector(model.cfg.d_model)
         kept = []
         hooks = {"tl3_plain": [],
@@ -109,7 +119,7 @@ def make_run(config: str, model_name: str, new: int):
         model = common.load_hf(path)  # nnsight wraps it: not the copy plain generate runs on
     else:
         model = _SHARED.get(path) or _SHARED.setdefault(path, common.load_hf(path))
-    ids = common.input_ids(model.config.vocab_size, 1, PROMPT)
+    ids = common.input_ids(model.config.vocab_size, batch, PROMPT)
     vector = steering_vector(model.config.n_embd)
     block = model.transformer.h[layer]
     if config == "hf":
@@ -166,28 +176,45 @@ def _tokens(result) -> list[int] | None:
     return seq[0].tolist() if isinstance(seq, torch.Tensor) else None
 
 
-def worker(group: str, model_name: str, new: int, reps: int) -> dict:
-    """Every configuration of `group`, `reps` times each in rotated order; seconds per run."""
+def worker(group: str, model_name: str, new: int, reps: int, batch: int) -> dict:
+    """Every configuration of `group`, `reps` times each in rotated order, at `new` tokens and right
+    after at `new // 4`; seconds per run."""
     import torch
 
     configs = GROUPS[group]
-    runs = {c: make_run(c, model_name, new) for c in configs}
+    short = max(1, new // 4)
+    runs = {c: make_run(c, model_name, new, batch) for c in configs}
+    short_runs = {c: make_run(c, model_name, short, batch) for c in configs}
     tokens = {}
     with torch.inference_mode():
         for config, fn in runs.items():  # warm-up, and the tokens for the cross-check
             tokens[config] = _tokens(fn())
+            short_runs[config]()
     seconds: dict[str, list[float]] = {c: [] for c in configs}
     cpu: dict[str, list[float]] = {c: [] for c in configs}
+    short_seconds: dict[str, list[float]] = {c: [] for c in configs}
     for rep in range(reps):
         order = configs[rep % len(configs):] + configs[:rep % len(configs)]
         for config in order:
-            gc.collect()
-            start, start_cpu = time.perf_counter(), time.process_time()
-            with torch.inference_mode():
-                runs[config]()
-            seconds[config].append(time.perf_counter() - start)
-            cpu[config].append(time.process_time() - start_cpu)
-    return {"seconds": seconds, "cpu": cpu, "tokens": tokens}
+            for fn, into in ((runs[config], seconds), (short_runs[config], short_seconds)):
+                gc.collect()
+                start, start_cpu = time.perf_counter(), time.process_time()
+                with torch.inference_mode():
+                    fn()
+                into[config].append(time.perf_counter() - start)
+                if into is seconds:
+                    cpu[config].append(time.process_time() - start_cpu)
+    return {"seconds": seconds, "cpu": cpu, "short_seconds": short_seconds, "short": short, "tokens": tokens}
+
+
+def counts_worker(model_name: str, new: int, batch: int) -> dict:
+    """Per generated token, for each configuration of the hf group: aten ops, host reads, Python calls."""
+    import torch
+
+    short = max(1, new // 4)
+    with torch.inference_mode():
+        return {c: common.per_token_counts(lambda n, c=c: make_run(c, model_name, n, batch), short, new)
+                for c in GROUPS["hf"]}
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:
@@ -209,16 +236,19 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=None,
                         help="repetitions of each configuration per process")
     parser.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per process")
+    parser.add_argument("--batch", type=int, default=BATCH, help="prompts per generate call")
+    parser.add_argument("--counts", action="store_true", help=argparse.SUPPRESS)  # (worker)
     args = parser.parse_args()
     settings = SETTINGS["quick" if args.quick else "full"]
     new, rounds, reps = args.new or settings["new"], args.rounds or settings["rounds"], \
         args.reps or settings["reps"]
-    if args.group:
+    if args.group or args.counts:
         common.setup_process()
         import torch
 
         torch.set_num_threads(args.threads)
-        common.emit(worker(args.group, args.model, new, reps))
+        common.emit(counts_worker(args.model, new, args.batch) if args.counts
+                    else worker(args.group, args.model, new, reps, args.batch))
         return
     common.run_fresh(sys.executable, common.BENCH_DIR / "core_cases.py", ["prepare"])
     groups = args.only.split(",") if args.only else list(GROUPS)
@@ -227,6 +257,7 @@ def main() -> None:
     # repetition in the same process
     ms: dict[str, list[float]] = {}
     ratios: dict[str, list[float]] = {}
+    step_ratios: dict[str, list[float]] = {}  # per extra token: (t_new - t_short) over plain generate's
     cpu_ratios: dict[str, list[float]] = {}  # the same pairs in process CPU time (1 thread: the work done)
     tokens: dict[str, list[int]] = {}
     errors: dict[str, str] = {}
@@ -236,28 +267,44 @@ def main() -> None:
             loads.append(open("/proc/loadavg").read().split()[0])
             out = common.run_fresh(sys.executable, Path(__file__),
                                    ["--group", group, "--model", args.model, "--new", str(new), "--reps",
-                                    str(reps), "--threads", str(args.threads)],
+                                    str(reps), "--threads", str(args.threads), "--batch", str(args.batch)],
                                    env={"OMP_NUM_THREADS": str(args.threads),
                                         "MKL_NUM_THREADS": str(args.threads)})
             if "error" in out:
                 errors[group] = out["error"]
                 continue
             base, base_cpu = out["seconds"]["hf"], out["cpu"]["hf"]
+            base_step = [a - b for a, b in zip(base, out["short_seconds"]["hf"], strict=True)]
             for config, secs in out["seconds"].items():
+                steps = [a - b for a, b in zip(secs, out["short_seconds"][config], strict=True)]
+                step_ratios.setdefault(config, []).extend(
+                    s / b for s, b in zip(steps, base_step, strict=True))
                 ms.setdefault(config, []).extend(s / new * 1e3 for s in secs)
                 ratios.setdefault(config, []).extend(s / b for s, b in zip(secs, base, strict=True))
                 cpu_ratios.setdefault(config, []).extend(
                     s / b for s, b in zip(out["cpu"][config], base_cpu, strict=True))
                 tokens.setdefault(config, out["tokens"][config])
             # after every process: a stopped run keeps what it measured
-            _save(args, new, rounds, reps, loads, ms, ratios, cpu_ratios, errors)
+            _save(args, new, rounds, reps, loads, ms, ratios, cpu_ratios, errors, step_ratios)
     loads.append(open("/proc/loadavg").read().split()[0])
-    print(f"model {args.model}, batch 1, prompt {PROMPT}, {new} new greedy tokens; {rounds} process(es) per "
-          f"group x {reps} paired repetitions, {args.threads} thread(s); {time.time() - started:.0f} s; "
-          f"1-min load between "
+    counts = common.run_fresh(sys.executable, Path(__file__),
+                              ["--counts", "--model", args.model, "--new", str(new), "--batch",
+                               str(args.batch), "--threads", str(args.threads)])
+    loads.append(open("/proc/loadavg").read().split()[0])
+    print(f"model {args.model}, batch {args.batch}, prompt {PROMPT}, {new} new greedy tokens; {rounds} "
+          f"process(es) per group x {reps} paired repetitions, {args.threads} thread(s); "
+          f"{time.time() - started:.0f} s; 1-min load between "
           f"processes {min(loads, key=float)}-{max(loads, key=float)}")
     print(f"{'config':<16} {'ms/token':>9} {'(range)':>15}  {'x hf (paired)':>13}  {'ratio range':>13}  "
-          f"{'ratio IQR':>11}  {'CPU x hf':>8}  {'CPU IQR':>11}")
+          f"{'ratio IQR':>11}  {'CPU x hf':>8}  {'CPU IQR':>11}  {'per extra token':>15}  {'IQR':>11}  "
+          f"{'ops/token':>11}  {'host reads':>10}  {'py calls':>11}")
+    plain_counts = counts.get("hf", {})
+
+    def counted(config: str, key: str) -> str:
+        c = counts.get(config)
+        if not c or not plain_counts:
+            return "-"
+        return f"{c[key]:.0f}" if config == "hf" else f"+{c[key] - plain_counts[key]:.1f}"
     for config in [c for g in groups for c in GROUPS[g] if c != "hf" or g == groups[0]]:
         if config not in ms:
             continue
@@ -265,11 +312,17 @@ def main() -> None:
         low_q, high_q = _quartiles(r)
         c = cpu_ratios[config]
         low_c, high_c = _quartiles(c)
+        st = step_ratios[config]
+        low_s, high_s = _quartiles(st)
         print(f"{config:<16} {statistics.median(m):9.2f} {min(m):7.2f}-{max(m):<7.2f}  "
               f"{statistics.median(r):13.3f}  {min(r):6.3f}-{max(r):<6.3f}  {low_q:5.3f}-{high_q:<5.3f}  "
-              f"{statistics.median(c):8.3f}  {low_c:5.3f}-{high_c:<5.3f}")
+              f"{statistics.median(c):8.3f}  {low_c:5.3f}-{high_c:<5.3f}  {statistics.median(st):15.3f}  "
+              f"{low_s:5.3f}-{high_s:<5.3f}  {counted(config, 'ops'):>11}  "
+              f"{counted(config, 'host_reads'):>10}  {counted(config, 'python_calls'):>11}")
     for group, error in errors.items():
         print(f"group {group}: error: {error[:300]}")
+    if "error" in counts:
+        print(f"counts: error: {counts['error'][:300]}")
     steered = {c: t for c, t in tokens.items() if c.endswith("steer") and t}
     if len(set(map(tuple, steered.values()))) > 1:
         print("note: steered tokens differ between tools:",
@@ -280,17 +333,18 @@ def main() -> None:
                                                        "tl3_capture") and t}
     if len(set(map(tuple, plain.values()))) > 1:
         print("note: unsteered tokens differ:", {c: t[PROMPT:PROMPT + 6] for c, t in plain.items()})
-    _save(args, new, rounds, reps, loads, ms, ratios, cpu_ratios, errors,
+    _save(args, new, rounds, reps, loads, ms, ratios, cpu_ratios, errors, step_ratios, counts,
           versions=common.run_fresh(sys.executable, common.BENCH_DIR / "core_cases.py", ["versions"]))
 
 
-def _save(args, new, rounds, reps, loads, ms, ratios, cpu_ratios, errors, versions=None) -> None:
+def _save(args, new, rounds, reps, loads, ms, ratios, cpu_ratios, errors, step_ratios, counts=None,
+          versions=None) -> None:
     out_dir = common.OUT_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     record = {"model": args.model, "new": new, "rounds": rounds, "reps": reps, "threads": args.threads,
-              "loads": loads, "ms_per_token": ms, "paired_ratio": ratios,
-              "paired_cpu_ratio": cpu_ratios, "errors": errors,
-              "versions": versions}
+              "batch": args.batch, "loads": loads, "ms_per_token": ms, "paired_ratio": ratios,
+              "paired_cpu_ratio": cpu_ratios, "paired_step_ratio": step_ratios, "per_token_counts": counts,
+              "errors": errors, "versions": versions}
     (out_dir / f"generate-{args.model}-latest.json").write_text(json.dumps(record, indent=1))
 
 

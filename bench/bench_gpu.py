@@ -19,8 +19,10 @@ Cases, each against its own reference in the same process tree:
   extract_all  the same with every block's resid_post (the Llama shape only: 16 points)
   compile      blocks vs full: first call in a cold process (empty inductor cache), first call in a
                warm one (the cache the cold one filled), and the steady per-call time vs eager
-  generate     per-token latency of greedy generation with one captured point / one steering edit
-               vs plain `generate` (when hookscope has `hs.generate`)
+  generate     per-token latency of greedy generation (batch x 32-token prompt, 32 new tokens) with one
+               captured point / one steering edit, hs.generate and a hand-written hook, paired with
+               plain `generate` in rotated order, whole run and per extra token (32 vs 8 new), with
+               aten ops, host reads and blocking CUDA calls per token (when hookscope has `hs.generate`)
   peers        TransformerLens 3.x run_with_cache(names_filter, stop_at_layer) and nnsight on the
                GPT-2 shape, when they are installed
 """
@@ -272,24 +274,114 @@ def compile_case(model, ids, point: str, policy: str, args) -> dict:
             "cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
 
 
+GENERATE_CONFIGS = ("plain", "hand_capture", "hs_capture", "hand_steer", "hs_steer", "hs_steer_host_vector")
+
+
+def generate_runs(model, prompt, point: str, layer: int, device: str):
+    """config -> (n -> a call generating n greedy tokens), as bench/bench_generate.py defines them:
+    plain generate, a hand-written forward hook keeping / steering the block's output, hs.generate
+    capturing / steering it; `hs_steer_host_vector`: the vector as a user may give it (float32, on
+    the CPU)."""
+    import torch
+
+    import hookscope as hs
+
+    vector = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    on_device = vector.to(device, model.dtype)
+    block = model.transformer.h[layer] if hasattr(model, "transformer") else model.model.layers[layer]
+    kept: list = []
+
+    def keep(module, args, out):
+        kept.append((out if isinstance(out, torch.Tensor) else out[0]).detach().clone())
+
+    def add(module, args, out):
+        return out + on_device if isinstance(out, torch.Tensor) else (out[0] + on_device, *out[1:])
+
+    def hand(hook, n):
+        def run():
+            kept.clear()
+            handle = block.register_forward_hook(hook)
+            try:
+                return model.generate(prompt, **greedy(n))
+            finally:
+                handle.remove()
+        return run
+
+    def greedy(n):
+        return {"max_new_tokens": n, "min_new_tokens": n, "do_sample": False}
+
+    return {
+        "plain": lambda n: lambda: model.generate(prompt, **greedy(n)),
+        "hand_capture": lambda n: hand(keep, n),
+        "hs_capture": lambda n: lambda: hs.generate(model, prompt, points=[point], **greedy(n)),
+        "hand_steer": lambda n: hand(add, n),
+        "hs_steer": lambda n: lambda: hs.generate(model, prompt, edits=[hs.steer(point, on_device)],
+                                                  **greedy(n)),
+        "hs_steer_host_vector": lambda n: lambda: hs.generate(model, prompt, edits=[hs.steer(point, vector)],
+                                                              **greedy(n)),
+    }
+
+
 def generate_case(model, ids, point: str, args) -> dict:
+    """Every configuration at NEW and at NEW / 4 tokens, in an order rotated each repetition, each
+    run CUDA-synchronised and after a gc pass, so a ratio pairs runs seconds apart; then the counts
+    per generated token (`common.per_token_counts`: aten ops, host reads, blocking CUDA calls,
+    Python calls)."""
+    import gc
+
     import torch
 
     import hookscope as hs
 
     if not hasattr(hs, "generate"):
         return {"skipped": "this hookscope has no hs.generate"}
-    prompt = ids[:, :32]
+    sys.path.insert(0, str(HERE))
+    import common
+
     new = 32 if not args.smoke else 8
-    opts = {"max_new_tokens": new, "min_new_tokens": new, "do_sample": False}
-    vector = torch.randn(model.config.hidden_size, device=args.device, dtype=model.dtype)
-    plain = lambda: model.generate(prompt, **opts)  # noqa: E731
-    captured = lambda: hs.generate(model, prompt, points=[point], **opts)  # noqa: E731
-    steered = lambda: hs.generate(model, prompt, edits=[hs.steer(point, vector)], **opts)  # noqa: E731
-    per_token = lambda ts: [t / new for t in ts]  # noqa: E731
-    return {"plain_s": per_token(timed(plain, args.device, args.runs)),
-            "capture_s": per_token(timed(captured, args.device, args.runs)),
-            "steer_s": per_token(timed(steered, args.device, args.runs))}
+    short = new // 4
+    layer = int(point.split(".")[1])
+    runs = generate_runs(model, ids[:, :32], point, layer, args.device)
+    seconds: dict[str, list[float]] = {c: [] for c in GENERATE_CONFIGS}
+    short_seconds: dict[str, list[float]] = {c: [] for c in GENERATE_CONFIGS}
+    calls = {c: (runs[c](new), runs[c](short)) for c in GENERATE_CONFIGS}
+    for long_run, short_run in calls.values():  # warm-up
+        long_run(), short_run()
+    for rep in range(3 * args.runs):
+        turn = rep % len(GENERATE_CONFIGS)
+        order = GENERATE_CONFIGS[turn:] + GENERATE_CONFIGS[:turn]
+        for config in order:
+            for fn, into in zip(calls[config], (seconds, short_seconds), strict=True):
+                gc.collect()
+                sync(args.device)
+                start = time.perf_counter()
+                fn()
+                sync(args.device)
+                into[config].append(time.perf_counter() - start)
+    with torch.inference_mode():
+        counts = {c: common.per_token_counts(runs[c], short, new) for c in GENERATE_CONFIGS}
+    return {"new": new, "short": short, "seconds": seconds, "short_seconds": short_seconds, "counts": counts}
+
+
+def generate_figure(r: dict) -> str:
+    """Paired medians against plain generate: per token of the whole run, and per extra token
+    ((t_NEW - t_SHORT) / (NEW - SHORT)); the counts per token beside them."""
+    secs, shorts, counts = r["seconds"], r["short_seconds"], r["counts"]
+    plain, plain_step = secs["plain"], [a - b for a, b in zip(secs["plain"], shorts["plain"], strict=True)]
+    c0 = counts["plain"]
+    parts = [f"plain {median(plain) / r['new'] * 1e3:.2f} ms/token, {c0['ops']:.0f} ops, "
+             f"{c0['host_reads']:.0f} host reads, {c0['cuda_waits']:.0f} CUDA waits per token"]
+    for config in GENERATE_CONFIGS[1:]:
+        whole = median([a / b for a, b in zip(secs[config], plain, strict=True)])
+        steps = [a - b for a, b in zip(secs[config], shorts[config], strict=True)]
+        step = median([a / b for a, b in zip(steps, plain_step, strict=True)])
+        c = counts[config]
+        parts.append(f"{config} **{whole:.3f}x** (per extra token {step:.3f}x; "
+                     f"+{c['ops'] - c0['ops']:.0f} ops, "
+                     f"+{c['host_reads'] - c0['host_reads']:.0f} host reads, "
+                     f"+{c['cuda_waits'] - c0['cuda_waits']:.0f} CUDA waits, "
+                     f"+{c['python_calls'] - c0['python_calls']:.0f} Python calls per token)")
+    return "; ".join(parts)
 
 
 def peers_case(model, ids, layer: int, point: str, args) -> dict:
@@ -388,8 +480,7 @@ def table(results: list[dict]) -> str:
             fig = (f"{r.get('start', '')} first call {r['first_call_s']:.1f} s, steady "
                    f"{ratio(r['steady_s'], r['eager_s'])} eager")
         elif r["case"] == "generate":
-            fig = r.get("skipped") or (f"per token: capture {ratio(r['capture_s'], r['plain_s'])}, steer "
-                                       f"{ratio(r['steer_s'], r['plain_s'])} plain generate")
+            fig = r.get("skipped") or generate_figure(r)
         else:
             fig = ", ".join(f"{k} {median(v) * 1e3:.1f} ms" if isinstance(v, list) else f"{k}: {v}"
                             for k, v in r.items() if k.endswith(("_s", "skipped")))

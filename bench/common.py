@@ -235,3 +235,43 @@ def emit(result: dict) -> None:
     """A worker's answer to `run_fresh`: one JSON line on stdout."""
     print(json.dumps(result), flush=True)
     sys.stdout.flush()
+
+
+# --- what a generated token costs, counted ----------------------------------------------------
+
+# aten ops that read a tensor's value on the host: on a GPU each waits for the device to finish
+HOST_READS = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero", "aten::item")
+# CUDA runtime calls that block the host (a pageable copy, an explicit synchronize)
+CUDA_WAITS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
+
+
+def per_token_counts(run_for: Callable[[int], Callable[[], Any]], short: int, long: int) -> dict:
+    """What one more generated token costs a configuration: aten ops, host reads of a tensor's value
+    (`HOST_READS`, plus the blocking CUDA runtime calls where the profiler sees a GPU) and Python
+    calls, each counted over a run of `long` and one of `short` new tokens, divided by the difference
+    (so what a run does once, setting up or finishing, cancels). `run_for(n)`: a call generating n."""
+    import cProfile
+    import pstats
+
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if torch.cuda.is_available():
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    counts: dict[int, dict] = {}
+    for n in (short, long):
+        fn = run_for(n)
+        fn()  # warm
+        with torch.profiler.profile(activities=activities) as prof:
+            fn()
+        names = [e.name for e in prof.events()]
+        profiler = cProfile.Profile()
+        profiler.enable()
+        fn()
+        profiler.disable()
+        counts[n] = {"ops": sum(name.startswith("aten::") for name in names),
+                     "host_reads": sum(name in HOST_READS for name in names),
+                     "cuda_waits": sum(name.startswith(CUDA_WAITS) and not name.startswith("cudaMemcpyAsync")
+                                       for name in names),
+                     "python_calls": pstats.Stats(profiler).total_calls}
+    return {key: (counts[long][key] - counts[short][key]) / (long - short) for key in counts[long]}

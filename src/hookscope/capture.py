@@ -154,6 +154,8 @@ class Capture(Kept):
         SelectionError: positions, heads or a token mask that do not fit the point.
         PointNotReachedError: reading a point that never ran while the block was open."""
 
+    copy = "auto"  # how `_keep` copies (`Selection.take`); "never": a subclass copies into its own buffer
+
     def __init__(self, model: nn.Module, points: str | Sequence[str], *, positions: Positions = None,
                  heads: Heads = None, token_mask: Tensor | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, stop: bool | None = None, inference: bool = True,
@@ -229,7 +231,7 @@ class Capture(Kept):
 
     def _keep(self, act: Tensor, hook: Hook) -> None:
         self.file(hook.spec.name, self.selection.take(act, hook.spec, attention_mask=self.pass_mask,
-                                                      events=self.events))
+                                                      copy=self.copy, events=self.events))
 
     def file(self, name: str, kept: Tensor) -> None:
         """Keep `kept` as this pass's value of point `name`; stop the pass if it was the last one

@@ -68,7 +68,9 @@ class Edit:
     def write(self, act: Tensor, spec: PointSpec, where: Tensor | None, part: Tensor | None = None) -> Tensor:
         """`act` with `value` written where the bool mask `where` is True (everywhere for None)."""
         # (no `part` unless a step has one: an Edit subclass written as `value(act, spec)` keeps working)
-        new = (self.value(act, spec) if part is None else self.value(act, spec, part)).to(act.dtype)
+        new = self.value(act, spec) if part is None else self.value(act, spec, part)
+        if new.dtype != act.dtype:  # (a no-op `.to` is still a dispatch: per generated token, it shows)
+            new = new.to(act.dtype)
         if where is None:
             return new.expand_as(act) if new.shape != act.shape else new
         return torch.where(where, new, act)
@@ -197,7 +199,9 @@ class Steer(Edit):
     scale: float = 1.0
 
     def value(self, act: Tensor, spec: PointSpec, part: Tensor | None = None) -> Tensor:
-        vector = self.vector.to(act.device, act.dtype)
+        vector = self.vector
+        if vector.dtype != act.dtype or vector.device != act.device:
+            vector = vector.to(act.device, act.dtype)
         return act + (vector if self.scale == 1 else self.scale * vector)  # (x * 1.0 is x: one op fewer)
 
 

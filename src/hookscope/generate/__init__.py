@@ -7,10 +7,10 @@
 
 With the KV cache on, `generate` runs the model once on the whole prompt and then once per new
 token on that token alone, so a point's hook sees chunks of positions; `steps.py` knows which
-positions each pass covers, and `keep.py` files each chunk at those positions, keeping only what
+positions a pass covers, and `keep.py` files each chunk at those positions, keeping only what
 the `positions=` selection can still need (`Selection.at(offset)` reads positions as counted
 from the sequence's start). `generate` never runs the model on the token it samples last; the
-backend's `complete` runs it.
+backend's `complete` runs it, up to the deepest captured point (`StepCapture.run_last`).
 
 Heads, dtype and device selections are those of `hs.capture`, which does the hooking (so the
 compile policy and early-copy rules are the capture's own); positions are sequence positions
@@ -20,6 +20,12 @@ compile policy and early-copy rules are the capture's own); positions are sequen
 Edits (`hs.steer`, `hs.ablate`, `hs.patch`) apply to the prompt, the generated tokens or both
 (`edit_on=`); an edit's own `positions=` are sequence positions too (`Edit.step`), and a patch's
 source is read at the positions the current step covers.
+
+Per generated token hs.generate adds what a hand-written hook would: a captured point's copy into
+a buffer allocated once for the whole sequence (every position kept, on the model's device), a
+steer's one add; no read of a tensor's value on the host (on a GPU, a wait for the device), no cast,
+no allocation, no per-pass hook unless an edit's decision varies by position
+(tests/test_generate_per_token.py pins this).
 
 Rooms: `driver.py` (checks, then one generate with everything attached), `steps.py` (following
 the passes), `keep.py` (captured positions), `edits.py` (edits per step), `result.py`

@@ -1,5 +1,5 @@
 """`hs.generate`: check everything, then generate once with the edits and the capture attached and
-the passes followed (`steps.follow`), then shape what was kept."""
+the passes followed (`steps.follow`, `keep.Kept.file`), then shape what was kept."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from ..arch import PointSpec, arch_of
-from ..capture import PointDict, capture, keyed_specs
+from ..capture import PointDict, keyed_specs
 from ..errors import HookscopeError, SelectionError
 from ..hooks import hooks
 from ..selection import Heads, Positions, Selection
@@ -20,7 +20,7 @@ from .backend import Backend
 from .bridge import Bridge
 from .edits import EDIT_ON, StepEdit
 from .hf import HuggingFace
-from .keep import Kept
+from .keep import Kept, StepCapture
 from .lens import Lens
 from .result import Generation, real_tokens
 from .steps import Steps, follow
@@ -105,27 +105,41 @@ class _Run:
             _check_point(spec, selection)
             backend.check_point(spec)
         prompt_length = input_ids.shape[1]
-        step_edits = [StepEdit.checked(e, arch.spec, edit_on, prompt_length) for e in edits]
+        step_edits = [StepEdit.checked(e, arch, model, edit_on, prompt_length) for e in edits]
         return cls(model, backend, given_ids, input_ids, attention_mask, extra, keys, selection, step_edits,
                    Steps(prompt_length))
 
     def go(self) -> Generation:
         """Generate with everything attached; the prompt's ids as given in the result."""
-        kept = {key: Kept(Selection(positions=self.selection.positions)) for key in self.keys}
+        # every position on the activation's device: one buffer per point, sized for the whole sequence
+        buffered, capacity = self.selection.device is None, self._expected_length()
+        kept = {key: Kept(Selection(positions=self.selection.positions), buffered=buffered, capacity=capacity)
+                for key in self.keys}
         output, sequences, attention_mask = self._generate(kept)
         # made under the capture's inference_mode: a plain copy can feed a later pass with gradients
         sequences = sequences.clone()
         if self.given_ids is not self.input_ids:  # the prompt as given (its padding ids were swapped)
             sequences[:, :self.given_ids.shape[1]] = self.given_ids.to(sequences.device)
         batch, total = sequences.shape
-        if self.keys and self.steps.filled != total:
-            raise HookscopeError(f"internal: captured {self.steps.filled} positions for a sequence of "
+        filled = {k.filled for k in kept.values()}
+        if filled and filled != {total}:
+            raise HookscopeError(f"internal: captured {sorted(filled)} positions for a sequence of "
                                  f"{total}; this decoding mode does not run one forward pass per token")
         mask = real_tokens(sequences, attention_mask, self.steps.prompt_length, self.backend.eos_ids())
         activations = PointDict(((name, k.result(total, batch)) for name, k in kept.items()),
                                 arch=arch_of(self.model))
         return Generation(sequences, mask, self.steps.prompt_length, activations,
                           output if self.backend.options.get("return_dict_in_generate") else None)
+
+    def _expected_length(self) -> int:
+        """The sequence length generate will reach if no row stops early (0 when unknown)."""
+        options = self.backend.options
+        config = options.get("generation_config") or getattr(self.model, "generation_config", None)
+        new = options.get("max_new_tokens", getattr(config, "max_new_tokens", None))
+        if isinstance(new, int):
+            return self.input_ids.shape[1] + new
+        length = options.get("max_length", getattr(config, "max_length", None))
+        return length if isinstance(length, int) else 0
 
     def _generate(self, kept: dict[str, Kept]) -> tuple[Any, Tensor, Tensor | None]:
         model, backend, attention_mask = self.model, self.backend, self.attention_mask
@@ -138,10 +152,9 @@ class _Run:
             cap = None
             if self.keys:
                 s = self.selection  # positions are kept step by step (keep.py); the rest by the capture
-                cap = stack.enter_context(capture(model, list(self.keys), heads=s.heads, dtype=s.dtype,
-                                                  device=s.device, stop=False))
-            # registered after the capture's own root hooks, so a pass's captures are filed when ours runs
-            stack.enter_context(follow(*backend.hooked_modules(), self.steps, self.step_edits, cap, kept,
+                cap = stack.enter_context(StepCapture(model, kept, heads=s.heads, dtype=s.dtype,
+                                                      device=s.device))
+            stack.enter_context(follow(*backend.hooked_modules(), self.steps, self.step_edits,
                                        backend.cache_keys))
             output = model.generate(self.input_ids, **kwargs)
             sequences = output.sequences if hasattr(output, "sequences") else output
@@ -149,8 +162,13 @@ class _Run:
                 # num_return_sequences: generate repeats each prompt row that many times
                 repeats = sequences.shape[0] // attention_mask.shape[0]
                 attention_mask = attention_mask.repeat_interleave(repeats, 0)
-            if self.keys and self.steps.filled < sequences.shape[1]:
-                backend.complete(output, sequences, attention_mask, self.extra)
+            if cap is not None and any(k.filled < sequences.shape[1] for k in kept.values()):
+                def last() -> None:
+                    backend.complete(output, sequences, attention_mask, self.extra)
+                if backend.options.get("return_dict_in_generate"):
+                    last()  # the caller gets generate's cache: every layer of it sees the last token
+                else:
+                    cap.run_last(last)  # up to the last captured point only
         return output, sequences, attention_mask
 
 

@@ -3,8 +3,9 @@
 With the KV cache on, `generate` runs the model once on the whole prompt and then once per new
 token on that token alone: a point's hook sees positions [0, P) first, then [P + k, P + k + 1).
 Without the cache, each pass covers the whole sequence again (its new position is the last).
-`Steps` knows which positions the pass running now covers; `follow` hooks the passes: before
-one, each step edit decides what it writes; after one, each point's capture is filed.
+`pass_window` says which positions a pass covers; `Steps` follows the passes for the edits whose
+decision varies (`follow` hooks them: before a pass, each such edit decides what it writes), and
+each captured point follows them on its own (`keep.Kept.file`), so nothing else runs per token.
 """
 
 from __future__ import annotations
@@ -18,27 +19,31 @@ from torch import Tensor, nn
 
 from ..errors import HookscopeError
 from .edits import StepEdit
-from .keep import Kept
+
+
+def pass_window(filled: int, length: int) -> tuple[int, int]:
+    """The sequence positions a forward pass over `length` positions covers, once positions
+    [0, filled) have been computed by earlier passes."""
+    if filled == 0:
+        return 0, length  # the prompt
+    if length == 1:
+        return filled, filled + 1  # one new token, the rest in the KV cache
+    if length == filled + 1:
+        return 0, length  # no cache: the whole sequence again
+    raise HookscopeError(f"a forward pass over {length} positions after {filled} were computed: "
+                         "this decoding mode does not run one token per step")
 
 
 @dataclass
 class Steps:
-    """Which sequence positions the current forward pass covers."""
+    """Which sequence positions the current forward pass covers (for edits whose decision varies)."""
 
     prompt_length: int
     filled: int = 0  # positions [0, filled) have been computed by an earlier pass
     window: tuple[int, int] = (0, 0)  # positions the current pass covers
 
     def start(self, length: int) -> None:
-        if self.filled == 0:
-            self.window = (0, length)  # the prompt
-        elif length == 1:
-            self.window = (self.filled, self.filled + 1)  # one new token, the rest in the KV cache
-        elif length == self.filled + 1:
-            self.window = (0, length)  # no cache: the whole sequence again
-        else:
-            raise HookscopeError(f"a forward pass over {length} positions after {self.filled} were computed: "
-                                 "this decoding mode does not run one token per step")
+        self.window = pass_window(self.filled, length)
 
 
 def _input_length(args: tuple, kwargs: dict) -> int | None:
@@ -68,14 +73,17 @@ def check_cache_filled(kwargs: dict, filled: int, cache_keys: Sequence[str]) -> 
 
 
 @contextlib.contextmanager
-def follow(first: nn.Module, last: nn.Module, steps: Steps, step_edits: list[StepEdit], cap: Any,
-           kept: dict[str, Kept], cache_keys: Sequence[str]) -> Iterator[None]:
-    """A pre-hook that tells the edits which positions this pass covers, and a forward hook that
-    files each point's capture at those positions. Plain torch hooks on the modules that start and
-    end a pass (the root, or on a HookedTransformer, whose generate calls `forward` directly, its
+def follow(first: nn.Module, last: nn.Module, steps: Steps, step_edits: list[StepEdit],
+           cache_keys: Sequence[str]) -> Iterator[None]:
+    """Where an edit's decision varies: a pre-hook that tells those edits which positions the pass
+    covers, and a forward hook that marks them computed. Plain torch hooks on the modules that start
+    and end a pass (the root, or on a HookedTransformer, whose generate calls `forward` directly, its
     first block and its unembed), which run eagerly under every compile policy (`full` compiles
-    forward, not hooks)."""
+    forward, not hooks). Otherwise one pre-hook that checks the first cached step's KV cache and
+    removes itself: nothing runs per token (captures follow the passes on their own, see `Kept.file`).
+    Nothing here reads a tensor's values: no step waits for the device."""
 
+    varying = [e for e in step_edits if not e.fixed]
     cache_checked = False  # the first cached step tells: a cache that one fills stays filled
 
     def before(module: nn.Module, args: tuple, kwargs: dict) -> None:
@@ -84,21 +92,18 @@ def follow(first: nn.Module, last: nn.Module, steps: Steps, step_edits: list[Ste
         if length is None:
             raise HookscopeError("cannot tell the sequence length of a forward pass during generate")
         steps.start(length)
-        if length == 1 and steps.filled > 0 and not cache_checked:  # one new token, the rest in the KV cache
-            check_cache_filled(kwargs, steps.filled, cache_keys)
+        if not cache_checked and steps.filled > 0:
             cache_checked = True
-        for step_edit in step_edits:
+            if length == 1:  # one new token, the rest in the KV cache
+                check_cache_filled(kwargs, steps.filled, cache_keys)
+        for step_edit in varying:
             step_edit.prepare(*steps.window)
+        if not varying and cache_checked:  # nothing more to follow (torch runs a copy of the hook list)
+            for handle in handles:
+                handle.remove()
 
     def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        lo, hi = steps.window
-        for name, keeper in kept.items():
-            chunk = cap[name]
-            if chunk.shape[1] != hi - lo:
-                raise HookscopeError(f"{name}: a pass over positions [{lo}, {hi}) produced {chunk.shape[1]} "
-                                     "positions at this point")
-            keeper.add(chunk[:, steps.filled - lo:], steps.filled)
-        steps.filled = hi
+        steps.filled = steps.window[1]
 
     handles = [first.register_forward_pre_hook(before, with_kwargs=True),
                last.register_forward_hook(after, with_kwargs=True)]
