@@ -24,6 +24,15 @@ cores, neither a real object store:
     `_handle_range_header`), so every ranged GET costs a full-object read on the server;
   - s3rver 3.7.1 (Node; objects in files, ranges streamed from the file), installed with npm into
     bench/out/s3rver on first use; skipped when `npm` is missing.
+
+Extraction (`--extract-runs N`, moto only; `--runs 0` skips the reads): `hookscope extract` of the
+bundled MiniLM into a local directory, into s3:// with this tree (shards uploaded in the background,
+in parts), and into s3:// with the tree of --extract-before (the writer thread uploaded each shard
+itself, one PUT), each a fresh process, the order rotating per round; tokens/s as the run reports
+it (its clock stops after the last shard is committed). Two cases: `model` (blocks.3, 4,096-row
+shards of 3.2 MB: the model sets the pace) and `bytes` (blocks.0, 16,384-row shards of 13 MB in
+8 MiB parts: 16 batches a shard, so a shard's upload is long beside the batches the queue holds).
+Beside them, moto's own rate: one 13 MB object PUT whole, and in two parts at once.
 """
 
 from __future__ import annotations
@@ -49,6 +58,17 @@ S3RVER = REPO / "bench" / "out" / "s3rver"
 POINT_DIM, SHARD_ROWS = 1024, 4096
 EXTRACT = ["--points", "blocks.3.resid_post", "--context", "128", "--batch-size", "8", "--dtype", "float16",
            "--shard-rows", "4096", "--no-progress"]
+EXTRACT_BEFORE = "78ee847"  # main before background uploads: the writer thread uploaded each shard itself
+# the paced writer: batches, rows, width, seconds a batch (--pace), rows a shard: 12 shards of 25 MB
+PACE = (192, 1024, 768, 0.1, 16384)
+# case -> (the command's options, its environment, tokens): model-bound, and where the bytes weigh
+CASES = {"model": (EXTRACT, {}, 40000),
+         "bytes": (["--points", "blocks.0.resid_post", *EXTRACT[2:9], "16384", "--no-progress"],
+                   {"HOOKSCOPE_UPLOAD_PART_BYTES": str(8 << 20)}, 65536),
+         # the writer alone, fed at a GPU's pace (16 MB/s at 0.1 s a batch): no model on the cores;
+         # shards in one PUT each (the default 100 MiB parts), and in 8 MiB parts
+         "paced": (["paced"], {}, PACE[0] * PACE[1]),
+         "paced-parts": (["paced"], {"HOOKSCOPE_UPLOAD_PART_BYTES": str(8 << 20)}, PACE[0] * PACE[1])}
 # argv: JSON list of [name, where, endpoint or "", mode]; prints one JSON list of results
 READ = """
 import json, os, sys, time
@@ -144,6 +164,25 @@ def write_store(out: Path, shards: int) -> None:
             w.write(i, points, meta)
 
 
+def write_paced(out: str, pace: float) -> None:
+    """Feed a ShardWriter as a GPU would: each batch of float16 rows takes `pace` s to compute (a
+    sleep: the cores stay free, as beside a GPU), and time the writer holds the loop up is lost;
+    print rows/s, the clock stopped once all is committed."""
+    import torch
+
+    from hookscope.store import ShardWriter
+
+    batches, rows, width, _, shard_rows = PACE
+    x = torch.randn(rows, width, generator=torch.Generator().manual_seed(0)).half()
+    t0 = time.perf_counter()
+    with ShardWriter(out, {"bench": "paced"}, shard_rows=shard_rows) as w:
+        for i in range(batches):
+            time.sleep(pace)  # the batch's compute
+            ids = torch.arange(i * rows, (i + 1) * rows)
+            w.write(i, {"a": x.clone()}, {"token_ids": ids, "doc_ids": ids, "positions": ids, "seq_ids": ids})
+    print(batches * rows / (time.perf_counter() - t0))
+
+
 def checkout(ref: str, into: Path) -> Path:
     """The `src` tree of commit `ref`, extracted under `into`."""
     run = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", ref, "src"], capture_output=True,
@@ -161,15 +200,121 @@ def read_round(src: Path, reads: list[list[str]], env: dict[str, str]) -> list[d
     return json.loads(run.stdout.strip().splitlines()[-1])
 
 
-def extract_rate(out: str, max_tokens: int, env: dict[str, str]) -> float:
+def extract_rate(out: str, max_tokens: int, options: list[str], env: dict[str, str]) -> float:
+    if options == ["paced"]:
+        run = subprocess.run([sys.executable, __file__, "--paced", out, "--pace", env["PACE"]],
+                             capture_output=True, text=True, env=env, check=False)
+        if run.returncode:
+            raise SystemExit(f"the paced writer to {out} failed:\n{run.stderr[-3000:]}")
+        return float(run.stdout.strip().splitlines()[-1])
     run = subprocess.run([sys.executable, "-m", "hookscope.cli", "extract", "--out", out, "--max-tokens",
-                          str(max_tokens), *EXTRACT], capture_output=True, text=True, env=env, check=True)
+                          str(max_tokens), *options], capture_output=True, text=True, env=env, check=False)
+    if run.returncode:
+        raise SystemExit(f"extract to {out} failed:\n{run.stderr[-3000:]}")
     m = re.search(r"wrote ([\d,]+) rows in ([\d.]+) s", run.stdout)
     return int(m.group(1).replace(",", "")) / float(m.group(2))
 
 
+def extraction(args, code: dict[str, Path], env: dict[str, str], tmp: Path) -> dict:
+    """Each case: local / s3 after / s3 before, fresh processes, the order rotating per round."""
+    out: dict = {}
+    where = {"local": lambda i: str(tmp / f"x{i}"), "s3 after": lambda i: f"s3://bench/xa{i}",
+             "s3 before": lambda i: f"s3://bench/xb{i}"}
+    for case in args.cases.split(","):
+        options, extra, tokens = CASES[case]
+        tokens = args.max_tokens or tokens
+        rates: dict[str, list[float]] = {k: [] for k in where}
+        loads = []
+        for i in range(args.extract_runs):
+            order = list(where)[i % 3:] + list(where)[:i % 3]
+            for name in order:
+                tree = code["before" if name.endswith("before") else "after"]
+                rates[name].append(extract_rate(where[name](f"{case}{i}"), tokens, options,
+                                                {**env, **extra, "PYTHONPATH": str(tree),
+                                                 "PACE": str(args.pace)}))
+            shutil.rmtree(tmp / f"x{case}{i}")
+            loads.append(load())
+            print(f"extract {case} {i}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items())
+                  + f" tokens/s; load {loads[-1]}", flush=True)
+        med = {k: statistics.median(v) for k, v in rates.items()}
+        paired = {k: [a / b for a, b in zip(rates[k], rates["local"], strict=True)]
+                  for k in ("s3 after", "s3 before")}
+        out[case] = {"tokens_per_s": med, "s3_after_over_local": med["s3 after"] / med["local"],
+                     "s3_before_over_local": med["s3 before"] / med["local"], "paired_over_local": paired,
+                     "runs": rates, "loads": loads, "env": extra, "tokens": tokens,
+                     **({"pace_s": args.pace} if options == ["paced"] else {})}
+    return out
+
+
+def moto_rate(mb: int = 13, runs: int = 3) -> dict[str, float]:
+    """MB/s moto takes one object of `mb` MB at: one PUT, and two parts uploaded at once."""
+    import s3fs
+
+    sys.path.insert(0, str(REPO / "src"))  # this tree's uploader, not the one the venv installed
+    from hookscope.store.upload import UploadSettings, upload_file
+
+    fs, size = s3fs.S3FileSystem(), mb * 10**6
+    out = {}
+    with tempfile.NamedTemporaryFile() as f:
+        f.write(os.urandom(size))
+        f.flush()
+        for name, part in (("one PUT", size), ("2 parts at once", (size + 1) // 2)):
+            times = []
+            for _ in range(runs):
+                t0 = time.perf_counter()
+                upload_file(fs, Path(f.name), "bench/rate", "moto", UploadSettings(part, threads=2))
+                times.append(time.perf_counter() - t0)
+            out[name] = mb / statistics.median(times)
+    return out
+
+
 def load() -> str:
     return " ".join(Path("/proc/loadavg").read_text().split()[:3])
+
+
+def reading(args, servers: dict, code: dict[str, Path], env: dict[str, str], tmp: Path) -> dict:
+    """Reads of the synthetic store: local and each server, this tree and --before, rounds alternating."""
+    import s3fs
+
+    local = tmp / "store"
+    code["before"] = checkout(args.before, tmp / "before")
+    # written by the "before" tree: its format (1) is one both readers take (after reads 1 and 2)
+    subprocess.run([sys.executable, __file__, "--write-store", str(local), "--shards", str(args.shards)],
+                   env={**env, "PYTHONPATH": str(code["before"])}, check=True)
+    for _, endpoint in servers.values():
+        os.environ["AWS_ENDPOINT_URL"] = endpoint
+        s3fs.S3FileSystem.clear_instance_cache()
+        fs = s3fs.S3FileSystem()
+        fs.mkdir("bench")
+        fs.put(str(local) + "/", "bench/store", recursive=True)
+    places = [("local", str(local), "")] + [(n, "s3://bench/store", e) for n, (_, e) in servers.items()]
+    reads = [[f"{w}/{m}", where, endpoint, m]
+             for m in ("seq", "shuffled") for w, where, endpoint in places]
+    runs: dict[str, list[dict[str, float]]] = {}
+    for r in range(args.runs):
+        for c in (("after", "before") if r % 2 == 0 else ("before", "after")):
+            for result in read_round(code[c], reads, env):
+                runs.setdefault(f"{c}/{result['name']}", []).append(result)
+        last = ", ".join(f"{k} {v[-1]['rows_per_s']:,.0f}" for k, v in sorted(runs.items()))
+        print(f"round {r}: {last} rows/s; load {load()}", flush=True)
+    med = {k: statistics.median(x["rows_per_s"] for x in v) for k, v in sorted(runs.items())}
+    ratios = {}
+    for server in servers:
+        for m in ("seq", "shuffled"):
+            for c in ("after", "before"):
+                ratios[f"{c}/{server}/{m} over {c}/local/{m}"] = (med[f"{c}/{server}/{m}"]
+                                                                  / med[f"{c}/local/{m}"])
+            ratios[f"after/{server}/{m} over before/{server}/{m}"] = (med[f"after/{server}/{m}"]
+                                                                     / med[f"before/{server}/{m}"])
+    return {
+        "rows_per_s": med, "ratios": ratios,
+        "open_s": {k: statistics.median(x["open_s"] for x in v) for k, v in sorted(runs.items())},
+        "mib_fetched_after": {k: v[-1]["mib_fetched"] for k, v in sorted(runs.items())
+                              if k.startswith("after/") and "/local/" not in k},
+        "store": {"rows": args.shards * SHARD_ROWS, "shards": args.shards,
+                  "mib": sum(p.stat().st_size for p in local.rglob("*")) / 2**20},
+        "runs": {k: [x["rows_per_s"] for x in v] for k, v in sorted(runs.items())},
+    }
 
 
 def main() -> None:
@@ -179,9 +324,16 @@ def main() -> None:
     parser.add_argument("--servers", default="moto,s3rver", help="S3 servers to read from: moto, s3rver")
     parser.add_argument("--before", default=BEFORE, help="commit whose reader is 'before'")
     parser.add_argument("--extract-runs", type=int, default=0, help="rounds of extraction, local vs moto")
-    parser.add_argument("--max-tokens", type=int, default=40000, help="tokens per extraction run")
+    parser.add_argument("--max-tokens", type=int, help="tokens per extraction run (default: the case's)")
+    parser.add_argument("--cases", default=",".join(CASES), help="cases: " + ", ".join(CASES))
+    parser.add_argument("--extract-before", default=EXTRACT_BEFORE, help="commit whose writer is 'before'")
     parser.add_argument("--write-store", metavar="DIR", help=argparse.SUPPRESS)  # child: write the store
+    parser.add_argument("--paced", metavar="OUT", help=argparse.SUPPRESS)  # child: the paced writer
+    parser.add_argument("--pace", type=float, default=PACE[3], help="paced cases: seconds a batch computes")
     args = parser.parse_args()
+    if args.paced:
+        write_paced(args.paced, args.pace)
+        return
     if args.write_store:
         write_store(Path(args.write_store), args.shards)
         return
@@ -201,59 +353,19 @@ def main() -> None:
                 servers[name] = started
         import s3fs
 
-        local = tmp / "store"
-        code = {"after": REPO / "src", "before": checkout(args.before, tmp / "before")}
-        # written by the "before" tree: its format (1) is one both readers take (after reads 1 and 2)
-        subprocess.run([sys.executable, __file__, "--write-store", str(local), "--shards", str(args.shards)],
-                       env={**env, "PYTHONPATH": str(code["before"])}, check=True)
-        for _, endpoint in servers.values():
-            os.environ["AWS_ENDPOINT_URL"] = endpoint
-            s3fs.S3FileSystem.clear_instance_cache()
-            fs = s3fs.S3FileSystem()
-            fs.mkdir("bench")
-            fs.put(str(local) + "/", "bench/store", recursive=True)
-        places = [("local", str(local), "")] + [(n, "s3://bench/store", e) for n, (_, e) in servers.items()]
-        reads = [[f"{w}/{m}", where, endpoint, m]
-                 for m in ("seq", "shuffled") for w, where, endpoint in places]
-        runs: dict[str, list[dict[str, float]]] = {}
-        for r in range(args.runs):
-            for c in (("after", "before") if r % 2 == 0 else ("before", "after")):
-                for result in read_round(code[c], reads, env):
-                    runs.setdefault(f"{c}/{result['name']}", []).append(result)
-            last = ", ".join(f"{k} {v[-1]['rows_per_s']:,.0f}" for k, v in sorted(runs.items()))
-            print(f"round {r}: {last} rows/s; load {load()}", flush=True)
-        med = {k: statistics.median(x["rows_per_s"] for x in v) for k, v in sorted(runs.items())}
-        ratios = {}
-        for server in servers:
-            for m in ("seq", "shuffled"):
-                for c in ("after", "before"):
-                    ratios[f"{c}/{server}/{m} over {c}/local/{m}"] = (med[f"{c}/{server}/{m}"]
-                                                                      / med[f"{c}/local/{m}"])
-                ratios[f"after/{server}/{m} over before/{server}/{m}"] = (med[f"after/{server}/{m}"]
-                                                                         / med[f"before/{server}/{m}"])
-        report["reads"] = {
-            "rows_per_s": med, "ratios": ratios,
-            "open_s": {k: statistics.median(x["open_s"] for x in v) for k, v in sorted(runs.items())},
-            "mib_fetched_after": {k: v[-1]["mib_fetched"] for k, v in sorted(runs.items())
-                                  if k.startswith("after/") and "/local/" not in k},
-            "store": {"rows": args.shards * SHARD_ROWS, "shards": args.shards,
-                      "mib": sum(p.stat().st_size for p in local.rglob("*")) / 2**20},
-            "runs": {k: [x["rows_per_s"] for x in v] for k, v in sorted(runs.items())},
-        }
+        code = {"after": REPO / "src"}
+        if args.runs:
+            report["reads"] = reading(args, servers, code, env, tmp)
         if args.extract_runs:
             if "moto" not in servers:
                 raise SystemExit("--extract-runs needs the moto server (--servers moto)")
-            env["AWS_ENDPOINT_URL"] = servers["moto"][1]
-            rates: dict[str, list[float]] = {"local": [], "s3": []}
-            for i in range(args.extract_runs):
-                rates["local"].append(extract_rate(str(tmp / f"x{i}"), args.max_tokens, env))
-                rates["s3"].append(extract_rate(f"s3://bench/x{i}", args.max_tokens, env))
-                shutil.rmtree(tmp / f"x{i}")
-                print(f"extract {i}: local {rates['local'][-1]:,.0f}, s3 {rates['s3'][-1]:,.0f} tokens/s; "
-                      f"load {load()}", flush=True)
-            ext = {k: statistics.median(v) for k, v in rates.items()}
-            report["extract"] = {"tokens_per_s": ext, "s3_over_local": ext["s3"] / ext["local"],
-                                 "runs": rates}
+            env["AWS_ENDPOINT_URL"] = os.environ["AWS_ENDPOINT_URL"] = servers["moto"][1]
+            s3fs.S3FileSystem.clear_instance_cache()
+            if not s3fs.S3FileSystem().exists("bench"):
+                s3fs.S3FileSystem().mkdir("bench")
+            code["before"] = checkout(args.extract_before, tmp / "extract-before")
+            report["extract"] = extraction(args, code, env, tmp)
+            report["moto_mb_per_s"] = moto_rate()
     finally:
         for server, _ in servers.values():
             server.terminate()

@@ -24,6 +24,8 @@ event of that site to die at, counted from 1 over the whole run:
     tokenize:N                       inside the N-th call to the tokenizer
     upload:N:before|after            around the N-th shard upload (a store at a URL; after it, the
                                      object exists but no manifest lists it yet)
+    part:N:before|after              around the N-th part of a multipart upload (S3; either way the
+                                     upload is left unfinished: no object, an open upload on S3)
     put:N:before|after               around the N-th PUT (a store at a URL; 1 is the manifest stamp)
     manifest-put:N:before|after      around the N-th PUT of a manifest object (1 is the stamp at open,
                                      then one per committed shard; the store card is not counted)
@@ -55,10 +57,11 @@ from hookscope.extract import ExtractConfig, extract
 from hookscope.sources import text as text_source
 from hookscope.store import ShardWriter
 from hookscope.store import fs as fs_module
+from hookscope.store import upload as upload_module
 from hookscope.store import writer as writer_module
 
 SITES = ("replace", "rename", "manifest-replace", "save", "library-save", "manifest-write", "journal-write",
-         "fsync", "batch", "forward", "tokenize", "upload", "put", "manifest-put")
+         "fsync", "batch", "forward", "tokenize", "upload", "part", "put", "manifest-put")
 
 
 SIGNAL = signal.SIGKILL  # what die() sends; `cli` mode may choose SIGINT or SIGTERM
@@ -186,7 +189,16 @@ def arm(kill_at: str) -> Plan:
         real_put(self, rel, *args, **kwargs)
         plan.at(any(due), "after")
 
-    fs_module.RemoteFS.put_file, fs_module.RemoteFS.put = upload, put
+    real_part = upload_module.put_part
+
+    def part(*args, **kwargs):
+        due = plan.event("part")
+        plan.at(due, "before")
+        etag = real_part(*args, **kwargs)
+        plan.at(due, "after")
+        return etag
+
+    fs_module.RemoteFS.put_file, fs_module.RemoteFS.put, upload_module.put_part = upload, put, part
     os.replace, os.fsync, writer_module.save_columns = replace, fsync, save_columns
     ShardWriter.write, text_source.pack_batches = write, pack
     torch.nn.modules.module.register_module_forward_pre_hook(forward)

@@ -7,9 +7,9 @@ index use only the operations of `FS`: list, size, ranged read, map, atomic put,
 
 Locally a put writes `.tmp`, fsyncs and renames (then fsyncs the directory), and a reader maps
 the file. Object stores have no atomic rename, so there an object is uploaded under its final
-name (one PUT: whole or not at all) and the manifest object is the commit point: a shard that the
-manifest does not list does not exist for readers, and the next writer deletes it. Reading a URL
-uses ranged GETs through `BlockCache` (store/range_cache.py).
+name (one PUT, or on S3 a multipart upload in parallel parts: whole or not at all; store/upload.py)
+and its commit record is the commit point: a shard no manifest or record lists does not exist for
+readers, and the next writer deletes it. Reading a URL uses ranged GETs (store/range_cache.py).
 """
 
 from __future__ import annotations
@@ -26,6 +26,7 @@ from typing import Any, BinaryIO
 from ..errors import StoreError
 from ..atomic_files import fsync_dir, write_atomic
 from .checksum import checksum_of
+from .upload import UploadSettings, upload_file
 
 CHUNK = 1 << 22  # 4 MiB reads: large enough to read at disk speed, small enough to stay flat in memory
 
@@ -356,7 +357,8 @@ class RemoteFS(FS):
         self.fs.pipe_file(self.path(rel), data)
 
     def put_file(self, local: Path, rel: str) -> None:
-        self.fs.put_file(str(local), self.path(rel))
+        """Uploaded under its final name, whole or not at all: on S3 in parallel parts (store/upload.py)."""
+        upload_file(self.fs, local, self.path(rel), self.where(rel), UploadSettings.from_env())
         local.unlink()
 
     def staging(self, rel: str, owner: str) -> Path:
