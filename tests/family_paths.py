@@ -39,7 +39,7 @@ def _norm(model: nn.Module, p: str, ln: str, path: str) -> dict[str, Path]:
 def _normalized(model: nn.Module, ln: str, path: str) -> dict[str, Path]:
     """`{ln}.scale` / `{ln}.normalized` of the norm at `path`, by hand from its input."""
     norm = model.get_submodule(path)
-    eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon")
+    eps = getattr(norm, "eps", None) or norm.variance_epsilon
     centre = "RMS" not in type(norm).__name__
 
     def centred(x: Tensor) -> Tensor:

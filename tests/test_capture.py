@@ -46,7 +46,7 @@ def per_head(n_heads: int) -> Callable[[Tensor], Tensor]:
 def norm_parts(ln: str, norm: nn.Module) -> dict[str, Entry]:
     """TransformerLens's `{ln}.scale` / `{ln}.normalized` (before weight and bias), by hand from
     the norm's input: LayerNorm centres, RMSNorm does not."""
-    eps = getattr(norm, "eps", None) or getattr(norm, "variance_epsilon")
+    eps = getattr(norm, "eps", None) or norm.variance_epsilon
     centre = "RMS" not in type(norm).__name__
 
     def scale(x: Tensor) -> Tensor:

@@ -34,8 +34,8 @@ import torch
 from torch import Tensor, nn
 
 from .arch import Arch, PointSpec, arch_of, state_of
-from .errors import HookscopeError, PointNotReachedError, SelectionError
 from .atomic_files import write_atomic
+from .errors import HookscopeError, PointNotReachedError, SelectionError
 from .hooks import Hook, Hooks, grad_leaf
 from .model_inputs import attention_mask_of, call_model
 from .names import canonical, find_key, is_pattern, meaning

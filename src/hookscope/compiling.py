@@ -46,9 +46,9 @@ import torch
 from torch import nn
 
 from .arch import PointSpec, state_of
+from .atomic_files import write_atomic
 from .capture import Capture
 from .errors import HookscopeError
-from .atomic_files import write_atomic
 from .hooks import Held, Hook, hold
 
 if TYPE_CHECKING:

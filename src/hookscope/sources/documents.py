@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import DataError
-from ..optional_imports import require
 from ..hub import offline_variable, unreachable_reason
+from ..optional_imports import require
 
 BUILTIN_STDLIB = "builtin:stdlib-docstrings"
 TEXT_SUFFIXES = (".txt", ".jsonl")

@@ -23,8 +23,8 @@ import threading
 from pathlib import Path
 from typing import Any, BinaryIO
 
-from ..errors import StoreError
 from ..atomic_files import fsync_dir, write_atomic
+from ..errors import StoreError
 from .checksum import checksum_of
 from .upload import UploadSettings, upload_file
 

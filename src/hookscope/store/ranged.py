@@ -14,10 +14,10 @@ from concurrent.futures import CancelledError, Future, ThreadPoolExecutor
 import torch
 
 from ..errors import StoreError
-from .range_cache import BlockCache, Extent
 from .checks import HEAD_BYTES, Header, check_size, checked_header, tensor_of
 from .fs import FS
 from .manifest import Manifest
+from .range_cache import BlockCache, Extent
 from .stats import stats_header_bytes
 
 _HEADER_BATCH = 16  # a header is fetched with those of the next shards not known yet: one round trip

@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import StoreError
 from ..atomic_files import write_atomic
+from ..errors import StoreError
 from ..progress import RowsBar
 from .contexts import Gatherer, build_contexts
 from .encoders import Encoder

@@ -35,8 +35,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 from safetensors.torch import save
 
-from ..errors import StoreError
 from ..atomic_files import write_atomic
+from ..errors import StoreError
 from ..progress import RowsBar
 from .encoders import Encoder, neurons
 
