@@ -54,10 +54,6 @@ class UploadSettings:
                    retries=_env_int("HOOKSCOPE_UPLOAD_RETRIES", d.retries, 0))
 
 
-class UploadFailed(StoreError):
-    """One shard's upload failed (after its retries); the message names the shard's URL."""
-
-
 def _is_s3(fs: Any) -> bool:
     return hasattr(fs, "call_s3")
 
@@ -119,7 +115,7 @@ def upload_file(fs: Any, local: Path, path: str, where: str, settings: UploadSet
             with ThreadPoolExecutor(settings.threads, thread_name_prefix="hookscope-part") as parts:
                 _put_in_parts(fs, local, path, size, settings, parts)
     except Exception as e:
-        raise UploadFailed(f"{where}: uploading this shard ({size:,} bytes) failed ({e!r}), after up to "
+        raise StoreError(f"{where}: uploading this shard ({size:,} bytes) failed ({e!r}), after up to "
                            f"{settings.retries} retries of each request; the shards committed before it "
                            "are intact. Fix the cause (connection, credentials, bucket) and re-run the "
                            "same command to resume") from e
