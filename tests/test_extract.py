@@ -203,7 +203,8 @@ def test_torchrun_two_processes_same_rows(tiny_dirs, corpus, reference_store, tm
     assert torch.equal(k2, k1) and torch.equal(v2, v1)
 
 
-@pytest.mark.parametrize(("source", "first", "then"), _for_every_source([(2, 1), (1, 2)], {(2, 1)}))
+# the other sources resume elastically through the same writer and deal as text: with --full (time)
+@pytest.mark.parametrize(("source", "first", "then"), _for_every_source([(2, 1), (1, 2)], set()))
 def test_elastic_resume_with_another_number_of_processes(cases, references, tmp_path, source, first, then):
     """Started by `first` processes, killed, finished by `then`: the rows of an uninterrupted run
     (before, image extraction refused torchrun)."""

@@ -153,7 +153,7 @@ SIGNALS = [
 
 
 # the sites every source runs by default; the rest run with --full for the sources besides text
-EVERY_SOURCE = {"forward:40", "batch:3", "rename:3:after"}  # TERM: text; all with --full
+EVERY_SOURCE = {"batch:3"}  # mid-shard; TERM and the other sites: text; all with --full
 
 
 def _interrupts() -> list:
