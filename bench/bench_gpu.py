@@ -228,26 +228,21 @@ def extract_case(model, layer: int, args) -> dict:
 
 
 def _raw_write_s(folder: Path, total: int, file_bytes: int) -> float:
-    """Seconds to write `total` bytes into files of `file_bytes` in `folder`, each file fsynced."""
+    """Seconds to write `total` bytes into files of `file_bytes` in `folder`, each file fsynced
+    (bench_pipeline's raw write, fed parts of one 64 MB buffer that end where each file ends)."""
     import numpy as np
 
-    chunk = np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes()
-    start = time.perf_counter()
-    written, n = 0, 0
-    while written < total:
-        with open(folder / f"raw-{n:05d}.bin", "wb") as f:
-            in_file = 0
-            while in_file < file_bytes and written < total:
-                part = min(len(chunk), file_bytes - in_file, total - written)
-                f.write(memoryview(chunk)[:part])
-                in_file, written = in_file + part, written + part
-            f.flush()
-            os.fsync(f.fileno())
-        n += 1
-    seconds = time.perf_counter() - start
-    for p in folder.glob("raw-*.bin"):
-        p.unlink()
-    return seconds
+    sys.path.insert(0, str(HERE))
+    from bench_pipeline import raw_write_s
+
+    chunk = memoryview(np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes())
+    parts, left = [], total
+    while left > 0:
+        in_file = min(file_bytes, left)
+        for at in range(0, in_file, len(chunk)):
+            parts.append(chunk[:min(len(chunk), in_file - at)])
+        left -= in_file
+    return raw_write_s(folder, parts, file_bytes)
 
 
 def _jsonl(path: Path):
