@@ -17,6 +17,7 @@ import io
 import os
 import shutil
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 
@@ -183,9 +184,15 @@ def test_a_reader_sees_only_complete_shards_while_a_shard_is_half_written(setup,
     out = tmp_path / "store"
     halfway, release, real_save = threading.Event(), threading.Event(), writer_module.save_columns
 
+    def committed() -> int:
+        return len(list(out.glob("shards/*.safetensors")))
+
     def save_columns(columns, path, *args, **kw):
         out_ = real_save(columns, path, *args, **kw)
-        if len(list(out.glob("shards/*.safetensors"))) == 2:
+        if Path(path).name.startswith("shard-r000-000002."):
+            deadline = time.monotonic() + 30  # the commit thread may still be committing the second
+            while committed() < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
             data = Path(path).read_bytes()
             Path(path).write_bytes(data[: len(data) // 2])
             halfway.set()

@@ -54,3 +54,19 @@ def test_the_other_ranks_of_the_run_writing_meanwhile_is_no_change(tmp_path: Pat
     with ShardWriter(out, SETTINGS, shard_rows=4, rank=0, world_size=2, opened=view) as rank0:
         rank0.write(0, *batch(0))
     assert (out / "manifest.rank0.json").exists() and (out / "manifest.rank1.json").exists()
+
+
+def test_rank_0_alone_puts_the_store_card_and_its_write_is_no_change(tmp_path: Path):
+    """Two ranks putting README.md at once rename one README.md.tmp and the second rename fails (a
+    torchrun run lost a rank so): only rank 0 puts the card, and rank 1 opening while rank 0's
+    README.md.tmp is on disk is no refusal."""
+    out = tmp_path / "s"
+    view = StoreView.read(out, SETTINGS, 2, rank=1)
+    out.mkdir()
+    (out / "README.md.tmp").write_text("rank 0 mid-way through putting the card")
+    with ShardWriter(out, SETTINGS, shard_rows=4, rank=1, world_size=2, opened=view) as rank1:
+        rank1.write(1, *batch(1))
+    assert not (out / "README.md").exists()
+    with ShardWriter(out, SETTINGS, shard_rows=4, rank=0, world_size=2) as rank0:
+        rank0.write(0, *batch(0))
+    assert (out / "README.md").read_text().startswith("---")

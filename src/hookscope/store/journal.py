@@ -199,8 +199,10 @@ def _columns(layout: dict[str, Column], stats: dict[str, PointStats]) -> dict[st
 class Commits:
     """One writer's commits to manifest `name`: a journal line each, the manifest compacted now and then."""
 
-    def __init__(self, fs: FS, name: str):
+    def __init__(self, fs: FS, name: str, *, puts_card: bool = True):
         self.fs, self.name, self.journal = fs, name, journal_name(name)
+        # in a local store one writer puts the card: two ranks' renames of one README.md.tmp collide
+        self.puts_card = puts_card or fs.remote
         self.lines = 0  # journal records since the manifest was last written
         self.based = 0  # shards in the manifest as last written
         self.texts: dict[str, str] = {}  # each entry's text in the manifest, encoded once (to_bytes)
@@ -241,11 +243,16 @@ class Commits:
         """At open: `manifest` is what this writer starts from, `found` what its manifest file (with
         its journal) holds. Written unless the file already says exactly that, as after a resume of
         a finished store (rewriting 100,000 entries costs seconds); then the store card is put
-        again instead, which proves the directory writable before any compute."""
+        again instead (by the writer that puts it; for the others the lock file taken proves it),
+        which proves the directory writable before any compute."""
         if found is None or found != manifest or self._journal_left():
             self.compact(manifest)
         else:
             self.based = len(manifest.shards)
+            self.put_card()
+
+    def put_card(self) -> None:
+        if self.puts_card:
             self.fs.put(CARD, card_bytes(), durable=False)
 
     def _journal_left(self) -> bool:

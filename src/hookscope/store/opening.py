@@ -36,14 +36,15 @@ class StoreView:
 
     def changed(self, fs: Any) -> bool:
         """Whether a file this rank's plan rests on was added, removed or rewritten since the read.
-        The other ranks of this attempt stamp and extend their own manifests meanwhile: not a change."""
+        The other ranks of this attempt stamp and extend their own manifests meanwhile, and rank 0
+        puts the store card: not a change."""
         deal = self.plan.deal
         theirs = {manifest_name(r, deal.world_size, deal.generation) for r in range(deal.world_size)} - {
             manifest_name(self.rank, deal.world_size, deal.generation)}
 
         def mine(sizes: dict[str, int]) -> dict[str, int]:
             # theirs: their manifests, and the files named after them (.tmp, journal, lock)
-            return {k: v for k, v in sizes.items() if k != CARD and k not in theirs
+            return {k: v for k, v in sizes.items() if k not in (CARD, CARD + ".tmp") and k not in theirs
                     and not any(k.startswith(t.removesuffix(".json") + ".") for t in theirs)}
 
         return mine(fs.sizes()) != mine(self.sizes)

@@ -26,7 +26,7 @@ from typing import Any, Protocol, Self
 import torch
 
 from ..errors import StoreError
-from .card import CARD, card_bytes
+from .card import CARD
 from .checksum import ALGORITHMS, WRITTEN
 from .fs import open_fs
 from .journal import Commits
@@ -110,14 +110,14 @@ class ShardWriter:
                                  points=found.points if shards else {}, meta=found.meta if shards else {},
                                  shards=shards, stats=summed_stats(shards))
         try:  # stamps the settings into the directory now, and proves it is writable before any compute
-            self._commits = Commits(self.fs, self._manifest_name)  # shard commits: store/journal.py
+            self._commits = Commits(self.fs, self._manifest_name, puts_card=rank == 0)  # store/journal.py
             self._commits.lock()  # before anything is touched: a second run on the store is refused
             remove_orphans(self.fs, self.rank, self.generation, self._prefix, self._listed,
                            self._manifest_name, found_at_open)
             self._commits.open(self.manifest, found.manifests.get(self._manifest_name))
             # README.md: datasets.load_dataset(DIR) fails clearly rather than misreading the store
             if self.fs.size(CARD) is None:
-                self.fs.put(CARD, card_bytes(), durable=False)
+                self._commits.put_card()
         except OSError as e:
             self._commits.unlock()  # refused: the next try, in this process too, may take the store
             raise StoreError(f"cannot write to the store directory {self.out}: {e}; make it writable (or "
