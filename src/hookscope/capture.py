@@ -39,7 +39,7 @@ from .errors import HookscopeError, PointNotReachedError, SelectionError
 from .hooks import Hook, Hooks, grad_leaf
 from .model_inputs import attention_mask_of, call_model
 from .names import canonical, find_key, is_pattern, meaning
-from .selection import Heads, Positions, Selection
+from .selection import Heads, Into, Positions, Selection
 from .stopping import Stop, no_cache
 
 
@@ -147,7 +147,9 @@ class Capture(Kept):
 
     Built by `hs.capture(model, points, **options)`; the model runs whole inside the block unless
     `stop=True`. `attention_mask`: the batch's mask, for `positions="last"` (each row's last real
-    token); when left out, the `attention_mask=` the model is called with is used.
+    token); when left out, the `attention_mask=` the model is called with is used. `into`: with a
+    `token_mask`, a function `(shape, dtype, device) -> tensor or None` that gives the buffer each
+    point's kept rows are written into (the extraction's reused host buffers; None: a new tensor).
 
     Raises:
         UnknownPointError: a point name the model does not have (the message lists close names).
@@ -159,12 +161,14 @@ class Capture(Kept):
     def __init__(self, model: nn.Module, points: str | Sequence[str], *, positions: Positions = None,
                  heads: Heads = None, token_mask: Tensor | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, stop: bool | None = None, inference: bool = True,
-                 accumulate: bool = False, attention_mask: Tensor | None = None, arch: Arch | None = None):
+                 accumulate: bool = False, attention_mask: Tensor | None = None, arch: Arch | None = None,
+                 into: Into | None = None):
         self._state = state_of(model)  # its `layer` is asked at enter
         if arch is None:
             arch = self._state.arch if self._state.arch is not None else arch_of(model)
         super().__init__(arch, keyed_specs(arch, points), accumulate)
         self.model, self.inference, self.attention_mask = model, inference, attention_mask
+        self.into = into  # where a token mask's kept rows are written (Selection.take)
         self.selection = Selection.of(positions, heads, token_mask, dtype, device)
         self.specs: list[PointSpec] = list(self._keys.values())
         self.stop = stop  # None: stop only inside run() / collect(), where nobody sees the cut
@@ -231,7 +235,7 @@ class Capture(Kept):
 
     def _keep(self, act: Tensor, hook: Hook) -> None:
         self.file(hook.spec.name, self.selection.take(act, hook.spec, attention_mask=self.pass_mask,
-                                                      copy=self.copy, events=self.events))
+                                                      copy=self.copy, events=self.events, into=self.into))
 
     def file(self, name: str, kept: Tensor) -> None:
         """Keep `kept` as this pass's value of point `name`; stop the pass if it was the last one

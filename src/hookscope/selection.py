@@ -31,7 +31,7 @@ import torch
 from torch import Tensor
 
 from .errors import SelectionError
-from .token_rows import KeptRows, select_tokens
+from .token_rows import Into, KeptRows, select_tokens
 
 Positions = None | int | slice | Sequence[int] | Tensor | str
 Heads = None | int | Sequence[int] | Tensor
@@ -134,17 +134,19 @@ class Selection:
     # capture: what to keep ---------------------------------------------------------------------
 
     def take(self, act: Tensor, spec: Dims, *, attention_mask: Tensor | None = None,
-             copy: str = "auto", events: list | None = None) -> Tensor:
+             copy: str = "auto", events: list | None = None, into: Into | None = None) -> Tensor:
         """The selected part of `act`, cast and moved, and never a view of `act`.
 
         copy: "auto" copies only if the result would share memory with `act`; "always" copies
         unless a cast or a move already did (no storage check: it runs inside a compiled graph);
         "never" hands back what the selections made (the caller owns `act`).
-        `events`: CUDA events of pinned, non-blocking host copies are appended (sync before use)."""
+        `events`: CUDA events of pinned, non-blocking host copies are appended (sync before use).
+        `into`: for a token mask, where to write the kept rows (`token_rows.Into`: a buffer of
+        the shape and dtype asked, or None to make one); what it gives is returned, filled."""
         if self is EVERYTHING:  # (the common case: no selection to make, only the copy)
             return act if copy == "never" else act.clone()
         cast = self.dtype if self.dtype is not None and act.is_floating_point() else None
-        x = self._select(act, spec, attention_mask, cast)
+        x = self._select(act, spec, attention_mask, cast, into if self.device is None else None)
         fresh = copy == "never" or x.dtype != act.dtype  # a cast inside the token gather made x
         if not fresh and copy == "auto" and x is not act:  # (act itself: shares its own storage)
             # compare storages: views made under inference_mode have no _base, and a view at an
@@ -162,8 +164,8 @@ class Selection:
         """Heads, then positions or the token mask (no cast, no copy)."""
         return self._select(act, spec, attention_mask, None)
 
-    def _select(self, act: Tensor, spec: Dims, attention_mask: Tensor | None, cast: torch.dtype | None
-                ) -> Tensor:
+    def _select(self, act: Tensor, spec: Dims, attention_mask: Tensor | None, cast: torch.dtype | None,
+                into: Into | None = None) -> Tensor:
         """`select`; a token mask's gather may cast to `cast` on the way (whichever order moves
         fewer bytes: the same bits either way, a cast is element by element)."""
         x = act
@@ -173,7 +175,7 @@ class Selection:
                                      "heads= works on attn.q|k|v|z (and attn.pattern)")
             x = x.index_select(spec.head_dim, _index(self.heads, x.shape[spec.head_dim], "head", x.device))
         if self.token_mask is not None:
-            return select_tokens(x, self.token_mask, spec.pos_dim, self._kept_rows, cast)
+            return select_tokens(x, self.token_mask, spec.pos_dim, self._kept_rows, cast, into)
         if self.positions is None:
             return x
         pos_dim = _pos_dim(spec, x)

@@ -5,12 +5,18 @@ no host sync), and the activations and the statistics are copied into a reused p
 of the ring (ring.py), all on a side stream that first waits for the forward; one event per device
 marks the end. The main thread goes on to the next batch at once. The writer's thread receives a
 `Handoff`: it waits on the events before it reads the buffer (`wait`, which also gives the
-statistics), and hands the buffer back once the batch's bytes are on disk (`release`). Activations
-already on the CPU go as they are, with no handoff: the writer's thread measures them.
+statistics), and hands the buffer back once the batch's bytes are on disk (`release`).
+
+On the CPU the capture itself writes each point's kept rows into a buffer of a second ring (`into`,
+given to the executor): the rows are written once, where the writer reads them, in memory reused
+batch after batch. Their handoff has nothing to wait for and no statistics (the writer's thread
+measures them); it hands the buffers back once written. Activations on the CPU in memory of their
+own (a source that makes its rows itself) go as they are, with no handoff.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,8 +32,10 @@ class Handoff:
 
     def __init__(self, events: Sequence[Any], stats: dict[str, tuple[torch.Tensor, ...]],
                  ring: HostRing | None = None, buffer: torch.Tensor | None = None,
-                 sources: Sequence[torch.Tensor] = ()):
-        self.events, self.stats, self.ring, self.buffer = list(events), stats, ring, buffer
+                 sources: Sequence[torch.Tensor] = (), lent: Sequence[tuple[HostRing, torch.Tensor]] = ()):
+        self.events, self.stats = list(events), stats
+        # the buffers to hand back once written: `buffer` of `ring`, and those a CPU capture filled
+        self.returns = [*([(ring, buffer)] if ring is not None and buffer is not None else []), *lent]
         # the device tensors being read: held until the copy is done, so that the allocator cannot
         # hand their memory to the next forward meanwhile (record_stream would be the other way,
         # but it is an in-place op, refused on a capture's inference tensors)
@@ -40,9 +48,9 @@ class Handoff:
         return {name: PointStats.of_tensors(*parts) for name, parts in self.stats.items()}
 
     def release(self) -> None:
-        if self.buffer is not None and self.ring is not None:
-            buffer, self.buffer = self.buffer, None  # once only
-            self.ring.give_back(buffer)
+        returns, self.returns = self.returns, []  # once only
+        for ring, buffer in returns:
+            ring.give_back(buffer)
 
 
 class CopyOut:
@@ -50,14 +58,37 @@ class CopyOut:
 
     def __init__(self, keep: int = 8):
         self.ring = HostRing(keep=keep, pinned=True)
+        self.host = HostRing(keep=None, pinned=False)  # what CPU captures write into (`into`)
+        self.lent: dict[int, torch.Tensor] = {}  # by storage address: host buffers out to the capture
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
+
+    def into(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
+        """A buffer of the host ring, `shape` and `dtype`, for a capture on the CPU to write a point's
+        kept rows into (`Capture(into=)`); None for one on another device (copied out below)."""
+        if torch.device(device).type != "cpu":
+            return None
+        nbytes = math.prod(shape) * dtype.itemsize
+        buffer = self.host.take(nbytes)
+        self.lent[buffer.untyped_storage().data_ptr()] = buffer
+        return buffer[:nbytes].view(dtype).view(shape)
+
+    def _claim(self, acts: dict[str, torch.Tensor]) -> list[tuple[HostRing, torch.Tensor]]:
+        """The lent buffers that `acts` are in; any other lent since the last batch is not handed
+        back (a source that made its rows from them may hold them still)."""
+        claimed = [self.lent.pop(a.untyped_storage().data_ptr(), None) for a in acts.values()
+                   if a.device.type == "cpu"]
+        for buffer in self.lent.values():
+            self.host.forget(buffer)
+        self.lent.clear()
+        return [(self.host, b) for b in claimed if b is not None]
 
     def __call__(self, acts: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Handoff | None]:
         """`acts` on the host (views of a ring buffer for those on CUDA, still being filled), and the
-        handoff the writer waits on (None when nothing came from a CUDA device)."""
+        handoff the writer waits on (None when nothing came from a CUDA device or a lent buffer)."""
+        lent = self._claim(acts)
         cuda = {name: a for name, a in acts.items() if a.device.type == "cuda"}
         if not cuda:
-            return {name: a.cpu() for name, a in acts.items()}, None
+            return {name: a.cpu() for name, a in acts.items()}, Handoff([], {}, lent=lent) if lent else None
         buffer = self.ring.take(nbytes_of(cuda.values()))
         placed = dict(zip(cuda, views(buffer, cuda.values()), strict=True))
         sides: dict[torch.device, torch.cuda.Stream] = {}
@@ -77,7 +108,7 @@ class CopyOut:
             event.record(side)
             events.append(event)
         host = {name: placed[name] if name in placed else a.cpu() for name, a in acts.items()}
-        return host, Handoff(events, stats, self.ring, buffer, sources=list(cuda.values()))
+        return host, Handoff(events, stats, self.ring, buffer, sources=list(cuda.values()), lent=lent)
 
     def _side(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self.streams:

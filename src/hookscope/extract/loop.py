@@ -15,7 +15,7 @@ import itertools
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -31,6 +31,9 @@ from .copyout import CopyOut, Handoff
 from .report import ExtractInterrupted, ExtractSummary, check_finite, signals_interrupt
 from .stages import Stages, ahead
 
+if TYPE_CHECKING:
+    from ..capture import Into
+
 Batches = Iterable[tuple[int, dict[str, Tensor]]]
 
 
@@ -45,16 +48,18 @@ class InMemory:
     block-streamed executor (layer-major over chunks of sequences, under `max_memory`) reads a
     chunk of batches ahead, runs each block over all of them, and yields the chunk's rows with
     `source.model_call` / `source.rows` around its own capture; it runs only sources whose
-    `streamable` is True."""
+    `streamable` is True. `into`, set by the loop, gives the buffers a capture on the CPU writes
+    its kept rows into (copyout.py)."""
 
     def __init__(self, source: Source, model: torch.nn.Module, points: Sequence[str], dtype: torch.dtype,
                  run: Run):
         self.source, self.model, self.points, self.dtype, self.run_on = source, model, points, dtype, run
+        self.into: Into | None = None
 
     def run(self, batches: Batches) -> Iterator[tuple[int, dict[str, Tensor], Rows]]:
         for index, batch in batches:
             yield index, batch, self.source.compute(self.model, batch, self.points, self.dtype,
-                                                    self.run_on.device)
+                                                    self.run_on.device, into=self.into)
 
 
 def extract(cfg: ExtractConfig) -> ExtractSummary:
@@ -161,8 +166,10 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
             else:
                 yield index, batch
 
+    copy_out = CopyOut()
+    executor.into = copy_out.into
     ran = _timed(_checked(executor.run(pending(itertools.chain([first] if first else [], ours))),
-                          cfg.on_nonfinite, stages, CopyOut()), stages)
+                          cfg.on_nonfinite, stages, copy_out), stages)
     try:
         # The first batch to do is run before the store is opened (a streamed run runs its whole
         # first chunk, so that no block's weights are read one extra time): an empty or bad data

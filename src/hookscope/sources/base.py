@@ -43,6 +43,7 @@ from torch import Tensor
 from ..capture import Capture
 
 if TYPE_CHECKING:
+    from ..capture import Into
     from ..extract import ExtractConfig
     from ..loading import Loaded
 
@@ -133,12 +134,15 @@ class Source:
         return (acts, call.columns) if call.columns is not None else self.rows(batch, acts)
 
     def compute(self, model: torch.nn.Module, batch: dict[str, Tensor], points: Sequence[str],
-                dtype: torch.dtype, device: str) -> Rows:
+                dtype: torch.dtype, device: str, into: Into | None = None) -> Rows:
+        """The batch's rows from one capture; `into` gives the buffers the kept rows go into (the
+        loop's reused host buffers; see `Capture`)."""
         call = self.call_of(batch, device)
         inputs = {k: v.to(device, non_blocking=True) for k, v in call.inputs.items()}
         # kept where the model ran (the loop takes statistics there, then copies to the host); the
         # mask stays on the CPU, where the capture finds the kept rows without waiting for the device
-        with Capture(model, list(points), token_mask=call.keep, dtype=dtype, device=None) as cap:
+        with Capture(model, list(points), token_mask=call.keep, dtype=dtype, device=None,
+                     into=into) as cap:
             cap.run(inputs)
             acts = {name: cap[name] for name in points}
         return self.rows_of(batch, call, acts)

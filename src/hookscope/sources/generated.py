@@ -20,6 +20,7 @@ from .columns import token_columns
 from .text import TextSource
 
 if TYPE_CHECKING:
+    from ..capture import Into
     from ..extract import ExtractConfig
     from ..loading import Loaded
 
@@ -47,7 +48,7 @@ class GeneratedSource(TextSource):
         return None  # the continuation's rows come with their own columns (continuation_rows)
 
     def compute(self, model: torch.nn.Module, batch: dict[str, Tensor], points: Sequence[str],
-                dtype: torch.dtype, device: str) -> Rows:
+                dtype: torch.dtype, device: str, into: Into | None = None) -> Rows:  # rows made here
         inputs, keep = self.model_call(batch)
         inputs = {k: v.to(device) for k, v in inputs.items()}
         return continuation_rows(model, {**batch, **inputs}, points, self.cfg.generate, keep, dtype=dtype)

@@ -54,11 +54,10 @@ class PointStats:
     m2: torch.Tensor | None = None
 
     @classmethod
-    def of(cls, rows: torch.Tensor) -> PointStats:
-        """The statistics of `rows` [rows, ...], on any device, any float dtype."""
-        flat = rows.reshape(rows.shape[0], -1)
-        owned = flat.dtype != torch.float32  # the float32 copy is ours to overwrite
-        flat = flat.float().contiguous()  # float64 values may overflow here: they count as non-finite
+    def of(cls, rows: torch.Tensor, work: Workspace | None = None) -> PointStats:
+        """The statistics of `rows` [rows, ...], on any device, any float dtype; `work`: where to
+        take the float32 copy (a writer's, reused batch after batch)."""
+        flat, owned = _float32(rows, work)
         norms = flat.norm(dim=1)
         if bool(torch.isfinite(norms).all()):
             nonfinite, whole = 0, flat.shape[0]
@@ -69,8 +68,12 @@ class PointStats:
             norms, whole = norms[whole_rows], int(whole_rows.count_nonzero())
             flat, owned = flat[whole_rows], True
         norms = norms.double()
-        mean, m2 = _moments(flat, owned)
-        return cls(nonfinite, whole, float(norms.sum()), float((norms**2).sum()), mean, m2)
+        if whole:
+            shift = flat[:_SHIFT_ROWS].mean(0)
+            mean, m2 = _moments(shift, *_deviation_sums(flat, shift, owned), whole)
+        else:
+            mean, m2 = (torch.zeros(flat.shape[1], dtype=torch.float64) for _ in range(2))
+        return cls(nonfinite, whole, float(norms.sum()), float((norms**2).sum()), mean.cpu(), m2.cpu())
 
     @classmethod
     def of_tensors(cls, scalars: torch.Tensor, mean: torch.Tensor, m2: torch.Tensor) -> PointStats:
@@ -150,20 +153,51 @@ class PointStats:
         return None if var is None else var.sqrt()
 
 
-def _moments(flat: torch.Tensor, owned: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-column mean and M2 of `flat` [rows, features] float32 (overwritten when `owned`), float64
-    on the CPU."""
-    n = flat.shape[0]
-    if not n:
-        zeros = torch.zeros(flat.shape[1], dtype=torch.float64)
-        return zeros, zeros.clone()
-    shift = flat[:_SHIFT_ROWS].mean(0)
+class Workspace:
+    """The float32 memory `PointStats.of` works in, kept from batch to batch (grown when a batch needs
+    more): a fresh copy per batch faults its pages in every time, which on a CPU costs more than the
+    arithmetic."""
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0)
+
+    def take(self, shape: tuple[int, ...], device: torch.device) -> torch.Tensor | None:
+        """A float32 tensor of `shape` in this memory; None off the CPU (a device's own allocator
+        reuses its memory)."""
+        if device.type != "cpu":
+            return None
+        numel = math.prod(shape)
+        if self.buffer.numel() < numel:
+            self.buffer = torch.empty(0)  # the old one freed before the new one is made
+            self.buffer = torch.empty(numel)
+        return self.buffer[:numel].view(shape)
+
+
+def _float32(rows: torch.Tensor, work: Workspace | None) -> tuple[torch.Tensor, bool]:
+    """`rows` as a contiguous float32 [rows, features] tensor, and whether it is a copy of ours to
+    overwrite (float64 values may overflow here: they count as non-finite)."""
+    flat = rows.reshape(rows.shape[0], -1)
+    into = None if work is None else work.take(tuple(flat.shape), flat.device)
+    if into is not None:
+        return into.copy_(flat), True  # the same rounding as .float()
+    return flat.float().contiguous(), flat.dtype != torch.float32
+
+
+def _deviation_sums(flat: torch.Tensor, shift: torch.Tensor, owned: bool,
+                    dropped: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per column of `flat` (overwritten when `owned`), the float64 sums of the deviations from
+    `shift` and of their squares, over the rows not `dropped` (a bool [rows] mask)."""
     deviations = flat.sub_(shift) if owned else flat - shift
+    if dropped is not None:
+        deviations.masked_fill_(dropped[:, None], 0)
     s1 = deviations.sum(0).double()
-    s2 = deviations.square_().sum(0).double()
-    mean = (shift.double() + s1 / n).cpu()
-    m2 = (s2 - s1**2 / n).clamp_(min=0).cpu()
-    return mean, m2
+    return s1, deviations.square_().sum(0).double()
+
+
+def _moments(shift: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor, n: int | torch.Tensor
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The float64 mean and M2 of `n` rows whose deviations from `shift` sum to `s1`, squared `s2`."""
+    return shift.double() + s1 / n, (s2 - s1**2 / n).clamp_(min=0)
 
 
 def stats_tensors(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -172,23 +206,17 @@ def stats_tensors(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     per-dimension mean and M2; `PointStats.of_tensors` reads them once on the host. The rows that
     are not whole (a non-finite value) are zeroed out of every sum but `nonfinite`, as `of` leaves
     them out; the shift is the mean of the whole rows among the first ones."""
-    flat = rows.reshape(rows.shape[0], -1)
-    owned = flat.dtype != torch.float32  # the float32 copy is ours to overwrite
-    flat = flat.float().contiguous()
+    flat, owned = _float32(rows, None)
     finite = torch.isfinite(flat)
     whole = finite.all(dim=1)
     nonfinite = flat.numel() - finite.sum()
     del finite
-    count = whole.sum()
+    n = whole.sum().double()
     norms = torch.where(whole, flat.norm(dim=1), 0).double()
     head, head_whole = flat[:_SHIFT_ROWS], whole[:_SHIFT_ROWS, None]
     shift = torch.where(head_whole, head, 0).sum(0) / head_whole.sum().clamp(min=1)
-    deviations = (flat.sub_(shift) if owned else flat - shift).masked_fill_(~whole[:, None], 0)
-    s1 = deviations.sum(0).double()
-    s2 = deviations.square_().sum(0).double()
-    n = count.double()
-    scalars = torch.stack([nonfinite.double(), n, norms.sum(), (norms**2).sum()])
-    return scalars, shift.double() + s1 / n, (s2 - s1**2 / n).clamp_(min=0)
+    mean, m2 = _moments(shift, *_deviation_sums(flat, shift, owned, dropped=~whole), n)
+    return torch.stack([nonfinite.double(), n, norms.sum(), (norms**2).sum()]), mean, m2
 
 
 def header_text(stats: dict[str, PointStats]) -> str:

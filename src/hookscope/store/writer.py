@@ -44,7 +44,7 @@ from .manifest import (
 from .opening import StoreView
 from .orphans import remove_orphans
 from .shardfile import save_columns, sync_file
-from .stats import HEADER_KEY, PointStats, header_text
+from .stats import HEADER_KEY, PointStats, Workspace, header_text
 
 _STOP = object()
 
@@ -137,6 +137,7 @@ class ShardWriter:
         self._handoffs: list[Handoff] = []  # of the pending batches: released once written
         self._pending_stats: dict[str, PointStats] = {}
         self._pending_rows = 0
+        self._work = Workspace()  # the statistics' float32 copy of a batch, reused (the writer thread's)
         # the threads that copy a shard's bytes into its file, each its own range (the writer thread
         # checksums the same bytes meanwhile): the copy scales with the cores
         self._copiers = ThreadPoolExecutor(writers or _default_writers(),
@@ -278,6 +279,7 @@ class ShardWriter:
                     self._guard(self._commits.finish, self.manifest)
                 self._commits.unlock()
                 self.fs.done_staging(self._staging)
+                self._work = Workspace()  # its memory back
                 return
             if self._error is None:  # after an error, keep draining so that write() never blocks
                 self._guard(self._take, *item)
@@ -300,7 +302,7 @@ class ShardWriter:
             given = {**given, **handoff.wait()}  # the batch's bytes are on the host from here
         self._pending.append((index, batch))
         for name in points:
-            stats = given[name] if name in given else PointStats.of(batch[name])
+            stats = given[name] if name in given else PointStats.of(batch[name], self._work)
             self._pending_stats[name] = self._pending_stats.get(name, PointStats()).merge(stats)
         self._pending_rows += next(iter(batch.values())).shape[0]
         if self._pending_rows >= self.shard_rows:
