@@ -230,19 +230,10 @@ def extract_case(model, layer: int, args) -> dict:
 def _raw_write_s(folder: Path, total: int, file_bytes: int) -> float:
     """Seconds to write `total` bytes into files of `file_bytes` in `folder`, each file fsynced
     (bench_pipeline's raw write, fed parts of one 64 MB buffer that end where each file ends)."""
-    import numpy as np
-
     sys.path.insert(0, str(HERE))
-    from bench_pipeline import raw_write_s
+    from bench_pipeline import raw_parts, raw_write_s
 
-    chunk = memoryview(np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes())
-    parts, left = [], total
-    while left > 0:
-        in_file = min(file_bytes, left)
-        for at in range(0, in_file, len(chunk)):
-            parts.append(chunk[:min(len(chunk), in_file - at)])
-        left -= in_file
-    return raw_write_s(folder, parts, file_bytes)
+    return raw_write_s(folder, raw_parts(total, file_bytes), file_bytes)
 
 
 def _jsonl(path: Path):

@@ -74,6 +74,21 @@ def raw_write_s(folder: Path, chunks: list[memoryview], file_bytes: int) -> floa
     return seconds
 
 
+def raw_parts(total: int, file_bytes: int) -> list[memoryview]:
+    """`total` bytes as parts of one 64 MB buffer that end where each `file_bytes` file ends (what
+    `raw_write_s` writes as a store of that many bytes in shards of that size)."""
+    import numpy as np
+
+    chunk = memoryview(np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes())
+    parts, left = [], total
+    while left > 0:
+        in_file = min(file_bytes, left)
+        for at in range(0, in_file, len(chunk)):
+            parts.append(chunk[:min(len(chunk), in_file - at)])
+        left -= in_file
+    return parts
+
+
 def writer_run(args: argparse.Namespace) -> dict[str, float]:
     import torch
 
@@ -171,7 +186,7 @@ def extract_run(args: argparse.Namespace) -> dict[str, float]:
     points = ["embed"] + [f"blocks.{i}.resid_post" for i in range(args.points - 1)]
     if args.points > 1:
         identity_blocks()
-    store = Path(tempfile.mkdtemp(prefix="hookscope-bench-store-", dir=MEMORY_DIR))
+    store = Path(tempfile.mkdtemp(prefix="hookscope-bench-store-", dir=args.store_dir or MEMORY_DIR))
     try:
         cfg = ExtractConfig(out=str(store / "s"), model=str(work / "model"), points=points,
                             data=str(work / "corpus.jsonl"), context=args.context, batch_size=args.batch,
@@ -180,6 +195,10 @@ def extract_run(args: argparse.Namespace) -> dict[str, float]:
         summary = extract(cfg)
         extract_s = summary.seconds
         rows, nbytes = summary.new_rows, summary.bytes_written
+        shards = len(list((store / "s" / "shards").glob("*.safetensors")))
+        # the store's own floor: the same bytes written raw into files of the shards' size, in the
+        # same directory, each fsynced (in memory, the memory's own copy of them)
+        raw_s = raw_write_s(store, raw_parts(nbytes, -(-nbytes // shards)), -(-nbytes // shards))
     finally:
         shutil.rmtree(store, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
@@ -206,6 +225,7 @@ def extract_run(args: argparse.Namespace) -> dict[str, float]:
             embedding(b["input_ids"])
     embed_s = time.perf_counter() - start
     return {"tokens": tokens, "rows": rows, "bytes": nbytes, "extract_s": extract_s, "pack_s": pack_s,
+            "raw_s": raw_s,
             "model_s": model_s, "embed_s": embed_s, "summary": str(summary),
             "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE", "")}
 
@@ -283,6 +303,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=32)
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
+    p.add_argument("--store-dir", help=f"where (b) puts its store (default {MEMORY_DIR}; e.g. /tmp: a disk)")
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--points", type=int, default=1, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -322,7 +343,8 @@ def main() -> None:
                 prepare(work, docs=max(4, words // 2048), words_per_doc=min(2048, words), points=n)
                 rs = fresh("extract", ["--work", str(work), "--points", str(n), "--tokens", str(tokens),
                                        "--context", str(args.context), "--batch", str(args.batch),
-                                       "--shard-rows", str(args.shard_rows), "--workers", str(args.workers)],
+                                       "--shard-rows", str(args.shard_rows), "--workers", str(args.workers),
+                                       *(["--store-dir", args.store_dir] if args.store_dir else [])],
                            args.runs)
                 ratio = statistics.median(r["pack_s"] / r["extract_s"] for r in rs)
                 ext = statistics.median(r["rows"] / r["extract_s"] for r in rs)
@@ -331,7 +353,7 @@ def main() -> None:
                 md = statistics.median(r["tokens"] / r["model_s"] for r in rs)
                 both = statistics.median(max(r["pack_s"], r["model_s"]) / r["extract_s"] for r in rs)
                 print(f"(b) extract, free forward, {n} point(s), {rs[0]['tokens']:,} tokens "
-                      f"({args.batch} x {args.context} bf16, store in {MEMORY_DIR}, "
+                      f"({args.batch} x {args.context} bf16, store in {args.store_dir or MEMORY_DIR}, "
                       f"--workers {args.workers}): "
                       f"{ext:,.0f} tokens/s "
                       f"({mbs:,.0f} MB/s) vs packing alone {pk:,.0f} tokens/s: {ratio:.2f}x "
@@ -346,6 +368,13 @@ def main() -> None:
                     print(f"    the model stage's floor, the bare embedding lookup on the same batches: "
                           f"{em:,.0f} tokens/s; extract / the slower of packing and that floor: {floor:.2f}x "
                           f"(THP_MEM_ALLOC_ENABLE={rs[0]['huge_pages'] or 'unset'})", flush=True)
+                if "raw_s" in rs[0]:
+                    raw = statistics.median(r["rows"] / r["raw_s"] for r in rs)
+                    lower = statistics.median((r["rows"] / r["extract_s"])
+                                              / min(r["tokens"] / r["pack_s"], r["rows"] / r["raw_s"]) for r in rs)
+                    print(f"    the store's floor, its bytes written raw into the same directory (files of "
+                          f"the shards' size, fsynced): {raw:,.0f} rows/s; extract / the lower of packing and "
+                          f"that floor: {lower:.2f}x", flush=True)
                 print("    last run's summary: " + rs[-1]["summary"].replace("\n", "\n    "), flush=True)
     if args.only == "data":
         with tempfile.TemporaryDirectory(prefix="hookscope-bench-data-") as tmp:
