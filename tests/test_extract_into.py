@@ -103,7 +103,7 @@ def test_statistics_in_a_reused_workspace_equal_fresh_ones_and_a_float64_recompu
         assert got.norm_sum == pytest.approx(norm_sum, rel=1e-5)
         torch.testing.assert_close(got.mean, mean, rtol=1e-5, atol=1e-4)
         torch.testing.assert_close(got.m2, m2, rtol=1e-4, atol=1e-3)
-    assert work.buffer.numel() == 500 * 8  # grown once to the largest batch, then reused
+    assert 500 * 8 <= work.buffer.numel() < 2 * 500 * 8  # grown once, to the largest batch and a little
 
 
 def test_rows_written_from_reused_buffers_equal_plain_hooks(tiny_dirs, corpus, tmp_path, monkeypatch):

@@ -48,7 +48,7 @@ class Watched(Handoff):
         self.store, self.value, self.log, self.renames = store, value, log, renames
 
     def release(self) -> None:
-        if self.returns:  # not handed back yet
+        if self.buffer is not None:
             with self.renames:  # no shard moves from its .tmp to its place while the files are read
                 written = b"".join(f.read_bytes() for f in (self.store / "shards").rglob("*.safetensors*"))
             self.log.append(self.value.view(torch.uint8).numpy().tobytes() in written)

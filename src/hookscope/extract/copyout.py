@@ -33,9 +33,8 @@ class Handoff:
     def __init__(self, events: Sequence[Any], stats: dict[str, tuple[torch.Tensor, ...]],
                  ring: HostRing | None = None, buffer: torch.Tensor | None = None,
                  sources: Sequence[torch.Tensor] = (), lent: Sequence[tuple[HostRing, torch.Tensor]] = ()):
-        self.events, self.stats = list(events), stats
-        # the buffers to hand back once written: `buffer` of `ring`, and those a CPU capture filled
-        self.returns = [*([(ring, buffer)] if ring is not None and buffer is not None else []), *lent]
+        self.events, self.stats, self.ring, self.buffer = list(events), stats, ring, buffer
+        self.lent = list(lent)  # (ring, buffer): the host buffers a CPU capture filled
         # the device tensors being read: held until the copy is done, so that the allocator cannot
         # hand their memory to the next forward meanwhile (record_stream would be the other way,
         # but it is an in-place op, refused on a capture's inference tensors)
@@ -48,13 +47,17 @@ class Handoff:
         return {name: PointStats.of_tensors(*parts) for name, parts in self.stats.items()}
 
     def release(self) -> None:
-        returns, self.returns = self.returns, []  # once only
-        for ring, buffer in returns:
+        if self.buffer is not None and self.ring is not None:
+            buffer, self.buffer = self.buffer, None  # once only
+            self.ring.give_back(buffer)
+        lent, self.lent = self.lent, []
+        for ring, buffer in lent:
             ring.give_back(buffer)
 
 
 class CopyOut:
-    """The out stage of one run: a side stream per CUDA device and one ring of host buffers."""
+    """The out stage of one run: a side stream per CUDA device, a ring of page-locked buffers for the
+    copies from it, and a ring of plain host buffers for CPU captures to write into."""
 
     def __init__(self, keep: int = 8):
         self.ring = HostRing(keep=keep, pinned=True)

@@ -154,9 +154,9 @@ class PointStats:
 
 
 class Workspace:
-    """The float32 memory `PointStats.of` works in, kept from batch to batch (grown when a batch needs
-    more): a fresh copy per batch faults its pages in every time, which on a CPU costs more than the
-    arithmetic."""
+    """The float32 memory `PointStats.of` works in, kept from batch to batch (grown, with room to
+    spare, when a batch needs more: batches differ a little in rows): a fresh copy per batch faults
+    its pages in every time, which on a CPU costs more than the arithmetic."""
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0)
@@ -169,7 +169,7 @@ class Workspace:
         numel = math.prod(shape)
         if self.buffer.numel() < numel:
             self.buffer = torch.empty(0)  # the old one freed before the new one is made
-            self.buffer = torch.empty(numel)
+            self.buffer = torch.empty(numel + numel // 8)
         return self.buffer[:numel].view(shape)
 
 
