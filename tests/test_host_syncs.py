@@ -92,6 +92,12 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
     return dirs
 
 
+def run_extract(model_dir: Path, corpus: Path, out: Path, **options) -> None:
+    extract(ExtractConfig(out=str(out), model=str(model_dir), points=["blocks.1.resid_post"], data=str(corpus),
+                          context=CONTEXT, batch_size=BATCH, dtype="float32", device="cpu", progress=False,
+                          max_tokens=CONTEXT * BATCH * 3, **options))
+
+
 def counted_extract(monkeypatch, model_dir: Path, corpus: Path, out: Path) -> list[list[str]]:
     """`hs.extract` of blocks.1.resid_post, the host reads of each batch's model stage."""
     per_batch: list[list[str]] = []
@@ -109,9 +115,7 @@ def counted_extract(monkeypatch, model_dir: Path, corpus: Path, out: Path) -> li
         return rows
 
     monkeypatch.setattr(Source, "compute", counted)
-    extract(ExtractConfig(out=str(out), model=str(model_dir), points=["blocks.1.resid_post"], data=str(corpus),
-                          context=CONTEXT, batch_size=BATCH, dtype="float32", device="cpu", progress=False,
-                          max_tokens=CONTEXT * BATCH * 3))
+    run_extract(model_dir, corpus, out)
     return per_batch
 
 
@@ -143,6 +147,31 @@ def test_the_model_stage_reads_nothing_on_the_host_and_rows_stay_bit_identical(m
     got = hs.open_store(str(tmp_path / "store")).tensor("blocks.1.resid_post")
     want = reference_rows(model_dirs[family], corpus, family)
     assert got.shape == want.shape and got.view(torch.int32).equal(want.view(torch.int32))  # byte for byte
+
+
+@pytest.mark.parametrize("family", ["gpt2", "llama", "bert"])
+def test_a_streamed_run_reads_nothing_on_the_host_either(monkeypatch, model_dirs, corpus, tmp_path, family):
+    """Under --max-memory every block's pass builds the masks again (blocks x batches checks per
+    chunk before): none reads on the host, and the rows are the plain hook's, byte for byte."""
+    from hookscope.loading.streamer import BlockStreamer
+
+    chunks: list[list[str]] = []
+    run_chunk = BlockStreamer.run_chunk
+
+    def counted(self, inputs, keeps):
+        host = {k.untyped_storage().data_ptr() for k in keeps if k is not None}
+        on_device = [{k: v.clone() for k, v in batch.items()} for batch in inputs]
+        with HostReads(host) as reads:
+            acts = run_chunk(self, on_device, keeps)
+        chunks.append(reads.calls)
+        return acts
+
+    monkeypatch.setattr(BlockStreamer, "run_chunk", counted)
+    run_extract(model_dirs[family], corpus, tmp_path / "store", max_memory="1MB")
+    assert chunks and all(calls == [] for calls in chunks), "\n".join(chunks[0])
+    got = hs.open_store(str(tmp_path / "store")).tensor("blocks.1.resid_post")
+    want = reference_rows(model_dirs[family], corpus, family)
+    assert got.shape == want.shape and got.view(torch.int32).equal(want.view(torch.int32))
 
 
 def test_the_counter_sees_the_mask_check_a_plain_call_makes(model_dirs):
