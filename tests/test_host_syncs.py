@@ -217,3 +217,22 @@ def test_unpadded_changes_no_bit_and_a_padded_mask_still_masks(model_dirs, famil
         assert hidden(padded).equal(masked)
     # the padded row's padding positions see fewer keys than with no padding (every family)
     assert not torch.allclose(masked[1, 9:], plain[1, 9:])
+
+
+def test_a_fully_compiled_model_traces_through_the_wrapped_mask_builders(model_dirs):
+    """Once `unpadded` has wrapped transformers' mask builders (process-wide), a user's model
+    compiled whole (`fullgraph=True`: a graph break is an error) still compiles and still masks
+    its padding; inside `unpadded` its outputs are unchanged too."""
+    model = hs.load(str(model_dirs["llama"])).model
+    ids = torch.randint(1, 100, (2, 8), generator=torch.Generator().manual_seed(0))
+    padded = torch.ones_like(ids)
+    padded[1, 5:] = 0
+    with torch.inference_mode():
+        with unpadded():
+            pass  # the builders are wrapped from here on
+        want = model(input_ids=ids, attention_mask=padded).logits
+        compiled = torch.compile(model, fullgraph=True, backend="eager")
+        torch.testing.assert_close(compiled(input_ids=ids, attention_mask=padded).logits, want)
+        with unpadded():
+            got = compiled(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
+        torch.testing.assert_close(got, model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits)

@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 from contextvars import ContextVar
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 
@@ -96,7 +97,10 @@ def _wrap_mask_builders() -> bool:
 
             @functools.wraps(builder)
             def wrapped(*args: Any, attention_mask: Any = None, _builder: Any = builder, **kwargs: Any) -> Any:
-                return _builder(*args, attention_mask=None if _UNPADDED.get() else attention_mask, **kwargs)
+                # a compiled graph reads no host value anyway (and cannot trace a context variable)
+                if not torch.compiler.is_compiling() and _UNPADDED.get():
+                    attention_mask = None
+                return _builder(*args, attention_mask=attention_mask, **kwargs)
 
             wrapped.hookscope_unpadded = True  # type: ignore[attr-defined]
             AttentionMaskInterface.register(name, wrapped)
