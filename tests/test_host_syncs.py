@@ -24,6 +24,7 @@ import family_models
 import pytest
 import torch
 from helpers import corpus_fixture
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -38,6 +39,7 @@ aten = torch.ops.aten
 READS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.nonzero.default,
          aten.masked_select.default, aten.equal.default, aten._unique2.default, aten.unique_consecutive.default}
 INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
+COPIES = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}  # a device tensor's copy to the host
 
 corpus = corpus_fixture(60)
 SIZE = {"d_model": 64, "n_layers": 2, "n_heads": 4, "context": 64}
@@ -55,25 +57,57 @@ BUILT = {"mistral": ("mistral", {}), "mistral_window": ("mistral", {"sliding_win
          "gemma2": ("gemma2", {}), "gemma2_window": ("gemma2", {"sliding_window": 6}), "qwen3": ("qwen3", {})}
 
 
-class HostReads(TorchDispatchMode):
+class HostReads:
     """Records every operation that reads a tensor's values on the host, except those on tensors
-    whose storage is in `host` (made on the host by the data stage)."""
+    whose storage is in `host` (made on the host by the data stage): at the dispatcher (`.item()`,
+    `bool(t)`, `nonzero`, ...) and, for the copies to the host a CPU run cannot see there
+    (`.tolist()`, `.numpy()`, `.cpu()`: no-ops on a CPU tensor), at torch's function level. A
+    `.to(device)` is not counted: on the CPU the host and the run's device have one name."""
 
     def __init__(self, host: set[int] = frozenset()):
-        super().__init__()
         self.host, self.calls = host, []
+        self._modes = [_Functions(self), _Dispatch(self)]
+
+    def __enter__(self) -> HostReads:
+        for mode in self._modes:
+            mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for mode in reversed(self._modes):
+            mode.__exit__(*exc)
+
+    def record(self, what: str, args: tuple, kwargs: dict) -> None:
+        storages = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                    if isinstance(t, torch.Tensor)}
+        if not storages <= self.host:
+            where = [f for f in traceback.extract_stack()[:-2] if "/torch/" not in f.filename][-3:]
+            self.calls.append(f"{what} at " + " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.line}"
+                                                         for f in reversed(where)))
+
+
+class _Dispatch(TorchDispatchMode):
+    def __init__(self, reads: HostReads):
+        super().__init__()
+        self.reads = reads
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        read = func in READS or (func in INDEXING and any(
-            isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in tree_leaves(args[1])))
-        if read:
-            storages = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                        if isinstance(t, torch.Tensor)}
-            if not storages <= self.host:
-                where = [f for f in traceback.extract_stack()[:-1] if "/torch/" not in f.filename][-3:]
-                self.calls.append(f"{func} at " + " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.line}"
-                                                             for f in reversed(where)))
+        if func in READS or (func in INDEXING and any(
+                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in tree_leaves(args[1]))):
+            self.reads.record(str(func), args, kwargs)
+        return func(*args, **kwargs)
+
+
+class _Functions(TorchFunctionMode):
+    def __init__(self, reads: HostReads):
+        super().__init__()
+        self.reads = reads
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in COPIES:
+            self.reads.record(f"Tensor.{func.__name__}", args, kwargs)
         return func(*args, **kwargs)
 
 
@@ -176,7 +210,8 @@ def test_a_streamed_run_reads_nothing_on_the_host_either(monkeypatch, model_dirs
 
 def test_the_counter_sees_the_mask_check_a_plain_call_makes(model_dirs):
     """The counter is not blind: a model called with its all-ones mask outside `unpadded` reads it
-    on the host (transformers' check), and one called with no mask reads its position ids."""
+    on the host (transformers' check), and one called with no mask reads its position ids; copies
+    to the host are seen on a CPU tensor too."""
     model = hs.load(str(model_dirs["llama"])).model
     ids = torch.randint(1, 100, (2, 8))
     with torch.inference_mode():
@@ -189,6 +224,10 @@ def test_the_counter_sees_the_mask_check_a_plain_call_makes(model_dirs):
     assert with_mask.calls and "fast_all(padding_mask)" in with_mask.calls[0]
     assert without.calls and "packed_sequence_mask" in without.calls[0]
     assert inside.calls == []
+    with HostReads() as copies:  # what a CPU run sees only at the function level
+        torch.arange(3).tolist()
+        torch.arange(3).cpu()
+    assert [c.split(" at ")[0] for c in copies.calls] == ["Tensor.tolist", "Tensor.cpu"]
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
