@@ -194,6 +194,9 @@ def test_a_streamed_run_reads_nothing_on_the_host_either(monkeypatch, model_dirs
 
     def counted(self, inputs, keeps):
         host = {k.untyped_storage().data_ptr() for k in keeps if k is not None}
+        if self.buffers is not None:  # the weights' host slots and staging, read from the files
+            host |= {t.untyped_storage().data_ptr() for t in [*(w for w, _ in self.buffers.host),
+                                                              *self.buffers._staging]}
         on_device = [{k: v.clone() for k, v in batch.items()} for batch in inputs]
         with HostReads(host) as reads:
             acts = run_chunk(self, on_device, keeps)
