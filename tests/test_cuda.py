@@ -519,7 +519,7 @@ def test_the_extraction_model_stage_never_waits_for_the_device(model_dirs, devic
         done = list(ran)
     loaded = hs.load(cfg.model, device=device)
     blocks = blocks_of(loaded.model)
-    for (index, batch, (host, columns), handoff), (_, want_batch) in zip(done, prepared, strict=True):
+    for (index, _, (host, _), handoff), (_, want_batch) in zip(done, prepared, strict=True):
         if handoff is not None:
             handoff.wait()
         keep = want_batch["attention_mask"].bool() & ~want_batch["special_mask"].bool()

@@ -36,8 +36,9 @@ from hookscope.testing import save_tiny, train_tokenizer
 
 aten = torch.ops.aten
 # operations that read a tensor's values on the host (on a GPU: a wait for the device)
-READS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default, aten.nonzero.default,
-         aten.masked_select.default, aten.equal.default, aten._unique2.default, aten.unique_consecutive.default}
+READS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default,
+         aten.nonzero.default, aten.masked_select.default, aten.equal.default, aten._unique2.default,
+         aten.unique_consecutive.default}
 INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
 COPIES = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}  # a device tensor's copy to the host
 
@@ -66,7 +67,9 @@ class HostReads:
 
     def __init__(self, host: set[int] = frozenset()):
         self.host, self.calls = host, []
-        self._modes = [_Functions(self), _Dispatch(self)]
+        self._modes = [_Functions(), _Dispatch()]
+        for mode in self._modes:
+            mode.reads = self
 
     def __enter__(self) -> HostReads:
         for mode in self._modes:
@@ -87,9 +90,7 @@ class HostReads:
 
 
 class _Dispatch(TorchDispatchMode):
-    def __init__(self, reads: HostReads):
-        super().__init__()
-        self.reads = reads
+    """`.item()`, `bool(t)`, `nonzero`, a boolean index, ... as the dispatcher sees them."""
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -100,9 +101,7 @@ class _Dispatch(TorchDispatchMode):
 
 
 class _Functions(TorchFunctionMode):
-    def __init__(self, reads: HostReads):
-        super().__init__()
-        self.reads = reads
+    """`.tolist()`, `.numpy()`, `.cpu()` as torch's function level sees them."""
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -127,9 +126,9 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 def run_extract(model_dir: Path, corpus: Path, out: Path, **options) -> None:
-    extract(ExtractConfig(out=str(out), model=str(model_dir), points=["blocks.1.resid_post"], data=str(corpus),
-                          context=CONTEXT, batch_size=BATCH, dtype="float32", device="cpu", progress=False,
-                          max_tokens=CONTEXT * BATCH * 3, **options))
+    extract(ExtractConfig(out=str(out), model=str(model_dir), points=["blocks.1.resid_post"],
+                          data=str(corpus), context=CONTEXT, batch_size=BATCH, dtype="float32", device="cpu",
+                          progress=False, max_tokens=CONTEXT * BATCH * 3, **options))
 
 
 def counted_extract(monkeypatch, model_dir: Path, corpus: Path, out: Path) -> list[list[str]]:
@@ -158,13 +157,16 @@ def reference_rows(model_dir: Path, corpus: Path, family: str) -> torch.Tensor:
     loaded = hs.load(str(model_dir))
     block = loaded.model.get_submodule(BLOCK_1[family])
     rows, kept = [], []
-    handle = block.register_forward_hook(lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out))
+    handle = block.register_forward_hook(
+        lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out))
     try:
-        sequences = pack(iter_documents(str(corpus)), loaded.tokenizer, context=CONTEXT, max_tokens=CONTEXT * BATCH * 3)
+        sequences = pack(iter_documents(str(corpus)), loaded.tokenizer, context=CONTEXT,
+                         max_tokens=CONTEXT * BATCH * 3)
         for batch in batches(sequences, BATCH):
             kept.clear()
             with torch.inference_mode():
-                loaded.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False)
+                loaded.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                             use_cache=False)
             rows.append(kept[0][batch["attention_mask"].bool() & ~batch["special_mask"].bool()])
     finally:
         handle.remove()
@@ -172,12 +174,12 @@ def reference_rows(model_dir: Path, corpus: Path, family: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", list(BLOCK_1))
-def test_the_model_stage_reads_nothing_on_the_host_and_rows_stay_bit_identical(monkeypatch, model_dirs, corpus,
-                                                                               tmp_path, family):
+def test_the_model_stage_reads_nothing_on_the_host_and_rows_stay_bit_identical(monkeypatch, model_dirs,
+                                                                               corpus, tmp_path, family):
     per_batch = counted_extract(monkeypatch, model_dirs[family], corpus, tmp_path / "store")
     assert len(per_batch) == 3
-    assert per_batch == [[]] * 3, f"{family}: host reads in the model stage (a host wait per batch on a GPU):\n" + \
-        "\n".join(per_batch[0])
+    assert per_batch == [[]] * 3, (f"{family}: host reads in the model stage (a host wait per batch on a "
+                                   "GPU):\n" + "\n".join(per_batch[0]))
     got = hs.open_store(str(tmp_path / "store")).tensor("blocks.1.resid_post")
     want = reference_rows(model_dirs[family], corpus, family)
     assert got.shape == want.shape and got.view(torch.int32).equal(want.view(torch.int32))  # byte for byte

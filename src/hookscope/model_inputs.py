@@ -96,7 +96,8 @@ def _wrap_mask_builders() -> bool:
                 continue
 
             @functools.wraps(builder)
-            def wrapped(*args: Any, attention_mask: Any = None, _builder: Any = builder, **kwargs: Any) -> Any:
+            def wrapped(*args: Any, attention_mask: Any = None, _builder: Any = builder,
+                        **kwargs: Any) -> Any:
                 # a compiled graph reads no host value anyway (and cannot trace a context variable)
                 if not torch.compiler.is_compiling() and _UNPADDED.get():
                     attention_mask = None

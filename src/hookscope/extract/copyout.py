@@ -83,7 +83,8 @@ class CopyOut:
             event.record(side)
             events.append(event)
         host = {name: placed[name] if name in placed else a.cpu() for name, a in acts.items()}
-        return host, Handoff(events, stats, self.ring, buffer, sources=list(cuda.values()), on_wait=self.on_wait)
+        return host, Handoff(events, stats, self.ring, buffer, sources=list(cuda.values()),
+                             on_wait=self.on_wait)
 
     def _side(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self.streams:

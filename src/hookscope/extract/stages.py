@@ -77,7 +77,8 @@ class Stages:
         writer spent the time waiting for the model's results (`device`, a GPU's) or writing them;
         otherwise no stage set the pace alone, and the line says so with the shares."""
         shares = self.shares(wall)
-        busiest = {"model": shares["model"] + shares["out"], "writer": shares["writer"], "data": shares["data"]}
+        main = shares["model"] + shares["out"]
+        busiest = {"model": main, "writer": shares["writer"], "data": shares["data"]}
         stage = max(busiest, key=lambda k: busiest[k])
         if busiest[stage] >= SATURATED:
             return self._named(stage, nbytes)
@@ -87,7 +88,8 @@ class Stages:
                     f"{100 * min(cpu, 1.0):.0f}% with every stage at once")
         device = self.share("device", wall)
         if device >= busiest["writer"] and device + busiest["writer"] >= SATURATED:
-            return f"bound by the device: the writer waited {100 * device:.0f}% of the time for the model's results"
+            return (f"bound by the device: the writer waited {100 * device:.0f}% of the time for the "
+                    "model's results")
         listed = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(busiest.items(), key=lambda kv: -kv[1]))
         if device > 0:
             listed += f"; the writer waited for the device {100 * device:.0f}%"
