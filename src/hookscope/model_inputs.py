@@ -86,12 +86,12 @@ def _wrap_mask_builders() -> bool:
     `unpadded`: outside it the wrapper passes every call through unchanged. False where this
     transformers has no mask builder registry."""
     try:
-        from transformers.masking_utils import AttentionMaskInterface
+        from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, AttentionMaskInterface
     except ImportError:
         return False
     with _wrapping:
         for name in _BUILDERS:
-            builder = AttentionMaskInterface._global_mapping.get(name)
+            builder = ALL_MASK_ATTENTION_FUNCTIONS.get(name)
             if builder is None or getattr(builder, "hookscope_unpadded", False):
                 continue
 
