@@ -1,8 +1,8 @@
 """The extraction's model stage never makes the host wait for the device, checked without a GPU.
 
 On a GPU, reading a device tensor's value on the host (`.item()`, `bool(t)`, `int(t)`, `nonzero`
-without a size, a boolean index, `torch.equal`) waits for every kernel queued before it. The
-counter below is a `TorchDispatchMode` that records each such operation (with its Python stack)
+without a size, a boolean index, `torch.equal`, `.tolist()`) waits for every kernel queued before
+it. `hookscope.profiling.host_reads.HostReads` records each such operation (with its Python stack)
 during the model stage of a real `hs.extract` run (the executor's `Source.compute`) on the CPU:
 every one it records would be a host wait per batch on a GPU. The inputs the model gets are
 copies (as `.to("cuda")` makes them), and operations on the token mask the data stage made on the
@@ -17,30 +17,19 @@ byte for byte, for every attention family, sliding windows and eager attention i
 from __future__ import annotations
 
 import dataclasses
-import traceback
 from pathlib import Path
 
 import family_models
 import pytest
 import torch
 from helpers import corpus_fixture
-from torch.overrides import TorchFunctionMode
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 import hookscope as hs
 from hookscope.extract import ExtractConfig, extract
 from hookscope.model_inputs import unpadded
+from hookscope.profiling.host_reads import HostReads
 from hookscope.sources import Source, batches, iter_documents, pack
 from hookscope.testing import save_tiny, train_tokenizer
-
-aten = torch.ops.aten
-# operations that read a tensor's values on the host (on a GPU: a wait for the device)
-READS = {aten._local_scalar_dense.default, aten.item.default, aten.is_nonzero.default,
-         aten.nonzero.default, aten.masked_select.default, aten.equal.default, aten._unique2.default,
-         aten.unique_consecutive.default}
-INDEXING = {aten.index.Tensor, aten.index_put.default, aten.index_put_.default}
-COPIES = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}  # a device tensor's copy to the host
 
 corpus = corpus_fixture(60)
 SIZE = {"d_model": 64, "n_layers": 2, "n_heads": 4, "context": 64}
@@ -56,59 +45,6 @@ SAVED = ("gpt2", "llama", "gpt_neox", "bert", "mixtral", "qwen2_moe", "qwen3_moe
 # than the context: the mask check runs) and one shorter than the context (the mask is built)
 BUILT = {"mistral": ("mistral", {}), "mistral_window": ("mistral", {"sliding_window": 6}),
          "gemma2": ("gemma2", {}), "gemma2_window": ("gemma2", {"sliding_window": 6}), "qwen3": ("qwen3", {})}
-
-
-class HostReads:
-    """Records every operation that reads a tensor's values on the host, except those on tensors
-    whose storage is in `host` (made on the host by the data stage): at the dispatcher (`.item()`,
-    `bool(t)`, `nonzero`, ...) and, for the copies to the host a CPU run cannot see there
-    (`.tolist()`, `.numpy()`, `.cpu()`: no-ops on a CPU tensor), at torch's function level. A
-    `.to(device)` is not counted: on the CPU the host and the run's device have one name."""
-
-    def __init__(self, host: set[int] = frozenset()):
-        self.host, self.calls = host, []
-        self._modes = [_Functions(), _Dispatch()]
-        for mode in self._modes:
-            mode.reads = self
-
-    def __enter__(self) -> HostReads:
-        for mode in self._modes:
-            mode.__enter__()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for mode in reversed(self._modes):
-            mode.__exit__(*exc)
-
-    def record(self, what: str, args: tuple, kwargs: dict) -> None:
-        storages = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
-                    if isinstance(t, torch.Tensor)}
-        if not storages <= self.host:
-            where = [f for f in traceback.extract_stack() if "/torch/" not in f.filename
-                     and f.name not in ("record", "__torch_dispatch__", "__torch_function__")][-3:]
-            self.calls.append(f"{what} at " + " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.line}"
-                                                         for f in reversed(where)))
-
-
-class _Dispatch(TorchDispatchMode):
-    """`.item()`, `bool(t)`, `nonzero`, a boolean index, ... as the dispatcher sees them."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in READS or (func in INDEXING and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in tree_leaves(args[1]))):
-            self.reads.record(str(func), args, kwargs)
-        return func(*args, **kwargs)
-
-
-class _Functions(TorchFunctionMode):
-    """`.tolist()`, `.numpy()`, `.cpu()` as torch's function level sees them."""
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in COPIES:
-            self.reads.record(f"Tensor.{func.__name__}", args, kwargs)
-        return func(*args, **kwargs)
 
 
 @pytest.fixture(scope="module")
@@ -234,6 +170,10 @@ def test_the_counter_sees_the_mask_check_a_plain_call_makes(model_dirs):
         torch.arange(3).tolist()
         torch.arange(3).cpu()
     assert [c.split(" at ")[0] for c in copies.calls] == ["Tensor.tolist", "Tensor.cpu"]
+    with HostReads(device_only=True) as on_a_device:  # a CPU tensor's read waits for no device
+        torch.arange(3).tolist()
+        assert bool(torch.arange(3).sum() > 0)
+    assert on_a_device.calls == []
 
 
 @pytest.mark.parametrize("attention", ["sdpa", "eager"])
