@@ -221,3 +221,27 @@ def test_a_fully_compiled_model_traces_through_the_wrapped_mask_builders(model_d
         with unpadded():
             got = compiled(input_ids=ids, attention_mask=torch.ones_like(ids)).logits
         torch.testing.assert_close(got, model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits)
+
+
+@pytest.mark.parametrize("name", ["sdpa", "flash_attention_2"])
+def test_a_wrapped_mask_builder_reads_nothing_inside_unpadded_and_masks_padding_outside(name):
+    """transformers' builders as its models call them (the registry by name): an all-ones mask is
+    read on the host outside `unpadded` (flash attention's builder too, which a CPU model never
+    runs) and not inside, with the same mask built (None: no mask at all); a padded one is kept."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    with unpadded():
+        pass  # the builders are wrapped from here on
+    build = ALL_MASK_ATTENTION_FUNCTIONS[name]
+    ones = torch.ones(2, 8, dtype=torch.bool)
+    padded = ones.clone()
+    padded[1, 6:] = False
+    shape = {"batch_size": 2, "q_length": 8, "kv_length": 8}
+    with HostReads() as outside:
+        plain = build(**shape, attention_mask=ones)
+    with HostReads() as inside, unpadded():
+        fast = build(**shape, attention_mask=ones)
+    assert outside.calls and inside.calls == []
+    assert plain is None and fast is None
+    kept = build(**shape, attention_mask=padded)
+    assert kept is not None and not bool(kept.all())

@@ -57,8 +57,9 @@ def max_positions(model: nn.Module) -> int | None:
 
 
 _UNPADDED: ContextVar[bool] = ContextVar("hookscope_unpadded", default=False)
-# transformers' mask builders that read the padding mask's values on the host (`masking_utils`)
-_BUILDERS = ("sdpa", "eager")
+# transformers' mask builders that read the padding mask's values on the host (`masking_utils`);
+# each takes `attention_mask=None` as no padding (flex attention's, compiled, is left as it is)
+_BUILDERS = ("sdpa", "eager", "flash_attention_2", "flash_attention_3", "flash_attention_4")
 _wrapping = threading.Lock()
 
 

@@ -43,8 +43,8 @@ def _cores() -> int:
 
 @dataclass
 class Stages:
-    """Busy seconds per stage (`data`, `model`, `out`, `writer`) over a run's wall time, and the
-    process's CPU time over what its cores could give in that time."""
+    """Busy seconds per stage (`data`, `model`, `out`, `writer`) and the waits (`WAITS`) over a
+    run's wall time, and the process's CPU time over what its cores could give in that time."""
 
     # every key from the start: threads add to their own keys while the main thread reads them all
     busy: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES + WAITS, 0.0))
