@@ -17,7 +17,8 @@ own (a source that makes its rows itself) go as they are, with no handoff.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -32,8 +33,10 @@ class Handoff:
 
     def __init__(self, events: Sequence[Any], stats: dict[str, tuple[torch.Tensor, ...]],
                  ring: HostRing | None = None, buffer: torch.Tensor | None = None,
-                 sources: Sequence[torch.Tensor] = (), lent: Sequence[tuple[HostRing, torch.Tensor]] = ()):
+                 sources: Sequence[torch.Tensor] = (), on_wait: Callable[[float], None] | None = None,
+                 lent: Sequence[tuple[HostRing, torch.Tensor]] = ()):
         self.events, self.stats, self.ring, self.buffer = list(events), stats, ring, buffer
+        self.on_wait = on_wait  # told the seconds `wait` spent waiting for the device
         self.lent = list(lent)  # (ring, buffer): the host buffers a CPU capture filled
         # the device tensors being read: held until the copy is done, so that the allocator cannot
         # hand their memory to the next forward meanwhile (record_stream would be the other way,
@@ -41,8 +44,11 @@ class Handoff:
         self.sources = list(sources)
 
     def wait(self) -> dict[str, PointStats]:
+        started = time.perf_counter()
         for event in self.events:
             event.synchronize()
+        if self.on_wait is not None:
+            self.on_wait(time.perf_counter() - started)
         self.sources = []
         return {name: PointStats.of_tensors(*parts) for name, parts in self.stats.items()}
 
@@ -59,10 +65,11 @@ class CopyOut:
     """The out stage of one run: a side stream per CUDA device, a ring of page-locked buffers for the
     copies from it, and a ring of plain host buffers for CPU captures to write into."""
 
-    def __init__(self, keep: int = 8):
+    def __init__(self, keep: int = 8, on_wait: Callable[[float], None] | None = None):
         self.ring = HostRing(keep=keep, pinned=True)
         self.host = HostRing(keep=None, pinned=False)  # what CPU captures write into (`into`)
         self.lent: dict[int, torch.Tensor] = {}  # by storage address: host buffers out to the capture
+        self.on_wait = on_wait  # each handoff's wait for the device, in seconds (the run's report)
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def into(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
@@ -111,7 +118,8 @@ class CopyOut:
             event.record(side)
             events.append(event)
         host = {name: placed[name] if name in placed else a.cpu() for name, a in acts.items()}
-        return host, Handoff(events, stats, self.ring, buffer, sources=list(cuda.values()), lent=lent)
+        return host, Handoff(events, stats, self.ring, buffer, sources=list(cuda.values()),
+                             on_wait=self.on_wait, lent=lent)
 
     def _side(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self.streams:

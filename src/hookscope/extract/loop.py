@@ -11,6 +11,7 @@ resume may use another number of processes: the batches not yet committed are de
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -166,7 +167,7 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
             else:
                 yield index, batch
 
-    copy_out = CopyOut()
+    copy_out = CopyOut(on_wait=functools.partial(stages.add, "device"))
     executor.into = copy_out.into
     ran = _timed(_checked(executor.run(pending(itertools.chain([first] if first else [], ours))),
                           cfg.on_nonfinite, stages, copy_out), stages)
