@@ -370,11 +370,12 @@ def main() -> None:
                           f"(THP_MEM_ALLOC_ENABLE={rs[0]['huge_pages'] or 'unset'})", flush=True)
                 if "raw_s" in rs[0]:
                     raw = statistics.median(r["rows"] / r["raw_s"] for r in rs)
-                    lower = statistics.median((r["rows"] / r["extract_s"])
-                                              / min(r["tokens"] / r["pack_s"], r["rows"] / r["raw_s"]) for r in rs)
+                    lower = statistics.median(r["rows"] / r["extract_s"]
+                                              / min(r["tokens"] / r["pack_s"], r["rows"] / r["raw_s"])
+                                              for r in rs)
                     print(f"    the store's floor, its bytes written raw into the same directory (files of "
-                          f"the shards' size, fsynced): {raw:,.0f} rows/s; extract / the lower of packing and "
-                          f"that floor: {lower:.2f}x", flush=True)
+                          f"the shards' size, fsynced): {raw:,.0f} rows/s; extract / the lower of packing "
+                          f"and that floor: {lower:.2f}x", flush=True)
                 print("    last run's summary: " + rs[-1]["summary"].replace("\n", "\n    "), flush=True)
     if args.only == "data":
         with tempfile.TemporaryDirectory(prefix="hookscope-bench-data-") as tmp:
