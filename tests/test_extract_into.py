@@ -17,7 +17,7 @@ from hookscope.extract.ring import HostRing
 from hookscope.sources import batches, iter_documents, pack
 from hookscope.store import PointStats, open_store
 from hookscope.store.stats import Workspace
-from hookscope.token_rows import MIN_RUN, KeptRows, select_tokens
+from hookscope.token_rows import KeptRows, select_tokens
 
 corpus = corpus_fixture(60)
 
@@ -30,7 +30,7 @@ def long_runs(batch: int, pos: int) -> torch.Tensor:
 
 
 def scattered(batch: int, pos: int) -> torch.Tensor:
-    """Half the tokens kept at random: runs far shorter than MIN_RUN (one gather, not a copy per run)."""
+    """Half the tokens kept at random (the gather first, then the cast)."""
     return torch.rand(batch, pos, generator=torch.Generator().manual_seed(3)) < 0.5
 
 
@@ -58,16 +58,6 @@ def test_rows_gathered_into_a_buffer_equal_boolean_mask_indexing(make_mask, cast
     # the same rows as the gather into fresh memory (the path every other capture takes)
     assert torch.equal(select_tokens(x, mask, 1, KeptRows(), cast=cast).to(want.dtype).view(torch.uint8),
                        want.contiguous().view(torch.uint8))
-
-
-def test_the_long_runs_case_is_copied_run_by_run():
-    """The long_runs case above goes through the copy per run (else it would test the gather twice)."""
-    kept = KeptRows()
-    mask = long_runs(4, 300)
-    starts, lengths = kept.runs(mask)
-    assert len(starts) * MIN_RUN <= int(mask.sum())
-    rows = torch.cat([torch.arange(s, s + n) for s, n in zip(starts, lengths, strict=True)])
-    assert torch.equal(rows, mask.flatten().nonzero().squeeze(1))  # the runs cover the kept rows, in order
 
 
 def test_a_ring_without_a_bound_keeps_as_many_buffers_as_were_out_at_once():
