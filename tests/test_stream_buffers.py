@@ -96,8 +96,9 @@ def test_a_float32_checkpoint_computed_in_bfloat16_is_converted_into_the_buffers
 
 def test_converted_blocks_and_embeddings_hold_what_from_pretrained_gives(tiny_dirs, tmp_path):
     """A float32 checkpoint whose config asks bfloat16: every streamed block's parameters, and the
-    embeddings kept resident, are bit for bit what a plain `from_pretrained(dtype=torch.bfloat16)`
-    of the same directory holds (an independent load: transformers' own, no hookscope)."""
+    embedding rows looked up from the file (every row, in a shuffled order, some twice), are bit for
+    bit what a plain `from_pretrained(dtype=torch.bfloat16)` of the same directory holds (an
+    independent load: transformers' own, no hookscope)."""
     from transformers import AutoModelForCausalLM
 
     model_dir = _converting_copy(tiny_dirs["llama"], tmp_path / "bf16")
@@ -109,8 +110,18 @@ def test_converted_blocks_and_embeddings_hold_what_from_pretrained_gives(tiny_di
             want = plain[f"model.layers.{k}.{name}"]
             assert param.dtype == want.dtype == torch.bfloat16
             assert torch.equal(param.view(torch.int16), want.view(torch.int16)), (k, name)
-    embed = streamer.model.get_submodule("model.embed_tokens").weight
-    assert torch.equal(embed.view(torch.int16), plain["model.embed_tokens.weight"].view(torch.int16))
+    # the table is not resident: its rows are read as looked up, and are the converted table's
+    embed = streamer.model.get_submodule("model.embed_tokens")
+    assert embed.weight.is_meta
+    table = plain["model.embed_tokens.weight"]
+    ids = torch.cat([torch.randperm(table.shape[0]), torch.tensor([5, 5, 0, table.shape[0] - 1, 7, 6, 9])])
+    ids = ids[: len(ids) // 2 * 2]  # two rows in the (2, -1) case
+    for shape in [(-1,), (2, -1)]:
+        got, want = embed(ids.view(shape)), torch.nn.functional.embedding(ids.view(shape), table)
+        assert got.shape == want.shape and got.dtype == torch.bfloat16
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    with pytest.raises(IndexError):
+        embed(torch.tensor([table.shape[0]]))
 
 
 _FREED_PROBE = """
