@@ -168,7 +168,8 @@ def main() -> None:
     print(f"python + torch + transformers imported: {imports / MB:.1f} MB")
     code = common.median([common.run_fresh(args.python, Path(__file__), ["--worker", "modelcode", "same"])
                           ["rss"] for _ in range(runs)])
-    print(f"  + the model's code (modeling_llama and what it imports): {code / MB:.1f} MB (+{(code - imports) / MB:.1f})")
+    print(f"  + the model's code (modeling_llama and what it imports): {code / MB:.1f} MB "
+          f"(+{(code - imports) / MB:.1f})")
     for name in args.models.split(","):
         rows = {mode: [common.run_fresh(args.python, Path(__file__), ["--worker", mode, name])
                        for _ in range(runs)] for mode in args.modes.split(",")}

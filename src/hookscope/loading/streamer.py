@@ -138,8 +138,10 @@ class BlockStreamer:
         """The input embedding's weight, left on `meta` and looked up row by row from its file
         (embedding_rows.py), when it is resident and can be: its name, else nothing."""
         with contextlib.closing(self.open_checkpoint()) as checkpoint:
-            found = embedding_rows_for(self.model, lambda name: (checkpoint.direct_reads([name]) or {}).get(name),
-                                       self.device)
+            def locate(name: str):
+                return (checkpoint.direct_reads([name]) or {}).get(name)
+
+            found = embedding_rows_for(self.model, locate, self.device)
         if found is None or found[0] not in self.plan.resident:
             return set()
         found[1].install()
