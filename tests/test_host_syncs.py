@@ -126,8 +126,12 @@ def test_the_model_stage_reads_nothing_on_the_host_and_rows_stay_bit_identical(m
 def test_a_streamed_run_reads_nothing_on_the_host_either(monkeypatch, model_dirs, corpus, tmp_path, family):
     """Under --max-memory every block's pass builds the masks again (blocks x batches checks per
     chunk before): none reads on the host, and the rows are the plain hook's, byte for byte."""
+    from hookscope.loading import streamer as streaming
     from hookscope.loading.streamer import BlockStreamer
 
+    # on a GPU the input embedding stays in device memory (test_stream_buffers checks that a GPU run
+    # never reads it by rows); the CPU-only row reads read the token ids on the host by design
+    monkeypatch.setattr(streaming, "embedding_rows_for", lambda model, locate, device: None)
     chunks: list[list[str]] = []
     run_chunk = BlockStreamer.run_chunk
 

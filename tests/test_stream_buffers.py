@@ -22,6 +22,8 @@ import hookscope as hs
 from hookscope.extract import ExtractConfig, extract
 from hookscope.loading import parse_size, streamer_for
 from hookscope.loading.block_buffers import data_ranges
+from hookscope.loading.embedding_rows import embedding_rows_for
+from hookscope.loading.safetensors_reads import safetensors_index
 from hookscope.testing import save_tiny
 
 SRC = Path(hs.__file__).parent.parent
@@ -122,6 +124,11 @@ def test_converted_blocks_and_embeddings_hold_what_from_pretrained_gives(tiny_di
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     with pytest.raises(IndexError):
         embed(torch.tensor([table.shape[0]]))
+    # a GPU run keeps the table in device memory: a lookup there must not wait on host reads
+    stored = safetensors_index(str(model_dir / "model.safetensors"))
+    fresh = hs.load(str(model_dir), device="meta").model
+    assert embedding_rows_for(fresh, stored.get, "cpu") is not None
+    assert embedding_rows_for(fresh, stored.get, "cuda") is None
 
 
 _FREED_PROBE = """
