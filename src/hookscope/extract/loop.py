@@ -21,12 +21,12 @@ import torch
 from torch import Tensor
 
 from ..errors import DataError
+from ..extract_config import ExtractConfig, Run, validate_config
 from ..loading import load
 from ..progress import RowsBar, mib_written
-from ..sources import Rows, Run, Source, source_for
+from ..sources import Rows, Source, source_for
 from ..store import ShardWriter, merge_rank_manifests
 from ..store.opening import StoreView
-from .config import ExtractConfig, validate_config
 from .copyout import CopyOut, Handoff
 from .report import ExtractInterrupted, ExtractSummary, check_finite, signals_interrupt
 from .stages import Stages, ahead

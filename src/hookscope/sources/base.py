@@ -35,16 +35,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from ..capture import Capture
-
-if TYPE_CHECKING:
-    from ..extract import ExtractConfig
-    from ..loading import Loaded
+from ..extract_config import ExtractConfig, Run
+from ..loading import Loaded
 
 Rows = tuple[dict[str, Tensor], dict[str, Tensor]]  # {point: [rows, ...]}, {column: [rows]}
 
@@ -65,15 +63,6 @@ class Prepared(dict):
     """A batch (the same keys, the same tensors) with its `call` made ready ahead."""
 
     call: Call
-
-
-@dataclass(frozen=True)
-class Run:
-    """Where this process runs: its torchrun rank, how many processes, the device inputs go to."""
-
-    rank: int
-    world_size: int
-    device: str
 
 
 class Source:

@@ -7,21 +7,19 @@ resumed extraction regenerates the same rows. Not streamable: every step needs e
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from ..errors import HookscopeError
+from ..extract_config import ExtractConfig, Run
 from ..generate import generate
+from ..loading import Loaded
 from ..model_inputs import max_positions
-from .base import Rows, Run
+from .base import Rows
 from .columns import token_columns
 from .text import TextSource
-
-if TYPE_CHECKING:
-    from ..extract import ExtractConfig
-    from ..loading import Loaded
 
 
 class GeneratedSource(TextSource):

@@ -43,7 +43,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.random  # noqa: F401  (else numpy imports it on first use: 10 ms in the first window)
@@ -51,13 +51,10 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import StoreError
-from .mapper import Mapper
+from .mapper import Mapper, ReadStore
 from .recycler import Alloc, Recycler, empty_shared
 from .selected import select
 from .window import MappedWindow, join
-
-if TYPE_CHECKING:
-    from .reader import Store
 
 _CHUNK = 4096  # rows gathered at once from a mapped window when yielding single rows
 # (epoch, the mapped window with this rank's row order, or None at an epoch's end)
@@ -95,7 +92,7 @@ class ActivationDataset(IterableDataset):
     Raises:
         StoreError: a column the store lacks, options out of range, a cursor from another dataset."""
 
-    def __init__(self, store: Store, point: str | Sequence[str], *, shuffle: bool = True, seed: int = 0,
+    def __init__(self, store: ReadStore, point: str | Sequence[str], *, shuffle: bool = True, seed: int = 0,
                  buffer_rows: int = 1 << 18, split: str | None = None, val_fraction: float = 0.1,
                  rank: int = 0, world_size: int = 1, epoch: int = 0, batch_size: int | None = None,
                  drop_last: bool = False, repeat: bool = False, prefetch: bool = True, stack: bool = False):
