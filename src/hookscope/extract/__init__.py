@@ -4,7 +4,7 @@ must do). `hookscope extract` and `hs.extract` both call `extract(ExtractConfig(
 
 from ..extract_config import DEFAULT_DATA, DEFAULT_POINT, ExtractConfig, validate_config
 from .loop import InMemory, extract
-from .report import ExtractInterrupted, ExtractSummary
+from .outcome import ExtractInterrupted, ExtractSummary
 
 __all__ = ["DEFAULT_DATA", "DEFAULT_POINT", "ExtractConfig", "ExtractInterrupted", "ExtractSummary",
            "InMemory", "extract", "validate_config"]

@@ -28,7 +28,7 @@ from ..sources import Rows, Source, source_for
 from ..store import ShardWriter, merge_rank_manifests
 from ..store.opening import StoreView
 from .copyout import CopyOut, Handoff
-from .report import ExtractInterrupted, ExtractSummary, check_finite, signals_interrupt
+from .outcome import ExtractInterrupted, ExtractSummary, check_finite, signals_interrupt
 from .stages import Stages, ahead
 
 Batches = Iterable[tuple[int, dict[str, Tensor]]]
