@@ -104,9 +104,9 @@ def read_table(text: str) -> dict[str, set[str]]:
 
 ALLOWED = read_table(ARCHITECTURE_MD.read_text())
 
-# Imports against the flow that another branch of issue 28 removes (none left: the store's reach into
-# top/ and export/ went with store-fs). An entry that is no longer an import fails below, so that it
-# is not forgotten.
+# Imports against the flow, each tolerated only while a branch that removes it is under way (empty:
+# every import follows the table). An entry that is not an import fails below, so that it is not
+# forgotten.
 KNOWN_AGAINST_THE_FLOW: set[tuple[str, str]] = set()
 
 

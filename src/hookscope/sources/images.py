@@ -184,7 +184,8 @@ class ImageSource(Source):
                                 f"{self.loaded.name} gives {tokens} tokens; give at least {tokens}")
 
     def settings(self) -> dict[str, Any]:
-        """Kept key for key as image stores made before the sources room had them."""
+        """Everything that shapes the stored rows. A resume compares these with the store's key for
+        key, so a key renamed or added here would refuse every image store already written."""
         return {
             **model_identity(self.loaded),
             "image_processor_sha256": sha256_text(self.processor.to_json_string()),

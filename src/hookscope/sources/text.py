@@ -53,7 +53,8 @@ class TextSource(Source):
 
     def settings(self) -> dict[str, Any]:
         """Everything that shapes the stored rows. The number of processes does not: a store started
-        by N processes is finished by M. Kept key for key as stores before the sources room had it."""
+        by N processes is finished by M. A resume compares these with the store's key for key, so a
+        key renamed or added here would refuse every text store already written."""
         cfg, loaded = self.cfg, self.loaded
         return {
             **{"model": loaded.name, "revision": cfg.revision, **model_identity(loaded)},
