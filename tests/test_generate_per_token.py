@@ -77,6 +77,18 @@ def per_token(run_for, monkeypatch) -> tuple[dict, dict]:
     return per(ops_long, ops_short), per(calls_long, calls_short)
 
 
+def against_plain(gpt2, run_for, ops, monkeypatch) -> tuple[dict, dict]:
+    """Per token (plain generate's ops, `run_for`'s), once none of `ops` and no host read of ours
+    is found to be added per token."""
+    with torch.inference_mode():
+        plain_ops, _ = per_token(lambda n: lambda: gpt2.generate(**prompt(), **options(n)), monkeypatch)
+        ours_ops, our_reads = per_token(run_for, monkeypatch)
+    added = {op: ours_ops.get(op, 0) - plain_ops.get(op, 0) for op in ops}
+    assert {op: n for op, n in added.items() if n} == {}
+    assert our_reads == {}
+    return plain_ops, ours_ops
+
+
 def runs(gpt2, case):
     vector64 = torch.randn(32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     steer = hs.steer(POINT, vector64)  # float64 on a float32 model: cast once, not per step
@@ -92,12 +104,7 @@ def runs(gpt2, case):
 
 @pytest.mark.parametrize("case", ["capture", "steer", "steer_generated", "capture_and_steer"])
 def test_a_generated_token_costs_no_host_read_and_no_extra_allocation(gpt2, case, monkeypatch):
-    with torch.inference_mode():
-        plain_ops, _ = per_token(lambda n: lambda: gpt2.generate(**prompt(), **options(n)), monkeypatch)
-        ours_ops, our_reads = per_token(runs(gpt2, case), monkeypatch)
-    added = {op: ours_ops.get(op, 0) - plain_ops.get(op, 0) for op in NOT_PER_TOKEN}
-    assert {op: n for op, n in added.items() if n} == {}
-    assert our_reads == {}
+    plain_ops, ours_ops = against_plain(gpt2, runs(gpt2, case), NOT_PER_TOKEN, monkeypatch)
     # what is left per token: a steer's add, a capture's copy into its buffer (and its view ops)
     extra = sum(ours_ops.values()) - sum(plain_ops.values())
     assert extra <= {"capture": 4, "steer": 1, "steer_generated": 1, "capture_and_steer": 9}[case]
@@ -210,12 +217,7 @@ def heads_runs(gpt2, case):
 
 @pytest.mark.parametrize("case", ["capture_heads", "ablate_heads", "ablate_heads_generated"])
 def test_a_heads_selection_is_made_once_per_call_not_per_token(gpt2, case, monkeypatch):
-    with torch.inference_mode():
-        plain_ops, _ = per_token(lambda n: lambda: gpt2.generate(**prompt(), **options(n)), monkeypatch)
-        ours_ops, our_reads = per_token(heads_runs(gpt2, case), monkeypatch)
-    added = {op: ours_ops.get(op, 0) - plain_ops.get(op, 0) for op in HEADS_MADE_ONCE}
-    assert {op: n for op, n in added.items() if n} == {}
-    assert our_reads == {}
+    against_plain(gpt2, heads_runs(gpt2, case), HEADS_MADE_ONCE, monkeypatch)
 
 
 def test_heads_captured_and_ablated_while_generating_match_plain_hooks_on_the_attention(gpt2):
