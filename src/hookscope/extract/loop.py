@@ -47,7 +47,8 @@ class InMemory:
     chunk of batches ahead, runs each block over all of them, and yields the chunk's rows with
     `source.model_call` / `source.rows` around its own capture; it runs only sources whose
     `streamable` is True. A generating executor (`generating.py`) runs the sources whose rows come
-    from a generation (`generates`). Executors run the model; sources never do."""
+    from a generation (`generates`). The executors own the extraction's forward: a source gives
+    the inputs and makes the rows."""
 
     def __init__(self, source: Source, model: torch.nn.Module, points: Sequence[str], dtype: torch.dtype,
                  run: Run):
