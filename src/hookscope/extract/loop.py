@@ -11,6 +11,7 @@ resume may use another number of processes: the batches not yet committed are de
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -24,6 +25,7 @@ from ..capture import Capture
 from ..errors import DataError
 from ..extract_config import ExtractConfig, Run, validate_config
 from ..loading import load
+from ..model_inputs import unpadded
 from ..progress import RowsBar, mib_written
 from ..sources import Rows, Source, source_for
 from ..store import ShardWriter, merge_rank_manifests
@@ -65,7 +67,8 @@ class InMemory:
         inputs = {k: v.to(device, non_blocking=True) for k, v in call.inputs.items()}
         # kept where the model ran (the loop takes statistics there, then copies to the host); the
         # mask stays on the CPU, where the capture finds the kept rows without waiting for the device
-        with Capture(self.model, list(points), token_mask=call.keep, dtype=self.dtype, device=None) as cap:
+        with Capture(self.model, list(points), token_mask=call.keep, dtype=self.dtype, device=None) as cap, \
+                unpadded(call.unpadded):
             cap.run(inputs)
             acts = {name: cap[name] for name in points}
         return self.source.rows_of(batch, call, acts)
@@ -180,7 +183,8 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
                 yield index, batch
 
     ran = _timed(_checked(executor.run(pending(itertools.chain([first] if first else [], ours))),
-                          cfg.on_nonfinite, stages, CopyOut()), stages)
+                          cfg.on_nonfinite, stages, CopyOut(on_wait=functools.partial(stages.add, "device"))),
+                   stages)
     try:
         # The first batch to do is run before the store is opened (a streamed run runs its whole
         # first chunk, so that no block's weights are read one extra time): an empty or bad data
