@@ -251,3 +251,31 @@ def test_stacks_equal_the_written_points_across_shard_boundaries(tmp_path, monke
         assert sorted(seen) == list(range(150))
         if not shuffle:
             assert seen == list(range(150))
+
+
+@pytest.mark.parametrize("kept", ["blocks.*.mlp.in", "blocks.*.mlp.out"])
+def test_a_kept_stack_is_never_overwritten(tmp_path, kept):
+    """A CLT's two stacks share one buffer (window.py): a consumer that keeps only one of them, batch
+    after batch over two epochs, still finds every kept stack equal to the written rows (the batch
+    memory a later batch reuses must be memory no kept stack lies in)."""
+    store, written = one_part_store(tmp_path / "s", {f"blocks.{layer}.{kind}": D for layer in range(LAYERS)
+                                                     for kind in ("mlp.in", "mlp.out")})
+    ds = store.dataset(["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"], stack=True, batch_size=24,
+                       seed=9, buffer_rows=64)
+    held = [(batch[kept], batch["token_ids"]) for _ in range(2) for batch in ds]
+    assert len(held) == 2 * 9
+    for stack, ids in held:
+        check_stack(stack, ids, written, kept.split("*.")[1])
+
+
+def test_cross_layer_transcoder_stacks_from_dataloader_workers(clt_store):
+    """Two stacks in one buffer of shared memory survive the trip from a worker, each its own layers."""
+    store, written = clt_store
+    ds = store.dataset(["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"], stack=True, batch_size=48,
+                       seed=6, buffer_rows=96)
+    seen = []
+    for batch in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2):
+        check_stack(batch["blocks.*.mlp.in"], batch["token_ids"], written, "mlp.in")
+        check_stack(batch["blocks.*.mlp.out"], batch["token_ids"], written, "mlp.out")
+        seen += batch["token_ids"].tolist()
+    assert sorted(seen) == list(range(240))
