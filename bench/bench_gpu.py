@@ -30,6 +30,7 @@ Cases, each against its own reference in the same process tree:
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -203,9 +204,13 @@ def extract_case(model, layer: int, args) -> dict:
     extract_s = summary.seconds  # the run itself: the model's load is not in it
     floor_model = truncated(model, last)
     packed = list(batches(pack(_jsonl(corpus), tokenizer, context=args.seq, max_tokens=tokens), args.batch))
+    try:  # the floor without transformers' check of each all-ones mask (a host sync per batch)
+        from hookscope.model_inputs import unpadded
+    except ImportError:  # a tree before it: the floor as it was
+        unpadded = contextlib.nullcontext
     sync(args.device)
     start = time.perf_counter()
-    with torch.inference_mode():
+    with torch.inference_mode(), unpadded():
         for b in packed:
             floor_model(input_ids=b["input_ids"].to(args.device),
                         attention_mask=b["attention_mask"].to(args.device), use_cache=False)
@@ -220,11 +225,29 @@ def extract_case(model, layer: int, args) -> dict:
         with torch.profiler.profile() as prof:
             extract(small)
         prof.export_chrome_trace(trace)
+    host_reads = _host_reads(cfg, work, args)
     rows = summary.new_rows
     return {"rows": summary.rows, "points": len(points), "extract_s": extract_s, "floor_s": floor_s,
             "disk_s": disk_s, "bytes": summary.bytes_written, "extract_tok_s": rows / extract_s,
             "floor_tok_s": rows / floor_s, "disk_tok_s": rows / disk_s, "busy": summary.busy,
-            "bound": summary.bound, "trace": trace}
+            "bound": summary.bound, "trace": trace, **host_reads}
+
+
+def _host_reads(cfg, work: Path, args) -> dict:
+    """The main thread's reads of a device tensor's value (host syncs) over 3 extraction batches,
+    per batch, and where the first few were made (`HostReads`; none expected: tests/test_host_syncs.py)."""
+    try:
+        from hookscope.profiling.host_reads import HostReads
+    except ImportError:  # a tree before it
+        return {}
+    from hookscope.extract import ExtractConfig, extract
+
+    counted = ExtractConfig(**{**cfg.__dict__, "out": str(work / "counted"),
+                               "max_tokens": args.batch * args.seq * 3})
+    with HostReads(device_only=True) as reads:
+        summary = extract(counted)
+    return {"host_reads_per_batch": len(reads.calls) / max(summary.batches_done, 1),
+            "host_reads": sorted(set(reads.calls))[:4]}
 
 
 def _raw_write_s(folder: Path, total: int, file_bytes: int) -> float:
@@ -470,7 +493,9 @@ def table(results: list[dict]) -> str:
             fig = (f"{r['points']} point(s): extract {r['extract_tok_s']:,.0f} tok/s vs truncated forward "
                    f"{r['floor_tok_s']:,.0f}, disk {r['disk_tok_s']:,.0f} "
                    f"({r['bytes'] / r['disk_s'] / 1e6:,.0f} MB/s) = **{r['extract_tok_s'] / floor:.3f}x** "
-                   f"the lower; busy {busy}; {r.get('bound', '')}")
+                   f"the lower; busy {busy}; {r.get('bound', '')}"
+                   + (f"; host reads {r['host_reads_per_batch']:.1f}/batch" if "host_reads_per_batch" in r
+                      else ""))
         elif r["case"].startswith("compile_"):
             fig = (f"{r.get('start', '')} first call {r['first_call_s']:.1f} s, steady "
                    f"{ratio(r['steady_s'], r['eager_s'])} eager")

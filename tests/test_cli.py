@@ -216,7 +216,8 @@ def test_extract_progress_counts_rows_against_an_estimated_total(tiny_dirs, tmp_
     assert first_total is not None and 0.5 * summary.rows < first_total < 2 * summary.rows  # estimated early
     # not lagging the files; then the rate, each stage's busy share and the bound (extract/stages.py)
     assert frames[-2][2].startswith(f"{summary.bytes_written / 2**20:,.1f} MiB written, ")
-    assert "busy: data " in frames[-2][2] and "; bound by the " in frames[-2][2]
+    assert "busy: data " in frames[-2][2]
+    assert "; bound by the " in frames[-2][2] or "; no stage saturated: " in frames[-2][2]
 
 
 def test_no_empty_bar_before_an_early_error(tiny_dirs, tmp_path, capsys):

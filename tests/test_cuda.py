@@ -485,3 +485,49 @@ def test_a_host_token_mask_gathers_rows_without_waiting_for_the_device(model_dir
     want = plain_resid_post(model, ids)[1][mask.to(device)]
     got = hs.collect(model, ids, "blocks.1.resid_post", token_mask=mask)["blocks.1.resid_post"]
     assert torch.equal(got, want)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("family", ["gpt2", "llama"])
+def test_the_extraction_model_stage_never_waits_for_the_device(model_dirs, device, family, tmp_path):
+    """The main thread's whole share of an extraction, as the loop runs it: the executor's forward
+    with its capture of several points (`InMemory` / `Source.compute`), the non-finite check and
+    the out stage (`_checked`: statistics on the device, the copy to the host on a side stream),
+    each batch made ready by the data stage (`Source.prepare`: pinned inputs, the keep mask and the
+    unpadded flag on the CPU). On CUDA nothing in it may wait for the device (transformers' check
+    of the attention mask did, once per batch); the rows then equal a plain hook's on the same
+    device, the model called with its attention mask."""
+    from hookscope.extract import ExtractConfig
+    from hookscope.extract.copyout import CopyOut
+    from hookscope.extract.loop import _checked, _start, _timed
+    from hookscope.extract.stages import Stages
+    from hookscope.sources import source_for
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Document {i} talks about hooks, layers and the residual stream."
+                                  for i in range(40)))
+    points = ["blocks.0.resid_post", "blocks.1.resid_post", "blocks.2.resid_post"]
+    cfg = ExtractConfig(out=str(tmp_path / "store"), model=str(model_dirs[family]), points=points,
+                        data=str(corpus), context=16, batch_size=4, dtype="float32", device=device,
+                        progress=False, max_tokens=16 * 4 * 4)
+    source, executor = _start(cfg, source_for(cfg))
+    prepared = [(i, source.prepare(b, device)) for i, b in enumerate(source.batches())]
+    assert len(prepared) == 4 and all(b.call.unpadded for _, b in prepared)
+    stages = Stages()
+    ran = _timed(_checked(executor.run(iter(prepared)), "warn", stages, CopyOut()), stages)
+    with _NoSync(device):
+        done = list(ran)
+    loaded = hs.load(cfg.model, device=device)
+    blocks = blocks_of(loaded.model)
+    for (index, _, (host, _), handoff), (_, want_batch) in zip(done, prepared, strict=True):
+        if handoff is not None:
+            handoff.wait()
+        keep = want_batch["attention_mask"].bool() & ~want_batch["special_mask"].bool()
+        want = plain_hooks(loaded.model, {i: (blocks[i], "output", first) for i in range(3)},
+                           lambda b=want_batch: loaded.model(input_ids=b["input_ids"].to(device),
+                                                             attention_mask=b["attention_mask"].to(device),
+                                                             use_cache=False))
+        for i, point in enumerate(points):
+            assert torch.equal(host[point], want[i][keep.to(device)].cpu()), (index, point)
+        if handoff is not None:
+            handoff.release()

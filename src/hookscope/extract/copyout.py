@@ -11,7 +11,8 @@ already on the CPU go as they are, with no handoff: the writer's thread measures
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -26,16 +27,20 @@ class Handoff:
 
     def __init__(self, events: Sequence[Any], stats: dict[str, tuple[torch.Tensor, ...]],
                  ring: HostRing | None = None, buffer: torch.Tensor | None = None,
-                 sources: Sequence[torch.Tensor] = ()):
+                 sources: Sequence[torch.Tensor] = (), on_wait: Callable[[float], None] | None = None):
         self.events, self.stats, self.ring, self.buffer = list(events), stats, ring, buffer
+        self.on_wait = on_wait  # told the seconds `wait` spent waiting for the device
         # the device tensors being read: held until the copy is done, so that the allocator cannot
         # hand their memory to the next forward meanwhile (record_stream would be the other way,
         # but it is an in-place op, refused on a capture's inference tensors)
         self.sources = list(sources)
 
     def wait(self) -> dict[str, PointStats]:
+        started = time.perf_counter()
         for event in self.events:
             event.synchronize()
+        if self.on_wait is not None:
+            self.on_wait(time.perf_counter() - started)
         self.sources = []
         return {name: PointStats.of_tensors(*parts) for name, parts in self.stats.items()}
 
@@ -48,8 +53,9 @@ class Handoff:
 class CopyOut:
     """The out stage of one run: a side stream per CUDA device and one ring of host buffers."""
 
-    def __init__(self, keep: int = 8):
+    def __init__(self, keep: int = 8, on_wait: Callable[[float], None] | None = None):
         self.ring = HostRing(keep=keep, pinned=True)
+        self.on_wait = on_wait  # each handoff's wait for the device, in seconds (the run's report)
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
 
     def __call__(self, acts: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Handoff | None]:
@@ -77,7 +83,8 @@ class CopyOut:
             event.record(side)
             events.append(event)
         host = {name: placed[name] if name in placed else a.cpu() for name, a in acts.items()}
-        return host, Handoff(events, stats, self.ring, buffer, sources=list(cuda.values()))
+        return host, Handoff(events, stats, self.ring, buffer, sources=list(cuda.values()),
+                             on_wait=self.on_wait)
 
     def _side(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self.streams:

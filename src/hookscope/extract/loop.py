@@ -11,6 +11,7 @@ resume may use another number of processes: the batches not yet committed are de
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import time
@@ -162,7 +163,8 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
                 yield index, batch
 
     ran = _timed(_checked(executor.run(pending(itertools.chain([first] if first else [], ours))),
-                          cfg.on_nonfinite, stages, CopyOut()), stages)
+                          cfg.on_nonfinite, stages, CopyOut(on_wait=functools.partial(stages.add, "device"))),
+                   stages)
     try:
         # The first batch to do is run before the store is opened (a streamed run runs its whole
         # first chunk, so that no block's weights are read one extra time): an empty or bad data

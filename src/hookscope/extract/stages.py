@@ -8,7 +8,8 @@
          checksummed as written; then the commit)
 
 Between stages are bounded queues (`AHEAD` batches here, the writer's `queue_size`), so memory stays
-flat. `Stages` counts each stage's busy seconds; `bound()` names the stage that sets the pace.
+flat. `Stages` counts each stage's busy seconds; `bound()` names the stage that sets the pace, when
+one is busy nearly all the time, and says that none does otherwise.
 """
 
 from __future__ import annotations
@@ -28,6 +29,9 @@ _END = object()
 
 
 SATURATED = 0.85  # a share at or above which a stage, or the process's use of its cores, is the bound
+# waits, timed beside the stages but none of them: the model's for the data queue, the writer's for
+# the device (a CUDA batch's copy to the host, after its forward)
+WAITS = ("wait", "device")
 
 
 def _cores() -> int:
@@ -39,10 +43,11 @@ def _cores() -> int:
 
 @dataclass
 class Stages:
-    """Busy seconds per stage (`data`, `model`, `out`, `writer`) over a run's wall time, and the
-    process's CPU time over what its cores could give in that time."""
+    """Busy seconds per stage (`data`, `model`, `out`, `writer`) and the waits (`WAITS`) over a
+    run's wall time, and the process's CPU time over what its cores could give in that time."""
 
-    busy: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES, 0.0))
+    # every key from the start: threads add to their own keys while the main thread reads them all
+    busy: dict[str, float] = field(default_factory=lambda: dict.fromkeys(STAGES + WAITS, 0.0))
     started: float = field(default_factory=time.perf_counter)
     data_bound: str = "bound by the data"  # the source's words for a run its data stage bounds
     cpu_started: float = field(default_factory=time.process_time)
@@ -52,9 +57,12 @@ class Stages:
         self.busy[stage] = self.busy.get(stage, 0.0) + seconds
 
     def shares(self, wall: float | None = None) -> dict[str, float]:
-        """Each stage's busy seconds over the wall time (the model's queue wait for data left out)."""
+        """Each stage's busy seconds over the wall time (the waits counted apart, `WAITS`, left out)."""
+        return {k: self.share(k, wall) for k in self.busy if k not in WAITS}
+
+    def share(self, key: str, wall: float | None = None) -> float:
         wall = wall if wall is not None else time.perf_counter() - self.started
-        return {k: min(v / wall, 1.0) if wall > 0 else 0.0 for k, v in self.busy.items() if k != "wait"}
+        return min(self.busy.get(key, 0.0) / wall, 1.0) if wall > 0 else 0.0
 
     def cpu_share(self) -> float:
         """The process's CPU seconds (every thread's) over its cores x the wall time, so far."""
@@ -62,17 +70,32 @@ class Stages:
         return (time.process_time() - self.cpu_started) / (wall * self.cores) if wall > 0 else 0.0
 
     def bound(self, nbytes: int, wall: float | None = None, cpu: float | None = None) -> str:
-        """Which stage set the pace, in words a user can act on: the busiest (the model's share
-        includes taking its activations out: both run on the main thread). Where no stage is busy
-        most of the time but the process keeps its cores busy (`cpu`: its share of them, measured
-        when not given), the stages share the cores and none alone sets the pace: the cores do."""
+        """What set the pace, in words a user can act on. A stage is named only when it is busy
+        nearly all the time (`SATURATED`; the model's share includes taking its activations out:
+        both run on the main thread). Else: the cores, when the process keeps them busy (`cpu`:
+        its share of them, measured when not given) with every stage at once; the device, when the
+        writer spent the time waiting for the model's results (`device`, a GPU's) or writing them;
+        otherwise no stage set the pace alone, and the line says so with the shares."""
         shares = self.shares(wall)
         main = shares["model"] + shares["out"]
-        stage = max(("data", "model", "writer"), key=lambda k: main if k == "model" else shares[k])
+        busiest = {"model": main, "writer": shares["writer"], "data": shares["data"]}
+        stage = max(busiest, key=lambda k: busiest[k])
+        if busiest[stage] >= SATURATED:
+            return self._named(stage, nbytes)
         cpu = self.cpu_share() if cpu is None else cpu
-        if (main if stage == "model" else shares[stage]) < SATURATED <= cpu:
+        if cpu >= SATURATED:
             return (f"bound by the CPU: its {self.cores} core{'s' if self.cores > 1 else ''} busy "
                     f"{100 * min(cpu, 1.0):.0f}% with every stage at once")
+        device = self.share("device", wall)
+        if device >= busiest["writer"] and device + busiest["writer"] >= SATURATED:
+            return (f"bound by the device: the writer waited {100 * device:.0f}% of the time for the "
+                    "model's results")
+        listed = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(busiest.items(), key=lambda kv: -kv[1]))
+        if device > 0:
+            listed += f"; the writer waited for the device {100 * device:.0f}%"
+        return f"no stage saturated: the stages wait on each other ({listed})"
+
+    def _named(self, stage: str, nbytes: int) -> str:
         if stage == "data":
             return self.data_bound
         if stage == "writer":

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from ..loading import Loaded, parse_size, streamer_for
+from ..model_inputs import unpadded
 from ..sources import Rows, Run, Source
 from .config import ExtractConfig
 
@@ -42,8 +43,10 @@ class Streamed:
                 calls = [self.source.call_of(batch, device) for _, batch in chunk]  # made in the data stage
                 inputs = [{k: v.to(device, non_blocking=True) for k, v in c.inputs.items()} for c in calls]
                 keeps = [None if c.keep is None else c.keep.to(device) for c in calls]
-                for (index, batch), call, acts in zip(chunk, calls, self.streamer.run_chunk(inputs, keeps),
-                                                      strict=True):
+                # every pass through a block builds the masks again: with no padding, nothing waits
+                with unpadded(all(c.unpadded for c in calls)):
+                    chunk_acts = self.streamer.run_chunk(inputs, keeps)
+                for (index, batch), call, acts in zip(chunk, calls, chunk_acts, strict=True):
                     yield index, batch, self.source.rows_of(batch, call, acts)
         finally:
             self.streamer.close()

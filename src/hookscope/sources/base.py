@@ -41,6 +41,7 @@ import torch
 from torch import Tensor
 
 from ..capture import Capture
+from ..model_inputs import attention_mask_of, unpadded
 
 if TYPE_CHECKING:
     from ..extract import ExtractConfig
@@ -53,12 +54,15 @@ Rows = tuple[dict[str, Tensor], dict[str, Tensor]]  # {point: [rows, ...]}, {col
 class Call:
     """One batch's model call, made ready by `Source.prepare`: the inputs (pinned when bound for a
     CUDA device), the token mask of the rows kept (on the CPU: the capture finds its rows there, so
-    the forward never waits for the device), and the rows' columns when the batch alone gives them
-    (else None: `rows` builds them from the activations)."""
+    the forward never waits for the device), the rows' columns when the batch alone gives them
+    (else None: `rows` builds them from the activations), and whether the inputs' attention mask
+    is all ones (read on the CPU: the forward then checks nothing on the device,
+    `model_inputs.unpadded`)."""
 
     inputs: dict[str, Tensor]
     keep: Tensor | None
     columns: dict[str, Tensor] | None
+    unpadded: bool = False
 
 
 class Prepared(dict):
@@ -118,10 +122,12 @@ class Source:
         """`batch` with its `Call` made ready (see the module docstring); the data stage's thread
         runs it for every batch to do."""
         inputs, keep = self.model_call(batch)
+        mask = attention_mask_of(inputs)
+        unpadded = mask is not None and bool(mask.all())
         if torch.device(device).type == "cuda":  # page-locked: the copy to the device does not block
             inputs = {k: v.pin_memory() for k, v in inputs.items()}
         prepared = Prepared(batch)
-        prepared.call = Call(inputs, keep, self.columns(batch, keep))
+        prepared.call = Call(inputs, keep, self.columns(batch, keep), unpadded)
         return prepared
 
     def call_of(self, batch: dict[str, Tensor], device: str | torch.device = "cpu") -> Call:
@@ -138,7 +144,8 @@ class Source:
         inputs = {k: v.to(device, non_blocking=True) for k, v in call.inputs.items()}
         # kept where the model ran (the loop takes statistics there, then copies to the host); the
         # mask stays on the CPU, where the capture finds the kept rows without waiting for the device
-        with Capture(model, list(points), token_mask=call.keep, dtype=dtype, device=None) as cap:
+        with Capture(model, list(points), token_mask=call.keep, dtype=dtype, device=None) as cap, \
+                unpadded(call.unpadded):
             cap.run(inputs)
             acts = {name: cap[name] for name in points}
         return self.rows_of(batch, call, acts)
