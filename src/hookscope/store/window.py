@@ -95,9 +95,10 @@ class MappedWindow:
         memory ([columns, rows, ...]: a gather into a strided `[rows, columns, ...]` destination
         measured 3-5x slower in torch) and handed out as its `[rows, columns, ...]` view; stacks of
         one row kind share one such buffer (so a batch keeps the memory of all of them while one
-        is held). The buffer is filled in one gather when all its columns are rows of one mapping
-        (one pass of torch's threads, which wait for each other at every call), else column by
-        column into its contiguous slices: the same single copy per row as one column."""
+        is held). With one part, each run of the buffer's columns that are rows of one mapping is
+        filled in one gather (one pass of torch's threads, which wait for each other at every
+        call: one for a whole CLT batch when the writer put its columns side by side); with several,
+        column by column into its contiguous slices: the same single copy per row as one column."""
         n = len(range(*positions.indices(self.rows)))
         shapes = {k: v.shape[1:] for k, v in self.sources[0].items()}
         out, outs, whole = {}, {}, []
@@ -118,11 +119,16 @@ class MappedWindow:
         if self.part is None:  # one part: the whole batch in one gather per column or buffer
             sources = dict(self.sources[0])
             for names, flat in whole:
-                source = sources[names[0]]
-                if all(sources[name] is source for name in names):  # rows of one mapping (mapper.py)
-                    torch.index_select(source, 0, torch.cat([index[name] for name in names]), out=flat)
-                    for name in names:
-                        del sources[name]
+                j = 0
+                while j < len(names):  # columns j..end-1 are rows of one mapping (mapper.py)
+                    source, end = sources[names[j]], j + 1
+                    while end < len(names) and sources[names[end]] is source:
+                        end += 1
+                    torch.index_select(source, 0, torch.cat([index[name] for name in names[j:end]]),
+                                       out=flat[j * n : end * n])
+                    j = end
+                for name in names:
+                    del sources[name]
             for k, source in sources.items():
                 torch.index_select(source, 0, index[k].contiguous(), out=outs[k])
             return out, None
