@@ -72,7 +72,8 @@ class ActivationDataset(IterableDataset):
     `["blocks.*.mlp.in", "blocks.*.mlp.out"]` a dict of two such tensors, keyed by pattern, from one
     shuffle order (a cross-layer transcoder's); `stacked` names each stack's columns (store/selected.py).
     A stack is a `[batch, layers, ...]` view of layer-major memory (not `.is_contiguous()`; `.to()`
-    keeps that layout, `.contiguous()` makes a row-major copy).
+    keeps that layout, `.contiguous()` makes a row-major copy); stacks of one dtype and row shape (a
+    CLT's two) are views of one buffer, so holding either keeps the memory of both.
 
     `split="train"` / `"val"` keeps the rows whose hashed global index falls above / below
     `val_fraction` (fixed per row, independent of the seed). `rank` / `world_size` give each
