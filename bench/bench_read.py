@@ -11,7 +11,7 @@ processes; use an even `--runs`):
   floor-np: the same with numpy's `take` on one thread; floor-out: torch's `index_select` into one
   batch-sized buffer allocated once (no page faults for new batch memory; every batch overwrites the
   last, which a reader cannot do while a consumer holds its batch). The ratio is to the fastest of
-  the three: what a trainer could get with no disk and no file format at all. disk: the shard
+  the floors: what a trainer could get with no disk and no file format at all. disk: the shard
   files read front to back with the page cache dropped (the disk's own speed, which bounds every
   cold case: cold cases also show their ratio to it).
 - before: `store.dataset(point, batch_size=4096)` of main at `--before-rev` (default 1dec836;
@@ -33,7 +33,14 @@ of 16,384 / 4,096 rows, windows (`buffer_rows`) of 65,536 / 16,384 rows.
 `blocks.L.resid_post` read as `store.dataset("blocks.*.resid_post", stack=True)` ([batch, 4, d],
 1/4 of the rows); `clt`, 4 layers' `mlp.in` and `mlp.out` as two stacks from one order (1/8 of the
 rows). Their floors gather the same columns from one in-RAM `[rows, columns * d]` tensor (each row's
-bytes in one piece, which a reader of separate columns cannot have). `--saelens`: SAELens
+bytes in one piece, which a reader of separate columns cannot have); floor-cols (stacked layouts
+only) gathers them from the layout the store has, each column's rows a block of their own
+(`[columns * rows, d]`, numpy-allocated), as the reader gathers a stack: one `index_select` of
+columns x 4,096 rows into one layer-major batch buffer allocated once (as floor-out). Each case is
+printed against the fastest floor and, for stacked layouts, against floor-cols too.
+
+`--epochs N` (default 3) sets the warm cases' epochs per process: a larger N weighs the first
+epoch (mapping, the first window, batch memory faulted in for the first time) less. `--saelens`: SAELens
 `SAETrainer.fit` samples/s fed by `iter(store.dataset(..., repeat=True))` against SAELens's
 `ActivationsStore` over `hookscope export --format saelens` of the same store.
 
@@ -58,7 +65,8 @@ BATCH = 4096
 SHAPES = {768: {"rows": 262_144, "shard_rows": 16_384, "buffer_rows": 65_536},
           4096: {"rows": 131_072, "shard_rows": 4_096, "buffer_rows": 16_384}}
 BEFORE_REV = "1dec836"  # main before batch memory was reused (store/dataset.py `_Recycler`)
-CASES = [("floor", "warm"), ("floor-np", "warm"), ("floor-out", "warm"), ("disk", "cold"), ("before", "warm"),
+CASES = [("floor", "warm"), ("floor-np", "warm"), ("floor-out", "warm"), ("floor-cols", "warm"),
+         ("disk", "cold"), ("before", "warm"),
          ("after", "warm"), ("before", "warm4k"), ("after", "warm4k"), ("before-seq", "warm"),
          ("after-seq", "warm"), ("loader2", "warm"), ("before", "cold"), ("after", "cold")]
 POINT = "blocks.0.resid_post"
@@ -70,7 +78,7 @@ LAYOUTS = {
     "clt": (["blocks.*.mlp.in", "blocks.*.mlp.out"], True,
             [f"blocks.{i}.mlp.{k}" for i in range(STACK_LAYERS) for k in ("in", "out")]),
 }
-EPOCHS = 3  # warm cases: steady state over 3 epochs (cold: one epoch, right after dropping the cache)
+EPOCHS = 3  # warm cases: 3 epochs by default, --epochs (cold: one epoch, right after dropping the cache)
 
 
 def store_dir(d: int, dtype: str, quick: bool = False, first_batch: int = 0, layout: str = "point") -> Path:
@@ -159,7 +167,8 @@ def before_src(rev: str) -> Path:
     return out / "src"
 
 
-def measure(case: str, d: int, dtype: str, cache: str, path: Path, layout: str = "point") -> dict:
+def measure(case: str, d: int, dtype: str, cache: str, path: Path, layout: str = "point",
+            warm_epochs: int = EPOCHS) -> dict:
     """One pass over the store at `path` in this process; rows/s (point rows: a stacked row of k
     columns counts k, so that every layout's rows/s is its bytes/s over d * 2)."""
     import numpy as np
@@ -172,7 +181,7 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path, layout: str =
     k = len(points)
     rows = len(store)
     buffer_rows = SHAPES[d]["buffer_rows"] // k // (8 if rows * k < SHAPES[d]["rows"] else 1)
-    epochs = 1 if cache == "cold" else EPOCHS
+    epochs = 1 if cache == "cold" else warm_epochs
     if case == "disk":  # the disk's own speed: every shard file read front to back, nothing else
         drop_cache(path)
         t0 = time.perf_counter()
@@ -182,11 +191,17 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path, layout: str =
                     pass
         seconds, n = time.perf_counter() - t0, rows * epochs
     elif case.startswith("floor"):
-        # in RAM (numpy: huge pages), not mapped; several columns side by side in each row
-        xn = np.concatenate([store.tensor(p).view(torch.int16).numpy() for p in points], axis=1)
+        # in RAM (numpy: huge pages), not mapped; several columns side by side in each row, or (floor-cols)
+        # each column's rows in a block of their own, as the store lays them out
+        columns = [store.tensor(p).view(torch.int16).numpy() for p in points]
+        xn = np.concatenate(columns, axis=0 if case == "floor-cols" else 1)
         x = torch.from_numpy(xn).view(getattr(torch, dtype))
-        # floor-out's one batch, allocated (and faulted in by its first gather) once
-        out = torch.from_numpy(np.empty((BATCH, d * k), np.int16)).view(x.dtype) if case == "floor-out" else None
+        # floor-out's / floor-cols' one batch, allocated (and faulted in by its first gather) once
+        out = None
+        if case in ("floor-out", "floor-cols"):
+            out = torch.from_numpy(np.empty((BATCH, d * k), np.int16)).view(x.dtype)
+        if case == "floor-cols":  # layer-major: column j's rows of the batch at rows j*BATCH.. of the buffer
+            out, offsets = out.view(k * BATCH, d), (torch.arange(k) * rows)[:, None]
         t0 = time.perf_counter()
         n = 0
         for _ in range(epochs):
@@ -196,6 +211,9 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path, layout: str =
                     n += torch.index_select(x, 0, perm[s : s + BATCH]).shape[0]
                 elif case == "floor-out":  # into memory faulted in once (rows divide into batches)
                     n += torch.index_select(x, 0, perm[s : s + BATCH], out=out).shape[0]
+                elif case == "floor-cols":  # every column's rows of the batch, in one gather
+                    index = (perm[s : s + BATCH] + offsets).reshape(-1)
+                    n += torch.index_select(x, 0, index, out=out).shape[0] // k
                 else:
                     index = perm[s : s + BATCH].numpy()
                     n += np.take(xn, index, axis=0, mode="clip").shape[0]  # a new batch, as a reader makes
@@ -286,14 +304,15 @@ def main() -> None:
     p.add_argument("--dims", default="768,4096")
     p.add_argument("--dtypes", default="float16,bfloat16")
     p.add_argument("--layouts", default="point", help="point,stack,clt (see the docstring)")
+    p.add_argument("--epochs", type=int, default=EPOCHS, help="epochs per process in the warm cases")
     p.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # progress shows when redirected to a file
     if args.one:
         kind, *rest = args.one
         if kind == "read":
-            case, d, dtype, cache, path, *layout = rest
-            print(json.dumps(measure(case, int(d), dtype, cache, Path(path), *layout)))
+            case, d, dtype, cache, path, layout, epochs = rest
+            print(json.dumps(measure(case, int(d), dtype, cache, Path(path), layout, int(epochs))))
         else:
             print(json.dumps(measure_saelens(rest[0], int(rest[1]), rest[2] == "train")))
         return
@@ -315,22 +334,26 @@ def main() -> None:
                 # order reversed every other round (ABBA): a cold read right after another cold read
                 # measured slower here (whichever came second), so no case may always come second
                 for case, cache in (cases if r % 2 == 0 else cases[::-1]):
+                    if case == "floor-cols" and layout == "point":
+                        continue  # one column: floor-out
                     src = before if case.startswith("before") else None
-                    one = ["read", case, str(d), dtype, cache, str(path), layout]
+                    one = ["read", case, str(d), dtype, cache, str(path), layout, str(args.epochs)]
                     runs.setdefault(f"{case}/{cache}", []).append(fresh(one, src))
             row = {k: statistics.median(r["rows_per_s"] for r in v) for k, v in runs.items()}
             floor = max((v for k, v in row.items() if k.startswith("floor")), default=float("nan"))
-            disk = row.get("disk/cold")
-            print(f"\n{layout}: d_model {d}, {dtype} (load now {os.getloadavg()[0]:.1f}): rows/s, ratio to "
-                  "the faster in-RAM floor")
+            disk, cols = row.get("disk/cold"), row.get("floor-cols/warm")
+            print(f"\n{layout}: d_model {d}, {dtype}, {args.epochs} warm epochs (load now "
+                  f"{os.getloadavg()[0]:.1f}): rows/s, ratio to the fastest in-RAM floor"
+                  + (" and to floor-cols (the store's layout)" if cols else ""))
             for key, value in row.items():
                 gib = statistics.median(r["gib_per_s"] for r in runs[key])
                 each = [round(r["rows_per_s"] / 1e6, 3) for r in runs[key]]
                 vs_disk = f" ({value / disk:4.2f}x disk)" if disk and key.endswith("/cold") else ""
+                vs_cols = f" {value / cols:5.2f}x cols" if cols and key.endswith("/warm") else ""
                 print(f"  {key:18s} {value / 1e6:7.3f} M rows/s  {gib:6.2f} GiB/s  "
-                      f"{value / floor:5.2f}x{vs_disk}  runs {each}")
+                      f"{value / floor:5.2f}x{vs_cols}{vs_disk}  runs {each}")
             results[f"{d}-{dtype}" + ("" if layout == "point" else f"-{layout}")] = {
-                "median_rows_per_s": row, "floor": floor, "runs": runs}
+                "median_rows_per_s": row, "floor": floor, "epochs": args.epochs, "runs": runs}
     if args.saelens or args.saelens_only:
         import hookscope as hs
         from hookscope.export import export_saelens

@@ -11,7 +11,8 @@ float32 safetensors, 1.08 GB, built once under /tmp, never committed):
 The limit: the weights the streamer keeps (outside the blocks + two blocks, in the compute dtype)
 + room for a chunk of CHUNK batches' hidden states. "One chunk" in the target is that room. The
 peak is also set against two baselines, each the resident set of a fresh process: python + torch +
-transformers imported (`--worker imports`), and the process's own: that, plus hookscope and the
+transformers imported (`--worker imports`; `--worker modelcode` adds the model's code alone), and
+the process's own: that, plus hookscope and the
 model's code imported (a `meta` load, no weight read; transformers' model code brings in
 torch._dynamo, torch.distributed.tensor, scipy and accelerate). The allocator is left as users have
 it (no MALLOC_* settings). Each run is a fresh process; medians.
@@ -108,6 +109,11 @@ def worker(mode: str, name: str) -> None:
     if mode == "imports":  # python + torch + transformers, nothing else
         common.emit({"mode": mode, "model": name, "rss": status_kib()["VmRSS"]})
         return
+    if mode == "modelcode":  # + the model's code (what transformers' modeling files import), no hookscope
+        import transformers.models.llama.modeling_llama  # noqa: F401
+
+        common.emit({"mode": mode, "model": name, "rss": status_kib()["VmRSS"]})
+        return
     import hookscope as hs
     from hookscope.extract import ExtractConfig, extract
 
@@ -160,14 +166,18 @@ def main() -> None:
     imports = common.median([common.run_fresh(args.python, Path(__file__), ["--worker", "imports", "same"])
                              ["rss"] for _ in range(runs)])
     print(f"python + torch + transformers imported: {imports / MB:.1f} MB")
+    code = common.median([common.run_fresh(args.python, Path(__file__), ["--worker", "modelcode", "same"])
+                          ["rss"] for _ in range(runs)])
+    print(f"  + the model's code (modeling_llama and what it imports): {code / MB:.1f} MB "
+          f"(+{(code - imports) / MB:.1f})")
     for name in args.models.split(","):
         rows = {mode: [common.run_fresh(args.python, Path(__file__), ["--worker", mode, name])
                        for _ in range(runs)] for mode in args.modes.split(",")}
-        report(name, rows, imports)
+        report(name, rows, imports, code)
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 
-def report(name: str, rows: dict[str, list[dict]], imports: int) -> None:
+def report(name: str, rows: dict[str, list[dict]], imports: int, code: int) -> None:
     print(f"\n{name}: float32 checkpoint computed in {MODELS[name]}; extract {POINT}, {TOKENS} tokens in "
           f"batches of {BATCH}x{CONTEXT}; limit {limit_bytes(name) / MB:.1f} MB (weights kept "
           f"{weights_kept(name) / MB:.1f} + chunk room)")
@@ -189,7 +199,12 @@ def report(name: str, rows: dict[str, list[dict]], imports: int) -> None:
         ratio = best["stream"]["tokens_per_s"] / best["memory"]["tokens_per_s"]
         print(f"  stream / memory tokens/s {ratio:.2f}x (target >= 0.8)")
     if "stream" in best:
-        peak = best["stream"]["peak"]
+        peak, own, pages = best["stream"]["peak"], best["stream"]["baseline"], best["stream"]["file_growth"]
+        print(f"  the floor: python + torch + transformers {imports / MB:.1f} MB, the model's code "
+              f"+{(code - imports) / MB:.1f}, hookscope + the meta load + tokenizer +{(own - code) / MB:.1f} "
+              f"= the process's own {own / MB:.1f}; library pages the run maps in +{pages / MB:.1f}; "
+              f"the rest (weights, the chunk, a pass's working memory) {(peak - own - pages) / MB:.1f} MB "
+              f"beside limit + one chunk = {(limit_bytes(name) + chunk_bytes(name)) / MB:.1f} MB")
         for what, own in (("300 MB", 300 * MB), ("python + torch + transformers", imports),
                           ("the process's own", best["stream"]["baseline"])):
             target = limit_bytes(name) + chunk_bytes(name) + own

@@ -110,9 +110,9 @@ def run_extract(clock: Clock, tokens: int, shard_rows: int, out: Path) -> None:
         """The store writer, unchanged, with a timestamp when each computed batch is handed over
         and when close() has flushed and committed everything."""
 
-        def write(self, batch_index, tensors, meta=None):
+        def write(self, batch_index, tensors, meta=None, **options):  # (the loop's `handoff=`)
             clock.mark(int(meta["seq_ids"].unique().numel()) * CONTEXT)
-            super().write(batch_index, tensors, meta)
+            super().write(batch_index, tensors, meta, **options)
 
         def close(self) -> None:
             super().close()

@@ -491,7 +491,7 @@ def test_a_host_token_mask_gathers_rows_without_waiting_for_the_device(model_dir
 @pytest.mark.parametrize("family", ["gpt2", "llama"])
 def test_the_extraction_model_stage_never_waits_for_the_device(model_dirs, device, family, tmp_path):
     """The main thread's whole share of an extraction, as the loop runs it: the executor's forward
-    with its capture of several points (`InMemory` / `Source.compute`), the non-finite check and
+    with its capture of several points (`InMemory.forward`), the non-finite check and
     the out stage (`_checked`: statistics on the device, the copy to the host on a side stream),
     each batch made ready by the data stage (`Source.prepare`: pinned inputs, the keep mask and the
     unpadded flag on the CPU). On CUDA nothing in it may wait for the device (transformers' check

@@ -13,6 +13,7 @@ import torch
 
 from hookscope.errors import StoreError
 from hookscope.store import ShardWriter, open_store
+from hookscope.store.strided import Runs
 
 LAYERS = 12  # past 10: block 10 must come after block 9, not after block 1
 D = 6
@@ -21,8 +22,8 @@ D = 6
 @pytest.fixture(scope="module")
 def clt_store(tmp_path_factory):
     """240 rows in shards of 32 rows (batches of 8); blocks.L.mlp.in / mlp.out / resid_post for 12
-    layers, bfloat16; shard identities of different lengths (batches 0-3 vs 12-15), so the shards
-    lie in several strided runs (parts) and a batch gathers from more than one."""
+    layers, bfloat16; shard identities of different lengths (batches 0-3 vs 12-15). (On Linux the
+    shards still lie in one strided run; windows of several parts are read below, shard by shard.)"""
     out = tmp_path_factory.mktemp("clt") / "store"
     g = torch.Generator().manual_seed(0)
     names = [f"blocks.{layer}.{kind}" for layer in range(LAYERS) for kind in ("mlp.in", "mlp.out", "resid_post")]
@@ -201,3 +202,80 @@ def test_a_stack_across_columns_of_another_width(tmp_path):
         assert torch.equal(bits(batch["blocks.3.b"]), bits(written["blocks.3.b"][ids]))
         seen += ids.tolist()
     assert sorted(seen) == list(range(200))
+
+
+def irregular_store(path, shard_rows: int, first_batch: int = 0):
+    """150 rows of 11 layers' mlp.in / mlp.out / resid_post (bfloat16, 6 wide), written in batches of 3,
+    5, 8, 2 and 7 rows, so that shards (cut at the first batch that reaches `shard_rows`) hold uneven
+    numbers of rows and their boundaries fall anywhere in a read batch or window."""
+    g = torch.Generator().manual_seed(shard_rows)
+    names = [f"blocks.{layer}.{kind}" for layer in range(11) for kind in ("mlp.in", "mlp.out", "resid_post")]
+    written = {n: (torch.randn(150, D, generator=g) * 4).to(torch.bfloat16) for n in names}
+    sizes, at, b = [3, 5, 8, 2, 7], 0, 0
+    with ShardWriter(path, {"test": "irregular"}, shard_rows=shard_rows) as w:
+        while at < 150:
+            n = min(sizes[b % len(sizes)], 150 - at)
+            w.write(first_batch + b, {k: v[at : at + n] for k, v in written.items()},
+                    {"token_ids": torch.arange(at, at + n)})
+            at, b = at + n, b + 1
+    return open_store(path), written
+
+
+@pytest.mark.parametrize("shard_rows, first_batch", [(1, 0), (9, 0), (20, 1000), (64, 0), (500, 0)])
+@pytest.mark.parametrize("shuffle", [True, False])
+@pytest.mark.parametrize("mapping", ["strided", "shard by shard"])
+def test_stacks_equal_the_written_points_across_shard_boundaries(tmp_path, monkeypatch, shard_rows,
+                                                                  first_batch, shuffle, mapping):
+    """A crosscoder's stack and a CLT's two stacks, batch by batch, against the bytes written for each
+    point, row by row through `token_ids`: shards of one write to the whole store in one shard, cut
+    inside batches and windows; shard identities of different lengths or of one (`first_batch=1000`);
+    shuffled and in order (then the rows come in written order, 0..149); the shards mapped side by
+    side (one part: a stack in one gather) or one by one (each shard a part, as off Linux or at a
+    URL: each column gathered into its slice, part by part). A stack in another layer order (block 10
+    after block 1), a column read at another row, or a batch that mixes two rows' layers fails."""
+    if mapping == "shard by shard":
+        monkeypatch.setattr(Runs, "supported", staticmethod(lambda: False))
+    store, written = irregular_store(tmp_path / "s", shard_rows, first_batch)
+    for point in (["blocks.*.resid_post", "token_ids"], ["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"]):
+        ds = store.dataset(point, stack=True, batch_size=16, buffer_rows=40, seed=11, shuffle=shuffle)
+        seen = []
+        for batch in ds:
+            ids = batch["token_ids"]
+            for key in point[:-1]:
+                stack, kind = batch[key], key.split("*.")[1]
+                assert stack.shape == (len(ids), 11, D)
+                for layer in range(11):
+                    assert torch.equal(bits(stack[:, layer]), bits(written[f"blocks.{layer}.{kind}"][ids])), \
+                        (key, layer)
+            seen += ids.tolist()
+        assert sorted(seen) == list(range(150))
+        if not shuffle:
+            assert seen == list(range(150))
+
+
+@pytest.mark.parametrize("kept", ["blocks.*.mlp.in", "blocks.*.mlp.out"])
+def test_a_kept_stack_is_never_overwritten(tmp_path, kept):
+    """A CLT's two stacks share one buffer (window.py): a consumer that keeps only one of them, batch
+    after batch over two epochs, still finds every kept stack equal to the written rows (the batch
+    memory a later batch reuses must be memory no kept stack lies in)."""
+    store, written = one_part_store(tmp_path / "s", {f"blocks.{layer}.{kind}": D for layer in range(LAYERS)
+                                                     for kind in ("mlp.in", "mlp.out")})
+    ds = store.dataset(["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"], stack=True, batch_size=24,
+                       seed=9, buffer_rows=64)
+    held = [(batch[kept], batch["token_ids"]) for _ in range(2) for batch in ds]
+    assert len(held) == 2 * 9
+    for stack, ids in held:
+        check_stack(stack, ids, written, kept.split("*.")[1])
+
+
+def test_cross_layer_transcoder_stacks_from_dataloader_workers(clt_store):
+    """Two stacks in one buffer of shared memory survive the trip from a worker, each its own layers."""
+    store, written = clt_store
+    ds = store.dataset(["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"], stack=True, batch_size=48,
+                       seed=6, buffer_rows=96)
+    seen = []
+    for batch in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2):
+        check_stack(batch["blocks.*.mlp.in"], batch["token_ids"], written, "mlp.in")
+        check_stack(batch["blocks.*.mlp.out"], batch["token_ids"], written, "mlp.out")
+        seen += batch["token_ids"].tolist()
+    assert sorted(seen) == list(range(240))

@@ -13,7 +13,7 @@ import torch
 from helpers import corpus_fixture
 
 import hookscope.store.writer as writer_module
-from hookscope.extract import ExtractConfig, extract
+from hookscope.extract import ExtractConfig, InMemory, extract
 from hookscope.extract.stages import Stages, ahead
 from hookscope.sources import TextSource
 from hookscope.store import open_store
@@ -40,13 +40,13 @@ def slow_data(monkeypatch) -> None:
 
 
 def slow_model(monkeypatch) -> None:
-    real = TextSource.compute
+    real = InMemory.forward
 
-    def compute(self, *args, **kwargs):  # the executor's step, on the main thread
+    def forward(self, *args, **kwargs):  # the executor's step, on the main thread
         time.sleep(DELAY)
         return real(self, *args, **kwargs)
 
-    monkeypatch.setattr(TextSource, "compute", compute)
+    monkeypatch.setattr(InMemory, "forward", forward)
 
 
 def slow_disk(monkeypatch) -> None:

@@ -77,6 +77,18 @@ def per_token(run_for, monkeypatch) -> tuple[dict, dict]:
     return per(ops_long, ops_short), per(calls_long, calls_short)
 
 
+def against_plain(gpt2, run_for, ops, monkeypatch) -> tuple[dict, dict]:
+    """Per token (plain generate's ops, `run_for`'s), once none of `ops` and no host read of ours
+    is found to be added per token."""
+    with torch.inference_mode():
+        plain_ops, _ = per_token(lambda n: lambda: gpt2.generate(**prompt(), **options(n)), monkeypatch)
+        ours_ops, our_reads = per_token(run_for, monkeypatch)
+    added = {op: ours_ops.get(op, 0) - plain_ops.get(op, 0) for op in ops}
+    assert {op: n for op, n in added.items() if n} == {}
+    assert our_reads == {}
+    return plain_ops, ours_ops
+
+
 def runs(gpt2, case):
     vector64 = torch.randn(32, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     steer = hs.steer(POINT, vector64)  # float64 on a float32 model: cast once, not per step
@@ -92,12 +104,7 @@ def runs(gpt2, case):
 
 @pytest.mark.parametrize("case", ["capture", "steer", "steer_generated", "capture_and_steer"])
 def test_a_generated_token_costs_no_host_read_and_no_extra_allocation(gpt2, case, monkeypatch):
-    with torch.inference_mode():
-        plain_ops, _ = per_token(lambda n: lambda: gpt2.generate(**prompt(), **options(n)), monkeypatch)
-        ours_ops, our_reads = per_token(runs(gpt2, case), monkeypatch)
-    added = {op: ours_ops.get(op, 0) - plain_ops.get(op, 0) for op in NOT_PER_TOKEN}
-    assert {op: n for op, n in added.items() if n} == {}
-    assert our_reads == {}
+    plain_ops, ours_ops = against_plain(gpt2, runs(gpt2, case), NOT_PER_TOKEN, monkeypatch)
     # what is left per token: a steer's add, a capture's copy into its buffer (and its view ops)
     extra = sum(ours_ops.values()) - sum(plain_ops.values())
     assert extra <= {"capture": 4, "steer": 1, "steer_generated": 1, "capture_and_steer": 9}[case]
@@ -189,3 +196,69 @@ def test_the_pass_on_the_last_token_stops_after_the_last_captured_point(gpt2):
     assert dict(stopped) == {0: LONG + 1, 1: LONG + 1, 2: LONG}  # generate's LONG passes, + 1 up to block 1
     assert dict(whole) == {0: LONG + 1, 1: LONG + 1, 2: LONG + 1}
     assert gen["blocks.1.resid_post"].shape[1] == 5 + LONG
+
+
+# ops a heads= selection made once per call does not repeat per token: the heads' index from Python
+# data (lift_fresh, _to_copy), an edit's head mask (zeros + index_put, ones, the & of the two)
+HEADS_MADE_ONCE = HOST_READS + ("aten::lift_fresh", "aten::_to_copy", "aten::index_put_", "aten::zeros",
+                                "aten::ones", "aten::bitwise_and")
+
+
+def heads_runs(gpt2, case):
+    ablate = hs.ablate("blocks.0.attn.z", heads=[-1])
+    return {
+        "capture_heads": lambda n: lambda: hs.generate(gpt2, prompt(), "blocks.1.attn.z", heads=[3, 1],
+                                                       **options(n)),
+        "ablate_heads": lambda n: lambda: hs.generate(gpt2, prompt(), edits=[ablate], **options(n)),
+        "ablate_heads_generated": lambda n: lambda: hs.generate(gpt2, prompt(), edits=[ablate],
+                                                                edit_on="generated", **options(n)),
+    }[case]
+
+
+@pytest.mark.parametrize("case", ["capture_heads", "ablate_heads", "ablate_heads_generated"])
+def test_a_heads_selection_is_made_once_per_call_not_per_token(gpt2, case, monkeypatch):
+    against_plain(gpt2, heads_runs(gpt2, case), HEADS_MADE_ONCE, monkeypatch)
+
+
+def test_heads_captured_and_ablated_while_generating_match_plain_hooks_on_the_attention(gpt2):
+    """heads=[3, 1] kept of block 1's z, head -1 (3) of block 0's z zeroed on the generated tokens
+    only: against pre-hooks on each block's `attn.c_proj` (its input is z, [batch, pos, heads *
+    d_head]) that do the same by hand on every pass generate runs."""
+    inputs, seen = prompt(), []
+
+    def zero_last_head_of_new_tokens(module, args):
+        if args[0].shape[1] != 1:  # the prompt's pass (the KV cache holds it afterwards)
+            return None
+        z = args[0].unflatten(-1, (4, 8)).clone()
+        z[:, :, 3] = 0
+        return (z.flatten(-2),)
+
+    handles = [gpt2.transformer.h[0].attn.c_proj.register_forward_pre_hook(zero_last_head_of_new_tokens),
+               gpt2.transformer.h[1].attn.c_proj.register_forward_pre_hook(
+                   lambda m, args: seen.append(args[0].unflatten(-1, (4, 8))[:, :, [3, 1]].clone()))]
+    try:
+        expected = gpt2.generate(**inputs, **options(LONG))
+    finally:
+        for handle in handles:
+            handle.remove()
+    gen = hs.generate(gpt2, inputs, "blocks.1.attn.z", heads=[3, 1], edit_on="generated",
+                      edits=[hs.ablate("blocks.0.attn.z", heads=[-1])], **options(LONG))
+    assert torch.equal(gen.sequences, expected)
+    by_hand = torch.cat(seen, dim=1)  # every pass generate ran (all but the last token's)
+    assert gen["blocks.1.attn.z"].shape == (2, 5 + LONG, 2, 8)
+    torch.testing.assert_close(gen["blocks.1.attn.z"][:, :by_hand.shape[1]], by_hand, atol=0, rtol=0)
+
+
+def test_heads_made_under_inference_mode_serve_a_pass_that_records_gradients(gpt2):
+    """One edit (one selection, its head mask made once) first under inference_mode, then in a pass
+    whose loss is differentiated: the mask is not an inference tensor autograd refuses to save."""
+    ids = prompt()["input_ids"]
+    ablate = hs.ablate("blocks.0.attn.z", heads=[1])
+    with torch.inference_mode(), hs.edit(gpt2, ablate):
+        gpt2(ids)
+    with hs.edit(gpt2, ablate):
+        loss = gpt2(ids).logits.sum()
+    loss.backward()
+    weight = gpt2.transformer.h[0].attn.c_attn.weight
+    assert weight.grad is not None and bool(weight.grad.abs().sum() > 0)
+    gpt2.zero_grad(set_to_none=True)

@@ -3,7 +3,7 @@
 On a GPU, reading a device tensor's value on the host (`.item()`, `bool(t)`, `int(t)`, `nonzero`
 without a size, a boolean index, `torch.equal`, `.tolist()`) waits for every kernel queued before
 it. `hookscope.profiling.host_reads.HostReads` records each such operation (with its Python stack)
-during the model stage of a real `hs.extract` run (the executor's `Source.compute`) on the CPU:
+during the model stage of a real `hs.extract` run (the executor's `InMemory.forward`) on the CPU:
 every one it records would be a host wait per batch on a GPU. The inputs the model gets are
 copies (as `.to("cuda")` makes them), and operations on the token mask the data stage made on the
 host are left out: there they wait for nothing. tests/test_cuda.py runs the same path on a GPU under
@@ -25,10 +25,10 @@ import torch
 from helpers import corpus_fixture
 
 import hookscope as hs
-from hookscope.extract import ExtractConfig, extract
+from hookscope.extract import ExtractConfig, InMemory, extract
 from hookscope.model_inputs import unpadded
 from hookscope.profiling.host_reads import HostReads
-from hookscope.sources import Source, batches, iter_documents, pack
+from hookscope.sources import batches, iter_documents, pack
 from hookscope.testing import save_tiny, train_tokenizer
 
 corpus = corpus_fixture(60)
@@ -71,20 +71,20 @@ def run_extract(model_dir: Path, corpus: Path, out: Path, **options) -> None:
 def counted_extract(monkeypatch, model_dir: Path, corpus: Path, out: Path) -> list[list[str]]:
     """`hs.extract` of blocks.1.resid_post, the host reads of each batch's model stage."""
     per_batch: list[list[str]] = []
-    compute = Source.compute
+    forward = InMemory.forward
 
-    def counted(self, model, batch, points, dtype, device):
-        call = self.call_of(batch, device)
+    def counted(self, batch):
+        call = self.source.call_of(batch, self.run_on.device)
         host = {t.untyped_storage().data_ptr() for t in [call.keep, *(call.columns or {}).values()]
                 if t is not None}
         on_device = type(batch)(batch)  # the inputs as the device gets them: copies
         on_device.call = dataclasses.replace(call, inputs={k: v.clone() for k, v in call.inputs.items()})
         with HostReads(host) as reads:
-            rows = compute(self, model, on_device, points, dtype, device)
+            rows = forward(self, on_device)
         per_batch.append(reads.calls)
         return rows
 
-    monkeypatch.setattr(Source, "compute", counted)
+    monkeypatch.setattr(InMemory, "forward", counted)
     run_extract(model_dir, corpus, out)
     return per_batch
 
@@ -126,8 +126,12 @@ def test_the_model_stage_reads_nothing_on_the_host_and_rows_stay_bit_identical(m
 def test_a_streamed_run_reads_nothing_on_the_host_either(monkeypatch, model_dirs, corpus, tmp_path, family):
     """Under --max-memory every block's pass builds the masks again (blocks x batches checks per
     chunk before): none reads on the host, and the rows are the plain hook's, byte for byte."""
+    from hookscope.loading import streamer as streaming
     from hookscope.loading.streamer import BlockStreamer
 
+    # on a GPU the input embedding stays in device memory (test_stream_buffers checks that a GPU run
+    # never reads it by rows); the CPU-only row reads read the token ids on the host by design
+    monkeypatch.setattr(streaming, "embedding_rows_for", lambda model, locate, device: None)
     chunks: list[list[str]] = []
     run_chunk = BlockStreamer.run_chunk
 

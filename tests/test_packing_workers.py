@@ -21,7 +21,7 @@ import hookscope.sources.text as text_source
 from hookscope.cli import main
 from hookscope.errors import DataError, HookscopeError
 from hookscope.extract import ExtractConfig
-from hookscope.extract.config import validate_config
+from hookscope.extract_config import validate_config
 from hookscope.sources.packing import pack_batches
 from hookscope.store import open_store
 

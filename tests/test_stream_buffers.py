@@ -22,6 +22,8 @@ import hookscope as hs
 from hookscope.extract import ExtractConfig, extract
 from hookscope.loading import parse_size, streamer_for
 from hookscope.loading.block_buffers import data_ranges
+from hookscope.loading.embedding_rows import embedding_rows_for
+from hookscope.loading.safetensors_reads import safetensors_index
 from hookscope.testing import save_tiny
 
 SRC = Path(hs.__file__).parent.parent
@@ -96,8 +98,9 @@ def test_a_float32_checkpoint_computed_in_bfloat16_is_converted_into_the_buffers
 
 def test_converted_blocks_and_embeddings_hold_what_from_pretrained_gives(tiny_dirs, tmp_path):
     """A float32 checkpoint whose config asks bfloat16: every streamed block's parameters, and the
-    embeddings kept resident, are bit for bit what a plain `from_pretrained(dtype=torch.bfloat16)`
-    of the same directory holds (an independent load: transformers' own, no hookscope)."""
+    embedding rows looked up from the file (every row, in a shuffled order, some twice), are bit for
+    bit what a plain `from_pretrained(dtype=torch.bfloat16)` of the same directory holds (an
+    independent load: transformers' own, no hookscope)."""
     from transformers import AutoModelForCausalLM
 
     model_dir = _converting_copy(tiny_dirs["llama"], tmp_path / "bf16")
@@ -109,8 +112,23 @@ def test_converted_blocks_and_embeddings_hold_what_from_pretrained_gives(tiny_di
             want = plain[f"model.layers.{k}.{name}"]
             assert param.dtype == want.dtype == torch.bfloat16
             assert torch.equal(param.view(torch.int16), want.view(torch.int16)), (k, name)
-    embed = streamer.model.get_submodule("model.embed_tokens").weight
-    assert torch.equal(embed.view(torch.int16), plain["model.embed_tokens.weight"].view(torch.int16))
+    # the table is not resident: its rows are read as looked up, and are the converted table's
+    embed = streamer.model.get_submodule("model.embed_tokens")
+    assert embed.weight.is_meta
+    table = plain["model.embed_tokens.weight"]
+    ids = torch.cat([torch.randperm(table.shape[0]), torch.tensor([5, 5, 0, table.shape[0] - 1, 7, 6, 9])])
+    ids = ids[: len(ids) // 2 * 2]  # two rows in the (2, -1) case
+    for shape in [(-1,), (2, -1)]:
+        got, want = embed(ids.view(shape)), torch.nn.functional.embedding(ids.view(shape), table)
+        assert got.shape == want.shape and got.dtype == torch.bfloat16
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    with pytest.raises(IndexError):
+        embed(torch.tensor([table.shape[0]]))
+    # a GPU run keeps the table in device memory: a lookup there must not wait on host reads
+    stored = safetensors_index(str(model_dir / "model.safetensors"))
+    fresh = hs.load(str(model_dir), device="meta").model
+    assert embedding_rows_for(fresh, stored.get, "cpu") is not None
+    assert embedding_rows_for(fresh, stored.get, "cuda") is None
 
 
 _FREED_PROBE = """
@@ -132,9 +150,9 @@ def kept_after_free(module, args):
 
 big = torch.ones(16 * 2**20, dtype=torch.uint8)  # freed: glibc's sliding threshold rises to 16 MiB
 del big
-loaded = hs.load(sys.argv[1], device="meta")
-layers = loaded.model.model.layers
 if sys.argv[2] == "streaming":
+    loaded = hs.load(sys.argv[1], device="meta")
+    layers = loaded.model.model.layers
     streamer = streamer_for(loaded, ["blocks.1.resid_post"], parse_size("700KB"), batch_size=2, context=16,
                             dtype=torch.float32)
     layers[1].register_forward_pre_hook(kept_after_free)
@@ -151,8 +169,9 @@ else:
 def test_inside_a_streamed_block_freed_tensors_go_back_to_the_system(tiny_dirs):
     """In a fresh process whose heap would keep them (glibc's threshold slid up by a freed 16 MiB
     tensor), 16 MiB of tensors made and freed inside a streamed block's forward leave the resident
-    anonymous memory as it was; the same outside streaming stays resident (the premise). Rejects a
-    streamer that does not return freed memory (the heap then holds it, as measured before)."""
+    anonymous memory as it was; the same in a process that neither loads on `meta` nor streams stays
+    resident (the premise). Rejects a meta load + streamer that leave glibc's sliding threshold
+    (the heap then holds what a pass frees, as measured before)."""
     def kept(mode: str) -> float:
         env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
         out = subprocess.run([sys.executable, "-c", _FREED_PROBE, str(tiny_dirs["llama"]), mode], env=env,

@@ -26,8 +26,9 @@ from source_kit import write_images
 
 import hookscope as hs
 from hookscope.extract import ExtractConfig, extract
+from hookscope.extract_config import Run
 from hookscope.loading.stream_plan import plan_stream
-from hookscope.sources import Run, source_for
+from hookscope.sources import source_for
 from hookscope.store import open_store
 from hookscope.testing import image_processor, train_tokenizer
 

@@ -87,15 +87,19 @@ class Edit:
         written = int(keep.sum())
         if written == 0:
             return None
-        heads = None if self.heads is None else Selection(heads=self.selection.heads)
-        return EditStep(self, None if written == size else keep, heads, self.part_at(offset, size, keep))
+        where = None if written == size else keep
+        return EditStep(self, where, self._heads_selection, self.part_at(offset, size, keep))
 
     @functools.cached_property
     def _every_position(self) -> EditStep:
         """The step of an edit on every position that reads nothing position-bound (a steer, an
         ablation): the same on every pass of a generation."""
-        heads = None if self.heads is None else Selection(heads=self.selection.heads)
-        return EditStep(self, None, heads, None)
+        return EditStep(self, None, self._heads_selection, None)
+
+    @functools.cached_property
+    def _heads_selection(self) -> Selection | None:
+        """The heads alone, one selection for every pass (it makes their index and region once)."""
+        return None if self.heads is None else Selection(heads=self.selection.heads)
 
     def part_at(self, offset: int, size: int, keep: Tensor) -> Tensor | None:
         """What `value` reads of the edit's own data on a pass over [offset, offset + size), where

@@ -22,6 +22,7 @@ counted from the end needs once the sequence is complete.
 
 from __future__ import annotations
 
+import contextlib
 import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -31,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .errors import SelectionError
-from .token_rows import Into, KeptRows, select_tokens
+from .token_rows import Into, KeptRows, last_real, select_tokens, token_region
 
 Positions = None | int | slice | Sequence[int] | Tensor | str
 Heads = None | int | Sequence[int] | Tensor
@@ -63,6 +64,8 @@ class Selection:
     offset: int | None = None  # from `at`: the activation's position 0 is this sequence position
     # the token mask's kept rows, found once for every point of a capture
     _kept_rows: KeptRows = field(default_factory=KeptRows, init=False, repr=False, compare=False)
+    # the heads' index and region per shape: one selection serves every step of a generation
+    _heads_made: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def of(cls, positions: Positions = None, heads: Heads = None, token_mask: Tensor | None = None,
@@ -173,7 +176,8 @@ class Selection:
             if spec.head_dim is None:
                 raise SelectionError("this point has no head dimension: "
                                      "heads= works on attn.q|k|v|z (and attn.pattern)")
-            x = x.index_select(spec.head_dim, _index(self.heads, x.shape[spec.head_dim], "head", x.device))
+            head_dim = spec.head_dim % x.ndim
+            x = x.index_select(head_dim, self._heads(x.shape[head_dim], x.ndim, head_dim, x.device)[0])
         if self.token_mask is not None:
             return select_tokens(x, self.token_mask, spec.pos_dim, self._kept_rows, cast, into)
         if self.positions is None:
@@ -229,20 +233,20 @@ class Selection:
     def region(self, act: Tensor, spec: Dims, *, attention_mask: Tensor | None = None) -> Tensor:
         """A bool mask, broadcastable to `act`, that is True where (positions, heads) select."""
         if self.token_mask is not None:
-            return self._mask_along(_token_region(act, self.token_mask, spec.pos_dim), act, spec)
-        mask = torch.ones((1,) * act.ndim, dtype=torch.bool, device=act.device)
+            return self._mask_along(token_region(act, self.token_mask, spec.pos_dim), act, spec)
+        mask: Tensor | None = None  # (None: everything so far)
         if self.positions is not None:
             pos_dim = _pos_dim(spec, act)
             size = act.shape[pos_dim]
             positions = self.positions
             if self.offset is not None:
                 keep = self.from_start("an edit at an offset").window(size).to(act.device)
-                mask = mask & _along(keep, act.ndim, pos_dim)
+                mask = _along(keep, act.ndim, pos_dim)
             elif isinstance(positions, str) and attention_mask is not None:
                 rows = last_real(attention_mask, act.shape[0], size).to(act.device)
                 keep = torch.zeros(act.shape[0], size, dtype=torch.bool, device=act.device)
                 keep[torch.arange(act.shape[0], device=act.device), rows] = True
-                mask = mask & self._mask_along(keep, act, spec)
+                mask = self._mask_along(keep, act, spec)
             else:
                 keep = torch.zeros(size, dtype=torch.bool, device=act.device)
                 if isinstance(positions, slice):
@@ -250,16 +254,32 @@ class Selection:
                 else:
                     keep[_index(-1 if isinstance(positions, str) else positions, size, "position",
                                 act.device)] = True
-                mask = mask & _along(keep, act.ndim, pos_dim)
+                mask = _along(keep, act.ndim, pos_dim)
         if self.heads is not None:
             if spec.head_dim is None:
                 raise SelectionError("this point has no head dimension: "
                                      "heads= works on attn.q|k|v|z (and attn.pattern)")
             head_dim = spec.head_dim % act.ndim
-            keep = torch.zeros(act.shape[head_dim], dtype=torch.bool, device=act.device)
-            keep[_index(self.heads, act.shape[head_dim], "head", act.device)] = True
-            mask = mask & _along(keep, act.ndim, head_dim)
-        return mask
+            heads = self._heads(act.shape[head_dim], act.ndim, head_dim, act.device)[1]
+            mask = heads if mask is None else mask & heads
+        return torch.ones((1,) * act.ndim, dtype=torch.bool, device=act.device) if mask is None else mask
+
+    def _heads(self, size: int, ndim: int, head_dim: int, device: torch.device) -> tuple[Tensor, Tensor]:
+        """(the heads' index along a head dim of `size`, a bool mask True at them along `head_dim` of
+        an `ndim`-dim activation), read only: made once per shape for heads given as Python values
+        (one selection serves every step of a generation), outside inference mode so that a pass
+        recording gradients may use them too; afresh for a tensor, or in a compiled graph."""
+        cached = not isinstance(self.heads, Tensor) and not torch.compiler.is_compiling()
+        key = (size, ndim, head_dim, device)
+        if cached and key in self._heads_made:
+            return self._heads_made[key]
+        with torch.inference_mode(False) if cached else contextlib.nullcontext():
+            index = _index(self.heads, size, "head", device)
+            keep = torch.zeros(size, dtype=torch.bool, device=device).index_fill_(0, index, True)
+        made = (index, _along(keep, ndim, head_dim))
+        if cached:
+            self._heads_made[key] = made
+        return made
 
     @staticmethod
     def _mask_along(keep: Tensor, act: Tensor, spec: Dims) -> Tensor:
@@ -358,30 +378,6 @@ def _per_row(x: Tensor, rows: Tensor, pos_dim: int) -> Tensor:
     if x.shape[0] == 1 and rows.numel() > 1:
         x = x.expand(rows.numel(), *x.shape[1:])  # batch-shared points (HF position embeddings)
     return x.movedim(pos_dim, 1)[torch.arange(x.shape[0], device=x.device), rows]
-
-
-def last_real(attention_mask: Tensor, batch: int, size: int) -> Tensor:
-    """Each row's last real (mask 1) position: [batch] indices, for left or right padding."""
-    mask = attention_mask
-    if not isinstance(mask, Tensor) or mask.ndim != 2 or mask.shape[0] != batch or mask.shape[1] != size:
-        shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
-        raise SelectionError(f"positions='last': the attention mask has shape {shape}, the activation "
-                             f"has {batch} rows of {size} positions; pass the mask of this very batch")
-    real = mask != 0
-    if not bool(real.any(dim=1).all()):
-        raise SelectionError("positions='last': a row of the attention mask has no real token")
-    # the highest index holding a real token: flip, find the first one, count back
-    return size - 1 - real.flip(1).int().argmax(dim=1)
-
-
-def _token_region(x: Tensor, mask: Tensor, pos_dim: int | None) -> Tensor:
-    if pos_dim is None:
-        raise SelectionError("token_mask needs a [batch, pos, ...] activation")
-    pos_dim = pos_dim % x.ndim
-    if mask.shape[0] != x.shape[0] or mask.shape[1] != x.shape[pos_dim]:
-        raise SelectionError(f"token_mask must be a bool tensor of shape {(x.shape[0], x.shape[pos_dim])} "
-                             f"(batch, pos), got {mask.dtype} {tuple(mask.shape)}")
-    return mask.to(x.device)
 
 
 def _to_device(x: Tensor, device: torch.device, events: list | None) -> Tensor:

@@ -6,7 +6,8 @@ swallow it. It carries the `Stop` that raised it: a stop inside another pass's s
 step inside `with hs.capture(..., stop=True)`) is caught by its own `Stop`, and passes through
 every other. Used by capture (after the last point), block streaming (after the block that runs),
 profiling (where a `points=` model's weights end), the image source (at the first block, to count
-its tokens) and a `points=` load (to find the modules before the first block).
+its tokens), a `points=` load (to find the modules before the first block) and generation (its
+pass on the last token, after the last captured point).
 """
 
 from __future__ import annotations
@@ -65,8 +66,13 @@ class Stop:
     def run(self, model: nn.Module, inputs: Any, **options: Any) -> tuple[Any, bool]:
         """(the model's output, False), or (None, True) when this stop ended the pass (`call_model`'s
         `inputs` and `options`)."""
+        return self.call(call_model, model, inputs, **options)
+
+    def call(self, run: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, bool]:
+        """`run(*args, **kwargs)`, any call that runs a model (a generation backend's pass on the last
+        token, say): (its result, False), or (None, True) when this stop ended the pass it ran."""
         try:
-            return call_model(model, inputs, **options), False
+            return run(*args, **kwargs), False
         except ForwardStopped as exc:
             if exc.stop is not self:
                 raise

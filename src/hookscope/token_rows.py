@@ -1,4 +1,6 @@
-"""A token mask's gather: the kept tokens of a [batch, pos, ...] activation as rows [n_tokens, ...].
+"""The tokens a selection keeps. A token mask's gather: the kept tokens of a [batch, pos, ...]
+activation as rows [n_tokens, ...] (`select_tokens`), and where the mask writes (`token_region`);
+each row's last real token under an attention mask (`last_real`, positions="last").
 
 One capture gathers every point with the same mask, so `KeptRows` finds the kept rows once per
 device and each point is one `index_select`. Found on a GPU, they wait for the device (the count of
@@ -78,3 +80,28 @@ def _gather_into(flat: Tensor, rows: Tensor, mask: Tensor, out: Tensor) -> Tenso
     if 2 * rows.numel() > mask.numel():
         return torch.index_select(flat.to(out.dtype), 0, rows, out=out)
     return out.copy_(flat.index_select(0, rows))
+
+
+def token_region(x: Tensor, mask: Tensor, pos_dim: int | None) -> Tensor:
+    """Where a token mask writes in `x` (an edit): the [batch, pos] mask, checked against `x`."""
+    if pos_dim is None:
+        raise SelectionError("token_mask needs a [batch, pos, ...] activation")
+    pos_dim = pos_dim % x.ndim
+    if mask.shape[0] != x.shape[0] or mask.shape[1] != x.shape[pos_dim]:
+        raise SelectionError(f"token_mask must be a bool tensor of shape {(x.shape[0], x.shape[pos_dim])} "
+                             f"(batch, pos), got {mask.dtype} {tuple(mask.shape)}")
+    return mask.to(x.device)
+
+
+def last_real(attention_mask: Tensor, batch: int, size: int) -> Tensor:
+    """Each row's last real (mask 1) position: [batch] indices, for left or right padding."""
+    mask = attention_mask
+    if not isinstance(mask, Tensor) or mask.ndim != 2 or mask.shape[0] != batch or mask.shape[1] != size:
+        shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
+        raise SelectionError(f"positions='last': the attention mask has shape {shape}, the activation "
+                             f"has {batch} rows of {size} positions; pass the mask of this very batch")
+    real = mask != 0
+    if not bool(real.any(dim=1).all()):
+        raise SelectionError("positions='last': a row of the attention mask has no real token")
+    # the highest index holding a real token: flip, find the first one, count back
+    return size - 1 - real.flip(1).int().argmax(dim=1)

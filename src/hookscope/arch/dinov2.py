@@ -24,9 +24,9 @@ LAYERS = "encoder.layer"
 # value / output.dense): scripts/test-all's floor environment runs 5.17 and checks this error
 NEEDS_TRANSFORMERS = (5, 18)
 
-# Points whose meaning changed (issue 35): name suffix -> (what it means now, what it meant before).
-# A store records the meaning of such points, so one written before is refused on resume
-# (sources/identity.py, store/meanings.py).
+# Points whose meaning differs between hookscope releases: name suffix -> (what it means in this
+# release, what it meant in earlier ones). A store records the meaning of such points, so resuming a
+# store written with the other meaning is refused (sources/identity.py, store/meanings.py).
 MEANING_CHANGES = {
     "attn.out": ("what attention adds to the residual stream, after LayerScale (TransformerLens's "
                  "meaning of hook_attn_out)",
@@ -34,7 +34,7 @@ MEANING_CHANGES = {
     "mlp.out": ("what the MLP adds to the residual stream, after LayerScale (TransformerLens's meaning "
                 "of hook_mlp_out)", "the MLP's output before LayerScale (now mlp.out_pre_scale)"),
 }
-# the names the LayerScale outputs had before they became attn.out / mlp.out
+# earlier releases' names of the LayerScale outputs, still accepted: aliases of attn.out / mlp.out
 EARLIER_NAMES = {"attn.scaled": "attn.out", "mlp.scaled": "mlp.out"}
 
 

@@ -25,9 +25,10 @@ _POST_NORMED = {
 }
 
 
-# Points whose meaning changed (hookscope 0.x, issue 35) on the post-normed families: name suffix
-# -> (what it means now, what it meant before). A store records the meaning of such points, so a
-# store written before is refused on resume (sources/identity.py, store/meanings.py).
+# Points of the post-normed families whose meaning differs between hookscope releases: name suffix
+# -> (what it means in this release, what it meant in earlier ones). A store records the meaning of
+# such points, so resuming a store written with the other meaning is refused (sources/identity.py,
+# store/meanings.py).
 MEANING_CHANGES = {
     "attn.out": ("what attention adds to the residual stream, after its post-norm (TransformerLens "
                  "hook_attn_out)", "attention's output before its post-norm (now attn.out_pre_norm)"),

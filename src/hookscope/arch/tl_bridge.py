@@ -50,7 +50,8 @@ _PER_HEAD = ("attn.q", "attn.k", "attn.v", "attn.z", "attn.result", "attn.rot_q"
              "attn.q_input", "attn.k_input", "attn.v_input", "attn.in_pre_norm")
 
 
-# points whose meaning changed (issue 35): name suffix -> (what it means now, what it meant before)
+# points whose meaning differs between hookscope releases: name suffix -> (what it means in this
+# release, what it meant in earlier ones), recorded in a store (see arch/llama.py)
 MEANING_CHANGES = {
     "mlp.in": ("what the MLP reads, after ln2 (the bridge's mlp.hook_in)",
                "TransformerLens's hook_mlp_in, the residual stream before ln2 (now mlp.in_pre_norm)"),

@@ -24,7 +24,7 @@ def run(args) -> int:
     for key in ("model", "data", "context", "batch_size", "dtype", "drop_bos", "world_size"):
         if key in settings:
             print(f"  {key}: {settings[key]}")
-    if m.world_size > 1 or m.generation:  # the settings no longer hold it (a resume may change it)
+    if m.world_size > 1 or m.generation:  # not a setting: a resume may use another count
         print(f"  processes: {m.world_size}" + (f" (in attempt {m.generation + 1})" if m.generation else ""))
     meanings = held_meanings(settings)
     print("  points (statistics over the rows without NaN/Inf; every dimension's: store.stats[point]):")

@@ -2,9 +2,9 @@
 (loop.py) and one executor seam (`InMemory`; see its docstring for what an executor gets and
 must do). `hookscope extract` and `hs.extract` both call `extract(ExtractConfig(...))`."""
 
-from .config import DEFAULT_DATA, DEFAULT_POINT, ExtractConfig, validate_config
+from ..extract_config import DEFAULT_DATA, DEFAULT_POINT, ExtractConfig, validate_config
 from .loop import InMemory, extract
-from .report import ExtractInterrupted, ExtractSummary
+from .outcome import ExtractInterrupted, ExtractSummary
 
 __all__ = ["DEFAULT_DATA", "DEFAULT_POINT", "ExtractConfig", "ExtractInterrupted", "ExtractSummary",
            "InMemory", "extract", "validate_config"]

@@ -21,15 +21,17 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
+from ..capture import Capture
 from ..errors import DataError
+from ..extract_config import ExtractConfig, Run, validate_config
 from ..loading import load
+from ..model_inputs import unpadded
 from ..progress import RowsBar, mib_written
-from ..sources import Rows, Run, Source, source_for
+from ..sources import Rows, Source, source_for
 from ..store import ShardWriter, merge_rank_manifests
 from ..store.opening import StoreView
-from .config import ExtractConfig, validate_config
 from .copyout import CopyOut, Handoff
-from .report import ExtractInterrupted, ExtractSummary, check_finite, signals_interrupt
+from .outcome import ExtractInterrupted, ExtractSummary, check_finite, signals_interrupt
 from .stages import Stages, ahead
 
 if TYPE_CHECKING:
@@ -49,8 +51,10 @@ class InMemory:
     block-streamed executor (layer-major over chunks of sequences, under `max_memory`) reads a
     chunk of batches ahead, runs each block over all of them, and yields the chunk's rows with
     `source.model_call` / `source.rows` around its own capture; it runs only sources whose
-    `streamable` is True. `into`, set by the loop, gives the buffers a capture on the CPU writes
-    its kept rows into (copyout.py)."""
+    `streamable` is True. A generating executor (`generating.py`) runs the sources whose rows come
+    from a generation (`generates`). The executors own the extraction's forward: a source gives
+    the inputs and makes the rows. `into`, set by the loop, gives the buffers a capture on
+    the CPU writes its kept rows into (copyout.py)."""
 
     def __init__(self, source: Source, model: torch.nn.Module, points: Sequence[str], dtype: torch.dtype,
                  run: Run):
@@ -59,8 +63,21 @@ class InMemory:
 
     def run(self, batches: Batches) -> Iterator[tuple[int, dict[str, Tensor], Rows]]:
         for index, batch in batches:
-            yield index, batch, self.source.compute(self.model, batch, self.points, self.dtype,
-                                                    self.run_on.device, into=self.into)
+            yield index, batch, self.forward(batch)
+
+    def forward(self, batch: dict[str, Tensor]) -> Rows:
+        """One capture of every point over the batch's model call; the source makes the rows."""
+        device, points = self.run_on.device, self.points
+        call = self.source.call_of(batch, device)
+        inputs = {k: v.to(device, non_blocking=True) for k, v in call.inputs.items()}
+        # kept where the model ran (the loop takes statistics there, then copies to the host); the
+        # mask stays on the CPU, where the capture finds the kept rows without waiting for the device
+        with Capture(self.model, list(points), token_mask=call.keep, dtype=self.dtype, device=None,
+                     into=self.into) as cap, \
+                unpadded(call.unpadded):
+            cap.run(inputs)
+            acts = {name: cap[name] for name in points}
+        return self.source.rows_of(batch, call, acts)
 
 
 def extract(cfg: ExtractConfig) -> ExtractSummary:
@@ -114,6 +131,10 @@ def _start(cfg: ExtractConfig, kind: type[Source]) -> tuple[Source, Any]:
         from .streamed import Streamed
 
         return source, Streamed(source, loaded, points, getattr(torch, cfg.dtype), run, cfg)
+    if kind.generates:
+        from .generating import Generating
+
+        return source, Generating(source, loaded.model, points, getattr(torch, cfg.dtype), run)
     return source, InMemory(source, loaded.model, points, getattr(torch, cfg.dtype), run)
 
 

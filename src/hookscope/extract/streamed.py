@@ -12,10 +12,10 @@ from collections.abc import Iterable, Iterator, Sequence
 import torch
 from torch import Tensor
 
+from ..extract_config import ExtractConfig, Run
 from ..loading import Loaded, parse_size, streamer_for
 from ..model_inputs import unpadded
-from ..sources import Rows, Run, Source
-from .config import ExtractConfig
+from ..sources import Rows, Source
 
 Batches = Iterable[tuple[int, dict[str, Tensor]]]
 

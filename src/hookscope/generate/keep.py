@@ -22,7 +22,7 @@ from torch import Tensor
 
 from ..capture import Capture
 from ..selection import Selection
-from ..stopping import ForwardStopped, Stop
+from ..stopping import Stop
 from .steps import pass_window
 
 
@@ -142,9 +142,6 @@ class StepCapture(Capture):
         stop = self.last_pass = Stop()
         self.unfiled = set(self.by_name)
         try:
-            run()
-        except ForwardStopped as exc:
-            if not stop.ended(exc):
-                raise
+            stop.call(run)
         finally:
             self.last_pass = None

@@ -11,8 +11,9 @@ back to `meta` without reopening the files.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -85,7 +86,8 @@ class Checkpoint:
                                      dtype_plan=model._get_dtype_plan(self.dtype))
         # transformers < 5.16 takes a tensor-parallel plan as a fourth, required argument: none here
         older = "tp_plan" in inspect.signature(convert_and_load_state_dict_in_model).parameters
-        info, _ = convert_and_load_state_dict_in_model(model, chosen, config, *((None,) if older else ()))
+        with no_progress_bars():  # transformers 5 draws one per call: a streamer calls per block
+            info, _ = convert_and_load_state_dict_in_model(model, chosen, config, *((None,) if older else ()))
         missing = sorted(k for k in info.missing_keys if wants(k) and k not in model.all_tied_weights_keys)
         if any(not _is_buffer(model, k) for k in missing):
             raise ModelLoadError(f"the checkpoint has no weights for {', '.join(missing[:5])}: it does not "
@@ -200,3 +202,17 @@ def _fill_buffers(model: nn.Module, wants: Callable[[str], bool], device_map: di
         if buffer.is_meta and wants(name):
             device = get_device(device_map, name, valid_torch_device=True)
             set_module_tensor_to_device(model, name, device, value=torch.empty_like(buffer, device=device))
+
+
+@contextlib.contextmanager
+def no_progress_bars() -> Iterator[None]:
+    """transformers' progress bars off for the duration, then back as the user had them."""
+    from transformers.utils import logging
+
+    was_enabled = logging.is_progress_bar_enabled()
+    logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            logging.enable_progress_bar()

@@ -21,7 +21,8 @@ from ..arch import Arch, arch_of
 from ..compiling import compile_model
 from ..errors import ModelLoadError
 from ..hub import OFFLINE_HELP, unreachable_reason
-from .checkpoint import Checkpoint, stored_dtype
+from .allocator import returning_freed_memory
+from .checkpoint import Checkpoint, no_progress_bars, stored_dtype
 from .partial_load import PartialLoad, plan, prologue_modules
 from .weight_files import DEFAULT_MODEL, checkpoint_files, resolve_source
 
@@ -106,7 +107,7 @@ def load(
         kwargs["use_safetensors"] = True
     partial = None
     try:
-        with _no_progress_bars():  # transformers 5 draws a bar while it loads the weights
+        with no_progress_bars():  # transformers 5 draws a bar while it loads the weights
             files = _weight_files(source, common) if str(device) == "meta" or points is not None else None
             if str(device) == "meta":
                 model = _weightless(auto, config, kwargs, files)
@@ -137,7 +138,10 @@ def _weightless(auto: Any, config: Any, kwargs: dict, files: list[str] | None) -
     from accelerate import init_empty_weights
 
     dtype = _auto_dtype(config, kwargs, files)
-    with init_empty_weights(include_buffers=False):
+    # each parameter is made on the CPU (untouched) before it goes to meta: each its own mapping,
+    # unmapped when freed, or glibc's heap keeps up to ~1 GB of free space, which a later streamed
+    # pass fills and keeps resident in place of its own mappings (measured: +26 MB at the peak)
+    with returning_freed_memory(), init_empty_weights(include_buffers=False):
         options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
         return auto.from_config(config, dtype=dtype, **options)
 
@@ -246,17 +250,3 @@ def _only_needed(model: nn.Module, partial: PartialLoad) -> Iterator[None]:
         for parent, modules in saved.values():
             parent._modules.clear()
             parent._modules.update(modules)
-
-
-@contextlib.contextmanager
-def _no_progress_bars() -> Iterator[None]:
-    """transformers' progress bars off for the duration, then back as the user had them."""
-    from transformers.utils import logging
-
-    was_enabled = logging.is_progress_bar_enabled()
-    logging.disable_progress_bar()
-    try:
-        yield
-    finally:
-        if was_enabled:
-            logging.enable_progress_bar()

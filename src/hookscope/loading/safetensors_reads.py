@@ -1,6 +1,7 @@
 """A safetensors file's tensors read by their byte ranges: the index of a file's header
 (`safetensors_index`), a tensor `pread` straight into a buffer (`read_into`, a dtype conversion
-through a small staging buffer), and a hint to the kernel to read one ahead (`page_in`).
+through a small staging buffer), some rows of one (`read_rows`), and a hint to the kernel to read
+one ahead (`page_in`).
 
 No memory map and no whole-tensor temporary: what block streaming's reused buffers read through.
 """
@@ -8,6 +9,7 @@ No memory map and no whole-tensor temporary: what block streaming's reused buffe
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from dataclasses import dataclass
@@ -49,17 +51,38 @@ def safetensors_index(file: str) -> dict[str, TensorRead]:
 def read_into(read: TensorRead, out: Tensor, staging: Tensor) -> None:
     """`read`'s tensor into `out` (contiguous, on the CPU, of its shape), converted to `out`'s dtype
     as `Tensor.to` converts; `staging` is a uint8 buffer for the stored bytes of a conversion."""
+    with open(read.file, "rb", buffering=0) as f:
+        _read_range(f.fileno(), read.offset, read.stored, out.reshape(-1), staging)
+
+
+def read_rows(read: TensorRead, rows: list[int], out: Tensor, staging: Tensor) -> None:
+    """Rows `rows` (ascending, each in range) of `read`'s tensor into `out` (contiguous, on the CPU,
+    one row each), converted as `read_into` converts; each run of consecutive rows is one read."""
+    width = math.prod(read.shape[1:])
+    row_bytes = width * read.stored.itemsize
     flat = out.reshape(-1)
     with open(read.file, "rb", buffering=0) as f:
-        if read.stored == out.dtype:
-            _pread(f.fileno(), flat.view(torch.uint8), read.offset)
-            return
-        per_chunk = max(1, staging.numel() // read.stored.itemsize)
-        for start in range(0, flat.numel(), per_chunk):
-            n = min(per_chunk, flat.numel() - start)
-            raw = staging[: n * read.stored.itemsize]
-            _pread(f.fileno(), raw, read.offset + start * read.stored.itemsize)
-            flat[start: start + n].copy_(raw.view(read.stored))
+        start = 0
+        while start < len(rows):
+            end = start + 1
+            while end < len(rows) and rows[end] == rows[end - 1] + 1:
+                end += 1
+            _read_range(f.fileno(), read.offset + rows[start] * row_bytes, read.stored,
+                        flat[start * width: end * width], staging)
+            start = end
+
+
+def _read_range(fd: int, offset: int, stored: torch.dtype, flat: Tensor, staging: Tensor) -> None:
+    """`flat.numel()` values stored as `stored` from `offset` into `flat`, converted to its dtype."""
+    if stored == flat.dtype:
+        _pread(fd, flat.view(torch.uint8), offset)
+        return
+    per_chunk = max(1, staging.numel() // stored.itemsize)
+    for start in range(0, flat.numel(), per_chunk):
+        n = min(per_chunk, flat.numel() - start)
+        raw = staging[: n * stored.itemsize]
+        _pread(fd, raw, offset + start * stored.itemsize)
+        flat[start: start + n].copy_(raw.view(stored))
 
 
 def page_in(read: TensorRead) -> None:

@@ -4,7 +4,8 @@ The run is layer-major over chunks of batches: for each block up to the last poi
 read from the safetensors checkpoint (the next block's read ahead in a thread while this one
 computes), every batch of the chunk goes through it, the points inside it are kept, and its weights
 go back to `meta`. Resident weights: the ones outside the blocks (embeddings, norms) + at most two
-blocks (one when two do not fit). When the blocks all hold the same tensors and loading only renames
+blocks (one when two do not fit); on the CPU an input embedding that can be is looked up row by row
+from its file instead (embedding_rows.py). When the blocks all hold the same tensors and loading only renames
 them, the two blocks are two buffer sets allocated once and reused by every block
 (block_buffers.py), so the process does not keep freed blocks in its allocator's heap; otherwise
 (blocks that differ, weights transformers fuses or splits, a pickled checkpoint) each block is
@@ -38,6 +39,7 @@ from ..stopping import Stop, no_cache
 from .allocator import give_back_freed, returning_freed_memory
 from .block_buffers import BlockBuffers, layout_of
 from .checkpoint import Checkpoint
+from .embedding_rows import embedding_rows_for
 from .loader import Loaded
 from .stream_plan import StreamPlan, nbytes, plan_stream, resident_bytes
 from .weight_files import checkpoint_files, resolve_source
@@ -79,7 +81,7 @@ class BlockStreamer:
         self.peak_weight_bytes = 0
         self._final = max(plan.stage_of.values())
         self._allocator: contextlib.ExitStack | None = None  # entered by run_chunk, left by close
-        resident = set(plan.resident)
+        resident = set(plan.resident) - self._embedding_by_rows()
         with returning_freed_memory():  # the loader's temporaries (a conversion's) too
             self._materialize(lambda name: name in resident)
             self.buffers = self._block_buffers()  # None: each block loaded afresh by transformers' loader
@@ -131,6 +133,19 @@ class BlockStreamer:
     def _prefetch(checkpoint: Checkpoint, wants: Callable[[str], bool]) -> None:
         with contextlib.closing(checkpoint):
             checkpoint.prefetch(wants)
+
+    def _embedding_by_rows(self) -> set[str]:
+        """The input embedding's weight, left on `meta` and looked up row by row from its file
+        (embedding_rows.py), when it is resident and can be: its name, else nothing."""
+        with contextlib.closing(self.open_checkpoint()) as checkpoint:
+            def locate(name: str):
+                return (checkpoint.direct_reads([name]) or {}).get(name)
+
+            found = embedding_rows_for(self.model, locate, self.device)
+        if found is None or found[0] not in self.plan.resident:
+            return set()
+        found[1].install()
+        return {found[0]}
 
     def _block_buffers(self) -> BlockBuffers | None:
         """Reused buffers for the blocks that run, when they all hold the same tensors (names,

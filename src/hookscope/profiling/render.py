@@ -10,12 +10,38 @@ from __future__ import annotations
 
 import html
 import io
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
+from .events import OpRow, Row
 from .table import op_cells, op_header, row_cells, row_header
 
-if TYPE_CHECKING:
-    from .report import ProfileReport
+
+class Shown(Protocol):
+    """What the picture and the page read of a profile: a `report.ProfileReport`, which calls this
+    module to write them (so this module names its fields, not its class)."""
+
+    model: str
+    device: str
+    backward: bool
+    rows: list[Row]
+    top_ops: list[OpRow]
+    step_time_s: float
+    profiled_step_s: float
+    profiled_step_device_s: float | None
+    hook_overhead: float | None
+    step_time_without_hooks_s: float | None
+    compile_stats: dict[str, Any]
+
+    @property
+    def blocks_share(self) -> float: ...
+
+    @property
+    def warnings(self) -> list[str]: ...
+
+    @property
+    def memory_note(self) -> str: ...
+
+    def summary(self) -> str: ...
 
 FORWARD, BACKWARD, HOOK = "#4C72B0", "#DD8452", "#55A868"
 
@@ -33,7 +59,7 @@ class _Bars:
     """What the picture shows, whichever way it is drawn: one bar per block (forward and backward
     stacked) and per hooked point, in ms per profiled step, with its share of the step."""
 
-    def __init__(self, report: ProfileReport):
+    def __init__(self, report: Shown):
         self.on_device = on_device = report.profiled_step_device_s is not None
 
         def ms(row) -> float:
@@ -59,7 +85,7 @@ class _Bars:
         self.xlabel = f"ms per step ({'device' if on_device else 'CPU'} time, under the profiler)"
 
 
-def plot_svg(report: ProfileReport) -> str:
+def plot_svg(report: Shown) -> str:
     """The picture as SVG text: drawn here, with no plotting package, so the base install has it."""
     bars = _Bars(report)
     left, bar_w, right, row_h, top = 230, 480, 150, 22, 64
@@ -101,7 +127,7 @@ def plot_svg(report: ProfileReport) -> str:
     return "\n".join(out)
 
 
-def plot_png(report: ProfileReport) -> bytes | None:
+def plot_png(report: Shown) -> bytes | None:
     """The same picture as a PNG, through matplotlib; None when matplotlib is not installed (the
     SVG from `plot_svg` needs nothing)."""
     Figure, Canvas = _figure_class()
@@ -139,7 +165,7 @@ def _html_table(header: list[str], body: list[list[str]]) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{rows}</tbody></table>"
 
 
-def html_page(report: ProfileReport, svg: str) -> str:
+def html_page(report: Shown, svg: str) -> str:
     """One file, no external resources: the picture inline (SVG) and the tables."""
     on_device = report.profiled_step_device_s is not None
     summary_lines = report.summary().split("\n\n")[0].split("\n")

@@ -5,18 +5,14 @@ here too: `iter_documents` (documents.py), `pack` / `batches` (packing.py), `sou
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .base import Rows, Run, Source
+from ..extract_config import ExtractConfig
+from .base import Rows, Source
 from .documents import BUILTIN_STDLIB, iter_documents
 from .fingerprint import source_fingerprint
 from .generated import GeneratedSource
 from .images import ImageSource
 from .packing import PackPolicy, batches, pack, pack_policy
 from .text import DEFAULT_CONTEXT, TextSource
-
-if TYPE_CHECKING:
-    from ..extract import ExtractConfig
 
 # asked in this order: images claim an image folder, generation claims --generate, text the rest
 KINDS: tuple[type[Source], ...] = (ImageSource, GeneratedSource, TextSource)
@@ -30,5 +26,5 @@ def source_for(cfg: ExtractConfig) -> type[Source]:
 
 
 __all__ = ["BUILTIN_STDLIB", "DEFAULT_CONTEXT", "KINDS", "GeneratedSource", "ImageSource", "PackPolicy",
-           "Rows", "Run", "Source", "TextSource", "batches", "iter_documents", "pack", "pack_policy",
+           "Rows", "Source", "TextSource", "batches", "iter_documents", "pack", "pack_policy",
            "source_fingerprint", "source_for"]

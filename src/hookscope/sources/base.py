@@ -16,8 +16,10 @@ the data than it must. Then it gives:
   committed ones by index, torchrun deals them by index).
 - per batch, `model_call(batch)` (the model's inputs and the token mask of the rows kept) and
   `rows(batch, acts)` (captured activations -> store rows and their per-row columns, built with
-  `hookscope.sources.columns`). `compute` runs the two around one capture; a source whose rows do
-  not come from one forward pass (`streamable = False`, e.g. generation) overrides `compute`.
+  `hookscope.sources.columns`). A source never runs the model: the extraction's executor does
+  (`hookscope.extract`: in memory, block-streamed or generating) and hands it the activations. A
+  source whose rows come from a generation rather than one forward pass (`generates = True`)
+  gives `generated_rows(batch, generation)` instead of `rows`.
 - `prepare(batch, device)`: what depends on the batch alone, done in the data stage's thread
   ahead of the model (the model call, the columns a source's `columns` gives without the
   activations, the inputs pinned for a non-blocking copy to a CUDA device), so the forward waits
@@ -33,20 +35,16 @@ tokenizer) or `text.py`, and add the class to `KINDS` in `__init__.py`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from ..capture import Capture
-from ..model_inputs import attention_mask_of, unpadded
-
-if TYPE_CHECKING:
-    from ..capture import Into
-    from ..extract import ExtractConfig
-    from ..loading import Loaded
+from ..extract_config import ExtractConfig, Run
+from ..loading import Loaded
+from ..model_inputs import attention_mask_of
 
 Rows = tuple[dict[str, Tensor], dict[str, Tensor]]  # {point: [rows, ...]}, {column: [rows]}
 
@@ -72,20 +70,12 @@ class Prepared(dict):
     call: Call
 
 
-@dataclass(frozen=True)
-class Run:
-    """Where this process runs: its torchrun rank, how many processes, the device inputs go to."""
-
-    rank: int
-    world_size: int
-    device: str
-
-
 class Source:
-    """The protocol (see the module docstring), with the one-forward-pass `compute`."""
+    """The protocol (see the module docstring)."""
 
     needs_tokenizer: ClassVar[bool] = True
     streamable: ClassVar[bool] = True  # rows = rows(batch, one capture of model_call(batch))
+    generates: ClassVar[bool] = False  # rows = generated_rows(batch, a generation from model_call(batch))
     # what a run says when preparing this source's batches sets its pace: what the user can do
     bound_by_data: ClassVar[str] = "bound by the data (reading and preparing the inputs)"
 
@@ -138,20 +128,6 @@ class Source:
     def rows_of(self, batch: dict[str, Tensor], call: Call, acts: dict[str, Tensor]) -> Rows:
         """The rows of `acts` captured for `call`: its ready columns, else `rows`."""
         return (acts, call.columns) if call.columns is not None else self.rows(batch, acts)
-
-    def compute(self, model: torch.nn.Module, batch: dict[str, Tensor], points: Sequence[str],
-                dtype: torch.dtype, device: str, into: Into | None = None) -> Rows:
-        """The batch's rows from one capture; `into` gives the buffers the kept rows go into (the
-        loop's reused host buffers; see `Capture`)."""
-        call = self.call_of(batch, device)
-        inputs = {k: v.to(device, non_blocking=True) for k, v in call.inputs.items()}
-        # kept where the model ran (the loop takes statistics there, then copies to the host); the
-        # mask stays on the CPU, where the capture finds the kept rows without waiting for the device
-        with Capture(model, list(points), token_mask=call.keep, dtype=dtype, device=None,
-                     into=into) as cap, unpadded(call.unpadded):
-            cap.run(inputs)
-            acts = {name: cap[name] for name in points}
-        return self.rows_of(batch, call, acts)
 
     def item_tokens(self) -> int:
         """The tokens one item of a batch (a sequence, a picture) runs through the blocks as: what a

@@ -1,32 +1,31 @@
 """Packed text plus the model's own continuation (`--generate N`): each packed sequence's kept
-tokens, then the N tokens greedy decoding adds after it (up to and including EOS). `generate`
-gives the tokens and activations; this source turns them into store rows, with the per-row
+tokens, then the N tokens greedy decoding adds after it (up to and including EOS). The
+generating executor (extract/generating.py) runs `generate` on this source's prompts; this source
+turns what it gives (a `Generation`: tokens and activations) into store rows, with the per-row
 columns built by `columns.token_columns` as text's are. Greedy decoding is deterministic, so a
 resumed extraction regenerates the same rows. Not streamable: every step needs every block."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Mapping
+from typing import Any
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from ..errors import HookscopeError
-from ..generate import generate
+from ..extract_config import ExtractConfig, Run
+from ..generate import Generation
+from ..loading import Loaded
 from ..model_inputs import max_positions
-from .base import Rows, Run
+from .base import Rows
 from .columns import token_columns
 from .text import TextSource
-
-if TYPE_CHECKING:
-    from ..capture import Into
-    from ..extract import ExtractConfig
-    from ..loading import Loaded
 
 
 class GeneratedSource(TextSource):
     streamable = False
+    generates = True
 
     @classmethod
     def claims(cls, cfg: ExtractConfig) -> bool:
@@ -44,43 +43,42 @@ class GeneratedSource(TextSource):
     def settings(self) -> dict[str, Any]:
         return {**super().settings(), "generate": self.cfg.generate}
 
+    def model_call(self, batch: dict[str, Tensor]) -> tuple[dict[str, Tensor], Tensor | None]:
+        """The prompt generate continues: the batch with each row's padding moved to its front (a
+        decoder continues after the last column), and the kept tokens in the same order."""
+        left = _left_aligned(batch, self.keep(batch))
+        return {"input_ids": left["input_ids"], "attention_mask": left["attention_mask"]}, left["keep"]
+
     def columns(self, batch: dict[str, Tensor], keep: Tensor | None) -> None:
-        return None  # the continuation's rows come with their own columns (continuation_rows)
+        return None  # the continuation's rows come with their own columns (generated_rows)
 
-    def compute(self, model: torch.nn.Module, batch: dict[str, Tensor], points: Sequence[str],
-                dtype: torch.dtype, device: str, into: Into | None = None) -> Rows:  # rows made here
-        inputs, keep = self.model_call(batch)
-        inputs = {k: v.to(device) for k, v in inputs.items()}
-        return continuation_rows(model, {**batch, **inputs}, points, self.cfg.generate, keep, dtype=dtype)
+    def generated_rows(self, batch: Mapping[str, Tensor], generation: Generation) -> Rows:
+        """The store rows of a batch the executor generated from (`extract/generating.py`, greedy
+        decoding of `new_tokens` after `model_call`'s prompt), and their columns. Rows run sequence by
+        sequence: its kept prompt tokens, then its generated tokens up to and including EOS. A
+        continuation belongs to the last document of its sequence; its positions go on from that
+        document's last token."""
+        gen, left = generation, _left_aligned(batch, self.keep(batch))
+        total_new = gen.sequences.shape[1] - gen.prompt_length
+        rows_mask = torch.cat([left["keep"], gen.mask[:, gen.prompt_length:].cpu()], dim=1)
+        # the last token of a document (not a separator / padding, whose doc id is -1)
+        in_doc = left["doc_ids"] >= 0
+        last = (in_doc.long() * torch.arange(in_doc.shape[1])).argmax(dim=1, keepdim=True)
+        last_doc = torch.gather(left["doc_ids"], 1, last).expand(-1, total_new)
+        last_pos = torch.gather(left["doc_positions"], 1, last) + torch.arange(1, total_new + 1)
+        continued = {  # the whole sequences, prompt then continuation
+            "input_ids": gen.sequences.cpu(),
+            "doc_ids": torch.cat([left["doc_ids"], last_doc], dim=1),
+            "doc_positions": torch.cat([left["doc_positions"], last_pos], dim=1),
+            "seq_ids": batch["seq_ids"].cpu(),
+        }
+        acts = {name: value[rows_mask.to(value.device)] for name, value in gen.activations.items()}
+        return acts, token_columns(continued, rows_mask)
 
-
-def continuation_rows(model: nn.Module, batch: Mapping[str, Tensor], points: Sequence[str], new_tokens: int,
-                      keep: Tensor, *, dtype: torch.dtype | None = None) -> Rows:
-    """One packed batch: greedy-generate `new_tokens` after each sequence and return its store rows
-    and their columns. Rows run sequence by sequence: its kept prompt tokens (`keep`, [batch,
-    context]), then its generated tokens up to and including EOS. A continuation belongs to the
-    last document of its sequence; its positions go on from that document's last token."""
-    left = _left_aligned(batch, keep)
-    run_device = batch["input_ids"].device
-    gen = generate(model, {"input_ids": left["input_ids"].to(run_device),
-                           "attention_mask": left["attention_mask"].to(run_device)},
-                   list(points), dtype=dtype, device="cpu", max_new_tokens=new_tokens,
-                   min_new_tokens=0, do_sample=False, pad_token_id=_pad_id(model))
-    total_new = gen.sequences.shape[1] - gen.prompt_length
-    rows_mask = torch.cat([left["keep"], gen.mask[:, gen.prompt_length:].cpu()], dim=1)
-    # the last token of a document (not a separator / padding, whose doc id is -1)
-    in_doc = left["doc_ids"] >= 0
-    last = (in_doc.long() * torch.arange(in_doc.shape[1])).argmax(dim=1, keepdim=True)
-    last_doc = torch.gather(left["doc_ids"], 1, last).expand(-1, total_new)
-    last_pos = torch.gather(left["doc_positions"], 1, last) + torch.arange(1, total_new + 1)
-    continued = {  # the whole sequences, prompt then continuation
-        "input_ids": gen.sequences.cpu(),
-        "doc_ids": torch.cat([left["doc_ids"], last_doc], dim=1),
-        "doc_positions": torch.cat([left["doc_positions"], last_pos], dim=1),
-        "seq_ids": batch["seq_ids"].cpu(),
-    }
-    acts = {name: value[rows_mask.to(value.device)] for name, value in gen.activations.items()}
-    return acts, token_columns(continued, rows_mask)
+    @property
+    def new_tokens(self) -> int:
+        """The tokens greedy decoding adds after each sequence (`--generate N`)."""
+        return self.cfg.generate
 
 
 def _left_aligned(batch: Mapping[str, Tensor], keep: Tensor) -> dict[str, Tensor]:
@@ -90,12 +88,3 @@ def _left_aligned(batch: Mapping[str, Tensor], keep: Tensor) -> dict[str, Tensor
     order = torch.argsort((~mask).long() * -1, dim=1, stable=True)  # padding first, real tokens after
     columns = {k: batch[k].cpu() for k in ("input_ids", "attention_mask", "doc_ids", "doc_positions")}
     return {k: torch.gather(v, 1, order) for k, v in {**columns, "keep": keep.cpu()}.items()}
-
-
-def _pad_id(model: nn.Module) -> int:
-    """The token generate pads finished rows with: the model's pad token, else its (first) EOS, else 0."""
-    config = getattr(model, "generation_config", None)
-    pad = getattr(config, "pad_token_id", None)
-    if pad is None:
-        pad = getattr(config, "eos_token_id", None) or 0
-    return pad[0] if isinstance(pad, (list, tuple)) else pad

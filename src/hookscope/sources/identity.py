@@ -5,13 +5,10 @@ of each stored point whose meaning changed in this hookscope (`point_meanings`).
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from ..arch import arch_of, meaning_changes
-from ..loading import sha256_text
-
-if TYPE_CHECKING:
-    from ..loading import Loaded
+from ..loading import Loaded, sha256_text
 
 
 def model_identity(loaded: Loaded) -> dict[str, str]:

@@ -18,21 +18,18 @@ import hashlib
 import json
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from ..errors import DataError, HookscopeError
-from ..loading import sha256_text
+from ..extract_config import ExtractConfig, Run
+from ..loading import Loaded, sha256_text
 from ..stopping import Stop
-from .base import Rows, Run, Source
+from .base import Rows, Source
 from .columns import patch_columns
 from .identity import model_identity, point_meanings
-
-if TYPE_CHECKING:
-    from ..extract import ExtractConfig
-    from ..loading import Loaded
 
 PREFIX = "images:"
 SUFFIXES = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
@@ -187,7 +184,8 @@ class ImageSource(Source):
                                 f"{self.loaded.name} gives {tokens} tokens; give at least {tokens}")
 
     def settings(self) -> dict[str, Any]:
-        """Kept key for key as image stores made before the sources room had them."""
+        """Everything that shapes the stored rows. A resume compares these with the store's key for
+        key, so a key renamed or added here would refuse every image store already written."""
         return {
             **model_identity(self.loaded),
             "image_processor_sha256": sha256_text(self.processor.to_json_string()),

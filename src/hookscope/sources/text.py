@@ -6,23 +6,20 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 
 from ..errors import HookscopeError
-from ..loading import tokenizer_hash
+from ..extract_config import ExtractConfig, Run
+from ..loading import Loaded, tokenizer_hash
 from ..model_inputs import max_positions
-from .base import Rows, Run, Source
+from .base import Rows, Source
 from .columns import token_columns
 from .documents import iter_documents
 from .fingerprint import ReadMeter, source_chars, source_fingerprint
 from .identity import model_identity, point_meanings
 from .packing import pack_batches, pack_policy
-
-if TYPE_CHECKING:
-    from ..extract import ExtractConfig
-    from ..loading import Loaded
 
 DEFAULT_CONTEXT = 128
 
@@ -56,7 +53,8 @@ class TextSource(Source):
 
     def settings(self) -> dict[str, Any]:
         """Everything that shapes the stored rows. The number of processes does not: a store started
-        by N processes is finished by M. Kept key for key as stores before the sources room had it."""
+        by N processes is finished by M. A resume compares these with the store's key for key, so a
+        key renamed or added here would refuse every text store already written."""
         cfg, loaded = self.cfg, self.loaded
         return {
             **{"model": loaded.name, "revision": cfg.revision, **model_identity(loaded)},

@@ -1,8 +1,7 @@
-"""Shard checksums. A manifest names each shard's algorithm beside its digest: `xxh3_128` for shards
-written now (xxHash's XXH3, 128 bits: tens of GB/s on one core, so checksumming never bounds a
-writer; it detects damage, not tampering), `sha256` for shards of stores written before it (1-1.5
-GB/s on one core here: the writer's ceiling while it was used). Both are read, verified and
-resumed alike."""
+"""Shard checksums. A manifest names each shard's algorithm beside its digest: the writer uses
+`xxh3_128` (xxHash's XXH3, 128 bits: tens of GB/s on one core, so checksumming never bounds a
+writer; it detects damage, not tampering); `sha256` (1-1.5 GB/s on one core here, too slow to write
+with) is in stores that earlier releases wrote. Both are read, verified and resumed alike."""
 
 from __future__ import annotations
 

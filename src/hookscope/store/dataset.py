@@ -43,7 +43,7 @@ import weakref
 from collections import deque
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import numpy.random  # noqa: F401  (else numpy imports it on first use: 10 ms in the first window)
@@ -51,13 +51,10 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from ..errors import StoreError
-from .mapper import Mapper
+from .mapper import Mapper, ReadStore
 from .recycler import Alloc, Recycler, empty_shared
 from .selected import select
 from .window import MappedWindow, join
-
-if TYPE_CHECKING:
-    from .reader import Store
 
 _CHUNK = 4096  # rows gathered at once from a mapped window when yielding single rows
 # (epoch, the mapped window with this rank's row order, or None at an epoch's end)
@@ -75,7 +72,8 @@ class ActivationDataset(IterableDataset):
     `["blocks.*.mlp.in", "blocks.*.mlp.out"]` a dict of two such tensors, keyed by pattern, from one
     shuffle order (a cross-layer transcoder's); `stacked` names each stack's columns (store/selected.py).
     A stack is a `[batch, layers, ...]` view of layer-major memory (not `.is_contiguous()`; `.to()`
-    keeps that layout, `.contiguous()` makes a row-major copy).
+    keeps that layout, `.contiguous()` makes a row-major copy); stacks of one dtype and row shape (a
+    CLT's two) are views of one buffer, so holding either keeps the memory of both.
 
     `split="train"` / `"val"` keeps the rows whose hashed global index falls above / below
     `val_fraction` (fixed per row, independent of the seed). `rank` / `world_size` give each
@@ -95,7 +93,7 @@ class ActivationDataset(IterableDataset):
     Raises:
         StoreError: a column the store lacks, options out of range, a cursor from another dataset."""
 
-    def __init__(self, store: Store, point: str | Sequence[str], *, shuffle: bool = True, seed: int = 0,
+    def __init__(self, store: ReadStore, point: str | Sequence[str], *, shuffle: bool = True, seed: int = 0,
                  buffer_rows: int = 1 << 18, split: str | None = None, val_fraction: float = 0.1,
                  rank: int = 0, world_size: int = 1, epoch: int = 0, batch_size: int | None = None,
                  drop_last: bool = False, repeat: bool = False, prefetch: bool = True, stack: bool = False):

@@ -5,16 +5,38 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from pathlib import Path
+from typing import Protocol
 
 import numpy as np
 import torch
 
+from .fs import FS
+from .manifest import Manifest
 from .strided import Runs
 from .window import Layout, located_rows, same_size_ints
 
-if TYPE_CHECKING:
-    from .reader import Store
+
+class ReadStore(Protocol):
+    """What a dataset reads of a store: a `reader.Store`, which makes datasets (`Store.dataset`), so
+    the dataset's modules name the methods they call rather than import its class."""
+
+    path: str
+    fs: FS
+    manifest: Manifest
+
+    @property
+    def num_shards(self) -> int: ...
+
+    def __len__(self) -> int: ...
+
+    def first_row(self, i: int) -> int: ...
+
+    def load_shard(self, i: int, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]: ...
+
+    def read_ahead(self, shards: Sequence[int], names: Sequence[str] | None = None) -> None: ...
+
+    def column_offsets(self, i: int, names: Sequence[str]) -> tuple[Path, dict[str, int]] | None: ...
 
 
 class Mapper:
@@ -24,7 +46,7 @@ class Mapper:
     filled, so later epochs fault no page) while the columns read fit in half the RAM; otherwise a
     window's mappings go with it."""
 
-    def __init__(self, store: Store, names: list[str]):
+    def __init__(self, store: ReadStore, names: list[str]):
         self.store, self.names = store, names
         columns = {n: store.manifest.columns[n] for n in names}
         self.dtypes = {n: getattr(torch, c.dtype) for n, c in columns.items()}

@@ -58,6 +58,13 @@ class MappedWindow:
         `stacks`: output key -> the columns gathered into it as one `[rows, columns, ...]` tensor."""
         self.sources, self.dtypes, self.hold = layout.sources, layout.dtypes, layout
         self.stacks = stacks or {}
+        # stacks of one row kind (a CLT's mlp.in and mlp.out) share one layer-major buffer: the
+        # columns of all of them, stack after stack
+        kinds: dict[tuple, list[str]] = {}
+        for key, names in self.stacks.items():
+            kind = (self.dtypes[names[0]], tuple(self.sources[0][names[0]].shape[1:]))
+            kinds.setdefault(kind, []).append(key)
+        self.buffers = list(kinds.values())
         self.rows = len(located)
         self.part, rows = layout.decode(located)
         # grouped: each batch's positions come in few runs of one part (so gathering needs no sort)
@@ -84,34 +91,44 @@ class MappedWindow:
     def gather(self, positions: slice, empty: Alloc) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
         """The rows at `positions` of the order, each column (or stack of columns) in one new tensor,
         grouped by part: returns (outputs, grouping) with outputs row k = the row at position
-        positions[grouping[k]] (grouping None: in order). A stack is gathered into one column-major
-        buffer ([columns, rows, ...]: a gather into a strided `[rows, columns, ...]` destination
-        measured 3-5x slower in torch), in one gather when its columns are rows of one mapping, else
-        column by column into its contiguous slices, and handed out as its `[rows, columns, ...]`
-        view: the same single copy per row as one column."""
+        positions[grouping[k]] (grouping None: in order). A stack is gathered into column-major
+        memory ([columns, rows, ...]: a gather into a strided `[rows, columns, ...]` destination
+        measured 3-5x slower in torch) and handed out as its `[rows, columns, ...]` view; stacks of
+        one row kind share one such buffer (so a batch keeps the memory of all of them while one
+        is held). With one part, each run of the buffer's columns that are rows of one mapping is
+        filled in one gather (one pass of torch's threads, which wait for each other at every
+        call: one for a whole CLT batch when the writer put its columns side by side); with several,
+        column by column into its contiguous slices: the same single copy per row as one column."""
         n = len(range(*positions.indices(self.rows)))
         shapes = {k: v.shape[1:] for k, v in self.sources[0].items()}
-        out, outs, whole = {}, {}, {}
-        for key, names in self.stacks.items():
+        out, outs, whole = {}, {}, []
+        for keys in self.buffers:
+            names = [name for key in keys for name in self.stacks[key]]
             buffer = empty((len(names), n, *shapes[names[0]]), self.dtypes[names[0]])
-            out[key] = buffer.movedim(0, 1)
+            at = 0
+            for key in keys:
+                out[key] = buffer[at : at + len(self.stacks[key])].movedim(0, 1)
+                at += len(self.stacks[key])
             outs.update({name: same_size_ints(buffer[j]) for j, name in enumerate(names)})
-            whole[key] = same_size_ints(buffer).flatten(0, 1)
+            whole.append((names, same_size_ints(buffer).flatten(0, 1)))
         for k in shapes:
             if k not in outs:
                 out[k] = empty((n, *shapes[k]), self.dtypes[k])
                 outs[k] = same_size_ints(out[k])
         index = {k: v[positions] for k, v in self.index.items()}
-        if self.part is None:  # one part: the whole batch in one gather per column
+        if self.part is None:  # one part: the whole batch in one gather per column or buffer
             sources = dict(self.sources[0])
-            for key, names in self.stacks.items():
-                # a stack whose columns are rows of one mapping (mapper.py): one gather for all of
-                # them, one pass of torch's threads instead of one a column
-                source = sources[names[0]]
-                if all(sources[name] is source for name in names):
-                    torch.index_select(source, 0, torch.cat([index[name] for name in names]), out=whole[key])
-                    for name in names:
-                        del sources[name]
+            for names, flat in whole:
+                j = 0
+                while j < len(names):  # columns j..end-1 are rows of one mapping (mapper.py)
+                    source, end = sources[names[j]], j + 1
+                    while end < len(names) and sources[names[end]] is source:
+                        end += 1
+                    torch.index_select(source, 0, torch.cat([index[name] for name in names[j:end]]),
+                                       out=flat[j * n : end * n])
+                    j = end
+                for name in names:
+                    del sources[name]
             for k, source in sources.items():
                 torch.index_select(source, 0, index[k].contiguous(), out=outs[k])
             return out, None

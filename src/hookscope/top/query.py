@@ -13,6 +13,7 @@ from ..errors import StoreError
 from .contexts import Context, build_contexts
 from .encoders import Encoder, load_encoder, neurons
 from .index import DEFAULT_INDEX_K, TopIndex, check_point, hist_edges
+from .render import context_line
 from .saved import get_index
 
 if TYPE_CHECKING:  # the store room is below this one; a Store is passed in, never imported
@@ -42,9 +43,15 @@ class TopResult:
         return hist_edges()
 
     def __str__(self) -> str:
-        from .render import text_report
-
-        return text_report(self)
+        """The terminal view: a line for the unit, then one per context, the value first."""
+        kind = "SAE feature" if self.source.get("kind") == "sae" else "unit"
+        top = float(self.values[0]) if len(self.values) else float("nan")
+        lines = [f"{self.point} {kind} {self.unit}: fires (> 0) on {self.fires:,} of {self.total_rows:,} "
+                 f"rows ({100 * self.frequency:.3g}%), max {top:.4g}"]
+        for i, ctx in enumerate(self.contexts):
+            where = f"doc {ctx.doc_id} pos {ctx.position}" if ctx.doc_id is not None else f"row {ctx.row}"
+            lines.append(f"{i + 1:>3}. {ctx.value:>9.4g}  {context_line(ctx)}   ({where})")
+        return "\n".join(lines)
 
 
 def resolve_encoder(store: Store, point: str, sae: str | os.PathLike | Encoder | None) -> Encoder:

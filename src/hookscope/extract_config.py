@@ -1,5 +1,7 @@
 """What an extraction is asked to do (`ExtractConfig`, one field per `hookscope extract` option),
-and the checks of it that need nothing loaded."""
+the checks of it that need nothing loaded, and where this process runs it (`Run`). Below both
+`sources/` (a source is opened with them) and `extract/` (the loop builds them), so neither room
+reaches into the other for its options."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..errors import HookscopeError
+from .errors import HookscopeError
 
 DEFAULT_DATA = "builtin:stdlib-docstrings"
 DEFAULT_POINT = "blocks.3.resid_post"
@@ -49,6 +51,15 @@ class ExtractConfig:
     workers: int = 0
 
 
+@dataclass(frozen=True)
+class Run:
+    """Where this process runs: its torchrun rank, how many processes, the device inputs go to."""
+
+    rank: int
+    world_size: int
+    device: str
+
+
 def _whole(value: object) -> bool:
     return not isinstance(value, bool) and isinstance(value, int) and value >= 1
 
@@ -75,7 +86,7 @@ def validate_config(cfg: ExtractConfig) -> None:
     if not str(cfg.out).strip():
         raise HookscopeError("--out is empty; name the store directory to write")
     if cfg.max_memory is not None:
-        from ..loading import parse_size
+        from .loading import parse_size
 
         parse_size(cfg.max_memory)
         for flag, value in (("--generate", cfg.generate), ("--device-map", cfg.device_map)):

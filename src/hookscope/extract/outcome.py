@@ -1,5 +1,6 @@
-"""What an extraction reports (`ExtractSummary`), how it stops on a signal (`ExtractInterrupted`,
-`signals_interrupt`) and the non-finite check every batch of every source passes."""
+"""How an extraction ends: with its summary (`ExtractSummary`), interrupted by a signal
+(`ExtractInterrupted`, `signals_interrupt`), or refusing a batch whose values are not finite
+(`check_finite`, the check every batch of every source passes)."""
 
 from __future__ import annotations
 
