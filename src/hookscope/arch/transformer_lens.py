@@ -12,7 +12,8 @@ from .base import Arch, PointSpec
 _ORDER = [
     "resid_pre", "attn.in_pre_norm", "ln1", "attn.in", "attn.q_input", "attn.k_input", "attn.v_input",
     "attn.q", "attn.k", "attn.v", "attn.rot_q", "attn.rot_k", "attn.attn_scores", "attn.pattern",
-    "attn.z", "attn.result", "attn.out", "resid_mid", "mlp.in_pre_norm", "ln2", "mlp.in", "mlp.pre", "mlp.pre_linear",
+    "attn.z", "attn.result", "attn.out", "resid_mid", "mlp.in_pre_norm", "ln2", "mlp.in", "mlp.pre",
+    "mlp.pre_linear",
     "mlp.post", "mlp.out", "resid_post",
 ]
 _FINAL = ("ln_final.scale", "ln_final.normalized", "ln_final")  # in execution order

@@ -6,7 +6,8 @@ from __future__ import annotations
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="summarise and check a store")
     p.add_argument("dir", help="store directory or URL")
-    p.add_argument("--no-verify", action="store_true", help="skip the checksum check of every shard (xxh3_128, or SHA-256 in older stores)")
+    p.add_argument("--no-verify", action="store_true",
+                   help="skip the checksum check of every shard (xxh3_128, or SHA-256 in older stores)")
     p.set_defaults(run=run)
 
 
@@ -65,5 +66,6 @@ def held_meanings(settings: dict) -> dict[str, str]:
     for point in settings.get("points", []):
         suffix = re.sub(r"^blocks\.\d+\.", "", point)
         if suffix in changes:
-            held[point] = f"{changes[suffix][1]} (written before hookscope gave the name TransformerLens's meaning)"
+            held[point] = (f"{changes[suffix][1]} "
+                           "(written before hookscope gave the name TransformerLens's meaning)")
     return held

@@ -40,7 +40,8 @@ if TYPE_CHECKING:  # the store room is below this one; a Store is passed in, nev
 # TransformerLens's hook_attn_in / hook_mlp_in are the stream before that norm: *.in_pre_norm)
 _TL_SPELLING = {"attn.out": "hook_attn_out", "mlp.out": "hook_mlp_out", "attn.in": "attn.hook_in",
                 "mlp.in": "mlp.hook_in", "attn.in_pre_norm": "hook_attn_in", "mlp.in_pre_norm": "hook_mlp_in",
-                "attn.q_input": "hook_q_input", "attn.k_input": "hook_k_input", "attn.v_input": "hook_v_input"}
+                "attn.q_input": "hook_q_input", "attn.k_input": "hook_k_input",
+                "attn.v_input": "hook_v_input"}
 _BLOCK = re.compile(r"^(blocks\.\d+)\.(.+)$")
 
 

@@ -46,7 +46,8 @@ def select(columns: dict[str, Column], point: str | Sequence[str], stack: bool, 
     glob matches something, a stack's columns share shape and dtype)."""
     patterns = [point] if isinstance(point, str) else list(point)
     if not patterns:
-        raise StoreError("no column named: pass a point name, a glob such as 'blocks.*.resid_post', or a list")
+        raise StoreError("no column named: pass a point name, a glob such as 'blocks.*.resid_post', "
+                         "or a list")
     outputs: dict[str, list[str]] = {}
     stacked: set[str] = set()
     for pattern in patterns:

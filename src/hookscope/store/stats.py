@@ -87,7 +87,8 @@ class PointStats:
         n = self.norm_count + other.norm_count
         mean = m2 = None
         if not other.norm_count or not self.norm_count:  # the per-dimension side of the one with rows
-            mean, m2 = (self.mean, self.m2) if self.norm_count or other.mean is None else (other.mean, other.m2)
+            mine = self.norm_count or other.mean is None
+            mean, m2 = (self.mean, self.m2) if mine else (other.mean, other.m2)
         elif self.mean is not None and other.mean is not None:  # Chan et al.
             delta = other.mean - self.mean
             mean = self.mean + delta * (other.norm_count / n)
