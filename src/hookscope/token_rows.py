@@ -65,21 +65,14 @@ def select_tokens(x: Tensor, mask: Tensor, pos_dim: int | None, kept: KeptRows,
         return x[mask.to(x.device)]
     rows = kept.of(mask, x.device)
     out = None if into is None else into((rows.numel(), *x.shape[2:]), cast or x.dtype, x.device)
-    if out is not None:
-        return _gather_into(x.flatten(0, 1), rows, mask, out)
     if cast is not None and x.dtype != cast and 2 * rows.numel() > mask.numel():
         x = x.to(cast)  # keeps a dense x's strides (batch and pos stay one dim), else contiguous
-    return x.flatten(0, 1).index_select(0, rows)
-
-
-def _gather_into(flat: Tensor, rows: Tensor, mask: Tensor, out: Tensor) -> Tensor:
-    """`flat`'s `rows`, cast to `out`'s dtype, gathered into `out` (cast first where most rows are
-    kept, as `select_tokens` does)."""
+    flat = x.flatten(0, 1)
+    if out is None:
+        return flat.index_select(0, rows)
     if flat.dtype == out.dtype:
         return torch.index_select(flat, 0, rows, out=out)
-    if 2 * rows.numel() > mask.numel():
-        return torch.index_select(flat.to(out.dtype), 0, rows, out=out)
-    return out.copy_(flat.index_select(0, rows))
+    return out.copy_(flat.index_select(0, rows))  # few rows kept: gathered, then cast into `out`
 
 
 def token_region(x: Tensor, mask: Tensor, pos_dim: int | None) -> Tensor:
