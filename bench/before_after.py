@@ -2,13 +2,16 @@
 
     .venv/bin/python bench/before_after.py                   # before = d1912b2, after = this checkout
     .venv/bin/python bench/before_after.py --before REV --after REV_OR_DIR --rounds 2
+    .venv/bin/python bench/before_after.py --before REV --rounds 4 --only small   # the per-call figure
 
 Runs, for each tree, in fresh processes whose `PYTHONPATH` puts that tree's `src/` first (each
 child reports the hookscope file it imported, and the driver refuses a mix-up):
 
   a      attach + remove one hook (bare function): hookscope and raw `register_forward_hook`
-  small  tiny GPT-2, 1 x 16 tokens: plain forward, one hook attached, `with hs.capture(...)`
-         around a full forward, `hs.collect`
+  small  tiny GPT-2, 1 x 16 tokens: plain forward, one noop hook attached, `with hs.capture(...)`
+         around a full forward, `hs.collect`; the four take turns in one process (rounds of 50
+         calls, the order rotating), and each ratio to plain is the median over that process's
+         rounds; the table gives the median over processes (and each process's figure)
   b      capture blocks.5.resid_post of the GPT-2-small shape, 8 x 128: floor vs `hs.collect`
   c      12 no-op hooks vs none, full forward 8 x 128, paired in one process
   compile  bench_compile.py's steady state (off / blocks / full taking turns in one process)
@@ -37,15 +40,15 @@ import common
 BEFORE = "d1912b2"  # the tree before issue 15's work
 CASES = [  # (case of core_cases.py, timed runs per process, seconds per timed batch)
     ("a.torch.function", 7, 0.2), ("a.hookscope.function", 7, 0.2),
-    ("small.plain", 5, 0.3), ("small.hook", 5, 0.3), ("small.capture", 5, 0.3), ("small.collect", 5, 0.3),
+    ("small.paired", 30, None),
     ("b.floor", 5, None), ("b.hookscope", 5, None),
     ("c.paired", 2, None),
 ]
 RATIOS = [  # (what, numerator case, denominator case, target for "after")
     ("a: hookscope attach / raw torch hook", "a.hookscope.function", "a.torch.function", 2.0),
-    ("small: one hook / plain", "small.hook", "small.plain", None),
-    ("small: with hs.capture / plain", "small.capture", "small.plain", 1.05),
-    ("small: hs.collect / plain", "small.collect", "small.plain", None),
+    ("small: one hook / plain (paired)", "small.paired:ratio_hook", None, None),
+    ("small: with hs.capture / plain (paired)", "small.paired:ratio_capture", None, 1.05),
+    ("small: hs.collect / plain (paired)", "small.paired:ratio_collect", None, None),
     ("b: hs.collect / floor, 8 x 128", "b.hookscope", "b.floor", 1.10),
     ("c: 12 hooks / none (paired)", "c.paired", None, 1.03),
 ]
@@ -105,6 +108,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="processes per case and tree (default 2)")
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--skip-compile", action="store_true")
+    parser.add_argument("--only", default="", help="comma-separated case prefixes to run (e.g. small); "
+                        "the compile step runs only if 'compile' is among them")
     parser.add_argument("--report", action="store_true", help="only print the tables of the last run's JSON")
     args = parser.parse_args()
     if args.report:
@@ -120,11 +125,16 @@ def main() -> None:
                                 env=common.source_env(trees["after"]))
     if "error" in prepared:
         raise SystemExit(f"could not build the benchmark models: {prepared['error']}")
+    only = [p for p in args.only.split(",") if p]
+    cases = [c for c in CASES if not only or any(c[0].startswith(p) for p in only)]
+    skip_compile = args.skip_compile or bool(only and "compile" not in only)
     print(f"load before: {os.getloadavg()}  rounds: {args.rounds}  (bench_core.py's full run uses 4)")
     results: dict = {label: {} for label in trees}
+    out = common.OUT_DIR / "before-after-latest.json"
+    meta = {"trees": {k: str(v) for k, v in trees.items()}, "rounds": args.rounds}
     for rnd in range(args.rounds):
         order = ["before", "after"] if rnd % 2 == 0 else ["after", "before"]
-        for case, runs, budget in CASES:
+        for case, runs, budget in cases:
             for label in order:
                 start = time.perf_counter()
                 r = run_case(args.python, trees[label], case, runs, budget)
@@ -138,12 +148,11 @@ def main() -> None:
                         pooled[key] = value
                 print(f"round {rnd} {label:<6} {case:<22} {time.perf_counter() - start:6.1f} s  load "
                       f"{r['load']:.1f}  {r.get('error', '')[:200]}", flush=True)
-    out = common.OUT_DIR / "before-after-latest.json"
-    meta = {"trees": {k: str(v) for k, v in trees.items()}, "rounds": args.rounds}
-    out.write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
+                # after every process, so that a run cut short still reports (--report)
+                out.write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
     report(results)  # before the compile step, which takes minutes more
     compiled: dict = {}
-    if not args.skip_compile:
+    if not skip_compile:
         cache = common.OUT_DIR / "inductor-before-after"  # warm after the first process: one cache for both
         for label in ("before", "after"):
             start = time.perf_counter()
@@ -156,31 +165,51 @@ def main() -> None:
     print(f"\nwrote {out}; took {(time.time() - started) / 60:.1f} min; load now {os.getloadavg()}")
 
 
-def median_of(result: dict) -> float | None:
-    """us per op, ms per run, or a paired ratio, as the case reports it."""
+def median_of(result: dict, key: str | None = None) -> float | None:
+    """us per op, ms per run, or a paired ratio, as the case reports it; `key`: that list's median."""
+    if key is not None:
+        return common.median(result[key]) if result.get(key) else None
     for key, scale in (("us_per_op", 1.0), ("seconds", 1e3), ("pair_ratios", 1.0)):
         if result.get(key):
             return common.median(result[key]) * scale
     return None
 
 
+def value_of(results: dict, ref: str) -> float | None:
+    """The median a ratio names: "case" or "case:key" (a list the case reports)."""
+    case, _, key = ref.partition(":")
+    return median_of(results.get(case, {}), key or None)
+
+
+SMALL_ROWS = [("small.paired:us_" + name, f"small.{name} (paired)")
+              for name in ("plain", "hook", "capture", "collect")]
+
+
 def report(results: dict) -> None:
     print("\n== cases (median over the processes' runs: us per op for a / small, ms for b; load median)")
     print(f"{'case':<24}{'before':>12}{'after':>12}{'after/before':>14}")
-    for case, _, _ in CASES:
-        b, a = (median_of(results[t].get(case, {})) for t in ("before", "after"))
-        print(f"{case:<24}{fmt(b):>12}{fmt(a):>12}{fmt(a / b if a and b else None, '.3f'):>14}")
+    rows = [(case, case) for case, _, _ in CASES if case != "small.paired"] + SMALL_ROWS
+    for ref, label in rows:
+        b, a = (value_of(results[t], ref) for t in ("before", "after"))
+        print(f"{label:<24}{fmt(b):>12}{fmt(a):>12}{fmt(a / b if a and b else None, '.3f'):>14}")
     print("\n== ratios within each tree (the figures issue 15 asks for)")
     print(f"{'ratio':<40}{'before':>9}{'after':>9}{'target':>9}")
     for what, num, den, target in RATIOS:
         cells = []
         for tree in ("before", "after"):
-            n = median_of(results[tree].get(num, {}))
-            d = median_of(results[tree].get(den, {})) if den else 1.0
+            n = value_of(results[tree], num)
+            d = value_of(results[tree], den) if den else 1.0
             cells.append(n / d if n and d else None)
         verdict = "" if target is None or cells[1] is None else ("met" if cells[1] <= target else "MISSED")
         print(f"{what:<40}{fmt(cells[0], '.3f'):>9}{fmt(cells[1], '.3f'):>9}"
               f"{'<= ' + str(target) if target else '':>9}  {verdict}")
+    print("\n== small, paired: each process's median over its rounds (ratio to plain in the same round)")
+    for tree in ("before", "after"):
+        found = results[tree].get("small.paired", {})
+        loads = ", ".join(f"{x:.1f}" for x in found.get("loads", []))
+        print(f"{tree:<7}" + "  ".join(
+            f"{name} " + " ".join(f"{x:.3f}" for x in found.get(f"ratio_{name}", []))
+            for name in ("hook", "capture", "collect")) + f"  (load {loads})")
 
 
 def report_compile(compiled: dict) -> None:

@@ -8,7 +8,9 @@ prints one JSON line: per-run timings (and, with --memory, per-run peak extra RS
   b.<config>         capture blocks.5.resid_post of GPT-2-small shape, 8 x 128 tokens (tl4_*: on a
                      TransformerLens 4 TransformerBridge over the same model: hookscope, run_with_cache)
   c.<config>         full forward, no hooks vs 12 no-op hookscope hooks
-  small.<config>     1 x 16 tokens on a tiny GPT-2, where per-call overhead dominates
+  small.<config>     1 x 16 tokens on a tiny GPT-2, where per-call overhead dominates; small.paired:
+                     plain / hook / capture / collect taking turns in one process (--runs rounds
+                     of --calls calls), with each one's ratio to plain in the same round
   check, check.tl4   all ways of taking blocks.5.resid_post agree (run once, before timing)
   versions           library versions of this interpreter
   prepare            build the cached models in bench/out/ (once)
@@ -249,14 +251,16 @@ def run_forward_paired(model, ids, pairs: int) -> dict:
             "seconds_none": none, "seconds_hooks12": hooked}
 
 
-def small_fn(config: str) -> Callable[[], Any]:
+def small_fn(config: str, model: Any = None) -> Callable[[], Any]:
+    """The call timed for a small configuration ("hook" attaches its hook unless given `model`,
+    whose hooks the caller then owns)."""
     import torch
     from hook_shapes import noop
 
     import hookscope as hs
     from hookscope.hooks import add_hook
 
-    model = common.load_hf(common.TINY_DIR)
+    given, model = model is not None, model if model is not None else common.load_hf(common.TINY_DIR)
     ids = common.input_ids(model.config.vocab_size, batch=1, seq=16)
 
     def plain() -> Any:
@@ -264,7 +268,7 @@ def small_fn(config: str) -> Callable[[], Any]:
             return model(ids)
 
     if config in ("plain", "hook"):
-        if config == "hook":  # attached for the life of the process: only the firing is timed
+        if config == "hook" and not given:  # attached for the life of the process: only the firing is timed
             add_hook(model, SMALL_POINT, noop)
         return plain
     if config == "capture":  # attach, full pass, detach: per call
@@ -291,6 +295,47 @@ def small_fn(config: str) -> Callable[[], Any]:
     raise SystemExit(f"unknown small config {config!r}")
 
 
+def run_small_paired(rounds: int, calls: int) -> dict:
+    """The small configurations on one model in one process, taking turns in rounds of `calls`
+    calls (the order rotates every round), wall clock. Per configuration: its microseconds per call
+    in each round, and the median over rounds of its time over the plain forward's in the same round.
+
+    Processes of one configuration differ by up to ~12% in the plain forward's time on this machine
+    (a fixed offset per process: memory layout, which core), more than the 5% asked of a capture;
+    timed in processes of their own, a ratio's two sides carry two offsets. Here they share one."""
+    import gc
+    import time
+
+    from hook_shapes import noop
+
+    from hookscope.hooks import add_hook
+
+    model = common.load_hf(common.TINY_DIR)
+    fns = {name: small_fn(name, model) for name in ("plain", "hook", "capture", "collect")}
+    names = list(fns)  # "hook": the plain call, with one noop hook attached for its rounds only
+    for _ in range(100):  # warm-up: the first calls build caches no later call pays
+        for fn in fns.values():
+            fn()
+    per_call: dict[str, list[float]] = {name: [] for name in names}
+    for rnd in range(rounds):
+        shift = rnd % len(names)
+        for name in names[shift:] + names[:shift]:
+            hook = add_hook(model, SMALL_POINT, noop) if name == "hook" else None
+            fn = fns[name]
+            gc.collect()
+            start = time.perf_counter_ns()
+            for _ in range(calls):
+                fn()
+            per_call[name].append((time.perf_counter_ns() - start) / calls / 1e3)
+            if hook is not None:
+                hook.remove()
+    out: dict[str, Any] = {f"us_{name}": per_call[name] for name in names}
+    for name in names[1:]:
+        ratios = [a / b for a, b in zip(per_call[name], per_call["plain"], strict=True)]
+        out[f"ratio_{name}"] = [common.median(ratios)]  # one per process: before_after pools them
+    return out
+
+
 # --- entry point -----------------------------------------------------------------------------
 
 
@@ -313,6 +358,7 @@ def main() -> None:
     parser.add_argument("case")
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--budget", type=float, default=0.2, help="seconds per timed batch of fast ops")
+    parser.add_argument("--calls", type=int, default=50, help="small.paired: calls per round")
     parser.add_argument("--memory", action="store_true", help="measure peak extra RSS instead of time")
     args = parser.parse_args()
     common.setup_process()
@@ -324,6 +370,8 @@ def main() -> None:
         result = run_capture(config, args.runs, args.memory)
     elif section == "c":
         result = run_forward(config, args.runs)
+    elif args.case == "small.paired":
+        result = run_small_paired(rounds=args.runs, calls=args.calls)
     elif section == "small":
         result = {"us_per_op": common.per_op_us(small_fn(config), batches=args.runs, budget_s=args.budget)}
     elif section == "check":
