@@ -297,8 +297,9 @@ def small_fn(config: str, model: Any = None) -> Callable[[], Any]:
 
 def run_small_paired(rounds: int, calls: int) -> dict:
     """The small configurations on one model in one process, taking turns in rounds of `calls`
-    calls (the order rotates every round), wall clock. Per configuration: its microseconds per call
-    in each round, and the median over rounds of its time over the plain forward's in the same round.
+    calls (the order rotates every round), wall clock, one thread. Per configuration: its
+    microseconds per call in each round, and the median over rounds of its time over the plain
+    forward's in the same round.
 
     Processes of one configuration differ by up to ~12% in the plain forward's time on this machine
     (a fixed offset per process: memory layout, which core), more than the 5% asked of a capture;
@@ -306,10 +307,14 @@ def run_small_paired(rounds: int, calls: int) -> dict:
     import gc
     import time
 
+    import torch
     from hook_shapes import noop
 
     from hookscope.hooks import add_hook
 
+    # one intra-op thread: on a loaded machine a second one makes each 0.7 ms forward wait for it to
+    # be scheduled (30 ms calls seen at load 8), and at 1 x 16 tokens the work is Python anyway
+    torch.set_num_threads(1)
     model = common.load_hf(common.TINY_DIR)
     fns = {name: small_fn(name, model) for name in ("plain", "hook", "capture", "collect")}
     names = list(fns)  # "hook": the plain call, with one noop hook attached for its rounds only
