@@ -108,7 +108,9 @@ class Kept(Mapping[str, Tensor]):
 
     def __init__(self, arch: Arch, keys: dict[str, PointSpec], accumulate: bool):
         self.arch, self._keys, self.accumulate = arch, keys, accumulate
-        self._key_of = {spec.name: key for key, spec in keys.items()}
+        self._key_of: dict[str, str] = {}  # canonical name -> key; a loop: a comprehension is a call
+        for key, spec in keys.items():
+            self._key_of[spec.name] = key
         self._parts: dict[str, list[Tensor]] = {}  # canonical name -> parts (one per pass)
         self.events: list = []  # CUDA events of non-blocking host copies: waited for before a read
 
