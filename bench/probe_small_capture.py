@@ -8,6 +8,7 @@ Run with PYTHONPATH=<old checkout>/src to time an older hookscope the same way.
     .venv/bin/python bench/probe_small_capture.py [ROUNDS]      # default 60, ~1 min on a quiet core
 """
 
+import os
 import statistics
 import sys
 import time
@@ -32,7 +33,7 @@ for _ in range(int(sys.argv[1]) if len(sys.argv) > 1 else 60):
         for _ in range(30):
             fn()
         per_call[name].append((time.thread_time_ns() - start) / 30 / 1e3)
-line = [f"{hs.__file__}"]
+line = [f"{hs.__file__}  load {os.getloadavg()[0]:.1f}"]
 for name in CONFIGS:
     line.append(f"{name} {statistics.median(per_call[name]):.0f} us")
 for name in ("capture", "raw_hook"):
