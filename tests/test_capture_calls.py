@@ -40,21 +40,35 @@ def python_work(fn) -> tuple[int, int]:
     return calls, ops
 
 
-def configs() -> dict:
-    """The three calls compared ("plain", "capture", "raw_hook"), on the tiny GPT-2 (3 blocks,
-    d_model 64) and 1 x 16 tokens; bench/probe_small_capture.py times the same three."""
+def tiny() -> tuple[torch.nn.Module, torch.Tensor]:
+    """The tiny GPT-2 (3 blocks, d_model 64) and the 1 x 16 tokens the calls run on."""
     model = build_tiny("gpt2", n_layers=3, d_model=64, n_heads=4).eval()
-    ids = torch.randint(1, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+    return model, torch.randint(1, 100, (1, 16), generator=torch.Generator().manual_seed(0))
+
+
+def capture_call(library, model, ids):
+    """`with library.capture(...)` around a full forward, then the read (`library`: hookscope, or
+    another tree's copy of it that bench/probe_small_capture.py loads beside it)."""
+
+    def capture():
+        with library.capture(model, POINT) as cap:
+            model(ids)
+        return cap[POINT]
+
+    return capture
+
+
+def configs(model=None, ids=None) -> dict:
+    """The three calls compared ("plain", "capture", "raw_hook"), on `tiny()` unless given a model
+    and ids; bench/probe_small_capture.py times the same three."""
+    if model is None:
+        model, ids = tiny()
     block = model.transformer.h[1]
+    capture = capture_call(hs, model, ids)
 
     def plain():
         with torch.inference_mode():
             return model(ids)
-
-    def capture():
-        with hs.capture(model, POINT) as cap:
-            model(ids)
-        return cap[POINT]
 
     def raw_hook():
         kept = {}
@@ -74,7 +88,8 @@ def extra_work() -> dict[str, tuple[int, int]]:
     """{"capture" / "raw_hook": (calls, bytecodes) beyond the plain forward}."""
     calls = configs()
     base = python_work(calls.pop("plain"))
-    return {name: tuple(a - b for a, b in zip(python_work(fn), base, strict=True)) for name, fn in calls.items()}
+    return {name: tuple(a - b for a, b in zip(python_work(fn), base, strict=True))
+            for name, fn in calls.items()}
 
 
 def test_a_capture_call_runs_few_python_calls_beyond_a_raw_hook():
