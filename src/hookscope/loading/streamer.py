@@ -37,7 +37,7 @@ from ..capture import Capture
 from ..errors import HookscopeError
 from ..stopping import Stop, no_cache
 from .allocator import give_back_freed, returning_freed_memory
-from .block_buffers import BlockBuffers, layout_of
+from .block_buffers import BlockBuffers, layout_of, slots_for
 from .checkpoint import Checkpoint
 from .embedding_rows import embedding_rows_for
 from .loader import Loaded
@@ -164,7 +164,7 @@ class BlockStreamer:
                 if found is None:
                     return None
                 reads[k] = {name[len(path) + 1:]: read for name, read in found.items()}
-        slots = 2 if self.plan.read_ahead and self.plan.last_block > 0 else 1
+        slots = slots_for(layout, reads, self.device, self.plan.read_ahead and self.plan.last_block > 0)
         return BlockBuffers(layout, reads, slots, self.device)
 
     def _release(self, k: int) -> None:
@@ -189,8 +189,9 @@ class BlockStreamer:
             self._loaded.add(k)
             _rescale_fresh_block(self.model)
             held = resident_bytes(self.model)
+            if nxt != k:
+                self.buffers.read_ahead(nxt)  # while block k computes: the spare slot or the page cache
             if len(self.buffers.host) > 1:
-                self.buffers.read_ahead(nxt)  # into the spare slot, while block k computes
                 held += nbytes(self.model, self.plan.blocks[nxt])
             self.peak_weight_bytes = max(self.peak_weight_bytes, held)
             return
