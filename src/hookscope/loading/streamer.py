@@ -4,10 +4,11 @@ The run is layer-major over chunks of batches: for each block up to the last poi
 read from the safetensors checkpoint (the next block's read ahead in a thread while this one
 computes), every batch of the chunk goes through it, the points inside it are kept, and its weights
 go back to `meta`. Resident weights: the ones outside the blocks (embeddings, norms) + at most two
-blocks (one when two do not fit); on the CPU an input embedding that can be is looked up row by row
-from its file instead (embedding_rows.py). When the blocks all hold the same tensors and loading only renames
-them, the two blocks are two buffer sets allocated once and reused by every block
-(block_buffers.py), so the process does not keep freed blocks in its allocator's heap; otherwise
+blocks (one when two do not fit, or when the next one's read is a copy of cached bytes); on the CPU
+an input embedding that can be is looked up row by row from its file instead (embedding_rows.py).
+When the blocks all hold the same tensors and loading only renames them, the blocks are one or two
+buffer sets allocated once and reused by every block (block_buffers.py), so the process does not
+keep freed blocks in its allocator's heap; otherwise
 (blocks that differ, weights transformers fuses or splits, a pickled checkpoint) each block is
 loaded afresh by transformers' own loader.
 
