@@ -13,7 +13,7 @@ import torch
 
 from hookscope.errors import StoreError
 from hookscope.extract.copyout import Handoff
-from hookscope.extract.ring import HostRing, nbytes_of, views
+from hookscope.extract.ring import HostRing, buffer_bytes, nbytes_of, views
 from hookscope.sources.columns import token_columns
 from hookscope.store import ShardWriter, open_store
 from hookscope.store.stats import PointStats, stats_tensors
@@ -148,6 +148,79 @@ def test_the_ring_reuses_what_is_handed_back_and_never_hands_out_one_twice():
         t.start()
     for t in threads:
         t.join()
+    assert not twice and ring.out == 0 and len(ring.free) <= 3
+
+
+def test_a_page_locked_buffer_is_asked_for_at_the_power_of_two_the_pinned_allocator_gives():
+    # PyTorch's pinned allocator rounds every request up to a power of two: a 32,768 x 2048 bf16
+    # batch (128 MiB) asked for with slack would pin 256 MiB; 16 such points, 4 GiB instead of 2
+    point = 32_768 * 2048 * 2
+    for nbytes in (point - 4096, point, 16 * point, 1000, 1):
+        got = buffer_bytes(nbytes, pinned=True)
+        assert got & (got - 1) == 0 and got >= nbytes and (got < 2 * nbytes or got == 64)
+    assert buffer_bytes(point, pinned=True) == 2**27 and buffer_bytes(16 * point, pinned=True) == 2**31
+    assert buffer_bytes(point + 1, pinned=True) == 2**28
+    # ordinary memory is not rounded by its allocator: slack for batches that vary, whole MiB
+    assert buffer_bytes(point, pinned=False) == point + point // 8
+
+
+class Allocations:
+    """An allocator that records the thread each buffer was made on, and takes a while."""
+
+    def __init__(self, seconds: float = 0.02):
+        self.threads: list[int] = []
+        self.seconds = seconds
+
+    def __call__(self, size: int, pinned: bool) -> torch.Tensor:
+        time.sleep(self.seconds)
+        self.threads.append(threading.get_ident())
+        return torch.empty(size, dtype=torch.uint8)
+
+
+def test_a_spare_buffer_is_made_ahead_on_another_thread_and_the_next_batch_takes_it():
+    made = Allocations()
+    ring = HostRing(keep=4, pinned=False, spare=True, allocate=made)
+    first = ring.take(1000)
+    assert made.threads == [threading.get_ident()]  # none free yet: made where it was asked
+    second = ring.take(1000)  # the first still out: the spare, made meanwhile
+    assert second.data_ptr() != first.data_ptr() and second.numel() >= 1000
+    assert made.threads[1] != threading.get_ident() and ring.made_ahead >= 1
+    held = [first, second] + [ring.take(1000) for _ in range(3)]  # past `keep`: made here, no spare kept
+    assert len({b.data_ptr() for b in held}) == 5
+    for b in held:
+        ring.give_back(b)
+    time.sleep(0.1)  # any spare in the making has landed (or been dropped)
+    assert ring.out == 0 and len(ring.free) <= 4  # never more than `keep` held
+    before = ring.made
+    for _ in range(20):  # steady state: every buffer reused, none made, no spare started
+        a, b = ring.take(1000), ring.take(900)
+        ring.give_back(a)
+        ring.give_back(b)
+    assert ring.made == before and ring.out == 0
+
+
+def test_a_ring_with_a_spare_never_hands_out_one_buffer_twice():
+    ring, held, lock, twice = HostRing(keep=3, pinned=False, spare=True, allocate=Allocations(0.001)), set(), \
+        threading.Lock(), []
+
+    def worker():
+        for _ in range(100):
+            t = ring.take(100)
+            with lock:
+                if t.data_ptr() in held:
+                    twice.append(t.data_ptr())
+                held.add(t.data_ptr())
+            time.sleep(0.0005)
+            with lock:
+                held.discard(t.data_ptr())
+            ring.give_back(t)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    time.sleep(0.05)
     assert not twice and ring.out == 0 and len(ring.free) <= 3
 
 

@@ -66,7 +66,7 @@ class CopyOut:
     copies from it, and a ring of plain host buffers for CPU captures to write into."""
 
     def __init__(self, keep: int = 8, on_wait: Callable[[float], None] | None = None):
-        self.ring = HostRing(keep=keep, pinned=True)
+        self.ring = HostRing(keep=keep, pinned=True, spare=True)  # pinning is slow: made ahead
         self.host = HostRing(keep=None, pinned=False)  # what CPU captures write into (`into`)
         self.lent: dict[int, torch.Tensor] = {}  # by storage address: host buffers out to the capture
         self.on_wait = on_wait  # each handoff's wait for the device, in seconds (the run's report)
