@@ -241,7 +241,8 @@ def extract_case(model, layer: int, args) -> dict:
         shutil.rmtree(work, ignore_errors=True)
     rows = summary.new_rows
     return {"rows": summary.rows, "points": len(points), "batches": n_batches, "extract_s": extract_s,
-            "floor_s": floor_s, "floor_batches": len(packed), "disk_s": disk_s, "bytes": summary.bytes_written,
+            "floor_s": floor_s, "floor_batches": len(packed), "disk_s": disk_s,
+            "bytes": summary.bytes_written,
             "extract_tok_s": rows / extract_s, "floor_tok_s": rows / floor_s, "disk_tok_s": rows / disk_s,
             "busy": summary.busy, "bound": summary.bound, "trace": trace,
             "timeline": timeline.summary(extract_s), **host_reads}

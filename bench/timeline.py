@@ -101,7 +101,8 @@ class Timeline:
             items.sort()
             ms = [1e3 * s for _, s in items]
             kinds[what] = {"n": len(ms), "total_s": sum(ms) / 1e3, "median_ms": statistics.median(ms),
-                           "p90_ms": sorted(ms)[int(0.9 * (len(ms) - 1))], "max_ms": max(ms), "first_ms": ms[0],
+                           "p90_ms": sorted(ms)[int(0.9 * (len(ms) - 1))], "max_ms": max(ms),
+                           "first_ms": ms[0],
                            "each_ms": [round(x, 1) for x in ms[:400]]}
         out["kinds"] = kinds
         puts, commits = by.get("put", []), by.get("commit", [])
