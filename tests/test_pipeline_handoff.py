@@ -129,16 +129,21 @@ def test_the_ring_reuses_what_is_handed_back_and_never_hands_out_one_twice():
     ring.give_back(ring.take(10 * 2**20))  # a fourth: the smallest free one is dropped, 3 kept
     assert len(ring.free) + ring.out == 3
     ring.give_back(small)
+    assert not handed_out_twice(ring, rounds=200) and ring.out == 0 and len(ring.free) <= 3
 
+
+def handed_out_twice(ring: HostRing, rounds: int, hold: float = 0.0) -> list[int]:
+    """Four threads taking and giving back buffers: the addresses ever held by two at once."""
     held, lock, twice = set(), threading.Lock(), []
 
-    def worker():  # four threads taking and giving back: never one buffer held by two at once
-        for _ in range(200):
+    def worker():
+        for _ in range(rounds):
             t = ring.take(100)
             with lock:
                 if t.data_ptr() in held:
                     twice.append(t.data_ptr())
                 held.add(t.data_ptr())
+            time.sleep(hold)
             with lock:
                 held.discard(t.data_ptr())
             ring.give_back(t)
@@ -148,7 +153,7 @@ def test_the_ring_reuses_what_is_handed_back_and_never_hands_out_one_twice():
         t.start()
     for t in threads:
         t.join()
-    assert not twice and ring.out == 0 and len(ring.free) <= 3
+    return twice
 
 
 def test_a_page_locked_buffer_is_asked_for_at_the_power_of_two_the_pinned_allocator_gives():
@@ -200,27 +205,9 @@ def test_a_spare_buffer_is_made_ahead_on_another_thread_and_the_next_batch_takes
 
 
 def test_a_ring_with_a_spare_never_hands_out_one_buffer_twice():
-    ring, held, lock, twice = HostRing(keep=3, pinned=False, spare=True, allocate=Allocations(0.001)), set(), \
-        threading.Lock(), []
-
-    def worker():
-        for _ in range(100):
-            t = ring.take(100)
-            with lock:
-                if t.data_ptr() in held:
-                    twice.append(t.data_ptr())
-                held.add(t.data_ptr())
-            time.sleep(0.0005)
-            with lock:
-                held.discard(t.data_ptr())
-            ring.give_back(t)
-
-    threads = [threading.Thread(target=worker) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    time.sleep(0.05)
+    ring = HostRing(keep=3, pinned=False, spare=True, allocate=Allocations(0.001))
+    twice = handed_out_twice(ring, rounds=100, hold=0.0005)
+    time.sleep(0.05)  # a spare in the making has landed
     assert not twice and ring.out == 0 and len(ring.free) <= 3
 
 
