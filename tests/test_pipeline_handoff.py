@@ -87,6 +87,51 @@ def test_the_writer_waits_on_each_handoff_and_hands_buffers_back_after_writing(t
     assert ring.made <= 6 and ring.out == 0  # reused: the writer's bounds, not one buffer per batch
 
 
+class Scribbled(Handoff):
+    """A handoff whose buffer is overwritten the moment it is handed back (the next batch's copy
+    lands in it), and which notes when that was."""
+
+    def __init__(self, *args, view: torch.Tensor, released: list, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.view, self.released = view, released
+
+    def release(self) -> None:
+        if self.buffer is not None:
+            self.view.fill_(float("nan"))
+            self.released.append(time.perf_counter())
+        super().release()
+
+
+def test_a_shards_buffers_go_back_once_written_without_waiting_for_the_shard_before_to_commit(tmp_path):
+    # the first shard's commit (its fsync) is held; the second shard's buffers must come back as
+    # soon as its bytes are in its file, so the forward's next batches reuse them meanwhile
+    ring, released, held = HostRing(keep=8, pinned=False), [], threading.Event()
+    with ShardWriter(tmp_path / "store", SETTINGS, shard_rows=2 * ROWS, queue_size=4) as writer:
+        commit = writer._put_and_commit
+
+        def slow_commit(*args, **kwargs):
+            held.wait(10)
+            return commit(*args, **kwargs)
+
+        writer._put_and_commit = slow_commit
+        for i in range(4):  # two shards of two batches
+            value = rows_of(i)
+            buffer = ring.take(nbytes_of([value]))
+            (view,) = views(buffer, [value])
+            view.copy_(value)
+            handoff = Scribbled([], {}, ring, buffer, view=view, released=released)
+            writer.write(i, {"x": view}, handoff=handoff)
+        deadline = time.perf_counter() + 10
+        while len(released) < 4 and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        back_while_held = len(released)
+        held.set()
+    assert back_while_held == 4  # the first shard's commit had not ended when the second's came back
+    store = open_store(tmp_path / "store", verify=True)  # none of the scribbles reached a shard
+    assert torch.equal(store.tensor("x"), torch.cat([rows_of(i) for i in range(4)]))
+    assert ring.out == 0
+
+
 def test_a_failed_writer_still_hands_every_buffer_back(tmp_path, monkeypatch):
     import hookscope.store.writer as writer_module
 
