@@ -254,15 +254,16 @@ FLOOR_BATCHES = 24
 def extract_batches(args, every: bool, width: int) -> int:
     """Batches an extraction case runs: `--extract-batches` (ONE,ALL), else enough that the start
     (the first forward, the first pinned buffers, the first shard) is a few percent of the run, and
-    the run under a minute on a disk of ~0.8 GB/s: ~13 GB for one point, ~26 GB for every block."""
+    the run under a minute on a disk of ~0.8 GB/s: ~11 GB for one Llama point, ~6.5 GB for GPT-2's,
+    ~21 GB for every block."""
     if args.smoke:
         return 4
     if args.extract_batches:
         one, all_ = (int(x) for x in args.extract_batches.split(","))
         return all_ if every else one
     if every:
-        return 12
-    return 96 if width >= 2048 else 160
+        return 10
+    return 80 if width >= 2048 else 128
 
 
 def write_corpus(path: Path, lines: int, seq: int) -> None:
@@ -591,7 +592,7 @@ def main() -> None:
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
     p.add_argument("--extract-batches", default=None,
-                   help="ONE,ALL: batches of the extract and extract_all cases (default: ~13 GB and ~26 GB)")
+                   help="ONE,ALL: batches of the extract and extract_all cases (default: 80 or 128 and 10)")
     p.add_argument("--trace-dir", default=None, help="the extraction profiler traces' folder (default --out)")
     args = p.parse_args()
     if args.child:
