@@ -249,6 +249,19 @@ def test_a_spare_buffer_is_made_ahead_on_another_thread_and_the_next_batch_takes
     assert ring.made == before and ring.out == 0
 
 
+def test_a_closed_ring_leaves_no_spare_in_the_making():
+    # a run's end: no thread of the ring may still be inside the allocator (a process exiting
+    # with one there tears CUDA down under it)
+    made = Allocations(0.2)
+    ring = HostRing(keep=4, pinned=False, spare=True, allocate=made)
+    ring.take(1000)
+    ring.close()
+    assert len(made.threads) == 2  # the spare was waited for, not left running
+    ring.take(1000), ring.take(1000)  # the spare, then one made here
+    time.sleep(0.3)
+    assert len(made.threads) == 3 and made.threads[-1] == threading.get_ident()  # no spare after close
+
+
 def test_a_ring_with_a_spare_never_hands_out_one_buffer_twice():
     ring = HostRing(keep=3, pinned=False, spare=True, allocate=Allocations(0.001))
     twice = handed_out_twice(ring, rounds=100, hold=0.0005)

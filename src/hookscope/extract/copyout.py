@@ -121,6 +121,10 @@ class CopyOut:
         return host, Handoff(events, stats, self.ring, buffer, sources=list(cuda.values()),
                              on_wait=self.on_wait, lent=lent)
 
+    def close(self) -> None:
+        """The run is over: no buffer is made ahead any more (ring.py)."""
+        self.ring.close()
+
     def _side(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self.streams:
             self.streams[device] = torch.cuda.Stream(device)

@@ -117,6 +117,14 @@ class HostRing:
                 self.made += 1
                 self.made_ahead += 1
 
+    def close(self) -> None:
+        """No more spares; wait for the one in the making, so that no thread of ours is inside the
+        allocator when the run (or the process) ends."""
+        self.spare = False
+        making = self._making
+        if making is not None:
+            making[0].join()
+
     def forget(self, buffer: torch.Tensor) -> None:
         """`buffer` (from `take`) is not coming back: someone else may still hold it."""
         with self.lock:
