@@ -10,7 +10,7 @@ shard-in-progress bound how many are out at once, so the ring never blocks the f
 most `keep` are kept for reuse (`keep=None`: as many as were ever out at once, so a run that holds
 many buffers at a time, one per point of each batch in flight, makes each of them once).
 
-Page-locking is slow (the driver pins every page: a second or more for a few GB), and PyTorch's
+Page-locking is slow (the driver locks every page in memory: gigabytes take seconds), and PyTorch's
 pinned allocator rounds each request up to a power of two. So a page-locked buffer is asked for at
 exactly that power of two (a batch of 128 MiB gets 128 MiB, not 256 MiB for 128 MiB plus slack),
 and a ring with `spare` has one more buffer of the last size made in a background thread while the
