@@ -12,9 +12,11 @@ import threading
 import pytest
 import torch
 
+from hookscope import token_rows
 from hookscope.one_thread import one_thread
 from hookscope.store import stats as stats_module
 from hookscope.store.stats import PointStats, Workspace
+from hookscope.token_rows import KeptRows, select_tokens
 
 
 def massive(rows: int, width: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
@@ -94,3 +96,36 @@ def test_one_thread_holds_for_the_calling_thread_only():
     assert seen["ran"] and seen["after"] == before
     if "OpenMP" in torch.__config__.parallel_info() and before > 1:
         assert seen["inside"] == 1
+
+
+def packed(batch: int, pos: int, every: int, offset: int = 0) -> torch.Tensor:
+    """A packed batch's mask: every token kept but each document's first, one in `every`."""
+    keep = torch.ones(batch, pos, dtype=torch.bool)
+    keep.view(-1)[offset::every] = False
+    return keep
+
+
+MASKS = {
+    "documents of 700 tokens": lambda b, p: packed(b, p, 700),
+    "the first and last rows dropped": lambda b, p: packed(b, p, b * p - 1),
+    "every row kept": lambda b, p: torch.ones(b, p, dtype=torch.bool),
+    "a run of one": lambda b, p: packed(b, p, 600) & packed(b, p, 600, offset=2),
+}
+
+
+@pytest.mark.parametrize("mask_of", list(MASKS))
+@pytest.mark.parametrize("cast", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(4, 1000, 24), (3, 900, 4, 6), (1, 3000, 8)], ids=["rows", "heads", "one"])
+def test_rows_copied_run_by_run_into_a_buffer_equal_boolean_mask_indexing(mask_of, cast, shape):
+    """Long runs of kept rows (a packed batch's): each run copied and cast into the buffer; the
+    bytes must be those of boolean-mask indexing then `.to` (a run cut short, shifted by one, or
+    written to the wrong place leaves the buffer's NaN or another row there)."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(1)) * 1e3
+    mask = MASKS[mask_of](*shape[:2])
+    want = x[mask].to(cast)
+    kept = KeptRows()
+    assert len(kept.runs(mask)) * token_rows._RUN_ROWS <= int(mask.sum())  # the run-by-run copy is taken
+    buffer = torch.full(want.shape, float("nan"), dtype=cast)  # what a reused buffer held before
+    got = select_tokens(x, mask, 1, kept, cast=cast, into=lambda s, d, dev: buffer)
+    assert got.data_ptr() == buffer.data_ptr()
+    assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
