@@ -58,7 +58,8 @@ def main() -> None:
     print(f"{tree}: {n:,} rows x {width}, {args.threads} threads, OMP_WAIT_POLICY="
           f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}: statistics {stats_ms:.1f} ms CPU "
           f"({stats_ms * 1e3 / n:.2f} us/row, {stats_faults:.0f} faults), capture into a buffer "
-          f"{copy_ms:.1f} ms CPU ({copy_ms * 1e3 / n:.2f} us/row, {copy_faults:.0f} faults) per batch; load {load}")
+          f"{copy_ms:.1f} ms CPU ({copy_ms * 1e3 / n:.2f} us/row, {copy_faults:.0f} faults) per batch; "
+          f"load {load}")
 
 
 if __name__ == "__main__":
