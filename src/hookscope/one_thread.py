@@ -3,7 +3,7 @@
 An extraction on the CPU keeps its cores busy with threads of its own (the forward, the writer, the
 data), so an op that splits itself over torch's intra-op threads only adds a fork and a join, and
 where torch uses OpenMP its idle threads spin: on 2 loaded cores a loop of 40 copies that each
-split took 145-312 ms of CPU where the same copies on one thread took 4 ms. OpenMP's thread count
+split took 119-312 ms of CPU where the same copies on one thread took 4 ms. OpenMP's thread count
 is a setting of each thread (unlike `torch.set_num_threads`, which is the process's), so it is set
 here for the calling thread only and put back after. Where torch does not use OpenMP, or its
 OpenMP library cannot be found, this does nothing: the ops give the same bits either way.
