@@ -129,3 +129,5 @@ def test_rows_copied_run_by_run_into_a_buffer_equal_boolean_mask_indexing(mask_o
     got = select_tokens(x, mask, 1, kept, cast=cast, into=lambda s, d, dev: buffer)
     assert got.data_ptr() == buffer.data_ptr()
     assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    fresh = select_tokens(x, mask, 1, KeptRows(), cast=cast)  # no buffer: the same copies into a new one
+    assert fresh.dtype == cast and torch.equal(fresh.view(torch.uint8), want.view(torch.uint8))

@@ -11,9 +11,10 @@ than gather-then-cast, and the bits are the same (a cast is element by element, 
 elements whole). Given a buffer to fill (`into`: the extraction's reused host buffers), the
 gather writes the kept rows there, into memory written batch after batch (no fresh pages to fault
 in). Where it casts on the CPU and the kept rows come in long runs (a packed batch drops only each
-document's first tokens), each run is one copy that casts on the way, on the calling thread alone
-(`one_thread`): one pass and no intermediate, where a cast first made and faulted in a whole new
-tensor (32 x 1024 x 768 float32 -> bfloat16 on 2 loaded cores: 4.5 ms of CPU against 10-18 ms).
+document's first tokens), each run is one copy that casts on the way, into the buffer or one new
+tensor, on the calling thread alone (`one_thread`): one pass and no intermediate, where a cast
+first made and faulted in a whole new tensor (32 x 1024 x 768 float32 -> bfloat16 into a buffer,
+on 2 loaded cores: 4.4-4.7 ms of CPU against 16-24 ms; into a new tensor 7.5 against 19-22 ms).
 Split over the intra-op threads, those copies would each wake them: on a loaded machine 47 runs'
 copies took 380 ms where one cast took 10 ms. Otherwise it is one op per point.
 """
@@ -85,9 +86,11 @@ def select_tokens(x: Tensor, mask: Tensor, pos_dim: int | None, kept: KeptRows,
         return x[mask.to(x.device)]
     rows = kept.of(mask, x.device)
     out = None if into is None else into((rows.numel(), *x.shape[2:]), cast or x.dtype, x.device)
-    if out is not None and out.dtype != x.dtype and x.device.type == "cpu" and mask.device.type == "cpu":
+    dtype = cast or x.dtype if out is None else out.dtype
+    if dtype != x.dtype and x.device.type == "cpu" and mask.device.type == "cpu":
         runs = kept.runs(mask)
         if len(runs) * _RUN_ROWS <= rows.numel():  # long runs: each one copy, cast on the way
+            out = torch.empty((rows.numel(), *x.shape[2:]), dtype=dtype) if out is None else out
             flat = x.flatten(0, 1)
             with one_thread():  # the other cores run the forward: splitting each copy costs more
                 for first, at, length in runs:
