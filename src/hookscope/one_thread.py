@@ -33,7 +33,7 @@ def _openmp() -> ctypes.CDLL | None:
                     lib.omp_get_max_threads.restype = ctypes.c_int
                     lib.omp_set_num_threads.argtypes = [ctypes.c_int]
                     _omp = lib
-                except (OSError, AttributeError):
+                except (OSError, AttributeError, TypeError):  # no such library or symbol here
                     pass
         return _omp
 
