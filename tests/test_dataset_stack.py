@@ -316,3 +316,18 @@ def test_batches_straddling_windows_are_gathered_into_batch_sized_memory(clt_sto
     shapes = {(24, 24, D), (24,)} | (set() if drop_last else {(24, short, D), (short,)})
     assert set(allocated) == shapes
     assert all(allocated.count(s) <= 4 for s in shapes)
+
+
+def test_straddling_batches_from_dataloader_workers(clt_store):
+    """With workers, a batch that straddles windows is filled in its worker's shared memory from both
+    windows; the loader's batches are the single-process stream's, each row its own layers."""
+    store, written = clt_store
+    point = ["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"]
+    kw = {"stack": True, "seed": 3, "buffer_rows": 64, "split": "train", "val_fraction": 0.3, "batch_size": 20}
+    alone = [sorted(b["token_ids"].tolist()) for b in store.dataset(point, **kw)]
+    got = []
+    for batch in torch.utils.data.DataLoader(store.dataset(point, **kw), batch_size=None, num_workers=2):
+        check_stack(batch["blocks.*.mlp.in"], batch["token_ids"], written, "mlp.in")
+        check_stack(batch["blocks.*.mlp.out"], batch["token_ids"], written, "mlp.out")
+        got.append(sorted(batch["token_ids"].tolist()))
+    assert got == alone and len(alone) > 3
