@@ -323,7 +323,8 @@ def test_straddling_batches_from_dataloader_workers(clt_store):
     windows; the loader's batches are the single-process stream's, each row its own layers."""
     store, written = clt_store
     point = ["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"]
-    kw = {"stack": True, "seed": 3, "buffer_rows": 64, "split": "train", "val_fraction": 0.3, "batch_size": 20}
+    kw = {"stack": True, "seed": 3, "buffer_rows": 64, "split": "train", "val_fraction": 0.3,
+          "batch_size": 20}
     alone = [sorted(b["token_ids"].tolist()) for b in store.dataset(point, **kw)]
     got = []
     for batch in torch.utils.data.DataLoader(store.dataset(point, **kw), batch_size=None, num_workers=2):
