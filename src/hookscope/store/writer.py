@@ -137,7 +137,7 @@ class ShardWriter:
         self._handoffs: list[Handoff] = []  # of the pending batches: released once written
         self._pending_stats: dict[str, PointStats] = {}
         self._pending_rows = 0
-        self._work = Workspace()  # the statistics' float32 copy of a batch, reused (the writer thread's)
+        self._work = Workspace()  # the statistics' float32 chunk of rows, reused (the writer thread's)
         # the threads that copy a shard's bytes into its file, each its own range (the writer thread
         # checksums the same bytes meanwhile): the copy scales with the cores
         self._copiers = ThreadPoolExecutor(writers or _default_writers(),
