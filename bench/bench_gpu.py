@@ -172,65 +172,113 @@ def case_main(args) -> dict:
 
 def extract_case(model, layer: int, args) -> dict:
     """extract() over a generated corpus vs the truncated forward over the same packed batches and
-    vs the disk: the same number of bytes written raw into files of a shard's size, fsynced."""
+    vs the disk: the same number of bytes written raw into files of a shard's size, fsynced. The
+    run is long enough (`extract_batches`) that its steady state, not its start, sets the figure;
+    its timeline (bench/timeline.py) says where each stage's time went."""
+    import shutil
+
     import torch
 
     from hookscope.extract import ExtractConfig, extract
     from hookscope.sources import batches, pack
     from hookscope.testing import train_tokenizer
 
+    sys.path.insert(0, str(HERE))
+    from timeline import Timeline
+
     every = args.case == "extract_all"
     last = model.config.num_hidden_layers - 1 if every else layer
     points = [f"blocks.{i}.resid_post" for i in range(last + 1)] if every else [f"blocks.{layer}.resid_post"]
     work = Path(tempfile.mkdtemp(prefix="hookscope-gpu-extract-"))
-    model_dir = work / "model"
-    model.save_pretrained(model_dir)
-    tokenizer = train_tokenizer(min(model.config.vocab_size, 4096))
-    tokenizer.save_pretrained(model_dir)
-    n_batches = 4 if args.smoke else (6 if every else 48)
-    tokens = args.batch * args.seq * n_batches
+    try:
+        model_dir = work / "model"
+        model.save_pretrained(model_dir)
+        tokenizer = train_tokenizer(min(model.config.vocab_size, 4096))
+        tokenizer.save_pretrained(model_dir)
+        n_batches = extract_batches(args, every, model.config.hidden_size)
+        tokens = args.batch * args.seq * n_batches
+        corpus = work / "corpus.jsonl"
+        write_corpus(corpus, max(64, tokens // args.seq + 16), args.seq)
+        cfg = ExtractConfig(out=str(work / "store"), model=str(model_dir), points=points,
+                            data=str(corpus), context=args.seq, batch_size=args.batch, dtype="bfloat16",
+                            device=args.device, max_tokens=tokens, progress=False,
+                            workers=0 if args.smoke else 4)
+        with Timeline() as timeline:
+            summary = extract(cfg)
+        extract_s = summary.seconds  # the run itself: the model's load is not in it
+        shutil.rmtree(cfg.out)  # the disk holds one run's bytes at a time (the raw write's next)
+        floor_model = truncated(model, last)
+        # the floor's rate over the first batches (packing them here is single-threaded)
+        floor_batches = min(n_batches, FLOOR_BATCHES)
+        packed = list(batches(pack(_jsonl(corpus), tokenizer, context=args.seq,
+                                   max_tokens=args.batch * args.seq * floor_batches), args.batch))
+        try:  # the floor without transformers' check of each all-ones mask (a host sync per batch)
+            from hookscope.model_inputs import unpadded
+        except ImportError:  # a tree before it: the floor as it was
+            unpadded = contextlib.nullcontext
+        with torch.inference_mode(), unpadded():  # one batch first: the kernels loaded, cuBLAS made
+            floor_model(input_ids=packed[0]["input_ids"].to(args.device),
+                        attention_mask=packed[0]["attention_mask"].to(args.device), use_cache=False)
+        sync(args.device)
+        start = time.perf_counter()
+        with torch.inference_mode(), unpadded():
+            for b in packed:
+                floor_model(input_ids=b["input_ids"].to(args.device),
+                            attention_mask=b["attention_mask"].to(args.device), use_cache=False)
+        sync(args.device)
+        floor_s = (time.perf_counter() - start) * n_batches / len(packed)  # at that rate, every batch
+        disk_s = _raw_write_s(work, summary.bytes_written, cfg.shard_rows * 2 * model.config.hidden_size)
+        trace = None
+        if args.trace_dir and not every:  # a few batches under the profiler: compute and copies overlap
+            trace = str(Path(args.trace_dir) / f"extract-{args.shape}.json")
+            small = ExtractConfig(**{**cfg.__dict__, "out": str(work / "traced"),
+                                     "max_tokens": args.batch * args.seq * 3})
+            with torch.profiler.profile() as prof:
+                extract(small)
+            prof.export_chrome_trace(trace)
+        host_reads = {} if every else _host_reads(cfg, work, args)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    rows = summary.new_rows
+    return {"rows": summary.rows, "points": len(points), "batches": n_batches, "extract_s": extract_s,
+            "floor_s": floor_s, "floor_batches": len(packed), "disk_s": disk_s,
+            "bytes": summary.bytes_written,
+            "extract_tok_s": rows / extract_s, "floor_tok_s": rows / floor_s, "disk_tok_s": rows / disk_s,
+            "busy": summary.busy, "bound": summary.bound, "trace": trace,
+            "timeline": timeline.summary(extract_s), **host_reads}
+
+
+FLOOR_BATCHES = 24
+
+
+def extract_batches(args, every: bool, width: int) -> int:
+    """Batches an extraction case runs: `--extract-batches` (ONE,ALL), else enough that the start
+    (the first forward, the first pinned buffers, the first shard) is a few percent of the run, and
+    the run under a minute on a disk of ~0.8 GB/s: ~11 GB for one Llama point, ~6.5 GB for GPT-2's,
+    ~21 GB for every block."""
+    if args.smoke:
+        return 4
+    if args.extract_batches:
+        one, all_ = (int(x) for x in args.extract_batches.split(","))
+        return all_ if every else one
+    if every:
+        return 10
+    return 80 if width >= 2048 else 128
+
+
+def write_corpus(path: Path, lines: int, seq: int) -> None:
+    """`lines` JSONL documents of 2 x `seq` words (512 distinct ones, repeated: writing is quick)."""
+    import torch
+
     words = "the residual stream of a transformer carries features between layers".split()
     g = torch.Generator().manual_seed(0)
-    corpus = work / "corpus.jsonl"
-    with corpus.open("w") as f:
-        for _ in range(max(64, tokens // args.seq + 16)):
-            idx = torch.randint(0, len(words), (args.seq * 2,), generator=g).tolist()
-            f.write(json.dumps({"text": " ".join(words[i] for i in idx)}) + "\n")
-    cfg = ExtractConfig(out=str(work / "store"), model=str(model_dir), points=points,
-                        data=str(corpus), context=args.seq, batch_size=args.batch, dtype="bfloat16",
-                        device=args.device, max_tokens=tokens, progress=False,
-                        workers=0 if args.smoke else 4)
-    summary = extract(cfg)
-    extract_s = summary.seconds  # the run itself: the model's load is not in it
-    floor_model = truncated(model, last)
-    packed = list(batches(pack(_jsonl(corpus), tokenizer, context=args.seq, max_tokens=tokens), args.batch))
-    try:  # the floor without transformers' check of each all-ones mask (a host sync per batch)
-        from hookscope.model_inputs import unpadded
-    except ImportError:  # a tree before it: the floor as it was
-        unpadded = contextlib.nullcontext
-    sync(args.device)
-    start = time.perf_counter()
-    with torch.inference_mode(), unpadded():
-        for b in packed:
-            floor_model(input_ids=b["input_ids"].to(args.device),
-                        attention_mask=b["attention_mask"].to(args.device), use_cache=False)
-    sync(args.device)
-    floor_s = time.perf_counter() - start
-    disk_s = _raw_write_s(work, summary.bytes_written, cfg.shard_rows * 2 * model.config.hidden_size)
-    trace = None
-    if args.trace_dir and not every:  # a few batches under the profiler: compute and copies overlap
-        trace = str(Path(args.trace_dir) / f"extract-{args.shape}.json")
-        small = ExtractConfig(**{**cfg.__dict__, "out": str(work / "traced"),
-                                 "max_tokens": args.batch * args.seq * 3})
-        with torch.profiler.profile() as prof:
-            extract(small)
-        prof.export_chrome_trace(trace)
-    host_reads = _host_reads(cfg, work, args)
-    rows = summary.new_rows
-    return {"rows": summary.rows, "points": len(points), "extract_s": extract_s, "floor_s": floor_s,
-            "disk_s": disk_s, "bytes": summary.bytes_written, "extract_tok_s": rows / extract_s,
-            "floor_tok_s": rows / floor_s, "disk_tok_s": rows / disk_s, "busy": summary.busy,
-            "bound": summary.bound, "trace": trace, **host_reads}
+    distinct = []
+    for _ in range(min(lines, 512)):
+        idx = torch.randint(0, len(words), (seq * 2,), generator=g).tolist()
+        distinct.append(json.dumps({"text": " ".join(words[i] for i in idx)}) + "\n")
+    with path.open("w") as f:
+        for i in range(lines):
+            f.write(distinct[i % len(distinct)])
 
 
 def _host_reads(cfg, work: Path, args) -> dict:
@@ -466,6 +514,13 @@ def ratio(a, b) -> str:
     return f"{a / b:.3f}x" if a and b else "-"
 
 
+def timeline_line(t: dict) -> str:
+    sys.path.insert(0, str(HERE))
+    from timeline import line
+
+    return line(t)
+
+
 def table(results: list[dict]) -> str:
     lines = ["| shape | case | batch x seq | figure |", "| --- | --- | --- | --- |"]
     for r in results:
@@ -486,6 +541,8 @@ def table(results: list[dict]) -> str:
                    f"({r['bytes'] / r['disk_s'] / 1e6:,.0f} MB/s) = **{r['extract_tok_s'] / floor:.3f}x** "
                    f"the lower; busy {busy}; {r.get('bound', '')}"
                    + (f"; host reads {r['host_reads_per_batch']:.1f}/batch" if "host_reads_per_batch" in r
+                      else "")
+                   + (f"; {r.get('batches', '?')} batches; {timeline_line(r['timeline'])}" if "timeline" in r
                       else ""))
         elif r["case"].startswith("compile_"):
             fig = (f"{r.get('start', '')} first call {r['first_call_s']:.1f} s, steady "
@@ -534,6 +591,8 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--extract-batches", default=None,
+                   help="ONE,ALL: batches of the extract and extract_all cases (default: 80 or 128 and 10)")
     p.add_argument("--trace-dir", default=None, help="the extraction profiler traces' folder (default --out)")
     args = p.parse_args()
     if args.child:

@@ -36,11 +36,17 @@ rows). Their floors gather the same columns from one in-RAM `[rows, columns * d]
 bytes in one piece, which a reader of separate columns cannot have); floor-cols (stacked layouts
 only) gathers them from the layout the store has, each column's rows a block of their own
 (`[columns * rows, d]`, numpy-allocated), as the reader gathers a stack: one `index_select` of
-columns x 4,096 rows into one layer-major batch buffer allocated once (as floor-out). Each case is
-printed against the fastest floor and, for stacked layouts, against floor-cols too.
+columns x 4,096 rows into one layer-major batch buffer allocated once (as floor-out). floor-cols2:
+the same into two such buffers in turn, the least batch memory a reader has (its consumer holds a
+batch while the next is gathered; floor-cols overwrites the batch it just made). Each case is printed
+against the fastest floor and, for stacked layouts, against floor-cols too.
 
 `--epochs N` (default 3) sets the warm cases' epochs per process: a larger N weighs the first
-epoch (mapping, the first window, batch memory faulted in for the first time) less. `--saelens`: SAELens
+epoch (mapping, the first window, batch memory faulted in for the first time) less. `--threads N`
+sets torch's threads in every case (default: torch's own); `--clock cpu` times each case by the
+process's CPU time (every thread's, the reader's prefetch thread included) instead of the wall
+clock: with `--threads 1`, the work each case does, which other jobs on the machine change least.
+`--saelens`: SAELens
 `SAETrainer.fit` samples/s fed by `iter(store.dataset(..., repeat=True))` against SAELens's
 `ActivationsStore` over `hookscope export --format saelens` of the same store.
 
@@ -66,6 +72,7 @@ SHAPES = {768: {"rows": 262_144, "shard_rows": 16_384, "buffer_rows": 65_536},
           4096: {"rows": 131_072, "shard_rows": 4_096, "buffer_rows": 16_384}}
 BEFORE_REV = "1dec836"  # main before batch memory was reused (store/dataset.py `_Recycler`)
 CASES = [("floor", "warm"), ("floor-np", "warm"), ("floor-out", "warm"), ("floor-cols", "warm"),
+         ("floor-cols2", "warm"),
          ("disk", "cold"), ("before", "warm"),
          ("after", "warm"), ("before", "warm4k"), ("after", "warm4k"), ("before-seq", "warm"),
          ("after-seq", "warm"), ("loader2", "warm"), ("before", "cold"), ("after", "cold")]
@@ -168,7 +175,7 @@ def before_src(rev: str) -> Path:
 
 
 def measure(case: str, d: int, dtype: str, cache: str, path: Path, layout: str = "point",
-            warm_epochs: int = EPOCHS) -> dict:
+            warm_epochs: int = EPOCHS, threads: int = 0, clock: str = "wall") -> dict:
     """One pass over the store at `path` in this process; rows/s (point rows: a stacked row of k
     columns counts k, so that every layout's rows/s is its bytes/s over d * 2)."""
     import numpy as np
@@ -176,6 +183,9 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path, layout: str =
 
     import hookscope as hs
 
+    if threads:
+        torch.set_num_threads(threads)
+    now = time.process_time if clock == "cpu" else time.perf_counter
     store = hs.open_store(path)
     point, stack, points = LAYOUTS[layout]
     k = len(points)
@@ -184,25 +194,27 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path, layout: str =
     epochs = 1 if cache == "cold" else warm_epochs
     if case == "disk":  # the disk's own speed: every shard file read front to back, nothing else
         drop_cache(path)
-        t0 = time.perf_counter()
+        t0 = now()
         for f in sorted((path / "shards").glob("*.safetensors")):
             with open(f, "rb", buffering=0) as fh:
                 while fh.read(1 << 24):
                     pass
-        seconds, n = time.perf_counter() - t0, rows * epochs
+        seconds, n = now() - t0, rows * epochs
     elif case.startswith("floor"):
         # in RAM (numpy: huge pages), not mapped; several columns side by side in each row, or (floor-cols)
         # each column's rows in a block of their own, as the store lays them out
         columns = [store.tensor(p).view(torch.int16).numpy() for p in points]
-        xn = np.concatenate(columns, axis=0 if case == "floor-cols" else 1)
+        by_column = case.startswith("floor-cols")
+        xn = np.concatenate(columns, axis=0 if by_column else 1)
         x = torch.from_numpy(xn).view(getattr(torch, dtype))
-        # floor-out's / floor-cols' one batch, allocated (and faulted in by its first gather) once
-        out = None
-        if case in ("floor-out", "floor-cols"):
-            out = torch.from_numpy(np.empty((BATCH, d * k), np.int16)).view(x.dtype)
-        if case == "floor-cols":  # layer-major: column j's rows of the batch at rows j*BATCH.. of the buffer
-            out, offsets = out.view(k * BATCH, d), (torch.arange(k) * rows)[:, None]
-        t0 = time.perf_counter()
+        # floor-out's / floor-cols' one batch (floor-cols2: two), allocated (and faulted in by its first
+        # gather) once
+        kept = 2 if case == "floor-cols2" else 1 if case in ("floor-out", "floor-cols") else 0
+        outs = [torch.from_numpy(np.empty((BATCH, d * k), np.int16)).view(x.dtype) for _ in range(kept)]
+        out = outs[0] if outs else None
+        if by_column:  # layer-major: column j's rows of the batch at rows j*BATCH.. of the buffer
+            outs, offsets = [o.view(k * BATCH, d) for o in outs], (torch.arange(k) * rows)[:, None]
+        t0 = now()
         n = 0
         for _ in range(epochs):
             perm = torch.randperm(rows)
@@ -211,13 +223,13 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path, layout: str =
                     n += torch.index_select(x, 0, perm[s : s + BATCH]).shape[0]
                 elif case == "floor-out":  # into memory faulted in once (rows divide into batches)
                     n += torch.index_select(x, 0, perm[s : s + BATCH], out=out).shape[0]
-                elif case == "floor-cols":  # every column's rows of the batch, in one gather
+                elif by_column:  # every column's rows of the batch, in one gather
                     index = (perm[s : s + BATCH] + offsets).reshape(-1)
-                    n += torch.index_select(x, 0, index, out=out).shape[0] // k
+                    n += torch.index_select(x, 0, index, out=outs[s // BATCH % len(outs)]).shape[0] // k
                 else:
                     index = perm[s : s + BATCH].numpy()
                     n += np.take(xn, index, axis=0, mode="clip").shape[0]  # a new batch, as a reader makes
-        seconds = time.perf_counter() - t0
+        seconds = now() - t0
     else:
         ds = store.dataset(point, shuffle=not case.endswith("-seq"), batch_size=BATCH,
                            buffer_rows=buffer_rows, **({"stack": True} if stack else {}))
@@ -227,12 +239,12 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path, layout: str =
             drop_cache(path)
         else:
             warm_cache(path, huge=cache == "warm")
-        t0 = time.perf_counter()
+        t0 = now()
         n = 0
         for _ in range(epochs):  # each pass over the dataset is the next epoch (a new order)
             for batch in ds:
                 n += (batch if isinstance(batch, torch.Tensor) else next(iter(batch.values()))).shape[0]
-        seconds = time.perf_counter() - t0
+        seconds = now() - t0
     assert n == rows * epochs, (n, rows)
     n *= k
     return {"rows_per_s": n / seconds, "gib_per_s": n * d * 2 / seconds / 2**30, "hookscope": hs.__file__}
@@ -305,14 +317,18 @@ def main() -> None:
     p.add_argument("--dtypes", default="float16,bfloat16")
     p.add_argument("--layouts", default="point", help="point,stack,clt (see the docstring)")
     p.add_argument("--epochs", type=int, default=EPOCHS, help="epochs per process in the warm cases")
+    p.add_argument("--threads", type=int, default=0, help="torch's threads in every case (0: torch's own)")
+    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                   help="time each case by the wall clock or by the process's CPU time")
     p.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # progress shows when redirected to a file
     if args.one:
         kind, *rest = args.one
         if kind == "read":
-            case, d, dtype, cache, path, layout, epochs = rest
-            print(json.dumps(measure(case, int(d), dtype, cache, Path(path), layout, int(epochs))))
+            case, d, dtype, cache, path, layout, epochs, threads, clock = rest
+            print(json.dumps(measure(case, int(d), dtype, cache, Path(path), layout, int(epochs),
+                                     int(threads), clock)))
         else:
             print(json.dumps(measure_saelens(rest[0], int(rest[1]), rest[2] == "train")))
         return
@@ -334,15 +350,18 @@ def main() -> None:
                 # order reversed every other round (ABBA): a cold read right after another cold read
                 # measured slower here (whichever came second), so no case may always come second
                 for case, cache in (cases if r % 2 == 0 else cases[::-1]):
-                    if case == "floor-cols" and layout == "point":
+                    if case.startswith("floor-cols") and layout == "point":
                         continue  # one column: floor-out
                     src = before if case.startswith("before") else None
-                    one = ["read", case, str(d), dtype, cache, str(path), layout, str(args.epochs)]
+                    one = ["read", case, str(d), dtype, cache, str(path), layout, str(args.epochs),
+                           str(args.threads), args.clock]
                     runs.setdefault(f"{case}/{cache}", []).append(fresh(one, src))
             row = {k: statistics.median(r["rows_per_s"] for r in v) for k, v in runs.items()}
             floor = max((v for k, v in row.items() if k.startswith("floor")), default=float("nan"))
             disk, cols = row.get("disk/cold"), row.get("floor-cols/warm")
-            print(f"\n{layout}: d_model {d}, {dtype}, {args.epochs} warm epochs (load now "
+            print(f"\n{layout}: d_model {d}, {dtype}, {args.epochs} warm epochs, threads "
+                  f"{args.threads or 'default'}, {args.clock} clock (load now "
+
                   f"{os.getloadavg()[0]:.1f}): rows/s, ratio to the fastest in-RAM floor"
                   + (" and to floor-cols (the store's layout)" if cols else ""))
             for key, value in row.items():

@@ -421,7 +421,9 @@ def test_statistics_where_the_activations_are_and_the_copy_out(device):
         buffers.add(handoff.buffer.data_ptr())
         handoff.release()
     if device == "cuda":  # each batch reused the buffer the last one handed back: memory stays flat
-        assert len(buffers) == 1 and copy_out.ring.made == 1
+        # (one more may have been made ahead in the background, after the first: ring.py's spare)
+        ring = copy_out.ring
+        assert len(buffers) == 1 and ring.made - ring.made_ahead == 1 and ring.made_ahead <= 1
 
 
 @pytest.mark.parametrize("device", DEVICES)

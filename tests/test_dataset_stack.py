@@ -8,6 +8,7 @@ gathered into the wrong slice fails)."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -279,3 +280,55 @@ def test_cross_layer_transcoder_stacks_from_dataloader_workers(clt_store):
         check_stack(batch["blocks.*.mlp.out"], batch["token_ids"], written, "mlp.out")
         seen += batch["token_ids"].tolist()
     assert sorted(seen) == list(range(240))
+
+
+@pytest.mark.parametrize("drop_last", [True, False])
+def test_batches_straddling_windows_are_gathered_into_batch_sized_memory(clt_store, monkeypatch, drop_last):
+    """A split keeps an uneven number of each window's rows, so batches straddle windows: each
+    window's rows go straight into their slice of one batch-sized buffer (no part buffers of odd
+    sizes, no second copy). Every stack equals the written rows of its `token_ids`, every batch is
+    its slice of the row-by-row stream (as a set), and over three epochs the batch memory comes from
+    at most the pool's four buffers per shape, each a whole batch (or the epoch's short last one)."""
+    from hookscope.store import recycler
+
+    store, written = clt_store
+    point = ["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"]
+    kw = {"stack": True, "seed": 8, "buffer_rows": 64, "split": "train", "val_fraction": 0.2}
+    stream = [int(row["token_ids"]) for e in range(3) for row in store.dataset(point, epoch=e, **kw)]
+    per_epoch = len(stream) // 3
+    assert 0 < per_epoch % 24  # windows and the epoch end inside batches
+    allocated = []
+    new_array = recycler.new_array
+    monkeypatch.setattr(recycler, "new_array",
+                        lambda shape, dtype: allocated.append(shape) or new_array(shape, dtype))
+    ds = store.dataset(point, batch_size=24, drop_last=drop_last, **kw)
+    got = []
+    for _ in range(3):
+        for batch in ds:
+            check_stack(batch["blocks.*.mlp.in"], batch["token_ids"], written, "mlp.in")
+            check_stack(batch["blocks.*.mlp.out"], batch["token_ids"], written, "mlp.out")
+            got.append(sorted(batch["token_ids"].tolist()))
+    sizes = [24] * (per_epoch // 24) + ([] if drop_last else [per_epoch % 24])
+    want = [sorted(stream[e * per_epoch :][at : at + n]) for e in range(3)
+            for at, n in zip(np.cumsum([0, *sizes[:-1]]).tolist(), sizes, strict=True)]
+    assert got == want
+    short = per_epoch % 24
+    shapes = {(24, 24, D), (24,)} | (set() if drop_last else {(24, short, D), (short,)})
+    assert set(allocated) == shapes
+    assert all(allocated.count(s) <= 4 for s in shapes)
+
+
+def test_straddling_batches_from_dataloader_workers(clt_store):
+    """With workers, a batch that straddles windows is filled in its worker's shared memory from both
+    windows; the loader's batches are the single-process stream's, each row its own layers."""
+    store, written = clt_store
+    point = ["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"]
+    kw = {"stack": True, "seed": 3, "buffer_rows": 64, "split": "train", "val_fraction": 0.3,
+          "batch_size": 20}
+    alone = [sorted(b["token_ids"].tolist()) for b in store.dataset(point, **kw)]
+    got = []
+    for batch in torch.utils.data.DataLoader(store.dataset(point, **kw), batch_size=None, num_workers=2):
+        check_stack(batch["blocks.*.mlp.in"], batch["token_ids"], written, "mlp.in")
+        check_stack(batch["blocks.*.mlp.out"], batch["token_ids"], written, "mlp.out")
+        got.append(sorted(batch["token_ids"].tolist()))
+    assert got == alone and len(alone) > 3

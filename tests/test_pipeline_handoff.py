@@ -13,7 +13,7 @@ import torch
 
 from hookscope.errors import StoreError
 from hookscope.extract.copyout import Handoff
-from hookscope.extract.ring import HostRing, nbytes_of, views
+from hookscope.extract.ring import HostRing, buffer_bytes, nbytes_of, views
 from hookscope.sources.columns import token_columns
 from hookscope.store import ShardWriter, open_store
 from hookscope.store.stats import PointStats, stats_tensors
@@ -87,6 +87,51 @@ def test_the_writer_waits_on_each_handoff_and_hands_buffers_back_after_writing(t
     assert ring.made <= 6 and ring.out == 0  # reused: the writer's bounds, not one buffer per batch
 
 
+class Scribbled(Handoff):
+    """A handoff whose buffer is overwritten the moment it is handed back (the next batch's copy
+    lands in it), and which notes when that was."""
+
+    def __init__(self, *args, view: torch.Tensor, released: list, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.view, self.released = view, released
+
+    def release(self) -> None:
+        if self.buffer is not None:
+            self.view.fill_(float("nan"))
+            self.released.append(time.perf_counter())
+        super().release()
+
+
+def test_a_shards_buffers_go_back_once_written_without_waiting_for_the_shard_before_to_commit(tmp_path):
+    # the first shard's commit (its fsync) is held; the second shard's buffers must come back as
+    # soon as its bytes are in its file, so the forward's next batches reuse them meanwhile
+    ring, released, held = HostRing(keep=8, pinned=False), [], threading.Event()
+    with ShardWriter(tmp_path / "store", SETTINGS, shard_rows=2 * ROWS, queue_size=4) as writer:
+        commit = writer._put_and_commit
+
+        def slow_commit(*args, **kwargs):
+            held.wait(10)
+            return commit(*args, **kwargs)
+
+        writer._put_and_commit = slow_commit
+        for i in range(4):  # two shards of two batches
+            value = rows_of(i)
+            buffer = ring.take(nbytes_of([value]))
+            (view,) = views(buffer, [value])
+            view.copy_(value)
+            handoff = Scribbled([], {}, ring, buffer, view=view, released=released)
+            writer.write(i, {"x": view}, handoff=handoff)
+        deadline = time.perf_counter() + 10
+        while len(released) < 4 and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        back_while_held = len(released)
+        held.set()
+    assert back_while_held == 4  # the first shard's commit had not ended when the second's came back
+    store = open_store(tmp_path / "store", verify=True)  # none of the scribbles reached a shard
+    assert torch.equal(store.tensor("x"), torch.cat([rows_of(i) for i in range(4)]))
+    assert ring.out == 0
+
+
 def test_a_failed_writer_still_hands_every_buffer_back(tmp_path, monkeypatch):
     import hookscope.store.writer as writer_module
 
@@ -129,16 +174,21 @@ def test_the_ring_reuses_what_is_handed_back_and_never_hands_out_one_twice():
     ring.give_back(ring.take(10 * 2**20))  # a fourth: the smallest free one is dropped, 3 kept
     assert len(ring.free) + ring.out == 3
     ring.give_back(small)
+    assert not handed_out_twice(ring, rounds=200) and ring.out == 0 and len(ring.free) <= 3
 
+
+def handed_out_twice(ring: HostRing, rounds: int, hold: float = 0.0) -> list[int]:
+    """Four threads taking and giving back buffers: the addresses ever held by two at once."""
     held, lock, twice = set(), threading.Lock(), []
 
-    def worker():  # four threads taking and giving back: never one buffer held by two at once
-        for _ in range(200):
+    def worker():
+        for _ in range(rounds):
             t = ring.take(100)
             with lock:
                 if t.data_ptr() in held:
                     twice.append(t.data_ptr())
                 held.add(t.data_ptr())
+            time.sleep(hold)
             with lock:
                 held.discard(t.data_ptr())
             ring.give_back(t)
@@ -148,6 +198,74 @@ def test_the_ring_reuses_what_is_handed_back_and_never_hands_out_one_twice():
         t.start()
     for t in threads:
         t.join()
+    return twice
+
+
+def test_a_page_locked_buffer_is_asked_for_at_the_power_of_two_the_pinned_allocator_gives():
+    # PyTorch's pinned allocator rounds every request up to a power of two: a 32,768 x 2048 bf16
+    # batch (128 MiB) asked for with slack would pin 256 MiB; 16 such points, 4 GiB instead of 2
+    point = 32_768 * 2048 * 2
+    for nbytes in (point - 4096, point, 16 * point, 1000, 1):
+        got = buffer_bytes(nbytes, pinned=True)
+        assert got & (got - 1) == 0 and got >= nbytes and (got < 2 * nbytes or got == 64)
+    assert buffer_bytes(point, pinned=True) == 2**27 and buffer_bytes(16 * point, pinned=True) == 2**31
+    assert buffer_bytes(point + 1, pinned=True) == 2**28
+    # ordinary memory is not rounded by its allocator: slack for batches that vary, whole MiB
+    assert buffer_bytes(point, pinned=False) == point + point // 8
+
+
+class Allocations:
+    """An allocator that records the thread each buffer was made on, and takes a while."""
+
+    def __init__(self, seconds: float = 0.02):
+        self.threads: list[int] = []
+        self.seconds = seconds
+
+    def __call__(self, size: int, pinned: bool) -> torch.Tensor:
+        time.sleep(self.seconds)
+        self.threads.append(threading.get_ident())
+        return torch.empty(size, dtype=torch.uint8)
+
+
+def test_a_spare_buffer_is_made_ahead_on_another_thread_and_the_next_batch_takes_it():
+    made = Allocations()
+    ring = HostRing(keep=4, pinned=False, spare=True, allocate=made)
+    first = ring.take(1000)
+    assert made.threads == [threading.get_ident()]  # none free yet: made where it was asked
+    second = ring.take(1000)  # the first still out: the spare, made meanwhile
+    assert second.data_ptr() != first.data_ptr() and second.numel() >= 1000
+    assert made.threads[1] != threading.get_ident() and ring.made_ahead >= 1
+    held = [first, second] + [ring.take(1000) for _ in range(3)]  # past `keep`: made here, no spare kept
+    assert len({b.data_ptr() for b in held}) == 5
+    for b in held:
+        ring.give_back(b)
+    time.sleep(0.1)  # any spare in the making has landed (or been dropped)
+    assert ring.out == 0 and len(ring.free) <= 4  # never more than `keep` held
+    before = ring.made
+    for _ in range(20):  # steady state: every buffer reused, none made, no spare started
+        a, b = ring.take(1000), ring.take(900)
+        ring.give_back(a)
+        ring.give_back(b)
+    assert ring.made == before and ring.out == 0
+
+
+def test_a_closed_ring_leaves_no_spare_in_the_making():
+    # a run's end: no thread of the ring may still be inside the allocator (a process exiting
+    # with one there tears CUDA down under it)
+    made = Allocations(0.2)
+    ring = HostRing(keep=4, pinned=False, spare=True, allocate=made)
+    ring.take(1000)
+    ring.close()
+    assert len(made.threads) == 2  # the spare was waited for, not left running
+    ring.take(1000), ring.take(1000)  # the spare, then one made here
+    time.sleep(0.3)
+    assert len(made.threads) == 3 and made.threads[-1] == threading.get_ident()  # no spare after close
+
+
+def test_a_ring_with_a_spare_never_hands_out_one_buffer_twice():
+    ring = HostRing(keep=3, pinned=False, spare=True, allocate=Allocations(0.001))
+    twice = handed_out_twice(ring, rounds=100, hold=0.0005)
+    time.sleep(0.05)  # a spare in the making has landed
     assert not twice and ring.out == 0 and len(ring.free) <= 3
 
 

@@ -66,7 +66,7 @@ class CopyOut:
     copies from it, and a ring of plain host buffers for CPU captures to write into."""
 
     def __init__(self, keep: int = 8, on_wait: Callable[[float], None] | None = None):
-        self.ring = HostRing(keep=keep, pinned=True)
+        self.ring = HostRing(keep=keep, pinned=True, spare=True)  # pinning is slow: made ahead
         self.host = HostRing(keep=None, pinned=False)  # what CPU captures write into (`into`)
         self.lent: dict[int, torch.Tensor] = {}  # by storage address: host buffers out to the capture
         self.on_wait = on_wait  # each handoff's wait for the device, in seconds (the run's report)
@@ -120,6 +120,10 @@ class CopyOut:
         host = {name: placed[name] if name in placed else a.cpu() for name, a in acts.items()}
         return host, Handoff(events, stats, self.ring, buffer, sources=list(cuda.values()),
                              on_wait=self.on_wait, lent=lent)
+
+    def close(self) -> None:
+        """The run is over: no buffer is made ahead any more (ring.py)."""
+        self.ring.close()
 
     def _side(self, device: torch.device) -> torch.cuda.Stream:
         if device not in self.streams:

@@ -207,6 +207,7 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
                 counts["done"], counts["new_rows"] = counts["done"] + 1, counts["new_rows"] + rows
                 advance(rows, batch)
     finally:
+        copy_out.close()
         bar.close(note=note(), complete=True)
     total_rows, nonfinite, bytes_written = writer.total_rows, dict(writer.nonfinite), writer.bytes_written
     seconds = time.perf_counter() - started

@@ -8,8 +8,13 @@ allocated once: a block's parameters are pointed at a slot while it runs and bac
 A block's tensors are read from the safetensors files straight into the slot (`pread` into its
 bytes; a dtype conversion goes through one 1 MiB staging buffer), so no whole-tensor temporary
 and no memory map's pages are left behind. On CUDA the slots are pinned host memory, copied into
-one set of device buffers, reused too. The next block is read into the spare slot in a thread
-while this one computes.
+one set of device buffers, reused too.
+
+The next block is read ahead in a thread while this one computes: into the spare slot when there
+are two, else only into the page cache (`page_in`: the kernel's memory, not the process's), to
+be copied into the one slot when it starts. `slots_for` picks: two where a read is work worth
+overlapping (a conversion; a copy to a GPU, which needs pinned slots), one where it is a copy of
+cached bytes (~12 ms for 51 MB here, against seconds of a chunk's passes through the block).
 """
 
 from __future__ import annotations
@@ -19,7 +24,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import Tensor, nn
 
-from .safetensors_reads import TensorRead, read_into
+from .safetensors_reads import TensorRead, page_in, read_into
 
 _ALIGN = 64  # bytes: each tensor's start in a slot (any dtype's view needs its own size)
 _STAGING_BYTES = 2**20  # resident while converting, one per slot: kept small
@@ -30,6 +35,20 @@ Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]  # parameter name in the
 
 def layout_of(block: nn.Module) -> Layout:
     return {name: (tuple(p.shape), p.dtype) for name, p in block.named_parameters()}
+
+
+def slots_for(layout: Layout, reads: dict[int, dict[str, TensorRead]], device: torch.device | str,
+              read_ahead: bool) -> int:
+    """How many slots: two when the next block is read ahead and reading it is more than a copy of
+    cached bytes (a dtype conversion, or a GPU run's pinned copy); else one."""
+    if not read_ahead:
+        return 1
+    return 2 if torch.device(device).type != "cpu" or converts(layout, reads) else 1
+
+
+def converts(layout: Layout, reads: dict[int, dict[str, TensorRead]]) -> bool:
+    """Whether any tensor is stored in another dtype than the block's (a read converts it)."""
+    return any(read.stored != layout[name][1] for block in reads.values() for name, read in block.items())
 
 
 def _carve(layout: Layout, device: torch.device | str, pin: bool) -> tuple[Tensor, dict[str, Tensor]]:
@@ -51,7 +70,7 @@ class BlockBuffers:
     """`count` slots (2: one computing, one read ahead) for blocks of one `layout`; `reads[k]` says
     where block k's tensors lie. `attach(k, module)` puts block k's weights in `module` (read now,
     or waited for when read ahead); `detach` puts its `meta` parameters back; `read_ahead(k)` reads
-    block k into the spare slot in a thread."""
+    block k into the spare slot in a thread, or with one slot pages its bytes in."""
 
     def __init__(self, layout: Layout, reads: dict[int, dict[str, TensorRead]], count: int,
                  device: torch.device | str = "cpu"):
@@ -62,9 +81,12 @@ class BlockBuffers:
         self.host = [_carve(layout, "cpu", pin) for _ in range(count)]
         # on a device: one set of device buffers, each block copied in from its host slot
         self.device = None if on_host else _carve(layout, device, False)
-        self._staging = [torch.empty(_STAGING_BYTES, dtype=torch.uint8) for _ in range(count)]
+        # a read that converts goes through staging; one that does not reads straight into the slot
+        staging = _STAGING_BYTES if converts(layout, reads) else 0
+        self._staging = [torch.empty(staging, dtype=torch.uint8) for _ in range(count)]
         self._holds: list[int | None] = [None] * count  # the block each slot holds or is reading
         self._pending: dict[int, Future] = {}  # slot -> its read ahead
+        self._paging: Future | None = None  # one slot: the next block's bytes paged in
         self._copied: list[object | None] = [None] * count  # CUDA: the event after a slot's copy out
         self._attached: dict[int, tuple[int, dict[str, nn.Parameter]]] = {}  # block -> (slot, meta params)
         self._reader: ThreadPoolExecutor | None = None
@@ -100,17 +122,25 @@ class BlockBuffers:
     def read_ahead(self, k: int) -> None:
         if self._slot_holding(k, wait=False) is not None:
             return
-        slot = self._free_slot()
         if self._reader is None:
             self._reader = ThreadPoolExecutor(1, thread_name_prefix="hookscope-read")
+        if len(self.host) == 1:  # no spare slot: the page cache holds the next block
+            if self._paging is None or self._paging.done():
+                self._paging = self._reader.submit(self._page_in, k)
+            return
+        slot = self._free_slot()
         self._holds[slot] = k
         self._pending[slot] = self._reader.submit(self.read, slot, k)
+
+    def _page_in(self, k: int) -> None:
+        for read in self.reads[k].values():
+            page_in(read)
 
     def close(self) -> None:
         """Stop the read-ahead thread; what it was reading is forgotten."""
         if self._reader is not None:
             self._reader.shutdown(wait=True, cancel_futures=True)
-        self._reader = None
+        self._reader, self._paging = None, None
         for slot in list(self._pending):
             del self._pending[slot]
             if all(s != slot for s, _ in self._attached.values()):

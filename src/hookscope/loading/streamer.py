@@ -4,10 +4,11 @@ The run is layer-major over chunks of batches: for each block up to the last poi
 read from the safetensors checkpoint (the next block's read ahead in a thread while this one
 computes), every batch of the chunk goes through it, the points inside it are kept, and its weights
 go back to `meta`. Resident weights: the ones outside the blocks (embeddings, norms) + at most two
-blocks (one when two do not fit); on the CPU an input embedding that can be is looked up row by row
-from its file instead (embedding_rows.py). When the blocks all hold the same tensors and loading only renames
-them, the two blocks are two buffer sets allocated once and reused by every block
-(block_buffers.py), so the process does not keep freed blocks in its allocator's heap; otherwise
+blocks (one when two do not fit, or when the next one's read is a copy of cached bytes); on the CPU
+an input embedding that can be is looked up row by row from its file instead (embedding_rows.py).
+When the blocks all hold the same tensors and loading only renames them, the blocks are one or two
+buffer sets allocated once and reused by every block (block_buffers.py), so the process does not
+keep freed blocks in its allocator's heap; otherwise
 (blocks that differ, weights transformers fuses or splits, a pickled checkpoint) each block is
 loaded afresh by transformers' own loader.
 
@@ -37,7 +38,7 @@ from ..capture import Capture
 from ..errors import HookscopeError
 from ..stopping import Stop, no_cache
 from .allocator import give_back_freed, returning_freed_memory
-from .block_buffers import BlockBuffers, layout_of
+from .block_buffers import BlockBuffers, layout_of, slots_for
 from .checkpoint import Checkpoint
 from .embedding_rows import embedding_rows_for
 from .loader import Loaded
@@ -164,7 +165,7 @@ class BlockStreamer:
                 if found is None:
                     return None
                 reads[k] = {name[len(path) + 1:]: read for name, read in found.items()}
-        slots = 2 if self.plan.read_ahead and self.plan.last_block > 0 else 1
+        slots = slots_for(layout, reads, self.device, self.plan.read_ahead and self.plan.last_block > 0)
         return BlockBuffers(layout, reads, slots, self.device)
 
     def _release(self, k: int) -> None:
@@ -189,8 +190,9 @@ class BlockStreamer:
             self._loaded.add(k)
             _rescale_fresh_block(self.model)
             held = resident_bytes(self.model)
+            if nxt != k:
+                self.buffers.read_ahead(nxt)  # while block k computes: the spare slot or the page cache
             if len(self.buffers.host) > 1:
-                self.buffers.read_ahead(nxt)  # into the spare slot, while block k computes
                 held += nbytes(self.model, self.plan.blocks[nxt])
             self.peak_weight_bytes = max(self.peak_weight_bytes, held)
             return

@@ -54,7 +54,7 @@ from ..errors import StoreError
 from .mapper import Mapper, ReadStore
 from .recycler import Alloc, Recycler, empty_shared
 from .selected import select
-from .window import MappedWindow, join
+from .window import Batch, MappedWindow
 
 _CHUNK = 4096  # rows gathered at once from a mapped window when yielding single rows
 # (epoch, the mapped window with this rank's row order, or None at an epoch's end)
@@ -208,43 +208,48 @@ class ActivationDataset(IterableDataset):
 
     def _batches(self, windows: Iterator[_Item], worker: int, workers: int,
                  empty: Alloc) -> Iterator[Any]:
-        """Each batch is gathered from the mapped window in one pass, except the few that straddle
-        two windows, which are gathered in two parts and joined. Batches of other workers are
-        counted, not gathered."""
+        """Each batch is gathered straight into its own memory: from one window in one pass, or, for
+        the few that straddle windows, each window's rows into their slice of it (no second copy,
+        no memory of an odd size). Batches of other workers, and a last short batch that `drop_last`
+        drops, are counted, not gathered."""
         size = self.batch_size
         assert size is not None
+        per_epoch = self.rows_per_epoch
         b = 0  # batches of the stream met by this iterator; batch b is worker b % workers's
-        parts: list[dict[str, torch.Tensor]] = []  # the start of a batch that straddles windows
-        held = 0  # rows in `parts` (or, for another worker's batch, rows counted)
+        batch: Batch | None = None  # the batch being filled, when this worker yields it
+        held = 0  # rows of the stream in the current batch so far
 
         def finish() -> dict[str, torch.Tensor] | None:  # a whole batch of `held` rows
-            nonlocal b, parts, held
-            mine = b % workers == worker
-            out = join(parts, empty) if mine else None
+            nonlocal b, batch, held
+            out = None if batch is None else batch.first(held)
             self.position += held
-            b, parts, held = b + 1, [], 0
+            b, batch, held = b + 1, None, 0
             return out
 
         for epoch, window in windows:
             if window is None:  # the epoch is spent: its last, short batch unless drop_last
                 if held and not self.drop_last:
-                    batch = finish()
-                    if batch is not None:
-                        yield self._out(batch)
-                parts, held = [], 0
+                    out = finish()
+                    if out is not None:
+                        yield self._out(out)
+                batch, held = None, 0
                 self.epoch, self.position = epoch + 1, 0
                 continue
             at = 0
             while at < window.rows:
+                if held == 0:  # a batch begins: its rows are the epoch's next `size`, or what is left
+                    rows = min(size, per_epoch - self.position)
+                    if b % workers == worker and not (self.drop_last and rows < size):
+                        batch = window.new_batch(rows, empty)
                 take = min(size - held, window.rows - at)
-                if b % workers == worker:
-                    parts.append(window.gather(slice(at, at + take), empty)[0])
+                if batch is not None:
+                    window.fill(batch, slice(at, at + take), held)
                 held += take
                 at += take
                 if held == size:
-                    batch = finish()
-                    if batch is not None:
-                        yield self._out(batch)
+                    out = finish()
+                    if out is not None:
+                        yield self._out(out)
             window = None  # let the window go before the next is handed over
 
     @property
@@ -375,7 +380,6 @@ class ActivationDataset(IterableDataset):
     def _mine(self, a: int, b: int) -> int:
         """How many stream positions in [a, b) belong to this rank."""
         return _below(b, self.rank, self.world_size) - _below(a, self.rank, self.world_size)
-
 
 
 def _below(x: int, rank: int, world: int) -> int:

@@ -3,15 +3,18 @@ hot path, so in as few passes over the batch as the values allow: what `hookscop
 what trainers normalise with (SAELens's norm scaling, a cross-layer transcoder's per-dimension
 standardisation).
 
-`PointStats.of` takes a float32 copy of the batch and every row's L2 norm. A non-finite value makes
-its row's norm non-finite (squares are >= 0, so NaN and Inf survive the sum), so when every norm is
-finite every value is; only a batch with a non-finite norm is checked value by value, and its rows
-with a non-finite value are left out of everything but `nonfinite`. The per-dimension sums are then
-taken of the deviations from a shift near the mean (the mean of the first rows), in place in the
-copy: sums of deviations keep their precision where the mean is large beside the spread (a plain
-sum of squares minus the squared sum would cancel). They become the batch's (count, mean, M2) in
-float64, and batches, shards and ranks merge with Chan et al.'s pairwise update (float64), which is
-exact up to float64 rounding whatever the order.
+`PointStats.of` takes every row's L2 norm (float32) and the per-dimension sums of the deviations
+from a shift near the mean (the mean of the first rows): sums of deviations keep their precision
+where the mean is large beside the spread (a plain sum of squares minus the squared sum would
+cancel). On the CPU it goes through the batch once, a chunk of rows at a time cast into a reused
+`Workspace` and reduced while it is in the cache (the chunks' sums added in float64), on the
+calling thread alone (`one_thread`: the forward has the other cores); a row's norm is its own, so
+the norms are the same floats as over the whole batch at once. A non-finite value makes its row's
+norm non-finite (squares are >= 0, so NaN and Inf survive the sum), so when every norm is finite
+every value is; a batch with a non-finite norm is taken again value by value from a float32 copy,
+and its rows with a non-finite value are left out of everything but `nonfinite`. The sums become
+the batch's (count, mean, M2) in float64, and batches, shards and ranks merge with Chan et al.'s
+pairwise update (float64), which is exact up to float64 rounding whatever the order.
 
 The manifest keeps the scalar statistics (`to_json`: a few numbers per point per shard, whatever
 the point's width); each shard keeps its own per-dimension mean and M2 in its safetensors header
@@ -30,7 +33,10 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..one_thread import one_thread
+
 _SHIFT_ROWS = 256  # rows whose mean is the shift
+_CHUNK_BYTES = 6 << 20  # float32 rows cast and reduced at a time: they stay in the cache
 HEADER_KEY = "hookscope.stats"  # the shard's __metadata__ key holding its per-dimension statistics
 
 
@@ -57,7 +63,15 @@ class PointStats:
     def of(cls, rows: torch.Tensor, work: Workspace | None = None) -> PointStats:
         """The statistics of `rows` [rows, ...], on any device, any float dtype; `work`: where to
         take the float32 copy (a writer's, reused batch after batch)."""
-        flat, owned = _float32(rows, work)
+        flat = rows.reshape(rows.shape[0], -1)
+        chunk = None if work is None else work.take((min(flat.shape[0], _chunk_rows(flat.shape[1])),
+                                                     flat.shape[1]), flat.device)
+        if chunk is not None and flat.shape[0]:
+            with one_thread():  # the other cores run the forward: splitting each small op costs more
+                done = _in_chunks(flat, chunk)
+            if done is not None:
+                return done
+        flat, owned = _float32(flat)
         norms = flat.norm(dim=1)
         if bool(torch.isfinite(norms).all()):
             nonfinite, whole = 0, flat.shape[0]
@@ -155,9 +169,9 @@ class PointStats:
 
 
 class Workspace:
-    """The float32 memory `PointStats.of` works in, kept from batch to batch (grown, with room to
-    spare, when a batch needs more: batches differ a little in rows): a fresh copy per batch faults
-    its pages in every time, which on a CPU costs more than the arithmetic."""
+    """The float32 memory `PointStats.of` works in on the CPU, kept from batch to batch: one chunk of
+    rows (`_CHUNK_BYTES`), cast and reduced while it is in the cache. A fresh copy per batch would
+    fault its pages in every time, which on a CPU costs more than the arithmetic."""
 
     def __init__(self) -> None:
         self.buffer = torch.empty(0)
@@ -174,13 +188,38 @@ class Workspace:
         return self.buffer[:numel].view(shape)
 
 
-def _float32(rows: torch.Tensor, work: Workspace | None) -> tuple[torch.Tensor, bool]:
+def _chunk_rows(width: int) -> int:
+    return max(1, _CHUNK_BYTES // (4 * max(width, 1)))
+
+
+def _in_chunks(flat: torch.Tensor, chunk: torch.Tensor) -> PointStats | None:
+    """`PointStats.of` of the CPU rows `flat` [rows, features], every value finite, in one pass over
+    them: each chunk of rows cast into `chunk` (float32, reused) and reduced while it is in the
+    cache; the per-dimension sums of each chunk's deviations from the shift added up in float64.
+    The norms are the same floats as over the whole batch at once (a row's norm is its own). None
+    when a row's norm is not finite: the caller takes the batch value by value."""
+    n, step = flat.shape[0], chunk.shape[0]
+    shift = flat[:_SHIFT_ROWS].float().mean(0)  # the values of the first rows, as `of` takes them
+    norms = torch.empty(n)
+    s1 = torch.zeros(flat.shape[1], dtype=torch.float64)
+    s2 = torch.zeros(flat.shape[1], dtype=torch.float64)
+    for start in range(0, n, step):
+        part = chunk[:min(step, n - start)].copy_(flat[start:start + step])  # the same rounding as .float()
+        row_norms = torch.norm(part, dim=1, out=norms[start:start + part.shape[0]])
+        if not bool(torch.isfinite(row_norms).all()):
+            return None
+        deviations = part.sub_(shift)
+        s1 += deviations.sum(0)
+        s2 += deviations.square_().sum(0)
+    mean, m2 = _moments(shift, s1, s2, n)
+    norms64 = norms.double()
+    return PointStats(0, n, float(norms64.sum()), float((norms64**2).sum()), mean, m2)
+
+
+def _float32(rows: torch.Tensor) -> tuple[torch.Tensor, bool]:
     """`rows` as a contiguous float32 [rows, features] tensor, and whether it is a copy of ours to
     overwrite (float64 values may overflow here: they count as non-finite)."""
     flat = rows.reshape(rows.shape[0], -1)
-    into = None if work is None else work.take(tuple(flat.shape), flat.device)
-    if into is not None:
-        return into.copy_(flat), True  # the same rounding as .float()
     return flat.float().contiguous(), flat.dtype != torch.float32
 
 
@@ -207,7 +246,7 @@ def stats_tensors(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch
     per-dimension mean and M2; `PointStats.of_tensors` reads them once on the host. The rows that
     are not whole (a non-finite value) are zeroed out of every sum but `nonfinite`, as `of` leaves
     them out; the shift is the mean of the whole rows among the first ones."""
-    flat, owned = _float32(rows, None)
+    flat, owned = _float32(rows)
     finite = torch.isfinite(flat)
     whole = finite.all(dim=1)
     nonfinite = flat.numel() - finite.sum()

@@ -88,20 +88,14 @@ class MappedWindow:
             index.setdefault(id(r), torch.from_numpy(r))
         self.index = {name: index[id(r)] for name, r in rows.items()}
 
-    def gather(self, positions: slice, empty: Alloc) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
-        """The rows at `positions` of the order, each column (or stack of columns) in one new tensor,
-        grouped by part: returns (outputs, grouping) with outputs row k = the row at position
-        positions[grouping[k]] (grouping None: in order). A stack is gathered into column-major
-        memory ([columns, rows, ...]: a gather into a strided `[rows, columns, ...]` destination
-        measured 3-5x slower in torch) and handed out as its `[rows, columns, ...]` view; stacks of
-        one row kind share one such buffer (so a batch keeps the memory of all of them while one
-        is held). With one part, each run of the buffer's columns that are rows of one mapping is
-        filled in one gather (one pass of torch's threads, which wait for each other at every
-        call: one for a whole CLT batch when the writer put its columns side by side); with several,
-        column by column into its contiguous slices: the same single copy per row as one column."""
-        n = len(range(*positions.indices(self.rows)))
+    def new_batch(self, n: int, empty: Alloc) -> Batch:
+        """Memory for a batch of `n` rows of every output, which `fill` fills (from this window or, for a
+        batch that straddles windows, from each). A stack is gathered into column-major memory
+        ([columns, rows, ...]: a gather into a strided `[rows, columns, ...]` destination measured 3-5x
+        slower in torch) and handed out as its `[rows, columns, ...]` view; stacks of one row kind share
+        one such buffer (so a batch keeps the memory of all of them while one is held)."""
         shapes = {k: v.shape[1:] for k, v in self.sources[0].items()}
-        out, outs, whole = {}, {}, []
+        out, rows, whole = {}, {}, []
         for keys in self.buffers:
             names = [name for key in keys for name in self.stacks[key]]
             buffer = empty((len(names), n, *shapes[names[0]]), self.dtypes[names[0]])
@@ -109,44 +103,77 @@ class MappedWindow:
             for key in keys:
                 out[key] = buffer[at : at + len(self.stacks[key])].movedim(0, 1)
                 at += len(self.stacks[key])
-            outs.update({name: same_size_ints(buffer[j]) for j, name in enumerate(names)})
+            rows.update({name: same_size_ints(buffer[j]) for j, name in enumerate(names)})
             whole.append((names, same_size_ints(buffer).flatten(0, 1)))
         for k in shapes:
-            if k not in outs:
+            if k not in rows:
                 out[k] = empty((n, *shapes[k]), self.dtypes[k])
-                outs[k] = same_size_ints(out[k])
+                rows[k] = same_size_ints(out[k])
+        return Batch(n, out, rows, whole)
+
+    def gather(self, positions: slice, empty: Alloc) -> tuple[dict[str, torch.Tensor], np.ndarray | None]:
+        """The rows at `positions` of the order in a batch of their own: (outputs, grouping), see `fill`."""
+        batch = self.new_batch(len(range(*positions.indices(self.rows))), empty)
+        return batch.out, self.fill(batch, positions, 0)
+
+    def fill(self, batch: Batch, positions: slice, at: int) -> np.ndarray | None:
+        """Gather the rows at `positions` of the order into rows `at`.. of `batch`, grouped by part:
+        returns grouping, with batch row at + k = the row at position positions[grouping[k]] (grouping
+        None: in order). Straight from the mapped shards, one copy per row: a whole batch from one part
+        in one gather per run of a buffer's columns that are rows of one mapping (one pass of torch's
+        threads, which wait for each other at every call: one for a whole CLT batch when the writer put
+        its columns side by side); a batch's part from one window (it straddles windows), or a window of
+        several parts, column by column into its contiguous slices."""
+        n = len(range(*positions.indices(self.rows)))
+        assert at + n <= batch.n, (at, n, batch.n)
         index = {k: v[positions] for k, v in self.index.items()}
-        if self.part is None:  # one part: the whole batch in one gather per column or buffer
+        if self.part is None:  # one part
             sources = dict(self.sources[0])
-            for names, flat in whole:
-                j = 0
-                while j < len(names):  # columns j..end-1 are rows of one mapping (mapper.py)
-                    source, end = sources[names[j]], j + 1
-                    while end < len(names) and sources[names[end]] is source:
-                        end += 1
-                    torch.index_select(source, 0, torch.cat([index[name] for name in names[j:end]]),
-                                       out=flat[j * n : end * n])
-                    j = end
-                for name in names:
-                    del sources[name]
+            if at == 0 and n == batch.n:  # the whole batch: one gather per run of a buffer's columns
+                for names, flat in batch.whole:
+                    j = 0
+                    while j < len(names):  # columns j..end-1 are rows of one mapping (mapper.py)
+                        source, end = sources[names[j]], j + 1
+                        while end < len(names) and sources[names[end]] is source:
+                            end += 1
+                        torch.index_select(source, 0, torch.cat([index[name] for name in names[j:end]]),
+                                           out=flat[j * n : end * n])
+                        j = end
+                    for name in names:
+                        del sources[name]
             for k, source in sources.items():
-                torch.index_select(source, 0, index[k].contiguous(), out=outs[k])
-            return out, None
+                torch.index_select(source, 0, index[k].contiguous(), out=batch.rows[k][at : at + n])
+            return None
         part = self.part[positions]
         # a stable sort of small integers is a radix sort in numpy: linear in the batch
         grouping = None if self.grouped else np.argsort(part, kind="stable")
         if grouping is not None:
             part = part[grouping]
-            at = torch.from_numpy(grouping)
-            index = {k: v[at] for k, v in index.items()}
+            order = torch.from_numpy(grouping)
+            index = {k: v[order] for k, v in index.items()}
         cuts = [0, *(np.flatnonzero(part[1:] != part[:-1]) + 1).tolist(), n]
         for a, b in zip(cuts, cuts[1:], strict=False):
             if b > a:
                 for k, source in self.sources[int(part[a])].items():
                     # torch's gather, on its threads: 1.3x numpy's one-thread `take` from mapped
                     # shards (768 and 4096 columns, idle 2-core machine, into a numpy-allocated batch)
-                    torch.index_select(source, 0, index[k][a:b].contiguous(), out=outs[k][a:b])
-        return out, grouping
+                    into = batch.rows[k][at + a : at + b]
+                    torch.index_select(source, 0, index[k][a:b].contiguous(), out=into)
+        return grouping
+
+
+class Batch:
+    """A batch's memory: `out`, what is handed out (a tensor per output key, a stack a view of its
+    buffer); `rows`, each column's `n` rows as integers of its element size (contiguous); `whole`, each
+    buffer of stacks as (its columns, one `[columns * n, ...]` block)."""
+
+    def __init__(self, n: int, out: dict[str, torch.Tensor], rows: dict[str, torch.Tensor],
+                 whole: list[tuple[list[str], torch.Tensor]]):
+        self.n, self.out, self.rows, self.whole = n, out, rows, whole
+
+    def first(self, rows: int) -> dict[str, torch.Tensor]:
+        """The outputs, cut to their first `rows` rows when the batch was not filled."""
+        return self.out if rows == self.n else {k: v[:rows] for k, v in self.out.items()}
 
 
 _SAME_SIZE_INT = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
@@ -156,23 +183,3 @@ def same_size_ints(t: torch.Tensor) -> torch.Tensor:
     """`t` viewed as integers of its element size: whole rows of bytes to gather (any dtype,
     bfloat16 and bool included; no conversion, one gather kernel)."""
     return t.view(_SAME_SIZE_INT[t.element_size()])
-
-
-def join(parts: list[dict[str, torch.Tensor]], empty: Alloc) -> dict[str, torch.Tensor]:
-    """One batch from the parts gathered from two windows; a stack keeps its column-major memory."""
-    if len(parts) == 1:
-        return parts[0]
-    out = {}
-    for k, first in parts[0].items():
-        rows = sum(len(p[k]) for p in parts)
-        if first.is_contiguous():
-            out[k] = empty((rows, *first.shape[1:]), first.dtype)
-            torch.cat([p[k] for p in parts], out=out[k])
-            continue
-        out[k] = empty((first.shape[1], rows, *first.shape[2:]), first.dtype).movedim(0, 1)  # a stack
-        at = 0
-        for p in parts:
-            out[k][at : at + len(p[k])].copy_(p[k])
-            at += len(p[k])
-    return out
-

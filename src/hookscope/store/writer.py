@@ -137,7 +137,7 @@ class ShardWriter:
         self._handoffs: list[Handoff] = []  # of the pending batches: released once written
         self._pending_stats: dict[str, PointStats] = {}
         self._pending_rows = 0
-        self._work = Workspace()  # the statistics' float32 copy of a batch, reused (the writer thread's)
+        self._work = Workspace()  # the statistics' float32 chunk of rows, reused (the writer thread's)
         # the threads that copy a shard's bytes into its file, each its own range (the writer thread
         # checksums the same bytes meanwhile): the copy scales with the cores
         self._copiers = ThreadPoolExecutor(writers or _default_writers(),
@@ -311,8 +311,7 @@ class ShardWriter:
     def _flush(self) -> None:
         started = time.perf_counter()
         self._write_shard(self._pending, self._pending_stats)
-        self._pending, self._pending_stats, self._pending_rows = [], {}, 0
-        self._release()  # their bytes are in the shard file: the buffers may be reused
+        self._pending, self._pending_stats, self._pending_rows = [], {}, 0  # their buffers: back already
         self.busy_seconds += time.perf_counter() - started
 
     def _wait_commit(self) -> None:
@@ -344,6 +343,9 @@ class ShardWriter:
             self._staging.mkdir(exist_ok=True)  # made on the first write: a store never written has none
             size, digest = save_columns(columns, tmp, metadata, self.checksum, self._copiers, self._file_mode,
                                         sync=False)
+            # the batches' bytes are in the file: their buffers go back now, not after the wait below,
+            # so that the next batches' copies reuse them instead of pinning new ones meanwhile
+            self._release()
             self._wait_commit()  # the shard before: committed first (or failed, and this one goes too)
         except BaseException:
             tmp.unlink(missing_ok=True)
