@@ -86,7 +86,7 @@ def select_tokens(x: Tensor, mask: Tensor, pos_dim: int | None, kept: KeptRows,
         return x[mask.to(x.device)]
     rows = kept.of(mask, x.device)
     out = None if into is None else into((rows.numel(), *x.shape[2:]), cast or x.dtype, x.device)
-    dtype = cast or x.dtype if out is None else out.dtype
+    dtype = (cast or x.dtype) if out is None else out.dtype
     if dtype != x.dtype and x.device.type == "cpu" and mask.device.type == "cpu":
         runs = kept.runs(mask)
         if len(runs) * _RUN_ROWS <= rows.numel():  # long runs: each one copy, cast on the way

@@ -86,7 +86,7 @@ class HostRing:
         if making is None or making[1] < nbytes or not making[0].is_alive():
             return
         with self.lock:
-            if any(b.numel() >= nbytes for b in self.free):
+            if self._free_fits(nbytes):
                 return
         started = time.perf_counter()
         making[0].join()
@@ -96,7 +96,7 @@ class HostRing:
         """Start making a buffer of `size` in the background when none free fits `nbytes` (the ring
         is growing) and it may hold one more."""
         with self.lock:
-            if any(b.numel() >= nbytes for b in self.free):
+            if self._free_fits(nbytes):
                 return
             if self.keep is not None and self.made >= self.keep:
                 return
@@ -105,6 +105,10 @@ class HostRing:
             thread = threading.Thread(target=self._make, args=(size,), name="hookscope-pin", daemon=True)
             self._making = (thread, size)
         thread.start()
+
+    def _free_fits(self, nbytes: int) -> bool:
+        """Whether a free buffer holds `nbytes` (the caller holds the lock)."""
+        return any(b.numel() >= nbytes for b in self.free)
 
     def _make(self, size: int) -> None:
         try:

@@ -208,9 +208,9 @@ def _in_chunks(flat: torch.Tensor, chunk: torch.Tensor) -> PointStats | None:
         row_norms = torch.norm(part, dim=1, out=norms[start:start + part.shape[0]])
         if not bool(torch.isfinite(row_norms).all()):
             return None
-        deviations = part.sub_(shift)
-        s1 += deviations.sum(0)
-        s2 += deviations.square_().sum(0)
+        part_s1, part_s2 = _deviation_sums(part, shift, owned=True)
+        s1 += part_s1
+        s2 += part_s2
     mean, m2 = _moments(shift, s1, s2, n)
     norms64 = norms.double()
     return PointStats(0, n, float(norms64.sum()), float((norms64**2).sum()), mean, m2)
