@@ -14,10 +14,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from helpers import extract_cli_args, write_corpus
 
 import hookscope as hs
-
-from helpers import extract_cli_args, write_corpus
 
 SRC = Path(hs.__file__).resolve().parents[1]
 ENTRY = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]["scripts"]["hookscope"]
