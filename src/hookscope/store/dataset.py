@@ -232,6 +232,7 @@ class ActivationDataset(IterableDataset):
                     out = finish()
                     if out is not None:
                         yield self._out(out)
+                        out = None
                 batch, held = None, 0
                 self.epoch, self.position = epoch + 1, 0
                 continue
@@ -250,6 +251,7 @@ class ActivationDataset(IterableDataset):
                     out = finish()
                     if out is not None:
                         yield self._out(out)
+                        out = None  # a consumer that let go of the batch lets its memory be reused
             window = None  # let the window go before the next is handed over
 
     @property
