@@ -343,7 +343,8 @@ def main() -> None:
     sys.path.insert(0, str(before))
     cases = [tuple(c.split("/")) for c in args.cases.split(",")]
     if not args.saelens_only:
-        for layout, d, dtype in [(lay, d, t) for lay in args.layouts.split(",") for d in dims for t in dtypes]:
+        layouts = args.layouts.split(",")
+        for layout, d, dtype in [(lay, d, t) for lay in layouts for d in dims for t in dtypes]:
             path = build_store(d, dtype, args.quick, layout=layout)
             runs: dict[str, list[dict]] = {}
             for r in range(args.runs):  # rounds: every case once per round, fresh processes, the
