@@ -11,14 +11,18 @@ processes; use an even `--runs`):
   floor-np: the same with numpy's `take` on one thread; floor-out: torch's `index_select` into one
   batch-sized buffer allocated once (no page faults for new batch memory; every batch overwrites the
   last, which a reader cannot do while a consumer holds its batch). The ratio is to the fastest of
-  the floors: what a trainer could get with no disk and no file format at all. disk: the shard
+  the floors: what a trainer could get with no disk and no file format at all. floor-held: torch's
+  `index_select` into a new batch while the last one is still held, as `batch = x[idx]` in a
+  training loop does (two batches alive: the in-RAM gather a trainer writes). disk: the shard
   files read front to back with the page cache dropped (the disk's own speed, which bounds every
   cold case: cold cases also show their ratio to it).
 - before: `store.dataset(point, batch_size=4096)` of main at `--before-rev` (default 1dec836;
   exported from git into bench/out/read/src-REV, or `--before-src DIR`), in a process whose
   PYTHONPATH puts it first; after: this checkout's. `shuffle=True` unless named `seq`
   (`shuffle=False`).
-- loader2: after, through `DataLoader(ds, batch_size=None, num_workers=2)`.
+- loader2: after, through `DataLoader(ds, batch_size=None, num_workers=2)`. after-drop: after, the
+  consumer letting go of each batch before asking for the next (as `b = b.to(device)` does), so the
+  reader gathers every batch into the same memory.
 - warm: shard files in the page cache in 2 MiB pages, as a fresh extraction or an earlier reading
   run leaves them (dropped, then read back through a mapping that asks for huge pages), 3 epochs
   in one pass; warm4k: in the page cache in small pages, as `read()` leaves them (`cp`, `cat`, a
@@ -71,8 +75,8 @@ BATCH = 4096
 SHAPES = {768: {"rows": 262_144, "shard_rows": 16_384, "buffer_rows": 65_536},
           4096: {"rows": 131_072, "shard_rows": 4_096, "buffer_rows": 16_384}}
 BEFORE_REV = "1dec836"  # main before batch memory was reused (store/dataset.py `_Recycler`)
-CASES = [("floor", "warm"), ("floor-np", "warm"), ("floor-out", "warm"), ("floor-cols", "warm"),
-         ("floor-cols2", "warm"),
+CASES = [("floor", "warm"), ("floor-np", "warm"), ("floor-out", "warm"), ("floor-held", "warm"),
+         ("floor-cols", "warm"), ("floor-cols2", "warm"), ("after-drop", "warm"),
          ("disk", "cold"), ("before", "warm"),
          ("after", "warm"), ("before", "warm4k"), ("after", "warm4k"), ("before-seq", "warm"),
          ("after-seq", "warm"), ("loader2", "warm"), ("before", "cold"), ("after", "cold")]
@@ -223,6 +227,9 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path, layout: str =
                     n += torch.index_select(x, 0, perm[s : s + BATCH]).shape[0]
                 elif case == "floor-out":  # into memory faulted in once (rows divide into batches)
                     n += torch.index_select(x, 0, perm[s : s + BATCH], out=out).shape[0]
+                elif case == "floor-held":  # `batch = x[idx]` in a loop: the last batch held meanwhile
+                    held = torch.index_select(x, 0, perm[s : s + BATCH])
+                    n += held.shape[0]
                 elif by_column:  # every column's rows of the batch, in one gather
                     index = (perm[s : s + BATCH] + offsets).reshape(-1)
                     n += torch.index_select(x, 0, index, out=outs[s // BATCH % len(outs)]).shape[0] // k
@@ -242,8 +249,11 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path, layout: str =
         t0 = now()
         n = 0
         for _ in range(epochs):  # each pass over the dataset is the next epoch (a new order)
-            for batch in ds:
+            batches = iter(ds)
+            while (batch := next(batches, None)) is not None:  # `for batch in ds`, unrolled
                 n += (batch if isinstance(batch, torch.Tensor) else next(iter(batch.values()))).shape[0]
+                if case == "after-drop":
+                    del batch  # let go before asking for the next (the reader may reuse its memory)
         seconds = now() - t0
     assert n == rows * epochs, (n, rows)
     n *= k

@@ -374,6 +374,23 @@ def test_batch_memory_is_reused_only_once_nothing_holds_it(id_store, monkeypatch
     assert torch.equal(first, snapshot)
 
 
+def test_a_consumer_that_lets_go_of_each_batch_gets_the_same_memory_back(id_store):
+    """`for b in ds: b = b.to(device)` lets go of the host batch before asking for the next: the
+    next is gathered into that memory (one buffer stays in the cache; alternating two of them
+    measured 9-19 % slower when a batch is near the cache's size), and holds the right rows."""
+    kw = {"seed": 4, "buffer_rows": 60}
+    expected = slices(epochs(id_store, 0, 1, **kw), [16] * 12 + [8])
+    ds = id_store.dataset("x", batch_size=16, **kw)
+    batches, got, addresses = iter(ds), [], set()
+    while (b := next(batches, None)) is not None:
+        got.append(sorted(b[:, 0].long().tolist()))
+        if len(b) == 16:  # (the short last batch is memory of its own size)
+            addresses.add(b.data_ptr())
+        del b
+    assert got == expected
+    assert len(addresses) == 1
+
+
 def test_several_columns_reuse_memory_and_keep_their_bytes(mixed_store, monkeypatch):
     """Three columns of three shapes and dtypes share the pool (four buffers a column): each batch
     is the store's bytes, and after the first few each column's batches reuse memory."""

@@ -229,9 +229,7 @@ class ActivationDataset(IterableDataset):
         for epoch, window in windows:
             if window is None:  # the epoch is spent: its last, short batch unless drop_last
                 if held and not self.drop_last:
-                    out = finish()
-                    if out is not None:
-                        yield self._out(out)
+                    yield from self._handed(finish())
                 batch, held = None, 0
                 self.epoch, self.position = epoch + 1, 0
                 continue
@@ -247,10 +245,12 @@ class ActivationDataset(IterableDataset):
                 held += take
                 at += take
                 if held == size:
-                    out = finish()
-                    if out is not None:
-                        yield self._out(out)
+                    yield from self._handed(finish())
             window = None  # let the window go before the next is handed over
+
+    def _handed(self, out: dict[str, torch.Tensor] | None) -> Iterator[Any]:
+        """The batch, if any, no longer held here once handed out: let go, its memory makes the next."""
+        yield from () if out is None else (self._out(out),)
 
     @property
     def stacked(self) -> dict[str, list[str]]:
