@@ -92,7 +92,8 @@ def draw(table: dict[str, set[str]]) -> str:
         if target == EVERYTHING:  # left, to its bar
             x1, y1 = xy[room][0], xy[room][1] + BOX_H / 2
             x2 = bars[room]
-            path = f"M{x1:.1f} {y1:.1f} H{x2 + 8:.1f} Q{x2:.1f} {y1:.1f} {x2:.1f} {y1 - 8:.1f} V{xy[room][1] - ROW_H + BOX_H + 2:.1f}"
+            path = (f"M{x1:.1f} {y1:.1f} H{x2 + 8:.1f} Q{x2:.1f} {y1:.1f} {x2:.1f} {y1 - 8:.1f} "
+                    f"V{xy[room][1] - ROW_H + BOX_H + 2:.1f}")
         else:
             x1, y1 = port(room, out_of[room], target), xy[room][1]
             x2, y2 = port(target, into[target], room), xy[target][1] + BOX_H

@@ -70,7 +70,8 @@ def mlp(
     """mlp.in = x, the normed input; mlp.pre = W_in(x); mlp.post = act(pre) (gated: act(gate) *
     up(x)); `out_name` (mlp.out, or mlp.out_pre_norm where a norm follows) = W_out(post)."""
     p = f"blocks.{L}."
-    checks = [(p + "mlp.in = what the MLP reads", a[p + "mlp.in"], x), (p + "mlp.pre", a[p + "mlp.pre"], pre(x))]
+    checks = [(p + "mlp.in = what the MLP reads", a[p + "mlp.in"], x),
+              (p + "mlp.pre", a[p + "mlp.pre"], pre(x))]
     post = act(a[p + "mlp.pre"])
     if up is not None:
         checks.append((p + "mlp.pre_linear", a[p + "mlp.pre_linear"], up(x)))
@@ -199,7 +200,8 @@ def llama_relations(model: nn.Module, ids: Tensor, a: Reads) -> list[Check]:
             checks.append((p + "attn.out = post-norm(attn.out_pre_norm)", a[p + "attn.out"],
                            getattr(blk, after_attn)(a[p + out])))
         checks.append(
-            (p + "resid_mid = resid_pre + attn.out", a[p + "resid_mid"], a[p + "resid_pre"] + a[p + "attn.out"])
+            (p + "resid_mid = resid_pre + attn.out", a[p + "resid_mid"],
+             a[p + "resid_pre"] + a[p + "attn.out"])
         )
         x = a[p + "resid_mid"]
         if mlp_norm:
@@ -212,7 +214,8 @@ def llama_relations(model: nn.Module, ids: Tensor, a: Reads) -> list[Check]:
             checks.append((p + "mlp.out = post-norm(mlp.out_pre_norm)", a[p + "mlp.out"],
                            getattr(blk, after_mlp)(a[p + out])))
         checks.append(
-            (p + "resid_post = resid_mid + mlp.out", a[p + "resid_post"], a[p + "resid_mid"] + a[p + "mlp.out"])
+            (p + "resid_post = resid_mid + mlp.out", a[p + "resid_post"],
+             a[p + "resid_mid"] + a[p + "mlp.out"])
         )
     return checks + final(a, len(base.layers), base.norm, model.lm_head)
 

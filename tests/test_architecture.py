@@ -1,6 +1,7 @@
 """The rooms import one way, as the table in docs/architecture.md says (the one copy of it): read
-every module's imports, lazy ones inside functions and type-checking ones included, and fail on a room missing from the
-table, an import against it, or a circle; and no module over 400 lines, no function over 80."""
+every module's imports, lazy ones inside functions and type-checking ones included, and fail on a
+room missing from the table, an import against it, or a circle; and no module over 400 lines, no
+function over 80."""
 
 from __future__ import annotations
 
@@ -368,7 +369,8 @@ def test_the_picture_draws_exactly_the_table():
 
     svg = ET.parse(ARCHITECTURE_MD.parent / "img" / "architecture.svg").getroot()
     ns = "{http://www.w3.org/2000/svg}"
-    drawn = {(e.get("data-from"), e.get("data-to")) for e in svg.iter(f"{ns}path") if e.get("class") == "edge"}
+    drawn = {(e.get("data-from"), e.get("data-to"))
+             for e in svg.iter(f"{ns}path") if e.get("class") == "edge"}
     rooms = {g.get("data-room") for g in svg.iter(f"{ns}g") if g.get("class") == "room"}
     want: set[tuple[str, str]] = set()
     for row in ARCHITECTURE_MD.read_text().splitlines():

@@ -27,12 +27,14 @@ def clt_store(tmp_path_factory):
     shards still lie in one strided run; windows of several parts are read below, shard by shard.)"""
     out = tmp_path_factory.mktemp("clt") / "store"
     g = torch.Generator().manual_seed(0)
-    names = [f"blocks.{layer}.{kind}" for layer in range(LAYERS) for kind in ("mlp.in", "mlp.out", "resid_post")]
+    names = [f"blocks.{layer}.{kind}" for layer in range(LAYERS)
+             for kind in ("mlp.in", "mlp.out", "resid_post")]
     written = {n: (torch.randn(240, D, generator=g) * 4).to(torch.bfloat16) for n in names}
     with ShardWriter(out, {"test": "clt"}, shard_rows=32) as w:
         for b in range(30):
             rows = slice(b * 8, b * 8 + 8)
-            w.write(b, {n: v[rows] for n, v in written.items()}, {"token_ids": torch.arange(b * 8, b * 8 + 8)})
+            w.write(b, {n: v[rows] for n, v in written.items()},
+                    {"token_ids": torch.arange(b * 8, b * 8 + 8)})
     return open_store(out), written
 
 
@@ -96,7 +98,8 @@ def test_stacked_rows_one_by_one(clt_store):
         i = int(row["token_ids"])
         assert row["blocks.*.mlp.out"].shape == (LAYERS, D)
         for layer in range(LAYERS):
-            assert torch.equal(bits(row["blocks.*.mlp.out"][layer]), bits(written[f"blocks.{layer}.mlp.out"][i]))
+            assert torch.equal(bits(row["blocks.*.mlp.out"][layer]),
+                               bits(written[f"blocks.{layer}.mlp.out"][i]))
 
 
 def test_a_transcoder_pair_is_aligned(clt_store):
@@ -143,7 +146,8 @@ def test_a_stack_of_different_dtypes_is_refused(tmp_path):
 def test_stacked_batches_from_dataloader_workers(clt_store):
     """Workers gather into shared memory; the stack's layout survives the trip."""
     store, written = clt_store
-    ds = store.dataset(["blocks.*.resid_post", "token_ids"], stack=True, batch_size=48, seed=4, buffer_rows=96)
+    ds = store.dataset(["blocks.*.resid_post", "token_ids"], stack=True, batch_size=48, seed=4,
+                       buffer_rows=96)
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
     seen = []
     for batch in loader:

@@ -258,33 +258,43 @@ def test_a_reader_polling_a_live_extraction_sees_only_complete_prefixes(setup, t
 # -- a real full disk and a read-only filesystem, on a tmpfs of our own ---------------------------
 
 
-def tiny_tmpfs(config: dict, mount_at: str, size_kb: int, copy_to: str) -> dict:
-    """In a fork-server child: in a mount namespace of its own, extract onto a tmpfs of `size_kb`
-    KiB until it is full; look at what is left; grow the tmpfs; run the same command again; copy the
-    store out. Then remount the tmpfs read-only and try a new store and a resume there."""
+MS_RDONLY, MS_REMOUNT = 1, 32
+
+
+def own_tmpfs(mount_at: str, size_kb: int):
+    """In a fork-server child: a mount namespace of its own with a tmpfs of `size_kb` KiB at
+    `mount_at`; returns `mount(source, target, fstype, flags, data)` for remounts. OSError if the
+    process may not."""
     libc = ctypes.CDLL(None, use_errno=True)
 
     def mount(source, target, fstype, flags, data) -> None:
         if libc.mount(source, target, fstype, flags, data) != 0:
             raise OSError(ctypes.get_errno(), f"mount {target}: {os.strerror(ctypes.get_errno())}")
 
-    ms_rdonly, ms_remount, ms_rec, ms_private = 1, 32, 16384, 1 << 18
+    if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
+        raise OSError(ctypes.get_errno(), f"unshare: {os.strerror(ctypes.get_errno())}")
+    mount(None, b"/", None, 16384 | (1 << 18), None)  # MS_REC | MS_PRIVATE: nothing reaches the host's
+    os.makedirs(mount_at, exist_ok=True)
+    mount(b"tmpfs", mount_at.encode(), b"tmpfs", 0, f"size={size_kb}k".encode())
+    return mount
+
+
+def tiny_tmpfs(config: dict, mount_at: str, size_kb: int, copy_to: str) -> dict:
+    """In a fork-server child: in a mount namespace of its own, extract onto a tmpfs of `size_kb`
+    KiB until it is full; look at what is left; grow the tmpfs; run the same command again; copy the
+    store out. Then remount the tmpfs read-only and try a new store and a resume there."""
     try:
-        if libc.unshare(0x00020000) != 0:  # CLONE_NEWNS
-            raise OSError(ctypes.get_errno(), f"unshare: {os.strerror(ctypes.get_errno())}")
-        mount(None, b"/", None, ms_rec | ms_private, None)  # nothing below reaches the host's mounts
-        os.makedirs(mount_at, exist_ok=True)
-        mount(b"tmpfs", mount_at.encode(), b"tmpfs", 0, f"size={size_kb}k".encode())
+        mount = own_tmpfs(mount_at, size_kb)
     except OSError as e:
         return {"skip": f"cannot mount a tmpfs of our own here: {e}"}
     out = os.path.join(mount_at, "store")
     full = run_cli(argv({**config, "out": out}))
     store = open_store(out, verify=True)
     left = {"rows": len(store), "files": sorted(p.name for p in Path(out, "shards").iterdir())}
-    mount(b"tmpfs", mount_at.encode(), b"tmpfs", ms_remount, b"size=64m")
+    mount(b"tmpfs", mount_at.encode(), b"tmpfs", MS_REMOUNT, b"size=64m")
     again = run_cli(argv({**config, "out": out}))
     shutil.copytree(out, copy_to)
-    mount(b"tmpfs", mount_at.encode(), b"tmpfs", ms_remount | ms_rdonly, b"size=64m")
+    mount(b"tmpfs", mount_at.encode(), b"tmpfs", MS_REMOUNT | MS_RDONLY, b"size=64m")
     new_store = run_cli(argv({**config, "out": os.path.join(mount_at, "new")}))
     resume = run_cli(argv({**config, "out": out}))
     return {"full": full, "left": left, "again": again, "read_only_new": new_store,
@@ -316,3 +326,70 @@ def test_a_real_full_disk_and_a_read_only_filesystem(setup, tmp_path):
     assert diff == {**diff, "rows_lost": 0, "rows_duplicated": 0, "same_values": True, "same_files": True}
     assert ro_ok == [True, True], (r["read_only_new"], r["read_only_resume"])
     assert shard_digests(tmp_path / "copy") == shard_digests(ref)
+
+
+def full_beside_a_held_commit(config: dict, mount_at: str, size_kb: int, copy_to: str) -> dict:
+    """In a fork-server child: extract onto a tmpfs of `size_kb` KiB, the first shard's commit
+    (on the commit thread) held until the second shard's save has returned or failed, as a loaded
+    machine may schedule it; count the commits that found the disk full; copy the store out."""
+    try:
+        own_tmpfs(mount_at, size_kb)
+    except OSError as e:
+        return {"skip": f"cannot mount a tmpfs of our own here: {e}"}
+    from hookscope.store import journal
+
+    saved, calls = threading.Event(), Counter()
+    real_save, real_sync = writer_module.save_columns, writer_module.sync_file
+    real_commit = journal.Commits.commit
+
+    def save_columns(*args, **kw):
+        calls["save"] += 1
+        try:
+            return real_save(*args, **kw)
+        finally:
+            if calls["save"] == 2:
+                saved.set()
+
+    def sync_file(path) -> None:
+        calls["sync"] += 1
+        if calls["sync"] == 1:
+            saved.wait(60)
+        real_sync(path)
+
+    def commit(self, *args, **kw):
+        try:
+            return real_commit(self, *args, **kw)
+        except OSError as e:
+            calls[f"commit {errno.errorcode[e.errno]}"] += 1
+            raise
+
+    writer_module.save_columns, writer_module.sync_file = save_columns, sync_file
+    journal.Commits.commit = commit
+    out = os.path.join(mount_at, "store")
+    full = run_cli(argv({**config, "out": out}))
+    shutil.copytree(out, copy_to)
+    return {"full": full, "commits_found_disk_full": calls["commit ENOSPC"],
+            "files": sorted(p.name for p in Path(out, "shards").iterdir())}
+
+
+def test_a_full_disk_while_the_shard_before_commits_keeps_that_shard(setup, tmp_path):
+    """The second shard's bytes fill the disk while the first shard's commit waits its turn (the
+    commit thread starved): the commit finds no room for the manifest. That shard is whole and in
+    place: once the second one is deleted, it commits; the run stops with the disk full, and the
+    first shard's rows are in the store."""
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
+    config, ref = setup
+    reply = ForkServer.shared().call("test_faults_env:full_beside_a_held_commit",
+                                     config={**config, "out": ""}, mount_at=str(tmp_path / "mnt"),
+                                     size_kb=160, copy_to=str(tmp_path / "copy"))
+    assert reply.status == 0, reply.log[-3000:]
+    if "skip" in reply.result:
+        pytest.skip(reply.result["skip"])
+    r, first = reply.result, open_store(ref).manifest.shards[0]
+    kept = committed_prefix_intact(tmp_path / "copy", ref)  # verified, bit for bit the reference's rows
+    record("env", "disk filled by the next shard while a shard commits", survived=int(kept == first.rows),
+           rows_checked=kept, rows_lost=first.rows - kept)
+    assert r["commits_found_disk_full"] >= 1, r  # the first commit did meet the full disk
+    assert r["full"][0] == 2 and "No space left on device" in r["full"][1], r["full"]
+    assert kept == first.rows and r["files"] == [Path(first.file).name], r

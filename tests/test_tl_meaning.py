@@ -44,9 +44,11 @@ CASES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma
 # block's mlp.hook_in is also its mlp.hook_pre)
 BRIDGE_ONLY = {"attn.in": ("attn.hook_in",), "mlp.in": ("mlp.hook_in", "hook_channel_mix_in"),
                "attn.out_pre_norm": ("attn.hook_out",), "mlp.out_pre_norm": ("mlp.hook_out",),
-               "mlp.router.logits": ("mlp.gate.hook_out",), "mlp.router.indices": ("mlp.hook_expert_indices",),
+               "mlp.router.logits": ("mlp.gate.hook_out",),
+               "mlp.router.indices": ("mlp.hook_expert_indices",),
                # Mamba's mixer, RWKV's time mixing (mixer) and channel mixing (mlp)
-               "mixer.in": ("hook_mixer_in", "hook_time_mix_in"), "mixer.out": ("hook_mixer_out", "hook_time_mix_out"),
+               "mixer.in": ("hook_mixer_in", "hook_time_mix_in"),
+               "mixer.out": ("hook_mixer_out", "hook_time_mix_out"),
                "mlp.out": ("hook_mlp_out", "hook_channel_mix_out")}
 # names whose meaning differs from a bridge HookPoint of the same folded name, on purpose: Mamba's
 # mixer.ssm_out is the gated scan output entering out_proj (d_inner wide, the bridge's
@@ -69,7 +71,8 @@ def save(case: str, directory) -> str:
 
 def boot(path: str) -> TransformerBridge:
     hf = AutoModelForCausalLM.from_pretrained(path)
-    return TransformerBridge.boot_transformers(path, hf_model=hf, tokenizer=AutoTokenizer.from_pretrained(path),
+    return TransformerBridge.boot_transformers(path, hf_model=hf,
+                                               tokenizer=AutoTokenizer.from_pretrained(path),
                                                device="cpu").eval()
 
 
@@ -168,8 +171,10 @@ def test_bert_names_equal_the_bridge_but_three(tmp_path):
     path = tmp_path / "bert"
     family_models.build("bert").float().save_pretrained(path)
     train_tokenizer(family_models.VOCAB, bert=True).save_pretrained(path)
-    bridge = TransformerBridge.boot_transformers(str(path), hf_model=AutoModelForMaskedLM.from_pretrained(path),
-                                                 tokenizer=AutoTokenizer.from_pretrained(path), device="cpu").eval()
+    bridge = TransformerBridge.boot_transformers(str(path),
+                                                 hf_model=AutoModelForMaskedLM.from_pretrained(path),
+                                                 tokenizer=AutoTokenizer.from_pretrained(path),
+                                                 device="cpu").eval()
     hf = AutoModel.from_pretrained(path, attn_implementation="eager").eval()
     ids = family_models.inputs("bert")["input_ids"]
     with torch.no_grad():
@@ -191,7 +196,8 @@ def test_vit_names_equal_the_bridge(tmp_path):
 
     path = tmp_path / "vit"
     family_models.build("vit").float().save_pretrained(path)
-    bridge = TransformerBridge.boot_transformers(str(path), hf_model=ViTForImageClassification.from_pretrained(path),
+    bridge = TransformerBridge.boot_transformers(str(path),
+                                                 hf_model=ViTForImageClassification.from_pretrained(path),
                                                  device="cpu").eval()
     hf = AutoModel.from_pretrained(path, attn_implementation="eager").eval()
     pixels = family_models.inputs("vit")["pixel_values"].float()
@@ -202,7 +208,8 @@ def test_vit_names_equal_the_bridge(tmp_path):
     assert set(names) - set(matched) == {"patch_embed"}
     got = hs.collect(hf, {"pixel_values": pixels}, list(matched))
     wrong = [n for n, key in matched.items()
-             if got[n].shape != cache[key].shape or not torch.allclose(got[n], cache[key], atol=TOL, rtol=TOL)]
+             if got[n].shape != cache[key].shape
+             or not torch.allclose(got[n], cache[key], atol=TOL, rtol=TOL)]
     assert not wrong
 
 
@@ -226,4 +233,5 @@ def test_the_final_norm_names_and_the_meaning_a_bridge_store_records(tmp_path):
     assert not torch.allclose(got["ln_final"], got["ln_final.normalized"])  # the weight is not 1
     record = point_meanings(SimpleNamespace(model=bridge), ["ln_final", "ln_final.normalized", "embed"])
     assert list(record["point_meanings"]) == ["ln_final"]
-    assert "before the norm's weight (now ln_final.normalized)" in record["point_meanings"]["ln_final"]["before"]
+    before = record["point_meanings"]["ln_final"]["before"]
+    assert "before the norm's weight (now ln_final.normalized)" in before

@@ -16,6 +16,7 @@ import hashlib
 import json
 import math
 import os
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -54,6 +55,12 @@ def manifest_name(rank: int, world_size: int, generation: int = 0) -> str:
 def shard_prefix(rank: int, generation: int = 0) -> str:
     """The start of every shard file name of `rank` in attempt `generation` (0: as in version 1)."""
     return f"shard-r{rank:03d}-" if generation == 0 else f"shard-g{generation:03d}-r{rank:03d}-"
+
+
+def shard_number(file: str) -> int:
+    """The running number a shard file's name ends with (-1 for a name without one)."""
+    m = re.search(r"-(\d+)\.safetensors$", file)
+    return int(m.group(1)) if m else -1
 
 
 def canonical_json(value: Any) -> str:

@@ -116,6 +116,19 @@ def write_shard_file(columns: Columns, path: Path, metadata: Mapping[str, str] |
     return at, h.hexdigest()
 
 
+def shared_mode() -> int:
+    """The mode a shard file gets: the umask's, as for any file (safetensors creates 0600 files; a
+    store is meant to be shared). Call it on the main thread: reading the umask means setting it."""
+    mask = os.umask(0)
+    os.umask(mask)  # straight back
+    return 0o666 & ~mask
+
+
+def default_copiers() -> int:
+    """Copy threads per shard writer: a few, as the cores allow (each copy runs at memory speed)."""
+    return max(1, min(4, (os.cpu_count() or 1)))
+
+
 def sync_file(path: Path) -> None:
     """fsync `path`'s data (written earlier, through another descriptor): raises the disk's error."""
     with open(path, "rb") as f:

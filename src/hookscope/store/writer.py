@@ -13,9 +13,9 @@ shard for shard. A resume with another number of ranks re-deals the batches not 
 
 from __future__ import annotations
 
+import errno
 import os
 import queue
-import re
 import threading
 import time
 from collections.abc import Mapping
@@ -38,12 +38,13 @@ from .manifest import (
     manifest_name,
     runs_of,
     shard_identity,
+    shard_number,
     shard_prefix,
     summed_stats,
 )
 from .opening import StoreView
 from .orphans import remove_orphans
-from .shardfile import save_columns, sync_file
+from .shardfile import default_copiers, save_columns, shared_mode, sync_file
 from .stats import HEADER_KEY, PointStats, Workspace, header_text
 
 _STOP = object()
@@ -84,7 +85,7 @@ class ShardWriter:
         self.out = self.fs.url
         self.rank, self.world_size, self.shard_rows = rank, world_size, shard_rows
         self.checksum = checksum
-        self._file_mode = 0o666 & ~_umask()  # safetensors creates 0600 files; a store is meant to be shared
+        self._file_mode = shared_mode()  # safetensors creates 0600 files; a store is meant to be shared
         if opened is None:
             opened = StoreView.read(self.fs, settings, world_size, rank)
         elif opened.changed(self.fs):  # read by the caller before its first batch: nobody may write since
@@ -126,7 +127,7 @@ class ShardWriter:
         self.done_batches: set[int] = set(found.done(rank))  # grown in place by the writer thread
         self.bytes_written = 0  # this session, for a progress bar
         self._layout = {**found.points, **found.meta}  # every rank's batches must match the store's columns
-        self._next_shard = 1 + max((_shard_number(s.file) for s in own), default=-1)
+        self._next_shard = 1 + max((shard_number(s.file) for s in own), default=-1)
         self._last_batch: int | None = None
         self._error: BaseException | None = None
         self._error_reported = False
@@ -140,12 +141,13 @@ class ShardWriter:
         self._work = Workspace()  # the statistics' float32 chunk of rows, reused (the writer thread's)
         # the threads that copy a shard's bytes into its file, each its own range (the writer thread
         # checksums the same bytes meanwhile): the copy scales with the cores
-        self._copiers = ThreadPoolExecutor(writers or _default_writers(),
+        self._copiers = ThreadPoolExecutor(writers or default_copiers(),
                                            thread_name_prefix="hookscope-shard-copy")
         # a shard's fsync, rename and commit, in shard order, while the next shard is written: the
         # disk flushes one shard as the next one's bytes are copied (one in flight at most)
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="hookscope-shard-commit")
         self._committing: Future | None = None
+        self._stalled: tuple[ShardEntry, dict[str, PointStats]] | None = None  # see _settle_commit
         self.busy_seconds = 0.0  # the writer thread's time spent writing shards, for a run's report
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._run, name="hookscope-shard-writer", daemon=True)
@@ -271,7 +273,7 @@ class ShardWriter:
                     self._guard(self._flush)
                 self._release()  # a partial shard dropped, or a failed one: nothing reads them now
                 started = time.perf_counter()
-                self._guard(self._wait_commit)  # the last shard's commit, before the staging goes
+                self._guard(self._settle_commit)  # the last shard's commit, before the staging goes
                 self.busy_seconds += time.perf_counter() - started
                 self._copiers.shutdown()
                 self._committer.shutdown()
@@ -320,6 +322,18 @@ class ShardWriter:
             committing, self._committing = self._committing, None
             committing.result()
 
+    def _settle_commit(self) -> None:
+        """`_wait_commit`, at close, and a commit that found the disk full tried once more: the next
+        shard's bytes, written meanwhile, may have taken the space it needed; they are deleted by now."""
+        try:
+            self._wait_commit()
+        except OSError:
+            if self._stalled is None:
+                raise
+        stalled, self._stalled = self._stalled, None
+        if stalled is not None:
+            self._commit(*stalled)  # still no space: raises, and its shard is deleted
+
     def _release(self, *more: Handoff | None) -> None:
         """Hand back the memory of the pending batches (and `more`): nothing reads it any more."""
         for handoff in [*self._handoffs, *more]:
@@ -366,30 +380,17 @@ class ShardWriter:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        self._commit(entry, stats)
+        self._commit(entry, stats, last_try=False)
 
-    def _commit(self, entry: ShardEntry, stats: dict[str, PointStats]) -> None:
+    def _commit(self, entry: ShardEntry, stats: dict[str, PointStats], last_try: bool = True) -> None:
         """Shard `entry`, in its final place, becomes part of the store (its batches count as done)."""
         try:  # rebinding, so the caller's thread always sees a whole manifest
             self.manifest = self._commits.commit(self.manifest, entry, self._layout, stats)
-        except BaseException:
-            self.fs.remove(entry.file)  # not committed: free its space; a resume would delete it anyway
+        except BaseException as e:
+            if not last_try and isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+                self._stalled = (entry, stats)  # whole and in place: _settle_commit tries it again
+            else:  # not committed: free its space; a resume would delete it anyway
+                self.fs.remove(entry.file)
             raise
         self.done_batches.update(entry.batch_indices())  # in place: O(1) per shard, read by `in` only
         self.bytes_written += entry.bytes
-
-
-def _umask() -> int:
-    mask = os.umask(0)  # reading the umask means setting it: put it straight back (main thread, at open)
-    os.umask(mask)
-    return mask
-
-
-def _shard_number(file: str) -> int:
-    m = re.search(r"-(\d+)\.safetensors$", file)
-    return int(m.group(1)) if m else -1
-
-
-def _default_writers() -> int:
-    """Copy threads per writer: a few, as the cores allow (each copy runs at memory speed)."""
-    return max(1, min(4, (os.cpu_count() or 1)))
