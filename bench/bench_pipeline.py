@@ -12,6 +12,8 @@ what bounds an extraction?
     free and only hookscope's own work is left. Beside them: the model stage alone (the forward
     and captures on batches packed already) and its floor here, the bare embedding lookup on the
     same batches (THP_MEM_ALLOC_ENABLE=1 unless it is set, as `hookscope extract` does: the figures name it).
+    OMP_WAIT_POLICY=PASSIVE unless it is set, as the `hookscope` command runs; `--wait-policy default`
+    leaves it unset (torch's own: idle OpenMP threads spin a while). The figures name it.
 
     python bench/bench_pipeline.py                 # 3 fresh processes per figure, medians
     python bench/bench_pipeline.py --smoke         # tiny, seconds
@@ -227,7 +229,8 @@ def extract_run(args: argparse.Namespace) -> dict[str, float]:
     return {"tokens": tokens, "rows": rows, "bytes": nbytes, "extract_s": extract_s, "pack_s": pack_s,
             "raw_s": raw_s,
             "model_s": model_s, "embed_s": embed_s, "summary": str(summary),
-            "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE", "")}
+            "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
+            "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
 
 
 # --- (c) the data stage alone --------------------------------------------------------------------
@@ -306,7 +309,12 @@ def main() -> None:
     p.add_argument("--store-dir", help=f"where (b) puts its store (default {MEMORY_DIR}; e.g. /tmp: a disk)")
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--points", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--wait-policy", choices=("PASSIVE", "default"), default="PASSIVE",
+                   help="OMP_WAIT_POLICY of the children when it is not set: PASSIVE as the `hookscope` "
+                        "command runs (src/_hookscope_cli.py), or left unset")
     args = p.parse_args()
+    if args.wait_policy == "PASSIVE" and not args.child:  # children inherit it; torch reads it as it loads
+        os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     if args.child == "writer":
         print(json.dumps(writer_run(args)))
         return
@@ -367,7 +375,8 @@ def main() -> None:
                     floor = statistics.median(max(r["pack_s"], r["embed_s"]) / r["extract_s"] for r in rs)
                     print(f"    the model stage's floor, the bare embedding lookup on the same batches: "
                           f"{em:,.0f} tokens/s; extract / the slower of packing and that floor: {floor:.2f}x "
-                          f"(THP_MEM_ALLOC_ENABLE={rs[0]['huge_pages'] or 'unset'})", flush=True)
+                          f"(THP_MEM_ALLOC_ENABLE={rs[0]['huge_pages'] or 'unset'}, "
+                          f"OMP_WAIT_POLICY={rs[0].get('wait_policy', 'unset')})", flush=True)
                 if "raw_s" in rs[0]:
                     raw = statistics.median(r["rows"] / r["raw_s"] for r in rs)
                     lower = statistics.median(r["rows"] / r["extract_s"]
