@@ -109,7 +109,26 @@ def render(log: Path) -> str:
                 cells += ["" if row[key] is None else f"{row[key]:,}" for key in _ROWS]
             out.append("| " + " | ".join(cells) + " |")
         out.append("")
-    return "\n".join(out)
+    return "\n".join(out + CHANGED_DATA)
+
+
+# not counted by the campaign (tests/test_data.py covers it): what a resume on edited data does
+CHANGED_DATA = [
+    "## Changed data source: the same command on edited data",
+    "",
+    "The store's settings hold a fingerprint of the data source's contents (`data_fingerprint`: the",
+    "SHA-256 of a file, one per file of a directory, a `datasets` fingerprint); size and modification",
+    "time alone are never trusted. A resume on changed data is refused before any batch runs.",
+    "",
+    "| fault | what happens | test |",
+    "| --- | --- | --- |",
+    "| data file edited between runs, same size and mtime, same command re-run | refused before any batch: "
+    "`data_fingerprint.sha256: stored ..., given ...`, exit 2, store untouched | "
+    "`tests/test_data.py::test_resuming_on_changed_data_is_refused_naming_what_changed[file]` |",
+    "| a file in a data directory edited or added | refused, naming the file: "
+    "`data_fingerprint.files.b.txt: ...` | `[directory]` of the same test |",
+    "",
+]
 
 
 _ROWS = ("rows_checked", "rows_lost", "rows_duplicated")
