@@ -184,8 +184,8 @@ def test_a_reader_sees_only_complete_shards_while_a_shard_is_half_written(setup,
     out = tmp_path / "store"
     halfway, release, real_save = threading.Event(), threading.Event(), writer_module.save_columns
 
-    def committed() -> int:
-        return len(list(out.glob("shards/*.safetensors")))
+    def committed() -> int:  # what a reader sees: a shard file lands before its commit lists it
+        return open_store(out).num_shards
 
     def save_columns(columns, path, *args, **kw):
         out_ = real_save(columns, path, *args, **kw)
