@@ -198,6 +198,7 @@ def extract_run(args: argparse.Namespace) -> dict[str, float]:
         extract_s = summary.seconds
         rows, nbytes = summary.new_rows, summary.bytes_written
         shards = len(list((store / "s" / "shards").glob("*.safetensors")))
+        shutil.rmtree(store / "s")  # its room, for the floor's copy (a long run fills a disk twice)
         # the store's own floor: the same bytes written raw into files of the shards' size, in the
         # same directory, each fsynced (in memory, the memory's own copy of them)
         raw_s = raw_write_s(store, raw_parts(nbytes, -(-nbytes // shards)), -(-nbytes // shards))

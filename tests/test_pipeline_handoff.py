@@ -158,6 +158,41 @@ def test_a_failed_writer_still_hands_every_buffer_back(tmp_path, monkeypatch):
     assert len(ring.free) == ring.made
 
 
+def test_a_batchs_statistics_are_measured_while_the_shard_before_is_still_being_copied(tmp_path, monkeypatch):
+    # one batch a shard; the first shard's copy is held: the second batch's statistics (rows ready,
+    # none given) must be measured meanwhile, not after that copy (a writer that measures on its own
+    # thread, between shards, leaves the disk idle while it measures and itself idle while it copies)
+    import hookscope.store.writer as writer_module
+
+    held, measured, real_save, real_of = threading.Event(), [], writer_module.save_columns, PointStats.of
+
+    def save_columns(columns, path, *args, **kwargs):
+        if path.name.startswith("shard-r000-000000."):
+            held.wait(10)
+        return real_save(columns, path, *args, **kwargs)
+
+    def measure(cls, rows, work=None):
+        measured.append(rows)
+        return real_of(rows, work)
+
+    monkeypatch.setattr(writer_module, "save_columns", save_columns)
+    monkeypatch.setattr(PointStats, "of", classmethod(measure))
+    with ShardWriter(tmp_path / "store", SETTINGS, shard_rows=ROWS) as writer:
+        for i in range(2):
+            writer.write(i, {"x": rows_of(i)}, {"token_ids": torch.arange(len(rows_of(i)))})
+        deadline = time.perf_counter() + 5
+        while len(measured) < 2 and time.perf_counter() < deadline:
+            time.sleep(0.01)
+        during = [torch.equal(m, rows_of(i)) for i, m in enumerate(measured)]
+        held.set()
+    assert during == [True, True]  # both batches measured while the first shard was held
+    store = open_store(tmp_path / "store", verify=True)
+    rows = torch.cat([rows_of(0), rows_of(1)]).double()
+    stats = store.manifest.stats["x"]
+    assert stats.norm_count == len(rows)
+    assert stats.norm_sum == pytest.approx(float(rows.norm(dim=1).sum()), rel=1e-6)
+
+
 def test_the_ring_reuses_what_is_handed_back_and_never_hands_out_one_twice():
     ring = HostRing(keep=3, pinned=False)
     a, b = ring.take(1000), ring.take(1000)

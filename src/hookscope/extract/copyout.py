@@ -9,9 +9,10 @@ statistics), and hands the buffer back once the batch's bytes are on disk (`rele
 
 On the CPU the capture itself writes each point's kept rows into a buffer of a second ring (`into`,
 given to the executor): the rows are written once, where the writer reads them, in memory reused
-batch after batch. Their handoff has nothing to wait for and no statistics (the writer's thread
-measures them); it hands the buffers back once written. Activations on the CPU in memory of their
-own (a source that makes its rows itself) go as they are, with no handoff.
+batch after batch. Their handoff is `ready` (nothing to wait for) and has no statistics (the writer
+measures them on a thread of their own as the batch is queued); it hands the buffers back once
+written. Activations on the CPU in memory of their own (a source that makes its rows itself) go as
+they are, with no handoff.
 """
 
 from __future__ import annotations
@@ -42,6 +43,11 @@ class Handoff:
         # hand their memory to the next forward meanwhile (record_stream would be the other way,
         # but it is an in-place op, refused on a capture's inference tensors)
         self.sources = list(sources)
+
+    @property
+    def ready(self) -> bool:
+        """Nothing to wait for: the buffers a CPU capture filled."""
+        return not self.events
 
     def wait(self) -> dict[str, PointStats]:
         started = time.perf_counter()

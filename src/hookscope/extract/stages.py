@@ -4,8 +4,9 @@
       -> model (the executor: inputs to the device, the forward with its captures)
       -> out (copyout.py: statistics where the activations are, the copy to the host into reused
          buffers, on a side stream: the main thread never waits for the device)
-      -> writer (store/writer.py: its thread assembles shards, a thread pool copies them to disk,
-         checksummed as written; then the commit)
+      -> writer (store/writer.py: a thread measures each batch's statistics as it is queued (those
+         not computed on a device), its thread assembles shards, a thread pool copies them to
+         disk, checksummed as written; then the commit, on a thread of its own)
 
 Between stages are bounded queues (`AHEAD` batches here, the writer's `queue_size`), so memory stays
 flat. `Stages` counts each stage's busy seconds; `bound()` names the stage that sets the pace, when

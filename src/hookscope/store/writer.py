@@ -21,7 +21,7 @@ import time
 from collections.abc import Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Protocol, Self
+from typing import Any, Self
 
 import torch
 
@@ -29,6 +29,7 @@ from ..errors import StoreError
 from .card import CARD
 from .checksum import ALGORITHMS, WRITTEN
 from .fs import open_fs
+from .handoff import Handoff
 from .journal import Commits
 from .manifest import (
     SHARDS_DIR,
@@ -48,15 +49,6 @@ from .shardfile import default_copiers, save_columns, shared_mode, sync_file
 from .stats import HEADER_KEY, PointStats, Workspace, header_text
 
 _STOP = object()
-
-
-class Handoff(Protocol):
-    """A batch still being copied to the host (extract/copyout.py): `wait()` before its tensors are
-    read (it gives the statistics computed where they were), `release()` once they are written."""
-
-    def wait(self) -> Mapping[str, PointStats]: ...
-
-    def release(self) -> None: ...
 
 
 class ShardWriter:
@@ -130,15 +122,15 @@ class ShardWriter:
         self._next_shard = 1 + max((shard_number(s.file) for s in own), default=-1)
         self._last_batch: int | None = None
         self._error: BaseException | None = None
-        self._error_reported = False
-        self._closed = False
+        self._error_reported = self._closed = False
         self._discard_partial = False  # set on an interrupt: the final, partial shard is not written
         # the batches waiting to become the next shard; only the writer thread touches them
         self._pending: list[tuple[int, dict[str, torch.Tensor]]] = []
         self._handoffs: list[Handoff] = []  # of the pending batches: released once written
         self._pending_stats: dict[str, PointStats] = {}
         self._pending_rows = 0
-        self._work = Workspace()  # the statistics' float32 chunk of rows, reused (the writer thread's)
+        self._work = Workspace()  # the statistics' float32 chunk of rows, reused (by `_measure`)
+        self._measurer = ThreadPoolExecutor(1, thread_name_prefix="hookscope-shard-stats")
         # the threads that copy a shard's bytes into its file, each its own range (the writer thread
         # checksums the same bytes meanwhile): the copy scales with the cores
         self._copiers = ThreadPoolExecutor(writers or default_copiers(),
@@ -193,12 +185,19 @@ class ShardWriter:
                 raise StoreError(f"batch {batch_index}: meta column {name!r} must be a 1-D integer tensor")
             batch[name] = v.detach().to("cpu", torch.int64).contiguous()
         self._check_layout(batch_index, batch)
-        extra = set(stats or {}) - set(tensors)
-        if extra:
+        if extra := set(stats or {}) - set(tensors):
             raise StoreError(f"batch {batch_index}: stats given for {sorted(extra)}, not activations of it")
         self._last_batch = batch_index
+        given = dict(stats or {})
+        todo = {name: batch[name] for name in tensors if name not in given}
+        ready = handoff is None or handoff.ready  # else measured once its copy is done
+        measured = self._measure(todo) if todo and ready else None
         # a tuple, not a set: the manifest's stats follow this order, the same in every process
-        self._queue.put((batch_index, batch, tuple(tensors), dict(stats or {}), handoff))
+        self._queue.put((batch_index, batch, tuple(tensors), given, measured, handoff))
+
+    def _measure(self, tensors: dict[str, torch.Tensor]) -> Future:
+        """Each tensor's `PointStats` on the stats thread: beside the shard before's copy, not after it."""
+        return self._measurer.submit(lambda: {k: PointStats.of(v, self._work) for k, v in tensors.items()})
 
     def close(self) -> None:
         """Write the remaining rows as a final shard, stop the thread, raise any writer error."""
@@ -277,6 +276,7 @@ class ShardWriter:
                 self.busy_seconds += time.perf_counter() - started
                 self._copiers.shutdown()
                 self._committer.shutdown()
+                self._measurer.shutdown(cancel_futures=True)
                 if self._error is None:
                     self._guard(self._commits.finish, self.manifest)
                 self._commits.unlock()
@@ -295,17 +295,20 @@ class ShardWriter:
             self._error = self._error or e  # the first failure is the one reported
 
     def _take(self, index: int, batch: dict[str, torch.Tensor], points: tuple[str, ...],
-              given: dict[str, PointStats], handoff: Handoff | None) -> None:
+              given: dict[str, PointStats], measured: Future | None, handoff: Handoff | None) -> None:
         if self._pending and (self.deal.position(index)
                               != self.deal.position(self._pending[-1][0]) + self.world_size):
             self._flush()  # a batch of this rank was left out: a shard holds an unbroken run of them
         if handoff is not None:
             self._handoffs.append(handoff)
             given = {**given, **handoff.wait()}  # the batch's bytes are on the host from here
+        if measured is not None:
+            given = {**given, **measured.result()}
+        if missing := {name: batch[name] for name in points if name not in given}:  # copied from a device
+            given = {**given, **self._measure(missing).result()}
         self._pending.append((index, batch))
         for name in points:
-            stats = given[name] if name in given else PointStats.of(batch[name], self._work)
-            self._pending_stats[name] = self._pending_stats.get(name, PointStats()).merge(stats)
+            self._pending_stats[name] = self._pending_stats.get(name, PointStats()).merge(given[name])
         self._pending_rows += next(iter(batch.values())).shape[0]
         if self._pending_rows >= self.shard_rows:
             self._flush()
