@@ -168,7 +168,7 @@ def test_a_batchs_statistics_are_measured_while_the_shard_before_is_still_being_
 
     def save_columns(columns, path, *args, **kwargs):
         if path.name.startswith("shard-r000-000000."):
-            held.wait(10)
+            held.wait(60)
         return real_save(columns, path, *args, **kwargs)
 
     def measure(cls, rows, work=None):
@@ -180,7 +180,7 @@ def test_a_batchs_statistics_are_measured_while_the_shard_before_is_still_being_
     with ShardWriter(tmp_path / "store", SETTINGS, shard_rows=ROWS) as writer:
         for i in range(2):
             writer.write(i, {"x": rows_of(i)}, {"token_ids": torch.arange(len(rows_of(i)))})
-        deadline = time.perf_counter() + 5
+        deadline = time.perf_counter() + 30
         while len(measured) < 2 and time.perf_counter() < deadline:
             time.sleep(0.01)
         during = [torch.equal(m, rows_of(i)) for i, m in enumerate(measured)]
