@@ -93,6 +93,23 @@ def test_stopping_early_leaves_no_worker():
     assert not [p for p in children(os.getpid()) - before if alive(p)]
 
 
+def test_workers_stop_at_once_under_a_parents_python_sigterm_handler():
+    """A handler the parent set (a trainer's, or the run's own) must not keep the workers alive: a
+    forked worker inherits it, so a SIGTERM to stop it would wait out the join timeout (5 s a worker)."""
+    before = children(os.getpid())
+    previous = signal.signal(signal.SIGTERM, lambda *_: None)  # as SAELens's training runner leaves it
+    try:
+        batches = pack_batches(iter(lambda: "a b c d", None), words_tokenizer(), 16, 4, workers=2)
+        next(batches)
+        started = time.perf_counter()
+        batches.close()
+        stopped = time.perf_counter() - started
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert not [p for p in children(os.getpid()) - before if alive(p)]
+    assert stopped < 2.0, f"stopping two workers took {stopped:.1f} s"
+
+
 ENDLESS = textwrap.dedent("""
     import itertools, sys
     sys.path[:0] = [{tests!r}]

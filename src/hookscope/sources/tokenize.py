@@ -159,13 +159,12 @@ def _died(process: Any, start: int, count: int) -> DataError:
 
 
 def _stop(pool: list[tuple[Any, Any]]) -> None:
-    """Stop the workers now (they may be busy on chunks no one will read), then reap them."""
+    """Stop the workers now (they may be busy on chunks no one will read), then reap them. SIGKILL,
+    not SIGTERM: a forked worker inherits the parent's Python handlers (a trainer's, the run's own),
+    which would run only between its bytecodes, and it holds nothing to clean up."""
     for process, connection in pool:
         connection.close()
         if process.is_alive():
-            process.terminate()
+            process.kill()
     for process, _ in pool:
         process.join(timeout=5)
-        if process.is_alive():
-            process.kill()
-            process.join(timeout=5)
