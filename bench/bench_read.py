@@ -43,7 +43,10 @@ only) gathers them from the layout the store has, each column's rows a block of 
 columns x 4,096 rows into one layer-major batch buffer allocated once (as floor-out). floor-cols2:
 the same into two such buffers in turn, the least batch memory a reader has (its consumer holds a
 batch while the next is gathered; floor-cols overwrites the batch it just made). Each case is printed
-against the fastest floor and, for stacked layouts, against floor-cols too.
+against the fastest floor and, for stacked layouts, against floor-cols too. `stored` / `stored-clt`:
+the same bytes as `hookscope extract --stack` stores them, one column per glob, `[rows, 4, d]`
+(each row's layers in one piece), read by name (`store.dataset("blocks.*.resid_post")`); their
+floors are stack's and clt's.
 
 `--epochs N` (default 3) sets the warm cases' epochs per process: a larger N weighs the first
 epoch (mapping, the first window, batch memory faulted in for the first time) less. `--threads N`
@@ -88,7 +91,14 @@ LAYOUTS = {
     "stack": ("blocks.*.resid_post", True, [f"blocks.{i}.resid_post" for i in range(STACK_LAYERS)]),
     "clt": (["blocks.*.mlp.in", "blocks.*.mlp.out"], True,
             [f"blocks.{i}.mlp.{k}" for i in range(STACK_LAYERS) for k in ("in", "out")]),
+    # the same as stored by `hookscope extract --stack`: one column per glob, [rows, layers, d]
+    "stored": ("blocks.*.resid_post", False, ["blocks.*.resid_post"]),
+    "stored-clt": (["blocks.*.mlp.in", "blocks.*.mlp.out"], False, ["blocks.*.mlp.in", "blocks.*.mlp.out"]),
 }
+
+
+def layers_per_column(layout: str) -> int:
+    return STACK_LAYERS if layout.startswith("stored") else 1
 EPOCHS = 3  # warm cases: 3 epochs by default, --epochs (cold: one epoch, right after dropping the cache)
 
 
@@ -112,8 +122,10 @@ def build_store(d: int, dtype: str, quick: bool, first_batch: int = 0, layout: s
         return out
     shape = SHAPES[d]
     points = LAYOUTS[layout][2]
-    rows = shape["rows"] // (8 if quick else 1) // len(points)  # the same bytes in every layout
-    shard_rows = shape["shard_rows"] // len(points)
+    layers = layers_per_column(layout)
+    k = len(points) * layers
+    rows = shape["rows"] // (8 if quick else 1) // k  # the same bytes in every layout
+    shard_rows = shape["shard_rows"] // k
     g = torch.Generator().manual_seed(0)
     settings = {"bench": "read", "d": d, "dtype": dtype, "rows": rows}
     if first_batch:  # (the default stores keep the settings, and so the bytes, they always had)
@@ -123,7 +135,8 @@ def build_store(d: int, dtype: str, quick: bool, first_batch: int = 0, layout: s
     with ShardWriter(out, settings, shard_rows=shard_rows) as w:
         per = shard_rows // 4
         for b in range(rows // per):
-            xs = {p: torch.randn(per, d, generator=g).to(getattr(torch, dtype)) for p in points}
+            row = (layers, d) if layers > 1 else (d,)
+            xs = {p: torch.randn(per, *row, generator=g).to(getattr(torch, dtype)) for p in points}
             w.write(first_batch + b, xs, {"token_ids": torch.arange(b * per, (b + 1) * per)})
     return out
 
@@ -192,7 +205,7 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path, layout: str =
     now = time.process_time if clock == "cpu" else time.perf_counter
     store = hs.open_store(path)
     point, stack, points = LAYOUTS[layout]
-    k = len(points)
+    k = len(points) * layers_per_column(layout)
     rows = len(store)
     buffer_rows = SHAPES[d]["buffer_rows"] // k // (8 if rows * k < SHAPES[d]["rows"] else 1)
     epochs = 1 if cache == "cold" else warm_epochs
@@ -207,7 +220,7 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path, layout: str =
     elif case.startswith("floor"):
         # in RAM (numpy: huge pages), not mapped; several columns side by side in each row, or (floor-cols)
         # each column's rows in a block of their own, as the store lays them out
-        columns = [store.tensor(p).view(torch.int16).numpy() for p in points]
+        columns = [store.tensor(p).view(torch.int16).numpy().reshape(rows, -1) for p in points]
         by_column = case.startswith("floor-cols")
         xn = np.concatenate(columns, axis=0 if by_column else 1)
         x = torch.from_numpy(xn).view(getattr(torch, dtype))
@@ -325,7 +338,7 @@ def main() -> None:
     p.add_argument("--cases", default=",".join(f"{c}/{k}" for c, k in CASES))
     p.add_argument("--dims", default="768,4096")
     p.add_argument("--dtypes", default="float16,bfloat16")
-    p.add_argument("--layouts", default="point", help="point,stack,clt (see the docstring)")
+    p.add_argument("--layouts", default="point", help="point,stack,clt,stored,stored-clt (see the docstring)")
     p.add_argument("--epochs", type=int, default=EPOCHS, help="epochs per process in the warm cases")
     p.add_argument("--threads", type=int, default=0, help="torch's threads in every case (0: torch's own)")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -361,8 +374,8 @@ def main() -> None:
                 # order reversed every other round (ABBA): a cold read right after another cold read
                 # measured slower here (whichever came second), so no case may always come second
                 for case, cache in (cases if r % 2 == 0 else cases[::-1]):
-                    if case.startswith("floor-cols") and layout == "point":
-                        continue  # one column: floor-out
+                    if case.startswith("floor-cols") and (layout == "point" or layout.startswith("stored")):
+                        continue  # one column (or row-major stacks): floor-out
                     src = before if case.startswith("before") else None
                     one = ["read", case, str(d), dtype, cache, str(path), layout, str(args.epochs),
                            str(args.threads), args.clock]

@@ -181,6 +181,28 @@ def test_extract_round_trip_equals_plain_hooks(model_dirs, device, tmp_path):
     assert torch.equal(store.tensor("blocks.1.resid_post"), torch.cat(rows))
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_stacked_extraction_holds_the_unstacked_rows(model_dirs, device, tmp_path):
+    """`--stack` on the device (the points stacked there, then one copy-out) against the same run
+    unstacked, block by block."""
+    from hookscope.extract import ExtractConfig, extract
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Document {i} talks about hooks, layers and the residual stream."
+                                  for i in range(40)))
+    stores = {}
+    for stack in (True, False):
+        out = tmp_path / f"store-{stack}"
+        extract(ExtractConfig(out=str(out), model=str(model_dirs["llama"]), points=["blocks.*.resid_post"],
+                              data=str(corpus), context=16, batch_size=4, dtype="bfloat16", device=device,
+                              progress=False, shard_rows=100, stack=stack))
+        stores[stack] = hs.open_store(out, verify=True)
+    column = stores[True].tensor("blocks.*.resid_post")
+    assert column.shape[1] == SIZE["n_layers"] and len(column) == len(stores[False]) > 0
+    for layer in range(SIZE["n_layers"]):
+        assert torch.equal(column[:, layer], stores[False].tensor(f"blocks.{layer}.resid_post"))
+
+
 # --- compile, CUDA graphs, device maps, the profiler: CUDA only (the CPU paths have their own tests) --
 
 
@@ -512,11 +534,11 @@ def test_the_extraction_model_stage_never_waits_for_the_device(model_dirs, devic
     cfg = ExtractConfig(out=str(tmp_path / "store"), model=str(model_dirs[family]), points=points,
                         data=str(corpus), context=16, batch_size=4, dtype="float32", device=device,
                         progress=False, max_tokens=16 * 4 * 4)
-    source, executor = _start(cfg, source_for(cfg))
+    source, executor, _ = _start(cfg, source_for(cfg))
     prepared = [(i, source.prepare(b, device)) for i, b in enumerate(source.batches())]
     assert len(prepared) == 4 and all(b.call.unpadded for _, b in prepared)
     stages = Stages()
-    ran = _timed(_checked(executor.run(iter(prepared)), "warn", stages, CopyOut()), stages)
+    ran = _timed(_checked(executor.run(iter(prepared)), "warn", stages, CopyOut(), {}), stages)
     with _NoSync(device):
         done = list(ran)
     loaded = hs.load(cfg.model, device=device)

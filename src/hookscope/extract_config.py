@@ -23,8 +23,9 @@ class ExtractConfig:
     MiniLM), `points`, `data` (a .txt / .jsonl file or folder, a saved dataset, `hf:NAME`,
     `images:DIR`; default: Python's own docstrings, built offline), `context` tokens per sequence,
     `batch_size`, `dtype` of the stored rows, `max_tokens`, `shard_rows` per shard, `max_memory`
-    to stream blocks under a weight budget, `workers` processes that tokenize text. Checked by
-    `hs.extract` before anything is loaded."""
+    to stream blocks under a weight budget, `workers` processes that tokenize text, `stack` (each
+    glob of `points` stored as one `[rows, blocks, ...]` column). Checked by `hs.extract` before
+    anything is loaded."""
 
     out: str
     model: str | None = None
@@ -49,6 +50,10 @@ class ExtractConfig:
     # --workers N: processes that tokenize text (0: the data thread, with the tokenizer's own threads).
     # Not a setting of the store: the batches are the same for any N
     workers: int = 0
+    # --stack: each glob of `points` stored as one column named by the glob, [rows, blocks, *row
+    # shape], its blocks in order (extract/stacking.py): a crosscoder's or CLT's read gathers each
+    # row's layers in one piece
+    stack: bool = False
 
 
 @dataclass(frozen=True)
@@ -83,6 +88,9 @@ def validate_config(cfg: ExtractConfig) -> None:
         raise HookscopeError(f"--max-tokens {cfg.max_tokens!r}: must be a whole number >= 1 (or left out)")
     if not cfg.points:
         raise HookscopeError("no points given; name at least one, e.g. --points blocks.3.resid_post")
+    if cfg.stack and not any(ch in p for p in cfg.points for ch in "*?["):
+        raise HookscopeError(f"--stack stores each glob of --points as one column, and {cfg.points} has no "
+                             "glob: name one, e.g. --points 'blocks.*.resid_post', or leave --stack out")
     if not str(cfg.out).strip():
         raise HookscopeError("--out is empty; name the store directory to write")
     if cfg.max_memory is not None:

@@ -46,6 +46,10 @@ def add_parser(sub) -> None:
                    help="processes that tokenize text ahead of the model (default 0: the data thread, "
                         "with the tokenizer's own threads); raise it when the run says it is bound by "
                         "tokenization")
+    p.add_argument("--stack", action="store_true",
+                   help="store each glob of --points as one column named by the glob, [rows, blocks, d] in "
+                        "block order: crosscoder and cross-layer transcoder reads gather each row in one "
+                        "piece")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--generate", type=at_least(0), default=default.generate, metavar="N",
                    help="also store N greedy tokens the model generates after each sequence")
@@ -66,7 +70,7 @@ def run(args) -> int:
         max_tokens=args.max_tokens, device=args.device, shard_rows=args.shard_rows,
         on_nonfinite=args.on_nonfinite, revision=args.revision, progress=not args.no_progress,
         device_map=args.device_map, generate=args.generate, max_memory=args.max_memory,
-        workers=args.workers,
+        workers=args.workers, stack=args.stack,
     )
     try:
         print(extract(cfg))

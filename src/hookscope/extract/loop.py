@@ -32,6 +32,7 @@ from ..store import ShardWriter, merge_rank_manifests
 from ..store.opening import StoreView
 from .copyout import CopyOut, Handoff
 from .outcome import ExtractInterrupted, ExtractSummary, check_finite, signals_interrupt
+from .stacking import Groups, stack_groups, stacked
 from .stages import Stages, ahead
 
 if TYPE_CHECKING:
@@ -107,8 +108,9 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
             raise ExtractInterrupted(opened[0].total_rows if opened else 0, str(cfg.out)) from None
 
 
-def _start(cfg: ExtractConfig, kind: type[Source]) -> tuple[Source, Any]:
-    """The process's rank and device, the model, the points and the opened source: nothing written."""
+def _start(cfg: ExtractConfig, kind: type[Source]) -> tuple[Source, Any, list[str]]:
+    """The opened source, the executor (the process's rank and device, the model) and the points
+    resolved: nothing written."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world_size > 1:
         import torch.distributed as dist
@@ -130,12 +132,12 @@ def _start(cfg: ExtractConfig, kind: type[Source]) -> tuple[Source, Any]:
     if streamed:
         from .streamed import Streamed
 
-        return source, Streamed(source, loaded, points, getattr(torch, cfg.dtype), run, cfg)
+        return source, Streamed(source, loaded, points, getattr(torch, cfg.dtype), run, cfg), points
     if kind.generates:
         from .generating import Generating
 
-        return source, Generating(source, loaded.model, points, getattr(torch, cfg.dtype), run)
-    return source, InMemory(source, loaded.model, points, getattr(torch, cfg.dtype), run)
+        return source, Generating(source, loaded.model, points, getattr(torch, cfg.dtype), run), points
+    return source, InMemory(source, loaded.model, points, getattr(torch, cfg.dtype), run), points
 
 
 def _input_device(model: torch.nn.Module) -> torch.device:
@@ -147,9 +149,11 @@ def _input_device(model: torch.nn.Module) -> torch.device:
 
 
 def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) -> ExtractSummary:
-    source, executor = _start(cfg, kind)
+    source, executor, points = _start(cfg, kind)
     rank, world_size = executor.run_on.rank, executor.run_on.world_size
-    settings = source.settings()
+    groups = stack_groups(cfg.points, points) if cfg.stack else {}
+    # the stacking is a setting only when asked for: every other store's settings stay as they were
+    settings = {**source.settings(), **({"stacked": groups} if groups else {})}
     # which batches this rank goes through and which it skips: the store read once, nothing written
     # yet (the writer opened below checks that nobody wrote since)
     view = StoreView.read(cfg.out, settings, world_size, rank)
@@ -191,7 +195,7 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
     copy_out = CopyOut(on_wait=functools.partial(stages.add, "device"))
     executor.into = copy_out.into
     ran = _timed(_checked(executor.run(pending(itertools.chain([first] if first else [], ours))),
-                          cfg.on_nonfinite, stages, copy_out), stages)
+                          cfg.on_nonfinite, stages, copy_out, groups), stages)
     try:
         # The first batch to do is run before the store is opened (a streamed run runs its whole
         # first chunk, so that no block's weights are read one extra time): an empty or bad data
@@ -228,13 +232,14 @@ Done = tuple[int, dict[str, Tensor], Rows, Handoff | None]
 
 
 def _checked(ran: Iterator[tuple[int, dict[str, Tensor], Rows]], on_nonfinite: str, stages: Stages,
-             copy_out: CopyOut) -> Iterator[Done]:
-    """An executor's rows, each batch refused under --on-nonfinite error before it is written, on
-    their way to the host (the `out` stage, copyout.py: nothing waits for a device here)."""
+             copy_out: CopyOut, groups: Groups) -> Iterator[Done]:
+    """An executor's rows, each batch refused under --on-nonfinite error before it is written,
+    stacked (`--stack`), on their way to the host (the `out` stage, copyout.py: nothing waits for a
+    device here)."""
     for index, batch, (acts, columns) in ran:
         start = time.perf_counter()
         check_finite(acts, on_nonfinite, index)
-        host, handoff = copy_out(acts)
+        host, handoff = copy_out(stacked(acts, groups, copy_out.into, copy_out.done_with))
         stages.add("out", time.perf_counter() - start)
         yield index, batch, (host, columns), handoff
 

@@ -6,7 +6,9 @@ Without `stack`, every matched column comes out on its own (a dict keyed by colu
 `stack=True`, each glob's columns come out as one tensor `[rows, columns, *row shape]`, in block
 order (numbers in the names compared as numbers: block 10 after block 9), keyed by the glob; a plain
 name (`token_ids`) still comes out on its own. Several globs (a cross-layer transcoder's `mlp.in` and
-`mlp.out`) must match the same blocks, so that index l of every stack is the same block.
+`mlp.out`) must match the same blocks, so that index l of every stack is the same block. A column
+stored stacked (`hookscope extract --stack`) is named by its glob and read as any column: the name
+finds it before any matching, and it comes out `[rows, blocks, ...]` as it is, with `stack` or without.
 """
 
 from __future__ import annotations
@@ -51,15 +53,16 @@ def select(columns: dict[str, Column], point: str | Sequence[str], stack: bool, 
     outputs: dict[str, list[str]] = {}
     stacked: set[str] = set()
     for pattern in patterns:
-        if _is_glob(pattern):
+        if pattern in columns:  # a stored stack's name is its glob (`--stack`): the column itself
+            matched = [pattern]
+        elif _is_glob(pattern):
             matched = sorted(fnmatch.filter(columns, pattern), key=natural_key)
             if not matched:
                 raise StoreError(f"{where}: {pattern!r} matches no column; the store has {list(columns)}")
-        elif pattern in columns:
-            matched = [pattern]
         else:
-            raise StoreError(f"{where}: no column {pattern!r}; the store has {list(columns)}")
-        if stack and _is_glob(pattern):
+            raise StoreError(f"{where}: no column {pattern!r}; the store has {list(columns)}"
+                             + _in_a_stack(columns, pattern))
+        if stack and _is_glob(pattern) and pattern not in columns:
             outputs[pattern] = matched
             stacked.add(pattern)
         else:
@@ -69,8 +72,18 @@ def select(columns: dict[str, Column], point: str | Sequence[str], stack: bool, 
         raise StoreError(f"{where}: {patterns} name some columns twice (a stack's columns may be in no "
                          "other stack and not named on their own)")
     _check_stacks(columns, {k: v for k, v in outputs.items() if k in stacked}, where)
-    single = isinstance(point, str) and len(outputs) == 1 and (stack or not _is_glob(point))
+    lone = stack or not _is_glob(point) or point in columns  # a stored stack is one column
+    single = isinstance(point, str) and len(outputs) == 1 and lone
     return Selected(names, outputs, frozenset(stacked), single)
+
+
+def _in_a_stack(columns: dict[str, Column], name: str) -> str:
+    """Where `name` is stored when a stacked column (`--stack`) holds it, in words, else ''."""
+    for column in columns:
+        if _is_glob(column) and fnmatch.fnmatchcase(name, column):
+            return (f"; {name} is stored inside the stacked column {column!r} (written with --stack): read "
+                    f"that column, [rows, blocks, ...] in block order, and index its second dimension")
+    return ""
 
 
 def _check_stacks(columns: dict[str, Column], outputs: dict[str, list[str]], where: str) -> None:
