@@ -100,6 +100,26 @@ def test_a_clts_two_stored_stacks_share_one_shuffle_order(stores):
     assert order != sorted(order)  # shuffled
 
 
+def test_a_cpu_capture_writes_each_point_into_its_slot_and_a_streamed_run_copies(model_dir, corpus, tmp_path,
+                                                                                monkeypatch, stores):
+    """In memory on the CPU, no copy makes the stack (each point was written into its slot of the
+    column); a streamed run (`--max-memory`, no slots) stacks by a copy, and stores the same rows."""
+    from hookscope.extract import stacking
+
+    copies = []
+    real = stacking._copied
+    monkeypatch.setattr(stacking, "_copied", lambda parts: copies.append(len(parts)) or real(parts))
+    extract(config(model_dir, corpus, tmp_path / "slots", stack=True))
+    assert copies == []
+    extract(config(model_dir, corpus, tmp_path / "streamed", stack=True, max_memory="50MB"))
+    assert copies and set(copies) == {LAYERS}
+    stacked, _ = stores
+    for glob in STACKS:
+        assert torch.equal(hs.open_store(tmp_path / "slots").tensor(glob), stacked.tensor(glob))
+        torch.testing.assert_close(hs.open_store(tmp_path / "streamed").tensor(glob), stacked.tensor(glob),
+                                   rtol=1e-5, atol=1e-5)
+
+
 def test_a_block_read_alone_says_which_column_holds_it(stores):
     stacked, _ = stores
     with pytest.raises(StoreError, match=r"blocks\.2\.mlp\.out is stored inside the stacked column "

@@ -25,6 +25,7 @@ compile layer takes over the points inside compiled regions through one seam
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -39,7 +40,7 @@ from .errors import HookscopeError, PointNotReachedError, SelectionError
 from .hooks import Hook, Hooks, grad_leaf
 from .model_inputs import attention_mask_of, call_model
 from .names import canonical, find_key, is_pattern, meaning
-from .selection import Heads, Into, Positions, Selection
+from .selection import Heads, PointInto, Positions, Selection
 from .stopping import Stop, no_cache
 
 
@@ -150,8 +151,9 @@ class Capture(Kept):
     Built by `hs.capture(model, points, **options)`; the model runs whole inside the block unless
     `stop=True`. `attention_mask`: the batch's mask, for `positions="last"` (each row's last real
     token); when left out, the `attention_mask=` the model is called with is used. `into`: with a
-    `token_mask`, a function `(shape, dtype, device) -> tensor or None` that gives the buffer each
-    point's kept rows are written into (the extraction's reused host buffers; None: a new tensor).
+    `token_mask`, a function `(point, shape, dtype, device) -> tensor or None` that gives the buffer
+    each point's kept rows are written into (the extraction's reused host buffers, or a point's slot
+    of a stacked column; None: a new tensor).
 
     Raises:
         UnknownPointError: a point name the model does not have (the message lists close names).
@@ -164,7 +166,7 @@ class Capture(Kept):
                  heads: Heads = None, token_mask: Tensor | None = None, dtype: torch.dtype | None = None,
                  device: torch.device | str | None = None, stop: bool | None = None, inference: bool = True,
                  accumulate: bool = False, attention_mask: Tensor | None = None, arch: Arch | None = None,
-                 into: Into | None = None):
+                 into: PointInto | None = None):
         self._state = state_of(model)  # its `layer` is asked at enter
         if arch is None:
             arch = self._state.arch if self._state.arch is not None else arch_of(model)
@@ -236,8 +238,10 @@ class Capture(Kept):
         self.pass_mask = mask if self._mask_per_pass else self.attention_mask
 
     def _keep(self, act: Tensor, hook: Hook) -> None:
-        self.file(hook.spec.name, self.selection.take(act, hook.spec, attention_mask=self.pass_mask,
-                                                      copy=self.copy, events=self.events, into=self.into))
+        name = hook.spec.name
+        into = None if self.into is None else functools.partial(self.into, name)
+        self.file(name, self.selection.take(act, hook.spec, attention_mask=self.pass_mask,
+                                            copy=self.copy, events=self.events, into=into))
 
     def file(self, name: str, kept: Tensor) -> None:
         """Keep `kept` as this pass's value of point `name`; stop the pass if it was the last one

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from .errors import SelectionError
 from .token_rows import Into, KeptRows, last_real, select_tokens, token_region
+from .token_rows import PointInto as PointInto  # Capture's `into`, named here for capture.py
 
 Positions = None | int | slice | Sequence[int] | Tensor | str
 Heads = None | int | Sequence[int] | Tensor

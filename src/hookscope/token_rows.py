@@ -31,9 +31,10 @@ from .one_thread import one_thread
 
 _RUN_ROWS = 256  # kept rows per run, on average, from which a gather into a buffer copies run by run
 
-# (shape, dtype, device) -> a contiguous tensor of that shape and dtype to write the kept rows into,
-# or None to make a new one
+# (shape, dtype, device) -> a tensor of that shape and dtype to write the kept rows into (rows may
+# be strided: a slot of a stacked column), or None to make a new one
 Into = Callable[[tuple[int, ...], torch.dtype, torch.device], Tensor | None]
+PointInto = Callable[[str, tuple[int, ...], torch.dtype, torch.device], Tensor | None]  # Capture's: by point
 
 
 class KeptRows:

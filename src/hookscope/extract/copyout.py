@@ -26,6 +26,7 @@ import torch
 
 from ..store.stats import PointStats, stats_tensors
 from .ring import HostRing, nbytes_of, views
+from .stacking import Groups, Slots
 
 
 class Handoff:
@@ -71,18 +72,27 @@ class CopyOut:
     """The out stage of one run: a side stream per CUDA device, a ring of page-locked buffers for the
     copies from it, and a ring of plain host buffers for CPU captures to write into."""
 
-    def __init__(self, keep: int = 8, on_wait: Callable[[float], None] | None = None):
+    def __init__(self, keep: int = 8, on_wait: Callable[[float], None] | None = None,
+                 groups: Groups | None = None):
         self.ring = HostRing(keep=keep, pinned=True, spare=True)  # pinning is slow: made ahead
         self.host = HostRing(keep=None, pinned=False)  # what CPU captures write into (`into`)
         self.lent: dict[int, torch.Tensor] = {}  # by storage address: host buffers out to the capture
         self.on_wait = on_wait  # each handoff's wait for the device, in seconds (the run's report)
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
+        # `--stack`: a CPU capture writes each stacked point into its slot of one buffer
+        self.slots = Slots(groups, self._lend) if groups else None
 
-    def into(self, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor | None:
-        """A buffer of the host ring, `shape` and `dtype`, for a capture on the CPU to write a point's
-        kept rows into (`Capture(into=)`); None for one on another device (copied out below)."""
+    def into(self, point: str, shape: tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor | None:
+        """A buffer of the host ring, `shape` and `dtype`, for a capture on the CPU to write `point`'s
+        kept rows into (`Capture(into=)`; a stacked point's slot of its column's buffer); None for
+        one on another device (copied out below)."""
         if torch.device(device).type != "cpu":
             return None
+        slot = None if self.slots is None else self.slots.slot(point, shape, dtype)
+        return slot if slot is not None else self._lend(shape, dtype)
+
+    def _lend(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize
         buffer = self.host.take(nbytes)
         self.lent[buffer.untyped_storage().data_ptr()] = buffer

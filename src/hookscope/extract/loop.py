@@ -36,7 +36,7 @@ from .stacking import Groups, stack_groups, stacked
 from .stages import Stages, ahead
 
 if TYPE_CHECKING:
-    from ..capture import Into
+    from ..capture import PointInto
 
 Batches = Iterable[tuple[int, dict[str, Tensor]]]
 
@@ -60,7 +60,7 @@ class InMemory:
     def __init__(self, source: Source, model: torch.nn.Module, points: Sequence[str], dtype: torch.dtype,
                  run: Run):
         self.source, self.model, self.points, self.dtype, self.run_on = source, model, points, dtype, run
-        self.into: Into | None = None
+        self.into: PointInto | None = None
 
     def run(self, batches: Batches) -> Iterator[tuple[int, dict[str, Tensor], Rows]]:
         for index, batch in batches:
@@ -192,7 +192,7 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
             else:
                 yield index, batch
 
-    copy_out = CopyOut(on_wait=functools.partial(stages.add, "device"))
+    copy_out = CopyOut(on_wait=functools.partial(stages.add, "device"), groups=groups)
     executor.into = copy_out.into
     ran = _timed(_checked(executor.run(pending(itertools.chain([first] if first else [], ours))),
                           cfg.on_nonfinite, stages, copy_out, groups), stages)
@@ -239,7 +239,7 @@ def _checked(ran: Iterator[tuple[int, dict[str, Tensor], Rows]], on_nonfinite: s
     for index, batch, (acts, columns) in ran:
         start = time.perf_counter()
         check_finite(acts, on_nonfinite, index)
-        host, handoff = copy_out(stacked(acts, groups, copy_out.into, copy_out.done_with))
+        host, handoff = copy_out(stacked(acts, groups, copy_out.slots, copy_out.done_with))
         stages.add("out", time.perf_counter() - start)
         yield index, batch, (host, columns), handoff
 

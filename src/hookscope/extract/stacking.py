@@ -39,12 +39,45 @@ def stack_groups(patterns: Sequence[str], points: Sequence[str]) -> Groups:
     return groups
 
 
-def stacked(acts: dict[str, torch.Tensor], groups: Groups,
-            into: Callable[[tuple[int, ...], torch.dtype, torch.device], torch.Tensor | None],
+class Slots:
+    """Where a CPU capture writes each stacked point's kept rows: its slot `[:, l]` of the batch's
+    one `[rows, blocks, ...]` buffer (`take` lends it), so that the stack costs no copy. A group's
+    next buffer is taken when a point asks again, or with rows of another shape: the next batch."""
+
+    def __init__(self, groups: Groups, take: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]):
+        self.where = {point: (column, i) for column, members in groups.items()
+                      for i, point in enumerate(members)}
+        self.size = {column: len(members) for column, members in groups.items()}
+        self.take = take
+        self.building: dict[str, tuple[torch.Tensor, set[int]]] = {}  # column -> its buffer, slots given
+
+    def slot(self, point: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor | None:
+        """`point`'s slot for rows of `shape` and `dtype`, or None when no stack holds it."""
+        if point not in self.where:
+            return None
+        column, i = self.where[point]
+        buffer, given = self.building.get(column, (None, set()))
+        if buffer is None or i in given or buffer[:, i].shape != shape or buffer.dtype != dtype:
+            buffer, given = self.take((shape[0], self.size[column], *shape[1:]), dtype), set()
+            self.building[column] = (buffer, given)
+        given.add(i)
+        return buffer[:, i]
+
+    def filled(self, column: str, parts: Sequence[torch.Tensor]) -> torch.Tensor | None:
+        """The column's buffer when `parts` are its slots, each written where it was given."""
+        buffer, given = self.building.get(column, (None, set()))
+        if buffer is None or len(given) != len(parts):
+            return None
+        ok = all(p.data_ptr() == buffer[:, i].data_ptr() and p.stride() == buffer[:, i].stride()
+                 and p.shape == buffer[:, i].shape for i, p in enumerate(parts))
+        return buffer if ok else None
+
+
+def stacked(acts: dict[str, torch.Tensor], groups: Groups, slots: Slots | None,
             done_with: Callable[[torch.Tensor], None]) -> dict[str, torch.Tensor]:
-    """`acts` with each group's points replaced by one `[rows, len(group), ...]` tensor, made where
-    they are (on the CPU in a buffer from `into`; `done_with` then takes each point's own buffer
-    back for the next batch)."""
+    """`acts` with each group's points replaced by one `[rows, len(group), ...]` tensor: the buffer
+    their slots filled (`slots`: a CPU capture's), else stacked where they are (a copy; `done_with`
+    then takes each point's own buffer back for the next batch)."""
     if not groups:
         return acts
     out = {name: a for name, a in acts.items() if not any(name in g for g in groups.values())}
@@ -55,10 +88,17 @@ def stacked(acts: dict[str, torch.Tensor], groups: Groups,
             shown = ", ".join(f"{m} {list(p.shape)}" for m, p in zip(members, parts, strict=True))
             raise HookscopeError(f"--stack: {column!r} matches points of different shapes ({shown}); a "
                                  "stacked column needs one shape: narrow the glob or leave --stack out")
-        first = parts[0]
-        shape = (first.shape[0], len(parts), *first.shape[1:])
-        buffer = into(shape, first.dtype, first.device) if first.device.type == "cpu" else None
-        out[column] = torch.stack(parts, dim=1) if buffer is None else torch.stack(parts, dim=1, out=buffer)
+        filled = None if slots is None else slots.filled(column, parts)
+        if filled is not None:
+            out[column] = filled
+            continue
+        out[column] = _copied(parts)
         for part in parts:
             done_with(part)
     return out
+
+
+def _copied(parts: Sequence[torch.Tensor]) -> torch.Tensor:
+    """The points stacked by a copy: on a device (cheap there), or what a capture did not write into
+    its slots (a streamed or generating run)."""
+    return torch.stack(list(parts), dim=1)
