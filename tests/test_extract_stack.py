@@ -167,4 +167,7 @@ def test_the_command_stacks_a_clts_points_in_one_pass(model_dir, corpus, tmp_pat
         "blocks.*.mlp.in": (LAYERS, 16), "blocks.*.mlp.out": (LAYERS, 16)}
     capsys.readouterr()
     assert main(["inspect", str(out)]) == 0
-    assert "blocks.*.mlp.out" in capsys.readouterr().out
+    shown = capsys.readouterr().out
+    assert f"blocks.*.mlp.out: [{LAYERS}, 16]" in shown
+    last = LAYERS - 1
+    assert f"stacked: [:, 0] is blocks.0.mlp.out, ..., [:, {last}] is blocks.{last}.mlp.out" in shown

@@ -71,6 +71,18 @@ def test_a_new_store_records_the_meaning_and_resumes(gemma2, corpus, tmp_path, c
     assert "meaning: what the MLP adds to the residual stream, after its post-norm" in capsys.readouterr().out
 
 
+def test_a_stacked_column_of_a_changed_point_shows_its_meaning(gemma2, corpus, tmp_path, capsys):
+    out = tmp_path / "stacked"
+    cfg = config(gemma2, corpus, out, ["blocks.*.mlp.out"], 60)
+    cfg.stack = True
+    extract(cfg)
+    assert CHANGED in open_store(out).manifest.settings["point_meanings"]
+    assert main(["inspect", str(out), "--no-verify"]) == 0
+    shown = capsys.readouterr().out
+    assert "blocks.*.mlp.out: [" in shown
+    assert "meaning: what the MLP adds to the residual stream, after its post-norm" in shown
+
+
 def test_a_store_of_unchanged_points_resumes_as_before(gemma2, corpus, tmp_path, monkeypatch):
     out = tmp_path / "unchanged"
     points = ["blocks.0.resid_post", "blocks.1.mlp.post"]

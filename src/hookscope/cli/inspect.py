@@ -42,8 +42,12 @@ def run(args) -> int:
                 norms += f"; no per-dim statistics: {store.stats.missing[name]}"
         bad = f", {st.nonfinite} NaN/Inf" if st and st.nonfinite else ""
         print(f"    {name}: {list(col.shape)} {col.dtype}  {norms}{bad}")
-        if name in meanings:
-            print(f"      meaning: {meanings[name]}")
+        members = settings.get("stacked", {}).get(name, [name])  # --stack: the points it holds
+        if members != [name]:
+            print(f"      stacked: [:, 0] is {members[0]}, ..., [:, {len(members) - 1}] is {members[-1]}")
+        meaning = next((meanings[p] for p in members if p in meanings), None)  # one name, one meaning
+        if meaning:
+            print(f"      meaning: {meaning}")
     print("  per-row columns: " + ", ".join(f"{k} ({v.dtype})" for k, v in store.meta.items()))
     if not args.no_verify:
         store.verify()
