@@ -171,3 +171,12 @@ def test_the_command_stacks_a_clts_points_in_one_pass(model_dir, corpus, tmp_pat
     assert f"blocks.*.mlp.out: [{LAYERS}, 16]" in shown
     last = LAYERS - 1
     assert f"stacked: [:, 0] is blocks.0.mlp.out, ..., [:, {last}] is blocks.{last}.mlp.out" in shown
+
+
+def test_a_stacked_column_is_not_exported_as_one_saelens_hook(stores, tmp_path):
+    from hookscope.export import export_saelens
+
+    stacked, _ = stores
+    with pytest.raises(StoreError, match=r"'blocks\.\*\.mlp\.in' is a stacked column \(--stack\) of 3"):
+        export_saelens(stacked, tmp_path / "cache", point="blocks.*.mlp.in")
+    assert not (tmp_path / "cache").exists()

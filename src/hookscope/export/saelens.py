@@ -180,6 +180,11 @@ def _the_point(store: Store, point: str | None) -> str:
         return points[0]
     if point not in store.points:
         raise StoreError(f"{store.path}: no point {point!r}; the store has {points}")
+    members = store.manifest.settings.get("stacked", {}).get(point)
+    if members:  # SAELens trains on one hook's activations, not several blocks' side by side
+        raise StoreError(f"{store.path}: {point!r} is a stacked column (--stack) of {len(members)} blocks "
+                         f"({members[0]} ... {members[-1]}); SAELens trains on one hook: export from a store "
+                         "extracted without --stack, or read the stack with store.dataset for a crosscoder")
     return point
 
 
