@@ -77,8 +77,9 @@ def test_a_stored_stack_reads_as_the_stacked_read_of_the_plain_store(stores):
     assert len(got) == len(want) > 2
     for g, w in zip(got, want, strict=True):
         assert g.shape == (32, LAYERS, 16) and torch.equal(g, w)
-    with_stack = next(iter(stacked.dataset("blocks.*.resid_post", batch_size=32, shuffle=False, stack=True)))
-    assert torch.equal(with_stack, got[0])  # already stacked: not stacked again
+    ds = stacked.dataset("blocks.*.resid_post", batch_size=32, shuffle=False, stack=True)
+    assert torch.equal(next(iter(ds)), got[0])  # already stacked: not stacked again
+    assert ds.stacked == {"blocks.*.resid_post": [f"blocks.{i}.resid_post" for i in range(LAYERS)]}
 
 
 def test_a_clts_two_stored_stacks_share_one_shuffle_order(stores):

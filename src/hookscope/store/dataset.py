@@ -113,8 +113,7 @@ class ActivationDataset(IterableDataset):
             raise StoreError(f"seed ({seed}) and epoch ({epoch}) must be >= 0")
         self.store = store
         self.shuffle, self.seed, self.buffer_rows = shuffle, seed, buffer_rows
-        self.split, self.val_fraction = split, val_fraction
-        self.rank, self.world_size = rank, world_size
+        self.split, self.val_fraction, self.rank, self.world_size = split, val_fraction, rank, world_size
         self.batch_size, self.drop_last = batch_size, drop_last
         self.repeat, self.prefetch = repeat, prefetch
         self.epoch, self.position = epoch, 0
@@ -254,8 +253,9 @@ class ActivationDataset(IterableDataset):
 
     @property
     def stacked(self) -> dict[str, list[str]]:
-        """Each stack's key -> its columns, in the order of the stack's second dimension."""
-        return {k: list(v) for k, v in self._stacks.items()}
+        """Each stack's key -> its columns (a `--stack` column: its points), in the order of its dim 1."""
+        both = {**self.store.manifest.settings.get("stacked", {}), **self._stacks}
+        return {k: list(both[k]) for k in self._outputs if k in both}
 
     def _out(self, columns: dict[str, torch.Tensor]) -> Any:
         return columns[next(iter(self._outputs))] if self._single else columns
