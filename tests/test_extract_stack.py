@@ -8,6 +8,11 @@ the two stacks of a CLT read in two orders fails here."""
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+
 import pytest
 import torch
 from helpers import corpus_fixture
@@ -181,3 +186,32 @@ def test_a_stacked_column_is_not_exported_as_one_saelens_hook(stores, tmp_path):
     with pytest.raises(StoreError, match=r"'blocks\.\*\.mlp\.in' is a stacked column \(--stack\) of 3"):
         export_saelens(stacked, tmp_path / "cache", point="blocks.*.mlp.in")
     assert not (tmp_path / "cache").exists()
+
+
+def test_two_torchrun_ranks_write_the_same_stacked_rows(stores, model_dir, corpus, tmp_path):
+    stacked, _ = stores
+    with socket.socket() as sock:  # a free port
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    out = tmp_path / "two"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", port, "-m", "hookscope.cli",
+           "extract", str(model_dir), "--out", str(out),
+           "--points", ",".join([*STACKS, "embed"]), "--stack", "--data", str(corpus), "--context", "16",
+           "--batch-size", "4", "--dtype", "float32", "--max-tokens", str(16 * 4 * 5), "--shard-rows", "96",
+           "--keep-bos", "--no-progress"]
+    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert run.returncode == 0, run.stderr[-3000:]
+    two = hs.open_store(out, verify=True)
+    assert two.manifest.world_size == 2
+    assert two.manifest.settings["stacked"] == stacked.manifest.settings["stacked"]
+
+    def rows(store, column):
+        key = torch.stack([store.tensor("seq_ids"), store.tensor("doc_ids"), store.tensor("positions")], 1)
+        order = sorted(range(len(key)), key=lambda i: tuple(key[i].tolist()))
+        return key[order], store.tensor(column)[order]
+
+    for glob in STACKS:
+        (k2, v2), (k1, v1) = rows(two, glob), rows(stacked, glob)
+        assert torch.equal(k2, k1) and torch.equal(v2, v1)
