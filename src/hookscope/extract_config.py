@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import HookscopeError
+from .names import is_pattern
 
 DEFAULT_DATA = "builtin:stdlib-docstrings"
 DEFAULT_POINT = "blocks.3.resid_post"
@@ -88,7 +89,7 @@ def validate_config(cfg: ExtractConfig) -> None:
         raise HookscopeError(f"--max-tokens {cfg.max_tokens!r}: must be a whole number >= 1 (or left out)")
     if not cfg.points:
         raise HookscopeError("no points given; name at least one, e.g. --points blocks.3.resid_post")
-    if cfg.stack and not any(ch in p for p in cfg.points for ch in "*?["):
+    if cfg.stack and not any(is_pattern(p) for p in cfg.points):
         raise HookscopeError(f"--stack stores each glob of --points as one column, and {cfg.points} has no "
                              "glob: name one, e.g. --points 'blocks.*.resid_post', or leave --stack out")
     if not str(cfg.out).strip():

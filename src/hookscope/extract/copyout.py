@@ -98,15 +98,6 @@ class CopyOut:
         self.lent[buffer.untyped_storage().data_ptr()] = buffer
         return buffer[:nbytes].view(dtype).view(shape)
 
-    def done_with(self, tensor: torch.Tensor) -> None:
-        """`tensor`'s buffer, if lent by `into`, is read and may go back to the ring now (a point
-        copied into a stacked column, extract/stacking.py)."""
-        if tensor.device.type != "cpu":
-            return
-        buffer = self.lent.pop(tensor.untyped_storage().data_ptr(), None)
-        if buffer is not None:
-            self.host.give_back(buffer)
-
     def _claim(self, acts: dict[str, torch.Tensor]) -> list[tuple[HostRing, torch.Tensor]]:
         """The lent buffers that `acts` are in; any other lent since the last batch is not handed
         back (a source that made its rows from them may hold them still)."""

@@ -239,7 +239,7 @@ def _checked(ran: Iterator[tuple[int, dict[str, Tensor], Rows]], on_nonfinite: s
     for index, batch, (acts, columns) in ran:
         start = time.perf_counter()
         check_finite(acts, on_nonfinite, index)
-        host, handoff = copy_out(stacked(acts, groups, copy_out.slots, copy_out.done_with))
+        host, handoff = copy_out(stacked(acts, groups, copy_out.slots))
         stages.add("out", time.perf_counter() - start)
         yield index, batch, (host, columns), handoff
 

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from ..errors import HookscopeError
+from ..names import is_pattern
 from ..store.selected import natural_key
 
 Groups = dict[str, list[str]]  # column name (the glob) -> the points stacked in it, in block order
@@ -27,7 +28,7 @@ def stack_groups(patterns: Sequence[str], points: Sequence[str]) -> Groups:
     globs match is refused (a row may hold it once)."""
     groups: Groups = {}
     for pattern in patterns:
-        if any(ch in pattern for ch in "*?["):
+        if is_pattern(pattern):
             groups[pattern] = sorted((p for p in points if fnmatch.fnmatchcase(p, pattern)), key=natural_key)
     seen: dict[str, str] = {}
     for pattern, members in groups.items():
@@ -73,11 +74,9 @@ class Slots:
         return buffer if ok else None
 
 
-def stacked(acts: dict[str, torch.Tensor], groups: Groups, slots: Slots | None,
-            done_with: Callable[[torch.Tensor], None]) -> dict[str, torch.Tensor]:
+def stacked(acts: dict[str, torch.Tensor], groups: Groups, slots: Slots | None) -> dict[str, torch.Tensor]:
     """`acts` with each group's points replaced by one `[rows, len(group), ...]` tensor: the buffer
-    their slots filled (`slots`: a CPU capture's), else stacked where they are (a copy; `done_with`
-    then takes each point's own buffer back for the next batch)."""
+    their slots filled (`slots`: a CPU capture's), else stacked where they are (a copy)."""
     if not groups:
         return acts
     out = {name: a for name, a in acts.items() if not any(name in g for g in groups.values())}
@@ -89,12 +88,7 @@ def stacked(acts: dict[str, torch.Tensor], groups: Groups, slots: Slots | None,
             raise HookscopeError(f"--stack: {column!r} matches points of different shapes ({shown}); a "
                                  "stacked column needs one shape: narrow the glob or leave --stack out")
         filled = None if slots is None else slots.filled(column, parts)
-        if filled is not None:
-            out[column] = filled
-            continue
-        out[column] = _copied(parts)
-        for part in parts:
-            done_with(part)
+        out[column] = filled if filled is not None else _copied(parts)
     return out
 
 
