@@ -364,8 +364,9 @@ def main() -> None:
                 print(f"(b) extract, free forward, {n} point(s), {rs[0]['tokens']:,} tokens "
                       f"({args.batch} x {args.context} bf16, store in {args.store_dir or MEMORY_DIR}, "
                       f"--workers {args.workers}): "
-                      f"{ext:,.0f} tokens/s "
-                      f"({mbs:,.0f} MB/s) vs packing alone {pk:,.0f} tokens/s: {ratio:.2f}x "
+                      f"{ext:,.0f} tokens/s (runs "
+                      + " / ".join(f"{r['rows'] / r['extract_s']:,.0f}" for r in rs)
+                      + f"; {mbs:,.0f} MB/s) vs packing alone {pk:,.0f} tokens/s: {ratio:.2f}x "
                       "(target >= 0.6x); "
                       f"{load()}", flush=True)
                 print(f"    the model stage alone (forward + captures on batches packed already): "

@@ -5,7 +5,6 @@ the largest busy share; and the rows are those of a run without the delay."""
 
 from __future__ import annotations
 
-import os
 import time
 
 import pytest
@@ -109,17 +108,6 @@ def test_ahead_stops_its_worker_when_the_consumer_stops():
     count = len(produced)
     time.sleep(0.3)
     assert len(produced) == count <= 5 + 2 + 2  # bounded: depth queued, one in hand, none after close
-
-
-def test_extract_asks_for_huge_pages_unless_the_user_chose(monkeypatch):
-    from hookscope.extract import stages
-
-    monkeypatch.delenv("THP_MEM_ALLOC_ENABLE", raising=False)
-    stages.prefer_huge_pages()
-    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "1"
-    monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")  # a user's opt-out stays
-    stages.prefer_huge_pages()
-    assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
 
 
 def test_a_run_whose_stages_share_saturated_cores_is_bound_by_the_cpu():

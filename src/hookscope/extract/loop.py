@@ -31,6 +31,7 @@ from ..sources import Rows, Source, source_for
 from ..store import ShardWriter, merge_rank_manifests
 from ..store.opening import StoreView
 from .copyout import CopyOut, Handoff
+from .host_memory import reused_heap
 from .outcome import ExtractInterrupted, ExtractSummary, check_finite, signals_interrupt
 from .stacking import Groups, stack_groups, stacked
 from .stages import Stages, ahead
@@ -101,7 +102,9 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
     validate_config(cfg)
     kind = source_for(cfg)  # refuses options the source cannot honour, nothing loaded yet
     opened: list[ShardWriter] = []  # the writer, once the store is open: how many rows it holds
-    with signals_interrupt():
+    # the heap kept for each batch's fresh activations; not under --max-memory, whose freed
+    # block weights must leave the process
+    with signals_interrupt(), reused_heap(enabled=cfg.max_memory is None):
         try:
             return _extract(cfg, kind, opened)
         except KeyboardInterrupt:

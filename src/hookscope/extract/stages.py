@@ -111,16 +111,6 @@ class Stages:
                 + self.bound(nbytes, wall))
 
 
-def prefer_huge_pages() -> None:
-    """Have PyTorch back its large CPU tensors (>= 2 MB) with transparent huge pages, unless the
-    user set `THP_MEM_ALLOC_ENABLE` already. Each batch's activations and their kept copies are
-    fresh tensors of tens of MB: on 4 KB pages, faulting them in costs several times the copy (a
-    fresh 32 x 1024 x 768 float32 -> bfloat16 cast measured 86-114 ms, 16-38 ms with huge pages, on
-    a loaded 2-core machine). PyTorch reads the variable at its first large allocation: set after
-    that, it changes nothing. Linux only; the stored bits are the same either way."""
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-
 def ahead(items: Iterable[T], stages: Stages, depth: int = AHEAD) -> Iterator[T]:
     """`items`, produced by a worker thread up to `depth` ahead of the consumer; the worker's time
     counts as the data stage's. An error in the worker is raised here, in order."""
