@@ -58,7 +58,7 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..extract import ExtractConfig, ExtractInterrupted, extract
-    from ..extract.host_memory import prefer_huge_pages
+    from ..loading.allocator import prefer_huge_pages
 
     # the command's own process: huge pages before the model's weights (the first large allocation
     # fixes the setting); the Python API leaves a caller's environment as it is

@@ -25,13 +25,13 @@ from ..capture import Capture
 from ..errors import DataError
 from ..extract_config import ExtractConfig, Run, validate_config
 from ..loading import load
+from ..loading.allocator import keeping_freed_memory
 from ..model_inputs import unpadded
 from ..progress import RowsBar, mib_written
 from ..sources import Rows, Source, source_for
 from ..store import ShardWriter, merge_rank_manifests
 from ..store.opening import StoreView
 from .copyout import CopyOut, Handoff
-from .host_memory import reused_heap
 from .outcome import ExtractInterrupted, ExtractSummary, check_finite, signals_interrupt
 from .stacking import Groups, stack_groups, stacked
 from .stages import Stages, ahead
@@ -102,9 +102,7 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
     validate_config(cfg)
     kind = source_for(cfg)  # refuses options the source cannot honour, nothing loaded yet
     opened: list[ShardWriter] = []  # the writer, once the store is open: how many rows it holds
-    # the heap kept for each batch's fresh activations; not under --max-memory, whose freed
-    # block weights must leave the process
-    with signals_interrupt(), reused_heap(enabled=cfg.max_memory is None):
+    with signals_interrupt():
         try:
             return _extract(cfg, kind, opened)
         except KeyboardInterrupt:
@@ -153,6 +151,15 @@ def _input_device(model: torch.nn.Module) -> torch.device:
 
 def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) -> ExtractSummary:
     source, executor, points = _start(cfg, kind)
+    # the model loaded: from here on each batch's fresh activations reuse the last batch's memory
+    # (loading/allocator.py); not under --max-memory, whose freed block weights must leave the process
+    with keeping_freed_memory(enabled=cfg.max_memory is None):
+        return _run(cfg, source, executor, points, opened)
+
+
+def _run(cfg: ExtractConfig, source: Source, executor: Any, points: list[str],
+         opened: list[ShardWriter]) -> ExtractSummary:
+    """The batches through the executor into the store: everything after the model is loaded."""
     rank, world_size = executor.run_on.rank, executor.run_on.world_size
     groups = stack_groups(cfg.points, points) if cfg.stack else {}
     # the stacking is a setting only when asked for: every other store's settings stay as they were

@@ -1,14 +1,30 @@
-"""Freed memory handed back to the system while block streaming runs (`returning_freed_memory`).
+"""How the process's host memory is allocated while hookscope runs a model: glibc's malloc set, for
+the length of a run, to the policy the run needs; elsewhere (not glibc) nothing is changed.
 
-A block's pass allocates and frees tensors of a few MB (activations, attention, MLP products).
-glibc's malloc serves such sizes from its heap once a larger chunk has been freed (its mmap
-threshold slides up to 32 MB), and keeps what is freed there: measured on the bench_big Llama
-shape, 25-50 MB of freed heap beside the live tensors at the peak of a `--max-memory` run. With a
-fixed threshold every allocation of 256 KiB or more gets its own mapping, unmapped when freed, so
-the resident set follows the live tensors; `give_back_freed` after each pass returns the rest (the
-smaller tensors' pages, and free heap left by earlier work, e.g. 260 MB after transformers' imports
-in some runs, which a pass would otherwise fill and keep: 560 or 610 MB peaks from one run to the
-next without it). Elsewhere (not glibc) nothing is changed.
+- `returning_freed_memory`, while blocks stream under `--max-memory` (and while `load(device="meta")`
+  builds a model): freed memory leaves the process. A block's pass allocates and frees tensors of a
+  few MB (activations, attention, MLP products). glibc's malloc serves such sizes from its heap once
+  a larger chunk has been freed (its mmap threshold slides up to 32 MB), and keeps what is freed
+  there: measured on the bench_big Llama shape, 25-50 MB of freed heap beside the live tensors at
+  the peak of a `--max-memory` run. With a fixed threshold every allocation of 256 KiB or more gets
+  its own mapping, unmapped when freed, so the resident set follows the live tensors;
+  `give_back_freed` after each pass returns the rest (the smaller tensors' pages, and free heap left
+  by earlier work, e.g. 260 MB after transformers' imports in some runs, which a pass would
+  otherwise fill and keep: 560 or 610 MB peaks from one run to the next without it).
+- `keeping_freed_memory`, while an extraction runs with its whole model in memory: freed memory
+  stays for the next batch. Each batch's forward makes tensors of tens of MB (a 32 x 1024 x 768
+  float32 embedding output is 100 MB) and frees them; above its mmap threshold (32 MB at most) glibc
+  maps each afresh and unmaps it when freed, so every batch's activations were faulted in, zeroed by
+  the kernel and unmapped again. With no mappings and the heap's top kept, the next batch reuses the
+  last one's pages. On the 2-core box one point's free-forward extraction to /dev/shm ran ~1.5x
+  faster without huge pages and ~1.1-1.2x with them, for 60-500 MB more peak memory (the heap's
+  fragments; not growing with the run's length) (bench/HISTORY.md, "The heap kept for reuse"). At
+  the end `give_back_freed` returns the free heap, all of it where the heap could grow in place (a
+  process whose heap had to be continued elsewhere keeps its free top for later allocations).
+- `prefer_huge_pages`, for the `hookscope extract` process: PyTorch's own switch to put its large
+  tensors on 2 MB pages, so a fresh one faults in 512 times fewer pages.
+
+None of them changes a computed or stored bit.
 """
 
 from __future__ import annotations
@@ -17,11 +33,20 @@ import contextlib
 import ctypes
 import ctypes.util
 import functools
+import os
+import threading
 from collections.abc import Iterator
 
-_M_MMAP_THRESHOLD = -3  # mallopt's parameter number (malloc.h)
+# mallopt's parameter numbers (malloc.h) and glibc's defaults for them (mallopt(3))
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
 _STREAMING_THRESHOLD = 256 * 2**10
 _GLIBC_DEFAULT_THRESHOLD = 128 * 2**10
+_GLIBC_DEFAULT_TRIM_THRESHOLD, _GLIBC_DEFAULT_MMAP_MAX = 128 * 2**10, 65536
+_KEPT_TOP = 2**31 - 1  # bytes of free heap top kept rather than trimmed (mallopt takes an int)
+# a user who tunes malloc through the environment keeps their settings while a run keeps its memory
+_USER_SETTINGS = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
+_keeping_lock = threading.Lock()
+_keeping = 0  # runs inside `keeping_freed_memory` now: the first sets glibc's settings, the last resets them
 
 
 @functools.cache
@@ -57,3 +82,45 @@ def returning_freed_memory() -> Iterator[None]:
     finally:
         libc.mallopt(_M_MMAP_THRESHOLD, _GLIBC_DEFAULT_THRESHOLD)
         give_back_freed()
+
+
+@contextlib.contextmanager
+def keeping_freed_memory(enabled: bool = True) -> Iterator[bool]:
+    """While inside: nothing is mapped on its own, and freed memory stays in the heap for the next
+    allocations (see the module docstring). Yields whether that is so: False when not `enabled`, on a
+    C library other than glibc, or when the user set malloc's settings in the environment. After:
+    glibc's defaults (a fixed mmap threshold, as `returning_freed_memory` leaves it) and the heap's
+    free pages returned."""
+    global _keeping
+    libc = _glibc() if enabled and not _user_tuned() else None
+    if libc is None:
+        yield False
+        return
+    with _keeping_lock:
+        if _keeping == 0:
+            libc.mallopt(_M_MMAP_MAX, 0)
+            libc.mallopt(_M_TRIM_THRESHOLD, _KEPT_TOP)
+        _keeping += 1
+    try:
+        yield True
+    finally:
+        with _keeping_lock:
+            _keeping -= 1
+            if _keeping == 0:
+                libc.mallopt(_M_MMAP_MAX, _GLIBC_DEFAULT_MMAP_MAX)
+                libc.mallopt(_M_TRIM_THRESHOLD, _GLIBC_DEFAULT_TRIM_THRESHOLD)
+                give_back_freed()
+
+
+def _user_tuned() -> bool:
+    return (any(name in os.environ for name in _USER_SETTINGS)
+            or "malloc" in os.environ.get("GLIBC_TUNABLES", ""))
+
+
+def prefer_huge_pages() -> None:
+    """Have PyTorch back its large CPU tensors (>= 2 MB) with transparent huge pages, unless the
+    user set `THP_MEM_ALLOC_ENABLE` already. On 4 KB pages, faulting a fresh activation in costs
+    several times the copy (a fresh 32 x 1024 x 768 float32 -> bfloat16 cast measured 86-114 ms,
+    16-38 ms with huge pages, on a loaded 2-core machine). PyTorch reads the variable at its first
+    large allocation: set after that, it changes nothing. Linux only."""
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
