@@ -88,6 +88,9 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
     Everything that can be checked is checked before the store is touched (arguments, the model,
     the points, the data source's first batch to do and its forward pass), so a refused run leaves
     no trace on disk. SIGINT / SIGTERM raise `ExtractInterrupted` after committing whole shards only.
+    While the batches run, glibc's malloc keeps freed memory for the next batch, process-wide, and
+    gets its defaults back at the end (`loading.allocator.keeping_freed_memory`; not under
+    `max_memory`, nor when a `MALLOC_*` variable is set).
 
     Returns:
         ExtractSummary: rows in the store, rows this run wrote, batches done and skipped, time, bytes.
