@@ -18,7 +18,7 @@ import os
 import time
 from pathlib import Path
 
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as extract sets it (stages.prefer_huge_pages)
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as extract sets it (loading.allocator.prefer_huge_pages)
 
 SIZES = {"gpt2-small batch (64 MiB)": 2**26, "llama-1b batch (128 MiB)": 2**27,
          "llama-1b 16 points (2 GiB)": 2**31}

@@ -37,11 +37,11 @@ import os
 import threading
 from collections.abc import Iterator
 
-# mallopt's parameter numbers (malloc.h) and glibc's defaults for them (mallopt(3))
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # mallopt's parameter numbers (malloc.h)
+# glibc's defaults for them (mallopt(3))
+_GLIBC_DEFAULT_THRESHOLD = _GLIBC_DEFAULT_TRIM_THRESHOLD = 128 * 2**10
+_GLIBC_DEFAULT_MMAP_MAX = 65536
 _STREAMING_THRESHOLD = 256 * 2**10
-_GLIBC_DEFAULT_THRESHOLD = 128 * 2**10
-_GLIBC_DEFAULT_TRIM_THRESHOLD, _GLIBC_DEFAULT_MMAP_MAX = 128 * 2**10, 65536
 _KEPT_TOP = 2**31 - 1  # bytes of free heap top kept rather than trimmed (mallopt takes an int)
 # a user who tunes malloc through the environment keeps their settings while a run keeps its memory
 _USER_SETTINGS = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
