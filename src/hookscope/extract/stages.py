@@ -5,7 +5,7 @@
       -> out (copyout.py: statistics where the activations are, the copy to the host into reused
          buffers, on a side stream: the main thread never waits for the device)
       -> writer (store/writer.py: a thread measures each batch's statistics as it is queued (those
-         not computed on a device), its thread assembles shards, a thread pool copies them to
+         not computed on a device), its thread assembles shards, a copy thread writes them to
          disk, checksummed as written; then the commit, on a thread of its own)
 
 Between stages are bounded queues (`AHEAD` batches here, the writer's `queue_size`), so memory stays

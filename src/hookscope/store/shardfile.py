@@ -1,14 +1,17 @@
 """One shard file written in one pass over its bytes: the bytes `safetensors.torch.save_file` would
 write (the header, then each tensor's data), taken straight from the tensors' memory (a column
 given as several batches is written batch after batch: no concatenated copy), checksummed while
-they are written, the copying spread over a pool of threads (each writes its own byte range at
-its offset), and fsynced. tests/test_store_shardfile.py holds it byte for byte to save_file.
+they are written (by a pool's threads, each piece at its offset, or around the page cache through
+one buffer: direct.py), and fsynced. tests/test_store_shardfile.py holds it byte for byte to save_file.
 
 Only the dtypes safetensors names are written here; `writable` says whether a set of columns is.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
+import itertools
 import json
 import os
 import struct
@@ -19,6 +22,7 @@ from pathlib import Path
 import torch
 
 from .checksum import checksum_of, hasher
+from .direct import Bounce
 
 # safetensors' name of each dtype, and its rank in safetensors' own order of dtypes: a file holds
 # its tensors by descending rank, then by name (safetensors' `prepare`)
@@ -62,12 +66,13 @@ def header(columns: Columns, metadata: Mapping[str, str] | None) -> tuple[bytes,
 
 
 def save_columns(columns: Columns, path: Path, metadata: Mapping[str, str] | None, algorithm: str,
-                 pool: Executor | None = None, mode: int = 0o666, sync: bool = True) -> tuple[int, str]:
+                 pool: Executor | None = None, mode: int = 0o666, sync: bool = True,
+                 bounce: Bounce | None = None) -> tuple[int, str]:
     """`write_shard_file`, or for a column it cannot write (a dtype it does not name, a tensor
     elsewhere than the CPU) safetensors' own save_file, fsynced, then checksummed read back.
     `sync=False`: not fsynced here (the caller calls `sync_file` before the file counts)."""
     if writable(columns):
-        return write_shard_file(columns, path, metadata, algorithm, pool, mode, sync)
+        return write_shard_file(columns, path, metadata, algorithm, pool, mode, sync, bounce)
     from safetensors.torch import save_file
 
     save_file({k: torch.cat(list(v)) if len(v) > 1 else v[0] for k, v in columns.items()}, path,
@@ -79,9 +84,10 @@ def save_columns(columns: Columns, path: Path, metadata: Mapping[str, str] | Non
 
 
 def write_shard_file(columns: Columns, path: Path, metadata: Mapping[str, str] | None, algorithm: str,
-                     pool: Executor | None = None, mode: int = 0o666, sync: bool = True) -> tuple[int, str]:
+                     pool: Executor | None = None, mode: int = 0o666, sync: bool = True,
+                     bounce: Bounce | None = None) -> tuple[int, str]:
     """Write `columns` to `path` as a safetensors file, fsynced unless `sync` is False; (bytes, hex
-    checksum by `algorithm`)."""
+    checksum by `algorithm`). `bounce`: around the page cache, through its buffer (direct.py)."""
     head, order = header(columns, metadata)
     pieces = [memoryview(head)]
     for name in order:
@@ -89,31 +95,29 @@ def write_shard_file(columns: Columns, path: Path, metadata: Mapping[str, str] |
             data = memoryview(part.reshape(-1).view(torch.uint8).numpy())
             pieces += [data[i:i + PIECE] for i in range(0, len(data), PIECE)]
     h = hasher(algorithm)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, mode)
+    fd = _open(path, mode, direct=bounce is not None)
     try:
-        offsets, at = [], 0
-        for piece in pieces:
-            offsets.append(at)
-            at += len(piece)
-        if pool is None:
-            for piece, offset in zip(pieces, offsets, strict=True):
-                _write_at(fd, piece, offset)
+        if bounce is not None and fd.direct:  # one job: the pieces through the buffer, in order
+            jobs = [functools.partial(bounce.write, fd, pieces)]
+        else:  # each piece at its offset
+            offsets = itertools.accumulate((len(p) for p in pieces[:-1]), initial=0)
+            jobs = [functools.partial(_write_at, fd, p, at) for p, at in zip(pieces, offsets, strict=True)]
+        done = [] if pool is None else [pool.submit(job) for job in jobs]
+        try:
+            if pool is None:
+                for job in jobs:
+                    job()
+            for piece in pieces:  # the pool writes, this thread checksums the same bytes meanwhile
                 h.update(piece)
-        else:  # the pool copies, this thread checksums the same bytes meanwhile
-            done = [pool.submit(_write_at, fd, piece, offset)
-                    for piece, offset in zip(pieces, offsets, strict=True)]
-            try:
-                for piece in pieces:
-                    h.update(piece)
-            finally:
-                wait(done)  # every write has ended before the descriptor closes (or is reused)
-            for d in done:
-                d.result()  # the first write error (a full disk), raised here
+        finally:
+            wait(done)  # every write has ended before the descriptor closes (or is reused)
+        for d in done:
+            d.result()  # the first write error (a full disk), raised here
         if sync:
             os.fsync(fd)
     finally:
         os.close(fd)
-    return at, h.hexdigest()
+    return sum(len(p) for p in pieces), h.hexdigest()
 
 
 def shared_mode() -> int:
@@ -125,14 +129,37 @@ def shared_mode() -> int:
 
 
 def default_copiers() -> int:
-    """Copy threads per shard writer: a few, as the cores allow (each copy runs at memory speed)."""
-    return max(1, min(4, (os.cpu_count() or 1)))
+    """Copy threads per shard writer: one. A local filesystem (ext4, xfs, tmpfs) takes a file's
+    buffered writes one at a time (the inode's lock), so a second thread on the same shard only
+    spins waiting for the first: on the 2-core box it cost 30-45 % more CPU for the copy and ran
+    no faster (bench/HISTORY.md, "One copy thread a shard"). `ShardWriter(writers=)` asks for more
+    where a filesystem takes parallel writes to one file."""
+    return 1
 
 
 def sync_file(path: Path) -> None:
     """fsync `path`'s data (written earlier, through another descriptor): raises the disk's error."""
     with open(path, "rb") as f:
         os.fsync(f.fileno())
+
+
+class _Fd(int):
+    """A file descriptor, and whether it was opened with O_DIRECT."""
+
+    direct = False
+
+
+def _open(path: Path, mode: int, direct: bool) -> _Fd:
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    if direct:
+        try:
+            fd = _Fd(os.open(path, flags | os.O_DIRECT, mode))
+            fd.direct = True
+            return fd
+        except OSError as e:  # a filesystem without O_DIRECT: through the page cache
+            if e.errno != errno.EINVAL:
+                raise
+    return _Fd(os.open(path, flags, mode))
 
 
 def _write_at(fd: int, data: memoryview, offset: int) -> None:

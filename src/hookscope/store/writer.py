@@ -26,6 +26,7 @@ from typing import Any, Self
 import torch
 
 from ..errors import StoreError
+from . import direct
 from .card import CARD
 from .checksum import ALGORITHMS, WRITTEN
 from .fs import open_fs
@@ -93,6 +94,8 @@ class ShardWriter:
         except OSError as e:
             raise StoreError(f"cannot create the store directory {self.out}: {e}; "
                              "choose a writable --out") from e
+        # around the page cache on a disk's filesystem (direct.py); a URL's staged files are read back
+        self._bounce = direct.Bounce() if not self.fs.remote and direct.wanted(self._staging) else None
         self._manifest_name = manifest_name(rank, world_size, self.generation)
         self._listed = {Path(s.file).name for s in found.shards}  # by any manifest: not debris
         own = found.own(rank)
@@ -131,10 +134,8 @@ class ShardWriter:
         self._pending_rows = 0
         self._work = Workspace()  # the statistics' float32 chunk of rows, reused (by `_measure`)
         self._measurer = ThreadPoolExecutor(1, thread_name_prefix="hookscope-shard-stats")
-        # the threads that copy a shard's bytes into its file, each its own range (the writer thread
-        # checksums the same bytes meanwhile): the copy scales with the cores
-        self._copiers = ThreadPoolExecutor(writers or default_copiers(),
-                                           thread_name_prefix="hookscope-shard-copy")
+        # copies a shard's bytes into its file while the writer thread checksums them (shardfile.py)
+        self._copiers = ThreadPoolExecutor(writers or default_copiers(), "hookscope-shard-copy")
         # a shard's fsync, rename and commit, in shard order, while the next shard is written: the
         # disk flushes one shard as the next one's bytes are copied (one in flight at most)
         self._committer = ThreadPoolExecutor(1, thread_name_prefix="hookscope-shard-commit")
@@ -359,7 +360,7 @@ class ShardWriter:
         try:
             self._staging.mkdir(exist_ok=True)  # made on the first write: a store never written has none
             size, digest = save_columns(columns, tmp, metadata, self.checksum, self._copiers, self._file_mode,
-                                        sync=False)
+                                        sync=False, bounce=self._bounce)
             # the batches' bytes are in the file: their buffers go back now, not after the wait below,
             # so that the next batches' copies reuse them instead of pinning new ones meanwhile
             self._release()
