@@ -228,6 +228,8 @@ def extract_case(model, layer: int, args) -> dict:
         sync(args.device)
         floor_s = (time.perf_counter() - start) * n_batches / len(packed)  # at that rate, every batch
         disk_s = _raw_write_s(work, summary.bytes_written, cfg.shard_rows * 2 * model.config.hidden_size)
+        direct_s = _raw_write_s(work, summary.bytes_written, cfg.shard_rows * 2 * model.config.hidden_size,
+                                direct=True)  # the disk's own rate, no page cache (None: not taken)
         trace = None
         if args.trace_dir and not every:  # a few batches under the profiler: compute and copies overlap
             trace = str(Path(args.trace_dir) / f"extract-{args.shape}.json")
@@ -242,6 +244,7 @@ def extract_case(model, layer: int, args) -> dict:
     rows = summary.new_rows
     return {"rows": summary.rows, "points": len(points), "batches": n_batches, "extract_s": extract_s,
             "floor_s": floor_s, "floor_batches": len(packed), "disk_s": disk_s,
+            "direct_tok_s": rows / direct_s if direct_s else None,
             "bytes": summary.bytes_written,
             "extract_tok_s": rows / extract_s, "floor_tok_s": rows / floor_s, "disk_tok_s": rows / disk_s,
             "busy": summary.busy, "bound": summary.bound, "trace": trace,
@@ -298,12 +301,15 @@ def _host_reads(cfg, work: Path, args) -> dict:
             "host_reads": sorted(set(reads.calls))[:4]}
 
 
-def _raw_write_s(folder: Path, total: int, file_bytes: int) -> float:
+def _raw_write_s(folder: Path, total: int, file_bytes: int, direct: bool = False) -> float | None:
     """Seconds to write `total` bytes into files of `file_bytes` in `folder`, each file fsynced
-    (bench_pipeline's raw write, fed parts of one 64 MB buffer that end where each file ends)."""
+    (disk_floors.py: through the page cache, fed parts of one 64 MB buffer that end where each file
+    ends; `direct`: with O_DIRECT, None where the filesystem refuses it)."""
     sys.path.insert(0, str(HERE))
-    from bench_pipeline import raw_parts, raw_write_s
+    from disk_floors import direct_write_s, raw_parts, raw_write_s
 
+    if direct:
+        return direct_write_s(folder, total, file_bytes)
     return raw_write_s(folder, raw_parts(total, file_bytes), file_bytes)
 
 
@@ -540,6 +546,8 @@ def table(results: list[dict]) -> str:
                    f"{r['floor_tok_s']:,.0f}, disk {r['disk_tok_s']:,.0f} "
                    f"({r['bytes'] / r['disk_s'] / 1e6:,.0f} MB/s) = **{r['extract_tok_s'] / floor:.3f}x** "
                    f"the lower; busy {busy}; {r.get('bound', '')}"
+                   + (f"; the disk with O_DIRECT {r['direct_tok_s']:,.0f} tok/s" if r.get("direct_tok_s")
+                      else "")
                    + (f"; host reads {r['host_reads_per_batch']:.1f}/batch" if "host_reads_per_batch" in r
                       else "")
                    + (f"; {r.get('batches', '?')} batches; {timeline_line(r['timeline'])}" if "timeline" in r

@@ -43,6 +43,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from disk_floors import direct_write_s, raw_parts, raw_write_s
+
 MEMORY_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 DISK_DIR = Path(tempfile.gettempdir())
 WORDS = ("the residual stream of a transformer carries features between layers while sparse "
@@ -50,45 +52,6 @@ WORDS = ("the residual stream of a transformer carries features between layers w
 
 
 # --- (a) the writer ----------------------------------------------------------------------------
-
-
-def raw_write_s(folder: Path, chunks: list[memoryview], file_bytes: int) -> float:
-    """Seconds to write `chunks` into files of `file_bytes` each in `folder`, each file fsynced."""
-    start = time.perf_counter()
-    f, written, n = None, 0, 0
-    for chunk in chunks:
-        if f is None:
-            f = open(folder / f"raw-{n:04d}.bin", "wb")
-        f.write(chunk)
-        written += chunk.nbytes
-        if written >= file_bytes:
-            f.flush()
-            os.fsync(f.fileno())
-            f.close()
-            f, written, n = None, 0, n + 1
-    if f is not None:
-        f.flush()
-        os.fsync(f.fileno())
-        f.close()
-    seconds = time.perf_counter() - start
-    for p in folder.glob("raw-*.bin"):
-        p.unlink()
-    return seconds
-
-
-def raw_parts(total: int, file_bytes: int) -> list[memoryview]:
-    """`total` bytes as parts of one 64 MB buffer that end where each `file_bytes` file ends (what
-    `raw_write_s` writes as a store of that many bytes in shards of that size)."""
-    import numpy as np
-
-    chunk = memoryview(np.random.default_rng(0).integers(0, 255, 64 << 20, dtype=np.uint8).tobytes())
-    parts, left = [], total
-    while left > 0:
-        in_file = min(file_bytes, left)
-        for at in range(0, in_file, len(chunk)):
-            parts.append(chunk[:min(len(chunk), in_file - at)])
-        left -= in_file
-    return parts
 
 
 def writer_run(args: argparse.Namespace) -> dict[str, float]:
@@ -202,6 +165,7 @@ def extract_run(args: argparse.Namespace) -> dict[str, float]:
         # the store's own floor: the same bytes written raw into files of the shards' size, in the
         # same directory, each fsynced (in memory, the memory's own copy of them)
         raw_s = raw_write_s(store, raw_parts(nbytes, -(-nbytes // shards)), -(-nbytes // shards))
+        direct_s = direct_write_s(store, nbytes, -(-nbytes // shards))  # the disk's own: no page cache
     finally:
         shutil.rmtree(store, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
@@ -228,7 +192,7 @@ def extract_run(args: argparse.Namespace) -> dict[str, float]:
             embedding(b["input_ids"])
     embed_s = time.perf_counter() - start
     return {"tokens": tokens, "rows": rows, "bytes": nbytes, "extract_s": extract_s, "pack_s": pack_s,
-            "raw_s": raw_s,
+            "raw_s": raw_s, "direct_s": direct_s,
             "model_s": model_s, "embed_s": embed_s, "summary": str(summary),
             "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
             "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
@@ -387,6 +351,14 @@ def main() -> None:
                     print(f"    the store's floor, its bytes written raw into the same directory (files of "
                           f"the shards' size, fsynced): {raw:,.0f} rows/s; extract / the lower of packing "
                           f"and that floor: {lower:.2f}x", flush=True)
+                if rs[0].get("direct_s"):  # where the filesystem takes O_DIRECT
+                    own = statistics.median(r["rows"] / r["direct_s"] for r in rs)
+                    lower = statistics.median(r["rows"] / r["extract_s"]
+                                              / min(r["tokens"] / r["pack_s"], r["rows"] / r["direct_s"])
+                                              for r in rs)
+                    print(f"    the disk's own rate, the same bytes written with O_DIRECT (files of the "
+                          f"shards' size, fsynced): {own:,.0f} rows/s; extract / the lower of packing and "
+                          f"that: {lower:.2f}x", flush=True)
                 print("    last run's summary: " + rs[-1]["summary"].replace("\n", "\n    "), flush=True)
     if args.only == "data":
         with tempfile.TemporaryDirectory(prefix="hookscope-bench-data-") as tmp:

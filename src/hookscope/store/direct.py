@@ -2,12 +2,12 @@
 
 A buffered write copies every byte into the page cache in the kernel, one 4 KiB page at a time
 (allocated, charged, marked dirty), under the file's lock: on the 2-core box that copy took
-0.5-2.5 s of CPU per GB, and set the pace of an extraction to disk, while the disk itself took
-O_DIRECT writes of the same files at 1.7-2.3 GB/s for 0.07 s of CPU per GB (bench/HISTORY.md,
+0.55-2.5 s of CPU per GB, and set the pace of an extraction to disk, while the disk itself took
+O_DIRECT writes of the same files at 1.6-2.3 GB/s for 0.07 s of CPU per GB (bench/HISTORY.md,
 "Shards written around the page cache"). Here the bytes are gathered into a page-aligned buffer
 of `BLOCK` bytes, written at its aligned offset each time it fills; the last partial block is
-written through the page cache (O_DIRECT wants whole blocks). The file's bytes are the same; it is still
-fsynced before it counts.
+written through the page cache (O_DIRECT wants whole blocks). The file's bytes are the same, and it
+is still fsynced before it counts.
 
 Used where the directory's filesystem is one of `BLOCK_FILESYSTEMS` (read from
 /proc/self/mountinfo), never on tmpfs (memory already) or a network or FUSE filesystem, and not
