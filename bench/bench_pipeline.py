@@ -80,6 +80,7 @@ def writer_run(args: argparse.Namespace) -> dict[str, float]:
     try:
         for attempt in range(2):  # the first round touches fresh pages: the second is the figure
             raw_s = raw_write_s(base, chunks, shard_bytes)
+            direct_s = direct_write_s(base, total, shard_bytes)  # the disk's own: no page cache
             store = base / f"store-{attempt}"
             start = time.perf_counter()
             with ShardWriter(store, {"bench": 1}, shard_rows=args.shard_rows) as writer:
@@ -90,7 +91,7 @@ def writer_run(args: argparse.Namespace) -> dict[str, float]:
                         writer.write(i, {point: b}, m)
             writer_s = time.perf_counter() - start
             shutil.rmtree(store)
-        out.update(raw_s=raw_s, writer_s=writer_s, takes_stats=float(takes_stats))
+        out.update(raw_s=raw_s, direct_s=direct_s, writer_s=writer_s, takes_stats=float(takes_stats))
     finally:
         shutil.rmtree(base, ignore_errors=True)
     return out
@@ -307,6 +308,10 @@ def main() -> None:
                   f"(target >= 0.5x in memory)"
                   f"{'' if rs[0]['takes_stats'] else ', stats computed by the writer'}; "
                   f"{load()}", flush=True)
+            if rs[0].get("direct_s"):
+                print(f"    the same bytes written with O_DIRECT, fsynced: "
+                      f"{statistics.median(mb / r['direct_s'] for r in rs):,.0f} MB/s; the writer "
+                      f"{statistics.median(r['direct_s'] / r['writer_s'] for r in rs):.2f}x that", flush=True)
     if args.only in (None, "extract"):
         with tempfile.TemporaryDirectory(prefix="hookscope-bench-pipeline-") as tmp:
             for n, tokens in ((1, args.tokens), (12, args.tokens_12)):

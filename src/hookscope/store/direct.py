@@ -4,10 +4,10 @@ A buffered write copies every byte into the page cache in the kernel, one 4 KiB 
 (allocated, charged, marked dirty), under the file's lock: on the 2-core box that copy took
 0.55-2.5 s of CPU per GB, and set the pace of an extraction to disk, while the disk itself took
 O_DIRECT writes of the same files at 1.6-2.3 GB/s for 0.07 s of CPU per GB (bench/HISTORY.md,
-"Shards written around the page cache"). Here the bytes are gathered into a page-aligned buffer
-of `BLOCK` bytes, written at its aligned offset each time it fills; the last partial block is
-written through the page cache (O_DIRECT wants whole blocks). The file's bytes are the same, and it
-is still fsynced before it counts.
+"Shards written around the page cache"). Here the bytes are gathered into page-aligned buffers
+of `BLOCK` bytes, each written at its aligned offset once full while the next one fills; the last
+partial block is written through the page cache (O_DIRECT wants whole blocks). The file's bytes
+are the same, and it is still fsynced before it counts.
 
 Used where the directory's filesystem is one of `BLOCK_FILESYSTEMS` (read from
 /proc/self/mountinfo), never on tmpfs (memory already) or a network or FUSE filesystem, and not
@@ -22,6 +22,7 @@ import fcntl
 import mmap
 import os
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 BLOCK = 8 * 2**20  # bytes per direct write (4-16 MiB ran alike here; large requests keep a device busy)
@@ -65,46 +66,53 @@ def _unescaped(field: str) -> str:
 
 
 class Bounce:
-    """The page-aligned buffer a writer's direct writes go through (made once, reused)."""
+    """The two page-aligned buffers a writer's direct writes go through (made once, reused): one is
+    filled while the other is written, by a thread of the write's own."""
 
     def __init__(self) -> None:
-        self.buffer = mmap.mmap(-1, BLOCK)
+        self.buffers = [mmap.mmap(-1, BLOCK) for _ in range(2)]
 
     def write(self, fd: int, pieces: Sequence[memoryview]) -> None:
         """`pieces`, one after the other from offset 0 of `fd`, opened with `os.O_DIRECT`."""
-        view = memoryview(self.buffer)
-        at, filled, direct = 0, 0, True  # the file offset of the buffer's start, the bytes in it
-        for piece in pieces:
-            while piece:
-                n = min(len(piece), BLOCK - filled)
-                view[filled:filled + n] = piece[:n]
-                piece, filled = piece[n:], filled + n
-                if filled == BLOCK:
-                    direct = _write(fd, view, at, direct)
-                    at, filled = at + BLOCK, 0
-        whole = filled - filled % ALIGN
-        if whole:
-            direct = _write(fd, view[:whole], at, direct)
-        if filled > whole:  # the last partial block: through the page cache
-            if direct:
-                _buffered(fd)
-            _write(fd, view[whole:filled], at + whole, False)
+        views = [memoryview(b) for b in self.buffers]
+        writes: list[Future] = []
+        in_flight: list[Future | None] = [None, None]  # each buffer's write
+        with ThreadPoolExecutor(1, "hookscope-shard-direct") as writer:  # the writes, in order
+            at, filled, turn = 0, 0, 0  # the file offset of the buffer's start, the bytes in it
+            for piece in pieces:
+                while piece:
+                    if filled == 0 and in_flight[turn] is not None:
+                        in_flight[turn].result()  # written (or raises): this buffer may be refilled
+                    n = min(len(piece), BLOCK - filled)
+                    views[turn][filled:filled + n] = piece[:n]
+                    piece, filled = piece[n:], filled + n
+                    if filled == BLOCK:
+                        in_flight[turn] = writer.submit(_write, fd, views[turn], at)
+                        writes.append(in_flight[turn])
+                        at, filled, turn = at + BLOCK, 0, 1 - turn
+            whole = filled - filled % ALIGN
+            if whole:
+                writes.append(writer.submit(_write, fd, views[turn][:whole], at))
+            if filled > whole:  # the last partial block: through the page cache
+                writes.append(writer.submit(_write, fd, views[turn][whole:filled], at + whole, False))
+        for w in writes:
+            w.result()  # the first error (a full disk), raised here
 
 
-def _write(fd: int, data: memoryview, offset: int, direct: bool) -> bool:
-    """Write all of `data` at `offset`; whether `fd` is still direct after (a filesystem that
-    refuses a direct write gets it, and the rest of the file, through the page cache)."""
+def _write(fd: int, data: memoryview, offset: int, direct: bool = True) -> None:
+    """Write all of `data` at `offset` (`direct` False: through the page cache). A filesystem that
+    refuses a direct write gets it, and the rest of the file, through the page cache."""
+    if not direct:
+        _buffered(fd)
     while data:
         try:
             n = os.pwrite(fd, data, offset)
         except OSError as e:
-            if not direct or e.errno != errno.EINVAL:
+            if e.errno != errno.EINVAL or not fcntl.fcntl(fd, fcntl.F_GETFL) & os.O_DIRECT:
                 raise
             _buffered(fd)
-            direct = False
             continue
         data, offset = data[n:], offset + n
-    return direct
 
 
 def _buffered(fd: int) -> None:
