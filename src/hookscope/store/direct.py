@@ -18,12 +18,16 @@ gets the rest of the file through the page cache.
 from __future__ import annotations
 
 import errno
-import fcntl
 import mmap
 import os
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not on Windows (nor O_DIRECT): no direct writes there
+    fcntl = None
 
 BLOCK = 8 * 2**20  # bytes per direct write (4-16 MiB ran alike here; large requests keep a device busy)
 ALIGN = 4096  # O_DIRECT's unit (a device's logical block is 512 or 4096 bytes)
@@ -33,7 +37,7 @@ ENV = "HOOKSCOPE_DIRECT_WRITES"  # "0": always through the page cache
 
 def wanted(directory: Path) -> bool:
     """Whether shards written in `directory` go around the page cache."""
-    if os.environ.get(ENV, "").strip() == "0" or not hasattr(os, "O_DIRECT"):
+    if os.environ.get(ENV, "").strip() == "0" or not hasattr(os, "O_DIRECT") or fcntl is None:
         return False
     return filesystem_of(directory) in BLOCK_FILESYSTEMS
 
