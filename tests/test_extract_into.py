@@ -6,6 +6,8 @@ independent reference (boolean-mask indexing, plain forward hooks, a float64 rec
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from helpers import corpus_fixture
@@ -13,9 +15,11 @@ from helpers import corpus_fixture
 import hookscope as hs
 from hookscope.extract import ExtractConfig, extract
 from hookscope.extract import loop as loop_module  # the module (hookscope.extract is also hs.extract)
+from hookscope.extract import stages as stages_module
 from hookscope.extract.ring import HostRing
 from hookscope.sources import batches, iter_documents, pack
 from hookscope.store import PointStats, open_store
+from hookscope.store import writer as writer_module
 from hookscope.store.stats import Workspace
 from hookscope.token_rows import KeptRows, select_tokens
 
@@ -138,3 +142,35 @@ def test_rows_written_from_reused_buffers_equal_plain_hooks(tiny_dirs, corpus, t
     ring = made[0].host
     assert summary.batches_done > 3 * ring.made // len(points)  # buffers were reused, several times over
     assert ring.out == 0  # every one handed back
+
+
+def test_wide_batches_wait_two_at_a_time_for_the_writer(tiny_dirs, corpus, tmp_path, monkeypatch):
+    """Batches wider than a quarter of `WRITER_QUEUE_BYTES` wait for the writer two at a time, not
+    four, so the ring makes and holds fewer buffers (a slowed writer keeps the queue full); the
+    shards are the same bytes."""
+    real_save = writer_module.save_columns
+
+    def slow(*args, **kwargs):
+        time.sleep(0.05)
+        return real_save(*args, **kwargs)
+
+    monkeypatch.setattr(writer_module, "save_columns", slow)
+    points = ["blocks.1.resid_post", "blocks.0.mlp.post"]
+    made, most = [], {}
+
+    class Recorded(loop_module.CopyOut):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            made.append(self)
+
+    monkeypatch.setattr(loop_module, "CopyOut", Recorded)
+    for bound in (2**40, 1):  # every batch fits 4 times; none does
+        monkeypatch.setattr(stages_module, "WRITER_QUEUE_BYTES", bound)
+        extract(ExtractConfig(out=str(tmp_path / f"s{bound}"), model=str(tiny_dirs["gpt2"]), points=points,
+                              data=str(corpus), context=32, batch_size=2, dtype="bfloat16", shard_rows=64,
+                              max_tokens=2048, progress=False))
+        most[bound] = made[-1].host.most_out
+    assert most[1] <= most[2**40] - 2 * len(points)  # two batches fewer waiting, each a buffer a point
+    shards = {b: sorted((tmp_path / f"s{b}" / "shards").glob("*.safetensors")) for b in most}
+    assert [p.name for p in shards[1]] == [p.name for p in shards[2**40]] and shards[1]
+    assert all(a.read_bytes() == b.read_bytes() for a, b in zip(shards[1], shards[2**40], strict=True))

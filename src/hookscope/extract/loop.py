@@ -34,7 +34,7 @@ from ..store.opening import StoreView
 from .copyout import CopyOut, Handoff
 from .outcome import ExtractInterrupted, ExtractSummary, check_finite, signals_interrupt
 from .stacking import Groups, stack_groups, stacked
-from .stages import Stages, ahead
+from .stages import Stages, ahead, writer_queue
 
 if TYPE_CHECKING:
     from ..capture import PointInto
@@ -214,8 +214,10 @@ def _run(cfg: ExtractConfig, source: Source, executor: Any, points: list[str],
         # first chunk, so that no block's weights are read one extra time): an empty or bad data
         # source, or a point the forward pass never reaches, is refused with nothing written.
         head = next(ran, None)
+        batch_bytes = sum(a.nbytes for a in head[2][0].values()) if head else 0
         writer = ShardWriter(cfg.out, settings, shard_rows=cfg.shard_rows, rank=rank, world_size=world_size,
-                             opened=view)  # refuses if another run wrote since the view was read
+                             opened=view,  # refuses if another run wrote since the view was read
+                             queue_size=writer_queue(batch_bytes))
         opened.append(writer)
         with writer:  # on an interrupt it commits whole shards only (see ShardWriter.__exit__)
             for index, batch, (acts, columns), handoff in itertools.chain([head] if head else [], ran):
