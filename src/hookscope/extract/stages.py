@@ -26,8 +26,8 @@ from typing import TypeVar
 T = TypeVar("T")
 STAGES = ("data", "model", "out", "writer")
 AHEAD = 4  # batches the data worker prepares ahead of the model
-WRITER_QUEUE = 4  # batches waiting for the writer, at most...
-WRITER_QUEUE_BYTES = 2**30  # ...and fewer (2 at least) where 4 would hold more host memory than this
+WRITER_QUEUE = 4  # batches waiting for the writer...
+WRITER_QUEUE_BYTES = 2**30  # ...or 2, where 4 would hold more host memory than this
 _END = object()
 
 
@@ -118,7 +118,7 @@ def writer_queue(batch_bytes: int) -> int:
     buffers, which the ring makes once and keeps: with 12 points of a 768-wide model (600 MB a
     batch) a queue of 4 kept 86-94 buffers of 54 MB, faulted in at the start, against 72 with 2, and
     ran 67-90 k against 90-99 k tokens/s to a disk (bench/HISTORY.md, "The writer's queue in bytes")."""
-    return max(2, min(WRITER_QUEUE, WRITER_QUEUE_BYTES // max(batch_bytes, 1)))
+    return WRITER_QUEUE if WRITER_QUEUE * batch_bytes <= WRITER_QUEUE_BYTES else 2
 
 
 def ahead(items: Iterable[T], stages: Stages, depth: int = AHEAD) -> Iterator[T]:
