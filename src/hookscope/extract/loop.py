@@ -214,10 +214,9 @@ def _run(cfg: ExtractConfig, source: Source, executor: Any, points: list[str],
         # first chunk, so that no block's weights are read one extra time): an empty or bad data
         # source, or a point the forward pass never reaches, is refused with nothing written.
         head = next(ran, None)
-        batch_bytes = sum(a.nbytes for a in head[2][0].values()) if head else 0
         writer = ShardWriter(cfg.out, settings, shard_rows=cfg.shard_rows, rank=rank, world_size=world_size,
                              opened=view,  # refuses if another run wrote since the view was read
-                             queue_size=writer_queue(batch_bytes))
+                             queue_size=writer_queue(head[2][0] if head else {}))
         opened.append(writer)
         with writer:  # on an interrupt it commits whole shards only (see ShardWriter.__exit__)
             for index, batch, (acts, columns), handoff in itertools.chain([head] if head else [], ran):

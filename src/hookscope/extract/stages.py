@@ -19,9 +19,9 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Any, TypeVar
 
 T = TypeVar("T")
 STAGES = ("data", "model", "out", "writer")
@@ -113,11 +113,13 @@ class Stages:
                 + self.bound(nbytes, wall))
 
 
-def writer_queue(batch_bytes: int) -> int:
-    """How many batches of `batch_bytes` the writer's queue holds. Each batch waiting holds its host
-    buffers, which the ring makes once and keeps: with 12 points of a 768-wide model (600 MB a
+def writer_queue(acts: Mapping[str, Any]) -> int:
+    """How many batches like `acts` (one batch's tensors, by point) wait for the writer. Each holds its
+    host buffers, which the ring makes once and keeps: with 12 points of a 768-wide model (600 MB a
     batch) a queue of 4 kept 86-94 buffers of 54 MB, faulted in at the start, against 72 with 2, and
-    ran 67-90 k against 90-99 k tokens/s to a disk (bench/HISTORY.md, "The writer's queue in bytes")."""
+    the main thread's system CPU over 1M tokens to a disk fell from 6.5-10.5 s to 2.4-2.6 s, for
+    1.07-1.20x the tokens/s (bench/HISTORY.md, "The writer's queue in bytes")."""
+    batch_bytes = sum(a.nbytes for a in acts.values())
     return WRITER_QUEUE if WRITER_QUEUE * batch_bytes <= WRITER_QUEUE_BYTES else 2
 
 
