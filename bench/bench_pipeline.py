@@ -348,22 +348,18 @@ def main() -> None:
                           f"{em:,.0f} tokens/s; extract / the slower of packing and that floor: {floor:.2f}x "
                           f"(THP_MEM_ALLOC_ENABLE={rs[0]['huge_pages'] or 'unset'}, "
                           f"OMP_WAIT_POLICY={rs[0].get('wait_policy', 'unset')})", flush=True)
-                if "raw_s" in rs[0]:
-                    raw = statistics.median(r["rows"] / r["raw_s"] for r in rs)
+                for key, words in (("raw_s", "the store's floor, its bytes written raw into the same "
+                                             "directory (files of the shards' size, fsynced)"),
+                                   ("direct_s", "the disk's own rate, the same bytes written with O_DIRECT "
+                                                "(files of the shards' size, fsynced)")):
+                    if not rs[0].get(key):  # no O_DIRECT where the filesystem refuses it
+                        continue
+                    rate = statistics.median(r["rows"] / r[key] for r in rs)
                     lower = statistics.median(r["rows"] / r["extract_s"]
-                                              / min(r["tokens"] / r["pack_s"], r["rows"] / r["raw_s"])
+                                              / min(r["tokens"] / r["pack_s"], r["rows"] / r[key])
                                               for r in rs)
-                    print(f"    the store's floor, its bytes written raw into the same directory (files of "
-                          f"the shards' size, fsynced): {raw:,.0f} rows/s; extract / the lower of packing "
-                          f"and that floor: {lower:.2f}x", flush=True)
-                if rs[0].get("direct_s"):  # where the filesystem takes O_DIRECT
-                    own = statistics.median(r["rows"] / r["direct_s"] for r in rs)
-                    lower = statistics.median(r["rows"] / r["extract_s"]
-                                              / min(r["tokens"] / r["pack_s"], r["rows"] / r["direct_s"])
-                                              for r in rs)
-                    print(f"    the disk's own rate, the same bytes written with O_DIRECT (files of the "
-                          f"shards' size, fsynced): {own:,.0f} rows/s; extract / the lower of packing and "
-                          f"that: {lower:.2f}x", flush=True)
+                    print(f"    {words}: {rate:,.0f} rows/s; extract / the lower of packing and that: "
+                          f"{lower:.2f}x", flush=True)
                 print("    last run's summary: " + rs[-1]["summary"].replace("\n", "\n    "), flush=True)
     if args.only == "data":
         with tempfile.TemporaryDirectory(prefix="hookscope-bench-data-") as tmp:

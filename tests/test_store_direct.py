@@ -17,7 +17,7 @@ import torch
 import xxhash
 from safetensors.torch import save_file
 
-from hookscope.store import direct, open_store, shardfile
+from hookscope.store import direct, open_store
 from hookscope.store.shardfile import write_shard_file
 from hookscope.store.writer import ShardWriter
 
@@ -90,7 +90,7 @@ def test_a_filesystem_refusing_o_direct_at_the_open_gets_the_same_bytes(tmp_path
             raise OSError(errno.EINVAL, "Invalid argument")
         return real(path, flags, *args)
 
-    monkeypatch.setattr(shardfile.os, "open", refusing)
+    monkeypatch.setattr(direct.os, "open", refusing)
     seen = written_with_flags(monkeypatch)
     columns = shard(431)
     write_shard_file(columns, tmp_path / "s", None, "sha256", bounce=direct.Bounce())

@@ -69,6 +69,19 @@ def _unescaped(field: str) -> str:
     return field
 
 
+def open_for_writing(path: Path, mode: int, direct: bool) -> tuple[int, bool]:
+    """A new (truncated) file at `path` opened for writing, with O_DIRECT when `direct` and the
+    filesystem takes it; (descriptor, whether O_DIRECT is on)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
+    if direct:
+        try:
+            return os.open(path, flags | os.O_DIRECT, mode), True
+        except OSError as e:  # a filesystem without O_DIRECT: through the page cache
+            if e.errno != errno.EINVAL:
+                raise
+    return os.open(path, flags, mode), False
+
+
 class Bounce:
     """The two page-aligned buffers a writer's direct writes go through (made once, reused): one is
     filled while the other is written, by a thread of the write's own."""

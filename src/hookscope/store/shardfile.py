@@ -2,14 +2,13 @@
 write (the header, then each tensor's data), taken straight from the tensors' memory (a column
 given as several batches is written batch after batch: no concatenated copy), checksummed while
 they are written (by a pool's threads, each piece at its offset, or around the page cache through
-one buffer: direct.py), and fsynced. tests/test_store_shardfile.py holds it byte for byte to save_file.
+direct.py's buffers), and fsynced. tests/test_store_shardfile.py holds it byte for byte to save_file.
 
 Only the dtypes safetensors names are written here; `writable` says whether a set of columns is.
 """
 
 from __future__ import annotations
 
-import errno
 import functools
 import itertools
 import json
@@ -22,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .checksum import checksum_of, hasher
-from .direct import Bounce
+from .direct import Bounce, open_for_writing
 
 # safetensors' name of each dtype, and its rank in safetensors' own order of dtypes: a file holds
 # its tensors by descending rank, then by name (safetensors' `prepare`)
@@ -95,9 +94,9 @@ def write_shard_file(columns: Columns, path: Path, metadata: Mapping[str, str] |
             data = memoryview(part.reshape(-1).view(torch.uint8).numpy())
             pieces += [data[i:i + PIECE] for i in range(0, len(data), PIECE)]
     h = hasher(algorithm)
-    fd = _open(path, mode, direct=bounce is not None)
+    fd, direct = open_for_writing(path, mode, direct=bounce is not None)
     try:
-        if bounce is not None and fd.direct:  # one job: the pieces through the buffer, in order
+        if bounce is not None and direct:  # one job: the pieces through the buffers, in order
             jobs = [functools.partial(bounce.write, fd, pieces)]
         else:  # each piece at its offset
             offsets = itertools.accumulate((len(p) for p in pieces[:-1]), initial=0)
@@ -141,25 +140,6 @@ def sync_file(path: Path) -> None:
     """fsync `path`'s data (written earlier, through another descriptor): raises the disk's error."""
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-class _Fd(int):
-    """A file descriptor, and whether it was opened with O_DIRECT."""
-
-    direct = False
-
-
-def _open(path: Path, mode: int, direct: bool) -> _Fd:
-    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC
-    if direct:
-        try:
-            fd = _Fd(os.open(path, flags | os.O_DIRECT, mode))
-            fd.direct = True
-            return fd
-        except OSError as e:  # a filesystem without O_DIRECT: through the page cache
-            if e.errno != errno.EINVAL:
-                raise
-    return _Fd(os.open(path, flags, mode))
 
 
 def _write_at(fd: int, data: memoryview, offset: int) -> None:
