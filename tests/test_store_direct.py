@@ -25,7 +25,7 @@ SMALL_BLOCK = 16 * 4096  # a few of O_DIRECT's blocks: a shard of a few hundred 
 
 
 def on_a_disk(path: Path) -> bool:
-    return direct.filesystem_of(path) in direct.BLOCK_FILESYSTEMS
+    return direct.filesystem_of(path) in direct.BLOCK_FILESYSTEMS or direct.filesystem_of(path) == "overlay"
 
 
 def shard(rows: int, width: int = 300) -> dict[str, list[torch.Tensor]]:
@@ -142,6 +142,62 @@ MOUNTINFO = """\
 ])
 def test_the_filesystem_is_that_of_the_longest_mount_above(path: str, kind: str):
     assert direct.filesystem_of(Path(path), MOUNTINFO) == kind
+
+
+# a container's view: its root an overlay whose upper layer is the host's (not a path it can see),
+# a volume on xfs, an overlay of its own over that volume, one over tmpfs, a read-only one
+CONTAINER = """\
+40 1 0:40 / / rw - overlay overlay rw,lowerdir=/var/lib/docker/l/A,upperdir=/var/lib/docker/abc/diff
+41 40 0:21 / /dev/shm rw - tmpfs shm rw,size=65536k
+42 40 259:1 /vol /data rw,relatime - xfs /dev/nvme0n1p1 rw
+43 40 0:43 / /stacked rw - overlay overlay rw,lowerdir=/data/low,upperdir=/data/up,workdir=/data/work
+44 40 0:44 / /scratch rw - overlay overlay rw,lowerdir=/data/low,upperdir=/dev/shm/up,workdir=/dev/shm/work
+45 40 0:45 / /ro ro - overlay overlay ro,lowerdir=/data/low:/data/low2
+46 40 0:46 / /over,comma rw - overlay overlay rw,lowerdir=/data/low,upperdir=/fast\\054tmp/up
+47 40 0:47 / /fast,tmp rw - tmpfs tmpfs rw
+"""
+
+
+@pytest.mark.parametrize("path, disk", [
+    ("/root/store", True),  # the container's own filesystem: its upper layer out of sight, on the host's disk
+    ("/data/store", True), ("/stacked/store", True),  # xfs, and an overlay whose upper layer is on it
+    ("/dev/shm/store", False), ("/scratch/store", False),  # tmpfs, and an overlay whose upper layer is on it
+    ("/ro/store", False),  # no upper layer: nothing is written there
+    ("/over,comma/store", False),  # an upper layer on tmpfs, its path with an escaped comma
+])
+def test_an_overlay_is_written_directly_where_its_upper_layer_is_on_a_disk(path: str, disk: bool):
+    assert direct.on_a_disk(Path(path), CONTAINER) is disk
+    assert direct.on_a_disk(Path(path), MOUNTINFO.replace("ext4", "tmpfs")) is False  # no overlay: tmpfs
+
+
+def test_a_store_on_an_overlay_mounted_here_is_written_directly(tmp_path: Path, monkeypatch):
+    import gc
+    import subprocess
+
+    if not on_a_disk(tmp_path) or direct.filesystem_of(tmp_path) == "overlay" or os.geteuid() != 0:
+        pytest.skip("needs root, to mount an overlay over a disk's filesystem")
+    layers = {name: tmp_path / name for name in ("lower", "upper", "work", "merged")}
+    for d in layers.values():
+        d.mkdir()
+    options = "lowerdir={lower},upperdir={upper},workdir={work}".format(**layers)
+    if subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(layers["merged"])],
+                      capture_output=True).returncode != 0:
+        pytest.skip("this machine does not let us mount an overlay")
+    try:
+        assert direct.filesystem_of(layers["merged"]) == "overlay" and direct.wanted(layers["merged"])
+        seen = written_with_flags(monkeypatch)
+        x = torch.randn(3000, 64).to(torch.bfloat16)
+        with ShardWriter(layers["merged"] / "store", {"t": 1}, shard_rows=2000) as w:
+            w.write(0, {"p": x[:2000]}, {"token_ids": torch.arange(2000)})
+            w.write(1, {"p": x[2000:]}, {"token_ids": torch.arange(2000, 3000)})
+        assert any(d for _, d in seen)  # through O_DIRECT, on the overlay
+        store = open_store(layers["merged"] / "store")
+        store.verify()
+        assert torch.equal(store.tensor("p"), x)
+        del store  # its files open no more: the overlay can be unmounted
+        gc.collect()
+    finally:
+        subprocess.run(["umount", "--lazy", str(layers["merged"])], check=True)
 
 
 def test_which_directories_are_written_directly(tmp_path: Path, monkeypatch):

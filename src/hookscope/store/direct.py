@@ -10,9 +10,10 @@ partial block is written through the page cache (O_DIRECT wants whole blocks). T
 are the same, and it is still fsynced before it counts.
 
 Used where the directory's filesystem is one of `BLOCK_FILESYSTEMS` (read from
-/proc/self/mountinfo), never on tmpfs (memory already) or a network or FUSE filesystem, and not
-where `HOOKSCOPE_DIRECT_WRITES=0`. A filesystem that refuses O_DIRECT at the open or at a write
-gets the rest of the file through the page cache.
+/proc/self/mountinfo) or an overlay over one (a container's filesystem: `on_a_disk`), never on
+tmpfs (memory already) or a network or FUSE filesystem, and not where `HOOKSCOPE_DIRECT_WRITES=0`.
+A filesystem that refuses O_DIRECT at the open or at a write gets the rest of the file through the
+page cache.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import re
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import NamedTuple
 
 try:
     import fcntl
@@ -39,34 +42,71 @@ def wanted(directory: Path) -> bool:
     """Whether shards written in `directory` go around the page cache."""
     if os.environ.get(ENV, "").strip() == "0" or not hasattr(os, "O_DIRECT") or fcntl is None:
         return False
-    return filesystem_of(directory) in BLOCK_FILESYSTEMS
+    return on_a_disk(directory)
+
+
+def on_a_disk(directory: Path, mountinfo: str | None = None) -> bool:
+    """Whether `directory` is on one of `BLOCK_FILESYSTEMS`, or on an overlay (a container's own
+    filesystem) whose upper layer is on one, or whose upper layer this process cannot see: Docker's
+    overlay2 keeps it on the host's disk, and a filesystem that refuses O_DIRECT still gets the
+    file through the page cache. On overlay over ext4 here, 4 GB of shard-sized files took O_DIRECT
+    at 2.3 GB/s against 0.40-0.78 GB/s through the page cache (bench/HISTORY.md, "Overlay")."""
+    text = _mountinfo(mountinfo)
+    mount, seen = _mount_of(directory, text), set()
+    while mount is not None and mount.kind == "overlay" and mount.id not in seen:
+        seen.add(mount.id)
+        upper = mount.option("upperdir")
+        below = None if upper is None else _mount_of(Path(upper), text)
+        if below is None or below.id in seen:  # the upper layer is out of this namespace's sight
+            return upper is not None
+        mount = below
+    return mount is not None and mount.kind in BLOCK_FILESYSTEMS
 
 
 def filesystem_of(directory: Path, mountinfo: str | None = None) -> str | None:
     """The type of the filesystem `directory` is on (the longest mount point above it) by
     `mountinfo` (the text of /proc/self/mountinfo, read when not given), or None where unknown."""
+    mount = _mount_of(directory, _mountinfo(mountinfo))
+    return None if mount is None else mount.kind
+
+
+class _Mount(NamedTuple):
+    id: str
+    kind: str
+    options: str  # the filesystem's own (mountinfo's last field)
+
+    def option(self, name: str) -> str | None:
+        values = [o.partition("=")[2] for o in self.options.split(",") if o.startswith(name + "=")]
+        return _unescaped(values[0]) if values else None
+
+
+def _mountinfo(text: str | None) -> str:
     try:
-        lines = (Path("/proc/self/mountinfo").read_text() if mountinfo is None else mountinfo).splitlines()
-        path = os.path.realpath(directory)
+        return Path("/proc/self/mountinfo").read_text() if text is None else text
     except OSError:
-        return None
-    best, kind = "", None
-    for line in lines:
+        return ""
+
+
+def _mount_of(directory: Path, mountinfo: str) -> _Mount | None:
+    """The mount `directory` is on: the longest mount point above it in `mountinfo`'s text."""
+    path = os.path.realpath(directory)
+    best, found = "", None
+    for line in mountinfo.splitlines():
         mount, sep, rest = line.partition(" - ")
-        fields = mount.split()
-        if not sep or len(fields) < 5 or not rest.split():
+        fields, super_fields = mount.split(), rest.split()
+        if not sep or len(fields) < 5 or not super_fields:
             continue
         point = _unescaped(fields[4])
         if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) >= len(best):
-            best, kind = point, rest.split()[0]
-    return kind
+            best = point
+            found = _Mount(fields[0], super_fields[0], super_fields[2] if len(super_fields) > 2 else "")
+    return found
 
 
 def _unescaped(field: str) -> str:
-    """mountinfo writes a space, tab, newline or backslash in a path as a 3-digit octal escape."""
-    for code in ("040", "011", "012", "134"):
-        field = field.replace("\\" + code, chr(int(code, 8)))
-    return field
+    """mountinfo writes some characters of a path as a backslash and 3 octal digits: a space, tab,
+    newline or backslash in a mount point; also a comma or "=" in a filesystem's option."""
+    return re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), field)
 
 
 def open_for_writing(path: Path, mode: int, direct: bool) -> tuple[int, bool]:
