@@ -181,6 +181,43 @@ def test_extract_round_trip_equals_plain_hooks(model_dirs, device, tmp_path):
     assert torch.equal(store.tensor("blocks.1.resid_post"), torch.cat(rows))
 
 
+@cuda_only
+def test_a_ring_pinned_by_registering_memory_gives_the_same_store(model_dirs, tmp_path, monkeypatch):
+    """On CUDA the run has PyTorch's pinned allocator register ordinary memory (loading/allocator.py):
+    the setting is on while the run pins its ring, the settings are as they were after, and the
+    shards are byte for byte those of a run that pinned with cudaHostAlloc."""
+    from hookscope.extract import ExtractConfig, extract
+    from hookscope.loading import allocator
+
+    if not hasattr(torch._C, "_accelerator_getAllocatorSettings"):
+        pytest.skip("this torch cannot read its allocator settings back: pinned as before")
+
+    def settings() -> dict[str, str]:
+        text = torch._C._accelerator_getAllocatorSettings()
+        return dict(item.split(":", 1) for item in text.split(",") if item)
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("\n\n".join(f"Document {i} is about pinned buffers and pages." for i in range(60)))
+    before = settings()
+    real, seen = torch._C._accelerator_setAllocatorSettings, []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", lambda s: (seen.append(s), real(s)))
+    stores = {}
+    for register in ("1", "0"):
+        monkeypatch.setenv(allocator.REGISTER_ENV, register)
+        cfg = ExtractConfig(out=str(tmp_path / f"store-{register}"), model=str(model_dirs["gpt2"]),
+                            points=["blocks.1.resid_post", "blocks.2.resid_post"], data=str(corpus),
+                            context=16, batch_size=4, dtype="bfloat16", device="cuda", progress=False,
+                            shard_rows=100)
+        extract(cfg)
+        shards = sorted(Path(cfg.out, "shards").glob("*.safetensors"))
+        stores[register] = {p.name: p.read_bytes() for p in shards}
+    assert len(seen) == 2 and "pinned_use_cuda_host_register:True" in seen[0]  # on and off, first run
+    restored = {**before, "pinned_use_cuda_host_register": "False"}
+    restored.setdefault("pinned_num_register_threads", "1")
+    assert settings() == restored
+    assert stores["1"] == stores["0"] and len(stores["1"]) > 1
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_a_stacked_extraction_holds_the_unstacked_rows(model_dirs, device, tmp_path):
     """`--stack` on the device (the points stacked there, then one copy-out) against the same run

@@ -130,3 +130,75 @@ def test_extract_asks_for_huge_pages_unless_the_user_chose(monkeypatch):
     monkeypatch.setenv("THP_MEM_ALLOC_ENABLE", "0")  # a user's opt-out stays
     prefer_huge_pages()
     assert os.environ["THP_MEM_ALLOC_ENABLE"] == "0"
+
+
+# PyTorch's allocator settings, read back with its own getter (the string it last parsed)
+settings_api = pytest.mark.skipif(not hasattr(torch._C, "_accelerator_getAllocatorSettings"),
+                                  reason="this torch cannot read its allocator settings back")
+
+
+def parsed_settings() -> dict[str, str]:
+    text = torch._C._accelerator_getAllocatorSettings()
+    return dict(item.split(":", 1) for item in text.split(",") if item)  # the last of a key wins
+
+
+@pytest.fixture
+def allocator_settings():
+    """The test's settings put in place (in the process) and the process's put back after it."""
+    before = torch._C._accelerator_getAllocatorSettings()
+    yield torch._C._accelerator_setAllocatorSettings
+    torch._C._accelerator_setAllocatorSettings(before or "pinned_use_cuda_host_register:False")
+
+
+@settings_api
+def test_pinned_memory_is_registered_inside_and_the_user_s_settings_come_back(allocator_settings,
+                                                                             monkeypatch):
+    monkeypatch.delenv(allocator.REGISTER_ENV, raising=False)
+    monkeypatch.setattr(allocator.os, "cpu_count", lambda: 6)
+    allocator_settings("max_split_size_mb:512,garbage_collection_threshold:0.6")
+    with allocator.registering_pinned_memory() as on:
+        inside = parsed_settings()
+        with allocator.registering_pinned_memory() as nested:  # a second run meanwhile
+            pass
+        still = parsed_settings()
+    after = parsed_settings()
+    assert on and nested
+    assert inside["pinned_use_cuda_host_register"] == "True"
+    assert inside["pinned_num_register_threads"] == "4"  # of 6 CPUs: PyTorch takes powers of two
+    # PyTorch resets max_split_size and the collection threshold at every change: both kept
+    for settings in (inside, still, after):
+        assert settings["max_split_size_mb"] == "512" and settings["garbage_collection_threshold"] == "0.6"
+    assert still["pinned_use_cuda_host_register"] == "True"  # the first run's still going
+    assert after["pinned_use_cuda_host_register"] == "False" and after["pinned_num_register_threads"] == "1"
+
+
+@settings_api
+@pytest.mark.parametrize("user", ["pinned_use_cuda_host_register:False",
+                                  "pinned_use_cuda_host_register:True"])
+def test_a_user_s_choice_of_pinning_is_left_alone(allocator_settings, monkeypatch, user):
+    monkeypatch.delenv(allocator.REGISTER_ENV, raising=False)
+    allocator_settings(user)
+    with allocator.registering_pinned_memory() as on:
+        assert not on and torch._C._accelerator_getAllocatorSettings() == user
+    assert torch._C._accelerator_getAllocatorSettings() == user
+
+
+@settings_api
+def test_pinned_memory_is_left_alone_when_not_asked(allocator_settings, monkeypatch):
+    allocator_settings("max_split_size_mb:256")
+    with allocator.registering_pinned_memory(enabled=False) as on:  # a run on the CPU
+        assert not on and torch._C._accelerator_getAllocatorSettings() == "max_split_size_mb:256"
+    monkeypatch.setenv(allocator.REGISTER_ENV, "0")
+    with allocator.registering_pinned_memory() as on:
+        assert not on and torch._C._accelerator_getAllocatorSettings() == "max_split_size_mb:256"
+
+
+@settings_api
+def test_a_cpu_extraction_leaves_the_allocator_settings_alone(allocator_settings, tiny_dirs, corpus,
+                                                              tmp_path, monkeypatch):
+    changes = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", changes.append)
+    extract(ExtractConfig(out=str(tmp_path / "s"), model=str(tiny_dirs["gpt2"]),
+                          points=["blocks.1.resid_post"], data=str(corpus), context=32, batch_size=4,
+                          max_tokens=128, progress=False))
+    assert changes == []

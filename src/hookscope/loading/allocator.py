@@ -23,8 +23,15 @@ the length of a run, to the policy the run needs; elsewhere (not glibc) nothing 
   process whose heap had to be continued elsewhere keeps its free top for later allocations).
 - `prefer_huge_pages`, for the `hookscope extract` process: PyTorch's own switch to put its large
   tensors on 2 MB pages, so a fresh one faults in 512 times fewer pages.
+- `registering_pinned_memory`, while an extraction runs on CUDA: PyTorch's pinned allocator makes
+  page-locked buffers by faulting ordinary memory in and registering it with the driver (its own
+  `pinned_use_cuda_host_register` setting) instead of by `cudaHostAlloc`. On an H100 machine
+  `cudaHostAlloc` pinned at 1.7-2.3 GB/s, and the 16-point Llama-1B extraction spent 7.4-8.0 s of
+  its run pinning its ring; faulting 2 GiB in and registering it took 0.14 s (bench/HISTORY.md,
+  "Eleventh session: the GPU suite on an H100" and the corrections to it). Not yet timed in an
+  extraction on a GPU.
 
-None of them changes a computed or stored bit.
+None of them changes a computed or stored bit: page-locked memory is page-locked memory either way.
 """
 
 from __future__ import annotations
@@ -36,6 +43,8 @@ import functools
 import os
 import threading
 from collections.abc import Iterator
+
+import torch
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # mallopt's parameter numbers (malloc.h)
 # glibc's defaults for them (mallopt(3))
@@ -110,6 +119,71 @@ def keeping_freed_memory(enabled: bool = True) -> Iterator[bool]:
                 libc.mallopt(_M_MMAP_MAX, _GLIBC_DEFAULT_MMAP_MAX)
                 libc.mallopt(_M_TRIM_THRESHOLD, _GLIBC_DEFAULT_TRIM_THRESHOLD)
                 give_back_freed()
+
+
+REGISTER_KEY = "pinned_use_cuda_host_register"  # PyTorch's allocator setting (PYTORCH_ALLOC_CONF)
+THREADS_KEY = "pinned_num_register_threads"  # threads faulting a new buffer in (a power of two)
+REGISTER_ENV = "HOOKSCOPE_PIN_BY_REGISTER"  # "0": PyTorch's pinned allocator left as it is
+_registering = 0  # runs inside `registering_pinned_memory` that turned it on
+_registering_lock = threading.Lock()
+_settings_before: str | None = None  # the allocator's settings string before, put back after
+
+
+@contextlib.contextmanager
+def registering_pinned_memory(enabled: bool = True) -> Iterator[bool]:
+    """While inside: the page-locked buffers PyTorch makes are registered ordinary memory (see the
+    module docstring). Yields whether that is so: not where not `enabled`, with
+    `HOOKSCOPE_PIN_BY_REGISTER=0`, where the user's allocator settings choose either way, on ROCm,
+    or where torch cannot read its allocator settings back (a torch that old also freed buffers by
+    the setting of the moment, not the way each was made). After: the settings string as it was,
+    put back whole (PyTorch resets some keys to their defaults at every change), with registering
+    off again; buffers registered meanwhile are unregistered when PyTorch frees them."""
+    on = enabled and _start_registering()
+    try:
+        yield on
+    finally:
+        if on:
+            _stop_registering()
+
+
+def _start_registering() -> bool:
+    global _registering, _settings_before
+    get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
+    put = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
+    if os.environ.get(REGISTER_ENV, "").strip() == "0" or get is None or put is None or torch.version.hip:
+        return False
+    with _registering_lock:
+        if _registering == 0:
+            try:
+                before = get()
+                if REGISTER_KEY in before:  # the user's own choice
+                    return False
+                threads = "" if THREADS_KEY in before else f"{THREADS_KEY}:{_register_threads()}"
+                put(_joined(before, f"{REGISTER_KEY}:True", threads))
+            except (RuntimeError, ValueError):  # refused by this torch's parser: pinned as before
+                return False
+            _settings_before = before
+        _registering += 1
+        return True
+
+
+def _stop_registering() -> None:
+    global _registering, _settings_before
+    with _registering_lock:
+        _registering -= 1
+        if _registering == 0:
+            before, _settings_before = _settings_before or "", None
+            torch._C._accelerator_setAllocatorSettings(
+                _joined(before, f"{REGISTER_KEY}:False", "" if THREADS_KEY in before else f"{THREADS_KEY}:1"))
+
+
+def _register_threads() -> int:
+    """The largest power of two up to 8 and the CPUs: threads that fault a new buffer's pages in."""
+    return 1 << (min(8, os.cpu_count() or 1).bit_length() - 1)
+
+
+def _joined(*settings: str) -> str:
+    return ",".join(s for s in settings if s)
 
 
 def _user_tuned() -> bool:
