@@ -5,8 +5,10 @@ pins one buffer per batch in flight while it grows, on the main thread or ahead 
 
 For each size (a one-point Llama-1B batch, 128 MiB; a GPT-2-small one, 64 MiB; every block of the
 Llama shape, 2 GiB), fresh in this process: PyTorch's pinned allocator (`torch.empty(pin_memory=True)`,
-cudaHostAlloc), and ordinary memory faulted in (on huge pages) then registered with cudaHostRegister,
-with the fault-in alone beside it; then whether a non-blocking device-to-host copy into the registered
+cudaHostAlloc); the same call inside `registering_pinned_memory`, as an extraction on CUDA makes it
+(PyTorch's allocator faulting memory in and registering it: `registered_by_torch_s`); and ordinary
+memory faulted in (on huge pages) then registered with cudaHostRegister by hand, with the fault-in
+alone beside it; then whether a non-blocking device-to-host copy into the registered
 memory returns at once and lands the right bytes (a pinned copy would; a pageable one blocks).
 """
 
@@ -36,6 +38,8 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
+    from hookscope.loading.allocator import registering_pinned_memory
+
     assert torch.cuda.is_available(), "a CUDA device is needed"
     torch.cuda.init()
     cudart = torch.cuda.cudart()
@@ -47,6 +51,13 @@ def main() -> None:
             t, buf = seconds(lambda: torch.empty(size, dtype=torch.uint8, pin_memory=True))  # noqa: B023
             kept.append(buf)
             row.setdefault("cudaHostAlloc_s", []).append(t)
+        with registering_pinned_memory() as on:
+            row["registered_by_torch_on"] = on
+            for _ in range(2):
+                t, buf = seconds(lambda: torch.empty(size, dtype=torch.uint8, pin_memory=True))  # noqa: B023
+                kept.append(buf)
+                row.setdefault("registered_by_torch_s", []).append(t)
+                row["registered_by_torch_is_pinned"] = buf.is_pinned()
         for _ in range(2):
             t_fault, buf = seconds(lambda: torch.empty(size, dtype=torch.uint8).zero_())  # noqa: B023
             t_reg, err = seconds(lambda: cudart.cudaHostRegister(buf.data_ptr(), size, 0))  # noqa: B023
