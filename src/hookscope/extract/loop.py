@@ -153,13 +153,15 @@ def _input_device(model: torch.nn.Module) -> torch.device:
 
 
 def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) -> ExtractSummary:
-    source, executor, points = _start(cfg, kind)
-    # the model loaded: from here on each batch's fresh activations reuse the last batch's memory
-    # (loading/allocator.py); not under --max-memory, whose freed block weights must leave the process
-    # on CUDA the out stage's ring is page-locked faster by registering memory (loading/allocator.py)
-    on_cuda = torch.device(executor.run_on.device).type == "cuda"
-    with keeping_freed_memory(enabled=cfg.max_memory is None), registering_pinned_memory(enabled=on_cuda):
-        return _run(cfg, source, executor, points, opened)
+    # on CUDA the host memory a run page-locks (the out stage's ring, a streamed run's block slots)
+    # is pinned faster by registering it (loading/allocator.py)
+    on_cuda = cfg.device.startswith("cuda") or (cfg.device_map is not None and torch.cuda.is_available())
+    with registering_pinned_memory(enabled=on_cuda):
+        source, executor, points = _start(cfg, kind)
+        # the model loaded: from here on each batch's fresh activations reuse the last batch's memory
+        # (loading/allocator.py); not under --max-memory, whose freed block weights must leave the process
+        with keeping_freed_memory(enabled=cfg.max_memory is None):
+            return _run(cfg, source, executor, points, opened)
 
 
 def _run(cfg: ExtractConfig, source: Source, executor: Any, points: list[str],
