@@ -134,10 +134,10 @@ def registering_pinned_memory(enabled: bool = True) -> Iterator[bool]:
     """While inside: the page-locked buffers PyTorch makes are registered ordinary memory (see the
     module docstring). Yields whether that is so: not where not `enabled`, with
     `HOOKSCOPE_PIN_BY_REGISTER=0`, where the user's allocator settings choose either way, on ROCm,
-    or where torch cannot read its allocator settings back (a torch that old also freed buffers by
-    the setting of the moment, not the way each was made). After: the settings string as it was,
-    put back whole (PyTorch resets some keys to their defaults at every change), with registering
-    off again; buffers registered meanwhile are unregistered when PyTorch frees them."""
+    or where torch cannot read its allocator settings back (before 2.10), so that they could not be
+    put back as they were. After: the settings string as it was, put back whole (PyTorch resets some
+    keys to their defaults at every change), with registering off again; buffers registered
+    meanwhile are unregistered when PyTorch frees them (it records how each was made, since 2.7)."""
     on = enabled and _start_registering()
     try:
         yield on
