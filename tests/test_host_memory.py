@@ -56,9 +56,12 @@ class _Mallinfo2(ctypes.Structure):
 
 def mapped_on_its_own(size: int = BIG) -> bool:
     """Whether glibc gives a `size`-byte tensor a mapping of its own (its default above the mmap
-    threshold), by glibc's count of its mapped bytes while the tensor is alive."""
+    threshold), by glibc's count of its mapped bytes while the tensor is alive. The tensor is made
+    larger than all the heap's free bytes: a free chunk left below a live one (which trimming cannot
+    return) would otherwise serve it from the heap, as glibc looks there before mapping."""
     libc = ctypes.CDLL(None)
     libc.mallinfo2.restype = _Mallinfo2
+    size = max(size, libc.mallinfo2().fordblks + SIZE)  # never touched: costs no memory
     before = libc.mallinfo2().hblkhd
     t = torch.empty(size, dtype=torch.uint8)
     during = libc.mallinfo2().hblkhd
