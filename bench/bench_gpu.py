@@ -227,9 +227,10 @@ def extract_case(model, layer: int, args) -> dict:
                             attention_mask=b["attention_mask"].to(args.device), use_cache=False)
         sync(args.device)
         floor_s = (time.perf_counter() - start) * n_batches / len(packed)  # at that rate, every batch
-        disk_s = _raw_write_s(work, summary.bytes_written, cfg.shard_rows * 2 * model.config.hidden_size)
-        direct_s = _raw_write_s(work, summary.bytes_written, cfg.shard_rows * 2 * model.config.hidden_size,
-                                direct=True)  # the disk's own rate, no page cache (None: not taken)
+        shard_bytes = cfg.shard_rows * 2 * model.config.hidden_size
+        disk_s = _raw_write_s(work, summary.bytes_written, shard_bytes)
+        # the disk's own rate, no page cache (None: not taken)
+        direct_s = _raw_write_s(work, summary.bytes_written, shard_bytes, direct=True)
         trace = None
         if args.trace_dir and not every:  # a few batches under the profiler: compute and copies overlap
             trace = str(Path(args.trace_dir) / f"extract-{args.shape}.json")

@@ -144,22 +144,23 @@ class Bounce:
                     views[turn][filled:filled + n] = piece[:n]
                     piece, filled = piece[n:], filled + n
                     if filled == BLOCK:
-                        in_flight[turn] = writer.submit(_write, fd, views[turn], at)
+                        in_flight[turn] = writer.submit(write_at, fd, views[turn], at)
                         writes.append(in_flight[turn])
                         at, filled, turn = at + BLOCK, 0, 1 - turn
             whole = filled - filled % ALIGN
             if whole:
-                writes.append(writer.submit(_write, fd, views[turn][:whole], at))
+                writes.append(writer.submit(write_at, fd, views[turn][:whole], at))
             if filled > whole:  # the last partial block: through the page cache
-                writes.append(writer.submit(_write, fd, views[turn][whole:filled], at + whole, False))
+                writes.append(writer.submit(write_at, fd, views[turn][whole:filled], at + whole, True))
         for w in writes:
             w.result()  # the first error (a full disk), raised here
 
 
-def _write(fd: int, data: memoryview, offset: int, direct: bool = True) -> None:
-    """Write all of `data` at `offset` (`direct` False: through the page cache). A filesystem that
-    refuses a direct write gets it, and the rest of the file, through the page cache."""
-    if not direct:
+def write_at(fd: int, data: memoryview, offset: int, through_cache: bool = False) -> None:
+    """Write all of `data` at `offset` of `fd` (`through_cache`: O_DIRECT turned off first). On a
+    descriptor opened with O_DIRECT, a filesystem that refuses a direct write gets it, and the rest
+    of the file, through the page cache."""
+    if through_cache:
         _buffered(fd)
     while data:
         try:

@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from .checksum import checksum_of, hasher
-from .direct import Bounce, open_for_writing
+from .direct import Bounce, open_for_writing, write_at
 
 # safetensors' name of each dtype, and its rank in safetensors' own order of dtypes: a file holds
 # its tensors by descending rank, then by name (safetensors' `prepare`)
@@ -100,7 +100,7 @@ def write_shard_file(columns: Columns, path: Path, metadata: Mapping[str, str] |
             jobs = [functools.partial(bounce.write, fd, pieces)]
         else:  # each piece at its offset
             offsets = itertools.accumulate((len(p) for p in pieces[:-1]), initial=0)
-            jobs = [functools.partial(_write_at, fd, p, at) for p, at in zip(pieces, offsets, strict=True)]
+            jobs = [functools.partial(write_at, fd, p, at) for p, at in zip(pieces, offsets, strict=True)]
         done = [] if pool is None else [pool.submit(job) for job in jobs]
         try:
             if pool is None:
@@ -140,9 +140,3 @@ def sync_file(path: Path) -> None:
     """fsync `path`'s data (written earlier, through another descriptor): raises the disk's error."""
     with open(path, "rb") as f:
         os.fsync(f.fileno())
-
-
-def _write_at(fd: int, data: memoryview, offset: int) -> None:
-    while data:
-        n = os.pwrite(fd, data, offset)
-        data, offset = data[n:], offset + n
