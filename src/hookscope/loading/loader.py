@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .. import collector
 from ..arch import Arch, arch_of
 from ..compiling import compile_model
 from ..errors import ModelLoadError
@@ -77,6 +78,17 @@ def load(
     Raises:
         ModelLoadError: a model, its weights or tokenizer not found or unreadable (a hub id offline).
         UnknownPointError: a name in `points=` the model does not have."""
+    # importing a model's code and building it makes ~10^5 objects that live on, which full
+    # collections would walk again and again: a quarter of a first load (collector.py)
+    with collector.young_only():
+        return _load(name_or_path, device=device, dtype=dtype, revision=revision,
+                     attn_implementation=attn_implementation, device_map=device_map,
+                     compile_policy=compile_policy, tokenizer=tokenizer, points=points)
+
+
+def _load(name_or_path: str | None, *, device: str | torch.device, dtype: torch.dtype | str | None,
+          revision: str | None, attn_implementation: str | None, device_map: str | dict | None,
+          compile_policy: str | None, tokenizer: bool, points: str | list[str] | None) -> Loaded:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     source, local = resolve_source(name_or_path)

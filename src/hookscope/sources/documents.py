@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import ast
 import functools
-import gc
 import json
 import os
 import sysconfig
@@ -18,6 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from .. import collector
 from ..errors import DataError
 from ..hub import offline_variable, unreachable_reason
 from ..optional_imports import require
@@ -216,9 +216,8 @@ def stdlib_docstrings() -> tuple[str, ...]:
     root = Path(sysconfig.get_path("stdlib"))
     docs: list[str] = []
     total = 0
-    collecting = gc.isenabled()
-    gc.disable()  # syntax trees hold no cycles; with torch loaded, collections would triple the time
-    try:
+    # syntax trees hold no cycles; with torch loaded, collections would triple the time
+    with collector.paused():
         for name in _STDLIB_MODULES.split():
             base = root.joinpath(*name.split("."))
             path = base.with_suffix(".py") if base.with_suffix(".py").is_file() else base / "__init__.py"
@@ -229,9 +228,6 @@ def stdlib_docstrings() -> tuple[str, ...]:
                 total += len(doc)
             if total >= _STDLIB_MAX_CHARS:
                 break
-    finally:
-        if collecting:
-            gc.enable()
     if not docs:
         raise DataError(f"no standard library sources under {root}; use --data with your own text")
     return tuple(docs)

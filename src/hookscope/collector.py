@@ -1,0 +1,62 @@
+"""Python's cyclic garbage collector, held back while hookscope builds many objects that live on.
+
+The collector runs on counts of allocations, not on garbage, and each full collection walks every
+object the process holds (torch and transformers alone are ~400,000). Work that builds objects by
+the hundred thousand and frees few of them sets off collection after collection for nothing:
+
+- `paused()`: no collection at all, for work that makes no cycles (syntax trees, a manifest's
+  entries);
+- `young_only()`: young collections go on (a cycle that dies young is freed as before), full ones
+  wait until the work ends, for importing a model's code and building it (`hs.load`): the first
+  load of a GPT-2-small shape spent 0.44 s of its 1.71 s in three full collections (bench/HISTORY.md,
+  "Full collections during a load"). Python 3.14 scans the old objects in increments and has no
+  third threshold to hold back: there it does nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import sys
+import threading
+from collections.abc import Iterator
+
+_HELD_BACK = 2**31 - 1  # the full-collection threshold while held back: never reached
+_holders = 0  # the `young_only` blocks running now, in any thread
+_threshold_before = 0  # the third threshold the first of them found, put back by the last
+_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def paused() -> Iterator[None]:
+    """No cyclic collection inside (none is missed: the next one after finds what was made)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def young_only() -> Iterator[None]:
+    """Full collections held back inside; the young and middle generations collected as always.
+    Nested and concurrent blocks share one hold: the last to end puts the threshold back."""
+    if sys.version_info >= (3, 14):
+        yield
+        return
+    global _holders, _threshold_before
+    with _lock:
+        if _holders == 0:
+            young, middle, _threshold_before = gc.get_threshold()
+            gc.set_threshold(young, middle, _HELD_BACK)
+        _holders += 1
+    try:
+        yield
+    finally:
+        with _lock:
+            _holders -= 1
+            if _holders == 0:
+                young, middle, _ = gc.get_threshold()  # a change the user made meanwhile stays
+                gc.set_threshold(young, middle, _threshold_before)
