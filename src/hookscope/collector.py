@@ -1,16 +1,17 @@
 """Python's cyclic garbage collector, held back while hookscope builds many objects that live on.
 
 The collector runs on counts of allocations, not on garbage, and each full collection walks every
-object the process holds (torch and transformers alone are ~400,000). Work that builds objects by
-the hundred thousand and frees few of them sets off collection after collection for nothing:
+object the process holds (~200,000 once torch and transformers are imported). Work that builds
+objects by the hundred thousand and frees few of them sets off collection after collection for
+nothing:
 
 - `paused()`: no collection at all, for work that makes no cycles (syntax trees, a manifest's
   entries);
 - `young_only()`: young collections go on (a cycle that dies young is freed as before), full ones
   wait until the work ends, for importing a model's code and building it (`hs.load`): the first
-  load of a GPT-2-small shape spent 0.44 s of its 1.71 s in three full collections (bench/HISTORY.md,
-  "Full collections during a load"). Python 3.14 scans the old objects in increments and has no
-  third threshold to hold back: there it does nothing.
+  load of a GPT-2-small shape spent 0.44 s of its 1.71 s in three full collections
+  (bench/HISTORY.md, "Full collections during a load"). Python 3.14 scans the old objects in
+  increments and has no third threshold to hold back: there it does nothing.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def load(
     Raises:
         ModelLoadError: a model, its weights or tokenizer not found or unreadable (a hub id offline).
         UnknownPointError: a name in `points=` the model does not have."""
-    # importing a model's code and building it makes ~10^5 objects that live on, which full
+    # importing a model's code and building it makes ~200,000 objects that live on, which full
     # collections would walk again and again: a quarter of a first load (collector.py)
     with collector.young_only():
         return _load(name_or_path, device=device, dtype=dtype, revision=revision,
