@@ -65,7 +65,7 @@ def test_a_cycle_that_dies_young_is_still_freed():
         a.other, b.other = b, a
         alive = weakref.ref(a)
         del a, b
-        long_lived_objects(5_000)  # allocations enough for several young collections
+        long_lived_objects(50_000)  # allocations enough for young and middle collections
         assert alive() is None  # no gc.collect() called: the collector's own young collection
 
 
