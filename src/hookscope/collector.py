@@ -19,13 +19,11 @@ from __future__ import annotations
 import contextlib
 import gc
 import sys
-import threading
 from collections.abc import Iterator
 
+from .shared_change import SharedChange
+
 _HELD_BACK = 2**31 - 1  # the full-collection threshold while held back: never reached
-_holders = 0  # the `young_only` blocks running now, in any thread
-_threshold_before = 0  # the third threshold the first of them found, put back by the last
-_lock = threading.Lock()
 
 
 @contextlib.contextmanager
@@ -40,24 +38,24 @@ def paused() -> Iterator[None]:
             gc.enable()
 
 
-@contextlib.contextmanager
-def young_only() -> Iterator[None]:
+def young_only() -> contextlib.AbstractContextManager[bool]:
     """Full collections held back inside; the young and middle generations collected as always.
     Nested and concurrent blocks share one hold: the last to end puts the threshold back."""
+    return _FULL_COLLECTIONS_HELD.held()
+
+
+def _hold_back() -> int | None:
+    """The third threshold as found (None on Python 3.14: nothing to hold back), then held back."""
     if sys.version_info >= (3, 14):
-        yield
-        return
-    global _holders, _threshold_before
-    with _lock:
-        if _holders == 0:
-            young, middle, _threshold_before = gc.get_threshold()
-            gc.set_threshold(young, middle, _HELD_BACK)
-        _holders += 1
-    try:
-        yield
-    finally:
-        with _lock:
-            _holders -= 1
-            if _holders == 0:
-                young, middle, _ = gc.get_threshold()  # a change the user made meanwhile stays
-                gc.set_threshold(young, middle, _threshold_before)
+        return None
+    young, middle, full = gc.get_threshold()
+    gc.set_threshold(young, middle, _HELD_BACK)
+    return full
+
+
+def _let_go(full: int) -> None:
+    young, middle, _ = gc.get_threshold()  # a change the user made meanwhile stays
+    gc.set_threshold(young, middle, full)
+
+
+_FULL_COLLECTIONS_HELD = SharedChange(_hold_back, _let_go)

@@ -41,10 +41,11 @@ import ctypes
 import ctypes.util
 import functools
 import os
-import threading
 from collections.abc import Iterator
 
 import torch
+
+from ..shared_change import SharedChange
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _M_MMAP_MAX = -1, -3, -4  # mallopt's parameter numbers (malloc.h)
 # glibc's defaults for them (mallopt(3))
@@ -54,8 +55,6 @@ _STREAMING_THRESHOLD = 256 * 2**10
 _KEPT_TOP = 2**31 - 1  # bytes of free heap top kept rather than trimmed (mallopt takes an int)
 # a user who tunes malloc through the environment keeps their settings while a run keeps its memory
 _USER_SETTINGS = ("MALLOC_MMAP_MAX_", "MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_TOP_PAD_")
-_keeping_lock = threading.Lock()
-_keeping = 0  # runs inside `keeping_freed_memory` now: the first sets glibc's settings, the last resets them
 
 
 @functools.cache
@@ -93,44 +92,38 @@ def returning_freed_memory() -> Iterator[None]:
         give_back_freed()
 
 
-@contextlib.contextmanager
-def keeping_freed_memory(enabled: bool = True) -> Iterator[bool]:
+def keeping_freed_memory(enabled: bool = True) -> contextlib.AbstractContextManager[bool]:
     """While inside: nothing is mapped on its own, and freed memory stays in the heap for the next
     allocations (see the module docstring). Yields whether that is so: False when not `enabled`, on a
     C library other than glibc, or when the user set malloc's settings in the environment. After:
     glibc's defaults (a fixed mmap threshold, as `returning_freed_memory` leaves it) and the heap's
     free pages returned."""
-    global _keeping
-    libc = _glibc() if enabled and not _user_tuned() else None
-    if libc is None:
-        yield False
-        return
-    with _keeping_lock:
-        if _keeping == 0:
-            libc.mallopt(_M_MMAP_MAX, 0)
-            libc.mallopt(_M_TRIM_THRESHOLD, _KEPT_TOP)
-        _keeping += 1
-    try:
-        yield True
-    finally:
-        with _keeping_lock:
-            _keeping -= 1
-            if _keeping == 0:
-                libc.mallopt(_M_MMAP_MAX, _GLIBC_DEFAULT_MMAP_MAX)
-                libc.mallopt(_M_TRIM_THRESHOLD, _GLIBC_DEFAULT_TRIM_THRESHOLD)
-                give_back_freed()
+    return _HEAP_KEPT.held() if enabled else contextlib.nullcontext(False)
+
+
+def _keep_freed() -> ctypes.CDLL | None:
+    libc = None if _user_tuned() else _glibc()
+    if libc is not None:
+        libc.mallopt(_M_MMAP_MAX, 0)
+        libc.mallopt(_M_TRIM_THRESHOLD, _KEPT_TOP)
+    return libc
+
+
+def _stop_keeping(libc: ctypes.CDLL) -> None:
+    libc.mallopt(_M_MMAP_MAX, _GLIBC_DEFAULT_MMAP_MAX)
+    libc.mallopt(_M_TRIM_THRESHOLD, _GLIBC_DEFAULT_TRIM_THRESHOLD)
+    give_back_freed()
+
+
+_HEAP_KEPT = SharedChange(_keep_freed, _stop_keeping)
 
 
 REGISTER_KEY = "pinned_use_cuda_host_register"  # PyTorch's allocator setting (PYTORCH_ALLOC_CONF)
 THREADS_KEY = "pinned_num_register_threads"  # threads faulting a new buffer in (a power of two)
 REGISTER_ENV = "HOOKSCOPE_PIN_BY_REGISTER"  # "0": PyTorch's pinned allocator left as it is
-_registering = 0  # runs inside `registering_pinned_memory` that turned it on
-_registering_lock = threading.Lock()
-_settings_before: str | None = None  # the allocator's settings string before, put back after
 
 
-@contextlib.contextmanager
-def registering_pinned_memory(enabled: bool = True) -> Iterator[bool]:
+def registering_pinned_memory(enabled: bool = True) -> contextlib.AbstractContextManager[bool]:
     """While inside: the page-locked buffers PyTorch makes are registered ordinary memory (see the
     module docstring). Yields whether that is so: not where not `enabled`, with
     `HOOKSCOPE_PIN_BY_REGISTER=0`, where the user's allocator settings choose either way, on ROCm,
@@ -138,43 +131,32 @@ def registering_pinned_memory(enabled: bool = True) -> Iterator[bool]:
     put back as they were. After: the settings string as it was, put back whole (PyTorch resets some
     keys to their defaults at every change), with registering off again; buffers registered
     meanwhile are unregistered when PyTorch frees them (it records how each was made, since 2.7)."""
-    on = enabled and _start_registering()
-    try:
-        yield on
-    finally:
-        if on:
-            _stop_registering()
+    return _REGISTERING.held() if enabled else contextlib.nullcontext(False)
 
 
-def _start_registering() -> bool:
-    global _registering, _settings_before
+def _start_registering() -> str | None:
+    """Registering turned on; the settings string it found (None: left as it is)."""
     get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     put = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
     if os.environ.get(REGISTER_ENV, "").strip() == "0" or get is None or put is None or torch.version.hip:
-        return False
-    with _registering_lock:
-        if _registering == 0:
-            try:
-                before = get()
-                if REGISTER_KEY in before:  # the user's own choice
-                    return False
-                threads = "" if THREADS_KEY in before else f"{THREADS_KEY}:{_register_threads()}"
-                put(_joined(before, f"{REGISTER_KEY}:True", threads))
-            except (RuntimeError, ValueError):  # refused by this torch's parser: pinned as before
-                return False
-            _settings_before = before
-        _registering += 1
-        return True
+        return None
+    try:
+        before = get()
+        if REGISTER_KEY in before:  # the user's own choice
+            return None
+        threads = "" if THREADS_KEY in before else f"{THREADS_KEY}:{_register_threads()}"
+        put(_joined(before, f"{REGISTER_KEY}:True", threads))
+    except (RuntimeError, ValueError):  # refused by this torch's parser: pinned as before
+        return None
+    return before
 
 
-def _stop_registering() -> None:
-    global _registering, _settings_before
-    with _registering_lock:
-        _registering -= 1
-        if _registering == 0:
-            before, _settings_before = _settings_before or "", None
-            torch._C._accelerator_setAllocatorSettings(
-                _joined(before, f"{REGISTER_KEY}:False", "" if THREADS_KEY in before else f"{THREADS_KEY}:1"))
+def _stop_registering(before: str) -> None:
+    torch._C._accelerator_setAllocatorSettings(
+        _joined(before, f"{REGISTER_KEY}:False", "" if THREADS_KEY in before else f"{THREADS_KEY}:1"))
+
+
+_REGISTERING = SharedChange(_start_registering, _stop_registering)
 
 
 def _register_threads() -> int:
