@@ -151,7 +151,8 @@ class Bounce:
             if whole:
                 writes.append(writer.submit(write_at, fd, views[turn][:whole], at))
             if filled > whole:  # the last partial block: through the page cache
-                writes.append(writer.submit(write_at, fd, views[turn][whole:filled], at + whole, True))
+                writes.append(writer.submit(write_at, fd, views[turn][whole:filled], at + whole,
+                                            through_cache=True))
         for w in writes:
             w.result()  # the first error (a full disk), raised here
 
