@@ -39,9 +39,11 @@ import common
 
 BEFORE = "d1912b2"  # the tree before issue 15's work
 CASES = [  # (case of core_cases.py, timed runs per process, seconds per timed batch)
-    ("a.torch.function", 7, 0.2), ("a.hookscope.function", 7, 0.2),
+    ("a.torch.function", 7, 0.2),
+    ("a.hookscope.function", 7, 0.2),
     ("small.paired", 30, None),
-    ("b.floor", 5, None), ("b.hookscope", 5, None),
+    ("b.floor", 5, None),
+    ("b.hookscope", 5, None),
     ("c.paired", 2, None),
 ]
 RATIOS = [  # (what, numerator case, denominator case, target for "after")
@@ -60,13 +62,15 @@ def tree_of(spec: str, out: Path) -> Path:
     path = Path(spec)
     if (path / "src" / "hookscope").is_dir():
         return path.resolve()
-    rev = subprocess.run(["git", "rev-parse", "--short", spec], cwd=common.REPO_DIR, check=True,
-                         capture_output=True, text=True).stdout.strip()
+    rev = subprocess.run(
+        ["git", "rev-parse", "--short", spec], cwd=common.REPO_DIR, check=True, capture_output=True, text=True
+    ).stdout.strip()
     tree = out / "trees" / rev
     if not (tree / "src" / "hookscope").is_dir():
         tree.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "archive", rev, "src"], cwd=common.REPO_DIR, check=True,
-                                 capture_output=True).stdout
+        archive = subprocess.run(
+            ["git", "archive", rev, "src"], cwd=common.REPO_DIR, check=True, capture_output=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
     return tree
 
@@ -82,9 +86,21 @@ def run_compile(python: str, tree: Path, cache: Path) -> dict:
     """bench_compile.py's interleaved steady state, in a fresh process on `tree`."""
     out = common.OUT_DIR / "before-after-compile.json"
     env = {**common.source_env(tree), "TORCHINDUCTOR_CACHE_DIR": str(cache)}
-    proc = subprocess.run([python, str(common.BENCH_DIR / "bench_compile.py"), "--interleaved",
-                           str(COMPILE_ROUNDS), "--json", str(out)], env={**os.environ, **env},
-                          capture_output=True, text=True, cwd=common.REPO_DIR, timeout=1800)
+    proc = subprocess.run(
+        [
+            python,
+            str(common.BENCH_DIR / "bench_compile.py"),
+            "--interleaved",
+            str(COMPILE_ROUNDS),
+            "--json",
+            str(out),
+        ],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        cwd=common.REPO_DIR,
+        timeout=1800,
+    )
     if proc.returncode != 0:
         return {"error": " | ".join(proc.stderr.strip().splitlines()[-8:])}
     return json.loads(out.read_text())
@@ -92,8 +108,9 @@ def run_compile(python: str, tree: Path, cache: Path) -> dict:
 
 def check_tree(python: str, tree: Path) -> str:
     """The hookscope file a child on `tree` imports; it must lie inside that tree."""
-    found = common.run_fresh(python, common.BENCH_DIR / "core_cases.py", ["versions"],
-                             env=common.source_env(tree))
+    found = common.run_fresh(
+        python, common.BENCH_DIR / "core_cases.py", ["versions"], env=common.source_env(tree)
+    )
     path = found.get("hookscope_file") or ""
     if not Path(path).resolve().is_relative_to(tree / "src"):
         raise SystemExit(f"a child on {tree} imported hookscope from {path or found}: check PYTHONPATH")
@@ -101,15 +118,20 @@ def check_tree(python: str, tree: Path) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--before", default=BEFORE, help="revision or directory (default %(default)s)")
     parser.add_argument("--after", default=str(common.REPO_DIR), help="revision or directory (default: here)")
     parser.add_argument("--rounds", type=int, default=2, help="processes per case and tree (default 2)")
     parser.add_argument("--python", default=sys.executable)
     parser.add_argument("--skip-compile", action="store_true")
-    parser.add_argument("--only", default="", help="comma-separated case prefixes to run (e.g. small); "
-                        "the compile step runs only if 'compile' is among them")
+    parser.add_argument(
+        "--only",
+        default="",
+        help="comma-separated case prefixes to run (e.g. small); "
+        "the compile step runs only if 'compile' is among them",
+    )
     parser.add_argument("--report", action="store_true", help="only print the tables of the last run's JSON")
     args = parser.parse_args()
     if args.report:
@@ -121,8 +143,9 @@ def main() -> None:
     trees = {"before": tree_of(args.before, common.OUT_DIR), "after": tree_of(args.after, common.OUT_DIR)}
     for label, tree in trees.items():
         print(f"{label}: {tree} -> {check_tree(args.python, tree)}")
-    prepared = common.run_fresh(args.python, common.BENCH_DIR / "core_cases.py", ["prepare"],
-                                env=common.source_env(trees["after"]))
+    prepared = common.run_fresh(
+        args.python, common.BENCH_DIR / "core_cases.py", ["prepare"], env=common.source_env(trees["after"])
+    )
     if "error" in prepared:
         raise SystemExit(f"could not build the benchmark models: {prepared['error']}")
     only = [p for p in args.only.split(",") if p]
@@ -146,8 +169,11 @@ def main() -> None:
                         pooled.setdefault("loads", []).append(value)
                     else:
                         pooled[key] = value
-                print(f"round {rnd} {label:<6} {case:<22} {time.perf_counter() - start:6.1f} s  load "
-                      f"{r['load']:.1f}  {r.get('error', '')[:200]}", flush=True)
+                print(
+                    f"round {rnd} {label:<6} {case:<22} {time.perf_counter() - start:6.1f} s  load "
+                    f"{r['load']:.1f}  {r.get('error', '')[:200]}",
+                    flush=True,
+                )
                 # after every process, so that a run cut short still reports (--report)
                 out.write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
     report(results)  # before the compile step, which takes minutes more
@@ -157,11 +183,16 @@ def main() -> None:
         for label in ("before", "after"):
             start = time.perf_counter()
             compiled[label] = run_compile(args.python, trees[label], cache)
-            print(f"compile {label:<6} {time.perf_counter() - start:6.1f} s  load {os.getloadavg()[0]:.1f}  "
-                  f"{compiled[label].get('error', '')[:300]}", flush=True)
+            print(
+                f"compile {label:<6} {time.perf_counter() - start:6.1f} s  load {os.getloadavg()[0]:.1f}  "
+                f"{compiled[label].get('error', '')[:300]}",
+                flush=True,
+            )
         report_compile(compiled)
-    out.write_text(json.dumps({**meta, "results": results, "compile": compiled,
-                               "load_after": os.getloadavg()}, indent=1) + "\n")
+    out.write_text(
+        json.dumps({**meta, "results": results, "compile": compiled, "load_after": os.getloadavg()}, indent=1)
+        + "\n"
+    )
     print(f"\nwrote {out}; took {(time.time() - started) / 60:.1f} min; load now {os.getloadavg()}")
 
 
@@ -181,8 +212,9 @@ def value_of(results: dict, ref: str) -> float | None:
     return median_of(results.get(case, {}), key or None)
 
 
-SMALL_ROWS = [("small.paired:us_" + name, f"small.{name} (paired)")
-              for name in ("plain", "hook", "capture", "collect")]
+SMALL_ROWS = [
+    ("small.paired:us_" + name, f"small.{name} (paired)") for name in ("plain", "hook", "capture", "collect")
+]
 
 
 def report(results: dict) -> None:
@@ -201,21 +233,29 @@ def report(results: dict) -> None:
             d = value_of(results[tree], den) if den else 1.0
             cells.append(n / d if n and d else None)
         verdict = "" if target is None or cells[1] is None else ("met" if cells[1] <= target else "MISSED")
-        print(f"{what:<40}{fmt(cells[0], '.3f'):>9}{fmt(cells[1], '.3f'):>9}"
-              f"{'<= ' + str(target) if target else '':>9}  {verdict}")
+        print(
+            f"{what:<40}{fmt(cells[0], '.3f'):>9}{fmt(cells[1], '.3f'):>9}"
+            f"{'<= ' + str(target) if target else '':>9}  {verdict}"
+        )
     print("\n== small, paired: each process's median over its rounds (ratio to plain in the same round)")
     for tree in ("before", "after"):
         found = results[tree].get("small.paired", {})
         loads = ", ".join(f"{x:.1f}" for x in found.get("loads", []))
-        print(f"{tree:<7}" + "  ".join(
-            f"{name} " + " ".join(f"{x:.3f}" for x in found.get(f"ratio_{name}", []))
-            for name in ("hook", "capture", "collect")) + f"  (load {loads})")
+        print(
+            f"{tree:<7}"
+            + "  ".join(
+                f"{name} " + " ".join(f"{x:.3f}" for x in found.get(f"ratio_{name}", []))
+                for name in ("hook", "capture", "collect")
+            )
+            + f"  (load {loads})"
+        )
 
 
 def report_compile(compiled: dict) -> None:
     if compiled:
-        print(f"\n== compile steady state, {COMPILE_ROUNDS} rounds in one process per tree "
-              "(median ms; x off)")
+        print(
+            f"\n== compile steady state, {COMPILE_ROUNDS} rounds in one process per tree (median ms; x off)"
+        )
         for tree in ("before", "after"):
             r = compiled.get(tree, {})
             if "error" in r:
@@ -223,11 +263,15 @@ def report_compile(compiled: dict) -> None:
                 continue
             for policy, phases in r.get("median_ms", {}).items():
                 ratio = r.get("ratio_vs_off", {}).get(policy, {})
-                cells = "  ".join(f"{name}: {ms:.0f}" + (f" ({ratio[name]:.2f}x)" if name in ratio else "")
-                                  for name, ms in phases.items())
+                cells = "  ".join(
+                    f"{name}: {ms:.0f}" + (f" ({ratio[name]:.2f}x)" if name in ratio else "")
+                    for name, ms in phases.items()
+                )
                 print(f"{tree:<7}{policy:<7}{cells}")
-            print(f"{tree:<7}graph breaks {r.get('graph_breaks')}, recompiles {r.get('recompiles')}, "
-                  f"load {r.get('load_average_1m', 0):.1f}")
+            print(
+                f"{tree:<7}graph breaks {r.get('graph_breaks')}, recompiles {r.get('recompiles')}, "
+                f"load {r.get('load_average_1m', 0):.1f}"
+            )
 
 
 def fmt(value: float | None, spec: str = ",.1f") -> str:

@@ -29,8 +29,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import common  # noqa: E402
 
 BIG_DIR = common.OUT_DIR / "llama-1g-f32"
-SHAPE = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=16, num_attention_heads=16,
-             num_key_value_heads=16, vocab_size=32000, max_position_embeddings=512)
+SHAPE = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=16,
+    num_attention_heads=16,
+    num_key_value_heads=16,
+    vocab_size=32000,
+    max_position_embeddings=512,
+)
 BATCH, SEQ = 2, 64
 GPU_BATCH, GPU_SEQ = 8, 512  # a GPU at 2 x 64 times kernel launches, not the load's effect
 MODES = ("full", "points", "offload")
@@ -63,15 +70,17 @@ def load_model(mode: str, point: str, folder: str, device: str):
     if mode == "full":
         return hs.load(str(BIG_DIR), dtype=torch.bfloat16, tokenizer=False, device=device).model
     if mode == "points":
-        return hs.load(str(BIG_DIR), dtype=torch.bfloat16, tokenizer=False, device=device,
-                       points=[point]).model
+        return hs.load(
+            str(BIG_DIR), dtype=torch.bfloat16, tokenizer=False, device=device, points=[point]
+        ).model
     # accelerate's offload: two blocks' worth of memory where it runs, the rest on disk (CPU) or in
     # host memory (GPU: what a user with a too-small card reaches for)
     from transformers import AutoModelForCausalLM
 
     room = {"cpu": 2 * block_bytes()} if device == "cpu" else {0: 2 * block_bytes(), "cpu": "64GiB"}
     return AutoModelForCausalLM.from_pretrained(
-        BIG_DIR, dtype=torch.bfloat16, device_map="auto", max_memory=room, offload_folder=folder).eval()
+        BIG_DIR, dtype=torch.bfloat16, device_map="auto", max_memory=room, offload_folder=folder
+    ).eval()
 
 
 def input_device(model):
@@ -122,10 +131,23 @@ def worker(mode: str, point: str, runs: int, device: str) -> None:
         times = common.time_runs(capture, runs)  # after one warm-up
         peak = peak_now(device)
         out = capture()[point]
-    common.emit({"mode": mode, "point": point, "device": device, "load_s": load_s, "weights": weights,
-                 "peak_extra": peak - before, "tokens_per_s": batch * seq / common.median(times),
-                 "best_tokens_per_s": batch * seq / min(times), "batch": batch, "seq": seq,
-                 "sum": float(out.float().sum()), "dtype": str(out.dtype), "torch": torch.__version__})
+    common.emit(
+        {
+            "mode": mode,
+            "point": point,
+            "device": device,
+            "load_s": load_s,
+            "weights": weights,
+            "peak_extra": peak - before,
+            "tokens_per_s": batch * seq / common.median(times),
+            "best_tokens_per_s": batch * seq / min(times),
+            "batch": batch,
+            "seq": seq,
+            "sum": float(out.float().sum()),
+            "dtype": str(out.dtype),
+            "torch": torch.__version__,
+        }
+    )
 
 
 def warm_kernels() -> None:
@@ -136,9 +158,19 @@ def warm_kernels() -> None:
 
     import hookscope as hs
 
-    tiny = LlamaForCausalLM(LlamaConfig(**{**SHAPE, "hidden_size": 64, "intermediate_size": 128,
-                                           "num_hidden_layers": 2, "num_attention_heads": 4,
-                                           "num_key_value_heads": 4, "vocab_size": 256}))
+    tiny = LlamaForCausalLM(
+        LlamaConfig(
+            **{
+                **SHAPE,
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 4,
+                "vocab_size": 256,
+            }
+        )
+    )
     tiny = tiny.to(torch.bfloat16).eval()
     hs.collect(tiny, torch.zeros(BATCH, SEQ, dtype=torch.long), "blocks.1.resid_post")
 
@@ -166,9 +198,15 @@ def main() -> None:
     results = []
     for point in ("blocks.1.resid_post", f"blocks.{n // 2}.resid_post", f"blocks.{n - 1}.resid_post"):
         modes = MODES if point.startswith(f"blocks.{n - 1}.") else MODES[:2]
-        row = {mode: common.run_fresh(args.python, Path(__file__),
-                                      ["--worker", mode, point, str(runs), "--device", args.device],
-                                      env=common.MEMORY_ENV) for mode in modes}
+        row = {
+            mode: common.run_fresh(
+                args.python,
+                Path(__file__),
+                ["--worker", mode, point, str(runs), "--device", args.device],
+                env=common.MEMORY_ENV,
+            )
+            for mode in modes
+        }
         results.append((point, row))
         report(point, row)
 
@@ -176,30 +214,38 @@ def main() -> None:
 def report(point: str, row: dict) -> None:
     mib = 2**20
     where = next((r for r in row.values() if "error" not in r), {})
-    print(f"\n{point} on {where.get('device', '?')}, {where.get('batch')} x {where.get('seq')} tokens"
-          f" (peak: {'RSS' if where.get('device') == 'cpu' else 'allocated device memory'})")
+    print(
+        f"\n{point} on {where.get('device', '?')}, {where.get('batch')} x {where.get('seq')} tokens"
+        f" (peak: {'RSS' if where.get('device') == 'cpu' else 'allocated device memory'})"
+    )
     for mode, r in row.items():
         if "error" in r:
             print(f"  {mode:8s} ERROR {r['error']}")
             continue
-        print(f"  {mode:8s} load {r['load_s']:6.2f} s  weights in memory {r['weights'] / mib:7.1f} MiB  "
-              f"peak +{r['peak_extra'] / mib:7.1f} MiB  tokens/s median {r['tokens_per_s']:6.1f} "
-              f"best {r['best_tokens_per_s']:6.1f}  sum {r['sum']:.4g}")
+        print(
+            f"  {mode:8s} load {r['load_s']:6.2f} s  weights in memory {r['weights'] / mib:7.1f} MiB  "
+            f"peak +{r['peak_extra'] / mib:7.1f} MiB  tokens/s median {r['tokens_per_s']:6.1f} "
+            f"best {r['best_tokens_per_s']:6.1f}  sum {r['sum']:.4g}"
+        )
     full, part = row.get("full", {}), row.get("points", {})
     if "error" not in full and "error" not in part:
         needed = part["weights"] + activation_bytes(part["batch"], part["seq"])
-        print(f"  points= peak / (weights + activations {needed / mib:.1f} MiB) = "
-              f"{part['peak_extra'] / needed:.2f}x;"
-              f" peak vs full load {part['peak_extra'] / full['peak_extra']:.2f}x;"
-              f" tokens/s vs full load {part['tokens_per_s'] / full['tokens_per_s']:.2f}x median,"
-              f" {part['best_tokens_per_s'] / full['best_tokens_per_s']:.2f}x best;"
-              f" same values: {part['sum'] == full['sum']}")
+        print(
+            f"  points= peak / (weights + activations {needed / mib:.1f} MiB) = "
+            f"{part['peak_extra'] / needed:.2f}x;"
+            f" peak vs full load {part['peak_extra'] / full['peak_extra']:.2f}x;"
+            f" tokens/s vs full load {part['tokens_per_s'] / full['tokens_per_s']:.2f}x median,"
+            f" {part['best_tokens_per_s'] / full['best_tokens_per_s']:.2f}x best;"
+            f" same values: {part['sum'] == full['sum']}"
+        )
     offload = row.get("offload", {})
     if offload and "error" not in offload and "error" not in part:
-        print(f"  accelerate offload: tokens/s "
-              f"{offload['tokens_per_s'] / part['tokens_per_s']:.2f}x points= median,"
-              f" {offload['best_tokens_per_s'] / part['best_tokens_per_s']:.2f}x best,"
-              f" peak {offload['peak_extra'] / part['peak_extra']:.2f}x points=")
+        print(
+            f"  accelerate offload: tokens/s "
+            f"{offload['tokens_per_s'] / part['tokens_per_s']:.2f}x points= median,"
+            f" {offload['best_tokens_per_s'] / part['best_tokens_per_s']:.2f}x best,"
+            f" peak {offload['peak_extra'] / part['peak_extra']:.2f}x points="
+        )
 
 
 if __name__ == "__main__":

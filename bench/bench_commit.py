@@ -67,14 +67,19 @@ def commits(root: Path, shards: int) -> dict:
     total = time.perf_counter() - t0
     setattr(writer_module.ShardWriter, step, real)
     tenth = shards // 10
-    medians = [statistics.median(times[k * tenth:(k + 1) * tenth]) * 1e3 for k in range(10)]
-    means = [statistics.mean(times[k * tenth:(k + 1) * tenth]) * 1e3 for k in range(10)]
+    medians = [statistics.median(times[k * tenth : (k + 1) * tenth]) * 1e3 for k in range(10)]
+    means = [statistics.mean(times[k * tenth : (k + 1) * tenth]) * 1e3 for k in range(10)]
     floor = _floor(root / "floor", min(shards, 300))
-    return {"shards": shards, "seconds": total, "ms_per_tenth": [round(m, 3) for m in medians],
-            "last_over_first": round(medians[-1] / medians[0], 2),
-            "mean_ms_per_tenth": [round(m, 3) for m in means], "max_ms": round(max(times) * 1e3, 1),
-            "floor_ms": round(floor, 3),
-            "manifest_bytes": (out / "manifest.json").stat().st_size}
+    return {
+        "shards": shards,
+        "seconds": total,
+        "ms_per_tenth": [round(m, 3) for m in medians],
+        "last_over_first": round(medians[-1] / medians[0], 2),
+        "mean_ms_per_tenth": [round(m, 3) for m in means],
+        "max_ms": round(max(times) * 1e3, 1),
+        "floor_ms": round(floor, 3),
+        "manifest_bytes": (out / "manifest.json").stat().st_size,
+    }
 
 
 def _floor(root: Path, n: int) -> float:
@@ -112,12 +117,27 @@ def make_big(out: Path, n: int) -> None:
         name = f"shards/{prefix}{i:06d}.safetensors"
         save_file({**x, **meta}, out / name, metadata=shard_identity(m.settings_hash, runs, 0))
         data = (out / name).read_bytes()
-        shards.append(ShardEntry(name, ROWS, hashlib.sha256(data).hexdigest(), len(data), runs, 0, 0,
-                                 {"x": PointStats.of(x["x"])}))
+        shards.append(
+            ShardEntry(
+                name,
+                ROWS,
+                hashlib.sha256(data).hexdigest(),
+                len(data),
+                runs,
+                0,
+                0,
+                {"x": PointStats.of(x["x"])},
+            )
+        )
     from hookscope.store.manifest import summed_stats
 
-    m = Manifest(settings=SETTINGS, points={"x": Column((WIDTH,), "float32")},
-                 meta={"token_ids": Column((), "int64")}, shards=shards, stats=summed_stats(shards))
+    m = Manifest(
+        settings=SETTINGS,
+        points={"x": Column((WIDTH,), "float32")},
+        meta={"token_ids": Column((), "int64")},
+        shards=shards,
+        stats=summed_stats(shards),
+    )
     (out / "manifest.json").write_bytes(m.to_bytes())
 
 
@@ -143,13 +163,21 @@ def scale(root: Path, n: int, runs: int) -> dict:
     make_big(out, n)
     made = time.perf_counter() - t
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
-    result = {"shards": n, "made_s": round(made, 1),
-              "manifest_mb": round((out / "manifest.json").stat().st_size / 1e6, 1)}
+    result = {
+        "shards": n,
+        "made_s": round(made, 1),
+        "manifest_mb": round((out / "manifest.json").stat().st_size / 1e6, 1),
+    }
     for what in ("open", "verify", "resume"):
         secs = []
         for _ in range(runs):
-            done = subprocess.run([sys.executable, "-c", STEP, what, str(out)], env=env, capture_output=True,
-                                  text=True, timeout=1800)
+            done = subprocess.run(
+                [sys.executable, "-c", STEP, what, str(out)],
+                env=env,
+                capture_output=True,
+                text=True,
+                timeout=1800,
+            )
             if done.returncode:
                 raise SystemExit(done.stderr[-3000:])
             secs.append(float(done.stdout.split()[-1]))

@@ -143,11 +143,15 @@ def interleaved(rounds: int) -> dict:
                 times[policy][name].append(time.perf_counter() - start)
     stats = hc.compile_stats()
     return {
-        "rounds": rounds, "times_s": times, "load_average_1m": os.getloadavg()[0],
-        "graph_breaks": stats["graph_breaks"], "recompiles": stats["recompiles"],
+        "rounds": rounds,
+        "times_s": times,
+        "load_average_1m": os.getloadavg()[0],
+        "graph_breaks": stats["graph_breaks"],
+        "recompiles": stats["recompiles"],
         "median_ms": {p: {n: common.median(t) * 1e3 for n, t in by.items()} for p, by in times.items()},
-        "ratio_vs_off": {p: {n: ratio(t, times["off"][n]) for n, t in by.items()}
-                         for p, by in times.items() if p != "off"},
+        "ratio_vs_off": {
+            p: {n: ratio(t, times["off"][n]) for n, t in by.items()} for p, by in times.items() if p != "off"
+        },
     }
 
 
@@ -160,13 +164,15 @@ def run(policy: str, cache: Path, runs: int, save: Path | None = None, load: Pat
     args = ["--child", policy, "--runs", str(runs)]
     args += ["--save", str(save)] if save else []
     args += ["--load", str(load)] if load else []
-    return common.run_fresh(sys.executable, Path(__file__), args, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)},
-                            timeout=3600)
+    return common.run_fresh(
+        sys.executable, Path(__file__), args, env={"TORCHINDUCTOR_CACHE_DIR": str(cache)}, timeout=3600
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--child")
     parser.add_argument("--save")
     parser.add_argument("--load")
@@ -174,8 +180,12 @@ def main() -> None:
     parser.add_argument("--cold-repeats", type=int, default=1, help="cold-cache processes per policy")
     parser.add_argument("--json", default=str(common.OUT_DIR / "compile.json"))
     parser.add_argument("--report", action="store_true", help="only print the table of an earlier --json")
-    parser.add_argument("--interleaved", type=int, metavar="ROUNDS",
-                        help="instead: steady state of all policies in one process, taking turns")
+    parser.add_argument(
+        "--interleaved",
+        type=int,
+        metavar="ROUNDS",
+        help="instead: steady state of all policies in one process, taking turns",
+    )
     parser.add_argument("--src", metavar="DIR", help="time the hookscope in DIR/src (another checkout)")
     args = parser.parse_args()
     if args.src:
@@ -188,8 +198,15 @@ def main() -> None:
         result = interleaved(args.interleaved)
         Path(args.json).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json).write_text(json.dumps(result, indent=1))
-        print(json.dumps({k: result[k] for k in ("median_ms", "ratio_vs_off", "graph_breaks", "recompiles",
-                                                 "load_average_1m")}, indent=1))
+        print(
+            json.dumps(
+                {
+                    k: result[k]
+                    for k in ("median_ms", "ratio_vs_off", "graph_breaks", "recompiles", "load_average_1m")
+                },
+                indent=1,
+            )
+        )
         return
     if args.report:
         report(json.loads(Path(args.json).read_text()))
@@ -255,6 +272,7 @@ def report(results: dict) -> None:
 
 def median_of(runs: list[dict]) -> dict:
     """Per-figure medians over repeated runs of one configuration."""
+
     def merge(values: list):
         if isinstance(values[0], dict):
             shared = [key for key in values[0] if all(key in v for v in values)]

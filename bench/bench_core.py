@@ -32,8 +32,20 @@ CASES_SCRIPT = common.BENCH_DIR / "core_cases.py"
 BASELINE = common.BENCH_DIR / "baseline_core.json"
 
 A_TOOLS = ("torch", "hookscope", "tl3", "tl3_point", "tl4", "tl4_point")
-B_CONFIGS = ("floor", "hookscope", "forward_hook", "tl3_full", "tl3_filter", "tl3_filter_stop",
-             "nnsight", "nnsight_stop", "tl4_hookscope", "tl4_full", "tl4_filter", "tl4_filter_stop")
+B_CONFIGS = (
+    "floor",
+    "hookscope",
+    "forward_hook",
+    "tl3_full",
+    "tl3_filter",
+    "tl3_filter_stop",
+    "nnsight",
+    "nnsight_stop",
+    "tl4_hookscope",
+    "tl4_full",
+    "tl4_filter",
+    "tl4_filter_stop",
+)
 # hookscope on a TransformerLens 4 bridge / the bridge's own run_with_cache (issue 13)
 B_BRIDGE_RATIOS = ("tl4_filter", "tl4_filter_stop", "tl4_full")
 C_CONFIGS = ("none", "hooks12", "paired")
@@ -43,10 +55,18 @@ SMALL_CONFIGS = ("plain", "hook", "capture", "collect", "nnsight", "nnsight_stop
 # configurations so that a change in the machine's load falls on all of them alike), seconds per
 # timed batch of fast operations, runs of the memory probe (one more process per configuration).
 SETTINGS = {
-    "full": {"a": {"runs": 7, "rounds": 1, "budget": 0.2}, "b": {"runs": 5, "rounds": 4, "memory_runs": 5},
-             "c": {"runs": 5, "rounds": 4}, "small": {"runs": 5, "rounds": 4, "budget": 0.3}},
-    "quick": {"a": {"runs": 3, "rounds": 1, "budget": 0.02}, "b": {"runs": 1, "rounds": 2, "memory_runs": 1},
-              "c": {"runs": 1, "rounds": 2}, "small": {"runs": 2, "rounds": 2, "budget": 0.05}},
+    "full": {
+        "a": {"runs": 7, "rounds": 1, "budget": 0.2},
+        "b": {"runs": 5, "rounds": 4, "memory_runs": 5},
+        "c": {"runs": 5, "rounds": 4},
+        "small": {"runs": 5, "rounds": 4, "budget": 0.3},
+    },
+    "quick": {
+        "a": {"runs": 3, "rounds": 1, "budget": 0.02},
+        "b": {"runs": 1, "rounds": 2, "memory_runs": 1},
+        "c": {"runs": 1, "rounds": 2},
+        "small": {"runs": 2, "rounds": 2, "budget": 0.05},
+    },
 }
 
 TARGETS = [  # (what, ratio key, at most)
@@ -68,11 +88,27 @@ def plan(sections: set[str], mode: str, b_configs: set[str] | None = None) -> li
     """(case, interpreter key, memory probe?) for every process, in the order they run."""
     groups = []
     if "a" in sections:
-        groups.append(("a", [(f"a.{tool}.{shape}", "tl4" if tool.startswith("tl4") else "main")
-                             for tool in A_TOOLS for shape in SHAPES]))
+        groups.append(
+            (
+                "a",
+                [
+                    (f"a.{tool}.{shape}", "tl4" if tool.startswith("tl4") else "main")
+                    for tool in A_TOOLS
+                    for shape in SHAPES
+                ],
+            )
+        )
     if "b" in sections:
-        groups.append(("b", [(f"b.{config}", "tl4" if config.startswith("tl4") else "main")
-                             for config in B_CONFIGS if b_configs is None or config in b_configs]))
+        groups.append(
+            (
+                "b",
+                [
+                    (f"b.{config}", "tl4" if config.startswith("tl4") else "main")
+                    for config in B_CONFIGS
+                    if b_configs is None or config in b_configs
+                ],
+            )
+        )
     if "c" in sections:
         groups.append(("c", [(f"c.{config}", "main") for config in C_CONFIGS]))
         groups.append(("small", [(f"small.{config}", "main") for config in SMALL_CONFIGS]))
@@ -144,10 +180,16 @@ def ratios(medians: dict) -> dict[str, float]:
         for shape in SHAPES:
             put(f"a.{tool}.{shape}/function", get(f"a.{tool}.{shape}", "us"), get(f"a.{tool}.function", "us"))
             if tool != "hookscope":
-                put(f"a.{tool}.{shape}/hookscope.{shape}", get(f"a.{tool}.{shape}", "us"),
-                    get(f"a.hookscope.{shape}", "us"))
-    put("a.hookscope.function/torch.function", get("a.hookscope.function", "us"),
-        get("a.torch.function", "us"))
+                put(
+                    f"a.{tool}.{shape}/hookscope.{shape}",
+                    get(f"a.{tool}.{shape}", "us"),
+                    get(f"a.hookscope.{shape}", "us"),
+                )
+    put(
+        "a.hookscope.function/torch.function",
+        get("a.hookscope.function", "us"),
+        get("a.torch.function", "us"),
+    )
     for config in B_CONFIGS:
         put(f"b.{config}/floor.time", get(f"b.{config}", "ms"), get("b.floor", "ms"))
         put(f"b.{config}/floor.memory", get(f"b.{config}", "mib"), get("b.floor", "mib"))
@@ -183,13 +225,17 @@ def print_b(medians: dict, ratio: dict, err) -> None:
     print(f"{'config':<17}{'ms':>9}{'x floor':>9}{'MiB':>9}{'x floor':>9}{'load':>6}")
     for config in B_CONFIGS:
         m = medians.get(f"b.{config}", {})
-        print(f"{config:<17}{fmt(m.get('ms'), '.0f'):>9}{fmt(ratio.get(f'b.{config}/floor.time')):>9}"
-              f"{fmt(m.get('mib'), '.1f'):>9}{fmt(ratio.get(f'b.{config}/floor.memory')):>9}"
-              f"{fmt(m.get('load'), '.1f'):>6}  {err(f'b.{config}')[:60]}")
+        print(
+            f"{config:<17}{fmt(m.get('ms'), '.0f'):>9}{fmt(ratio.get(f'b.{config}/floor.time')):>9}"
+            f"{fmt(m.get('mib'), '.1f'):>9}{fmt(ratio.get(f'b.{config}/floor.memory')):>9}"
+            f"{fmt(m.get('load'), '.1f'):>6}  {err(f'b.{config}')[:60]}"
+        )
     print("\n== b on a TransformerLens 4 bridge: hookscope / the bridge's run_with_cache (time, memory)")
     for peer in B_BRIDGE_RATIOS:
-        print(f"{'tl4_hookscope / ' + peer:<34}{fmt(ratio.get(f'b.tl4_hookscope/{peer}.time')):>9}"
-              f"{fmt(ratio.get(f'b.tl4_hookscope/{peer}.memory')):>9}")
+        print(
+            f"{'tl4_hookscope / ' + peer:<34}{fmt(ratio.get(f'b.tl4_hookscope/{peer}.time')):>9}"
+            f"{fmt(ratio.get(f'b.tl4_hookscope/{peer}.memory')):>9}"
+        )
 
 
 def print_c(medians: dict, ratio: dict, err) -> None:
@@ -198,13 +244,17 @@ def print_c(medians: dict, ratio: dict, err) -> None:
         m = medians.get(f"c.{config}", {})
         print(f"{config:<17}{fmt(m.get('ms'), '.1f'):>9}{fmt(m.get('load'), '.1f'):>6}")
     print(f"{'ratio':<17}{fmt(ratio.get('c.hooks12/none'), '.4f'):>9}   (separate processes)")
-    print(f"{'paired ratio':<17}{fmt(ratio.get('c.paired.hooks12/none'), '.4f'):>9}   "
-          "(median of per-pair ratios, both in one process, alternating)")
+    print(
+        f"{'paired ratio':<17}{fmt(ratio.get('c.paired.hooks12/none'), '.4f'):>9}   "
+        "(median of per-pair ratios, both in one process, alternating)"
+    )
     print("\n== small: tiny GPT-2, 1 x 16 tokens (us per call; ratio to plain)")
     for config in SMALL_CONFIGS:
         m = medians.get(f"small.{config}", {})
-        print(f"{config:<17}{fmt(m.get('us'), ',.0f'):>9}{fmt(ratio.get(f'small.{config}/plain')):>9}"
-              f"{fmt(m.get('load'), '.1f'):>6}  {err(f'small.{config}')[:60]}")
+        print(
+            f"{config:<17}{fmt(m.get('us'), ',.0f'):>9}{fmt(ratio.get(f'small.{config}/plain')):>9}"
+            f"{fmt(m.get('load'), '.1f'):>6}  {err(f'small.{config}')[:60]}"
+        )
 
 
 def print_tables(results: dict, medians: dict, ratio: dict, baseline: dict, sections: set[str]) -> None:
@@ -235,20 +285,34 @@ def print_tables(results: dict, medians: dict, ratio: dict, baseline: dict, sect
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--quick", action="store_true", help="smoke run: fewer repetitions")
     parser.add_argument("--only", default="a,b,c", help="sections to run, e.g. 'a,c'")
-    parser.add_argument("--python", default=default_python(".venv-bench") or sys.executable,
-                        help="interpreter with hookscope, TransformerLens 3.9 and nnsight")
-    parser.add_argument("--tl4-python", default=default_python(".venv-tl4"),
-                        help="interpreter with TransformerLens 4.x (TransformerBridge)")
-    parser.add_argument("--b-configs", default=None,
-                        help=f"section b: only these configurations, e.g. 'floor,tl4_hookscope,tl4_filter' "
-                             f"(of {', '.join(B_CONFIGS)})")
+    parser.add_argument(
+        "--python",
+        default=default_python(".venv-bench") or sys.executable,
+        help="interpreter with hookscope, TransformerLens 3.9 and nnsight",
+    )
+    parser.add_argument(
+        "--tl4-python",
+        default=default_python(".venv-tl4"),
+        help="interpreter with TransformerLens 4.x (TransformerBridge)",
+    )
+    parser.add_argument(
+        "--b-configs",
+        default=None,
+        help=f"section b: only these configurations, e.g. 'floor,tl4_hookscope,tl4_filter' "
+        f"(of {', '.join(B_CONFIGS)})",
+    )
     parser.add_argument("--write-baseline", action="store_true", help=f"save the ratios to {BASELINE.name}")
-    parser.add_argument("--src", metavar="DIR", help="time the hookscope in DIR/src (another checkout) "
-                        "instead of the installed one; bench/before_after.py compares two")
+    parser.add_argument(
+        "--src",
+        metavar="DIR",
+        help="time the hookscope in DIR/src (another checkout) "
+        "instead of the installed one; bench/before_after.py compares two",
+    )
     args = parser.parse_args()
     if args.src:
         common.use_source(args.src)
@@ -261,8 +325,15 @@ def main() -> None:
 
     pythons = {"main": args.python, "tl4": args.tl4_python}
     versions = {key: common.run_fresh(py, CASES_SCRIPT, ["versions"]) for key, py in pythons.items() if py}
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "mode": mode, "threads": common.THREADS,
-            "cpu": cpu_name(), "cores": os.cpu_count(), "load_before": os.getloadavg(), "versions": versions}
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "mode": mode,
+        "threads": common.THREADS,
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "load_before": os.getloadavg(),
+        "versions": versions,
+    }
     print(json.dumps(meta, indent=1))
     results: dict[str, dict] = {}
     if "b" in sections:
@@ -284,8 +355,11 @@ def main() -> None:
             result = run_process(case, python, mode, memory)
             merge(results.setdefault(case, {}), result)
             shown = {k: v for k, v in result.items() if k != "load"}
-            print(f"{case + (' (memory)' if memory else ''):<37}{time.perf_counter() - start:>6.1f} s"
-                  f"  load {result['load']:.1f}  {shown}"[:250], flush=True)
+            print(
+                f"{case + (' (memory)' if memory else ''):<37}{time.perf_counter() - start:>6.1f} s"
+                f"  load {result['load']:.1f}  {shown}"[:250],
+                flush=True,
+            )
     meta["load_after"] = os.getloadavg()
     medians = summarise(results)
     ratio = ratios(medians)

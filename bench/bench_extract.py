@@ -52,10 +52,18 @@ RUN_ENV = {"GOMP_SPINCOUNT": "100"}
 # tokens per throughput run (= the 1x of the RSS series), shard rows, runs per configuration,
 # RSS scales beyond 1x with their runs
 SETTINGS = {
-    "full": {"tokens": 16384, "shard_rows": 8192,
-             "runs": {"floor": 5, "extract": 5, "tl3": 3, "tl3_stop": 3}, "rss": {4: 3, 16: 2}},
-    "quick": {"tokens": 2048, "shard_rows": 1024,
-              "runs": {"floor": 1, "extract": 1, "tl3": 1, "tl3_stop": 1}, "rss": {4: 1}},
+    "full": {
+        "tokens": 16384,
+        "shard_rows": 8192,
+        "runs": {"floor": 5, "extract": 5, "tl3": 3, "tl3_stop": 3},
+        "rss": {4: 3, 16: 2},
+    },
+    "quick": {
+        "tokens": 2048,
+        "shard_rows": 1024,
+        "runs": {"floor": 1, "extract": 1, "tl3": 1, "tl3_stop": 1},
+        "rss": {4: 1},
+    },
 }
 
 TARGETS = [  # (what, ratio key, bound, "min" | "max")
@@ -139,8 +147,10 @@ def fmt(value: float | None, spec: str = ".2f") -> str:
 
 def print_tables(runs: dict, medians: dict, ratio: dict, baseline: dict) -> None:
     print("\n== 1-2. blocks.6.resid_post -> float16, 8 x 128 per batch (medians; tokens/s steady state)")
-    print(f"{'config':<10}{'runs':>5}{'tokens/s':>10}{'x floor':>9}{'extract x':>11}{'paired':>8}"
-          f"{'CPU us/tok':>12}{'whole tok/s':>13}{'whole s':>9}{'peak RSS MiB':>14}")
+    print(
+        f"{'config':<10}{'runs':>5}{'tokens/s':>10}{'x floor':>9}{'extract x':>11}{'paired':>8}"
+        f"{'CPU us/tok':>12}{'whole tok/s':>13}{'whole s':>9}{'peak RSS MiB':>14}"
+    )
     floor = medians.get("floor", {}).get("tokens_per_s")
     for name in CONFIGS:
         m = medians.get(name)
@@ -148,24 +158,33 @@ def print_tables(runs: dict, medians: dict, ratio: dict, baseline: dict) -> None
             print(f"{name:<10}  not measured: {runs[name][0].get('error', '')[:200]}")
             continue
         vs_floor = m["tokens_per_s"] / floor if floor else None
-        print(f"{name:<10}{m['runs']:>5}{m['tokens_per_s']:>10,.0f}{fmt(vs_floor):>9}"
-              f"{fmt(ratio.get(f'extract/{name}')) if name != 'extract' else '':>11}"
-              f"{fmt(ratio.get(f'extract/{name}.paired')) if name != 'extract' else '':>8}"
-              f"{m['cpu_us_per_token']:>12,.0f}"
-              f"{m['whole_tokens_per_s']:>13,.0f}{m['total_s']:>9.1f}{m['peak_rss_mib']:>14,.0f}")
-    print("\n== 3. peak RSS of the extraction process, MiB (VmHWM: whole process, weights loading included;"
-          "\n   steady: from the end of the first batch on; RSS at the end of the first batch)")
-    print(f"{'scale':<7}{'tokens':>9}{'shards':>8}{'runs':>6}{'whole':>8}{'x 1x':>7}{'steady':>8}{'x 1x':>7}"
-          f"{'1st batch':>11}")
+        print(
+            f"{name:<10}{m['runs']:>5}{m['tokens_per_s']:>10,.0f}{fmt(vs_floor):>9}"
+            f"{fmt(ratio.get(f'extract/{name}')) if name != 'extract' else '':>11}"
+            f"{fmt(ratio.get(f'extract/{name}.paired')) if name != 'extract' else '':>8}"
+            f"{m['cpu_us_per_token']:>12,.0f}"
+            f"{m['whole_tokens_per_s']:>13,.0f}{m['total_s']:>9.1f}{m['peak_rss_mib']:>14,.0f}"
+        )
+    print(
+        "\n== 3. peak RSS of the extraction process, MiB (VmHWM: whole process, weights loading included;"
+        "\n   steady: from the end of the first batch on; RSS at the end of the first batch)"
+    )
+    print(
+        f"{'scale':<7}{'tokens':>9}{'shards':>8}{'runs':>6}{'whole':>8}{'x 1x':>7}{'steady':>8}{'x 1x':>7}"
+        f"{'1st batch':>11}"
+    )
     scales = [("extract", "1x")] + [(k, k.removeprefix("rss.")) for k in medians if k.startswith("rss.")]
     for name, label in scales:
         m = medians.get(name)
         if m:
-            whole, steady = (1.0, 1.0) if name == "extract" else (ratio.get(f"{name}/1x"),
-                                                                  ratio.get(f"{name}/1x.steady"))
-            print(f"{label:<7}{m['tokens']:>9,}{m['shards']:>8}{m['runs']:>6}{m['peak_rss_mib']:>8,.0f}"
-                  f"{fmt(whole, '.3f'):>7}{m['steady_peak_rss_mib']:>8,.0f}{fmt(steady, '.3f'):>7}"
-                  f"{m['rss_first_batch_mib']:>11,.0f}")
+            whole, steady = (
+                (1.0, 1.0) if name == "extract" else (ratio.get(f"{name}/1x"), ratio.get(f"{name}/1x.steady"))
+            )
+            print(
+                f"{label:<7}{m['tokens']:>9,}{m['shards']:>8}{m['runs']:>6}{m['peak_rss_mib']:>8,.0f}"
+                f"{fmt(whole, '.3f'):>7}{m['steady_peak_rss_mib']:>8,.0f}{fmt(steady, '.3f'):>7}"
+                f"{m['rss_first_batch_mib']:>11,.0f}"
+            )
     failed = [f"{k}: {r['error'][:200]}" for k, rs in runs.items() for r in rs if "error" in r]
     if failed:
         print("\nfailed runs: " + "; ".join(failed))
@@ -184,14 +203,23 @@ def print_tables(runs: dict, medians: dict, ratio: dict, baseline: dict) -> None
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true",
-                        help="smoke run: few tokens, one run each, RSS at 1x and 4x")
-    parser.add_argument("--python", default=default_python(".venv-bench") or sys.executable,
-                        help="interpreter with hookscope and TransformerLens 3.9")
-    parser.add_argument("--wait-load", type=float, default=None,
-                        help=f"minutes to wait for a load average < {MAX_LOAD} first (default: 10, quick: 0)")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--quick", action="store_true", help="smoke run: few tokens, one run each, RSS at 1x and 4x"
+    )
+    parser.add_argument(
+        "--python",
+        default=default_python(".venv-bench") or sys.executable,
+        help="interpreter with hookscope and TransformerLens 3.9",
+    )
+    parser.add_argument(
+        "--wait-load",
+        type=float,
+        default=None,
+        help=f"minutes to wait for a load average < {MAX_LOAD} first (default: 10, quick: 0)",
+    )
     parser.add_argument("--write-baseline", action="store_true", help=f"save the ratios to {BASELINE.name}")
     args = parser.parse_args()
     mode = "quick" if args.quick else "full"
@@ -201,9 +229,17 @@ def main() -> None:
     if "error" in prepared:
         raise SystemExit(f"could not build the benchmark models: {prepared['error']}")
     load = wait_for_quiet(args.wait_load if args.wait_load is not None else (0 if args.quick else 10))
-    meta = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "mode": mode, "threads": common.THREADS,
-            "env": RUN_ENV, "cpu": cpu_name(), "cores": os.cpu_count(), "load_before": load,
-            "versions": prepared, "settings": settings}
+    meta = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S"),
+        "mode": mode,
+        "threads": common.THREADS,
+        "env": RUN_ENV,
+        "cpu": cpu_name(),
+        "cores": os.cpu_count(),
+        "load_before": load,
+        "versions": prepared,
+        "settings": settings,
+    }
     print(json.dumps(meta, indent=1), flush=True)
 
     tokens, shard_rows = settings["tokens"], settings["shard_rows"]
@@ -219,8 +255,9 @@ def main() -> None:
             start = time.perf_counter()
             result = run_case(args.python, case, n_tokens, shard_rows, scratch)
             runs.setdefault(name, []).append(result)
-            shown = result.get("error") or (f"{rate(result):,.0f} tokens/s steady, "
-                                            f"peak RSS {result['peak_rss_bytes'] / 2**20:,.0f} MiB")
+            shown = result.get("error") or (
+                f"{rate(result):,.0f} tokens/s steady, peak RSS {result['peak_rss_bytes'] / 2**20:,.0f} MiB"
+            )
             print(f"{name:<10}{time.perf_counter() - start:>7.1f} s  {shown}", flush=True)
 
         for round_ in range(max(settings["runs"].values())):

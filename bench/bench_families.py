@@ -39,9 +39,16 @@ def main() -> None:
 
     torch.manual_seed(0)
     cfg = AutoConfig.for_model(
-        "mixtral", vocab_size=1024, hidden_size=args.d_model, intermediate_size=2 * args.d_model,
-        num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-        num_local_experts=args.experts, num_experts_per_tok=2)
+        "mixtral",
+        vocab_size=1024,
+        hidden_size=args.d_model,
+        intermediate_size=2 * args.d_model,
+        num_hidden_layers=args.layers,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        num_local_experts=args.experts,
+        num_experts_per_tok=2,
+    )
     cfg._experts_implementation = args.implementation
     model = AutoModelForCausalLM.from_config(cfg).eval()
     ids = torch.randint(0, 1024, (args.batch, args.seq))
@@ -49,8 +56,9 @@ def main() -> None:
     cases = {
         "router": lambda: hs.collect(model, ids, f"blocks.{layer}.mlp.router.logits"),
         "mlp_out": lambda: hs.collect(model, ids, f"blocks.{layer}.mlp.out"),
-        "experts": lambda: hs.collect(model, ids, [f"blocks.{layer}.mlp.experts.{e}.post"
-                                                   for e in range(args.experts)]),
+        "experts": lambda: hs.collect(
+            model, ids, [f"blocks.{layer}.mlp.experts.{e}.post" for e in range(args.experts)]
+        ),
         "forward": lambda: model(ids, use_cache=False),
     }
     times: dict[str, list[float]] = {k: [] for k in cases}
@@ -63,13 +71,22 @@ def main() -> None:
                 fn()
                 times[name].append(time.perf_counter() - start)
     med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
-    print(json.dumps({
-        "shape": vars(args), "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "loadavg": open("/proc/loadavg").read().split()[:3] if os.path.exists("/proc/loadavg") else None,
-        "median_ms": {k: round(v, 2) for k, v in med.items()},
-        "experts_over_mlp_out": round(med["experts"] / med["mlp_out"], 3),
-        "experts_over_forward": round(med["experts"] / med["forward"], 3),
-    }, indent=1))
+    print(
+        json.dumps(
+            {
+                "shape": vars(args),
+                "torch": torch.__version__,
+                "threads": torch.get_num_threads(),
+                "loadavg": open("/proc/loadavg").read().split()[:3]
+                if os.path.exists("/proc/loadavg")
+                else None,
+                "median_ms": {k: round(v, 2) for k, v in med.items()},
+                "experts_over_mlp_out": round(med["experts"] / med["mlp_out"], 3),
+                "experts_over_forward": round(med["experts"] / med["forward"], 3),
+            },
+            indent=1,
+        )
+    )
 
 
 if __name__ == "__main__":

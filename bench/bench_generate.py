@@ -104,15 +104,24 @@ def make_run(config: str, model_name: str, new: int, batch: int = 1):
         ids = common.input_ids(model.cfg.d_vocab, batch, PROMPT)
         vector = steering_vector(model.cfg.d_model)
         kept = []
-        hooks = {"tl3_plain": [],
-                 "tl3_capture": [(tl_point, lambda act, hook: kept.append(act.detach().clone()))],
-                 "tl3_steer": [(tl_point, lambda act, hook: act + vector)]}[config]
+        hooks = {
+            "tl3_plain": [],
+            "tl3_capture": [(tl_point, lambda act, hook: kept.append(act.detach().clone()))],
+            "tl3_steer": [(tl_point, lambda act, hook: act + vector)],
+        }[config]
 
         def run():
             kept.clear()
             with model.hooks(fwd_hooks=hooks):
-                return model.generate(ids, max_new_tokens=new, stop_at_eos=False, do_sample=False,
-                                      verbose=False, use_past_kv_cache=True)
+                return model.generate(
+                    ids,
+                    max_new_tokens=new,
+                    stop_at_eos=False,
+                    do_sample=False,
+                    verbose=False,
+                    use_past_kv_cache=True,
+                )
+
         return run
 
     if config.startswith("nnsight_"):
@@ -125,6 +134,7 @@ def make_run(config: str, model_name: str, new: int, batch: int = 1):
     if config == "hf":
         return lambda: model.generate(ids, **greedy)
     if config in ("hand_capture", "hand_steer"):
+
         def keep(module, args, out):
             kept.append((out if isinstance(out, torch.Tensor) else out[0]).detach().clone())
 
@@ -140,6 +150,7 @@ def make_run(config: str, model_name: str, new: int, batch: int = 1):
                 return model.generate(ids, **greedy)
             finally:
                 handle.remove()
+
         return run
     if config == "hs_capture":
         return lambda: hs.generate(model, ids, point, **greedy).sequences
@@ -165,6 +176,7 @@ def make_run(config: str, model_name: str, new: int, batch: int = 1):
                         envoy.output = envoy.output + vector
                 out = tracer.result.save()
             return out
+
         return run
     raise SystemExit(f"unknown config {config!r}")
 
@@ -194,7 +206,7 @@ def worker(group: str, model_name: str, new: int, reps: int, batch: int) -> dict
     cpu: dict[str, list[float]] = {c: [] for c in configs}
     short_seconds: dict[str, list[float]] = {c: [] for c in configs}
     for rep in range(reps):
-        order = configs[rep % len(configs):] + configs[:rep % len(configs)]
+        order = configs[rep % len(configs) :] + configs[: rep % len(configs)]
         for config in order:
             for fn, into in ((runs[config], seconds), (short_runs[config], short_seconds)):
                 gc.collect()
@@ -213,8 +225,10 @@ def counts_worker(model_name: str, new: int, batch: int) -> dict:
 
     short = max(1, new // 4)
     with torch.inference_mode():
-        return {c: common.per_token_counts(lambda n, c=c: make_run(c, model_name, n, batch), short, new)
-                for c in GROUPS["hf"]}
+        return {
+            c: common.per_token_counts(lambda n, c=c: make_run(c, model_name, n, batch), short, new)
+            for c in GROUPS["hf"]
+        }
 
 
 def _quartiles(values: list[float]) -> tuple[float, float]:
@@ -225,30 +239,38 @@ def _quartiles(values: list[float]) -> tuple[float, float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--group", default=None, help="run one group in this process (worker)")
     parser.add_argument("--model", default="small", choices=sorted(MODELS))
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--only", default=None, help="comma-separated groups (hf, nnsight, tl3)")
     parser.add_argument("--new", type=int, default=None, help="new tokens per run")
     parser.add_argument("--rounds", type=int, default=None, help="fresh processes per group")
-    parser.add_argument("--reps", type=int, default=None,
-                        help="repetitions of each configuration per process")
+    parser.add_argument(
+        "--reps", type=int, default=None, help="repetitions of each configuration per process"
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch / OpenMP threads per process")
     parser.add_argument("--batch", type=int, default=BATCH, help="prompts per generate call")
     parser.add_argument("--counts", action="store_true", help=argparse.SUPPRESS)  # (worker)
     args = parser.parse_args()
     settings = SETTINGS["quick" if args.quick else "full"]
-    new, rounds, reps = args.new or settings["new"], args.rounds or settings["rounds"], \
-        args.reps or settings["reps"]
+    new, rounds, reps = (
+        args.new or settings["new"],
+        args.rounds or settings["rounds"],
+        args.reps or settings["reps"],
+    )
     if args.group or args.counts:
         common.setup_process()
         import torch
 
         torch.set_num_threads(args.threads)
-        common.emit(counts_worker(args.model, new, args.batch) if args.counts
-                    else worker(args.group, args.model, new, reps, args.batch))
+        common.emit(
+            counts_worker(args.model, new, args.batch)
+            if args.counts
+            else worker(args.group, args.model, new, reps, args.batch)
+        )
         return
     common.run_fresh(sys.executable, common.BENCH_DIR / "core_cases.py", ["prepare"])
     groups = args.only.split(",") if args.only else list(GROUPS)
@@ -265,11 +287,25 @@ def main() -> None:
     for _ in range(rounds):
         for group in groups:  # groups alternate, process after process
             loads.append(open("/proc/loadavg").read().split()[0])
-            out = common.run_fresh(sys.executable, Path(__file__),
-                                   ["--group", group, "--model", args.model, "--new", str(new), "--reps",
-                                    str(reps), "--threads", str(args.threads), "--batch", str(args.batch)],
-                                   env={"OMP_NUM_THREADS": str(args.threads),
-                                        "MKL_NUM_THREADS": str(args.threads)})
+            out = common.run_fresh(
+                sys.executable,
+                Path(__file__),
+                [
+                    "--group",
+                    group,
+                    "--model",
+                    args.model,
+                    "--new",
+                    str(new),
+                    "--reps",
+                    str(reps),
+                    "--threads",
+                    str(args.threads),
+                    "--batch",
+                    str(args.batch),
+                ],
+                env={"OMP_NUM_THREADS": str(args.threads), "MKL_NUM_THREADS": str(args.threads)},
+            )
             if "error" in out:
                 errors[group] = out["error"]
                 continue
@@ -278,26 +314,44 @@ def main() -> None:
             for config, secs in out["seconds"].items():
                 steps = [a - b for a, b in zip(secs, out["short_seconds"][config], strict=True)]
                 step_ratios.setdefault(config, []).extend(
-                    s / b for s, b in zip(steps, base_step, strict=True))
+                    s / b for s, b in zip(steps, base_step, strict=True)
+                )
                 ms.setdefault(config, []).extend(s / new * 1e3 for s in secs)
                 ratios.setdefault(config, []).extend(s / b for s, b in zip(secs, base, strict=True))
                 cpu_ratios.setdefault(config, []).extend(
-                    s / b for s, b in zip(out["cpu"][config], base_cpu, strict=True))
+                    s / b for s, b in zip(out["cpu"][config], base_cpu, strict=True)
+                )
                 tokens.setdefault(config, out["tokens"][config])
             # after every process: a stopped run keeps what it measured
             _save(args, new, rounds, reps, loads, ms, ratios, cpu_ratios, errors, step_ratios)
     loads.append(open("/proc/loadavg").read().split()[0])
-    counts = common.run_fresh(sys.executable, Path(__file__),
-                              ["--counts", "--model", args.model, "--new", str(new), "--batch",
-                               str(args.batch), "--threads", str(args.threads)])
+    counts = common.run_fresh(
+        sys.executable,
+        Path(__file__),
+        [
+            "--counts",
+            "--model",
+            args.model,
+            "--new",
+            str(new),
+            "--batch",
+            str(args.batch),
+            "--threads",
+            str(args.threads),
+        ],
+    )
     loads.append(open("/proc/loadavg").read().split()[0])
-    print(f"model {args.model}, batch {args.batch}, prompt {PROMPT}, {new} new greedy tokens; {rounds} "
-          f"process(es) per group x {reps} paired repetitions, {args.threads} thread(s); "
-          f"{time.time() - started:.0f} s; 1-min load between "
-          f"processes {min(loads, key=float)}-{max(loads, key=float)}")
-    print(f"{'config':<16} {'ms/token':>9} {'(range)':>15}  {'x hf (paired)':>13}  {'ratio range':>13}  "
-          f"{'ratio IQR':>11}  {'CPU x hf':>8}  {'CPU IQR':>11}  {'per extra token':>15}  {'IQR':>11}  "
-          f"{'ops/token':>11}  {'host reads':>10}  {'py calls':>11}")
+    print(
+        f"model {args.model}, batch {args.batch}, prompt {PROMPT}, {new} new greedy tokens; {rounds} "
+        f"process(es) per group x {reps} paired repetitions, {args.threads} thread(s); "
+        f"{time.time() - started:.0f} s; 1-min load between "
+        f"processes {min(loads, key=float)}-{max(loads, key=float)}"
+    )
+    print(
+        f"{'config':<16} {'ms/token':>9} {'(range)':>15}  {'x hf (paired)':>13}  {'ratio range':>13}  "
+        f"{'ratio IQR':>11}  {'CPU x hf':>8}  {'CPU IQR':>11}  {'per extra token':>15}  {'IQR':>11}  "
+        f"{'ops/token':>11}  {'host reads':>10}  {'py calls':>11}"
+    )
     plain_counts = counts.get("hf", {})
 
     def counted(config: str, key: str) -> str:
@@ -305,6 +359,7 @@ def main() -> None:
         if not c or not plain_counts:
             return "-"
         return f"{c[key]:.0f}" if config == "hf" else f"+{c[key] - plain_counts[key]:.1f}"
+
     for config in [c for g in groups for c in GROUPS[g] if c != "hf" or g == groups[0]]:
         if config not in ms:
             continue
@@ -314,37 +369,69 @@ def main() -> None:
         low_c, high_c = _quartiles(c)
         st = step_ratios[config]
         low_s, high_s = _quartiles(st)
-        print(f"{config:<16} {statistics.median(m):9.2f} {min(m):7.2f}-{max(m):<7.2f}  "
-              f"{statistics.median(r):13.3f}  {min(r):6.3f}-{max(r):<6.3f}  {low_q:5.3f}-{high_q:<5.3f}  "
-              f"{statistics.median(c):8.3f}  {low_c:5.3f}-{high_c:<5.3f}  {statistics.median(st):15.3f}  "
-              f"{low_s:5.3f}-{high_s:<5.3f}  {counted(config, 'ops'):>11}  "
-              f"{counted(config, 'host_reads'):>10}  {counted(config, 'python_calls'):>11}")
+        print(
+            f"{config:<16} {statistics.median(m):9.2f} {min(m):7.2f}-{max(m):<7.2f}  "
+            f"{statistics.median(r):13.3f}  {min(r):6.3f}-{max(r):<6.3f}  {low_q:5.3f}-{high_q:<5.3f}  "
+            f"{statistics.median(c):8.3f}  {low_c:5.3f}-{high_c:<5.3f}  {statistics.median(st):15.3f}  "
+            f"{low_s:5.3f}-{high_s:<5.3f}  {counted(config, 'ops'):>11}  "
+            f"{counted(config, 'host_reads'):>10}  {counted(config, 'python_calls'):>11}"
+        )
     for group, error in errors.items():
         print(f"group {group}: error: {error[:300]}")
     if "error" in counts:
         print(f"counts: error: {counts['error'][:300]}")
     steered = {c: t for c, t in tokens.items() if c.endswith("steer") and t}
     if len(set(map(tuple, steered.values()))) > 1:
-        print("note: steered tokens differ between tools:",
-              {c: t[PROMPT:PROMPT + 6] for c, t in steered.items()})
+        print(
+            "note: steered tokens differ between tools:",
+            {c: t[PROMPT : PROMPT + 6] for c, t in steered.items()},
+        )
     elif steered:
         print(f"steered tokens agree across {', '.join(steered)}")
-    plain = {c: t for c, t in tokens.items() if c in ("hf", "hs_capture", "hand_capture", "tl3_plain",
-                                                       "tl3_capture") and t}
+    plain = {
+        c: t
+        for c, t in tokens.items()
+        if c in ("hf", "hs_capture", "hand_capture", "tl3_plain", "tl3_capture") and t
+    }
     if len(set(map(tuple, plain.values()))) > 1:
-        print("note: unsteered tokens differ:", {c: t[PROMPT:PROMPT + 6] for c, t in plain.items()})
-    _save(args, new, rounds, reps, loads, ms, ratios, cpu_ratios, errors, step_ratios, counts,
-          versions=common.run_fresh(sys.executable, common.BENCH_DIR / "core_cases.py", ["versions"]))
+        print("note: unsteered tokens differ:", {c: t[PROMPT : PROMPT + 6] for c, t in plain.items()})
+    _save(
+        args,
+        new,
+        rounds,
+        reps,
+        loads,
+        ms,
+        ratios,
+        cpu_ratios,
+        errors,
+        step_ratios,
+        counts,
+        versions=common.run_fresh(sys.executable, common.BENCH_DIR / "core_cases.py", ["versions"]),
+    )
 
 
-def _save(args, new, rounds, reps, loads, ms, ratios, cpu_ratios, errors, step_ratios, counts=None,
-          versions=None) -> None:
+def _save(
+    args, new, rounds, reps, loads, ms, ratios, cpu_ratios, errors, step_ratios, counts=None, versions=None
+) -> None:
     out_dir = common.OUT_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
-    record = {"model": args.model, "new": new, "rounds": rounds, "reps": reps, "threads": args.threads,
-              "batch": args.batch, "loads": loads, "ms_per_token": ms, "paired_ratio": ratios,
-              "paired_cpu_ratio": cpu_ratios, "paired_step_ratio": step_ratios, "per_token_counts": counts,
-              "errors": errors, "versions": versions}
+    record = {
+        "model": args.model,
+        "new": new,
+        "rounds": rounds,
+        "reps": reps,
+        "threads": args.threads,
+        "batch": args.batch,
+        "loads": loads,
+        "ms_per_token": ms,
+        "paired_ratio": ratios,
+        "paired_cpu_ratio": cpu_ratios,
+        "paired_step_ratio": step_ratios,
+        "per_token_counts": counts,
+        "errors": errors,
+        "versions": versions,
+    }
     (out_dir / f"generate-{args.model}-latest.json").write_text(json.dumps(record, indent=1))
 
 

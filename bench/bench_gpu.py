@@ -43,15 +43,39 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 SHAPES = {
     # name: (family, config overrides, layer captured)
-    "gpt2-small": ("gpt2", {"d_model": 768, "n_layers": 12, "n_heads": 12, "vocab_size": 50257,
-                            "context": 1024}, 5),
-    "llama-1b": ("llama", {"d_model": 2048, "n_layers": 16, "n_heads": 32, "vocab_size": 32000,
-                           "context": 1024, "intermediate_size": 5632, "num_key_value_heads": 8}, 7),
+    "gpt2-small": (
+        "gpt2",
+        {"d_model": 768, "n_layers": 12, "n_heads": 12, "vocab_size": 50257, "context": 1024},
+        5,
+    ),
+    "llama-1b": (
+        "llama",
+        {
+            "d_model": 2048,
+            "n_layers": 16,
+            "n_heads": 32,
+            "vocab_size": 32000,
+            "context": 1024,
+            "intermediate_size": 5632,
+            "num_key_value_heads": 8,
+        },
+        7,
+    ),
 }
-SMOKE = {"gpt2-tiny": ("gpt2", {"d_model": 64, "n_layers": 3, "n_heads": 4, "vocab_size": 512,
-                                "context": 64}, 1)}
-CASES = ("capture", "capture_host", "hooks12", "extract", "extract_all", "compile_blocks", "compile_full",
-         "generate", "peers")
+SMOKE = {
+    "gpt2-tiny": ("gpt2", {"d_model": 64, "n_layers": 3, "n_heads": 4, "vocab_size": 512, "context": 64}, 1)
+}
+CASES = (
+    "capture",
+    "capture_host",
+    "hooks12",
+    "extract",
+    "extract_all",
+    "compile_blocks",
+    "compile_full",
+    "generate",
+    "peers",
+)
 
 
 # --- one case, in a fresh process ------------------------------------------------------------
@@ -133,8 +157,14 @@ def case_main(args) -> dict:
     model, layer = build(shape, args.device, dtype)
     ids = inputs(model, args.batch, args.seq, args.device)
     point = f"blocks.{layer}.resid_post"
-    result: dict = {"case": args.case, "shape": args.shape, "batch": args.batch, "seq": args.seq,
-                    "device": args.device, "dtype": str(dtype)}
+    result: dict = {
+        "case": args.case,
+        "shape": args.shape,
+        "batch": args.batch,
+        "seq": args.seq,
+        "device": args.device,
+        "dtype": str(dtype),
+    }
 
     def forward():
         with torch.inference_mode():
@@ -199,10 +229,19 @@ def extract_case(model, layer: int, args) -> dict:
         tokens = args.batch * args.seq * n_batches
         corpus = work / "corpus.jsonl"
         write_corpus(corpus, max(64, tokens // args.seq + 16), args.seq)
-        cfg = ExtractConfig(out=str(work / "store"), model=str(model_dir), points=points,
-                            data=str(corpus), context=args.seq, batch_size=args.batch, dtype="bfloat16",
-                            device=args.device, max_tokens=tokens, progress=False,
-                            workers=0 if args.smoke else 4)
+        cfg = ExtractConfig(
+            out=str(work / "store"),
+            model=str(model_dir),
+            points=points,
+            data=str(corpus),
+            context=args.seq,
+            batch_size=args.batch,
+            dtype="bfloat16",
+            device=args.device,
+            max_tokens=tokens,
+            progress=False,
+            workers=0 if args.smoke else 4,
+        )
         with Timeline() as timeline:
             summary = extract(cfg)
         extract_s = summary.seconds  # the run itself: the model's load is not in it
@@ -210,21 +249,36 @@ def extract_case(model, layer: int, args) -> dict:
         floor_model = truncated(model, last)
         # the floor's rate over the first batches (packing them here is single-threaded)
         floor_batches = min(n_batches, FLOOR_BATCHES)
-        packed = list(batches(pack(_jsonl(corpus), tokenizer, context=args.seq,
-                                   max_tokens=args.batch * args.seq * floor_batches), args.batch))
+        packed = list(
+            batches(
+                pack(
+                    _jsonl(corpus),
+                    tokenizer,
+                    context=args.seq,
+                    max_tokens=args.batch * args.seq * floor_batches,
+                ),
+                args.batch,
+            )
+        )
         try:  # the floor without transformers' check of each all-ones mask (a host sync per batch)
             from hookscope.model_inputs import unpadded
         except ImportError:  # a tree before it: the floor as it was
             unpadded = contextlib.nullcontext
         with torch.inference_mode(), unpadded():  # one batch first: the kernels loaded, cuBLAS made
-            floor_model(input_ids=packed[0]["input_ids"].to(args.device),
-                        attention_mask=packed[0]["attention_mask"].to(args.device), use_cache=False)
+            floor_model(
+                input_ids=packed[0]["input_ids"].to(args.device),
+                attention_mask=packed[0]["attention_mask"].to(args.device),
+                use_cache=False,
+            )
         sync(args.device)
         start = time.perf_counter()
         with torch.inference_mode(), unpadded():
             for b in packed:
-                floor_model(input_ids=b["input_ids"].to(args.device),
-                            attention_mask=b["attention_mask"].to(args.device), use_cache=False)
+                floor_model(
+                    input_ids=b["input_ids"].to(args.device),
+                    attention_mask=b["attention_mask"].to(args.device),
+                    use_cache=False,
+                )
         sync(args.device)
         floor_s = (time.perf_counter() - start) * n_batches / len(packed)  # at that rate, every batch
         shard_bytes = cfg.shard_rows * 2 * model.config.hidden_size
@@ -234,8 +288,9 @@ def extract_case(model, layer: int, args) -> dict:
         trace = None
         if args.trace_dir and not every:  # a few batches under the profiler: compute and copies overlap
             trace = str(Path(args.trace_dir) / f"extract-{args.shape}.json")
-            small = ExtractConfig(**{**cfg.__dict__, "out": str(work / "traced"),
-                                     "max_tokens": args.batch * args.seq * 3})
+            small = ExtractConfig(
+                **{**cfg.__dict__, "out": str(work / "traced"), "max_tokens": args.batch * args.seq * 3}
+            )
             with torch.profiler.profile() as prof:
                 extract(small)
             prof.export_chrome_trace(trace)
@@ -243,13 +298,25 @@ def extract_case(model, layer: int, args) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows = summary.new_rows
-    return {"rows": summary.rows, "points": len(points), "batches": n_batches, "extract_s": extract_s,
-            "floor_s": floor_s, "floor_batches": len(packed), "disk_s": disk_s,
-            "direct_tok_s": rows / direct_s if direct_s else None,
-            "bytes": summary.bytes_written,
-            "extract_tok_s": rows / extract_s, "floor_tok_s": rows / floor_s, "disk_tok_s": rows / disk_s,
-            "busy": summary.busy, "bound": summary.bound, "trace": trace,
-            "timeline": timeline.summary(extract_s), **host_reads}
+    return {
+        "rows": summary.rows,
+        "points": len(points),
+        "batches": n_batches,
+        "extract_s": extract_s,
+        "floor_s": floor_s,
+        "floor_batches": len(packed),
+        "disk_s": disk_s,
+        "direct_tok_s": rows / direct_s if direct_s else None,
+        "bytes": summary.bytes_written,
+        "extract_tok_s": rows / extract_s,
+        "floor_tok_s": rows / floor_s,
+        "disk_tok_s": rows / disk_s,
+        "busy": summary.busy,
+        "bound": summary.bound,
+        "trace": trace,
+        "timeline": timeline.summary(extract_s),
+        **host_reads,
+    }
 
 
 FLOOR_BATCHES = 24
@@ -294,12 +361,15 @@ def _host_reads(cfg, work: Path, args) -> dict:
         return {}
     from hookscope.extract import ExtractConfig, extract
 
-    counted = ExtractConfig(**{**cfg.__dict__, "out": str(work / "counted"),
-                               "max_tokens": args.batch * args.seq * 3})
+    counted = ExtractConfig(
+        **{**cfg.__dict__, "out": str(work / "counted"), "max_tokens": args.batch * args.seq * 3}
+    )
     with HostReads(device_only=True) as reads:
         summary = extract(counted)
-    return {"host_reads_per_batch": len(reads.calls) / max(summary.batches_done, 1),
-            "host_reads": sorted(set(reads.calls))[:4]}
+    return {
+        "host_reads_per_batch": len(reads.calls) / max(summary.batches_done, 1),
+        "host_reads": sorted(set(reads.calls))[:4],
+    }
 
 
 def _raw_write_s(folder: Path, total: int, file_bytes: int, direct: bool = False) -> float | None:
@@ -334,8 +404,12 @@ def compile_case(model, ids, point: str, policy: str, args) -> dict:
     first_s = time.perf_counter() - start
     steady_s = timed(lambda: hs.collect(model, ids, point)[point], args.device, args.runs)
     del torch
-    return {"eager_s": eager_s, "first_call_s": first_s, "steady_s": steady_s,
-            "cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR")}
+    return {
+        "eager_s": eager_s,
+        "first_call_s": first_s,
+        "steady_s": steady_s,
+        "cache": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+    }
 
 
 GENERATE_CONFIGS = ("plain", "hand_capture", "hs_capture", "hand_steer", "hs_steer", "hs_steer_host_vector")
@@ -369,6 +443,7 @@ def generate_runs(model, prompt, point: str, layer: int, device: str):
                 return model.generate(prompt, **greedy(n))
             finally:
                 handle.remove()
+
         return run
 
     def greedy(n):
@@ -379,10 +454,12 @@ def generate_runs(model, prompt, point: str, layer: int, device: str):
         "hand_capture": lambda n: hand(keep, n),
         "hs_capture": lambda n: lambda: hs.generate(model, prompt, points=[point], **greedy(n)),
         "hand_steer": lambda n: hand(add, n),
-        "hs_steer": lambda n: lambda: hs.generate(model, prompt, edits=[hs.steer(point, on_device)],
-                                                  **greedy(n)),
-        "hs_steer_host_vector": lambda n: lambda: hs.generate(model, prompt, edits=[hs.steer(point, vector)],
-                                                              **greedy(n)),
+        "hs_steer": lambda n: (
+            lambda: hs.generate(model, prompt, edits=[hs.steer(point, on_device)], **greedy(n))
+        ),
+        "hs_steer_host_vector": lambda n: (
+            lambda: hs.generate(model, prompt, edits=[hs.steer(point, vector)], **greedy(n))
+        ),
     }
 
 
@@ -433,18 +510,22 @@ def generate_figure(r: dict) -> str:
     secs, shorts, counts = r["seconds"], r["short_seconds"], r["counts"]
     plain, plain_step = secs["plain"], [a - b for a, b in zip(secs["plain"], shorts["plain"], strict=True)]
     c0 = counts["plain"]
-    parts = [f"plain {median(plain) / r['new'] * 1e3:.2f} ms/token, {c0['ops']:.0f} ops, "
-             f"{c0['host_reads']:.0f} host reads, {c0['cuda_waits']:.0f} CUDA waits per token"]
+    parts = [
+        f"plain {median(plain) / r['new'] * 1e3:.2f} ms/token, {c0['ops']:.0f} ops, "
+        f"{c0['host_reads']:.0f} host reads, {c0['cuda_waits']:.0f} CUDA waits per token"
+    ]
     for config in GENERATE_CONFIGS[1:]:
         whole = median([a / b for a, b in zip(secs[config], plain, strict=True)])
         steps = [a - b for a, b in zip(secs[config], shorts[config], strict=True)]
         step = median([a / b for a, b in zip(steps, plain_step, strict=True)])
         c = counts[config]
-        parts.append(f"{config} **{whole:.3f}x** (per extra token {step:.3f}x; "
-                     f"+{c['ops'] - c0['ops']:.0f} ops, "
-                     f"+{c['host_reads'] - c0['host_reads']:.0f} host reads, "
-                     f"+{c['cuda_waits'] - c0['cuda_waits']:.0f} CUDA waits, "
-                     f"+{c['python_calls'] - c0['python_calls']:.0f} Python calls per token)")
+        parts.append(
+            f"{config} **{whole:.3f}x** (per extra token {step:.3f}x; "
+            f"+{c['ops'] - c0['ops']:.0f} ops, "
+            f"+{c['host_reads'] - c0['host_reads']:.0f} host reads, "
+            f"+{c['cuda_waits'] - c0['cuda_waits']:.0f} CUDA waits, "
+            f"+{c['python_calls'] - c0['python_calls']:.0f} Python calls per token)"
+        )
     return "; ".join(parts)
 
 
@@ -464,9 +545,13 @@ def peers_case(model, ids, layer: int, point: str, args) -> dict:
         cfg = common.tl3_config(model.config)
         cfg.device, cfg.dtype = args.device, model.dtype
         tl = HookedTransformer(cfg)
-        tl.load_and_process_state_dict(convert_gpt2_weights(model, cfg), fold_ln=False,
-                                       center_writing_weights=False, center_unembed=False,
-                                       fold_value_biases=False)
+        tl.load_and_process_state_dict(
+            convert_gpt2_weights(model, cfg),
+            fold_ln=False,
+            center_writing_weights=False,
+            center_unembed=False,
+            fold_value_biases=False,
+        )
         tl.to(args.device, model.dtype).eval()
         name = f"blocks.{layer}.hook_resid_post"
 
@@ -498,8 +583,22 @@ def peers_case(model, ids, layer: int, point: str, args) -> dict:
 
 
 def run_case(case: str, shape: str, batch: int, seq: int, args, env: dict) -> dict:
-    cmd = [sys.executable, __file__, "--child", case, "--shape", shape, "--batch", str(batch),
-           "--seq", str(seq), "--device", args.device, "--runs", str(args.runs)]
+    cmd = [
+        sys.executable,
+        __file__,
+        "--child",
+        case,
+        "--shape",
+        shape,
+        "--batch",
+        str(batch),
+        "--seq",
+        str(seq),
+        "--device",
+        args.device,
+        "--runs",
+        str(args.runs),
+    ]
     if args.smoke:
         cmd.append("--smoke")
     if args.trace_dir:
@@ -543,24 +642,40 @@ def table(results: list[dict]) -> str:
         elif r["case"] in ("extract", "extract_all"):
             floor = min(r["floor_tok_s"], r["disk_tok_s"])
             busy = ", ".join(f"{k} {100 * v:.0f}%" for k, v in r.get("busy", {}).items())
-            fig = (f"{r['points']} point(s): extract {r['extract_tok_s']:,.0f} tok/s vs truncated forward "
-                   f"{r['floor_tok_s']:,.0f}, disk {r['disk_tok_s']:,.0f} "
-                   f"({r['bytes'] / r['disk_s'] / 1e6:,.0f} MB/s) = **{r['extract_tok_s'] / floor:.3f}x** "
-                   f"the lower; busy {busy}; {r.get('bound', '')}"
-                   + (f"; the disk with O_DIRECT {r['direct_tok_s']:,.0f} tok/s" if r.get("direct_tok_s")
-                      else "")
-                   + (f"; host reads {r['host_reads_per_batch']:.1f}/batch" if "host_reads_per_batch" in r
-                      else "")
-                   + (f"; {r.get('batches', '?')} batches; {timeline_line(r['timeline'])}" if "timeline" in r
-                      else ""))
+            fig = (
+                f"{r['points']} point(s): extract {r['extract_tok_s']:,.0f} tok/s vs truncated forward "
+                f"{r['floor_tok_s']:,.0f}, disk {r['disk_tok_s']:,.0f} "
+                f"({r['bytes'] / r['disk_s'] / 1e6:,.0f} MB/s) = **{r['extract_tok_s'] / floor:.3f}x** "
+                f"the lower; busy {busy}; {r.get('bound', '')}"
+                + (
+                    f"; the disk with O_DIRECT {r['direct_tok_s']:,.0f} tok/s"
+                    if r.get("direct_tok_s")
+                    else ""
+                )
+                + (
+                    f"; host reads {r['host_reads_per_batch']:.1f}/batch"
+                    if "host_reads_per_batch" in r
+                    else ""
+                )
+                + (
+                    f"; {r.get('batches', '?')} batches; {timeline_line(r['timeline'])}"
+                    if "timeline" in r
+                    else ""
+                )
+            )
         elif r["case"].startswith("compile_"):
-            fig = (f"{r.get('start', '')} first call {r['first_call_s']:.1f} s, steady "
-                   f"{ratio(r['steady_s'], r['eager_s'])} eager")
+            fig = (
+                f"{r.get('start', '')} first call {r['first_call_s']:.1f} s, steady "
+                f"{ratio(r['steady_s'], r['eager_s'])} eager"
+            )
         elif r["case"] == "generate":
             fig = r.get("skipped") or generate_figure(r)
         else:
-            fig = ", ".join(f"{k} {median(v) * 1e3:.1f} ms" if isinstance(v, list) else f"{k}: {v}"
-                            for k, v in r.items() if k.endswith(("_s", "skipped")))
+            fig = ", ".join(
+                f"{k} {median(v) * 1e3:.1f} ms" if isinstance(v, list) else f"{k}: {v}"
+                for k, v in r.items()
+                if k.endswith(("_s", "skipped"))
+            )
         lines.append(f"| {r['shape']} | {r['case']} | {where} | {fig} |")
     return "\n".join(lines)
 
@@ -600,8 +715,11 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1024)
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     p.add_argument("--shape", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--extract-batches", default=None,
-                   help="ONE,ALL: batches of the extract and extract_all cases (default: 80 or 128 and 10)")
+    p.add_argument(
+        "--extract-batches",
+        default=None,
+        help="ONE,ALL: batches of the extract and extract_all cases (default: 80 or 128 and 10)",
+    )
     p.add_argument("--trace-dir", default=None, help="the extraction profiler traces' folder (default --out)")
     args = p.parse_args()
     if args.child:
@@ -615,7 +733,7 @@ def main() -> None:
     args.trace_dir = args.trace_dir or str(out)
     Path(args.trace_dir).mkdir(parents=True, exist_ok=True)
     results = []
-    for shape in (SMOKE if args.smoke else args.shapes.split(",")):
+    for shape in SMOKE if args.smoke else args.shapes.split(","):
         for case in args.cases.split(","):
             batch, env = args.batch, {}
             if case == "extract_all" and shape not in ("llama-1b", "gpt2-tiny"):

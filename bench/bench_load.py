@@ -58,14 +58,23 @@ def _worker(kind: str, path: str) -> None:
     with torch.no_grad():
         model(ids)
     t2 = time.perf_counter()
-    common.emit({"load_s": t1 - t0, "forward_s": t2 - t1, "total_s": t2 - t0,
-                 "full_collections_in_load": load_full[0], "full_collection_s_in_load": load_full[1],
-                 "full_collections": runs[2], "collector_s": sum(spent.values())})
+    common.emit(
+        {
+            "load_s": t1 - t0,
+            "forward_s": t2 - t1,
+            "total_s": t2 - t0,
+            "full_collections_in_load": load_full[0],
+            "full_collection_s_in_load": load_full[1],
+            "full_collections": runs[2],
+            "collector_s": sum(spent.values()),
+        }
+    )
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--model", choices=("gpt2-small", "big"), default="gpt2-small")
     parser.add_argument("--src", help="also run hookscope from this checkout's src/ (`hookscope-src`)")
@@ -86,32 +95,40 @@ def main() -> None:
     names = list(configs)
     results: dict[str, list[dict]] = {n: [] for n in names}
     for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
+        for name in names[r % len(names) :] + names[: r % len(names)]:
             kind, env = configs[name]
             out = common.run_fresh(sys.executable, Path(__file__), ["--worker", kind, str(path)], env=env)
             if "error" in out:
                 raise SystemExit(f"{name}: {out['error']}")
             results[name].append(out)
-            print(f"round {r + 1} {name:14s} load {out['load_s']:.3f} s, "
-                  f"then forward {out['forward_s']:.3f} s; "
-                  f"full collections in the load {out['full_collections_in_load']} "
-                  f"({out['full_collection_s_in_load']:.3f} s), collector in all {out['collector_s']:.3f} s",
-                  flush=True)
+            print(
+                f"round {r + 1} {name:14s} load {out['load_s']:.3f} s, "
+                f"then forward {out['forward_s']:.3f} s; "
+                f"full collections in the load {out['full_collections_in_load']} "
+                f"({out['full_collection_s_in_load']:.3f} s), collector in all {out['collector_s']:.3f} s",
+                flush=True,
+            )
     med = {n: {k: common.median([o[k] for o in results[n]]) for k in results[n][0]} for n in names}
     print(f"\n{path.name}, medians of {args.rounds} rounds (load / load + first forward / collector):")
     for n in names:
         m = med[n]
-        print(f"  {n:14s} {m['load_s']:.3f} s / {m['total_s']:.3f} s / {m['collector_s']:.3f} s "
-              f"(full collections in the load: {m['full_collections_in_load']:.0f})")
+        print(
+            f"  {n:14s} {m['load_s']:.3f} s / {m['total_s']:.3f} s / {m['collector_s']:.3f} s "
+            f"(full collections in the load: {m['full_collections_in_load']:.0f})"
+        )
     base = med["transformers"]
     for n in names:
         if n != "transformers":
-            print(f"  {n} / transformers: load {med[n]['load_s'] / base['load_s']:.3f}, "
-                  f"load + forward {med[n]['total_s'] / base['total_s']:.3f}")
+            print(
+                f"  {n} / transformers: load {med[n]['load_s'] / base['load_s']:.3f}, "
+                f"load + forward {med[n]['total_s'] / base['total_s']:.3f}"
+            )
     if args.src:
         now, before = med["hookscope"], med["hookscope-src"]
-        print(f"  hookscope / hookscope-src: load {now['load_s'] / before['load_s']:.3f}, "
-              f"load + forward {now['total_s'] / before['total_s']:.3f}")
+        print(
+            f"  hookscope / hookscope-src: load {now['load_s'] / before['load_s']:.3f}, "
+            f"load + forward {now['total_s'] / before['total_s']:.3f}"
+        )
 
 
 if __name__ == "__main__":

@@ -47,8 +47,10 @@ from disk_floors import direct_write_s, raw_parts, raw_write_s
 
 MEMORY_DIR = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
 DISK_DIR = Path(tempfile.gettempdir())
-WORDS = ("the residual stream of a transformer carries features between layers while sparse "
-         "autoencoders read them back from a store of activations written by the pipeline").split()
+WORDS = (
+    "the residual stream of a transformer carries features between layers while sparse "
+    "autoencoders read them back from a store of activations written by the pipeline"
+).split()
 
 
 # --- (a) the writer ----------------------------------------------------------------------------
@@ -63,16 +65,24 @@ def writer_run(args: argparse.Namespace) -> dict[str, float]:
     torch.set_num_threads(2)
     g = torch.Generator().manual_seed(0)
     point = "blocks.6.resid_post"
-    batches = [torch.randn(args.rows, args.width, generator=g).to(torch.bfloat16)
-               for _ in range(args.batches)]
-    metas = [{name: torch.arange(i * args.rows, (i + 1) * args.rows) for name in
-              ("token_ids", "doc_ids", "positions", "seq_ids")} for i in range(args.batches)]
+    batches = [
+        torch.randn(args.rows, args.width, generator=g).to(torch.bfloat16) for _ in range(args.batches)
+    ]
+    metas = [
+        {
+            name: torch.arange(i * args.rows, (i + 1) * args.rows)
+            for name in ("token_ids", "doc_ids", "positions", "seq_ids")
+        }
+        for i in range(args.batches)
+    ]
     takes_stats = "stats" in inspect.signature(ShardWriter.write).parameters
     stats = [{point: PointStats.of(b)} for b in batches] if takes_stats else [None] * len(batches)
     # the raw floor writes the same bytes: each batch's activations, then its columns
-    chunks = [memoryview(t.contiguous().view(torch.uint8).numpy())
-              for b, m in zip(batches, metas, strict=True)
-              for t in (b, *m.values())]
+    chunks = [
+        memoryview(t.contiguous().view(torch.uint8).numpy())
+        for b, m in zip(batches, metas, strict=True)
+        for t in (b, *m.values())
+    ]
     total = sum(c.nbytes for c in chunks)
     shard_bytes = total * args.shard_rows // (args.rows * args.batches)
     out: dict[str, float] = {"bytes": total}
@@ -111,8 +121,11 @@ def prepare(work: Path, docs: int, words_per_doc: int, points: int) -> None:
 
         torch.manual_seed(0)
         tokenizer = train_tokenizer(4096)
-        cfg = gpt2_small_config(vocab_size=len(tokenizer), bos_token_id=tokenizer.bos_token_id,
-                                eos_token_id=tokenizer.eos_token_id)
+        cfg = gpt2_small_config(
+            vocab_size=len(tokenizer),
+            bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )
         if points == 1:
             cfg.n_layer = 1  # only the embeddings are read (points=); fewer bytes to save
         GPT2LMHeadModel(cfg).eval().save_pretrained(work / "model")
@@ -154,10 +167,19 @@ def extract_run(args: argparse.Namespace) -> dict[str, float]:
         identity_blocks()
     store = Path(tempfile.mkdtemp(prefix="hookscope-bench-store-", dir=args.store_dir or MEMORY_DIR))
     try:
-        cfg = ExtractConfig(out=str(store / "s"), model=str(work / "model"), points=points,
-                            data=str(work / "corpus.jsonl"), context=args.context, batch_size=args.batch,
-                            dtype="bfloat16", max_tokens=args.tokens, progress=False,
-                            shard_rows=args.shard_rows, **({"workers": args.workers} if args.workers else {}))
+        cfg = ExtractConfig(
+            out=str(store / "s"),
+            model=str(work / "model"),
+            points=points,
+            data=str(work / "corpus.jsonl"),
+            context=args.context,
+            batch_size=args.batch,
+            dtype="bfloat16",
+            max_tokens=args.tokens,
+            progress=False,
+            shard_rows=args.shard_rows,
+            **({"workers": args.workers} if args.workers else {}),
+        )
         summary = extract(cfg)
         extract_s = summary.seconds
         rows, nbytes = summary.new_rows, summary.bytes_written
@@ -171,8 +193,16 @@ def extract_run(args: argparse.Namespace) -> dict[str, float]:
         shutil.rmtree(store, ignore_errors=True)
     tokenizer = AutoTokenizer.from_pretrained(work / "model")
     start = time.perf_counter()
-    packed = list(pack_batches(iter_documents(str(work / "corpus.jsonl")), tokenizer, args.context,
-                               args.batch, max_tokens=args.tokens, workers=args.workers))
+    packed = list(
+        pack_batches(
+            iter_documents(str(work / "corpus.jsonl")),
+            tokenizer,
+            args.context,
+            args.batch,
+            max_tokens=args.tokens,
+            workers=args.workers,
+        )
+    )
     pack_s = time.perf_counter() - start
     tokens = len(packed) * args.batch * args.context
     # the model stage alone: the same forward and captures as the extraction's, on batches packed already
@@ -192,11 +222,20 @@ def extract_run(args: argparse.Namespace) -> dict[str, float]:
         for b in packed:
             embedding(b["input_ids"])
     embed_s = time.perf_counter() - start
-    return {"tokens": tokens, "rows": rows, "bytes": nbytes, "extract_s": extract_s, "pack_s": pack_s,
-            "raw_s": raw_s, "direct_s": direct_s,
-            "model_s": model_s, "embed_s": embed_s, "summary": str(summary),
-            "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
-            "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset")}
+    return {
+        "tokens": tokens,
+        "rows": rows,
+        "bytes": nbytes,
+        "extract_s": extract_s,
+        "pack_s": pack_s,
+        "raw_s": raw_s,
+        "direct_s": direct_s,
+        "model_s": model_s,
+        "embed_s": embed_s,
+        "summary": str(summary),
+        "huge_pages": os.environ.get("THP_MEM_ALLOC_ENABLE", ""),
+        "wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset"),
+    }
 
 
 # --- (c) the data stage alone --------------------------------------------------------------------
@@ -214,14 +253,22 @@ def data_run(args: argparse.Namespace) -> dict[str, float]:
     corpus = str(Path(args.work) / args.corpus)
     tokenizer = AutoTokenizer.from_pretrained(Path(args.work) / "model")
     start = time.perf_counter()
-    tokens = sum(b["input_ids"].numel() for b in pack_batches(
-        iter_documents(corpus), tokenizer, args.context, args.batch, workers=args.workers))
+    tokens = sum(
+        b["input_ids"].numel()
+        for b in pack_batches(
+            iter_documents(corpus), tokenizer, args.context, args.batch, workers=args.workers
+        )
+    )
     pack_s = time.perf_counter() - start
     docs = list(iter_documents(corpus))
     start = time.perf_counter()
     floor = sum(len(ids) for _, ids, _ in tokenized(docs, tokenizer))
-    return {"tokens": tokens, "pack_s": pack_s, "floor_tokens": floor,
-            "tokenize_s": time.perf_counter() - start}
+    return {
+        "tokens": tokens,
+        "pack_s": pack_s,
+        "floor_tokens": floor,
+        "tokenize_s": time.perf_counter() - start,
+    }
 
 
 def short_documents(work: Path, words: int) -> None:
@@ -242,8 +289,9 @@ def short_documents(work: Path, words: int) -> None:
 def fresh(mode: str, extra: list[str], runs: int) -> list[dict]:
     out = []
     for _ in range(runs):
-        done = subprocess.run([sys.executable, __file__, "--child", mode, *extra], capture_output=True,
-                              text=True, timeout=1800)
+        done = subprocess.run(
+            [sys.executable, __file__, "--child", mode, *extra], capture_output=True, text=True, timeout=1800
+        )
         if done.returncode:
             raise SystemExit(f"child {mode} {extra} failed:\n{done.stderr[-4000:]}")
         out.append(json.loads(done.stdout.strip().splitlines()[-1]))
@@ -275,9 +323,13 @@ def main() -> None:
     p.add_argument("--store-dir", help=f"where (b) puts its store (default {MEMORY_DIR}; e.g. /tmp: a disk)")
     p.add_argument("--work", help=argparse.SUPPRESS)
     p.add_argument("--points", type=int, default=1, help=argparse.SUPPRESS)
-    p.add_argument("--wait-policy", choices=("PASSIVE", "default"), default="PASSIVE",
-                   help="OMP_WAIT_POLICY of the children when it is not set: PASSIVE as the `hookscope` "
-                        "command runs (src/_hookscope_cli.py), or left unset")
+    p.add_argument(
+        "--wait-policy",
+        choices=("PASSIVE", "default"),
+        default="PASSIVE",
+        help="OMP_WAIT_POLICY of the children when it is not set: PASSIVE as the `hookscope` "
+        "command runs (src/_hookscope_cli.py), or left unset",
+    )
     args = p.parse_args()
     if args.wait_policy == "PASSIVE" and not args.child:  # children inherit it; torch reads it as it loads
         os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
@@ -293,25 +345,39 @@ def main() -> None:
     if args.smoke:
         args.runs, args.rows, args.width, args.batches, args.shard_rows = 1, 256, 64, 4, 512
         args.tokens, args.tokens_12, args.context, args.batch = 4096, 2048, 128, 4
-    shape = ["--rows", str(args.rows), "--width", str(args.width), "--batches", str(args.batches),
-             "--shard-rows", str(args.shard_rows)]
+    shape = [
+        "--rows",
+        str(args.rows),
+        "--width",
+        str(args.width),
+        "--batches",
+        str(args.batches),
+        "--shard-rows",
+        str(args.shard_rows),
+    ]
     print(f"bench_pipeline: {args.runs} fresh processes per figure, medians; {load()}", flush=True)
     if args.only in (None, "writer"):
         for name, folder in (("memory", MEMORY_DIR), ("disk", DISK_DIR)):
             rs = fresh("writer", [*shape, "--dir", str(folder)], args.runs)
             ratio = statistics.median(r["raw_s"] / r["writer_s"] for r in rs)
             mb = rs[0]["bytes"] / 1e6
-            print(f"(a) writer, {args.batches} x {args.rows} x {args.width} bf16 + 4 int64 columns, "
-                  f"{args.shard_rows}-row shards, {name} ({folder}): writer "
-                  f"{statistics.median(mb / r['writer_s'] for r in rs):,.0f} MB/s, raw fsynced write "
-                  f"{statistics.median(mb / r['raw_s'] for r in rs):,.0f} MB/s: {ratio:.2f}x "
-                  f"(target >= 0.5x in memory)"
-                  f"{'' if rs[0]['takes_stats'] else ', stats computed by the writer'}; "
-                  f"{load()}", flush=True)
+            print(
+                f"(a) writer, {args.batches} x {args.rows} x {args.width} bf16 + 4 int64 columns, "
+                f"{args.shard_rows}-row shards, {name} ({folder}): writer "
+                f"{statistics.median(mb / r['writer_s'] for r in rs):,.0f} MB/s, raw fsynced write "
+                f"{statistics.median(mb / r['raw_s'] for r in rs):,.0f} MB/s: {ratio:.2f}x "
+                f"(target >= 0.5x in memory)"
+                f"{'' if rs[0]['takes_stats'] else ', stats computed by the writer'}; "
+                f"{load()}",
+                flush=True,
+            )
             if rs[0].get("direct_s"):
-                print(f"    the same bytes written with O_DIRECT, fsynced: "
-                      f"{statistics.median(mb / r['direct_s'] for r in rs):,.0f} MB/s; the writer "
-                      f"{statistics.median(r['direct_s'] / r['writer_s'] for r in rs):.2f}x that", flush=True)
+                print(
+                    f"    the same bytes written with O_DIRECT, fsynced: "
+                    f"{statistics.median(mb / r['direct_s'] for r in rs):,.0f} MB/s; the writer "
+                    f"{statistics.median(r['direct_s'] / r['writer_s'] for r in rs):.2f}x that",
+                    flush=True,
+                )
     if args.only in (None, "extract"):
         with tempfile.TemporaryDirectory(prefix="hookscope-bench-pipeline-") as tmp:
             for n, tokens in ((1, args.tokens), (12, args.tokens_12)):
@@ -319,47 +385,83 @@ def main() -> None:
                 work.mkdir()
                 words = tokens * 11 // 10 + 4096
                 prepare(work, docs=max(4, words // 2048), words_per_doc=min(2048, words), points=n)
-                rs = fresh("extract", ["--work", str(work), "--points", str(n), "--tokens", str(tokens),
-                                       "--context", str(args.context), "--batch", str(args.batch),
-                                       "--shard-rows", str(args.shard_rows), "--workers", str(args.workers),
-                                       *(["--store-dir", args.store_dir] if args.store_dir else [])],
-                           args.runs)
+                rs = fresh(
+                    "extract",
+                    [
+                        "--work",
+                        str(work),
+                        "--points",
+                        str(n),
+                        "--tokens",
+                        str(tokens),
+                        "--context",
+                        str(args.context),
+                        "--batch",
+                        str(args.batch),
+                        "--shard-rows",
+                        str(args.shard_rows),
+                        "--workers",
+                        str(args.workers),
+                        *(["--store-dir", args.store_dir] if args.store_dir else []),
+                    ],
+                    args.runs,
+                )
                 ratio = statistics.median(r["pack_s"] / r["extract_s"] for r in rs)
                 ext = statistics.median(r["rows"] / r["extract_s"] for r in rs)
                 pk = statistics.median(r["tokens"] / r["pack_s"] for r in rs)
                 mbs = statistics.median(r["bytes"] / r["extract_s"] / 1e6 for r in rs)
                 md = statistics.median(r["tokens"] / r["model_s"] for r in rs)
                 both = statistics.median(max(r["pack_s"], r["model_s"]) / r["extract_s"] for r in rs)
-                print(f"(b) extract, free forward, {n} point(s), {rs[0]['tokens']:,} tokens "
-                      f"({args.batch} x {args.context} bf16, store in {args.store_dir or MEMORY_DIR}, "
-                      f"--workers {args.workers}): "
-                      f"{ext:,.0f} tokens/s (runs "
-                      + " / ".join(f"{r['rows'] / r['extract_s']:,.0f}" for r in rs)
-                      + f"; {mbs:,.0f} MB/s) vs packing alone {pk:,.0f} tokens/s: {ratio:.2f}x "
-                      "(target >= 0.6x); "
-                      f"{load()}", flush=True)
-                print(f"    the model stage alone (forward + captures on batches packed already): "
-                      f"{md:,.0f} tokens/s; extract / the slower of packing and the model stage: {both:.2f}x",
-                      flush=True)
+                print(
+                    f"(b) extract, free forward, {n} point(s), {rs[0]['tokens']:,} tokens "
+                    f"({args.batch} x {args.context} bf16, store in {args.store_dir or MEMORY_DIR}, "
+                    f"--workers {args.workers}): "
+                    f"{ext:,.0f} tokens/s (runs "
+                    + " / ".join(f"{r['rows'] / r['extract_s']:,.0f}" for r in rs)
+                    + f"; {mbs:,.0f} MB/s) vs packing alone {pk:,.0f} tokens/s: {ratio:.2f}x "
+                    "(target >= 0.6x); "
+                    f"{load()}",
+                    flush=True,
+                )
+                print(
+                    f"    the model stage alone (forward + captures on batches packed already): "
+                    f"{md:,.0f} tokens/s; extract / the slower of packing and the model stage: {both:.2f}x",
+                    flush=True,
+                )
                 if "embed_s" in rs[0]:
                     em = statistics.median(r["tokens"] / r["embed_s"] for r in rs)
                     floor = statistics.median(max(r["pack_s"], r["embed_s"]) / r["extract_s"] for r in rs)
-                    print(f"    the model stage's floor, the bare embedding lookup on the same batches: "
-                          f"{em:,.0f} tokens/s; extract / the slower of packing and that floor: {floor:.2f}x "
-                          f"(THP_MEM_ALLOC_ENABLE={rs[0]['huge_pages'] or 'unset'}, "
-                          f"OMP_WAIT_POLICY={rs[0].get('wait_policy', 'unset')})", flush=True)
-                for key, words in (("raw_s", "the store's floor, its bytes written raw into the same "
-                                             "directory (files of the shards' size, fsynced)"),
-                                   ("direct_s", "the disk's own rate, the same bytes written with O_DIRECT "
-                                                "(files of the shards' size, fsynced)")):
+                    print(
+                        f"    the model stage's floor, the bare embedding lookup on the same batches: "
+                        f"{em:,.0f} tokens/s; extract / the slower of packing and that floor: {floor:.2f}x "
+                        f"(THP_MEM_ALLOC_ENABLE={rs[0]['huge_pages'] or 'unset'}, "
+                        f"OMP_WAIT_POLICY={rs[0].get('wait_policy', 'unset')})",
+                        flush=True,
+                    )
+                for key, words in (
+                    (
+                        "raw_s",
+                        "the store's floor, its bytes written raw into the same "
+                        "directory (files of the shards' size, fsynced)",
+                    ),
+                    (
+                        "direct_s",
+                        "the disk's own rate, the same bytes written with O_DIRECT "
+                        "(files of the shards' size, fsynced)",
+                    ),
+                ):
                     if not rs[0].get(key):  # no O_DIRECT where the filesystem refuses it
                         continue
                     rate = statistics.median(r["rows"] / r[key] for r in rs)
-                    lower = statistics.median(r["rows"] / r["extract_s"]
-                                              / min(r["tokens"] / r["pack_s"], r["rows"] / r[key])
-                                              for r in rs)
-                    print(f"    {words}: {rate:,.0f} rows/s; extract / the lower of packing and that: "
-                          f"{lower:.2f}x", flush=True)
+                    lower = statistics.median(
+                        r["rows"] / r["extract_s"] / min(r["tokens"] / r["pack_s"], r["rows"] / r[key])
+                        for r in rs
+                    )
+                    print(
+                        f"    {words}: {rate:,.0f} rows/s; extract / the lower of packing and that: "
+                        f"{lower:.2f}x",
+                        flush=True,
+                    )
                 print("    last run's summary: " + rs[-1]["summary"].replace("\n", "\n    "), flush=True)
     if args.only == "data":
         with tempfile.TemporaryDirectory(prefix="hookscope-bench-data-") as tmp:
@@ -367,18 +469,37 @@ def main() -> None:
             words = args.tokens * 11 // 10 + 4096
             prepare(work, docs=max(4, words // 2048), words_per_doc=min(2048, words), points=1)
             short_documents(work, words)
-            for corpus, what in (("corpus.jsonl", "2,048-word documents"),
-                                 ("short.jsonl", "1-120-word documents")):
-                rs = fresh("data", ["--work", str(work), "--corpus", corpus, "--context", str(args.context),
-                                    "--batch", str(args.batch), "--workers", str(args.workers)], args.runs)
+            for corpus, what in (
+                ("corpus.jsonl", "2,048-word documents"),
+                ("short.jsonl", "1-120-word documents"),
+            ):
+                rs = fresh(
+                    "data",
+                    [
+                        "--work",
+                        str(work),
+                        "--corpus",
+                        corpus,
+                        "--context",
+                        str(args.context),
+                        "--batch",
+                        str(args.batch),
+                        "--workers",
+                        str(args.workers),
+                    ],
+                    args.runs,
+                )
                 pk = statistics.median(r["tokens"] / r["pack_s"] for r in rs)
                 tk = statistics.median(r["floor_tokens"] / r["tokenize_s"] for r in rs)
-                ratio = statistics.median(r["tokens"] / r["pack_s"] / (r["floor_tokens"] / r["tokenize_s"])
-                                          for r in rs)
-                print(f"(c) the data stage alone, {what}, {rs[0]['tokens']:,} tokens packed ({args.batch} x "
-                      f"{args.context}, --workers {args.workers}): reading + tokenizing + packing {pk:,.0f} "
-                      f"tokens/s vs the tokenizer alone {tk:,.0f} tokens/s: {ratio:.2f}x; {load()}",
-                      flush=True)
+                ratio = statistics.median(
+                    r["tokens"] / r["pack_s"] / (r["floor_tokens"] / r["tokenize_s"]) for r in rs
+                )
+                print(
+                    f"(c) the data stage alone, {what}, {rs[0]['tokens']:,} tokens packed ({args.batch} x "
+                    f"{args.context}, --workers {args.workers}): reading + tokenizing + packing {pk:,.0f} "
+                    f"tokens/s vs the tokenizer alone {tk:,.0f} tokens/s: {ratio:.2f}x; {load()}",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -77,15 +77,19 @@ def main() -> None:
     import torch
 
     common.ensure_models()
-    print(f"machine: {platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}; "
-          f"{common.THREADS} threads; load before: {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"machine: {platform.machine()}, {os.cpu_count()} cores; torch {torch.__version__}; "
+        f"{common.THREADS} threads; load before: {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     forward: dict[str, list[dict]] = {c: [] for c in CONFIGS}
     calls: dict[str, list[float]] = {c: [] for c in CONFIGS}
     script = Path(__file__).resolve()
     for run in range(args.runs):
         for config in CONFIGS if run % 2 == 0 else CONFIGS[::-1]:
-            result = common.run_fresh(sys.executable, script,
-                                      ["--worker", "forward", config, "--iters", str(args.iters)])
+            result = common.run_fresh(
+                sys.executable, script, ["--worker", "forward", config, "--iters", str(args.iters)]
+            )
             if "error" in result:
                 raise SystemExit(f"{config}: {result['error']}")
             forward[config].append(result)
@@ -97,19 +101,27 @@ def main() -> None:
     med = {c: common.median([r["median_s"] for r in forward[c]]) for c in CONFIGS}
     best = {c: min(r["min_s"] for r in forward[c]) for c in CONFIGS}
     per_call = {c: common.median(calls[c]) for c in CONFIGS}
-    print(f"GPT-2-small shape, {common.BATCH}x{common.SEQ}, forward, no profiler running "
-          f"({args.runs} processes per configuration, median of {args.iters} forwards in each):")
+    print(
+        f"GPT-2-small shape, {common.BATCH}x{common.SEQ}, forward, no profiler running "
+        f"({args.runs} processes per configuration, median of {args.iters} forwards in each):"
+    )
     for c in CONFIGS:
         medians = [r["median_s"] * 1e3 for r in forward[c]]
-        print(f"  {c:<7} median {med[c] * 1e3:8.1f} ms   fastest {best[c] * 1e3:8.1f} ms   "
-              f"process medians {min(medians):.1f}-{max(medians):.1f} ms")
-    print(f"  labels / plain: {med['labels'] / med['plain']:.4f} (medians), "
-          f"{best['labels'] / best['plain']:.4f} (fastest)")
+        print(
+            f"  {c:<7} median {med[c] * 1e3:8.1f} ms   fastest {best[c] * 1e3:8.1f} ms   "
+            f"process medians {min(medians):.1f}-{max(medians):.1f} ms"
+        )
+    print(
+        f"  labels / plain: {med['labels'] / med['plain']:.4f} (medians), "
+        f"{best['labels'] / best['plain']:.4f} (fastest)"
+    )
     extra = per_call["labels"] - per_call["plain"]
-    print(f"per block call (one tiny module, median of {args.runs} processes): "
-          f"plain {per_call['plain']:.2f} us, labelled {per_call['labels']:.2f} us: +{extra:.2f} us, "
-          f"{12 * extra:.0f} us per 12-block forward "
-          f"= {12 * extra * 1e-6 / med['plain']:.4%} of the plain forward")
+    print(
+        f"per block call (one tiny module, median of {args.runs} processes): "
+        f"plain {per_call['plain']:.2f} us, labelled {per_call['labels']:.2f} us: +{extra:.2f} us, "
+        f"{12 * extra:.0f} us per 12-block forward "
+        f"= {12 * extra * 1e-6 / med['plain']:.4%} of the plain forward"
+    )
     print(f"load after: {os.getloadavg()[0]:.2f}")
     common.emit({"forward_median_s": med, "forward_fastest_s": best, "per_call_us": per_call})
 

@@ -75,22 +75,41 @@ from pathlib import Path
 BENCH_DIR = Path(__file__).resolve().parent
 OUT = BENCH_DIR / "out" / "read"
 BATCH = 4096
-SHAPES = {768: {"rows": 262_144, "shard_rows": 16_384, "buffer_rows": 65_536},
-          4096: {"rows": 131_072, "shard_rows": 4_096, "buffer_rows": 16_384}}
+SHAPES = {
+    768: {"rows": 262_144, "shard_rows": 16_384, "buffer_rows": 65_536},
+    4096: {"rows": 131_072, "shard_rows": 4_096, "buffer_rows": 16_384},
+}
 BEFORE_REV = "1dec836"  # main before batch memory was reused (store/dataset.py `_Recycler`)
-CASES = [("floor", "warm"), ("floor-np", "warm"), ("floor-out", "warm"), ("floor-held", "warm"),
-         ("floor-cols", "warm"), ("floor-cols2", "warm"), ("after-drop", "warm"),
-         ("disk", "cold"), ("before", "warm"),
-         ("after", "warm"), ("before", "warm4k"), ("after", "warm4k"), ("before-seq", "warm"),
-         ("after-seq", "warm"), ("loader2", "warm"), ("before", "cold"), ("after", "cold")]
+CASES = [
+    ("floor", "warm"),
+    ("floor-np", "warm"),
+    ("floor-out", "warm"),
+    ("floor-held", "warm"),
+    ("floor-cols", "warm"),
+    ("floor-cols2", "warm"),
+    ("after-drop", "warm"),
+    ("disk", "cold"),
+    ("before", "warm"),
+    ("after", "warm"),
+    ("before", "warm4k"),
+    ("after", "warm4k"),
+    ("before-seq", "warm"),
+    ("after-seq", "warm"),
+    ("loader2", "warm"),
+    ("before", "cold"),
+    ("after", "cold"),
+]
 POINT = "blocks.0.resid_post"
 STACK_LAYERS = 4
 # layout -> (the dataset's `point`, stack=, the store's points)
 LAYOUTS = {
     "point": (POINT, False, [POINT]),
     "stack": ("blocks.*.resid_post", True, [f"blocks.{i}.resid_post" for i in range(STACK_LAYERS)]),
-    "clt": (["blocks.*.mlp.in", "blocks.*.mlp.out"], True,
-            [f"blocks.{i}.mlp.{k}" for i in range(STACK_LAYERS) for k in ("in", "out")]),
+    "clt": (
+        ["blocks.*.mlp.in", "blocks.*.mlp.out"],
+        True,
+        [f"blocks.{i}.mlp.{k}" for i in range(STACK_LAYERS) for k in ("in", "out")],
+    ),
     # the same as stored by `hookscope extract --stack`: one column per glob, [rows, layers, d]
     "stored": ("blocks.*.resid_post", False, ["blocks.*.resid_post"]),
     "stored-clt": (["blocks.*.mlp.in", "blocks.*.mlp.out"], False, ["blocks.*.mlp.in", "blocks.*.mlp.out"]),
@@ -99,6 +118,8 @@ LAYOUTS = {
 
 def layers_per_column(layout: str) -> int:
     return STACK_LAYERS if layout.startswith("stored") else 1
+
+
 EPOCHS = 3  # warm cases: 3 epochs by default, --epochs (cold: one epoch, right after dropping the cache)
 
 
@@ -185,14 +206,24 @@ def before_src(rev: str) -> Path:
     out = OUT / f"src-{rev}"
     if not (out / "src" / "hookscope" / "__init__.py").exists():
         out.mkdir(parents=True, exist_ok=True)
-        archive = subprocess.run(["git", "archive", rev, "src"], cwd=BENCH_DIR.parent, check=True,
-                                 capture_output=True).stdout
+        archive = subprocess.run(
+            ["git", "archive", rev, "src"], cwd=BENCH_DIR.parent, check=True, capture_output=True
+        ).stdout
         subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
     return out / "src"
 
 
-def measure(case: str, d: int, dtype: str, cache: str, path: Path, layout: str = "point",
-            warm_epochs: int = EPOCHS, threads: int = 0, clock: str = "wall") -> dict:
+def measure(
+    case: str,
+    d: int,
+    dtype: str,
+    cache: str,
+    path: Path,
+    layout: str = "point",
+    warm_epochs: int = EPOCHS,
+    threads: int = 0,
+    clock: str = "wall",
+) -> dict:
     """One pass over the store at `path` in this process; rows/s (point rows: a stacked row of k
     columns counts k, so that every layout's rows/s is its bytes/s over d * 2)."""
     import numpy as np
@@ -251,8 +282,13 @@ def measure(case: str, d: int, dtype: str, cache: str, path: Path, layout: str =
                     n += np.take(xn, index, axis=0, mode="clip").shape[0]  # a new batch, as a reader makes
         seconds = now() - t0
     else:
-        ds = store.dataset(point, shuffle=not case.endswith("-seq"), batch_size=BATCH,
-                           buffer_rows=buffer_rows, **({"stack": True} if stack else {}))
+        ds = store.dataset(
+            point,
+            shuffle=not case.endswith("-seq"),
+            batch_size=BATCH,
+            buffer_rows=buffer_rows,
+            **({"stack": True} if stack else {}),
+        )
         if case == "loader2":
             ds = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
         if cache == "cold":
@@ -290,14 +326,27 @@ def measure_saelens(source: str, steps: int, train: bool = True) -> dict:
     else:
         cache = saelens_config(saelens_dir(len(store)))
         data = ActivationsStore(
-            model=None, dataset=None, streaming=False, hook_name=cache.hook_name, hook_head_index=None,
-            context_size=cache.context_size, d_in=cache.d_in, n_batches_in_buffer=64,
-            total_training_tokens=10**9, store_batch_size_prompts=BATCH // cache.context_size,
-            train_batch_size_tokens=BATCH, prepend_bos=False, normalize_activations="none",
-            device=torch.device("cpu"), dtype="float32", cached_activations_path=cache.path)
+            model=None,
+            dataset=None,
+            streaming=False,
+            hook_name=cache.hook_name,
+            hook_head_index=None,
+            context_size=cache.context_size,
+            d_in=cache.d_in,
+            n_batches_in_buffer=64,
+            total_training_tokens=10**9,
+            store_batch_size_prompts=BATCH // cache.context_size,
+            train_batch_size_tokens=BATCH,
+            prepend_bos=False,
+            normalize_activations="none",
+            device=torch.device("cpu"),
+            dtype="float32",
+            cached_activations_path=cache.path,
+        )
     sae = StandardTrainingSAE(StandardTrainingSAEConfig(d_in=768, d_sae=1536))
-    cfg = SAETrainerConfig(total_training_samples=steps * BATCH, train_batch_size_samples=BATCH, lr=1e-4,
-                           lr_end=1e-4)
+    cfg = SAETrainerConfig(
+        total_training_samples=steps * BATCH, train_batch_size_samples=BATCH, lr=1e-4, lr_end=1e-4
+    )
     batch = next(data)  # the first read (opening, first window) is not what this measures
     if not train:  # the data path alone: batches as SAETrainer.step receives them
         t0 = time.perf_counter()
@@ -317,8 +366,9 @@ def fresh(args: list[str], src: Path | None = None) -> dict:
     env = dict(os.environ)
     if src is not None:  # this hookscope first on the path (ahead of the editable install)
         env["PYTHONPATH"] = os.pathsep.join([str(src), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    out = subprocess.run([sys.executable, __file__, "--one", *args], check=True, capture_output=True,
-                         text=True, env=env)
+    out = subprocess.run(
+        [sys.executable, __file__, "--one", *args], check=True, capture_output=True, text=True, env=env
+    )
     result = json.loads(out.stdout.strip().splitlines()[-1])
     if src is not None and "hookscope" in result:
         assert result["hookscope"].startswith(str(src)), (result["hookscope"], src)
@@ -333,16 +383,23 @@ def main() -> None:
     p.add_argument("--saelens-only", action="store_true")
     p.add_argument("--steps", type=int, default=16, help="SAELens training steps per run")
     p.add_argument("--before-rev", default=BEFORE_REV, help="git revision whose src/ is 'before'")
-    p.add_argument("--before-src", type=Path, help="src/ of the 'before' checkout (default: --before-rev, "
-                   "exported from git)")
+    p.add_argument(
+        "--before-src",
+        type=Path,
+        help="src/ of the 'before' checkout (default: --before-rev, exported from git)",
+    )
     p.add_argument("--cases", default=",".join(f"{c}/{k}" for c, k in CASES))
     p.add_argument("--dims", default="768,4096")
     p.add_argument("--dtypes", default="float16,bfloat16")
     p.add_argument("--layouts", default="point", help="point,stack,clt,stored,stored-clt (see the docstring)")
     p.add_argument("--epochs", type=int, default=EPOCHS, help="epochs per process in the warm cases")
     p.add_argument("--threads", type=int, default=0, help="torch's threads in every case (0: torch's own)")
-    p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
-                   help="time each case by the wall clock or by the process's CPU time")
+    p.add_argument(
+        "--clock",
+        choices=("wall", "cpu"),
+        default="wall",
+        help="time each case by the wall clock or by the process's CPU time",
+    )
     p.add_argument("--one", nargs="+", help=argparse.SUPPRESS)
     args = p.parse_args()
     sys.stdout.reconfigure(line_buffering=True)  # progress shows when redirected to a file
@@ -350,8 +407,11 @@ def main() -> None:
         kind, *rest = args.one
         if kind == "read":
             case, d, dtype, cache, path, layout, epochs, threads, clock = rest
-            print(json.dumps(measure(case, int(d), dtype, cache, Path(path), layout, int(epochs),
-                                     int(threads), clock)))
+            print(
+                json.dumps(
+                    measure(case, int(d), dtype, cache, Path(path), layout, int(epochs), int(threads), clock)
+                )
+            )
         else:
             print(json.dumps(measure_saelens(rest[0], int(rest[1]), rest[2] == "train")))
         return
@@ -373,30 +433,47 @@ def main() -> None:
             for r in range(args.runs):  # rounds: every case once per round, fresh processes, the
                 # order reversed every other round (ABBA): a cold read right after another cold read
                 # measured slower here (whichever came second), so no case may always come second
-                for case, cache in (cases if r % 2 == 0 else cases[::-1]):
+                for case, cache in cases if r % 2 == 0 else cases[::-1]:
                     if case.startswith("floor-cols") and (layout == "point" or layout.startswith("stored")):
                         continue  # one column (or row-major stacks): floor-out
                     src = before if case.startswith("before") else None
-                    one = ["read", case, str(d), dtype, cache, str(path), layout, str(args.epochs),
-                           str(args.threads), args.clock]
+                    one = [
+                        "read",
+                        case,
+                        str(d),
+                        dtype,
+                        cache,
+                        str(path),
+                        layout,
+                        str(args.epochs),
+                        str(args.threads),
+                        args.clock,
+                    ]
                     runs.setdefault(f"{case}/{cache}", []).append(fresh(one, src))
             row = {k: statistics.median(r["rows_per_s"] for r in v) for k, v in runs.items()}
             floor = max((v for k, v in row.items() if k.startswith("floor")), default=float("nan"))
             disk, cols = row.get("disk/cold"), row.get("floor-cols/warm")
-            print(f"\n{layout}: d_model {d}, {dtype}, {args.epochs} warm epochs, threads "
-                  f"{args.threads or 'default'}, {args.clock} clock (load now "
-
-                  f"{os.getloadavg()[0]:.1f}): rows/s, ratio to the fastest in-RAM floor"
-                  + (" and to floor-cols (the store's layout)" if cols else ""))
+            print(
+                f"\n{layout}: d_model {d}, {dtype}, {args.epochs} warm epochs, threads "
+                f"{args.threads or 'default'}, {args.clock} clock (load now "
+                f"{os.getloadavg()[0]:.1f}): rows/s, ratio to the fastest in-RAM floor"
+                + (" and to floor-cols (the store's layout)" if cols else "")
+            )
             for key, value in row.items():
                 gib = statistics.median(r["gib_per_s"] for r in runs[key])
                 each = [round(r["rows_per_s"] / 1e6, 3) for r in runs[key]]
                 vs_disk = f" ({value / disk:4.2f}x disk)" if disk and key.endswith("/cold") else ""
                 vs_cols = f" {value / cols:5.2f}x cols" if cols and key.endswith("/warm") else ""
-                print(f"  {key:18s} {value / 1e6:7.3f} M rows/s  {gib:6.2f} GiB/s  "
-                      f"{value / floor:5.2f}x{vs_cols}{vs_disk}  runs {each}")
+                print(
+                    f"  {key:18s} {value / 1e6:7.3f} M rows/s  {gib:6.2f} GiB/s  "
+                    f"{value / floor:5.2f}x{vs_cols}{vs_disk}  runs {each}"
+                )
             results[f"{d}-{dtype}" + ("" if layout == "point" else f"-{layout}")] = {
-                "median_rows_per_s": row, "floor": floor, "epochs": args.epochs, "runs": runs}
+                "median_rows_per_s": row,
+                "floor": floor,
+                "epochs": args.epochs,
+                "runs": runs,
+            }
     if args.saelens or args.saelens_only:
         import hookscope as hs
         from hookscope.export import export_saelens
@@ -412,13 +489,17 @@ def main() -> None:
                     rate = fresh(["saelens", source, str(steps), what])["samples_per_s"]
                     rates.setdefault(f"{source}/{what}", []).append(rate)
         med = {k: statistics.median(v) for k, v in rates.items()}
-        print(f"\nSAELens SAETrainer.fit, d_in 768 -> 1536, batches of {BATCH}, {args.steps} steps (train), "
-              "or the batches alone (data): samples/s")
+        print(
+            f"\nSAELens SAETrainer.fit, d_in 768 -> 1536, batches of {BATCH}, {args.steps} steps (train), "
+            "or the batches alone (data): samples/s"
+        )
         for k, v in rates.items():
             print(f"  {k:20s} median {med[k]:11,.0f}  runs {[round(x) for x in v]}")
         for what in ("train", "data"):
-            print(f"  ratio hookscope / SAELens cache, {what}: "
-                  f"{med[f'hookscope/{what}'] / med[f'saelens-cache/{what}']:.2f}x")
+            print(
+                f"  ratio hookscope / SAELens cache, {what}: "
+                f"{med[f'hookscope/{what}'] / med[f'saelens-cache/{what}']:.2f}x"
+            )
         results["saelens"] = rates
     print(f"load after: {open('/proc/loadavg').read().split()[:3]}")
     (OUT / "results.json").write_text(json.dumps(results, indent=1))

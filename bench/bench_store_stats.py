@@ -37,6 +37,17 @@ st = store.stats["p"]
 t2 = time.perf_counter()
 x = store.tensor("p").double()
 err = float(((st.mean - x.mean(0)).abs() / x.std(0, correction=0)).max())
-print(json.dumps({"shards": n, "width": d, "manifest_bytes": os.path.getsize(f"{out}/manifest.json"),
-                  "entry_bytes": len(json.dumps(raw["shards"][0])), "open_s": round(t1 - t0, 3),
-                  "stats_s": round(t2 - t1, 3), "mean_error_in_std": err, "load": os.getloadavg()[0]}))
+print(
+    json.dumps(
+        {
+            "shards": n,
+            "width": d,
+            "manifest_bytes": os.path.getsize(f"{out}/manifest.json"),
+            "entry_bytes": len(json.dumps(raw["shards"][0])),
+            "open_s": round(t1 - t0, 3),
+            "stats_s": round(t2 - t1, 3),
+            "mean_error_in_std": err,
+            "load": os.getloadavg()[0],
+        }
+    )
+)

@@ -56,19 +56,35 @@ REPO = Path(__file__).resolve().parent.parent
 BEFORE = "667a82f"  # main before ranged reads: a remote shard was downloaded whole, then memory-mapped
 S3RVER = REPO / "bench" / "out" / "s3rver"
 POINT_DIM, SHARD_ROWS = 1024, 4096
-EXTRACT = ["--points", "blocks.3.resid_post", "--context", "128", "--batch-size", "8", "--dtype", "float16",
-           "--shard-rows", "4096", "--no-progress"]
+EXTRACT = [
+    "--points",
+    "blocks.3.resid_post",
+    "--context",
+    "128",
+    "--batch-size",
+    "8",
+    "--dtype",
+    "float16",
+    "--shard-rows",
+    "4096",
+    "--no-progress",
+]
 EXTRACT_BEFORE = "78ee847"  # main before background uploads: the writer thread uploaded each shard itself
 # the paced writer: batches, rows, width, seconds a batch (--pace), rows a shard: 12 shards of 25 MB
 PACE = (192, 1024, 768, 0.1, 16384)
 # case -> (the command's options, its environment, tokens): model-bound, and where the bytes weigh
-CASES = {"model": (EXTRACT, {}, 40000),
-         "bytes": (["--points", "blocks.0.resid_post", *EXTRACT[2:9], "16384", "--no-progress"],
-                   {"HOOKSCOPE_UPLOAD_PART_BYTES": str(8 << 20)}, 65536),
-         # the writer alone, fed at a GPU's pace (16 MB/s at 0.1 s a batch): no model on the cores;
-         # shards in one PUT each (the default 100 MiB parts), and in 8 MiB parts
-         "paced": (["paced"], {}, PACE[0] * PACE[1]),
-         "paced-parts": (["paced"], {"HOOKSCOPE_UPLOAD_PART_BYTES": str(8 << 20)}, PACE[0] * PACE[1])}
+CASES = {
+    "model": (EXTRACT, {}, 40000),
+    "bytes": (
+        ["--points", "blocks.0.resid_post", *EXTRACT[2:9], "16384", "--no-progress"],
+        {"HOOKSCOPE_UPLOAD_PART_BYTES": str(8 << 20)},
+        65536,
+    ),
+    # the writer alone, fed at a GPU's pace (16 MB/s at 0.1 s a batch): no model on the cores;
+    # shards in one PUT each (the default 100 MiB parts), and in 8 MiB parts
+    "paced": (["paced"], {}, PACE[0] * PACE[1]),
+    "paced-parts": (["paced"], {"HOOKSCOPE_UPLOAD_PART_BYTES": str(8 << 20)}, PACE[0] * PACE[1]),
+}
 # argv: JSON list of [name, where, endpoint or "", mode]; prints one JSON list of results
 READ = """
 import json, os, sys, time
@@ -128,8 +144,11 @@ def wait_for(server: subprocess.Popen, port: int, what: str) -> None:
 
 def start_moto() -> tuple[subprocess.Popen, str]:
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                              stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     wait_for(server, port, "the moto server")
     return server, f"http://127.0.0.1:{port}"
 
@@ -140,11 +159,17 @@ def start_s3rver(data: Path) -> tuple[subprocess.Popen, str] | None:
         if shutil.which("npm") is None:
             print("no npm: s3rver skipped", flush=True)
             return None
-        subprocess.run(["npm", "install", "--prefix", str(S3RVER), "--no-audit", "--no-fund", "s3rver@3.7.1"],
-                       check=True, capture_output=True)
+        subprocess.run(
+            ["npm", "install", "--prefix", str(S3RVER), "--no-audit", "--no-fund", "s3rver@3.7.1"],
+            check=True,
+            capture_output=True,
+        )
     port = free_port()
-    server = subprocess.Popen([str(exe), "-d", str(data), "-a", "127.0.0.1", "-p", str(port), "-s",
-                               "--no-vhost-buckets"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    server = subprocess.Popen(
+        [str(exe), "-d", str(data), "-a", "127.0.0.1", "-p", str(port), "-s", "--no-vhost-buckets"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
     wait_for(server, port, "s3rver")
     return server, f"http://127.0.0.1:{port}"
 
@@ -159,8 +184,9 @@ def write_store(out: Path, shards: int) -> None:
     with ShardWriter(out, {"bench": "store_url", "shards": shards}, shard_rows=SHARD_ROWS) as w:
         for i in range(4 * shards):
             points = {p: torch.randn(rows, POINT_DIM, generator=gen).to(torch.bfloat16) for p in ("a", "b")}
-            meta = {k: torch.arange(rows) + i * rows
-                    for k in ("token_ids", "doc_ids", "positions", "seq_ids")}
+            meta = {
+                k: torch.arange(rows) + i * rows for k in ("token_ids", "doc_ids", "positions", "seq_ids")
+            }
             w.write(i, points, meta)
 
 
@@ -185,16 +211,22 @@ def write_paced(out: str, pace: float) -> None:
 
 def checkout(ref: str, into: Path) -> Path:
     """The `src` tree of commit `ref`, extracted under `into`."""
-    run = subprocess.run(["git", "-C", str(REPO), "archive", "--format=tar", ref, "src"], capture_output=True,
-                         check=True)
+    run = subprocess.run(
+        ["git", "-C", str(REPO), "archive", "--format=tar", ref, "src"], capture_output=True, check=True
+    )
     with tarfile.open(fileobj=BytesIO(run.stdout)) as tar:
         tar.extractall(into, filter="data")
     return into / "src"
 
 
 def read_round(src: Path, reads: list[list[str]], env: dict[str, str]) -> list[dict]:
-    run = subprocess.run([sys.executable, "-c", READ, json.dumps(reads)], capture_output=True, text=True,
-                         env={**env, "PYTHONPATH": str(src)}, check=False)
+    run = subprocess.run(
+        [sys.executable, "-c", READ, json.dumps(reads)],
+        capture_output=True,
+        text=True,
+        env={**env, "PYTHONPATH": str(src)},
+        check=False,
+    )
     if run.returncode:
         raise SystemExit(f"{src}: a read failed:\n{run.stderr[-3000:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])
@@ -202,13 +234,33 @@ def read_round(src: Path, reads: list[list[str]], env: dict[str, str]) -> list[d
 
 def extract_rate(out: str, max_tokens: int, options: list[str], env: dict[str, str]) -> float:
     if options == ["paced"]:
-        run = subprocess.run([sys.executable, __file__, "--paced", out, "--pace", env["PACE"]],
-                             capture_output=True, text=True, env=env, check=False)
+        run = subprocess.run(
+            [sys.executable, __file__, "--paced", out, "--pace", env["PACE"]],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
         if run.returncode:
             raise SystemExit(f"the paced writer to {out} failed:\n{run.stderr[-3000:]}")
         return float(run.stdout.strip().splitlines()[-1])
-    run = subprocess.run([sys.executable, "-m", "hookscope.cli", "extract", "--out", out, "--max-tokens",
-                          str(max_tokens), *options], capture_output=True, text=True, env=env, check=False)
+    run = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "hookscope.cli",
+            "extract",
+            "--out",
+            out,
+            "--max-tokens",
+            str(max_tokens),
+            *options,
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+    )
     if run.returncode:
         raise SystemExit(f"extract to {out} failed:\n{run.stderr[-3000:]}")
     m = re.search(r"wrote ([\d,]+) rows in ([\d.]+) s", run.stdout)
@@ -218,31 +270,52 @@ def extract_rate(out: str, max_tokens: int, options: list[str], env: dict[str, s
 def extraction(args, code: dict[str, Path], env: dict[str, str], tmp: Path) -> dict:
     """Each case: local / s3 after / s3 before, fresh processes, the order rotating per round."""
     out: dict = {}
-    where = {"local": lambda i: str(tmp / f"x{i}"), "s3 after": lambda i: f"s3://bench/xa{i}",
-             "s3 before": lambda i: f"s3://bench/xb{i}"}
+    where = {
+        "local": lambda i: str(tmp / f"x{i}"),
+        "s3 after": lambda i: f"s3://bench/xa{i}",
+        "s3 before": lambda i: f"s3://bench/xb{i}",
+    }
     for case in args.cases.split(","):
         options, extra, tokens = CASES[case]
         tokens = args.max_tokens or tokens
         rates: dict[str, list[float]] = {k: [] for k in where}
         loads = []
         for i in range(args.extract_runs):
-            order = list(where)[i % 3:] + list(where)[:i % 3]
+            order = list(where)[i % 3 :] + list(where)[: i % 3]
             for name in order:
                 tree = code["before" if name.endswith("before") else "after"]
-                rates[name].append(extract_rate(where[name](f"{case}{i}"), tokens, options,
-                                                {**env, **extra, "PYTHONPATH": str(tree),
-                                                 "PACE": str(args.pace)}))
+                rates[name].append(
+                    extract_rate(
+                        where[name](f"{case}{i}"),
+                        tokens,
+                        options,
+                        {**env, **extra, "PYTHONPATH": str(tree), "PACE": str(args.pace)},
+                    )
+                )
             shutil.rmtree(tmp / f"x{case}{i}")
             loads.append(load())
-            print(f"extract {case} {i}: " + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items())
-                  + f" tokens/s; load {loads[-1]}", flush=True)
+            print(
+                f"extract {case} {i}: "
+                + ", ".join(f"{k} {v[-1]:,.0f}" for k, v in rates.items())
+                + f" tokens/s; load {loads[-1]}",
+                flush=True,
+            )
         med = {k: statistics.median(v) for k, v in rates.items()}
-        paired = {k: [a / b for a, b in zip(rates[k], rates["local"], strict=True)]
-                  for k in ("s3 after", "s3 before")}
-        out[case] = {"tokens_per_s": med, "s3_after_over_local": med["s3 after"] / med["local"],
-                     "s3_before_over_local": med["s3 before"] / med["local"], "paired_over_local": paired,
-                     "runs": rates, "loads": loads, "env": extra, "tokens": tokens,
-                     **({"pace_s": args.pace} if options == ["paced"] else {})}
+        paired = {
+            k: [a / b for a, b in zip(rates[k], rates["local"], strict=True)]
+            for k in ("s3 after", "s3 before")
+        }
+        out[case] = {
+            "tokens_per_s": med,
+            "s3_after_over_local": med["s3 after"] / med["local"],
+            "s3_before_over_local": med["s3 before"] / med["local"],
+            "paired_over_local": paired,
+            "runs": rates,
+            "loads": loads,
+            "env": extra,
+            "tokens": tokens,
+            **({"pace_s": args.pace} if options == ["paced"] else {}),
+        }
     return out
 
 
@@ -279,8 +352,11 @@ def reading(args, servers: dict, code: dict[str, Path], env: dict[str, str], tmp
     local = tmp / "store"
     code["before"] = checkout(args.before, tmp / "before")
     # written by the "before" tree: its format (1) is one both readers take (after reads 1 and 2)
-    subprocess.run([sys.executable, __file__, "--write-store", str(local), "--shards", str(args.shards)],
-                   env={**env, "PYTHONPATH": str(code["before"])}, check=True)
+    subprocess.run(
+        [sys.executable, __file__, "--write-store", str(local), "--shards", str(args.shards)],
+        env={**env, "PYTHONPATH": str(code["before"])},
+        check=True,
+    )
     for _, endpoint in servers.values():
         os.environ["AWS_ENDPOINT_URL"] = endpoint
         s3fs.S3FileSystem.clear_instance_cache()
@@ -288,11 +364,10 @@ def reading(args, servers: dict, code: dict[str, Path], env: dict[str, str], tmp
         fs.mkdir("bench")
         fs.put(str(local) + "/", "bench/store", recursive=True)
     places = [("local", str(local), "")] + [(n, "s3://bench/store", e) for n, (_, e) in servers.items()]
-    reads = [[f"{w}/{m}", where, endpoint, m]
-             for m in ("seq", "shuffled") for w, where, endpoint in places]
+    reads = [[f"{w}/{m}", where, endpoint, m] for m in ("seq", "shuffled") for w, where, endpoint in places]
     runs: dict[str, list[dict[str, float]]] = {}
     for r in range(args.runs):
-        for c in (("after", "before") if r % 2 == 0 else ("before", "after")):
+        for c in ("after", "before") if r % 2 == 0 else ("before", "after"):
             for result in read_round(code[c], reads, env):
                 runs.setdefault(f"{c}/{result['name']}", []).append(result)
         last = ", ".join(f"{k} {v[-1]['rows_per_s']:,.0f}" for k, v in sorted(runs.items()))
@@ -302,17 +377,26 @@ def reading(args, servers: dict, code: dict[str, Path], env: dict[str, str], tmp
     for server in servers:
         for m in ("seq", "shuffled"):
             for c in ("after", "before"):
-                ratios[f"{c}/{server}/{m} over {c}/local/{m}"] = (med[f"{c}/{server}/{m}"]
-                                                                  / med[f"{c}/local/{m}"])
-            ratios[f"after/{server}/{m} over before/{server}/{m}"] = (med[f"after/{server}/{m}"]
-                                                                     / med[f"before/{server}/{m}"])
+                ratios[f"{c}/{server}/{m} over {c}/local/{m}"] = (
+                    med[f"{c}/{server}/{m}"] / med[f"{c}/local/{m}"]
+                )
+            ratios[f"after/{server}/{m} over before/{server}/{m}"] = (
+                med[f"after/{server}/{m}"] / med[f"before/{server}/{m}"]
+            )
     return {
-        "rows_per_s": med, "ratios": ratios,
+        "rows_per_s": med,
+        "ratios": ratios,
         "open_s": {k: statistics.median(x["open_s"] for x in v) for k, v in sorted(runs.items())},
-        "mib_fetched_after": {k: v[-1]["mib_fetched"] for k, v in sorted(runs.items())
-                              if k.startswith("after/") and "/local/" not in k},
-        "store": {"rows": args.shards * SHARD_ROWS, "shards": args.shards,
-                  "mib": sum(p.stat().st_size for p in local.rglob("*")) / 2**20},
+        "mib_fetched_after": {
+            k: v[-1]["mib_fetched"]
+            for k, v in sorted(runs.items())
+            if k.startswith("after/") and "/local/" not in k
+        },
+        "store": {
+            "rows": args.shards * SHARD_ROWS,
+            "shards": args.shards,
+            "mib": sum(p.stat().st_size for p in local.rglob("*")) / 2**20,
+        },
         "runs": {k: [x["rows_per_s"] for x in v] for k, v in sorted(runs.items())},
     }
 
@@ -340,9 +424,14 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="hookscope-bench-"))
     servers: dict[str, tuple[subprocess.Popen, str]] = {}
     report: dict = {"load_at_start": load()}
-    env = {**os.environ, "AWS_DEFAULT_REGION": "us-east-1", "OMP_NUM_THREADS": "2",
-           # moto takes any credentials; s3rver wants its own
-           "AWS_ACCESS_KEY_ID": "S3RVER", "AWS_SECRET_ACCESS_KEY": "S3RVER"}
+    env = {
+        **os.environ,
+        "AWS_DEFAULT_REGION": "us-east-1",
+        "OMP_NUM_THREADS": "2",
+        # moto takes any credentials; s3rver wants its own
+        "AWS_ACCESS_KEY_ID": "S3RVER",
+        "AWS_SECRET_ACCESS_KEY": "S3RVER",
+    }
     os.environ.update(env)
     try:
         for name in args.servers.split(","):

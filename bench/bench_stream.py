@@ -81,16 +81,37 @@ def worker(mode: str, device: str) -> None:
         if mode == "offload":
             tokens = offload_run(folder, device)
         else:
-            summary = extract(ExtractConfig(
-                out=f"{folder}/store", model=str(bench_big.BIG_DIR), points=[POINT], data=corpus(folder),
-                context=CONTEXT, batch_size=BATCH, max_tokens=TOKENS, dtype="bfloat16", drop_bos=False,
-                progress=False, device=device, max_memory=limit_bytes() if mode == "stream" else None))
+            summary = extract(
+                ExtractConfig(
+                    out=f"{folder}/store",
+                    model=str(bench_big.BIG_DIR),
+                    points=[POINT],
+                    data=corpus(folder),
+                    context=CONTEXT,
+                    batch_size=BATCH,
+                    max_tokens=TOKENS,
+                    dtype="bfloat16",
+                    drop_bos=False,
+                    progress=False,
+                    device=device,
+                    max_memory=limit_bytes() if mode == "stream" else None,
+                )
+            )
             tokens = summary.rows
         seconds = time.perf_counter() - start
         peak = bench_big.peak_now(device)
     chunk = chunk_batches() if mode == "stream" else None
-    common.emit({"mode": mode, "tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds,
-                 "peak_extra": peak - before, "chunk_batches": chunk, "device": device})
+    common.emit(
+        {
+            "mode": mode,
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds,
+            "peak_extra": peak - before,
+            "chunk_batches": chunk,
+            "device": device,
+        }
+    )
 
 
 def chunk_batches() -> int:
@@ -100,8 +121,15 @@ def chunk_batches() -> int:
     from hookscope.loading.stream_plan import plan_stream
 
     loaded = hs.load(str(bench_big.BIG_DIR), device="meta", tokenizer=False)
-    return plan_stream(loaded.model, loaded.arch, [POINT], limit_bytes(), batch_size=BATCH,
-                       context=CONTEXT, store_itemsize=torch.bfloat16.itemsize).chunk_batches
+    return plan_stream(
+        loaded.model,
+        loaded.arch,
+        [POINT],
+        limit_bytes(),
+        batch_size=BATCH,
+        context=CONTEXT,
+        store_itemsize=torch.bfloat16.itemsize,
+    ).chunk_batches
 
 
 def offload_run(folder: str, device: str) -> int:
@@ -114,7 +142,8 @@ def offload_run(folder: str, device: str) -> int:
 
     room = {"cpu": limit_bytes()} if device == "cpu" else {0: limit_bytes(), "cpu": "64GiB"}
     model = AutoModelForCausalLM.from_pretrained(
-        bench_big.BIG_DIR, device_map="auto", max_memory=room, offload_folder=folder).eval()
+        bench_big.BIG_DIR, device_map="auto", max_memory=room, offload_folder=folder
+    ).eval()
     for i in range(TOKENS // (BATCH * CONTEXT)):
         ids = common.input_ids(bench_big.SHAPE["vocab_size"], batch=BATCH, seq=CONTEXT, seed=i)
         ids = ids.to(bench_big.input_device(model))
@@ -135,16 +164,27 @@ def main() -> None:
         return worker(args.worker, args.device)
     ensure_model()
     runs = 1 if args.quick else args.runs
-    rows = {mode: [common.run_fresh(args.python, Path(__file__), ["--worker", mode, "--device", args.device],
-                                    env=common.MEMORY_ENV)
-                   for _ in range(runs)] for mode in MODES}
+    rows = {
+        mode: [
+            common.run_fresh(
+                args.python,
+                Path(__file__),
+                ["--worker", mode, "--device", args.device],
+                env=common.MEMORY_ENV,
+            )
+            for _ in range(runs)
+        ]
+        for mode in MODES
+    }
     report(rows)
 
 
 def report(rows: dict[str, list[dict]]) -> None:
-    print(f"\nextract {POINT}: {TOKENS} tokens, batches of {BATCH}x{CONTEXT}; "
-          f"limit {limit_bytes() / MiB:.1f} MiB (outside the blocks {outside_blocks_bytes() / MiB:.1f} "
-          f"+ two blocks {2 * bench_big.block_bytes(4) / MiB:.1f} + chunk room {chunk_room() / MiB:.1f})")
+    print(
+        f"\nextract {POINT}: {TOKENS} tokens, batches of {BATCH}x{CONTEXT}; "
+        f"limit {limit_bytes() / MiB:.1f} MiB (outside the blocks {outside_blocks_bytes() / MiB:.1f} "
+        f"+ two blocks {2 * bench_big.block_bytes(4) / MiB:.1f} + chunk room {chunk_room() / MiB:.1f})"
+    )
     best: dict[str, dict] = {}
     for mode, results in rows.items():
         ok = [r for r in results if "error" not in r]
@@ -161,13 +201,17 @@ def report(rows: dict[str, list[dict]]) -> None:
         chunk = best["stream"]["chunk_batches"] * BATCH * CONTEXT * bench_big.SHAPE["hidden_size"] * 4
         bound = limit_bytes() + chunk + 300 * MiB
         ratio = best["stream"]["tokens_per_s"] / best["memory"]["tokens_per_s"]
-        print(f"  stream / memory tokens/s {ratio:.2f}x (target >= 0.8); stream peak "
-              f"{best['stream']['peak_extra'] / MiB:.1f} MiB vs limit + one chunk's hidden states + 300 MiB "
-              f"= {bound / MiB:.1f} MiB")
+        print(
+            f"  stream / memory tokens/s {ratio:.2f}x (target >= 0.8); stream peak "
+            f"{best['stream']['peak_extra'] / MiB:.1f} MiB vs limit + one chunk's hidden states + 300 MiB "
+            f"= {bound / MiB:.1f} MiB"
+        )
     if "offload" in best and "stream" in best:
-        print(f"  accelerate offload / stream tokens/s "
-              f"{best['offload']['tokens_per_s'] / best['stream']['tokens_per_s']:.2f}x, peak "
-              f"{best['offload']['peak_extra'] / best['stream']['peak_extra']:.2f}x")
+        print(
+            f"  accelerate offload / stream tokens/s "
+            f"{best['offload']['tokens_per_s'] / best['stream']['tokens_per_s']:.2f}x, peak "
+            f"{best['offload']['peak_extra'] / best['stream']['peak_extra']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -124,15 +124,35 @@ def worker(mode: str, name: str) -> None:
     with tempfile.TemporaryDirectory() as folder:
         data = bench_stream.corpus(folder, docs=120)  # 8 batches of 4 x 128 tokens
         start = time.perf_counter()
-        summary = extract(ExtractConfig(
-            out=f"{folder}/store", model=str(model_dir(name)), points=[POINT], data=data, context=CONTEXT,
-            batch_size=BATCH, max_tokens=TOKENS, dtype="bfloat16", drop_bos=False, progress=False,
-            max_memory=limit_bytes(name) if mode == "stream" else None))
+        summary = extract(
+            ExtractConfig(
+                out=f"{folder}/store",
+                model=str(model_dir(name)),
+                points=[POINT],
+                data=data,
+                context=CONTEXT,
+                batch_size=BATCH,
+                max_tokens=TOKENS,
+                dtype="bfloat16",
+                drop_bos=False,
+                progress=False,
+                max_memory=limit_bytes(name) if mode == "stream" else None,
+            )
+        )
         seconds = time.perf_counter() - start
     end = status_kib()
-    common.emit({"mode": mode, "model": name, "tokens_per_s": summary.rows / seconds, "peak": end["VmHWM"],
-                 "baseline": baseline, "anon_end": end["RssAnon"],
-                 "file_growth": end["RssFile"] - own["RssFile"], "chunk_batches": chunk_batches(name)})
+    common.emit(
+        {
+            "mode": mode,
+            "model": name,
+            "tokens_per_s": summary.rows / seconds,
+            "peak": end["VmHWM"],
+            "baseline": baseline,
+            "anon_end": end["RssAnon"],
+            "file_growth": end["RssFile"] - own["RssFile"],
+            "chunk_batches": chunk_batches(name),
+        }
+    )
 
 
 def chunk_batches(name: str) -> int:
@@ -142,8 +162,15 @@ def chunk_batches(name: str) -> int:
     from hookscope.loading.stream_plan import plan_stream
 
     loaded = hs.load(str(model_dir(name)), device="meta", tokenizer=False)
-    return plan_stream(loaded.model, loaded.arch, [POINT], limit_bytes(name), batch_size=BATCH,
-                       context=CONTEXT, store_itemsize=torch.bfloat16.itemsize).chunk_batches
+    return plan_stream(
+        loaded.model,
+        loaded.arch,
+        [POINT],
+        limit_bytes(name),
+        batch_size=BATCH,
+        context=CONTEXT,
+        store_itemsize=torch.bfloat16.itemsize,
+    ).chunk_batches
 
 
 def main() -> None:
@@ -163,53 +190,81 @@ def main() -> None:
     ensure_models()
     runs = 1 if args.quick else args.runs
     print(f"load before: {os.getloadavg()[0]:.2f}")
-    imports = common.median([common.run_fresh(args.python, Path(__file__), ["--worker", "imports", "same"])
-                             ["rss"] for _ in range(runs)])
+    imports = common.median(
+        [
+            common.run_fresh(args.python, Path(__file__), ["--worker", "imports", "same"])["rss"]
+            for _ in range(runs)
+        ]
+    )
     print(f"python + torch + transformers imported: {imports / MB:.1f} MB")
-    code = common.median([common.run_fresh(args.python, Path(__file__), ["--worker", "modelcode", "same"])
-                          ["rss"] for _ in range(runs)])
-    print(f"  + the model's code (modeling_llama and what it imports): {code / MB:.1f} MB "
-          f"(+{(code - imports) / MB:.1f})")
+    code = common.median(
+        [
+            common.run_fresh(args.python, Path(__file__), ["--worker", "modelcode", "same"])["rss"]
+            for _ in range(runs)
+        ]
+    )
+    print(
+        f"  + the model's code (modeling_llama and what it imports): {code / MB:.1f} MB "
+        f"(+{(code - imports) / MB:.1f})"
+    )
     for name in args.models.split(","):
-        rows = {mode: [common.run_fresh(args.python, Path(__file__), ["--worker", mode, name])
-                       for _ in range(runs)] for mode in args.modes.split(",")}
+        rows = {
+            mode: [
+                common.run_fresh(args.python, Path(__file__), ["--worker", mode, name]) for _ in range(runs)
+            ]
+            for mode in args.modes.split(",")
+        }
         report(name, rows, imports, code)
     print(f"load after: {os.getloadavg()[0]:.2f}")
 
 
 def report(name: str, rows: dict[str, list[dict]], imports: int, code: int) -> None:
-    print(f"\n{name}: float32 checkpoint computed in {MODELS[name]}; extract {POINT}, {TOKENS} tokens in "
-          f"batches of {BATCH}x{CONTEXT}; limit {limit_bytes(name) / MB:.1f} MB (weights kept "
-          f"{weights_kept(name) / MB:.1f} + chunk room)")
+    print(
+        f"\n{name}: float32 checkpoint computed in {MODELS[name]}; extract {POINT}, {TOKENS} tokens in "
+        f"batches of {BATCH}x{CONTEXT}; limit {limit_bytes(name) / MB:.1f} MB (weights kept "
+        f"{weights_kept(name) / MB:.1f} + chunk room)"
+    )
     best = {}
     for mode, results in rows.items():
         ok = [r for r in results if "error" not in r]
         if not ok:
             print(f"  {mode:7s} ERROR {results[0]['error']}")
             continue
-        med = {k: common.median([r[k] for r in ok])
-               for k in ("tokens_per_s", "peak", "baseline", "anon_end", "file_growth")}
+        med = {
+            k: common.median([r[k] for r in ok])
+            for k in ("tokens_per_s", "peak", "baseline", "anon_end", "file_growth")
+        }
         best[mode] = med
-        print(f"  {mode:7s} {med['tokens_per_s']:8.1f} tokens/s  peak RSS {med['peak'] / MB:7.1f} MB  "
-              f"(the process's own {med['baseline'] / MB:.1f}, anon at end {med['anon_end'] / MB:.1f}, "
-              f"file-backed pages mapped in by the run {med['file_growth'] / MB:+.1f}; runs: "
-              + ", ".join(f"{r['tokens_per_s']:.0f} t/s {r['peak'] / MB:.0f} MB" for r in ok) + ")"
-              + (f" chunk {ok[0]['chunk_batches']} batches" if mode == "stream" else ""))
+        print(
+            f"  {mode:7s} {med['tokens_per_s']:8.1f} tokens/s  peak RSS {med['peak'] / MB:7.1f} MB  "
+            f"(the process's own {med['baseline'] / MB:.1f}, anon at end {med['anon_end'] / MB:.1f}, "
+            f"file-backed pages mapped in by the run {med['file_growth'] / MB:+.1f}; runs: "
+            + ", ".join(f"{r['tokens_per_s']:.0f} t/s {r['peak'] / MB:.0f} MB" for r in ok)
+            + ")"
+            + (f" chunk {ok[0]['chunk_batches']} batches" if mode == "stream" else "")
+        )
     if len(best) == 2:
         ratio = best["stream"]["tokens_per_s"] / best["memory"]["tokens_per_s"]
         print(f"  stream / memory tokens/s {ratio:.2f}x (target >= 0.8)")
     if "stream" in best:
         peak, own, pages = best["stream"]["peak"], best["stream"]["baseline"], best["stream"]["file_growth"]
-        print(f"  the floor: python + torch + transformers {imports / MB:.1f} MB, the model's code "
-              f"+{(code - imports) / MB:.1f}, hookscope + the meta load + tokenizer +{(own - code) / MB:.1f} "
-              f"= the process's own {own / MB:.1f}; library pages the run maps in +{pages / MB:.1f}; "
-              f"the rest (weights, the chunk, a pass's working memory) {(peak - own - pages) / MB:.1f} MB "
-              f"beside limit + one chunk = {(limit_bytes(name) + chunk_bytes(name)) / MB:.1f} MB")
-        for what, own in (("300 MB", 300 * MB), ("python + torch + transformers", imports),
-                          ("the process's own", best["stream"]["baseline"])):
+        print(
+            f"  the floor: python + torch + transformers {imports / MB:.1f} MB, the model's code "
+            f"+{(code - imports) / MB:.1f}, hookscope + the meta load + tokenizer +{(own - code) / MB:.1f} "
+            f"= the process's own {own / MB:.1f}; library pages the run maps in +{pages / MB:.1f}; "
+            f"the rest (weights, the chunk, a pass's working memory) {(peak - own - pages) / MB:.1f} MB "
+            f"beside limit + one chunk = {(limit_bytes(name) + chunk_bytes(name)) / MB:.1f} MB"
+        )
+        for what, own in (
+            ("300 MB", 300 * MB),
+            ("python + torch + transformers", imports),
+            ("the process's own", best["stream"]["baseline"]),
+        ):
             target = limit_bytes(name) + chunk_bytes(name) + own
-            print(f"  stream peak {peak / MB:.1f} MB vs limit + one chunk + {what} = {target / MB:.1f} MB "
-                  f"({'within' if peak <= target else 'OVER'} by {abs(target - peak) / MB:.1f} MB)")
+            print(
+                f"  stream peak {peak / MB:.1f} MB vs limit + one chunk + {what} = {target / MB:.1f} MB "
+                f"({'within' if peak <= target else 'OVER'} by {abs(target - peak) / MB:.1f} MB)"
+            )
 
 
 if __name__ == "__main__":

@@ -61,8 +61,14 @@ def make_store(rows: int) -> Path:
     if not (tok_dir / "tokenizer.json").exists():
         train_tokenizer().save_pretrained(tok_dir)
     vocab = 512
-    settings = {"model": None, "points": [POINT], "dtype": "float16", "context": SEQ, "bench": "top",
-                "rows": rows}
+    settings = {
+        "model": None,
+        "points": [POINT],
+        "dtype": "float16",
+        "context": SEQ,
+        "bench": "top",
+        "rows": rows,
+    }
     gen = torch.Generator().manual_seed(0)
     batch = 8192
     with ShardWriter(path, settings, shard_rows=SHARD_ROWS) as w:
@@ -71,8 +77,12 @@ def make_store(rows: int) -> Path:
             x[:, : D // 2].clamp_(min=0)  # half the units ReLU-like: sparse, many ties at 0
             start = b * batch
             r = torch.arange(start, start + batch)
-            meta = {"token_ids": torch.randint(0, vocab, (batch,), generator=gen), "doc_ids": r // 300,
-                    "positions": r % 300, "seq_ids": r // SEQ}
+            meta = {
+                "token_ids": torch.randint(0, vocab, (batch,), generator=gen),
+                "doc_ids": r // 300,
+                "positions": r % 300,
+                "seq_ids": r // SEQ,
+            }
             w.write(b, {POINT: x.half()}, meta)
             print(f"\rwriting the store: {start + batch:,} / {rows:,} rows", end="", file=sys.stderr)
     print(file=sys.stderr)
@@ -149,17 +159,32 @@ def child(mode: str, rows: int) -> dict:
                 if n >= len(store):
                     break
             dt = time.perf_counter() - t0
-        return {"mode": mode, "rows": n, "seconds": dt, "rows_per_s": n / dt, "anon_peak": mem.peak,
-                "anon_base": mem.base, "vm_hwm": vm_hwm(), "cpu_s": cpu_seconds() - cpu0}
+        return {
+            "mode": mode,
+            "rows": n,
+            "seconds": dt,
+            "rows_per_s": n / dt,
+            "anon_peak": mem.peak,
+            "anon_base": mem.base,
+            "vm_hwm": vm_hwm(),
+            "cpu_s": cpu_seconds() - cpu0,
+        }
     if mode == "build":
         with AnonPeak() as mem:
             t0 = time.perf_counter()
             index = build_index(store, POINT, k=32)
             index.save(index_path(store, POINT, neurons(D)))
             dt = time.perf_counter() - t0
-        return {"mode": mode, "rows": len(store), "seconds": dt, "rows_per_s": len(store) / dt,
-                "anon_peak": mem.peak, "anon_base": mem.base, "vm_hwm": vm_hwm(),
-                "cpu_s": cpu_seconds() - cpu0}
+        return {
+            "mode": mode,
+            "rows": len(store),
+            "seconds": dt,
+            "rows_per_s": len(store) / dt,
+            "anon_peak": mem.peak,
+            "anon_base": mem.base,
+            "vm_hwm": vm_hwm(),
+            "cpu_s": cpu_seconds() - cpu0,
+        }
     if mode == "query":
         from transformers import AutoTokenizer
 
@@ -180,8 +205,13 @@ def child(mode: str, rows: int) -> dict:
 
 def run_child(mode: str, rows: int) -> dict:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    out = subprocess.run([sys.executable, __file__, "--child", mode, "--rows", str(rows)], env=env,
-                         capture_output=True, text=True, check=True)
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", mode, "--rows", str(rows)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
@@ -203,27 +233,37 @@ def main() -> None:
         b = run_child("build", args.rows)
         floors.append(f)
         builds.append(b)
-        print(f"round {r + 1}: floor {f['rows_per_s']:,.0f} rows/s ({f['seconds']:.1f} s), build "
-              f"{b['rows_per_s']:,.0f} rows/s ({b['seconds']:.1f} s), "
-              f"ratio {b['rows_per_s'] / f['rows_per_s']:.2f}; "
-              f"CPU s floor {f['cpu_s']:.1f}, build {b['cpu_s']:.1f}; "
-              f"anon peak floor {f['anon_peak'] / 2**20:.0f} MiB, build {b['anon_peak'] / 2**20:.0f} MiB "
-              f"(VmHWM {b['vm_hwm'] / 2**20:.0f} MiB); load {open('/proc/loadavg').read().split()[0]}")
+        print(
+            f"round {r + 1}: floor {f['rows_per_s']:,.0f} rows/s ({f['seconds']:.1f} s), build "
+            f"{b['rows_per_s']:,.0f} rows/s ({b['seconds']:.1f} s), "
+            f"ratio {b['rows_per_s'] / f['rows_per_s']:.2f}; "
+            f"CPU s floor {f['cpu_s']:.1f}, build {b['cpu_s']:.1f}; "
+            f"anon peak floor {f['anon_peak'] / 2**20:.0f} MiB, build {b['anon_peak'] / 2**20:.0f} MiB "
+            f"(VmHWM {b['vm_hwm'] / 2**20:.0f} MiB); load {open('/proc/loadavg').read().split()[0]}"
+        )
     q = run_child("query", args.rows)
     fl = statistics.median(x["rows_per_s"] for x in floors)
     bl = statistics.median(x["rows_per_s"] for x in builds)
     ratios = [b["rows_per_s"] / f["rows_per_s"] for f, b in zip(floors, builds, strict=True)]
     print(f"\n{args.rows:,} rows x {D} float16, {args.rounds} rounds (median):")
     print(f"  shuffled-reading floor  {fl:,.0f} rows/s")
-    print(f"  build index (k=32, all {D} units) {bl:,.0f} rows/s  = {bl / fl:.2f}x the floor "
-          f"(per-round ratios {', '.join(f'{r:.2f}' for r in ratios)}; target >= 0.8)")
-    print(f"  CPU seconds (user + system): floor {statistics.median(x['cpu_s'] for x in floors):.1f}, build "
-          f"{statistics.median(x['cpu_s'] for x in builds):.1f}")
-    print(f"  peak anonymous RSS: build {statistics.median(x['anon_peak'] for x in builds) / 2**20:.0f} MiB, "
-          f"floor {statistics.median(x['anon_peak'] for x in floors) / 2**20:.0f} MiB")
-    print(f"  one query from the saved index (open_store + top, k=20, context 8): median "
-          f"{q['median_s'] * 1000:.1f} ms (min {min(q['times']) * 1000:.1f}, "
-          f"max {max(q['times']) * 1000:.1f})")
+    print(
+        f"  build index (k=32, all {D} units) {bl:,.0f} rows/s  = {bl / fl:.2f}x the floor "
+        f"(per-round ratios {', '.join(f'{r:.2f}' for r in ratios)}; target >= 0.8)"
+    )
+    print(
+        f"  CPU seconds (user + system): floor {statistics.median(x['cpu_s'] for x in floors):.1f}, build "
+        f"{statistics.median(x['cpu_s'] for x in builds):.1f}"
+    )
+    print(
+        f"  peak anonymous RSS: build {statistics.median(x['anon_peak'] for x in builds) / 2**20:.0f} MiB, "
+        f"floor {statistics.median(x['anon_peak'] for x in floors) / 2**20:.0f} MiB"
+    )
+    print(
+        f"  one query from the saved index (open_store + top, k=20, context 8): median "
+        f"{q['median_s'] * 1000:.1f} ms (min {min(q['times']) * 1000:.1f}, "
+        f"max {max(q['times']) * 1000:.1f})"
+    )
     print(f"load after: {open('/proc/loadavg').read().strip()}")
 
 

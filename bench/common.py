@@ -79,12 +79,20 @@ def tl3_config(hf_config):
     from transformer_lens import HookedTransformerConfig
 
     return HookedTransformerConfig(
-        n_layers=hf_config.n_layer, d_model=hf_config.n_embd, n_heads=hf_config.n_head,
-        d_head=hf_config.n_embd // hf_config.n_head, d_mlp=4 * hf_config.n_embd,
-        d_vocab=hf_config.vocab_size, n_ctx=hf_config.n_positions, act_fn="gelu_new",
-        normalization_type="LN", eps=hf_config.layer_norm_epsilon,
-        original_architecture="GPT2LMHeadModel", positional_embedding_type="standard",
-        default_prepend_bos=False, device="cpu",
+        n_layers=hf_config.n_layer,
+        d_model=hf_config.n_embd,
+        n_heads=hf_config.n_head,
+        d_head=hf_config.n_embd // hf_config.n_head,
+        d_mlp=4 * hf_config.n_embd,
+        d_vocab=hf_config.vocab_size,
+        n_ctx=hf_config.n_positions,
+        act_fn="gelu_new",
+        normalization_type="LN",
+        eps=hf_config.layer_norm_epsilon,
+        original_architecture="GPT2LMHeadModel",
+        positional_embedding_type="standard",
+        default_prepend_bos=False,
+        device="cpu",
     )
 
 
@@ -99,7 +107,11 @@ def load_tl3(path: Path = GPT2_SMALL_DIR):
     model = HookedTransformer(cfg)
     state = convert_gpt2_weights(hf, cfg)
     model.load_and_process_state_dict(
-        state, fold_ln=False, center_writing_weights=False, center_unembed=False, fold_value_biases=False,
+        state,
+        fold_ln=False,
+        center_writing_weights=False,
+        center_unembed=False,
+        fold_value_biases=False,
     )
     del hf, state
     gc.collect()
@@ -216,14 +228,28 @@ def use_source(tree: str | Path) -> None:
     sys.path.insert(0, str(Path(tree).resolve() / "src"))
 
 
-def run_fresh(python: str, script: Path, args: list[str], env: dict[str, str] | None = None,
-              timeout: float = 1800) -> dict:
+def run_fresh(
+    python: str, script: Path, args: list[str], env: dict[str, str] | None = None, timeout: float = 1800
+) -> dict:
     """Run `python script args` in a new process; its last stdout line is a JSON object."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": str(THREADS), "MKL_NUM_THREADS": str(THREADS),
-                "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-                **(env or {})}
-    proc = subprocess.run([python, str(script), *args], check=False, capture_output=True, text=True,
-                          env=full_env, timeout=timeout, cwd=REPO_DIR)
+    full_env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(THREADS),
+        "MKL_NUM_THREADS": str(THREADS),
+        "TOKENIZERS_PARALLELISM": "false",
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        **(env or {}),
+    }
+    proc = subprocess.run(
+        [python, str(script), *args],
+        check=False,
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+        cwd=REPO_DIR,
+    )
     lines = [line for line in proc.stdout.splitlines() if line.startswith("{")]
     if proc.returncode != 0 or not lines:
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-15:]
@@ -269,9 +295,12 @@ def per_token_counts(run_for: Callable[[int], Callable[[], Any]], short: int, lo
         profiler.enable()
         fn()
         profiler.disable()
-        counts[n] = {"ops": sum(name.startswith("aten::") for name in names),
-                     "host_reads": sum(name in HOST_READS for name in names),
-                     "cuda_waits": sum(name.startswith(CUDA_WAITS) and not name.startswith("cudaMemcpyAsync")
-                                       for name in names),
-                     "python_calls": pstats.Stats(profiler).total_calls}
+        counts[n] = {
+            "ops": sum(name.startswith("aten::") for name in names),
+            "host_reads": sum(name in HOST_READS for name in names),
+            "cuda_waits": sum(
+                name.startswith(CUDA_WAITS) and not name.startswith("cudaMemcpyAsync") for name in names
+            ),
+            "python_calls": pstats.Stats(profiler).total_calls,
+        }
     return {key: (counts[long][key] - counts[short][key]) / (long - short) for key in counts[long]}

@@ -97,8 +97,13 @@ def floor_blocks(model, ids, last: int = LAYER):
     positions = torch.arange(ids.shape[1]).unsqueeze(0)
     embeds = tr.wte(ids)
     hidden = embeds + tr.wpe(positions)
-    mask = create_causal_mask(config=tr.config, inputs_embeds=embeds, attention_mask=None,
-                              past_key_values=None, position_ids=positions)
+    mask = create_causal_mask(
+        config=tr.config,
+        inputs_embeds=embeds,
+        attention_mask=None,
+        past_key_values=None,
+        position_ids=positions,
+    )
     hidden = tr.drop(hidden)
     for block in tr.h[: last + 1]:
         hidden = block(hidden, None, mask, position_ids=positions)
@@ -135,6 +140,7 @@ def capture_fn(config: str) -> Callable[[], Any]:
         def run() -> Any:
             with torch.inference_mode():
                 return fn()
+
         return run
 
     if config.startswith("tl4_"):  # TransformerLens 4.x: the bridge over the same saved model
@@ -142,14 +148,20 @@ def capture_fn(config: str) -> Callable[[], Any]:
         ids = common.input_ids(model.cfg.d_vocab)
         if config == "tl4_hookscope":
             return lambda: hs.collect(model, ids, POINT)[POINT]
-        options = {"tl4_full": {}, "tl4_filter": {"names_filter": TL_POINT},
-                   "tl4_filter_stop": {"names_filter": TL_POINT, "stop_at_layer": LAYER + 1}}[config]
+        options = {
+            "tl4_full": {},
+            "tl4_filter": {"names_filter": TL_POINT},
+            "tl4_filter_stop": {"names_filter": TL_POINT, "stop_at_layer": LAYER + 1},
+        }[config]
         return inference(lambda: model.run_with_cache(ids, **options)[1][TL_POINT])
     if config.startswith("tl3_"):
         model = common.load_tl3()
         ids = common.input_ids(model.cfg.d_vocab)
-        options = {"tl3_full": {}, "tl3_filter": {"names_filter": TL_POINT},
-                   "tl3_filter_stop": {"names_filter": TL_POINT, "stop_at_layer": LAYER + 1}}[config]
+        options = {
+            "tl3_full": {},
+            "tl3_filter": {"names_filter": TL_POINT},
+            "tl3_filter_stop": {"names_filter": TL_POINT, "stop_at_layer": LAYER + 1},
+        }[config]
         return inference(lambda: model.run_with_cache(ids, **options)[1][TL_POINT])
     model = common.load_hf()
     ids = common.input_ids(model.config.vocab_size)
@@ -190,6 +202,7 @@ def run_check(tl4: bool = False) -> dict:
         configs = ["hookscope", "forward_hook", "tl3_filter_stop"]
         try:
             import nnsight  # noqa: F401
+
             configs += ["nnsight_stop"]
         except ImportError:
             results["nnsight"] = "not installed"
@@ -245,10 +258,13 @@ def run_forward_paired(model, ids, pairs: int) -> dict:
     forward(False), forward(True)  # warm-up
     none, hooked = [], []
     for pair in range(pairs):
-        for is_hooked in ((False, True) if pair % 2 == 0 else (True, False)):
+        for is_hooked in (False, True) if pair % 2 == 0 else (True, False):
             (hooked if is_hooked else none).append(forward(is_hooked))
-    return {"pair_ratios": [h / n for h, n in zip(hooked, none, strict=True)],
-            "seconds_none": none, "seconds_hooks12": hooked}
+    return {
+        "pair_ratios": [h / n for h, n in zip(hooked, none, strict=True)],
+        "seconds_none": none,
+        "seconds_hooks12": hooked,
+    }
 
 
 def small_fn(config: str, model: Any = None) -> Callable[[], Any]:
@@ -272,10 +288,12 @@ def small_fn(config: str, model: Any = None) -> Callable[[], Any]:
             add_hook(model, SMALL_POINT, noop)
         return plain
     if config == "capture":  # attach, full pass, detach: per call
+
         def capture() -> Any:
             with hs.capture(model, SMALL_POINT) as cap:
                 model(ids)
             return cap[SMALL_POINT]
+
         return capture
     if config == "collect":  # stops after the point
         return lambda: hs.collect(model, ids, SMALL_POINT)
@@ -291,6 +309,7 @@ def small_fn(config: str, model: Any = None) -> Callable[[], Any]:
                 if config == "nnsight_stop":
                     tracer.stop()
             return saved
+
         return trace
     raise SystemExit(f"unknown small config {config!r}")
 
@@ -358,8 +377,9 @@ def versions() -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("case")
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--budget", type=float, default=0.2, help="seconds per timed batch of fast ops")

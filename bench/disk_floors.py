@@ -52,7 +52,7 @@ def raw_parts(total: int, file_bytes: int) -> list[memoryview]:
     while left > 0:
         in_file = min(file_bytes, left)
         for at in range(0, in_file, len(chunk)):
-            parts.append(chunk[:min(len(chunk), in_file - at)])
+            parts.append(chunk[: min(len(chunk), in_file - at)])
         left -= in_file
     return parts
 
@@ -78,7 +78,7 @@ def direct_write_s(folder: Path, total: int, file_bytes: int) -> float | None:
             try:
                 in_file = min(file_bytes, -(-left // 4096) * 4096)
                 for at in range(0, in_file, DIRECT_BLOCK):
-                    os.pwrite(fd, memoryview(block)[:min(DIRECT_BLOCK, in_file - at)], at)
+                    os.pwrite(fd, memoryview(block)[: min(DIRECT_BLOCK, in_file - at)], at)
                 os.fsync(fd)
             finally:
                 os.close(fd)

@@ -61,12 +61,19 @@ class Clock:
     def result(self) -> dict:
         first = self.marks[0][0]
         rss_end, steady_peak = common.rss_bytes()
-        return {"batches": len(self.marks), "tokens": sum(t for _, t in self.marks),
-                "steady_tokens": sum(t for _, t in self.marks[1:]), "steady_s": self.stopped - first,
-                "steady_cpu_s": self.cpu[1] - self.cpu[0],
-                "first_batch_s": first - self.started, "total_s": self.stopped - self.started,
-                "peak_rss_bytes": max(self.startup_rss[1], steady_peak), "steady_peak_rss_bytes": steady_peak,
-                "rss_first_batch_bytes": self.startup_rss[0], "rss_end_bytes": rss_end}
+        return {
+            "batches": len(self.marks),
+            "tokens": sum(t for _, t in self.marks),
+            "steady_tokens": sum(t for _, t in self.marks[1:]),
+            "steady_s": self.stopped - first,
+            "steady_cpu_s": self.cpu[1] - self.cpu[0],
+            "first_batch_s": first - self.started,
+            "total_s": self.stopped - self.started,
+            "peak_rss_bytes": max(self.startup_rss[1], steady_peak),
+            "steady_peak_rss_bytes": steady_peak,
+            "rss_first_batch_bytes": self.startup_rss[0],
+            "rss_end_bytes": rss_end,
+        }
 
 
 def packed_batches(tokens: int) -> list[dict]:
@@ -81,9 +88,27 @@ def packed_batches(tokens: int) -> list[dict]:
 
 
 def extract_argv(tokens: int, shard_rows: int, out: Path) -> list[str]:
-    return ["extract", str(common.GPT2_SMALL_DIR), "--out", str(out), "--points", POINT, "--data", DATA,
-            "--context", str(CONTEXT), "--batch-size", str(BATCH), "--dtype", DTYPE,
-            "--max-tokens", str(tokens), "--shard-rows", str(shard_rows), "--no-progress"]
+    return [
+        "extract",
+        str(common.GPT2_SMALL_DIR),
+        "--out",
+        str(out),
+        "--points",
+        POINT,
+        "--data",
+        DATA,
+        "--context",
+        str(CONTEXT),
+        "--batch-size",
+        str(BATCH),
+        "--dtype",
+        DTYPE,
+        "--max-tokens",
+        str(tokens),
+        "--shard-rows",
+        str(shard_rows),
+        "--no-progress",
+    ]
 
 
 # --- the configurations ----------------------------------------------------------------------
@@ -165,13 +190,17 @@ def run_check(out: Path) -> dict:
     scale = reference.float().abs().max().item()
     for name, diff in (("extract", extract_diff), ("tl3_stop", tl3_diff)):
         assert diff <= 2e-3 * scale, f"{name} differs from the floor by {diff} (values up to {scale})"
-    return {"rows": len(store), "max_abs_value": scale,
-            "max_abs_diff_vs_floor": {"extract": extract_diff, "tl3_stop": tl3_diff}}
+    return {
+        "rows": len(store),
+        "max_abs_value": scale,
+        "max_abs_diff_vs_floor": {"extract": extract_diff, "tl3_stop": tl3_diff},
+    }
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("case")
     parser.add_argument("--tokens", type=int, default=16384, help="--max-tokens of the run")
     parser.add_argument("--shard-rows", type=int, default=8192)

@@ -50,16 +50,20 @@ def main() -> None:
     buffer = torch.empty(rows.shape, dtype=torch.bfloat16)
     work = Workspace()
     stats_ms, stats_faults = measure(lambda: PointStats.of(rows, work), args.calls)
-    copy_ms, copy_faults = measure(lambda: select_tokens(acts, keep, 1, KeptRows(), torch.bfloat16,
-                                                         lambda shape, dtype, device: buffer), args.calls)
+    copy_ms, copy_faults = measure(
+        lambda: select_tokens(acts, keep, 1, KeptRows(), torch.bfloat16, lambda shape, dtype, device: buffer),
+        args.calls,
+    )
     n = len(rows)
     tree = hookscope.__file__.rsplit("/src/", 1)[0]
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"{tree}: {n:,} rows x {width}, {args.threads} threads, OMP_WAIT_POLICY="
-          f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}: statistics {stats_ms:.1f} ms CPU "
-          f"({stats_ms * 1e3 / n:.2f} us/row, {stats_faults:.0f} faults), capture into a buffer "
-          f"{copy_ms:.1f} ms CPU ({copy_ms * 1e3 / n:.2f} us/row, {copy_faults:.0f} faults) per batch; "
-          f"load {load}")
+    print(
+        f"{tree}: {n:,} rows x {width}, {args.threads} threads, OMP_WAIT_POLICY="
+        f"{os.environ.get('OMP_WAIT_POLICY', 'unset')}: statistics {stats_ms:.1f} ms CPU "
+        f"({stats_ms * 1e3 / n:.2f} us/row, {stats_faults:.0f} faults), capture into a buffer "
+        f"{copy_ms:.1f} ms CPU ({copy_ms * 1e3 / n:.2f} us/row, {copy_faults:.0f} faults) per batch; "
+        f"load {load}"
+    )
 
 
 if __name__ == "__main__":

@@ -23,8 +23,13 @@ import time
 import bench_read as br
 
 MADV_WILLNEED, MADV_HUGEPAGE = 3, 14
-ADVICE = {"disk": [], "touch": [], "huge": [MADV_HUGEPAGE], "willneed": [MADV_WILLNEED],
-          "huge+willneed": [MADV_HUGEPAGE, MADV_WILLNEED]}
+ADVICE = {
+    "disk": [],
+    "touch": [],
+    "huge": [MADV_HUGEPAGE],
+    "willneed": [MADV_WILLNEED],
+    "huge+willneed": [MADV_HUGEPAGE, MADV_WILLNEED],
+}
 
 
 def one(method: str, d: int, dtype: str) -> dict[str, float]:
@@ -72,14 +77,20 @@ def main() -> None:
     results: dict[str, list[dict]] = {m: [] for m in ADVICE}
     for r in range(rounds):
         for method in list(ADVICE) if r % 2 == 0 else list(ADVICE)[::-1]:
-            out = subprocess.run([sys.executable, __file__, "--one", method, str(d), dtype], check=True,
-                                 capture_output=True, text=True).stdout
+            out = subprocess.run(
+                [sys.executable, __file__, "--one", method, str(d), dtype],
+                check=True,
+                capture_output=True,
+                text=True,
+            ).stdout
             results[method].append(json.loads(out.strip().splitlines()[-1]))
             print(r, method, {k: round(v / 1e6, 3) for k, v in results[method][-1].items()}, flush=True)
     print(f"{d} {dtype}, median of {rounds}, M rows/s:")
     for method, runs in results.items():
-        print(f"  {method}: " + ", ".join(f"{k} {statistics.median(x[k] for x in runs) / 1e6:.3f}"
-                                          for k in runs[0]))
+        print(
+            f"  {method}: "
+            + ", ".join(f"{k} {statistics.median(x[k] for x in runs) / 1e6:.3f}" for k in runs[0])
+        )
 
 
 if __name__ == "__main__":

@@ -123,15 +123,24 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="hookscope-probe-cpu-") as tmp:
         work = Path(tmp)
         words = args.tokens * 11 // 10 + 4096
-        bench_pipeline.prepare(work, docs=max(4, words // 2048), words_per_doc=min(2048, words),
-                               points=args.points)
+        bench_pipeline.prepare(
+            work, docs=max(4, words // 2048), words_per_doc=min(2048, words), points=args.points
+        )
         if args.points > 1:
             bench_pipeline.identity_blocks()
         points = ["embed"] + [f"blocks.{i}.resid_post" for i in range(args.points - 1)]
         store = Path(tempfile.mkdtemp(prefix="hookscope-probe-store-", dir=bench_pipeline.MEMORY_DIR))
-        cfg = ExtractConfig(out=str(store / "s"), model=str(work / "model"), points=points,
-                            data=str(work / "corpus.jsonl"), context=context, batch_size=batch,
-                            dtype="bfloat16", max_tokens=args.tokens, progress=False)
+        cfg = ExtractConfig(
+            out=str(store / "s"),
+            model=str(work / "model"),
+            points=points,
+            data=str(work / "corpus.jsonl"),
+            context=context,
+            batch_size=batch,
+            dtype="bfloat16",
+            max_tokens=args.tokens,
+            progress=False,
+        )
         faults = minor_faults()
         cpu, wall = time.process_time(), time.perf_counter()
         with Sampler(args.every) as sampler:
@@ -143,9 +152,11 @@ def main() -> None:
         shutil.rmtree(store, ignore_errors=True)
     rows = summary.new_rows
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
-    print(f"{args.points} point(s), {rows:,} rows in {wall:.2f} s ({rows / wall:,.0f} rows/s); "
-          f"CPU {cpu:.2f} s = {cpu / rows * 1e6:.2f} us/row; minor faults {faults:,} "
-          f"({faults / rows * 1e3:.1f} per 1k rows); load {load}")
+    print(
+        f"{args.points} point(s), {rows:,} rows in {wall:.2f} s ({rows / wall:,.0f} rows/s); "
+        f"CPU {cpu:.2f} s = {cpu / rows * 1e6:.2f} us/row; minor faults {faults:,} "
+        f"({faults / rows * 1e3:.1f} per 1k rows); load {load}"
+    )
     by_kind: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
     for tid, (user, system) in sampler.last.items():
         u0, s0 = sampler.first.get(tid, (0.0, 0.0))

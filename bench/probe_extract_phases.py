@@ -73,8 +73,12 @@ def main() -> None:
             f.write('{"text": "' + " ".join(words[i] for i in idx) + '"}\n')
     tokens = args.batch * args.seq * args.batches
     start = time.perf_counter()
-    packed = list(batches(pack(bench_gpu._jsonl(work / "corpus.jsonl"), tokenizer, context=args.seq,
-                               max_tokens=tokens), args.batch))
+    packed = list(
+        batches(
+            pack(bench_gpu._jsonl(work / "corpus.jsonl"), tokenizer, context=args.seq, max_tokens=tokens),
+            args.batch,
+        )
+    )
     pack_s = time.perf_counter() - start
     floor = bench_gpu.truncated(model, layer)
     bench_gpu.sync(args.device)
@@ -86,18 +90,29 @@ def main() -> None:
     bench_gpu.sync(args.device)
     forward_s = time.perf_counter() - start
     point = f"blocks.{layer}.resid_post"
-    cfg = ExtractConfig(out=str(work / "store"), model=str(work / "model"), points=[point],
-                        data=str(work / "corpus.jsonl"), context=args.seq, batch_size=args.batch,
-                        dtype="bfloat16", device=args.device, max_tokens=tokens, progress=False)
+    cfg = ExtractConfig(
+        out=str(work / "store"),
+        model=str(work / "model"),
+        points=[point],
+        data=str(work / "corpus.jsonl"),
+        context=args.seq,
+        batch_size=args.batch,
+        dtype="bfloat16",
+        device=args.device,
+        max_tokens=tokens,
+        progress=False,
+    )
     profiler = cProfile.Profile()
     start = time.perf_counter()
     profiler.enable()
     summary = extract(cfg)
     profiler.disable()
     extract_s = time.perf_counter() - start
-    say(f"{tokens:,} tokens ({args.batches} batches of {args.batch} x {args.seq}) on {args.device}: "
+    say(
+        f"{tokens:,} tokens ({args.batches} batches of {args.batch} x {args.seq}) on {args.device}: "
         f"packing alone {tokens / pack_s:,.0f} tok/s, truncated forward {tokens / forward_s:,.0f} tok/s, "
-        f"extract (under cProfile) {summary.rows / extract_s:,.0f} tok/s = {extract_s:.2f} s")
+        f"extract (under cProfile) {summary.rows / extract_s:,.0f} tok/s = {extract_s:.2f} s"
+    )
     for order in ("cumulative", "tottime"):
         text = io.StringIO()
         pstats.Stats(profiler, stream=text).sort_stats(order).print_stats(28)

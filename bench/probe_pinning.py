@@ -22,8 +22,11 @@ from pathlib import Path
 
 os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # as extract sets it (loading.allocator.prefer_huge_pages)
 
-SIZES = {"gpt2-small batch (64 MiB)": 2**26, "llama-1b batch (128 MiB)": 2**27,
-         "llama-1b 16 points (2 GiB)": 2**31}
+SIZES = {
+    "gpt2-small batch (64 MiB)": 2**26,
+    "llama-1b batch (128 MiB)": 2**27,
+    "llama-1b 16 points (2 GiB)": 2**31,
+}
 
 
 def seconds(fn) -> tuple[float, object]:
@@ -79,8 +82,12 @@ def main() -> None:
         event = torch.cuda.Event()
         event.record(side)
     wait_s, _ = seconds(event.synchronize)
-    results["registered_copy"] = {"call_s": call_s, "wait_s": wait_s, "is_pinned": host.is_pinned(),
-                                  "equal": bool(torch.equal(host, device.cpu()))}
+    results["registered_copy"] = {
+        "call_s": call_s,
+        "wait_s": wait_s,
+        "is_pinned": host.is_pinned(),
+        "equal": bool(torch.equal(host, device.cpu())),
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "pinning.json").write_text(json.dumps(results, indent=1))

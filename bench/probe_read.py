@@ -43,8 +43,11 @@ def main() -> None:
     point, stack, points = LAYOUTS[layout]
     k = len(points)
     rows, buffer_rows = SHAPES[d][0] // k, SHAPES[d][1] // k  # the same bytes in every layout
-    path = (build_store(d, dtype, False, first_batch=1000, layout=layout) if "--one-header" in flags
-            else store_dir(d, dtype, layout=layout))
+    path = (
+        build_store(d, dtype, False, first_batch=1000, layout=layout)
+        if "--one-header" in flags
+        else store_dir(d, dtype, layout=layout)
+    )
     warm_cache(path, huge="warm4k" not in sys.argv[4:])
     store = hs.open_store(path)
     columns = [store.tensor(p).view(torch.int16).numpy() for p in points]
@@ -101,11 +104,16 @@ def main() -> None:
         rate = epoch()
         ratios.append(rate / floor)
         cols[-1] = rate / cols[-1]
-    print(f"{hs.__file__} {path.name}: d {d} {dtype}: first epoch {first * k / 1e6:.2f} M point rows/s; "
-          f"floor median {statistics.median(floors) * k / 1e6:.2f} M; later epochs / floor median "
-          f"{statistics.median(ratios):.3f} (rounds {min(ratios):.2f}-{max(ratios):.2f})"
-          + (f"; / floor-cols median {statistics.median(cols):.3f} (rounds {min(cols):.2f}-{max(cols):.2f})"
-             if k > 1 else ""))
+    print(
+        f"{hs.__file__} {path.name}: d {d} {dtype}: first epoch {first * k / 1e6:.2f} M point rows/s; "
+        f"floor median {statistics.median(floors) * k / 1e6:.2f} M; later epochs / floor median "
+        f"{statistics.median(ratios):.3f} (rounds {min(ratios):.2f}-{max(ratios):.2f})"
+        + (
+            f"; / floor-cols median {statistics.median(cols):.3f} (rounds {min(cols):.2f}-{max(cols):.2f})"
+            if k > 1
+            else ""
+        )
+    )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ from test_capture_calls import capture_call, configs, tiny  # noqa: E402  (the c
 def load_tree(tree: str, index: int):
     """`tree`/src/hookscope imported as the package `hookscope_tree<index>` (its imports are relative)."""
     src = Path(tree).resolve() / "src" / "hookscope"
-    spec = importlib.util.spec_from_file_location(f"hookscope_tree{index}", src / "__init__.py",
-                                                  submodule_search_locations=[str(src)])
+    spec = importlib.util.spec_from_file_location(
+        f"hookscope_tree{index}", src / "__init__.py", submodule_search_locations=[str(src)]
+    )
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -51,7 +52,7 @@ for _ in range(50):
 per_call: dict[str, list[float]] = {name: [] for name in CONFIGS}
 names = list(CONFIGS)
 for rnd in range(ROUNDS):
-    for name in names[rnd % len(names):] + names[:rnd % len(names)]:  # the order rotates
+    for name in names[rnd % len(names) :] + names[: rnd % len(names)]:  # the order rotates
         fn = CONFIGS[name]
         start = time.thread_time_ns()
         for _ in range(30):

@@ -23,12 +23,16 @@ STATS_KEY = "hookscope.stats"
 
 def header(data: bytes) -> tuple[dict, int]:
     size = struct.unpack("<Q", data[:8])[0]
-    return json.loads(data[8:8 + size]), 8 + size
+    return json.loads(data[8 : 8 + size]), 8 + size
 
 
 def vectors(text: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-    return {point: tuple(torch.from_numpy(np.frombuffer(base64.b64decode(s[k]), "<f8").copy())
-                         for k in ("mean", "m2")) for point, s in json.loads(text).items()}
+    return {
+        point: tuple(
+            torch.from_numpy(np.frombuffer(base64.b64decode(s[k]), "<f8").copy()) for k in ("mean", "m2")
+        )
+        for point, s in json.loads(text).items()
+    }
 
 
 def errors(shard: Path, stats: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> tuple[float, float]:
@@ -63,12 +67,17 @@ def main() -> None:
         (hx, at_x), (hy, at_y) = header(x), header(y)
         mx, my = hx.pop("__metadata__"), hy.pop("__metadata__")
         sx, sy = vectors(mx.pop(STATS_KEY)), vectors(my.pop(STATS_KEY))
-        apart = max(float(((u - v).abs() / v.abs().clamp(min=1e-300)).max())
-                    for point in sx for u, v in zip(sx[point], sy[point], strict=True))
+        apart = max(
+            float(((u - v).abs() / v.abs().clamp(min=1e-300)).max())
+            for point in sx
+            for u, v in zip(sx[point], sy[point], strict=True)
+        )
         ea, eb = errors(args.a / rel, sx), errors(args.b / rel, sy)
-        print(f"  differs    {rel}: tensor bytes identical {x[at_x:] == y[at_y:]}, entries {hx == hy}, "
-              f"other metadata {mx == my}; per-dimension mean/M2 apart by {apart:.1e} (relative); "
-              f"from float64: mean {ea[0]:.1e} / {eb[0]:.1e} of the std, M2 {ea[1]:.1e} / {eb[1]:.1e}")
+        print(
+            f"  differs    {rel}: tensor bytes identical {x[at_x:] == y[at_y:]}, entries {hx == hy}, "
+            f"other metadata {mx == my}; per-dimension mean/M2 apart by {apart:.1e} (relative); "
+            f"from float64: mean {ea[0]:.1e} / {eb[0]:.1e} of the std, M2 {ea[1]:.1e} / {eb[1]:.1e}"
+        )
 
 
 if __name__ == "__main__":

@@ -29,8 +29,9 @@ def one_run(args: argparse.Namespace) -> dict[str, float]:
     from hookscope.store.writer import ShardWriter
 
     g = torch.Generator().manual_seed(0)
-    batches = [torch.randn(args.rows, args.width, generator=g).to(torch.bfloat16)
-               for _ in range(args.batches)]
+    batches = [
+        torch.randn(args.rows, args.width, generator=g).to(torch.bfloat16) for _ in range(args.batches)
+    ]
     meta = {"token_ids": torch.arange(args.rows)}
     stats_s = []
     for b in batches:
@@ -64,13 +65,21 @@ def main() -> None:
     forwarded = [a for a in sys.argv[1:] if a != "--smoke"]
     if args.smoke:
         forwarded += ["--rows", "64", "--width", "16", "--batches", "4", "--shard-rows", "128"]
-    runs = [json.loads(subprocess.run([sys.executable, __file__, "--child", *forwarded], check=True,
-                                      capture_output=True, text=True).stdout) for _ in range(args.runs)]
+    runs = [
+        json.loads(
+            subprocess.run(
+                [sys.executable, __file__, "--child", *forwarded], check=True, capture_output=True, text=True
+            ).stdout
+        )
+        for _ in range(args.runs)
+    ]
     stats_ms = statistics.median(r["stats_s"] for r in runs) * 1e3
     writer_ms = statistics.median(r["writer_s"] for r in runs) * 1e3
-    print(f"{args.batches} batches of {args.rows} x {args.width} bf16, shards of {args.shard_rows} rows, "
-          f"median of {args.runs} fresh processes: PointStats.of {stats_ms:.1f} ms/batch, "
-          f"whole writer {writer_ms:.1f} ms/batch ({args.rows / writer_ms * 1e3:,.0f} rows/s)")
+    print(
+        f"{args.batches} batches of {args.rows} x {args.width} bf16, shards of {args.shard_rows} rows, "
+        f"median of {args.runs} fresh processes: PointStats.of {stats_ms:.1f} ms/batch, "
+        f"whole writer {writer_ms:.1f} ms/batch ({args.rows / writer_ms * 1e3:,.0f} rows/s)"
+    )
 
 
 if __name__ == "__main__":

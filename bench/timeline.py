@@ -100,10 +100,15 @@ class Timeline:
         for what, items in by.items():
             items.sort()
             ms = [1e3 * s for _, s in items]
-            kinds[what] = {"n": len(ms), "total_s": sum(ms) / 1e3, "median_ms": statistics.median(ms),
-                           "p90_ms": sorted(ms)[int(0.9 * (len(ms) - 1))], "max_ms": max(ms),
-                           "first_ms": ms[0],
-                           "each_ms": [round(x, 1) for x in ms[:400]]}
+            kinds[what] = {
+                "n": len(ms),
+                "total_s": sum(ms) / 1e3,
+                "median_ms": statistics.median(ms),
+                "p90_ms": sorted(ms)[int(0.9 * (len(ms) - 1))],
+                "max_ms": max(ms),
+                "first_ms": ms[0],
+                "each_ms": [round(x, 1) for x in ms[:400]],
+            }
         out["kinds"] = kinds
         puts, commits = by.get("put", []), by.get("commit", [])
         if puts:
@@ -113,9 +118,17 @@ class Timeline:
             out["first_commit_s"] = commits[0][0] - start
         if "writer_wait" in kinds:  # less its last wait, for the close
             out["writer_idle_s"] = kinds["writer_wait"]["total_s"] - by["writer_wait"][-1][1]
-        out["rings"] = [{"made": r.made, "made_ahead": getattr(r, "made_ahead", None), "most_out": r.most_out,
-                         "waited_s": getattr(r, "waited", None)}
-                        for c in self.copy_outs for r in (c.ring, getattr(c, "host", None)) if r and r.made]
+        out["rings"] = [
+            {
+                "made": r.made,
+                "made_ahead": getattr(r, "made_ahead", None),
+                "most_out": r.most_out,
+                "waited_s": getattr(r, "waited", None),
+            }
+            for c in self.copy_outs
+            for r in (c.ring, getattr(c, "host", None))
+            if r and r.made
+        ]
         out["pinned"] = {k: self._host_after[k] - self._host_before.get(k, 0) for k in self._host_after}
         out["threads"] = threading.active_count()
         return out
@@ -135,8 +148,14 @@ def _host_stats() -> dict[str, float]:
 
 
 # the counters a run's share is the difference of (the allocator's are per process)
-ADDITIVE = ("num_host_alloc", "num_host_free", "host_alloc_time.total", "host_alloc_time.count",
-            "host_free_time.total", "allocated_bytes.allocated")
+ADDITIVE = (
+    "num_host_alloc",
+    "num_host_free",
+    "host_alloc_time.total",
+    "host_alloc_time.count",
+    "host_free_time.total",
+    "allocated_bytes.allocated",
+)
 
 
 def line(t: dict[str, Any]) -> str:
@@ -146,8 +165,10 @@ def line(t: dict[str, Any]) -> str:
     def med(name: str) -> str:
         return f"{k[name]['median_ms']:.0f}" if name in k else "-"
 
-    parts = [f"per batch (median ms) model {med('model')}, out {med('out')}, put {med('put')}; "
-             f"per shard copy {med('shard_copy')}, commit {med('commit')}, commit wait {med('commit_wait')}"]
+    parts = [
+        f"per batch (median ms) model {med('model')}, out {med('out')}, put {med('put')}; "
+        f"per shard copy {med('shard_copy')}, commit {med('commit')}, commit wait {med('commit_wait')}"
+    ]
     if "first_put_s" in t:
         parts.append(f"first batch at the writer {t['first_put_s']:.2f} s, tail {t['tail_s']:.2f} s")
     if "writer_idle_s" in t:

@@ -23,7 +23,7 @@ def sections(text: str) -> dict[str, str]:
     """`{name: its section's Markdown}` of an examples file."""
     heads = list(SECTION.finditer(text))
     ends = [h.start() for h in heads[1:]] + [len(text)]
-    return {h.group("name"): text[h.end():end].strip("\n") for h, end in zip(heads, ends, strict=True)}
+    return {h.group("name"): text[h.end() : end].strip("\n") for h, end in zip(heads, ends, strict=True)}
 
 
 class ReferenceExamples(griffe.Extension):

@@ -37,7 +37,7 @@ def site_path(repo_path: str, is_dir: bool) -> str:
     if repo_path == "README.md":
         return "index.md"
     if repo_path.startswith(DOCS):
-        return repo_path[len(DOCS):]
+        return repo_path[len(DOCS) :]
     return PUBLISHED + repo_path.rstrip("/") + ("/index.md" if is_dir else "")
 
 
@@ -53,8 +53,9 @@ def _links(path: Path) -> list[str]:
 
 
 def _listing(repo_dir: str) -> str:
-    names = sorted(p.name for p in (ROOT / repo_dir).iterdir()
-                   if p.is_file() and not p.name.startswith((".", "_")))
+    names = sorted(
+        p.name for p in (ROOT / repo_dir).iterdir() if p.is_file() and not p.name.startswith((".", "_"))
+    )
     lines = [f"# {repo_dir.rstrip('/')}/", "", "The files of this folder of the repository:", ""]
     return "\n".join(lines + [f"- [{n}]({n})" for n in names]) + "\n"
 

@@ -53,8 +53,10 @@ def main(argv: list[str] | None = None) -> dict:
     model, tok, arch = hs.load(args.model)
     clean, corrupted = (tok(t, return_tensors="pt").input_ids for t in (args.clean, args.corrupted))
     if clean.shape != corrupted.shape:
-        raise SystemExit(f"the prompts must have the same number of tokens, not {clean.shape[1]} and "
-                         f"{corrupted.shape[1]}: swap words that tokenize alike")
+        raise SystemExit(
+            f"the prompts must have the same number of tokens, not {clean.shape[1]} and "
+            f"{corrupted.shape[1]}: swap words that tokenize alike"
+        )
     score = make_score(model, tok, args.answers)
     n_layers, n_heads, n_pos = arch.n_layers, arch.n_heads, clean.shape[1]
 
@@ -69,28 +71,47 @@ def main(argv: list[str] | None = None) -> dict:
                 patched = score(model(corrupted))
             return (patched - corrupted_score) / (clean_score - corrupted_score)
 
-        by_position = torch.tensor([[restored(hs.patch(f"blocks.{L}.resid_post", source, positions=[pos]))
-                                     for pos in range(n_pos)] for L in range(n_layers)])
-        by_head = torch.tensor([[restored(hs.patch(f"blocks.{L}.attn.z", source, heads=[h]))
-                                 for h in range(n_heads)] for L in range(n_layers)])
+        by_position = torch.tensor(
+            [
+                [
+                    restored(hs.patch(f"blocks.{L}.resid_post", source, positions=[pos]))
+                    for pos in range(n_pos)
+                ]
+                for L in range(n_layers)
+            ]
+        )
+        by_head = torch.tensor(
+            [
+                [restored(hs.patch(f"blocks.{L}.attn.z", source, heads=[h])) for h in range(n_heads)]
+                for L in range(n_layers)
+            ]
+        )
 
     print(f"score: clean {clean_score:+.4f}, corrupted {corrupted_score:+.4f}")
-    print(f"last layer, last position restores {by_position[-1, -1]:.4f} of it; "
-          f"the last layer's positions add up to {by_position[-1].sum():.4f}")
+    print(
+        f"last layer, last position restores {by_position[-1, -1]:.4f} of it; "
+        f"the last layer's positions add up to {by_position[-1].sum():.4f}"
+    )
     for L in range(n_layers):
         best = int(by_position[L].abs().argmax())
-        print(f"  layer {L}: strongest position {best} ({by_position[L, best]:+.3f}), "
-              f"strongest head {int(by_head[L].abs().argmax())} ({by_head[L].abs().max():.3f})")
+        print(
+            f"  layer {L}: strongest position {best} ({by_position[L, best]:+.3f}), "
+            f"strongest head {int(by_head[L].abs().argmax())} ({by_head[L].abs().max():.3f})"
+        )
 
     tokens = [t.replace("Ġ", " ") for t in tok.convert_ids_to_tokens(clean[0])]
     changed = (clean[0] != corrupted[0]).tolist()
-    labels = [f"{t}/{tok.convert_ids_to_tokens(int(c))}" if d else t
-              for t, c, d in zip(tokens, corrupted[0], changed, strict=True)]
+    labels = [
+        f"{t}/{tok.convert_ids_to_tokens(int(c))}" if d else t
+        for t, c, d in zip(tokens, corrupted[0], changed, strict=True)
+    ]
     fig = Figure(figsize=(max(7.0, 0.45 * n_pos + 3), 3 + 0.35 * n_layers), layout="constrained")
     ax_pos, ax_head = fig.subplots(1, 2, width_ratios=[n_pos, max(n_heads, 4)])
     limit = max(1.0, float(by_position.abs().max()), float(by_head.abs().max()))
-    panels = [(ax_pos, by_position, labels, "patch blocks.L.resid_post at one position"),
-              (ax_head, by_head, range(n_heads), "patch blocks.L.attn.z of one head")]
+    panels = [
+        (ax_pos, by_position, labels, "patch blocks.L.resid_post at one position"),
+        (ax_head, by_head, range(n_heads), "patch blocks.L.attn.z of one head"),
+    ]
     for ax, grid, xlabels, title in panels:
         image = ax.imshow(grid.numpy(), cmap="RdBu", vmin=-limit, vmax=limit, aspect="auto")
         ax.set_xticks(range(len(grid[0])), xlabels, rotation=90, fontsize=8)
@@ -103,8 +124,13 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / "activation_patching.png", dpi=100)
     print(f"picture: {out / 'activation_patching.png'}")
-    return {"clean": clean_score, "corrupted": corrupted_score, "by_position": by_position,
-            "by_head": by_head, "picture": out / "activation_patching.png"}
+    return {
+        "clean": clean_score,
+        "corrupted": corrupted_score,
+        "by_position": by_position,
+        "by_head": by_head,
+        "picture": out / "activation_patching.png",
+    }
 
 
 if __name__ == "__main__":

@@ -43,8 +43,11 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="Hugging Face id or directory (default: the bundled MiniLM)")
     p.add_argument("--text", default="A man is playing a guitar on the stage in front of a crowd.")
-    p.add_argument("--reference", default="Someone performs music for an audience.",
-                   help="encoders only: the sentence the loss compares with")
+    p.add_argument(
+        "--reference",
+        default="Someone performs music for an audience.",
+        help="encoders only: the sentence the loss compares with",
+    )
     p.add_argument("--eps", type=float, default=1e-3, help="the small step of the first-order check")
     p.add_argument("--out", default="out/gradient_attribution", help="where the picture goes")
     args = p.parse_args(argv)
@@ -72,8 +75,10 @@ def main(argv: list[str] | None = None) -> dict:
     errors = [abs(pred - meas) / scale for pred, meas in zip(predicted, measured, strict=True)]
     print(f"loss {loss:.6f}; scaling one layer's residual stream by (1 - {args.eps:g}):")
     for L, (pred, meas, err) in enumerate(zip(predicted, measured, errors, strict=True)):
-        print(f"  layer {L}: loss change {meas:+.3e}, gradient x activation predicts {pred:+.3e} "
-              f"(error {err:.1e} of the largest change)")
+        print(
+            f"  layer {L}: loss change {meas:+.3e}, gradient x activation predicts {pred:+.3e} "
+            f"(error {err:.1e} of the largest change)"
+        )
 
     tokens = [t.replace("Ġ", " ") for t in tok.convert_ids_to_tokens(inputs["input_ids"][0])]
     fig = Figure(figsize=(max(7.0, 0.45 * len(tokens) + 4), 2.5 + 0.35 * arch.n_layers), layout="constrained")
@@ -86,8 +91,9 @@ def main(argv: list[str] | None = None) -> dict:
     ax_map.set_title("gradient x activation per token", fontsize=9)
     fig.colorbar(image, ax=ax_map, label="gradient x activation", pad=0.01)
     layers = range(arch.n_layers)
-    ax_sum.barh(layers, [-m / args.eps for m in measured], color="#BBBBBB",
-                label="measured: -(loss change) / eps")
+    ax_sum.barh(
+        layers, [-m / args.eps for m in measured], color="#BBBBBB", label="measured: -(loss change) / eps"
+    )
     ax_sum.plot(per_token.sum(1).numpy(), layers, "o", color="#C44E52", label="sum of gradient x activation")
     ax_sum.set_yticks(layers)
     ax_sum.invert_yaxis()
@@ -98,8 +104,14 @@ def main(argv: list[str] | None = None) -> dict:
     out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / "gradient_attribution.png", dpi=100)
     print(f"picture: {out / 'gradient_attribution.png'}")
-    return {"loss": loss, "per_token": per_token, "predicted": predicted, "measured": measured,
-            "errors": errors, "picture": out / "gradient_attribution.png"}
+    return {
+        "loss": loss,
+        "per_token": per_token,
+        "predicted": predicted,
+        "measured": measured,
+        "errors": errors,
+        "picture": out / "gradient_attribution.png",
+    }
 
 
 if __name__ == "__main__":

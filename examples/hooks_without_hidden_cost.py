@@ -77,15 +77,19 @@ def main(argv: list[str] | None = None) -> dict:
     model, _, arch = hs.load(args.model)
     point = f"blocks.{arch.n_layers // 2}.resid_post"
     g = torch.Generator().manual_seed(0)
-    cache = TensorCache({f"t{i}": torch.randn(args.rows, arch.d_model, generator=g)
-                         for i in range(args.tensors)})
+    cache = TensorCache(
+        {f"t{i}": torch.randn(args.rows, arch.d_model, generator=g) for i in range(args.tensors)}
+    )
     mib = args.tensors * args.rows * arch.d_model * 4 / 2**20
-    print(f"a hook holding {args.tensors} tensors of {args.rows}x{arch.d_model} ({mib:.1f} MiB); "
-          "attach + detach, fastest of many:")
+    print(
+        f"a hook holding {args.tensors} tensors of {args.rows}x{arch.d_model} ({mib:.1f} MiB); "
+        "attach + detach, fastest of many:"
+    )
     module, name = arch.module(model, arch.spec(point)), Path(args.model or "all-MiniLM-L6-v2").name
     us = {
-        f"torch register_forward_hook on {name}, bare function":
-            fastest_us(lambda: torch_attach(module, noop)),
+        f"torch register_forward_hook on {name}, bare function": fastest_us(
+            lambda: torch_attach(module, noop)
+        ),
         f"hookscope on {name}, bare function": fastest_us(lambda: hookscope_attach(model, point, noop)),
         f"hookscope on {name}, TensorCache": fastest_us(lambda: hookscope_attach(model, point, cache)),
     }
@@ -98,8 +102,9 @@ def main(argv: list[str] | None = None) -> dict:
         print("no transformer_lens with HookedTransformer (3.x) here: the comparison is left out")
     else:
         d = arch.d_model
-        config = HookedTransformerConfig(n_layers=2, d_model=d, d_head=d // 4, n_heads=4, d_mlp=4 * d,
-                                         d_vocab=100, n_ctx=32, act_fn="gelu")
+        config = HookedTransformerConfig(
+            n_layers=2, d_model=d, d_head=d // 4, n_heads=4, d_mlp=4 * d, d_vocab=100, n_ctx=32, act_fn="gelu"
+        )
         with warnings.catch_warnings():  # 3.x warns that HookedTransformer goes away in 4.0
             warnings.simplefilter("ignore", DeprecationWarning)
             tl = HookedTransformer(config)
@@ -111,7 +116,8 @@ def main(argv: list[str] | None = None) -> dict:
         cache.repr_calls = 0
         for label, fn in [("bare function", noop), ("TensorCache", cache)]:
             us[f"hookscope on HookedTransformer, {label}"] = fastest_us(
-                lambda fn=fn: hookscope_attach(tl, "blocks.0.resid_post", fn))
+                lambda fn=fn: hookscope_attach(tl, "blocks.0.resid_post", fn)
+            )
         repr_calls["hookscope on HookedTransformer"] = cache.repr_calls
         us["TransformerLens add_hook + reset_hooks, bare function"] = fastest_us(lambda: tl_attach(noop))
         cache.repr_calls = 0
@@ -139,8 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
 
     fig = Figure(figsize=(8.5, 1.4 + 0.45 * len(us)), layout="constrained")
     ax = fig.add_subplot()
-    colors = ["#C44E52" if "TransformerLens" in k else "#999999" if k.startswith("torch") else "#4C72B0"
-              for k in us]
+    colors = [
+        "#C44E52" if "TransformerLens" in k else "#999999" if k.startswith("torch") else "#4C72B0" for k in us
+    ]
     ax.barh(range(len(us)), list(us.values()), color=colors)
     for y, t in enumerate(us.values()):
         ax.text(t, y, f" {t:,.0f} us" if t >= 10 else f" {t:.1f} us", va="center", fontsize=8)
@@ -149,14 +156,19 @@ def main(argv: list[str] | None = None) -> dict:
     ax.set_yticks(range(len(us)), list(us), fontsize=8)
     ax.invert_yaxis()
     ax.set_xlabel("microseconds per attach + detach (log scale)")
-    ax.set_title(f"Attaching a hook that holds {args.tensors} tensors ({args.rows}x{arch.d_model} each)",
-                 fontsize=9)
+    ax.set_title(
+        f"Attaching a hook that holds {args.tensors} tensors ({args.rows}x{arch.d_model} each)", fontsize=9
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / "hook_attach_cost.png", dpi=100)
     print(f"picture: {out / 'hook_attach_cost.png'}")
-    return {"us": us, "repr_calls": repr_calls, "same_activation": same_activation,
-            "picture": out / "hook_attach_cost.png"}
+    return {
+        "us": us,
+        "repr_calls": repr_calls,
+        "same_activation": same_activation,
+        "picture": out / "hook_attach_cost.png",
+    }
 
 
 if __name__ == "__main__":

@@ -27,15 +27,28 @@ import hookscope as hs
 ANIMALS = ["cat", "dog", "horse", "bird", "fox", "cow", "sheep", "mouse"]
 VEHICLES = ["car", "bus", "train", "truck", "boat", "plane", "bike", "van"]
 UNSEEN = {"sheep", "mouse", "bike", "van"}  # the "new words" test set
-TEMPLATES = ["The {} is here.", "I saw a {} today.", "A {} was outside.", "Look at that {} now.",
-             "My {} is old.", "We found the {} again.", "Is the {} yours?", "Her {} was fast.",
-             "That {} looks tired.", "Our {} came back."]
+TEMPLATES = [
+    "The {} is here.",
+    "I saw a {} today.",
+    "A {} was outside.",
+    "Look at that {} now.",
+    "My {} is old.",
+    "We found the {} again.",
+    "Is the {} yours?",
+    "Her {} was fast.",
+    "That {} looks tired.",
+    "Our {} came back.",
+]
 
 
 def sentences() -> tuple[list[str], torch.Tensor, list[str]]:
     """Every template with every word: (texts, labels 0 = animal / 1 = vehicle, the word of each)."""
-    rows = [(t.format(w), label, w)
-            for label, words in enumerate([ANIMALS, VEHICLES]) for t in TEMPLATES for w in words]
+    rows = [
+        (t.format(w), label, w)
+        for label, words in enumerate([ANIMALS, VEHICLES])
+        for t in TEMPLATES
+        for w in words
+    ]
     texts, labels, words = zip(*rows, strict=True)
     return list(texts), torch.tensor(labels, dtype=torch.float32), list(words)
 
@@ -107,22 +120,37 @@ def main(argv: list[str] | None = None) -> dict:
     fig = Figure(figsize=(6.5, 3.8), layout="constrained")
     ax = fig.add_subplot()
     for (name, (_, test)), style in zip(test_sets.items(), ["o-", "s--"], strict=True):
-        ax.plot(range(len(points)), list(accuracy[name].values()), style,
-                label=f"{name} ({len(test)} sentences)")
+        ax.plot(
+            range(len(points)), list(accuracy[name].values()), style, label=f"{name} ({len(test)} sentences)"
+        )
     ax.axhline(0.5, color="#999999", linestyle=":", label="chance")
-    ax.set_xticks(range(len(points)), ["embeddings"] + [f"after block {L}" for L in range(arch.n_layers)],
-                  rotation=30, ha="right", fontsize=8)
+    ax.set_xticks(
+        range(len(points)),
+        ["embeddings"] + [f"after block {L}" for L in range(arch.n_layers)],
+        rotation=30,
+        ha="right",
+        fontsize=8,
+    )
     ax.set_ylim(0, 1.05)
     ax.set_ylabel("held-out accuracy")
     ax.legend(fontsize=8, loc="lower right")
-    ax.set_title("Animal or vehicle? A linear probe on the last token's residual stream\n"
-                 f"({Path(args.model or 'all-MiniLM-L6-v2').name})", fontsize=9)
+    ax.set_title(
+        "Animal or vehicle? A linear probe on the last token's residual stream\n"
+        f"({Path(args.model or 'all-MiniLM-L6-v2').name})",
+        fontsize=9,
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     fig.savefig(out / "linear_probe.png", dpi=100)
     print(f"picture: {out / 'linear_probe.png'}")
-    return {"accuracy": accuracy, "features": acts, "labels": labels, "texts": texts, "splits": test_sets,
-            "picture": out / "linear_probe.png"}
+    return {
+        "accuracy": accuracy,
+        "features": acts,
+        "labels": labels,
+        "texts": texts,
+        "splits": test_sets,
+        "picture": out / "linear_probe.png",
+    }
 
 
 if __name__ == "__main__":

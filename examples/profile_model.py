@@ -30,8 +30,12 @@ def block_ms(report: hs.ProfileReport) -> dict[str, float]:
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default=None, help="Hugging Face id or directory (default: the bundled MiniLM)")
-    p.add_argument("--dtype", default="bfloat16", choices=["float16", "bfloat16"],
-                   help="the dtype to compare float32 with")
+    p.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=["float16", "bfloat16"],
+        help="the dtype to compare float32 with",
+    )
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--steps", type=int, default=5)
@@ -60,21 +64,40 @@ def main(argv: list[str] | None = None) -> dict:
     fig = Figure(figsize=(7, 1.5 + 0.45 * len(before)), layout="constrained")
     ax = fig.add_subplot()
     y = torch.arange(len(before), dtype=torch.float32)
-    ax.barh(y - 0.2, list(before.values()), height=0.4, color="#4C72B0",
-            label=f"float32 (step {step['float32']:.1f} ms)")
-    ax.barh(y + 0.2, list(after.values()), height=0.4, color="#DD8452",
-            label=f"{args.dtype} (step {step[args.dtype]:.1f} ms)")
+    ax.barh(
+        y - 0.2,
+        list(before.values()),
+        height=0.4,
+        color="#4C72B0",
+        label=f"float32 (step {step['float32']:.1f} ms)",
+    )
+    ax.barh(
+        y + 0.2,
+        list(after.values()),
+        height=0.4,
+        color="#DD8452",
+        label=f"{args.dtype} (step {step[args.dtype]:.1f} ms)",
+    )
     ax.set_yticks(y, list(before))
     ax.invert_yaxis()
     ax.set_xlabel("ms per forward pass, under the profiler")
     fig.legend(fontsize=8, loc="outside lower center", ncol=2)
-    ax.set_title(f"Time per block, {args.batch}x{args.seq} tokens on {reports['float32'].device} "
-                 f"({Path(args.model or 'all-MiniLM-L6-v2').name})", fontsize=10)
+    ax.set_title(
+        f"Time per block, {args.batch}x{args.seq} tokens on {reports['float32'].device} "
+        f"({Path(args.model or 'all-MiniLM-L6-v2').name})",
+        fontsize=10,
+    )
     fig.savefig(out / "dtype_comparison.png", dpi=100)
-    print(f"picture: {out / 'dtype_comparison.png'}; each profile's table, trace, PNG and HTML in "
-          f"{out / 'float32'} and {out / args.dtype}")
-    return {"reports": reports, "block_ms": {"float32": before, args.dtype: after}, "step_ms": step,
-            "picture": out / "dtype_comparison.png"}
+    print(
+        f"picture: {out / 'dtype_comparison.png'}; each profile's table, trace, PNG and HTML in "
+        f"{out / 'float32'} and {out / args.dtype}"
+    )
+    return {
+        "reports": reports,
+        "block_ms": {"float32": before, args.dtype: after},
+        "step_ms": step,
+        "picture": out / "dtype_comparison.png",
+    }
 
 
 if __name__ == "__main__":

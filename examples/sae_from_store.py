@@ -39,9 +39,15 @@ def saelens_metrics(trainer: SAETrainer, x: torch.Tensor) -> dict[str, float]:
     sae = trainer.sae
     sae.eval()
     with torch.no_grad():
-        out = sae.training_forward_pass(TrainStepInput(
-            sae_in=x, dead_neuron_mask=None, coefficients=trainer.get_coefficients(), n_training_steps=0,
-            is_logging_step=False))
+        out = sae.training_forward_pass(
+            TrainStepInput(
+                sae_in=x,
+                dead_neuron_mask=None,
+                coefficients=trainer.get_coefficients(),
+                n_training_steps=0,
+                is_logging_step=False,
+            )
+        )
     log = trainer.build_train_step_log_dict(out, trainer.n_training_samples)
     keep = ("metrics/explained_variance", "metrics/l0", "losses/mse_loss", "losses/l1_loss")
     return {k.split("/")[1]: float(log[k]) for k in keep if k in log}
@@ -65,9 +71,19 @@ def main(argv: list[str] | None = None) -> dict:
     out = Path(args.out)
     point = f"blocks.{args.layer}.resid_post"
 
-    summary = extract(ExtractConfig(out=str(out / "store"), model=args.model, points=[point], data=args.data,
-                                    context=args.context, dtype="float32", max_tokens=args.tokens,
-                                    shard_rows=args.shard_rows, progress=False))
+    summary = extract(
+        ExtractConfig(
+            out=str(out / "store"),
+            model=args.model,
+            points=[point],
+            data=args.data,
+            context=args.context,
+            dtype="float32",
+            max_tokens=args.tokens,
+            shard_rows=args.shard_rows,
+            progress=False,
+        )
+    )
     print(summary)
     store = hs.open_store(out / "store")
     d_model = store.points[point].shape[0]
@@ -76,19 +92,33 @@ def main(argv: list[str] | None = None) -> dict:
 
     def fresh(seed: int, checkpoints: Path | None = None) -> tuple[SAETrainer, hs.ActivationDataset]:
         torch.manual_seed(seed)
-        sae = StandardTrainingSAE(StandardTrainingSAEConfig(
-            d_in=d_model, d_sae=args.expansion * d_model, l1_coefficient=args.l1,
-            normalize_activations="expected_average_only_in",  # SAELens scales rows to norm sqrt(d_in)
-            metadata=SAEMetadata(model_name=store.manifest.settings["model"], hook_name=tl_hook_name(point),
-                                 context_size=store.manifest.settings["context"])))
-        data = store.dataset(point, split="train", seed=0, batch_size=args.batch_size, drop_last=True,
-                             repeat=True)
-        cfg = SAETrainerConfig(total_training_samples=args.steps * args.batch_size,
-                               train_batch_size_samples=args.batch_size, lr=args.lr, lr_end=args.lr,
-                               n_batches_for_norm_estimate=10, dead_feature_window=max(1, args.steps // 4),
-                               feature_sampling_window=args.steps + 1,
-                               n_checkpoints=1 if checkpoints else 0,
-                               checkpoint_path=str(checkpoints) if checkpoints else None)
+        sae = StandardTrainingSAE(
+            StandardTrainingSAEConfig(
+                d_in=d_model,
+                d_sae=args.expansion * d_model,
+                l1_coefficient=args.l1,
+                normalize_activations="expected_average_only_in",  # SAELens scales rows to norm sqrt(d_in)
+                metadata=SAEMetadata(
+                    model_name=store.manifest.settings["model"],
+                    hook_name=tl_hook_name(point),
+                    context_size=store.manifest.settings["context"],
+                ),
+            )
+        )
+        data = store.dataset(
+            point, split="train", seed=0, batch_size=args.batch_size, drop_last=True, repeat=True
+        )
+        cfg = SAETrainerConfig(
+            total_training_samples=args.steps * args.batch_size,
+            train_batch_size_samples=args.batch_size,
+            lr=args.lr,
+            lr_end=args.lr,
+            n_batches_for_norm_estimate=10,
+            dead_feature_window=max(1, args.steps // 4),
+            feature_sampling_window=args.steps + 1,
+            n_checkpoints=1 if checkpoints else 0,
+            checkpoint_path=str(checkpoints) if checkpoints else None,
+        )
 
         def save_cursor(checkpoint_path: Path | None) -> None:  # SAELens calls it after each checkpoint
             (checkpoint_path / "reader.json").write_text(json.dumps(data.state_dict()))
@@ -116,24 +146,34 @@ def main(argv: list[str] | None = None) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         resumed.fit()
-    same = all(torch.equal(a, b) for a, b in zip(sae.state_dict().values(),
-                                                  resumed.sae.state_dict().values(), strict=True))
+    same = all(
+        torch.equal(a, b)
+        for a, b in zip(sae.state_dict().values(), resumed.sae.state_dict().values(), strict=True)
+    )
 
     sae.save_model(str(out / "sae"))
     saved = json.loads((out / "sae" / "cfg.json").read_text())
-    print(f"{len(store):,} rows of {point}; SAELens SAE {d_model} -> {args.expansion * d_model} features, "
-          f"{args.steps} steps of {args.batch_size} rows "
-          f"({args.steps * args.batch_size / len(store):.1f} epochs)")
-    print(f"SAELens metrics on {len(held_out):,} held-out rows: explained variance "
-          f"{before['explained_variance']:.3f} -> {after['explained_variance']:.3f}, "
-          f"L0 {before['l0']:.1f} -> {after['l0']:.1f}, "
-          f"MSE {before['mse_loss']:.4g} -> {after['mse_loss']:.4g}")
-    print(f"saved to {out / 'sae'}: model_name={saved['metadata']['model_name']!r}, "
-          f"hook_name={saved['metadata']['hook_name']!r}")
+    print(
+        f"{len(store):,} rows of {point}; SAELens SAE {d_model} -> {args.expansion * d_model} features, "
+        f"{args.steps} steps of {args.batch_size} rows "
+        f"({args.steps * args.batch_size / len(store):.1f} epochs)"
+    )
+    print(
+        f"SAELens metrics on {len(held_out):,} held-out rows: explained variance "
+        f"{before['explained_variance']:.3f} -> {after['explained_variance']:.3f}, "
+        f"L0 {before['l0']:.1f} -> {after['l0']:.1f}, "
+        f"MSE {before['mse_loss']:.4g} -> {after['mse_loss']:.4g}"
+    )
+    print(
+        f"saved to {out / 'sae'}: model_name={saved['metadata']['model_name']!r}, "
+        f"hook_name={saved['metadata']['hook_name']!r}"
+    )
     cursors = [(d.state_dict()["epoch"], d.state_dict()["position"]) for d in (data, resumed_data)]
-    print(f"resumed from step {half}: {'the same' if same else 'DIFFERENT'} final weights as the "
-          "uninterrupted "
-          f"run; reader cursor (epoch, row) at the end: {cursors[0]} vs {cursors[1]}")
+    print(
+        f"resumed from step {half}: {'the same' if same else 'DIFFERENT'} final weights as the "
+        "uninterrupted "
+        f"run; reader cursor (epoch, row) at the end: {cursors[0]} vs {cursors[1]}"
+    )
 
     rates = trainer.log_feature_sparsity  # log10 of each feature's firing rate (SAELens's own)
     fig = Figure(figsize=(6.5, 3.6), layout="constrained")
@@ -142,16 +182,26 @@ def main(argv: list[str] | None = None) -> dict:
     ax.set_xlabel("log10 firing rate per token (SAELens feature sparsity)")
     ax.set_ylabel("features")
     model_name = Path(args.model or "all-MiniLM-L6-v2").name
-    ax.set_title(f"SAELens SAE on {point} ({model_name}, {len(store):,} tokens)\n"
-                 f"held-out explained variance {after['explained_variance']:.3f}, L0 {after['l0']:.1f}",
-                 fontsize=9)
+    ax.set_title(
+        f"SAELens SAE on {point} ({model_name}, {len(store):,} tokens)\n"
+        f"held-out explained variance {after['explained_variance']:.3f}, L0 {after['l0']:.1f}",
+        fontsize=9,
+    )
     fig.savefig(out / "sae_sparsity.png", dpi=100)
     print(f"picture: {out / 'sae_sparsity.png'}")
     dead = int(trainer.dead_neurons.sum())
-    return {"before": before, "after": after, "same_weights": same, "cursor": data.state_dict(),
-            "resumed_cursor": resumed_data.state_dict(), "metadata": saved["metadata"], "dead": dead,
-            "epochs": args.steps * args.batch_size / len(store), "picture": out / "sae_sparsity.png",
-            "log_feature_sparsity": rates}
+    return {
+        "before": before,
+        "after": after,
+        "same_weights": same,
+        "cursor": data.state_dict(),
+        "resumed_cursor": resumed_data.state_dict(),
+        "metadata": saved["metadata"],
+        "dead": dead,
+        "epochs": args.steps * args.batch_size / len(store),
+        "picture": out / "sae_sparsity.png",
+        "log_feature_sparsity": rates,
+    }
 
 
 if __name__ == "__main__":

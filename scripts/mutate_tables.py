@@ -80,7 +80,7 @@ def retarget(rule: str, spec, arch) -> tuple[str, str] | None:
     if kind == "layer-1" and spec.layer is not None:
         blocks = arch.block_paths
         other = blocks[spec.layer - 1] if spec.layer else blocks[1]
-        return other + module[len(blocks[spec.layer]):], spec.io
+        return other + module[len(blocks[spec.layer]) :], spec.io
     return None
 
 
@@ -99,8 +99,12 @@ def rules_for(spec, arch, model) -> list[str]:
     container = model.get_submodule(parent) if parent else model
     if not isinstance(container, torch.nn.ModuleList):  # siblings of a block are the other layers
         own = spec.module.rpartition(".")[2]
-        rules += [f"sibling:{n}:{side}" for n, _ in container.named_children() if n != own
-                  for side in ("input", "output")]
+        rules += [
+            f"sibling:{n}:{side}"
+            for n, _ in container.named_children()
+            if n != own
+            for side in ("input", "output")
+        ]
         if parent:
             rules.append("parent")
     rules += [f"child:{n}" for n, _ in model.get_submodule(spec.module).named_children()]
@@ -136,8 +140,10 @@ def applied(mutation: Mutation):
 
     def mutated(config, prefix, lm_head):
         arch = original(config, prefix, lm_head)
-        arch.specs = {name: _moved(spec, arch, mutation) if key_of(name) == mutation.key else spec
-                      for name, spec in arch.specs.items()}
+        arch.specs = {
+            name: _moved(spec, arch, mutation) if key_of(name) == mutation.key else spec
+            for name, spec in arch.specs.items()
+        }
         return arch
 
     module.table = mutated
@@ -212,8 +218,10 @@ def run(table: str, cases: list[str]) -> tuple[collections.Counter, int, list[st
 
 
 # the two wrong entries issue 30 found passing the suite before the relation tests
-ISSUE_30 = ("vit: blocks.*.mlp.post -> sibling:fc1:output",
-            "clip: blocks.*.resid_mid -> sibling:layer_norm1:input")
+ISSUE_30 = (
+    "vit: blocks.*.mlp.post -> sibling:fc1:output",
+    "clip: blocks.*.resid_mid -> sibling:layer_norm1:input",
+)
 
 
 def main() -> int:
@@ -231,8 +239,11 @@ def main() -> int:
         start = time.perf_counter()
         by, n, survivors, same = run(table, by_table[table])
         overall, total = overall + by, total + n
-        print(f"{table:10s} caught {sum(by.values())} / {n}  ({_how(by)}; {len(same)} equivalent, "
-              f"{time.perf_counter() - start:.0f} s; models: {', '.join(by_table[table])})", flush=True)
+        print(
+            f"{table:10s} caught {sum(by.values())} / {n}  ({_how(by)}; {len(same)} equivalent, "
+            f"{time.perf_counter() - start:.0f} s; models: {', '.join(by_table[table])})",
+            flush=True,
+        )
         for line in survivors:
             print(f"    SURVIVED {line}", flush=True)
         for line in same:

@@ -67,49 +67,64 @@ def draw(table: dict[str, set[str]]) -> str:
         for j, room in enumerate(rr):
             xy[room] = (LEFT + (width - LEFT - MARGIN - span) / 2 + j * (BOX_W + GAP_X), MARGIN + i * ROW_H)
     bars = {room: MARGIN + 14 * k for k, room in enumerate(r for r in table if everything(table, r))}
-    out_of = {room: sorted((t for f, t in edges(table) if f == room),
-                           key=lambda t: xy[t][0] if t in xy else width / 2) for room in table}
+    out_of = {
+        room: sorted(
+            (t for f, t in edges(table) if f == room), key=lambda t: xy[t][0] if t in xy else width / 2
+        )
+        for room in table
+    }
     into = {room: sorted((f for f, t in edges(table) if t == room), key=lambda f: xy[f][0]) for room in table}
 
     def port(room: str, others: list[str], other: str) -> float:
         k = others.index(other)
         return xy[room][0] + BOX_W * (k + 1) / (len(others) + 1)
 
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
-             f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="sans-serif" font-size="12">',
-             "<title>hookscope's rooms and the one-way imports between them</title>",
-             '<defs><marker id="head" viewBox="0 0 8 8" refX="7" refY="4" markerWidth="6" markerHeight="6" '
-             'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#5c6bc0"/></marker></defs>',
-             ]
+    parts = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width:.0f}" height="{height:.0f}" '
+        f'viewBox="0 0 {width:.0f} {height:.0f}" font-family="sans-serif" font-size="12">',
+        "<title>hookscope's rooms and the one-way imports between them</title>",
+        '<defs><marker id="head" viewBox="0 0 8 8" refX="7" refY="4" markerWidth="6" markerHeight="6" '
+        'orient="auto"><path d="M0,0 L8,4 L0,8 z" fill="#5c6bc0"/></marker></defs>',
+    ]
     if bars:
         mid = (MARGIN + max(xy[r][1] for r in bars) - ROW_H) / 2
-        parts.append(f'<text transform="translate({max(bars.values()) + 16} {mid:.0f}) rotate(-90)" '
-                     'text-anchor="middle" fill="#616161">every room above</text>')
+        parts.append(
+            f'<text transform="translate({max(bars.values()) + 16} {mid:.0f}) rotate(-90)" '
+            'text-anchor="middle" fill="#616161">every room above</text>'
+        )
     for room, x in bars.items():  # the rooms above `room`, which it may all import
-        parts.append(f'<path d="M{x + 5} {MARGIN} H{x} V{xy[room][1] - ROW_H + BOX_H} H{x + 5}" fill="none" '
-                     f'stroke="#9e9e9e"><title>every room above {room}</title></path>')
+        parts.append(
+            f'<path d="M{x + 5} {MARGIN} H{x} V{xy[room][1] - ROW_H + BOX_H} H{x + 5}" fill="none" '
+            f'stroke="#9e9e9e"><title>every room above {room}</title></path>'
+        )
     for room, target in edges(table):
         if target == EVERYTHING:  # left, to its bar
             x1, y1 = xy[room][0], xy[room][1] + BOX_H / 2
             x2 = bars[room]
-            path = (f"M{x1:.1f} {y1:.1f} H{x2 + 8:.1f} Q{x2:.1f} {y1:.1f} {x2:.1f} {y1 - 8:.1f} "
-                    f"V{xy[room][1] - ROW_H + BOX_H + 2:.1f}")
+            path = (
+                f"M{x1:.1f} {y1:.1f} H{x2 + 8:.1f} Q{x2:.1f} {y1:.1f} {x2:.1f} {y1 - 8:.1f} "
+                f"V{xy[room][1] - ROW_H + BOX_H + 2:.1f}"
+            )
         else:
             x1, y1 = port(room, out_of[room], target), xy[room][1]
             x2, y2 = port(target, into[target], room), xy[target][1] + BOX_H
             bend = max((y1 - y2) / 2, 12)
             path = f"M{x1:.1f} {y1:.1f} C{x1:.1f} {y1 - bend:.1f} {x2:.1f} {y2 + bend:.1f} {x2:.1f} {y2:.1f}"
-        parts.append(f'<path class="edge" data-from="{room}" data-to="{target}" d="{path}" '
-                     'fill="none" stroke="#5c6bc0" stroke-opacity="0.45" marker-end="url(#head)">'
-                     f"<title>{room} imports {'every room above' if target == EVERYTHING else target}</title>"
-                     "</path>")
+        parts.append(
+            f'<path class="edge" data-from="{room}" data-to="{target}" d="{path}" '
+            'fill="none" stroke="#5c6bc0" stroke-opacity="0.45" marker-end="url(#head)">'
+            f"<title>{room} imports {'every room above' if target == EVERYTHING else target}</title>"
+            "</path>"
+        )
     for room, (x, y) in xy.items():
         package = (ARCHITECTURE_MD.parents[1] / "src" / "hookscope" / room).is_dir()
         label = room + ("/" if package else ".py")
-        parts.append(f'<g class="room" data-room="{room}"><rect x="{x:.1f}" y="{y:.1f}" width="{BOX_W}" '
-                     f'height="{BOX_H}" rx="5" fill="#e8eaf6" stroke="#3949ab"/>'
-                     f'<text x="{x + BOX_W / 2:.1f}" y="{y + BOX_H / 2 + 4:.1f}" text-anchor="middle">'
-                     f"{escape(label)}</text></g>")
+        parts.append(
+            f'<g class="room" data-room="{room}"><rect x="{x:.1f}" y="{y:.1f}" width="{BOX_W}" '
+            f'height="{BOX_H}" rx="5" fill="#e8eaf6" stroke="#3949ab"/>'
+            f'<text x="{x + BOX_W / 2:.1f}" y="{y + BOX_H / 2 + 4:.1f}" text-anchor="middle">'
+            f"{escape(label)}</text></g>"
+        )
     parts.append("</svg>")
     return "\n".join(parts) + "\n"
 

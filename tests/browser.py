@@ -18,8 +18,15 @@ def chromium(window: str = "1280,860"):
 
     options = webdriver.ChromeOptions()
     options.binary_location = next(shutil.which(b) for b in BROWSERS if shutil.which(b))
-    for arg in ("--headless=new", "--no-sandbox", "--disable-dev-shm-usage", "--disable-gpu",
-                f"--window-size={window}", "--disable-extensions", "--no-first-run"):
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-dev-shm-usage",
+        "--disable-gpu",
+        f"--window-size={window}",
+        "--disable-extensions",
+        "--no-first-run",
+    ):
         options.add_argument(arg)
     options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
     return webdriver.Chrome(service=Service(executable_path=shutil.which(CHROMEDRIVER)), options=options)

@@ -21,8 +21,17 @@ def torchrun_command(nproc: int) -> list[str]:
     with socket.socket() as sock:  # a free port: a fixed one collides with other test runs on the machine
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-            "--master-addr", "127.0.0.1", "--master-port", port]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        str(nproc),
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+    ]
 
 
 def _origin(store) -> torch.Tensor:

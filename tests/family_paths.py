@@ -55,12 +55,14 @@ def _attention(p: str, attn: str, o: str, n_heads: int, n_kv: int) -> dict[str, 
     """The per-head points of a self-attention module (q_proj, k_proj, v_proj and the output
     projection `o`): projections' outputs, the output projection's input, the module's
     (output, weights)."""
-    return {p + "attn.q": (f"{attn}.q_proj", OUT, per_head(n_heads)),
-            p + "attn.k": (f"{attn}.k_proj", OUT, per_head(n_kv)),
-            p + "attn.v": (f"{attn}.v_proj", OUT, per_head(n_kv)),
-            p + "attn.pattern": (attn, OUT, item(1)),
-            p + "attn.z": (f"{attn}.{o}", IN, per_head(n_heads)),
-            p + "attn.out": (attn, OUT, item(0))}
+    return {
+        p + "attn.q": (f"{attn}.q_proj", OUT, per_head(n_heads)),
+        p + "attn.k": (f"{attn}.k_proj", OUT, per_head(n_kv)),
+        p + "attn.v": (f"{attn}.v_proj", OUT, per_head(n_kv)),
+        p + "attn.pattern": (attn, OUT, item(1)),
+        p + "attn.z": (f"{attn}.{o}", IN, per_head(n_heads)),
+        p + "attn.out": (attn, OUT, item(0)),
+    }
 
 
 # --- image encoders ---------------------------------------------------------------------------
@@ -84,11 +86,13 @@ def vision_paths(model: nn.Module, prefix: str = "") -> dict[str, Path]:
         paths[p + "resid_pre"] = (f"{blk}.{norms[0]}", IN, same)
         paths |= _norm(model, p, "ln1", f"{blk}.{norms[0]}") | _norm(model, p, "ln2", f"{blk}.{norms[1]}")
         paths |= _attention(p, f"{blk}.{attn}", o, H, H)
-        paths |= {p + "resid_mid": (f"{blk}.{norms[1]}", IN, same),
-                  p + "mlp.pre": (f"{blk}.mlp.fc1", OUT, same),
-                  p + "mlp.post": (f"{blk}.mlp.activation_fn", OUT, same),
-                  p + "mlp.out": (f"{blk}.mlp", OUT, same),
-                  p + "resid_post": (blk, OUT, same)}
+        paths |= {
+            p + "resid_mid": (f"{blk}.{norms[1]}", IN, same),
+            p + "mlp.pre": (f"{blk}.mlp.fc1", OUT, same),
+            p + "mlp.post": (f"{blk}.mlp.activation_fn", OUT, same),
+            p + "mlp.out": (f"{blk}.mlp", OUT, same),
+            p + "resid_post": (blk, OUT, same),
+        }
         if kind.startswith("dinov2"):  # what is added to the stream: after LayerScale
             paths[p + "attn.out_pre_scale"] = paths[p + "attn.out"]
             paths[p + "mlp.out_pre_scale"] = paths[p + "mlp.out"]
@@ -119,23 +123,30 @@ def moe_paths(model: nn.Module) -> dict[str, Path]:
         paths |= _norm(model, p, "ln1", f"{blk}.input_layernorm")
         paths |= _norm(model, p, "ln2", f"{blk}.post_attention_layernorm")
         paths |= _attention(p, f"{blk}.self_attn", "o_proj", H, KV)
-        paths |= {p + "resid_mid": (f"{blk}.post_attention_layernorm", IN, same),
-                  p + "mlp.router.logits": (f"{blk}.mlp.gate", OUT, item(0)),
-                  p + "mlp.router.weights": (f"{blk}.mlp.gate", OUT, item(1)),
-                  p + "mlp.router.indices": (f"{blk}.mlp.gate", OUT, item(2)),
-                  p + "mlp.router.routing": (f"{blk}.mlp.gate", OUT, _dense_routing),
-                  p + "mlp.experts.out": (f"{blk}.mlp.experts", OUT, same),
-                  p + "mlp.out": (f"{blk}.mlp", OUT, same),
-                  p + "resid_post": (blk, OUT, same)}
+        paths |= {
+            p + "resid_mid": (f"{blk}.post_attention_layernorm", IN, same),
+            p + "mlp.router.logits": (f"{blk}.mlp.gate", OUT, item(0)),
+            p + "mlp.router.weights": (f"{blk}.mlp.gate", OUT, item(1)),
+            p + "mlp.router.indices": (f"{blk}.mlp.gate", OUT, item(2)),
+            p + "mlp.router.routing": (f"{blk}.mlp.gate", OUT, _dense_routing),
+            p + "mlp.experts.out": (f"{blk}.mlp.experts", OUT, same),
+            p + "mlp.out": (f"{blk}.mlp", OUT, same),
+            p + "resid_post": (blk, OUT, same),
+        }
         if getattr(cfg, "shared_expert_intermediate_size", 0):
             shared = f"{blk}.mlp.shared_expert"
-            paths |= {p + "mlp.shared.pre": (f"{shared}.gate_proj", OUT, same),
-                      p + "mlp.shared.pre_linear": (f"{shared}.up_proj", OUT, same),
-                      p + "mlp.shared.post": (f"{shared}.down_proj", IN, same),
-                      p + "mlp.shared.out": (shared, OUT, same),
-                      p + "mlp.shared.gate": (f"{blk}.mlp.shared_expert_gate", OUT, same)}
-    return paths | _normalized(model, "ln_final", "model.norm") | {"ln_final": ("model.norm", OUT, same),
-                                                                   "logits": ("lm_head", OUT, same)}
+            paths |= {
+                p + "mlp.shared.pre": (f"{shared}.gate_proj", OUT, same),
+                p + "mlp.shared.pre_linear": (f"{shared}.up_proj", OUT, same),
+                p + "mlp.shared.post": (f"{shared}.down_proj", IN, same),
+                p + "mlp.shared.out": (shared, OUT, same),
+                p + "mlp.shared.gate": (f"{blk}.mlp.shared_expert_gate", OUT, same),
+            }
+    return (
+        paths
+        | _normalized(model, "ln_final", "model.norm")
+        | {"ln_final": ("model.norm", OUT, same), "logits": ("lm_head", OUT, same)}
+    )
 
 
 # --- state-space and recurrent models ---------------------------------------------------------
@@ -150,29 +161,44 @@ def ssm_paths(model: nn.Module) -> dict[str, Path]:
         p = f"blocks.{L}."
         if cfg.model_type == "rwkv":
             blk = f"rwkv.blocks.{L}"
-            paths |= {p + "resid_pre": (blk, IN, same), p + "mixer.in": (f"{blk}.ln1", OUT, same),
-                      p + "mixer.out": (f"{blk}.attention", OUT, item(0)),
-                      p + "resid_mid": (f"{blk}.ln2", IN, same), p + "mlp.in": (f"{blk}.ln2", OUT, same),
-                      p + "mlp.out": (f"{blk}.feed_forward", OUT, item(0)),
-                      p + "resid_post": (blk, OUT, item(0))}
+            paths |= {
+                p + "resid_pre": (blk, IN, same),
+                p + "mixer.in": (f"{blk}.ln1", OUT, same),
+                p + "mixer.out": (f"{blk}.attention", OUT, item(0)),
+                p + "resid_mid": (f"{blk}.ln2", IN, same),
+                p + "mlp.in": (f"{blk}.ln2", OUT, same),
+                p + "mlp.out": (f"{blk}.feed_forward", OUT, item(0)),
+                p + "resid_post": (blk, OUT, item(0)),
+            }
         else:
             blk = f"backbone.layers.{L}"
-            paths |= {p + "resid_pre": (f"{blk}.norm", IN, same),
-                      p + "mixer.in": (f"{blk}.norm", OUT, same),
-                      p + "mixer.in_proj": (f"{blk}.mixer.in_proj", OUT, same),
-                      p + "mixer.ssm_out": (f"{blk}.mixer.out_proj", IN, same),
-                      p + "mixer.out": (f"{blk}.mixer.out_proj", OUT, same),
-                      p + "resid_post": (blk, OUT, same)}
+            paths |= {
+                p + "resid_pre": (f"{blk}.norm", IN, same),
+                p + "mixer.in": (f"{blk}.norm", OUT, same),
+                p + "mixer.in_proj": (f"{blk}.mixer.in_proj", OUT, same),
+                p + "mixer.ssm_out": (f"{blk}.mixer.out_proj", IN, same),
+                p + "mixer.out": (f"{blk}.mixer.out_proj", OUT, same),
+                p + "resid_post": (blk, OUT, same),
+            }
     rwkv = cfg.model_type == "rwkv"
     base, final, head = ("rwkv", "ln_out", "head") if rwkv else ("backbone", "norm_f", "lm_head")
-    return paths | _normalized(model, "ln_final", f"{base}.{final}") | {
-        "embed": (f"{base}.embeddings", OUT, same), "ln_final": (f"{base}.{final}", OUT, same),
-        "logits": (head, OUT, same)}
+    return (
+        paths
+        | _normalized(model, "ln_final", f"{base}.{final}")
+        | {
+            "embed": (f"{base}.embeddings", OUT, same),
+            "ln_final": (f"{base}.{final}", OUT, same),
+            "logits": (head, OUT, same),
+        }
+    )
 
 
 def reference(model: nn.Module, paths: dict[str, Path], inputs: dict, names=None) -> dict[str, Tensor]:
     """One forward pass with plain torch hooks (helpers.plain_hooks) on the hand-written paths
     (`names`: a subset)."""
-    taps = {name: (model.get_submodule(path), side, read) for name, (path, side, read) in paths.items()
-            if names is None or name in names}
+    taps = {
+        name: (model.get_submodule(path), side, read)
+        for name, (path, side, read) in paths.items()
+        if names is None or name in names
+    }
     return plain_hooks(model, taps, lambda: model(**inputs))

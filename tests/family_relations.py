@@ -38,7 +38,13 @@ def _heads(x: Tensor, n: int) -> Tensor:
 
 
 def attention(
-    a: Reads, L: int, q: Tensor, k: Tensor, v: Tensor, o: Callable[[Tensor], Tensor], n_heads: int,
+    a: Reads,
+    L: int,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Callable[[Tensor], Tensor],
+    n_heads: int,
     out: str = "attn.out",
 ) -> list[Check]:
     """Per-head points against the projections of the block's normed input (q, k, v: those
@@ -64,14 +70,22 @@ def projections(attn: nn.Module, x: Tensor, names=("q_proj", "k_proj", "v_proj")
 
 
 def mlp(
-    a: Reads, L: int, x: Tensor, pre: nn.Module, act: Callable, out: nn.Module, up: nn.Module | None = None,
+    a: Reads,
+    L: int,
+    x: Tensor,
+    pre: nn.Module,
+    act: Callable,
+    out: nn.Module,
+    up: nn.Module | None = None,
     out_name: str = "mlp.out",
 ) -> list[Check]:
     """mlp.in = x, the normed input; mlp.pre = W_in(x); mlp.post = act(pre) (gated: act(gate) *
     up(x)); `out_name` (mlp.out, or mlp.out_pre_norm where a norm follows) = W_out(post)."""
     p = f"blocks.{L}."
-    checks = [(p + "mlp.in = what the MLP reads", a[p + "mlp.in"], x),
-              (p + "mlp.pre", a[p + "mlp.pre"], pre(x))]
+    checks = [
+        (p + "mlp.in = what the MLP reads", a[p + "mlp.in"], x),
+        (p + "mlp.pre", a[p + "mlp.pre"], pre(x)),
+    ]
     post = act(a[p + "mlp.pre"])
     if up is not None:
         checks.append((p + "mlp.pre_linear", a[p + "mlp.pre_linear"], up(x)))
@@ -95,7 +109,8 @@ def normed(a: Reads, L: int, ln: str, x: Tensor, norm: nn.Module) -> list[Check]
 
 def _normed(a: Reads, p: str, x: Tensor, norm: nn.Module) -> list[Check]:
     eps = _FIXED_EPS.get(type(norm).__name__) or next(
-        getattr(norm, n) for n in ("eps", "variance_epsilon") if hasattr(norm, n))
+        getattr(norm, n) for n in ("eps", "variance_epsilon") if hasattr(norm, n)
+    )
     centred = x - x.mean(-1, keepdim=True) if "RMS" not in type(norm).__name__ else x
     scale = (centred.pow(2).mean(-1, keepdim=True) + eps).sqrt()
     return [(p + "scale", a[p + "scale"], scale), (p + "normalized", a[p + "normalized"], centred / scale)]
@@ -197,25 +212,42 @@ def llama_relations(model: nn.Module, ids: Tensor, a: Reads) -> list[Check]:
             a, L, *projections(blk.self_attn, x), blk.self_attn.o_proj, cfg.num_attention_heads, out
         )
         if after_attn:
-            checks.append((p + "attn.out = post-norm(attn.out_pre_norm)", a[p + "attn.out"],
-                           getattr(blk, after_attn)(a[p + out])))
+            checks.append(
+                (
+                    p + "attn.out = post-norm(attn.out_pre_norm)",
+                    a[p + "attn.out"],
+                    getattr(blk, after_attn)(a[p + out]),
+                )
+            )
         checks.append(
-            (p + "resid_mid = resid_pre + attn.out", a[p + "resid_mid"],
-             a[p + "resid_pre"] + a[p + "attn.out"])
+            (
+                p + "resid_mid = resid_pre + attn.out",
+                a[p + "resid_mid"],
+                a[p + "resid_pre"] + a[p + "attn.out"],
+            )
         )
         x = a[p + "resid_mid"]
         if mlp_norm:
             checks += normed(a, L, "ln2", x, getattr(blk, mlp_norm))
             x = getattr(blk, mlp_norm)(x)
         out = "mlp.out_pre_norm" if after_mlp else "mlp.out"
-        checks += mlp(a, L, x, blk.mlp.gate_proj, blk.mlp.act_fn, blk.mlp.down_proj, up=blk.mlp.up_proj,
-                      out_name=out)
+        checks += mlp(
+            a, L, x, blk.mlp.gate_proj, blk.mlp.act_fn, blk.mlp.down_proj, up=blk.mlp.up_proj, out_name=out
+        )
         if after_mlp:
-            checks.append((p + "mlp.out = post-norm(mlp.out_pre_norm)", a[p + "mlp.out"],
-                           getattr(blk, after_mlp)(a[p + out])))
+            checks.append(
+                (
+                    p + "mlp.out = post-norm(mlp.out_pre_norm)",
+                    a[p + "mlp.out"],
+                    getattr(blk, after_mlp)(a[p + out]),
+                )
+            )
         checks.append(
-            (p + "resid_post = resid_mid + mlp.out", a[p + "resid_post"],
-             a[p + "resid_mid"] + a[p + "mlp.out"])
+            (
+                p + "resid_post = resid_mid + mlp.out",
+                a[p + "resid_post"],
+                a[p + "resid_mid"] + a[p + "mlp.out"],
+            )
         )
     return checks + final(a, len(base.layers), base.norm, model.lm_head)
 

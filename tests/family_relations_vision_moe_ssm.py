@@ -28,10 +28,16 @@ def _prenorm_block(a: Reads, L: int, blk: nn.Module, names: dict, n_heads: int, 
     pre = "_pre_scale" if scales else ""
     checks += attention(a, L, *projections(attn, x), sub("o"), n_heads, out="attn.out" + pre)
     if scales:  # what is added to the stream is the sublayer's output times its LayerScale
-        checks.append((p + "attn.out = lambda1 * attn.out_pre_scale", a[p + "attn.out"],
-                       a[p + "attn.out_pre_scale"] * scales[0].lambda1))
-    checks.append((p + "resid_mid = resid_pre + attn.out", a[p + "resid_mid"],
-                   a[p + "resid_pre"] + a[p + "attn.out"]))
+        checks.append(
+            (
+                p + "attn.out = lambda1 * attn.out_pre_scale",
+                a[p + "attn.out"],
+                a[p + "attn.out_pre_scale"] * scales[0].lambda1,
+            )
+        )
+    checks.append(
+        (p + "resid_mid = resid_pre + attn.out", a[p + "resid_mid"], a[p + "resid_pre"] + a[p + "attn.out"])
+    )
     x = sub("ln2")(a[p + "resid_mid"])
     checks += normed(a, L, "ln2", a[p + "resid_mid"], sub("ln2"))
     if "gate" in names:
@@ -39,10 +45,16 @@ def _prenorm_block(a: Reads, L: int, blk: nn.Module, names: dict, n_heads: int, 
     else:
         checks += mlp(a, L, x, sub("fc1"), sub("act"), sub("fc2"), out_name="mlp.out" + pre)
     if scales:
-        checks.append((p + "mlp.out = lambda2 * mlp.out_pre_scale", a[p + "mlp.out"],
-                       a[p + "mlp.out_pre_scale"] * scales[1].lambda1))
-    checks.append((p + "resid_post = resid_mid + mlp.out", a[p + "resid_post"],
-                   a[p + "resid_mid"] + a[p + "mlp.out"]))
+        checks.append(
+            (
+                p + "mlp.out = lambda2 * mlp.out_pre_scale",
+                a[p + "mlp.out"],
+                a[p + "mlp.out_pre_scale"] * scales[1].lambda1,
+            )
+        )
+    checks.append(
+        (p + "resid_post = resid_mid + mlp.out", a[p + "resid_post"], a[p + "resid_mid"] + a[p + "mlp.out"])
+    )
     return checks
 
 

@@ -16,8 +16,17 @@ from hookscope.store import open_store
 
 def extract_config(model_dir: Path, corpus: Path, out: Path, **overrides: Any) -> dict[str, Any]:
     """ExtractConfig fields for a run of about 50 batches, 2 per shard, on a tiny GPT-2."""
-    base = dict(out=str(out), model=str(model_dir), points=["blocks.1.resid_post", "blocks.0.attn.z"],
-                data=str(corpus), context=32, batch_size=4, dtype="bfloat16", shard_rows=200, progress=False)
+    base = dict(
+        out=str(out),
+        model=str(model_dir),
+        points=["blocks.1.resid_post", "blocks.0.attn.z"],
+        data=str(corpus),
+        context=32,
+        batch_size=4,
+        dtype="bfloat16",
+        shard_rows=200,
+        progress=False,
+    )
     return {**base, **overrides}
 
 
@@ -41,7 +50,8 @@ def compare_stores(got: Path, want: Path) -> dict[str, Any]:
     a, b = open_store(got, verify=True), open_store(want, verify=True)
     ka, kb = row_keys(a), row_keys(b)
     same_values = len(a) == len(b) and all(
-        torch.equal(_bits(a.tensor(name)), _bits(b.tensor(name))) for name in b.manifest.columns)
+        torch.equal(_bits(a.tensor(name)), _bits(b.tensor(name))) for name in b.manifest.columns
+    )
     return {
         "rows": len(a),
         "rows_lost": sum((kb - ka).values()),
@@ -68,9 +78,11 @@ def probe_store(path: str, headroom: int = 1 << 30) -> dict[str, str]:
 
     vm = next(int(line.split()[1]) * 1024 for line in open("/proc/self/status") if line.startswith("VmSize:"))
     resource.setrlimit(resource.RLIMIT_AS, (vm + headroom, resource.RLIM_INFINITY))
-    return {"reader": _outcome(_read_everything, path),
-            "verify": _outcome(lambda p: open_store(p, verify=True), path),
-            "inspect": _inspect(path)}
+    return {
+        "reader": _outcome(_read_everything, path),
+        "verify": _outcome(lambda p: open_store(p, verify=True), path),
+        "inspect": _inspect(path),
+    }
 
 
 def _read_everything(path: str) -> None:

@@ -58,22 +58,35 @@ class ForkServer:
 
     def __init__(self):
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
-        self.proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve())], stdin=subprocess.PIPE,
-                                     stdout=subprocess.PIPE, text=True, env=env, cwd=HERE)
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=HERE,
+        )
         self.tmp = Path(tempfile.mkdtemp(prefix="forkserver-"))
         self.calls = 0
         ready = self.proc.stdout.readline()
         if ready.strip() != "ready":
             raise RuntimeError(f"fork server did not start (said {ready!r})")
 
-    def call(self, function: str, *, kill_after: float | None = None, timeout: float = 120.0,
-             **kwargs: Any) -> Reply:
+    def call(
+        self, function: str, *, kill_after: float | None = None, timeout: float = 120.0, **kwargs: Any
+    ) -> Reply:
         """Run `module:function(**kwargs)` in a fresh child. `kill_after`: SIGKILL it after that
         many seconds if it is still running. A child running past `timeout` is killed as hung."""
         self.calls += 1
         result, log = self.tmp / f"{self.calls}.json", self.tmp / f"{self.calls}.log"
-        request = {"function": function, "kwargs": kwargs, "kill_after": kill_after, "timeout": timeout,
-                   "result": str(result), "log": str(log)}
+        request = {
+            "function": function,
+            "kwargs": kwargs,
+            "kill_after": kill_after,
+            "timeout": timeout,
+            "result": str(result),
+            "log": str(log),
+        }
         self.proc.stdin.write(json.dumps(request) + "\n")
         self.proc.stdin.flush()
         line = self.proc.stdout.readline()
@@ -81,8 +94,13 @@ class ForkServer:
             raise RuntimeError("the fork server died")
         reply = json.loads(line)
         value = json.loads(result.read_text()) if result.exists() else None
-        return Reply(reply["status"], reply["seconds"], reply["timed_out"], value,
-                     log.read_text(errors="replace") if log.exists() else "")
+        return Reply(
+            reply["status"],
+            reply["seconds"],
+            reply["timed_out"],
+            value,
+            log.read_text(errors="replace") if log.exists() else "",
+        )
 
     def warm(self, function: str, **kwargs: Any) -> None:
         """Run `module:function(**kwargs)` in the server itself, once: to import lazily loaded

@@ -50,19 +50,39 @@ def _cuda_problem() -> str | None:
 
 
 NEEDS = {
-    "tl3": Need("TransformerLens 3.x (HookedTransformer)", "main", ("transformer_lens",),
-                dist="transformer-lens", major="3"),
-    "tl4": Need("TransformerLens 4.x (TransformerBridge)", "tl4", ("transformer_lens",),
-                dist="transformer-lens", major="4"),
+    "tl3": Need(
+        "TransformerLens 3.x (HookedTransformer)",
+        "main",
+        ("transformer_lens",),
+        dist="transformer-lens",
+        major="3",
+    ),
+    "tl4": Need(
+        "TransformerLens 4.x (TransformerBridge)",
+        "tl4",
+        ("transformer_lens",),
+        dist="transformer-lens",
+        major="4",
+    ),
     "sae_lens": Need("SAELens (the dev extra)", "main", ("sae_lens",), dist="sae-lens"),
     "sparsify": Need("eai-sparsify (the dev extra)", "main", ("sparsify",), dist="eai-sparsify"),
-    "dictionary_learning": Need("dictionary-learning (it pins nnsight < 0.4 and pulls torchvision)",
-                                "dictlearn", ("dictionary_learning",)),
+    "dictionary_learning": Need(
+        "dictionary-learning (it pins nnsight < 0.4 and pulls torchvision)",
+        "dictlearn",
+        ("dictionary_learning",),
+    ),
     "s3": Need("an S3 test server: moto[server] and s3fs (the dev extra)", "main", ("s3fs", "moto.server")),
-    "browser": Need("a headless browser: selenium (the dev extra), chromium and chromedriver", "main",
-                    ("selenium",), check=_browser_problem),
-    "docs": Need("the site's builder: mkdocs-material and mkdocstrings[python] (the docs extra)", "main",
-                 ("mkdocs", "material", "mkdocstrings_handlers.python")),
+    "browser": Need(
+        "a headless browser: selenium (the dev extra), chromium and chromedriver",
+        "main",
+        ("selenium",),
+        check=_browser_problem,
+    ),
+    "docs": Need(
+        "the site's builder: mkdocs-material and mkdocstrings[python] (the docs extra)",
+        "main",
+        ("mkdocs", "material", "mkdocstrings_handlers.python"),
+    ),
     "cuda": Need("a CUDA device", "gpu-suite", check=_cuda_problem),
 }
 
@@ -121,5 +141,4 @@ def skip_unless(name: str) -> pytest.MarkDecorator:
     wrong = problem(name)
     if wrong is not None and name in required():
         pytest.fail(f"{ENV_VAR} names {name} ({spec.what}) but {wrong}", pytrace=False)
-    return pytest.mark.skipif(wrong is not None,
-                              reason=f"needs {spec.what}: {wrong}; {runner(spec)} runs it")
+    return pytest.mark.skipif(wrong is not None, reason=f"needs {spec.what}: {wrong}; {runner(spec)} runs it")

@@ -17,8 +17,10 @@ import pytest
 import torch
 from torch import Tensor, nn
 
-WORDS = ("alpha beta gamma delta epsilon zeta eta theta iota kappa lambda fox dog cat residual stream "
-         "layer head token sparse feature probe gradient hook model").split()
+WORDS = (
+    "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda fox dog cat residual stream "
+    "layer head token sparse feature probe gradient hook model"
+).split()
 
 # -- token ids -------------------------------------------------------------------------------------
 
@@ -29,8 +31,14 @@ def vocab_size(model: Any) -> int:
     return cfg.d_vocab if cfg is not None and hasattr(cfg, "d_vocab") else model.config.vocab_size
 
 
-def token_ids(model: Any, batch: int = 2, length: int = 7, seed: int = 0, low: int = 1,
-              device: str | torch.device = "cpu") -> Tensor:
+def token_ids(
+    model: Any,
+    batch: int = 2,
+    length: int = 7,
+    seed: int = 0,
+    low: int = 1,
+    device: str | torch.device = "cpu",
+) -> Tensor:
     """Random token ids valid for `model`, the same for the same seed; from `low` (default 1: id 0 is
     the pad / BOS token of the tiny models)."""
     g = torch.Generator().manual_seed(seed)
@@ -43,8 +51,10 @@ def token_ids(model: Any, batch: int = 2, length: int = 7, seed: int = 0, low: i
 def write_corpus(path: Path, docs: int = 60, seed: int = 0) -> Path:
     """`docs` paragraphs of 3-40 words, the same for the same seed."""
     rng = random.Random(seed)
-    paras = [f"Document {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40))) + "."
-             for i in range(docs)]
+    paras = [
+        f"Document {i}: " + " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 40))) + "."
+        for i in range(docs)
+    ]
     path.write_text("\n\n".join(paras) + "\n")
     return path
 
@@ -61,8 +71,15 @@ def corpus_fixture(docs: int) -> Callable[..., Path]:
 
 def extract_cli_args(model: Path | str, corpus: Path, out: Path | str, **overrides: str) -> list[str]:
     """`hookscope extract` arguments for a small run on a tiny model; `overrides`: {"--flag": value}."""
-    opts = {"--points": "blocks.1.resid_post,blocks.0.mlp.post", "--data": str(corpus), "--context": "32",
-            "--batch-size": "4", "--dtype": "float16", "--shard-rows": "150", **overrides}
+    opts = {
+        "--points": "blocks.1.resid_post,blocks.0.mlp.post",
+        "--data": str(corpus),
+        "--context": "32",
+        "--batch-size": "4",
+        "--dtype": "float16",
+        "--shard-rows": "150",
+        **overrides,
+    }
     flags = [x for kv in opts.items() for x in kv]
     return ["extract", str(model), "--out", str(out), *flags, "--no-progress"]
 
@@ -75,14 +92,29 @@ def shard_digests(out: Path) -> dict[str, str]:
 # -- models and references -------------------------------------------------------------------------
 
 
-def tiny_hooked_transformer(n_layers: int = 2, d_model: int = 32, n_heads: int = 4, d_vocab: int = 100,
-                            n_ctx: int = 32, seed: int | None = 0, **flags: Any) -> nn.Module:
+def tiny_hooked_transformer(
+    n_layers: int = 2,
+    d_model: int = 32,
+    n_heads: int = 4,
+    d_vocab: int = 100,
+    n_ctx: int = 32,
+    seed: int | None = 0,
+    **flags: Any,
+) -> nn.Module:
     """A random TransformerLens 3 HookedTransformer (GELU MLP, d_head = d_model / n_heads), in eval mode."""
     from transformer_lens import HookedTransformer, HookedTransformerConfig
 
-    cfg = HookedTransformerConfig(n_layers=n_layers, d_model=d_model, n_heads=n_heads,
-                                  d_head=d_model // n_heads, d_vocab=d_vocab, n_ctx=n_ctx, act_fn="gelu",
-                                  seed=seed, **flags)
+    cfg = HookedTransformerConfig(
+        n_layers=n_layers,
+        d_model=d_model,
+        n_heads=n_heads,
+        d_head=d_model // n_heads,
+        d_vocab=d_vocab,
+        n_ctx=n_ctx,
+        act_fn="gelu",
+        seed=seed,
+        **flags,
+    )
     return HookedTransformer(cfg).eval()
 
 
@@ -91,8 +123,11 @@ def first(x: Any) -> Tensor:
     return x[0] if isinstance(x, tuple) else x
 
 
-def plain_hooks(model: nn.Module, taps: Mapping[str, tuple[nn.Module, str, Callable[[Any], Tensor]]],
-                run: Callable[[], Any]) -> dict[str, Tensor]:
+def plain_hooks(
+    model: nn.Module,
+    taps: Mapping[str, tuple[nn.Module, str, Callable[[Any], Tensor]]],
+    run: Callable[[], Any],
+) -> dict[str, Tensor]:
     """The reference capture: `run()` (one forward pass) under plain `register_forward_hook` ("output")
     or `register_forward_pre_hook` ("input": the first positional argument or `hidden_states`) on each
     tap's module; returns detached copies of `read(tensor)` by tap name, the hooks removed."""

@@ -60,8 +60,23 @@ from hookscope.store import fs as fs_module
 from hookscope.store import upload as upload_module
 from hookscope.store import writer as writer_module
 
-SITES = ("replace", "rename", "manifest-replace", "save", "library-save", "manifest-write", "journal-write",
-         "fsync", "batch", "forward", "tokenize", "upload", "part", "put", "manifest-put")
+SITES = (
+    "replace",
+    "rename",
+    "manifest-replace",
+    "save",
+    "library-save",
+    "manifest-write",
+    "journal-write",
+    "fsync",
+    "batch",
+    "forward",
+    "tokenize",
+    "upload",
+    "part",
+    "put",
+    "manifest-put",
+)
 
 
 SIGNAL = signal.SIGKILL  # what die() sends; `cli` mode may choose SIGINT or SIGTERM

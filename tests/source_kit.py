@@ -17,9 +17,16 @@ from PIL import Image
 from hookscope.testing import save_tiny
 
 SOURCES = ("text", "generated", "images")
-FLAGS = {"points": "--points", "data": "--data", "context": "--context", "batch_size": "--batch-size",
-         "dtype": "--dtype", "shard_rows": "--shard-rows", "max_tokens": "--max-tokens",
-         "generate": "--generate"}
+FLAGS = {
+    "points": "--points",
+    "data": "--data",
+    "context": "--context",
+    "batch_size": "--batch-size",
+    "dtype": "--dtype",
+    "shard_rows": "--shard-rows",
+    "max_tokens": "--max-tokens",
+    "generate": "--generate",
+}
 
 
 def write_images(folder: Path, count: int, seed: int = 0) -> Path:
@@ -45,11 +52,20 @@ class Case:
 
     def cli(self, out: Path, **flags: str) -> list[str]:
         """`hookscope extract` arguments; `flags` ("--batch-size": "0") override the case's."""
-        opts = {FLAGS[k]: ",".join(v) if isinstance(v, list) else str(v)
-                for k, v in self.fields.items() if k != "model" and v is not None and v != 0}
+        opts = {
+            FLAGS[k]: ",".join(v) if isinstance(v, list) else str(v)
+            for k, v in self.fields.items()
+            if k != "model" and v is not None and v != 0
+        }
         opts.update(flags)
-        return ["extract", str(self.fields["model"]), "--out", str(out),
-                *[x for kv in opts.items() for x in kv], "--no-progress"]
+        return [
+            "extract",
+            str(self.fields["model"]),
+            "--out",
+            str(out),
+            *[x for kv in opts.items() for x in kv],
+            "--no-progress",
+        ]
 
     def empty_data(self, folder: Path) -> str:
         """A data source that exists and holds nothing to extract."""
@@ -63,8 +79,9 @@ class Case:
         return f"images:{folder / 'nope'}" if self.source == "images" else str(folder / "nope.txt")
 
 
-def make_case(source: str, tiny_dirs: dict[str, Path], root: Path, *, docs: int = 40, images: int = 40,
-              **fields: Any) -> Case:
+def make_case(
+    source: str, tiny_dirs: dict[str, Path], root: Path, *, docs: int = 40, images: int = 40, **fields: Any
+) -> Case:
     """A case of `source`: text and generated read a corpus of `docs` paragraphs with the tiny
     GPT-2; images read `images` pictures with a tiny ViT (both written under `root`)."""
     root.mkdir(parents=True, exist_ok=True)
@@ -76,8 +93,13 @@ def make_case(source: str, tiny_dirs: dict[str, Path], root: Path, *, docs: int 
         base = {"model": model, "data": data, "batch_size": 2}
     else:
         corpus = write_corpus(root / "corpus.txt", docs=docs)
-        base = {"model": tiny_dirs["gpt2"], "data": str(corpus), "context": 32, "batch_size": 4,
-                **({"generate": 2} if source == "generated" else {})}
+        base = {
+            "model": tiny_dirs["gpt2"],
+            "data": str(corpus),
+            "context": 32,
+            "batch_size": 4,
+            **({"generate": 2} if source == "generated" else {}),
+        }
     merged = {**base, **fields}
     merged["model"] = str(merged["model"])
     return Case(source, merged)

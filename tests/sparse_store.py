@@ -31,8 +31,14 @@ def make_sparse_store(out: Path, rows: int = 4096, context: int = 16, dtype=torc
     with ShardWriter(out, settings, shard_rows=1024) as w:
         for b in range(rows // per_batch):
             s = slice(b * per_batch, (b + 1) * per_batch)
-            w.write(b, {POINT: x[s]}, {"token_ids": torch.arange(s.start, s.stop) % 500,
-                                       "seq_ids": torch.arange(b * 4, b * 4 + 4).repeat_interleave(context)})
+            w.write(
+                b,
+                {POINT: x[s]},
+                {
+                    "token_ids": torch.arange(s.start, s.stop) % 500,
+                    "seq_ids": torch.arange(b * 4, b * 4 + 4).repeat_interleave(context),
+                },
+            )
     return open_store(out)
 
 

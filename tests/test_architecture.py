@@ -1,7 +1,7 @@
 """The rooms import one way, as the table in docs/architecture.md says (the one copy of it): read
 every module's imports, lazy ones inside functions and type-checking ones included, and fail on a
-room missing from the table, an import against it, or a circle; and no module over 400 lines, no
-function over 80."""
+room missing from the table, an import against it, or a circle. How long a function may grow is
+ruff's complexity rules' business (pyproject.toml, tests/test_style.py), not a line count."""
 
 from __future__ import annotations
 
@@ -70,8 +70,9 @@ def imports_in(source: str, module: str, *, is_package: bool, exists=_exists) ->
             else:
                 target = node.module or ""
             if target.startswith("hookscope"):  # `from . import images` imports hookscope.images
-                targets = [f"{target}.{a.name}" if exists(f"{target}.{a.name}") else target
-                           for a in node.names]
+                targets = [
+                    f"{target}.{a.name}" if exists(f"{target}.{a.name}") else target for a in node.names
+                ]
         else:
             targets = [a.name for a in node.names if a.name.startswith("hookscope")]
         found += [Import(t, node.lineno, id(node) in in_function) for t in targets if t != module]
@@ -113,8 +114,9 @@ KNOWN_AGAINST_THE_FLOW: set[tuple[str, str]] = set()
 
 def test_every_room_is_in_the_table_and_every_row_is_a_room():
     missing, extra = sorted(set(ROOMS) - set(ALLOWED)), sorted(set(ALLOWED) - set(ROOMS))
-    assert not missing and not extra, (f"rooms missing from docs/architecture.md: {missing}; "
-                                       f"rows for no room: {extra}")
+    assert not missing and not extra, (
+        f"rooms missing from docs/architecture.md: {missing}; rows for no room: {extra}"
+    )
 
 
 @pytest.mark.parametrize("room", ROOMS)
@@ -135,8 +137,11 @@ def test_every_room_imports_one_way(room):
 
 
 def test_the_known_exceptions_are_still_needed():
-    stale = [pair for pair in KNOWN_AGAINST_THE_FLOW
-             if not any(room_of(t) == pair[1] for t in GRAPH.get(pair[0], ()))]
+    stale = [
+        pair
+        for pair in KNOWN_AGAINST_THE_FLOW
+        if not any(room_of(t) == pair[1] for t in GRAPH.get(pair[0], ()))
+    ]
     assert not stale, f"remove {stale} from KNOWN_AGAINST_THE_FLOW: the import is gone"
 
 
@@ -155,8 +160,12 @@ def test_the_checker_sees_lazy_relative_and_package_imports():
     modules = {"hookscope.progress", "hookscope.top.query"}  # `top` (the function) is not one
     found = imports_in(source, "hookscope.store.reader", is_package=False, exists=modules.__contains__)
     assert {(i.target, i.lazy) for i in found} == {
-        ("hookscope.store.manifest", False), ("hookscope.progress", False), ("hookscope.capture", False),
-        ("hookscope.models", False), ("hookscope.top", True)}
+        ("hookscope.store.manifest", False),
+        ("hookscope.progress", False),
+        ("hookscope.capture", False),
+        ("hookscope.models", False),
+        ("hookscope.top", True),
+    }
 
 
 def test_the_table_reader_refuses_an_import_of_a_room_below():
@@ -164,7 +173,10 @@ def test_the_table_reader_refuses_an_import_of_a_room_below():
     with pytest.raises(AssertionError, match=r"store may import \['top'\]"):
         read_table(table)
     assert read_table("| `a.py` | x | none |\n| `b/` | y | a |\n| `cli/` | z | everything |\n") == {
-        "a": set(), "b": {"a"}, "cli": {"a", "b"}}
+        "a": set(),
+        "b": {"a"},
+        "cli": {"a", "b"},
+    }
 
 
 def test_hooks_and_capture_never_import_the_compile_layer():
@@ -221,21 +233,60 @@ def test_the_public_surface_is_listed_once():
 
     assert hs.__version__ == version("hookscope")
     # what the public functions hand back is public too
-    for cls in ("Capture", "Edits", "Store", "ActivationDataset", "Loaded", "Selection", "PointDict",
-                "Generation", "ProfileReport", "PointInfo", "ExtractConfig", "ExtractSummary", "TopResult",
-                "Manifest", "Column", "PointStats", "SaelensExport"):
+    for cls in (
+        "Capture",
+        "Edits",
+        "Store",
+        "ActivationDataset",
+        "Loaded",
+        "Selection",
+        "PointDict",
+        "Generation",
+        "ProfileReport",
+        "PointInfo",
+        "ExtractConfig",
+        "ExtractSummary",
+        "TopResult",
+        "Manifest",
+        "Column",
+        "PointStats",
+        "SaelensExport",
+    ):
         assert cls in hs.__all__, cls
-    for verb in ("load", "points", "hooks", "collect", "capture", "grads", "generate", "edit", "extract",
-                 "open_store", "top", "export_saelens", "export_hf", "profile", "compile_model"):
+    for verb in (
+        "load",
+        "points",
+        "hooks",
+        "collect",
+        "capture",
+        "grads",
+        "generate",
+        "edit",
+        "extract",
+        "open_store",
+        "top",
+        "export_saelens",
+        "export_hf",
+        "profile",
+        "compile_model",
+    ):
         assert callable(getattr(hs, verb)) and verb in hs.__all__, verb
 
 
 def test_the_public_verbs_say_what_they_return():
     """Each verb's return annotation is the public type it hands back (evaluated in the verb's own
     module: the annotations are strings under `from __future__ import annotations`)."""
-    want = {"collect": hs.PointDict, "grads": hs.PointDict, "capture": hs.Capture, "load": hs.Loaded,
-            "extract": hs.ExtractSummary, "generate": hs.Generation, "open_store": hs.Store,
-            "top": hs.TopResult, "export_saelens": hs.SaelensExport}
+    want = {
+        "collect": hs.PointDict,
+        "grads": hs.PointDict,
+        "capture": hs.Capture,
+        "load": hs.Loaded,
+        "extract": hs.ExtractSummary,
+        "generate": hs.Generation,
+        "open_store": hs.Store,
+        "top": hs.TopResult,
+        "export_saelens": hs.SaelensExport,
+    }
     for verb, cls in want.items():
         fn = getattr(hs, verb)
         returned = fn.__annotations__["return"]
@@ -246,10 +297,17 @@ def test_the_extension_api_is_in_its_submodules_not_at_the_top():
     import importlib
 
     # the modules (hs.hooks is the function of the same name)
-    arch, compiling, hooks = (importlib.import_module(f"hookscope.{m}") for m in ("arch", "compiling",
-                                                                                   "hooks"))
-    for name, home in (("Arch", arch), ("PointSpec", arch), ("arch_of", arch), ("Hook", hooks),
-                       ("add_hook", hooks), ("compile_stats", compiling)):
+    arch, compiling, hooks = (
+        importlib.import_module(f"hookscope.{m}") for m in ("arch", "compiling", "hooks")
+    )
+    for name, home in (
+        ("Arch", arch),
+        ("PointSpec", arch),
+        ("arch_of", arch),
+        ("Hook", hooks),
+        ("add_hook", hooks),
+        ("compile_stats", compiling),
+    ):
         assert name not in hs.__all__ and hasattr(home, name), name
     assert "compiling" not in hs.__all__ and not hasattr(compiling, "clones_outputs")
 
@@ -271,66 +329,6 @@ def test_no_module_and_no_public_keyword_shadows_a_builtin():
         assert not bad, f"hs.{name} takes {bad}, named like Python builtins"
 
 
-MAX_MODULE_LINES = 400
-MAX_FUNCTION_LINES = 80
-
-# Modules and functions still over the limits: none. An entry no longer over its limit fails below,
-# so that an allow-list, once needed, is not forgotten.
-OVERSIZED_MODULES: set[str] = set()
-OVERSIZED_FUNCTIONS: set[str] = set()
-
-
-def function_lengths(source: str, module: str) -> dict[str, int]:
-    """`module:Qual.name` -> lines from its first decorator (or `def`) to its last line."""
-    lengths: dict[str, int] = {}
-
-    def visit(node: ast.AST, prefix: str) -> None:
-        for child in ast.iter_child_nodes(node):
-            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                name = prefix + child.name
-                if not isinstance(child, ast.ClassDef):
-                    first = min([child.lineno] + [d.lineno for d in child.decorator_list])
-                    lengths[f"{module}:{name}"] = child.end_lineno - first + 1
-                visit(child, name + ".")
-            else:
-                visit(child, prefix)
-
-    visit(ast.parse(source), "")
-    return lengths
-
-
-def sizes() -> tuple[dict[str, int], dict[str, int]]:
-    modules, functions = {}, {}
-    for path in SRC.rglob("*.py"):
-        source = path.read_text()
-        modules[module_name(path)] = len(source.splitlines())
-        functions |= function_lengths(source, module_name(path))
-    return modules, functions
-
-
-def test_no_module_over_400_lines_and_no_function_over_80():
-    modules, functions = sizes()
-    long_modules = {m: n for m, n in modules.items() if n > MAX_MODULE_LINES and m not in OVERSIZED_MODULES}
-    long_functions = {f: n for f, n in functions.items()
-                      if n > MAX_FUNCTION_LINES and f not in OVERSIZED_FUNCTIONS}
-    assert not long_modules and not long_functions, (
-        f"modules over {MAX_MODULE_LINES} lines: {long_modules}; functions over {MAX_FUNCTION_LINES} lines: "
-        f"{long_functions}")
-
-
-def test_the_oversized_allow_lists_hold_only_what_is_still_oversized():
-    modules, functions = sizes()
-    done = sorted(m for m in OVERSIZED_MODULES if modules.get(m, 0) <= MAX_MODULE_LINES)
-    done += sorted(f for f in OVERSIZED_FUNCTIONS if functions.get(f, 0) <= MAX_FUNCTION_LINES)
-    assert not done, f"now within the limits (or gone): remove {done} from the allow-lists"
-
-
-def test_function_lengths_count_decorators_and_name_methods_by_class():
-    source = ("class A:\n    @staticmethod\n    def f():\n"
-              "        def g():\n            pass\n        return 1\n")
-    assert function_lengths(source, "m") == {"m:A.f": 5, "m:A.f.g": 2}
-
-
 def test_no_code_reads_a_room_through_the_verb_that_shadows_it():
     """`hs.extract`, `hs.top`, `hs.hooks`... are the functions, which hide the modules of the same
     name as attributes of the package: `hookscope.extract.loop.X = ...` sets nothing on the module
@@ -343,8 +341,12 @@ def test_no_code_reads_a_room_through_the_verb_that_shadows_it():
         for path in (root / folder).rglob("*.py"):
             for node in ast.walk(ast.parse(path.read_text())):
                 inner = node.value if isinstance(node, ast.Attribute) else None
-                if (isinstance(inner, ast.Attribute) and isinstance(inner.value, ast.Name)
-                        and inner.value.id in ("hookscope", "hs") and inner.attr in shadowed):
+                if (
+                    isinstance(inner, ast.Attribute)
+                    and isinstance(inner.value, ast.Name)
+                    and inner.value.id in ("hookscope", "hs")
+                    and inner.attr in shadowed
+                ):
                     bad.append(f"{path.relative_to(root)}:{node.lineno}: {ast.unparse(node)}")
     assert not bad, "reads a module through the function that shadows it:\n" + "\n".join(bad)
 
@@ -356,9 +358,12 @@ def test_the_loading_room_imports_one_way():
     order = [f"hookscope.loading.{name}" for name in re.findall(r"`(\w+)\.py`", row.split("|")[2])]
     files = {module_name(p) for p in (SRC / "loading").glob("*.py")} - {"hookscope.loading"}
     assert sorted(order) == sorted(files), "list every file of loading/ in its row, once"
-    against = {f"{module} imports {imp.target} (line {imp.line}), listed after it"
-               for i, module in enumerate(order) for imp in imports_of(SRC / "loading" / f"{module[18:]}.py")
-               if imp.target.startswith("hookscope.loading.") and imp.target not in order[:i]}
+    against = {
+        f"{module} imports {imp.target} (line {imp.line}), listed after it"
+        for i, module in enumerate(order)
+        for imp in imports_of(SRC / "loading" / f"{module[18:]}.py")
+        if imp.target.startswith("hookscope.loading.") and imp.target not in order[:i]
+    }
     assert not against, "\n".join(sorted(against))
 
 
@@ -369,8 +374,9 @@ def test_the_picture_draws_exactly_the_table():
 
     svg = ET.parse(ARCHITECTURE_MD.parent / "img" / "architecture.svg").getroot()
     ns = "{http://www.w3.org/2000/svg}"
-    drawn = {(e.get("data-from"), e.get("data-to"))
-             for e in svg.iter(f"{ns}path") if e.get("class") == "edge"}
+    drawn = {
+        (e.get("data-from"), e.get("data-to")) for e in svg.iter(f"{ns}path") if e.get("class") == "edge"
+    }
     rooms = {g.get("data-room") for g in svg.iter(f"{ns}g") if g.get("class") == "room"}
     want: set[tuple[str, str]] = set()
     for row in ARCHITECTURE_MD.read_text().splitlines():
@@ -378,7 +384,11 @@ def test_the_picture_draws_exactly_the_table():
         if row.startswith("| `") and len(cells) >= 4:
             room = cells[1].strip("`").removesuffix("/").removesuffix(".py")
             want |= {(room, "*")} if cells[-2] == "everything" else {(room, n) for n in ALLOWED[room]}
-    assert rooms == set(ALLOWED), f"boxes for no room: {rooms - set(ALLOWED)}; rooms with no box: " \
-                                  f"{set(ALLOWED) - rooms}: run `python tests/architecture_picture.py`"
-    assert drawn == want, (f"arrows the table does not allow: {sorted(drawn - want)}; imports not drawn: "
-                           f"{sorted(want - drawn)}: run `python tests/architecture_picture.py`")
+    assert rooms == set(ALLOWED), (
+        f"boxes for no room: {rooms - set(ALLOWED)}; rooms with no box: "
+        f"{set(ALLOWED) - rooms}: run `python tests/architecture_picture.py`"
+    )
+    assert drawn == want, (
+        f"arrows the table does not allow: {sorted(drawn - want)}; imports not drawn: "
+        f"{sorted(want - drawn)}: run `python tests/architecture_picture.py`"
+    )

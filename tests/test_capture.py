@@ -90,8 +90,11 @@ def gpt2_table(model: nn.Module) -> dict[str, Entry]:
             p + "mlp.out": (blk.mlp, OUT, same),
             p + "resid_post": (blk, OUT, block_out),
         }
-    return t | norm_parts("ln_final", base.ln_f) | {"ln_final": (base.ln_f, OUT, same),
-                                                    "logits": (model.lm_head, OUT, same)}
+    return (
+        t
+        | norm_parts("ln_final", base.ln_f)
+        | {"ln_final": (base.ln_f, OUT, same), "logits": (model.lm_head, OUT, same)}
+    )
 
 
 def llama_table(model: nn.Module) -> dict[str, Entry]:
@@ -120,8 +123,11 @@ def llama_table(model: nn.Module) -> dict[str, Entry]:
             p + "mlp.out": (mlp, OUT, same),
             p + "resid_post": (blk, OUT, block_out),
         }
-    return t | norm_parts("ln_final", base.norm) | {"ln_final": (base.norm, OUT, same),
-                                                    "logits": (model.lm_head, OUT, same)}
+    return (
+        t
+        | norm_parts("ln_final", base.norm)
+        | {"ln_final": (base.norm, OUT, same), "logits": (model.lm_head, OUT, same)}
+    )
 
 
 def neox_table(model: nn.Module) -> dict[str, Entry]:
@@ -215,8 +221,11 @@ def reference(
             else set()
         )
         table = {n: e for n, e in table.items() if n in keep}
-    got = plain_hooks(model, table, lambda: model(**inputs, **options) if isinstance(inputs, dict)
-                      else model(inputs, **options))  # the table's sides are plain_hooks' "output" / "input"
+    got = plain_hooks(
+        model,
+        table,
+        lambda: model(**inputs, **options) if isinstance(inputs, dict) else model(inputs, **options),
+    )  # the table's sides are plain_hooks' "output" / "input"
     if derived_mlp_post:
         for name in [n for n in got if n.endswith("mlp.act")]:
             got[name.replace("mlp.act", "mlp.post")] = (
@@ -276,8 +285,10 @@ def test_attention_pattern_equals_eager_weights(subject):
         want_full = reference(model, inputs, names)
     finally:
         model.set_attn_implementation(kernel)
-    for got, want in ((hs.collect(model, inputs, names), want_stopped),
-                      (hs.collect(model, inputs, names, stop=False), want_full)):
+    for got, want in (
+        (hs.collect(model, inputs, names), want_stopped),
+        (hs.collect(model, inputs, names, stop=False), want_full),
+    ):
         for name in names:
             assert got[name].shape == (
                 2,

@@ -31,8 +31,9 @@ def test_stopped_pass_builds_no_kv_cache(tiny, make_ids, caches_built, key):
     assert model.config.use_cache  # the decoder would build one by default
     ids = make_ids(model, batch=2, length=6)
     seen_kwargs = []
-    spy = model.register_forward_pre_hook(lambda m, args, kwargs: seen_kwargs.append(dict(kwargs)),
-                                          with_kwargs=True)
+    spy = model.register_forward_pre_hook(
+        lambda m, args, kwargs: seen_kwargs.append(dict(kwargs)), with_kwargs=True
+    )
     try:
         with torch.no_grad():  # the spy sees a plain forward build one: it can tell
             model(ids)

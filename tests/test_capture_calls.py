@@ -88,8 +88,9 @@ def extra_work() -> dict[str, tuple[int, int]]:
     """{"capture" / "raw_hook": (calls, bytecodes) beyond the plain forward}."""
     calls = configs()
     base = python_work(calls.pop("plain"))
-    return {name: tuple(a - b for a, b in zip(python_work(fn), base, strict=True))
-            for name, fn in calls.items()}
+    return {
+        name: tuple(a - b for a, b in zip(python_work(fn), base, strict=True)) for name, fn in calls.items()
+    }
 
 
 def test_a_capture_call_runs_few_python_calls_beyond_a_raw_hook():

@@ -29,8 +29,23 @@ def test_points_lists_every_point_with_shapes(tiny_dirs, capsys):
 def test_capture_saves_what_collect_returns(tiny_dirs, tmp_path, capsys):
     path = tmp_path / "acts.safetensors"
     text = "the quick brown fox"
-    assert main(["capture", str(tiny_dirs["llama"]), "--point", "blocks.1.resid_post,blocks.0.attn.q",
-                 "--text", text, "--positions", "last", "--save", str(path)]) == 0
+    assert (
+        main(
+            [
+                "capture",
+                str(tiny_dirs["llama"]),
+                "--point",
+                "blocks.1.resid_post,blocks.0.attn.q",
+                "--text",
+                text,
+                "--positions",
+                "last",
+                "--save",
+                str(path),
+            ]
+        )
+        == 0
+    )
     loaded = hs.load(str(tiny_dirs["llama"]))
     ids = dict(loaded.tokenizer([text], return_tensors="pt"))
     want = hs.collect(loaded.model, ids, ["blocks.1.resid_post", "blocks.0.attn.q"], positions="last")
@@ -65,8 +80,25 @@ def test_unknown_point_is_a_clear_error(tiny_dirs, capsys):
 
 def test_profile_writes_its_files(tiny_dirs, tmp_path, capsys):
     out = tmp_path / "prof"
-    assert main(["profile", str(tiny_dirs["gpt2"]), "--batch", "2", "--seq", "8", "--steps", "1",
-                 "--warmup", "0", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                str(tiny_dirs["gpt2"]),
+                "--batch",
+                "2",
+                "--seq",
+                "8",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     for block in ("blocks.0", "blocks.1", "blocks.2"):
         assert block in text
@@ -80,8 +112,25 @@ def test_profile_writes_its_files(tiny_dirs, tmp_path, capsys):
 
 
 def test_profile_with_points_runs_as_far_as_their_weights(tiny_dirs, capsys):
-    assert main(["profile", str(tiny_dirs["llama"]), "--points", "blocks.1.resid_post", "--batch", "1",
-                 "--seq", "8", "--steps", "1", "--warmup", "0"]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                str(tiny_dirs["llama"]),
+                "--points",
+                "blocks.1.resid_post",
+                "--batch",
+                "1",
+                "--seq",
+                "8",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert "not profiled: block 2 of 3 and what follows" in text
     rows = [line.split()[0] for line in text.splitlines() if line.startswith("blocks.")]
@@ -93,8 +142,9 @@ def test_profile_refuses_a_sequence_longer_than_the_model_before_profiling(tiny_
     out = tmp_path / "prof"
     assert main(["profile", str(tiny_dirs["gpt2"]), "--seq", str(longest + 1), "--out", str(out)]) == 2
     err = capsys.readouterr().err
-    assert (f"--seq {longest + 1} is longer than the model's {longest} positions; "
-            f"use --seq {longest} or less") in err
+    assert (
+        f"--seq {longest + 1} is longer than the model's {longest} positions; use --seq {longest} or less"
+    ) in err
     assert not any(out.iterdir())  # made writable up front, but nothing profiled into it
 
 
@@ -107,9 +157,26 @@ def test_points_and_point_are_both_accepted(tiny_dirs, tmp_path, capsys):
         assert main(["capture", model, flag, "blocks.0.resid_post,blocks.1.mlp.post"]) == 0
         out = capsys.readouterr().out
         assert "blocks.0.resid_post: shape [1, " in out and "blocks.1.mlp.post: shape [1, " in out
-        assert main(["extract", model, flag, "blocks.0.resid_post", "--out", str(tmp_path / flag),
-                     "--data", "builtin:stdlib-docstrings", "--context", "16", "--max-tokens", "64",
-                     "--no-progress"]) == 0
+        assert (
+            main(
+                [
+                    "extract",
+                    model,
+                    flag,
+                    "blocks.0.resid_post",
+                    "--out",
+                    str(tmp_path / flag),
+                    "--data",
+                    "builtin:stdlib-docstrings",
+                    "--context",
+                    "16",
+                    "--max-tokens",
+                    "64",
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
         assert list(hs.open_store(tmp_path / flag).points) == ["blocks.0.resid_post"]
     capsys.readouterr()
     help_text = hs_cli_help("capture")
@@ -139,8 +206,10 @@ def test_capture_save_follows_the_umask(tiny_dirs, tmp_path):
     path = tmp_path / "acts.safetensors"
     old = os.umask(0o022)
     try:
-        assert main(["capture", str(tiny_dirs["gpt2"]), "--point", "blocks.0.resid_post", "--save",
-                     str(path)]) == 0
+        assert (
+            main(["capture", str(tiny_dirs["gpt2"]), "--point", "blocks.0.resid_post", "--save", str(path)])
+            == 0
+        )
     finally:
         os.umask(old)
     assert stat.S_IMODE(path.stat().st_mode) == 0o644
@@ -150,9 +219,24 @@ def test_capture_save_follows_the_umask(tiny_dirs, tmp_path):
 def test_a_closed_pipe_ends_quietly(tiny_dirs, tmp_path, monkeypatch, capsys):
     """`hookscope inspect DIR | head`: the reader goes away; no BrokenPipeError traceback."""
     out = tmp_path / "store"
-    assert main(["extract", str(tiny_dirs["gpt2"]), "--out", str(out), "--context", "16",
-                 "--points", "blocks.0.resid_post",
-                 "--max-tokens", "64", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "extract",
+                str(tiny_dirs["gpt2"]),
+                "--out",
+                str(out),
+                "--context",
+                "16",
+                "--points",
+                "blocks.0.resid_post",
+                "--max-tokens",
+                "64",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     read, write = os.pipe()
     os.close(read)  # the reader has left before we print anything
@@ -208,9 +292,17 @@ def test_extract_progress_counts_rows_against_an_estimated_total(tiny_dirs, tmp_
     monkeypatch.setattr(tqdm.auto, "tqdm", Recorder)
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"Paragraph {i}: some words about a fox and a dog.\n\n" for i in range(300)))
-    summary = extract(ExtractConfig(out=str(tmp_path / "s"), model=str(tiny_dirs["gpt2"]),
-                                    points=["blocks.0.resid_post"], data=str(corpus), context=16,
-                                    batch_size=4, shard_rows=100))
+    summary = extract(
+        ExtractConfig(
+            out=str(tmp_path / "s"),
+            model=str(tiny_dirs["gpt2"]),
+            points=["blocks.0.resid_post"],
+            data=str(corpus),
+            context=16,
+            batch_size=4,
+            shard_rows=100,
+        )
+    )
     assert frames[-1] == ("closed", summary.rows, summary.rows)  # rows, the summary's unit, 100% at the end
     first_n, first_total, _ = frames[0]
     assert first_total is not None and 0.5 * summary.rows < first_total < 2 * summary.rows  # estimated early
@@ -223,8 +315,23 @@ def test_extract_progress_counts_rows_against_an_estimated_total(tiny_dirs, tmp_
 def test_no_empty_bar_before_an_early_error(tiny_dirs, tmp_path, capsys):
     tiny_corpus = tmp_path / "short.txt"
     tiny_corpus.write_text("too short\n")
-    assert main(["extract", str(tiny_dirs["gpt2"]), "--out", str(tmp_path / "s"), "--data", str(tiny_corpus),
-                 "--points", "blocks.0.resid_post", "--context", "32"]) == 2
+    assert (
+        main(
+            [
+                "extract",
+                str(tiny_dirs["gpt2"]),
+                "--out",
+                str(tmp_path / "s"),
+                "--data",
+                str(tiny_corpus),
+                "--points",
+                "blocks.0.resid_post",
+                "--context",
+                "32",
+            ]
+        )
+        == 2
+    )
     err = capsys.readouterr().err
     assert "not enough for one sequence" in err  # an error found only once the data is read
     assert err.startswith("hookscope: error: ") and "extract" not in err.split("error: ", 1)[0]

@@ -21,16 +21,21 @@ import hookscope as hs
 SRC = Path(hs.__file__).resolve().parents[1]
 ENTRY = tomllib.loads((SRC.parent / "pyproject.toml").read_text())["project"]["scripts"]["hookscope"]
 
-pytestmark = pytest.mark.skipif("OpenMP" not in torch.__config__.parallel_info(),
-                                reason="torch here does not use OpenMP")
+pytestmark = pytest.mark.skipif(
+    "OpenMP" not in torch.__config__.parallel_info(), reason="torch here does not use OpenMP"
+)
 
 
 def run_python(code: str, *args: str, **env: str) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    environ |= {"OMP_DISPLAY_ENV": "verbose", "PYTHONPATH": os.pathsep.join(
-        [str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])]), **env}
-    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
-                          env=environ, timeout=300)
+    environ |= {
+        "OMP_DISPLAY_ENV": "verbose",
+        "PYTHONPATH": os.pathsep.join([str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])]),
+        **env,
+    }
+    return subprocess.run(
+        [sys.executable, "-c", code, *args], capture_output=True, text=True, env=environ, timeout=300
+    )
 
 
 def run_command(*args: str, **env: str) -> subprocess.CompletedProcess:
@@ -63,8 +68,9 @@ def test_the_command_keeps_a_policy_the_user_set(tmp_path):
 
 
 def test_importing_hookscope_and_its_cli_leaves_the_policy_alone():
-    code = ("import os, hookscope, hookscope.cli; hookscope.load; "
-            "print(repr(os.environ.get('OMP_WAIT_POLICY')))")
+    code = (
+        "import os, hookscope, hookscope.cli; hookscope.load; print(repr(os.environ.get('OMP_WAIT_POLICY')))"
+    )
     run = run_python(code)
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip() == "None"

@@ -17,7 +17,8 @@ from hookscope.errors import ModelLoadError
 from hookscope.loading import loader
 
 needs_third_threshold = pytest.mark.skipif(
-    sys.version_info >= (3, 14), reason="Python 3.14 collects old objects in increments: no third threshold")
+    sys.version_info >= (3, 14), reason="Python 3.14 collects old objects in increments: no third threshold"
+)
 
 
 class Collections:

@@ -133,10 +133,25 @@ def test_a_torch_without_the_recompile_limit_option_gets_the_global_limit_raised
     there was a TypeError on every compile; the limit then goes through dynamo's global setting."""
     real_compile = torch.compile
 
-    def compile_of_torch_2_11(model=None, *, fullgraph=False, dynamic=None, backend="inductor", mode=None,
-                              options=None, disable=False):
-        return real_compile(model, fullgraph=fullgraph, dynamic=dynamic, backend=backend, mode=mode,
-                            options=options, disable=disable)
+    def compile_of_torch_2_11(
+        model=None,
+        *,
+        fullgraph=False,
+        dynamic=None,
+        backend="inductor",
+        mode=None,
+        options=None,
+        disable=False,
+    ):
+        return real_compile(
+            model,
+            fullgraph=fullgraph,
+            dynamic=dynamic,
+            backend=backend,
+            mode=mode,
+            options=options,
+            disable=disable,
+        )
 
     monkeypatch.setattr(torch, "compile", compile_of_torch_2_11)
     model = tiny("gpt2")
@@ -291,11 +306,14 @@ def test_edits_equal_eager(policy):
     source = hs.collect(model, other, "blocks.1.mlp.pre")
 
     def edited() -> torch.Tensor:
-        with torch.no_grad(), hs.edit(
-            model,
-            hs.ablate("blocks.0.attn.z", heads=[1]),
-            hs.steer("blocks.1.resid_post", torch.linspace(-1, 1, 32), scale=0.5),
-            hs.patch("blocks.1.mlp.pre", source, positions=[2, 3]),
+        with (
+            torch.no_grad(),
+            hs.edit(
+                model,
+                hs.ablate("blocks.0.attn.z", heads=[1]),
+                hs.steer("blocks.1.resid_post", torch.linspace(-1, 1, 32), scale=0.5),
+                hs.patch("blocks.1.mlp.pre", source, positions=[2, 3]),
+            ),
         ):
             return model(ids).logits
 
@@ -327,8 +345,14 @@ def test_compile_stats_count_breaks_and_graphs():
     assert hc.compile_stats()["recompiles"] == 2
     hc.reset_stats()
     assert hc.compile_stats() == {
-        "graph_breaks": 0, "break_reasons": {}, "unique_graphs": 0, "frames_compiled": 0,
-        "frames_failed": 0, "recompiles": 0, "recompile_reasons": [], "compile_time_s": 0.0,
+        "graph_breaks": 0,
+        "break_reasons": {},
+        "unique_graphs": 0,
+        "frames_compiled": 0,
+        "frames_failed": 0,
+        "recompiles": 0,
+        "recompile_reasons": [],
+        "compile_time_s": 0.0,
     }
 
 

@@ -50,8 +50,9 @@ def blocks_of(model: nn.Module) -> list[nn.Module]:
 def plain_resid_post(model: nn.Module, ids: Tensor) -> list[Tensor]:
     """The reference: every block's output through a bare torch forward hook."""
     blocks = blocks_of(model)
-    got = plain_hooks(model, {i: (b, "output", first) for i, b in enumerate(blocks)},
-                      lambda: model(ids, use_cache=False))
+    got = plain_hooks(
+        model, {i: (b, "output", first) for i, b in enumerate(blocks)}, lambda: model(ids, use_cache=False)
+    )
     return [got[i] for i in range(len(blocks))]
 
 
@@ -80,8 +81,14 @@ def test_copies_to_host_equal_the_device_values(model_dirs, device):
     model = load(model_dirs, "gpt2", device)
     ids = token_ids(model, 4, 32, device=device)
     want = plain_resid_post(model, ids)
-    got = hs.collect(model, ids, ["blocks.0.resid_post", "blocks.2.resid_post"], device="cpu",
-                     dtype=torch.bfloat16, positions=slice(1, None))
+    got = hs.collect(
+        model,
+        ids,
+        ["blocks.0.resid_post", "blocks.2.resid_post"],
+        device="cpu",
+        dtype=torch.bfloat16,
+        positions=slice(1, None),
+    )
     for layer in (0, 2):
         act = got[f"blocks.{layer}.resid_post"]
         assert act.device.type == "cpu"
@@ -129,8 +136,10 @@ def test_steer_and_ablate_equal_hand_written_hooks(model_dirs, device):
         z[..., : model.config.n_embd // model.config.n_head] = 0
         return (z,), kwargs
 
-    handles = [blocks[1].register_forward_hook(add),
-               blocks[0].attn.c_proj.register_forward_pre_hook(zero_head0, with_kwargs=True)]
+    handles = [
+        blocks[1].register_forward_hook(add),
+        blocks[0].attn.c_proj.register_forward_pre_hook(zero_head0, with_kwargs=True),
+    ]
     try:
         with torch.inference_mode():
             want = model(ids, use_cache=False).logits
@@ -138,8 +147,12 @@ def test_steer_and_ablate_equal_hand_written_hooks(model_dirs, device):
         for h in handles:
             h.remove()
     before = hook_count(model)
-    with hs.edit(model, hs.steer("blocks.1.resid_post", vector, scale=2.0),
-                 hs.ablate("blocks.0.attn.z", heads=[0])), torch.inference_mode():
+    with (
+        hs.edit(
+            model, hs.steer("blocks.1.resid_post", vector, scale=2.0), hs.ablate("blocks.0.attn.z", heads=[0])
+        ),
+        torch.inference_mode(),
+    ):
         got = model(ids, use_cache=False).logits
     assert hook_count(model) == before
     assert torch.equal(got, want)
@@ -154,11 +167,21 @@ def test_extract_round_trip_equals_plain_hooks(model_dirs, device, tmp_path):
     from hookscope.sources import batches, iter_documents, pack
 
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n\n".join(f"Document {i} talks about hooks, layers and the residual stream."
-                                  for i in range(40)))
-    cfg = ExtractConfig(out=str(tmp_path / "store"), model=str(model_dirs["gpt2"]),
-                        points=["blocks.1.resid_post"], data=str(corpus), context=16, batch_size=4,
-                        dtype="float32", device=device, progress=False, shard_rows=100)
+    corpus.write_text(
+        "\n\n".join(f"Document {i} talks about hooks, layers and the residual stream." for i in range(40))
+    )
+    cfg = ExtractConfig(
+        out=str(tmp_path / "store"),
+        model=str(model_dirs["gpt2"]),
+        points=["blocks.1.resid_post"],
+        data=str(corpus),
+        context=16,
+        batch_size=4,
+        dtype="float32",
+        device=device,
+        progress=False,
+        shard_rows=100,
+    )
     summary = extract(cfg)
     store = hs.open_store(cfg.out, verify=True)
     assert len(store) == summary.rows > 0
@@ -170,11 +193,15 @@ def test_extract_round_trip_equals_plain_hooks(model_dirs, device, tmp_path):
         keep = batch["attention_mask"].bool() & ~batch["special_mask"].bool()
         kept.clear()
         handle = blocks_of(loaded.model)[1].register_forward_hook(
-            lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out))
+            lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out)
+        )
         try:
             with torch.inference_mode():
-                loaded.model(input_ids=batch["input_ids"].to(device),
-                             attention_mask=batch["attention_mask"].to(device), use_cache=False)
+                loaded.model(
+                    input_ids=batch["input_ids"].to(device),
+                    attention_mask=batch["attention_mask"].to(device),
+                    use_cache=False,
+                )
         finally:
             handle.remove()
         rows.append(kept[0][keep.to(device)].cpu())
@@ -204,10 +231,18 @@ def test_a_ring_pinned_by_registering_memory_gives_the_same_store(model_dirs, tm
     stores = {}
     for register in ("1", "0"):
         monkeypatch.setenv(allocator.REGISTER_ENV, register)
-        cfg = ExtractConfig(out=str(tmp_path / f"store-{register}"), model=str(model_dirs["gpt2"]),
-                            points=["blocks.1.resid_post", "blocks.2.resid_post"], data=str(corpus),
-                            context=16, batch_size=4, dtype="bfloat16", device="cuda", progress=False,
-                            shard_rows=100)
+        cfg = ExtractConfig(
+            out=str(tmp_path / f"store-{register}"),
+            model=str(model_dirs["gpt2"]),
+            points=["blocks.1.resid_post", "blocks.2.resid_post"],
+            data=str(corpus),
+            context=16,
+            batch_size=4,
+            dtype="bfloat16",
+            device="cuda",
+            progress=False,
+            shard_rows=100,
+        )
         extract(cfg)
         shards = sorted(Path(cfg.out, "shards").glob("*.safetensors"))
         stores[register] = {p.name: p.read_bytes() for p in shards}
@@ -225,14 +260,27 @@ def test_a_stacked_extraction_holds_the_unstacked_rows(model_dirs, device, tmp_p
     from hookscope.extract import ExtractConfig, extract
 
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n\n".join(f"Document {i} talks about hooks, layers and the residual stream."
-                                  for i in range(40)))
+    corpus.write_text(
+        "\n\n".join(f"Document {i} talks about hooks, layers and the residual stream." for i in range(40))
+    )
     stores = {}
     for stack in (True, False):
         out = tmp_path / f"store-{stack}"
-        extract(ExtractConfig(out=str(out), model=str(model_dirs["llama"]), points=["blocks.*.resid_post"],
-                              data=str(corpus), context=16, batch_size=4, dtype="bfloat16", device=device,
-                              progress=False, shard_rows=100, stack=stack))
+        extract(
+            ExtractConfig(
+                out=str(out),
+                model=str(model_dirs["llama"]),
+                points=["blocks.*.resid_post"],
+                data=str(corpus),
+                context=16,
+                batch_size=4,
+                dtype="bfloat16",
+                device=device,
+                progress=False,
+                shard_rows=100,
+                stack=stack,
+            )
+        )
         stores[stack] = hs.open_store(out, verify=True)
     column = stores[True].tensor("blocks.*.resid_post")
     assert column.shape[1] == SIZE["n_layers"] and len(column) == len(stores[False]) > 0
@@ -349,8 +397,15 @@ def test_points_load_through_the_last_block_with_a_needed_block_offloaded(model_
     modules on the main device. On "cpu" the main device is spelt torch.device("cpu"), which
     accelerate tells apart from the offload target "cpu": the same hooks, on one machine."""
     main = torch.device("cpu") if device == "cpu" else torch.device("cuda", 0)
-    device_map = {"model.embed_tokens": main, "model.rotary_emb": main, "model.layers.0": main,
-                  "model.layers.1": main, "model.layers.2": "cpu", "model.norm": main, "lm_head": main}
+    device_map = {
+        "model.embed_tokens": main,
+        "model.rotary_emb": main,
+        "model.layers.0": main,
+        "model.layers.1": main,
+        "model.layers.2": "cpu",
+        "model.norm": main,
+        "lm_head": main,
+    }
     full = load(model_dirs, "llama", device)
     part = hs.load(str(model_dirs["llama"]), device_map=device_map, points=["blocks.2.resid_post"]).model
     assert {n for n, p in part.named_parameters() if p.device == main} == _needed_llama(full, through=1)
@@ -375,13 +430,25 @@ def test_a_streamed_extraction_equals_the_in_memory_one(model_dirs, device, tmp_
     from hookscope.store import open_store
 
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n\n".join(f"Document {i}: the residual stream, layer by layer, block by block."
-                                  for i in range(40)))
+    corpus.write_text(
+        "\n\n".join(f"Document {i}: the residual stream, layer by layer, block by block." for i in range(40))
+    )
     stores = {}
     for mode, limit in (("memory", None), ("streamed", "1MB")):
-        extract(ExtractConfig(out=str(tmp_path / mode), model=str(model_dirs["llama"]), data=str(corpus),
-                              points=["blocks.1.resid_post", "blocks.0.attn.z"], context=32, batch_size=4,
-                              dtype="float32", device=device, progress=False, max_memory=limit))
+        extract(
+            ExtractConfig(
+                out=str(tmp_path / mode),
+                model=str(model_dirs["llama"]),
+                data=str(corpus),
+                points=["blocks.1.resid_post", "blocks.0.attn.z"],
+                context=32,
+                batch_size=4,
+                dtype="float32",
+                device=device,
+                progress=False,
+                max_memory=limit,
+            )
+        )
         stores[mode] = open_store(tmp_path / mode)
     for name in ("blocks.1.resid_post", "blocks.0.attn.z", "token_ids"):
         assert torch.equal(stores["streamed"].tensor(name), stores["memory"].tensor(name))
@@ -400,16 +467,28 @@ def test_streamed_blocks_run_on_buffers_allocated_once(model_dirs, device):
 
     stored = load_file(model_dirs["llama"] / "model.safetensors")
     loaded = hs.load(str(model_dirs["llama"]), device="meta")
-    streamer = streamer_for(loaded, ["blocks.2.resid_post"], 10**8, batch_size=2, context=16,
-                            dtype=torch.float32, device=device)
+    streamer = streamer_for(
+        loaded, ["blocks.2.resid_post"], 10**8, batch_size=2, context=16, dtype=torch.float32, device=device
+    )
     ranges = data_ranges(streamer.buffers)
     where = ranges[-1:] if device == "cuda" else ranges  # the device set is listed last
     assert all(whole.is_pinned() == (device == "cuda") for whole, _ in streamer.buffers.host)
     seen = []
     layers = loaded.model.model.layers
-    hooks = [layers[k].register_forward_pre_hook(lambda module, args, k=k: seen.append(
-        (k, {n: (p.data_ptr(), p.device.type, p.detach().clone()) for n, p in module.named_parameters()})))
-        for k in range(len(layers))]
+    hooks = [
+        layers[k].register_forward_pre_hook(
+            lambda module, args, k=k: seen.append(
+                (
+                    k,
+                    {
+                        n: (p.data_ptr(), p.device.type, p.detach().clone())
+                        for n, p in module.named_parameters()
+                    },
+                )
+            )
+        )
+        for k in range(len(layers))
+    ]
     ids = token_ids(loaded.model, batch=2, length=16, device=device)
     try:
         for _ in range(2):
@@ -434,8 +513,14 @@ def float64_stats(rows: Tensor) -> tuple[int, int, float, float, Tensor, Tensor]
     kept = flat[whole]
     norms = kept.norm(dim=1)
     mean = kept.mean(0) if len(kept) else torch.zeros(flat.shape[1], dtype=torch.float64)
-    return (int((~torch.isfinite(flat)).sum()), len(kept), float(norms.sum()), float((norms**2).sum()),
-            mean, ((kept - mean) ** 2).sum(0))
+    return (
+        int((~torch.isfinite(flat)).sum()),
+        len(kept),
+        float(norms.sum()),
+        float((norms**2).sum()),
+        mean,
+        ((kept - mean) ** 2).sum(0),
+    )
 
 
 def assert_stats_equal_float64(got, rows: Tensor) -> None:
@@ -461,8 +546,10 @@ def test_statistics_where_the_activations_are_and_the_copy_out(device):
     copy_out = CopyOut()
     buffers = set()
     for step in range(4):
-        acts = {"a": (torch.randn(300 + step, 64, generator=g) * 2 + 5).to(device, torch.bfloat16),
-                "b": torch.randn(300 + step, 4, 16, generator=g).to(device)}
+        acts = {
+            "a": (torch.randn(300 + step, 64, generator=g) * 2 + 5).to(device, torch.bfloat16),
+            "b": torch.randn(300 + step, 4, 16, generator=g).to(device),
+        }
         acts["b"][7, 1, 3] = float("nan")
         acts["b"][11, 0, 0] = float("inf")
         with _NoSync(device):
@@ -500,8 +587,9 @@ def test_stats_tensors_equal_a_float64_recomputation(device):
             parts = stats_tensors(rows)
         assert torch.equal(rows.nan_to_num(), before.nan_to_num())  # the caller's rows are untouched
         assert_stats_equal_float64(PointStats.of_tensors(*(p.cpu() for p in parts)), rows)
-    empty = PointStats.of_tensors(*(p.cpu() for p in stats_tensors(torch.full((5, 4), float("nan"),
-                                                                                device=device))))
+    empty = PointStats.of_tensors(
+        *(p.cpu() for p in stats_tensors(torch.full((5, 4), float("nan"), device=device)))
+    )
     assert (empty.nonfinite, empty.norm_count, empty.norm_sum) == (20, 0, 0.0)
     assert torch.equal(empty.mean, torch.zeros(4, dtype=torch.float64)) and torch.equal(empty.m2, empty.mean)
 
@@ -565,12 +653,22 @@ def test_the_extraction_model_stage_never_waits_for_the_device(model_dirs, devic
     from hookscope.sources import source_for
 
     corpus = tmp_path / "corpus.txt"
-    corpus.write_text("\n\n".join(f"Document {i} talks about hooks, layers and the residual stream."
-                                  for i in range(40)))
+    corpus.write_text(
+        "\n\n".join(f"Document {i} talks about hooks, layers and the residual stream." for i in range(40))
+    )
     points = ["blocks.0.resid_post", "blocks.1.resid_post", "blocks.2.resid_post"]
-    cfg = ExtractConfig(out=str(tmp_path / "store"), model=str(model_dirs[family]), points=points,
-                        data=str(corpus), context=16, batch_size=4, dtype="float32", device=device,
-                        progress=False, max_tokens=16 * 4 * 4)
+    cfg = ExtractConfig(
+        out=str(tmp_path / "store"),
+        model=str(model_dirs[family]),
+        points=points,
+        data=str(corpus),
+        context=16,
+        batch_size=4,
+        dtype="float32",
+        device=device,
+        progress=False,
+        max_tokens=16 * 4 * 4,
+    )
     source, executor, _ = _start(cfg, source_for(cfg))
     prepared = [(i, source.prepare(b, device)) for i, b in enumerate(source.batches())]
     assert len(prepared) == 4 and all(b.call.unpadded for _, b in prepared)
@@ -584,10 +682,15 @@ def test_the_extraction_model_stage_never_waits_for_the_device(model_dirs, devic
         if handoff is not None:
             handoff.wait()
         keep = want_batch["attention_mask"].bool() & ~want_batch["special_mask"].bool()
-        want = plain_hooks(loaded.model, {i: (blocks[i], "output", first) for i in range(3)},
-                           lambda b=want_batch: loaded.model(input_ids=b["input_ids"].to(device),
-                                                             attention_mask=b["attention_mask"].to(device),
-                                                             use_cache=False))
+        want = plain_hooks(
+            loaded.model,
+            {i: (blocks[i], "output", first) for i in range(3)},
+            lambda b=want_batch: loaded.model(
+                input_ids=b["input_ids"].to(device),
+                attention_mask=b["attention_mask"].to(device),
+                use_cache=False,
+            ),
+        )
         for i, point in enumerate(points):
             assert torch.equal(host[point], want[i][keep.to(device)].cpu()), (index, point)
         if handoff is not None:

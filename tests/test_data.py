@@ -41,11 +41,13 @@ def gpt2_like() -> transformers.PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|endoftext|>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(DOCS * 3, trainer)
-    return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<|endoftext|>",
-                                                eos_token="<|endoftext|>")
+    return transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|endoftext|>", eos_token="<|endoftext|>"
+    )
 
 
 @pytest.fixture(scope="module")
@@ -122,10 +124,15 @@ def test_a_hub_name_goes_to_load_dataset_streaming(monkeypatch):
     monkeypatch.setattr(documents, "unreachable_reason", lambda: None)  # as if the hub answered
     assert list(iter_documents("hf:owner/corpus:en", split="validation")) == ["hub doc"]
     assert list(iter_documents("hf:owner/corpus")) == ["hub doc"]
-    assert calls == [(("owner/corpus", "en"), {"split": "validation", "streaming": True}),
-                     (("owner/corpus", None), {"split": "train", "streaming": True})]
-    with pytest.raises(DataError, match="'hf:offline/missing': loading it from the Hugging Face hub failed "
-                                        "\\(ConnectionError: no network\\)"):
+    assert calls == [
+        (("owner/corpus", "en"), {"split": "validation", "streaming": True}),
+        (("owner/corpus", None), {"split": "train", "streaming": True}),
+    ]
+    with pytest.raises(
+        DataError,
+        match="'hf:offline/missing': loading it from the Hugging Face hub failed "
+        "\\(ConnectionError: no network\\)",
+    ):
         list(iter_documents("hf:offline/missing"))
 
 
@@ -167,17 +174,23 @@ def _write(tmp_path: Path, name: str, content: str | bytes) -> Path:
     return path
 
 
-@pytest.mark.parametrize("name, content, message", [
-    ("bad.jsonl", '{"text": "ok"}\n\n{"text": oops}\n', r"bad.jsonl:3: not valid JSON"),
-    ("field.jsonl", '{"text": "ok"}\n{"body": "x"}\n',
-     r"field.jsonl:2: no 'text' field \(found \['body'\]\)"),
-    ("list.jsonl", '["text"]\n', r"list.jsonl:1: no 'text' field \(found list\)"),
-    ("num.jsonl", '{"text": 5}\n', r"num.jsonl:1: 'text' is int, not text"),
-    ("empty.txt", "\n \n\n", "holds no documents"),
-    ("empty.jsonl", "", "holds no documents"),
-    ("latin1.txt", b"caf\xe9\n", "not UTF-8"),
-    ("table.csv", "a,b\n", "unsupported file type '.csv'"),
-])
+@pytest.mark.parametrize(
+    "name, content, message",
+    [
+        ("bad.jsonl", '{"text": "ok"}\n\n{"text": oops}\n', r"bad.jsonl:3: not valid JSON"),
+        (
+            "field.jsonl",
+            '{"text": "ok"}\n{"body": "x"}\n',
+            r"field.jsonl:2: no 'text' field \(found \['body'\]\)",
+        ),
+        ("list.jsonl", '["text"]\n', r"list.jsonl:1: no 'text' field \(found list\)"),
+        ("num.jsonl", '{"text": 5}\n', r"num.jsonl:1: 'text' is int, not text"),
+        ("empty.txt", "\n \n\n", "holds no documents"),
+        ("empty.jsonl", "", "holds no documents"),
+        ("latin1.txt", b"caf\xe9\n", "not UTF-8"),
+        ("table.csv", "a,b\n", "unsupported file type '.csv'"),
+    ],
+)
 def test_bad_files_raise_data_error(tmp_path: Path, name: str, content, message: str):
     with pytest.raises(DataError, match=message):
         list(iter_documents(_write(tmp_path, name, content)))
@@ -219,8 +232,9 @@ def stream_of(ids: list[list[int]], separator: int | None) -> tuple[list[int], l
     return tokens, docs, positions
 
 
-@pytest.mark.parametrize("which, start, separator", [("gpt2_like", "<|endoftext|>", "<|endoftext|>"),
-                                                      ("bert", "[CLS]", "[SEP]")])
+@pytest.mark.parametrize(
+    "which, start, separator", [("gpt2_like", "<|endoftext|>", "<|endoftext|>"), ("bert", "[CLS]", "[SEP]")]
+)
 def test_packed_ids_are_the_tokenizers_own_with_a_start_token_per_sequence(request, which, start, separator):
     tok = request.getfixturevalue(which)
     context = 12
@@ -236,15 +250,17 @@ def test_packed_ids_are_the_tokenizers_own_with_a_start_token_per_sequence(reque
         assert seq.doc_positions.tolist() == [-1] + positions[body]
         assert seq.special_mask.tolist() == [True] + [d == -1 for d in docs[body]]
         assert seq.attention_mask.tolist() == [1] * context
-    assert (pack_policy(tok).as_dict()["start"] == start
-            and pack_policy(tok).as_dict()["separator"] == separator)
+    assert (
+        pack_policy(tok).as_dict()["start"] == start and pack_policy(tok).as_dict()["separator"] == separator
+    )
 
 
 def test_every_token_traces_back_to_its_document_text(gpt2_like):
     by_doc: dict[int, list[tuple[int, int]]] = {}
     for seq in pack(DOCS, gpt2_like, 16, drop_remainder=False):
-        for token, d, p in zip(seq.input_ids.tolist(), seq.doc_ids.tolist(), seq.doc_positions.tolist(),
-                               strict=True):
+        for token, d, p in zip(
+            seq.input_ids.tolist(), seq.doc_ids.tolist(), seq.doc_positions.tolist(), strict=True
+        ):
             if d >= 0:
                 by_doc.setdefault(d, []).append((p, token))
     assert sorted(by_doc) == [0, 1, 3, 4, 5]  # the empty document 2 has no tokens
@@ -257,8 +273,9 @@ def test_packing_is_deterministic(bert):
     a, b = list(pack(DOCS, bert, 8)), list(pack(DOCS, bert, 8))
     assert len(a) == len(b) > 3
     for x, y in zip(a, b, strict=True):
-        assert all(torch.equal(getattr(x, f), getattr(y, f))
-                   for f in ("input_ids", "doc_ids", "doc_positions"))
+        assert all(
+            torch.equal(getattr(x, f), getattr(y, f)) for f in ("input_ids", "doc_ids", "doc_positions")
+        )
 
 
 def test_without_a_start_token(gpt2_like, plain):
@@ -296,23 +313,29 @@ def test_batches_stack_sequences(bert):
     seqs = list(pack(DOCS, bert, 8))
     out = list(batches(seqs, 3))
     assert [b["input_ids"].shape for b in out] == (
-        [(3, 8)] * (len(seqs) // 3) + [(len(seqs) % 3, 8)] * bool(len(seqs) % 3))
+        [(3, 8)] * (len(seqs) // 3) + [(len(seqs) % 3, 8)] * bool(len(seqs) % 3)
+    )
     first = out[0]
     assert first["input_ids"].dtype == torch.int64 and first["special_mask"].dtype == torch.bool
     assert first["seq_ids"].tolist() == [0, 1, 2]
     assert torch.equal(first["doc_positions"][1], seqs[1].doc_positions)
-    assert torch.equal(first["special_mask"],
-                       first["input_ids"].eq(bert.cls_token_id) | first["input_ids"].eq(bert.sep_token_id))
+    assert torch.equal(
+        first["special_mask"],
+        first["input_ids"].eq(bert.cls_token_id) | first["input_ids"].eq(bert.sep_token_id),
+    )
     assert len(list(batches(seqs, 3, drop_last=True))) == len(seqs) // 3
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"context": 1}, "leaves no room"),
-    ({"context": 512}, r"the data gave \d+ tokens, not enough for one sequence of 512"),
-    ({"context": 16, "max_tokens": 10}, "within max_tokens=10"),
-    ({"context": 16, "max_tokens": 0}, "max_tokens=0 must be >= 1"),
-    ({"context": 16, "bos": "yes"}, "bos='yes'"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"context": 1}, "leaves no room"),
+        ({"context": 512}, r"the data gave \d+ tokens, not enough for one sequence of 512"),
+        ({"context": 16, "max_tokens": 10}, "within max_tokens=10"),
+        ({"context": 16, "max_tokens": 0}, "max_tokens=0 must be >= 1"),
+        ({"context": 16, "bos": "yes"}, "bos='yes'"),
+    ],
+)
 def test_bad_packing_arguments_raise_data_error(gpt2_like, kwargs, message):
     with pytest.raises(DataError, match=message):
         list(pack(DOCS, gpt2_like, **kwargs))
@@ -348,8 +371,11 @@ def test_a_file_fingerprint_is_its_contents(tmp_path: Path):
     import hashlib
 
     got = source_fingerprint(path)
-    assert got == {"kind": "file", "bytes": path.stat().st_size,
-                   "sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+    assert got == {
+        "kind": "file",
+        "bytes": path.stat().st_size,
+        "sha256": hashlib.sha256(path.read_bytes()).hexdigest(),
+    }
     copy = tmp_path / "elsewhere" / "copy.txt"
     copy.parent.mkdir()
     shutil.copy(path, copy)
@@ -402,10 +428,17 @@ def test_resuming_on_changed_data_is_refused_naming_what_changed(tiny_dirs, tmp_
         _write(data_path, "a.txt", text)
         changed = _write(data_path, "b.txt", text)
         what = "data_fingerprint.files.b.txt: stored"
-    cfg = ExtractConfig(out=str(tmp_path / "store"), model=str(tiny_dirs["gpt2"]),
-                        points=["blocks.0.resid_post"],
-                        data=str(data_path), context=16, batch_size=2, shard_rows=40, max_tokens=160,
-                        progress=False)
+    cfg = ExtractConfig(
+        out=str(tmp_path / "store"),
+        model=str(tiny_dirs["gpt2"]),
+        points=["blocks.0.resid_post"],
+        data=str(data_path),
+        context=16,
+        batch_size=2,
+        shard_rows=40,
+        max_tokens=160,
+        progress=False,
+    )
     first = extract(cfg)
     assert extract(cfg).new_rows == 0 and first.rows > 0  # unchanged data: resumes, nothing to add
     _same_size_edit(changed)

@@ -75,8 +75,9 @@ def test_the_stream_is_its_documented_definition(id_store, world_size):
         rows = np.concatenate([np.arange(25 * i, 25 * i + 25) for i in shards])
         stream += rows[np.random.default_rng([seed, epoch, w, 3]).permutation(len(rows))].tolist()
     for rank in range(world_size):
-        ds = id_store.dataset("x", seed=seed, epoch=epoch, buffer_rows=buffer_rows, rank=rank,
-                              world_size=world_size)
+        ds = id_store.dataset(
+            "x", seed=seed, epoch=epoch, buffer_rows=buffer_rows, rank=rank, world_size=world_size
+        )
         assert ids_of(ds) == stream[rank::world_size]
 
 
@@ -124,13 +125,16 @@ def test_repeat_with_nothing_to_yield_is_refused(id_store):
     assert list(id_store.dataset("x", batch_size=500, drop_last=True)) == []
 
 
-@pytest.mark.parametrize("kw", [
-    {"seed": 2, "buffer_rows": 60},
-    {"seed": 2, "buffer_rows": 30, "batch_size": 32},
-    {"seed": 2, "buffer_rows": 1, "batch_size": 7, "drop_last": True},
-    {"seed": 5, "buffer_rows": 50, "batch_size": 16, "rank": 1, "world_size": 3, "split": "train"},
-    {"shuffle": False, "batch_size": 64},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"seed": 2, "buffer_rows": 60},
+        {"seed": 2, "buffer_rows": 30, "batch_size": 32},
+        {"seed": 2, "buffer_rows": 1, "batch_size": 7, "drop_last": True},
+        {"seed": 5, "buffer_rows": 50, "batch_size": 16, "rank": 1, "world_size": 3, "split": "train"},
+        {"shuffle": False, "batch_size": 64},
+    ],
+)
 def test_prefetch_changes_nothing_but_timing(id_store, kw):
     with_prefetch = list(id_store.dataset("x", **kw))
     without = list(id_store.dataset("x", prefetch=False, **kw))
@@ -222,8 +226,9 @@ def test_workers_forked_from_a_dataset_already_read_make_their_own_reader(id_sto
     first = list(ds)  # epoch 0 here; epoch 1's first window is now being read ahead
     assert ds._reader is not None and ds._ahead is not None
     ctx = "fork" if "fork" in torch.multiprocessing.get_all_start_methods() else None
-    loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context=ctx,
-                                         timeout=60)
+    loader = torch.utils.data.DataLoader(
+        ds, batch_size=None, num_workers=2, multiprocessing_context=ctx, timeout=60
+    )
     got = list(loader)  # epoch 1, made by the workers
     want = list(id_store.dataset("x", epoch=1, **kw))
     assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True)) and len(got) == len(want)
@@ -232,8 +237,9 @@ def test_workers_forked_from_a_dataset_already_read_make_their_own_reader(id_sto
 
 def test_dataloader_workers_share_rows_one_by_one(id_store):
     """Row by row with the DataLoader batching: every row of the epoch exactly once."""
-    loader = torch.utils.data.DataLoader(id_store.dataset("x", seed=2, buffer_rows=60), batch_size=16,
-                                         num_workers=2)
+    loader = torch.utils.data.DataLoader(
+        id_store.dataset("x", seed=2, buffer_rows=60), batch_size=16, num_workers=2
+    )
     assert sorted(ids_of(loader)) == list(range(200))
 
 
@@ -266,19 +272,34 @@ def mixed_store(tmp_path_factory):
     g = torch.Generator().manual_seed(0)
     with ShardWriter(out, {"mixed": True}, shard_rows=16) as w:
         for b in range(25):
-            w.write(b, {"a": torch.randn(4, 5, generator=g).to(torch.bfloat16),
-                        "h": torch.randn(4, 2, 3, generator=g).half()},
-                    {"token_ids": torch.arange(b * 4, b * 4 + 4)})
+            w.write(
+                b,
+                {
+                    "a": torch.randn(4, 5, generator=g).to(torch.bfloat16),
+                    "h": torch.randn(4, 2, 3, generator=g).half(),
+                },
+                {"token_ids": torch.arange(b * 4, b * 4 + 4)},
+            )
     return open_store(out)
 
 
-@pytest.mark.parametrize("kw", [
-    {"batch_size": 13, "buffer_rows": 40},
-    {"batch_size": 13, "buffer_rows": 40, "shuffle": False},
-    {"batch_size": 7, "buffer_rows": 1, "drop_last": True},  # a window per shard
-    {"buffer_rows": 33},  # row by row
-    {"batch_size": 32, "buffer_rows": 1000, "rank": 1, "world_size": 2, "split": "val", "val_fraction": 0.5},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"batch_size": 13, "buffer_rows": 40},
+        {"batch_size": 13, "buffer_rows": 40, "shuffle": False},
+        {"batch_size": 7, "buffer_rows": 1, "drop_last": True},  # a window per shard
+        {"buffer_rows": 33},  # row by row
+        {
+            "batch_size": 32,
+            "buffer_rows": 1000,
+            "rank": 1,
+            "world_size": 2,
+            "split": "val",
+            "val_fraction": 0.5,
+        },
+    ],
+)
 def test_every_row_is_the_stores_bytes(mixed_store, kw):
     """Each yielded row, any dtype or shape, is bit for bit the row the store holds (compared with
     `store.tensor`, the columns read whole in store order), matched through its token id."""
@@ -359,8 +380,9 @@ def test_batch_memory_is_reused_only_once_nothing_holds_it(id_store, monkeypatch
 
     allocated = []
     new_array = recycler.new_array
-    monkeypatch.setattr(recycler, "new_array",
-                        lambda shape, dtype: allocated.append(shape) or new_array(shape, dtype))
+    monkeypatch.setattr(
+        recycler, "new_array", lambda shape, dtype: allocated.append(shape) or new_array(shape, dtype)
+    )
     ds = id_store.dataset("x", batch_size=16, **kw)
     got = [sorted(b[:, 0].long().tolist()) for _ in range(2) for b in ds]
     assert got == expected
@@ -398,8 +420,9 @@ def test_several_columns_reuse_memory_and_keep_their_bytes(mixed_store, monkeypa
 
     allocated = []
     new_array = recycler.new_array
-    monkeypatch.setattr(recycler, "new_array",
-                        lambda shape, dtype: allocated.append(shape) or new_array(shape, dtype))
+    monkeypatch.setattr(
+        recycler, "new_array", lambda shape, dtype: allocated.append(shape) or new_array(shape, dtype)
+    )
     whole = {k: mixed_store.tensor(k) for k in ("a", "h")}
     ds = mixed_store.dataset(["a", "h", "token_ids"], seed=2, batch_size=10, buffer_rows=40, drop_last=True)
     batches = 0
@@ -423,12 +446,23 @@ def test_store_dataset_passes_every_keyword_through_and_names_each(id_store):
 
     from hookscope.store.dataset import ActivationDataset
 
-    keywords = [n for n, p in inspect.signature(ActivationDataset).parameters.items()
-                if p.kind is p.KEYWORD_ONLY]
+    keywords = [
+        n for n, p in inspect.signature(ActivationDataset).parameters.items() if p.kind is p.KEYWORD_ONLY
+    ]
     documented = re.findall(r"`(\w+)`", id_store.dataset.__doc__)
     assert set(keywords) <= set(documented), set(keywords) - set(documented)
-    kw = dict(seed=3, buffer_rows=16, split="val", val_fraction=0.25, rank=1, world_size=2, epoch=2,
-              batch_size=4, drop_last=True, prefetch=False)
+    kw = dict(
+        seed=3,
+        buffer_rows=16,
+        split="val",
+        val_fraction=0.25,
+        rank=1,
+        world_size=2,
+        epoch=2,
+        batch_size=4,
+        drop_last=True,
+        prefetch=False,
+    )
     got = [b["x"][:, 0].long().tolist() for b in id_store.dataset(["x"], **kw)]
     want = [b["x"][:, 0].long().tolist() for b in ActivationDataset(id_store, ["x"], **kw)]
     assert got == want and got and all(len(b) == 4 for b in got)

@@ -27,14 +27,16 @@ def clt_store(tmp_path_factory):
     shards still lie in one strided run; windows of several parts are read below, shard by shard.)"""
     out = tmp_path_factory.mktemp("clt") / "store"
     g = torch.Generator().manual_seed(0)
-    names = [f"blocks.{layer}.{kind}" for layer in range(LAYERS)
-             for kind in ("mlp.in", "mlp.out", "resid_post")]
+    names = [
+        f"blocks.{layer}.{kind}" for layer in range(LAYERS) for kind in ("mlp.in", "mlp.out", "resid_post")
+    ]
     written = {n: (torch.randn(240, D, generator=g) * 4).to(torch.bfloat16) for n in names}
     with ShardWriter(out, {"test": "clt"}, shard_rows=32) as w:
         for b in range(30):
             rows = slice(b * 8, b * 8 + 8)
-            w.write(b, {n: v[rows] for n, v in written.items()},
-                    {"token_ids": torch.arange(b * 8, b * 8 + 8)})
+            w.write(
+                b, {n: v[rows] for n, v in written.items()}, {"token_ids": torch.arange(b * 8, b * 8 + 8)}
+            )
     return open_store(out), written
 
 
@@ -48,11 +50,14 @@ def check_stack(stack: torch.Tensor, ids: torch.Tensor, written: dict, kind: str
         assert torch.equal(bits(stack[:, layer]), bits(written[f"blocks.{layer}.{kind}"][ids])), (kind, layer)
 
 
-@pytest.mark.parametrize("kw", [
-    {"batch_size": 24, "buffer_rows": 64},  # batches straddle windows (joined)
-    {"batch_size": 24, "buffer_rows": 64, "shuffle": False},
-    {"batch_size": 50, "buffer_rows": 1000, "rank": 1, "world_size": 2},
-])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        {"batch_size": 24, "buffer_rows": 64},  # batches straddle windows (joined)
+        {"batch_size": 24, "buffer_rows": 64, "shuffle": False},
+        {"batch_size": 50, "buffer_rows": 1000, "rank": 1, "world_size": 2},
+    ],
+)
 def test_a_crosscoder_stack_is_every_layer_of_each_row_in_block_order(clt_store, kw):
     store, written = clt_store
     ds = store.dataset(["blocks.*.resid_post", "token_ids"], stack=True, seed=5, **kw)
@@ -78,8 +83,13 @@ def test_a_lone_glob_gives_the_bare_stack(clt_store):
 
 def test_a_cross_layer_transcoders_two_stacks_share_one_shuffle_order(clt_store):
     store, written = clt_store
-    ds = store.dataset(["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"], stack=True, batch_size=32,
-                       seed=7, buffer_rows=96)
+    ds = store.dataset(
+        ["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"],
+        stack=True,
+        batch_size=32,
+        seed=7,
+        buffer_rows=96,
+    )
     seen = []
     for batch in ds:
         assert set(batch) == {"blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"}
@@ -98,15 +108,17 @@ def test_stacked_rows_one_by_one(clt_store):
         i = int(row["token_ids"])
         assert row["blocks.*.mlp.out"].shape == (LAYERS, D)
         for layer in range(LAYERS):
-            assert torch.equal(bits(row["blocks.*.mlp.out"][layer]),
-                               bits(written[f"blocks.{layer}.mlp.out"][i]))
+            assert torch.equal(
+                bits(row["blocks.*.mlp.out"][layer]), bits(written[f"blocks.{layer}.mlp.out"][i])
+            )
 
 
 def test_a_transcoder_pair_is_aligned(clt_store):
     """`[mlp.in, mlp.out]` of one layer: two columns, one row order, each row's own values."""
     store, written = clt_store
-    ds = store.dataset(["blocks.6.mlp.in", "blocks.6.mlp.out", "token_ids"], batch_size=33, seed=3,
-                       buffer_rows=64)
+    ds = store.dataset(
+        ["blocks.6.mlp.in", "blocks.6.mlp.out", "token_ids"], batch_size=33, seed=3, buffer_rows=64
+    )
     n = 0
     for batch in ds:
         ids = batch["token_ids"]
@@ -122,13 +134,16 @@ def test_a_glob_without_stack_gives_each_column(clt_store):
     assert list(batch) == ["blocks.1.mlp.in", "blocks.10.mlp.in", "blocks.11.mlp.in"]
 
 
-@pytest.mark.parametrize("point, stack, message", [
-    ("blocks.*.attn.out", True, "matches no column"),
-    ("*", True, "different shapes or dtypes"),  # the points and token_ids
-    (["blocks.*.mlp.in", "blocks.1*.mlp.out"], True, "must match the same blocks"),
-    (["blocks.*.mlp.in", "blocks.3.mlp.in"], True, "name some columns twice"),
-    ("blocks.6.mlp.inn", False, "no column 'blocks.6.mlp.inn'"),
-])
+@pytest.mark.parametrize(
+    "point, stack, message",
+    [
+        ("blocks.*.attn.out", True, "matches no column"),
+        ("*", True, "different shapes or dtypes"),  # the points and token_ids
+        (["blocks.*.mlp.in", "blocks.1*.mlp.out"], True, "must match the same blocks"),
+        (["blocks.*.mlp.in", "blocks.3.mlp.in"], True, "name some columns twice"),
+        ("blocks.6.mlp.inn", False, "no column 'blocks.6.mlp.inn'"),
+    ],
+)
 def test_what_cannot_be_read_is_refused_clearly(clt_store, point, stack, message):
     store, _ = clt_store
     with pytest.raises(StoreError, match=message):
@@ -137,8 +152,11 @@ def test_what_cannot_be_read_is_refused_clearly(clt_store, point, stack, message
 
 def test_a_stack_of_different_dtypes_is_refused(tmp_path):
     with ShardWriter(tmp_path / "s", {"t": 1}, shard_rows=4) as w:
-        w.write(0, {"blocks.0.x": torch.zeros(4, 3, dtype=torch.bfloat16), "blocks.1.x": torch.zeros(4, 3)},
-                {"token_ids": torch.arange(4)})
+        w.write(
+            0,
+            {"blocks.0.x": torch.zeros(4, 3, dtype=torch.bfloat16), "blocks.1.x": torch.zeros(4, 3)},
+            {"token_ids": torch.arange(4)},
+        )
     with pytest.raises(StoreError, match=r"blocks.0.x \[3\] bfloat16, blocks.1.x \[3\] float32"):
         open_store(tmp_path / "s").dataset("blocks.*.x", stack=True)
 
@@ -146,8 +164,9 @@ def test_a_stack_of_different_dtypes_is_refused(tmp_path):
 def test_stacked_batches_from_dataloader_workers(clt_store):
     """Workers gather into shared memory; the stack's layout survives the trip."""
     store, written = clt_store
-    ds = store.dataset(["blocks.*.resid_post", "token_ids"], stack=True, batch_size=48, seed=4,
-                       buffer_rows=96)
+    ds = store.dataset(
+        ["blocks.*.resid_post", "token_ids"], stack=True, batch_size=48, seed=4, buffer_rows=96
+    )
     loader = torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2)
     seen = []
     for batch in loader:
@@ -166,8 +185,11 @@ def one_part_store(path, names_widths: dict[str, int], rows: int = 200):
     with ShardWriter(path, {"test": "one part"}, shard_rows=32) as w:
         for b in range(rows // 8):
             at = slice(b * 8, b * 8 + 8)
-            w.write(1000 + b, {n: v[at] for n, v in written.items()},
-                    {"token_ids": torch.arange(b * 8, b * 8 + 8)})
+            w.write(
+                1000 + b,
+                {n: v[at] for n, v in written.items()},
+                {"token_ids": torch.arange(b * 8, b * 8 + 8)},
+            )
     return open_store(path), written
 
 
@@ -178,8 +200,14 @@ def test_a_stack_of_one_mapping_is_every_layer_of_each_row(tmp_path, shuffle):
     layer's values."""
     names = {f"blocks.{layer}.{kind}": D for layer in range(LAYERS) for kind in ("mlp.in", "mlp.out")}
     store, written = one_part_store(tmp_path / "s", names)
-    ds = store.dataset(["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"], stack=True, batch_size=48,
-                       seed=3, buffer_rows=64, shuffle=shuffle)
+    ds = store.dataset(
+        ["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"],
+        stack=True,
+        batch_size=48,
+        seed=3,
+        buffer_rows=64,
+        shuffle=shuffle,
+    )
     seen = []
     for batch in ds:
         check_stack(batch["blocks.*.mlp.in"], batch["token_ids"], written, "mlp.in")
@@ -192,11 +220,13 @@ def test_a_stack_across_columns_of_another_width(tmp_path):
     """`blocks.L.a` (6 wide) with `blocks.L.b` (5 wide) between them in each file: some `a` columns
     lie a whole number of rows after an earlier one (one mapping), others do not (their own); the
     stack is right either way, and `b` beside it too."""
-    names = {f"blocks.{layer}.{kind}": width for layer in range(LAYERS)
-             for kind, width in (("a", 6), ("b", 5))}
+    names = {
+        f"blocks.{layer}.{kind}": width for layer in range(LAYERS) for kind, width in (("a", 6), ("b", 5))
+    }
     store, written = one_part_store(tmp_path / "s", names)
-    ds = store.dataset(["blocks.*.a", "blocks.3.b", "token_ids"], stack=True, batch_size=40, seed=2,
-                       buffer_rows=64)
+    ds = store.dataset(
+        ["blocks.*.a", "blocks.3.b", "token_ids"], stack=True, batch_size=40, seed=2, buffer_rows=64
+    )
     seen = []
     for batch in ds:
         ids = batch["token_ids"]
@@ -220,8 +250,11 @@ def irregular_store(path, shard_rows: int, first_batch: int = 0):
     with ShardWriter(path, {"test": "irregular"}, shard_rows=shard_rows) as w:
         while at < 150:
             n = min(sizes[b % len(sizes)], 150 - at)
-            w.write(first_batch + b, {k: v[at : at + n] for k, v in written.items()},
-                    {"token_ids": torch.arange(at, at + n)})
+            w.write(
+                first_batch + b,
+                {k: v[at : at + n] for k, v in written.items()},
+                {"token_ids": torch.arange(at, at + n)},
+            )
             at, b = at + n, b + 1
     return open_store(path), written
 
@@ -229,8 +262,9 @@ def irregular_store(path, shard_rows: int, first_batch: int = 0):
 @pytest.mark.parametrize("shard_rows, first_batch", [(1, 0), (9, 0), (20, 1000), (64, 0), (500, 0)])
 @pytest.mark.parametrize("shuffle", [True, False])
 @pytest.mark.parametrize("mapping", ["strided", "shard by shard"])
-def test_stacks_equal_the_written_points_across_shard_boundaries(tmp_path, monkeypatch, shard_rows,
-                                                                  first_batch, shuffle, mapping):
+def test_stacks_equal_the_written_points_across_shard_boundaries(
+    tmp_path, monkeypatch, shard_rows, first_batch, shuffle, mapping
+):
     """A crosscoder's stack and a CLT's two stacks, batch by batch, against the bytes written for each
     point, row by row through `token_ids`: shards of one write to the whole store in one shard, cut
     inside batches and windows; shard identities of different lengths or of one (`first_batch=1000`);
@@ -250,8 +284,10 @@ def test_stacks_equal_the_written_points_across_shard_boundaries(tmp_path, monke
                 stack, kind = batch[key], key.split("*.")[1]
                 assert stack.shape == (len(ids), 11, D)
                 for layer in range(11):
-                    assert torch.equal(bits(stack[:, layer]), bits(written[f"blocks.{layer}.{kind}"][ids])), \
-                        (key, layer)
+                    assert torch.equal(bits(stack[:, layer]), bits(written[f"blocks.{layer}.{kind}"][ids])), (
+                        key,
+                        layer,
+                    )
             seen += ids.tolist()
         assert sorted(seen) == list(range(150))
         if not shuffle:
@@ -263,10 +299,17 @@ def test_a_kept_stack_is_never_overwritten(tmp_path, kept):
     """A CLT's two stacks share one buffer (window.py): a consumer that keeps only one of them, batch
     after batch over two epochs, still finds every kept stack equal to the written rows (the batch
     memory a later batch reuses must be memory no kept stack lies in)."""
-    store, written = one_part_store(tmp_path / "s", {f"blocks.{layer}.{kind}": D for layer in range(LAYERS)
-                                                     for kind in ("mlp.in", "mlp.out")})
-    ds = store.dataset(["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"], stack=True, batch_size=24,
-                       seed=9, buffer_rows=64)
+    store, written = one_part_store(
+        tmp_path / "s",
+        {f"blocks.{layer}.{kind}": D for layer in range(LAYERS) for kind in ("mlp.in", "mlp.out")},
+    )
+    ds = store.dataset(
+        ["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"],
+        stack=True,
+        batch_size=24,
+        seed=9,
+        buffer_rows=64,
+    )
     held = [(batch[kept], batch["token_ids"]) for _ in range(2) for batch in ds]
     assert len(held) == 2 * 9
     for stack, ids in held:
@@ -276,8 +319,13 @@ def test_a_kept_stack_is_never_overwritten(tmp_path, kept):
 def test_cross_layer_transcoder_stacks_from_dataloader_workers(clt_store):
     """Two stacks in one buffer of shared memory survive the trip from a worker, each its own layers."""
     store, written = clt_store
-    ds = store.dataset(["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"], stack=True, batch_size=48,
-                       seed=6, buffer_rows=96)
+    ds = store.dataset(
+        ["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"],
+        stack=True,
+        batch_size=48,
+        seed=6,
+        buffer_rows=96,
+    )
     seen = []
     for batch in torch.utils.data.DataLoader(ds, batch_size=None, num_workers=2):
         check_stack(batch["blocks.*.mlp.in"], batch["token_ids"], written, "mlp.in")
@@ -303,8 +351,9 @@ def test_batches_straddling_windows_are_gathered_into_batch_sized_memory(clt_sto
     assert 0 < per_epoch % 24  # windows and the epoch end inside batches
     allocated = []
     new_array = recycler.new_array
-    monkeypatch.setattr(recycler, "new_array",
-                        lambda shape, dtype: allocated.append(shape) or new_array(shape, dtype))
+    monkeypatch.setattr(
+        recycler, "new_array", lambda shape, dtype: allocated.append(shape) or new_array(shape, dtype)
+    )
     ds = store.dataset(point, batch_size=24, drop_last=drop_last, **kw)
     got = []
     for _ in range(3):
@@ -313,8 +362,11 @@ def test_batches_straddling_windows_are_gathered_into_batch_sized_memory(clt_sto
             check_stack(batch["blocks.*.mlp.out"], batch["token_ids"], written, "mlp.out")
             got.append(sorted(batch["token_ids"].tolist()))
     sizes = [24] * (per_epoch // 24) + ([] if drop_last else [per_epoch % 24])
-    want = [sorted(stream[e * per_epoch :][at : at + n]) for e in range(3)
-            for at, n in zip(np.cumsum([0, *sizes[:-1]]).tolist(), sizes, strict=True)]
+    want = [
+        sorted(stream[e * per_epoch :][at : at + n])
+        for e in range(3)
+        for at, n in zip(np.cumsum([0, *sizes[:-1]]).tolist(), sizes, strict=True)
+    ]
     assert got == want
     short = per_epoch % 24
     shapes = {(24, 24, D), (24,)} | (set() if drop_last else {(24, short, D), (short,)})
@@ -327,8 +379,14 @@ def test_straddling_batches_from_dataloader_workers(clt_store):
     windows; the loader's batches are the single-process stream's, each row its own layers."""
     store, written = clt_store
     point = ["blocks.*.mlp.in", "blocks.*.mlp.out", "token_ids"]
-    kw = {"stack": True, "seed": 3, "buffer_rows": 64, "split": "train", "val_fraction": 0.3,
-          "batch_size": 20}
+    kw = {
+        "stack": True,
+        "seed": 3,
+        "buffer_rows": 64,
+        "split": "train",
+        "val_fraction": 0.3,
+        "batch_size": 20,
+    }
     alone = [sorted(b["token_ids"].tolist()) for b in store.dataset(point, **kw)]
     got = []
     for batch in torch.utils.data.DataLoader(store.dataset(point, **kw), batch_size=None, num_workers=2):

@@ -79,8 +79,10 @@ def blocks_in(lines: list[str], path: Path, first_line: int = 1) -> list[Block]:
         end = start
         while end < len(lines) and not CLOSE.match(lines[end]):
             if FENCE.match(lines[end]):  # an unclosed block would swallow the next one untested
-                raise AssertionError(f"{path}:{i + first_line}: a ```python block that is never closed "
-                                     f"before line {end + first_line}")
+                raise AssertionError(
+                    f"{path}:{i + first_line}: a ```python block that is never closed "
+                    f"before line {end + first_line}"
+                )
             end += 1
         if end == len(lines):
             raise AssertionError(f"{path}:{i + first_line}: a ```python block that is never closed")
@@ -100,8 +102,10 @@ def reference_examples(path: Path = REFERENCE_EXAMPLES) -> dict[str, list[Block]
     lines = path.read_text(encoding="utf-8").split("\n")
     heads = [(i, m.group("name")) for i, line in enumerate(lines) if (m := SECTION.match(line))]
     ends = [i for i, _ in heads[1:]] + [len(lines)]
-    return {name: blocks_in(lines[start:end], path, start + 1)
-            for (start, name), end in zip(heads, ends, strict=True)}
+    return {
+        name: blocks_in(lines[start:end], path, start + 1)
+        for (start, name), end in zip(heads, ends, strict=True)
+    }
 
 
 def installed(distribution: str) -> bool:
@@ -126,7 +130,8 @@ def missing_package(block: Block, distribution: str) -> bool:
     by_dist = {need.dist: name for name, need in gate.NEEDS.items() if need.dist}
     assert distribution in by_dist, (
         f"{block.where}: `# needs: pip install {distribution}` names neither a hookscope extra nor a "
-        f"package tests/gate.py knows ({sorted(by_dist)})")
+        f"package tests/gate.py knows ({sorted(by_dist)})"
+    )
     name = by_dist[distribution]
     if installed(distribution) and gate.problem(name) is None:
         return False
@@ -156,8 +161,9 @@ def run_block(block: Block, namespace: dict, without_extra: str | None = None) -
 
 def fail(block: Block, e: BaseException) -> None:
     trace = "".join(traceback.format_exception(e)[-12:])
-    pytest.fail(f"the ```python block at {block.where} failed: {type(e).__name__}: {e}\n{trace}",
-                pytrace=False)
+    pytest.fail(
+        f"the ```python block at {block.where} failed: {type(e).__name__}: {e}\n{trace}", pytrace=False
+    )
 
 
 def run_page(blocks: list[Block]) -> list[str]:
@@ -200,8 +206,10 @@ def test_the_readme_blocks_are_found():
 
 def test_a_failing_block_is_named_by_file_and_line(tmp_path: Path):
     page = tmp_path / "page.md"
-    page.write_text("# A page\n\n```python\nx = 1\n```\n\ntext\n\n  ```python\n  y = x + 1\n  z = undefined\n"
-                    "  ```\n\n```python notest\n# needs a GPU\nimport cuda_only\n```\n")
+    page.write_text(
+        "# A page\n\n```python\nx = 1\n```\n\ntext\n\n  ```python\n  y = x + 1\n  z = undefined\n"
+        "  ```\n\n```python notest\n# needs a GPU\nimport cuda_only\n```\n"
+    )
     blocks = python_blocks(page)
     assert [(b.line, b.notest) for b in blocks] == [(4, False), (10, False), (15, True)]
     with pytest.raises(pytest.fail.Exception) as caught:
@@ -257,12 +265,14 @@ def reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("name", hookscope.__all__)
-def test_every_public_name_has_a_reference_example_that_runs(name: str, reference_dir: Path,
-                                                             monkeypatch: pytest.MonkeyPatch):
+def test_every_public_name_has_a_reference_example_that_runs(
+    name: str, reference_dir: Path, monkeypatch: pytest.MonkeyPatch
+):
     blocks = reference_examples().get(name, [])
     assert any(not b.notest for b in blocks), (
         f"hookscope.{name} has no runnable example: add a `## hookscope.{name}` section with a ```python "
-        f"block to {REFERENCE_EXAMPLES.relative_to(ROOT)}")
+        f"block to {REFERENCE_EXAMPLES.relative_to(ROOT)}"
+    )
     monkeypatch.chdir(reference_dir)
     left_out = run_page(blocks)  # a fresh namespace: each example stands alone
     if left_out:
@@ -280,7 +290,8 @@ def test_every_public_function_says_what_it_returns_and_raises(name: str):
     doc = inspect.getdoc(getattr(hookscope, name)) or ""
     for section in ("Returns:", "Raises:"):
         assert re.search(rf"^{section}\n    \S", doc, re.MULTILINE), (
-            f"hookscope.{name}'s docstring has no `{section}` section (an indented entry below it)")
+            f"hookscope.{name}'s docstring has no `{section}` section (an indented entry below it)"
+        )
 
 
 @pytest.mark.parametrize("name", [n for n in hookscope.__all__ if n != "__version__"])
@@ -291,8 +302,10 @@ def test_every_public_name_has_a_docstring(name: str):
 
 def test_reference_sections_are_split_by_name_and_keep_their_lines(tmp_path: Path):
     page = tmp_path / "examples.md"
-    page.write_text("# Intro\n\n## hookscope.a\n\n```python\nx = 1\n```\n\n## hookscope.b\n\ntext\n\n"
-                    "```python\ny = x\n```\n")
+    page.write_text(
+        "# Intro\n\n## hookscope.a\n\n```python\nx = 1\n```\n\n## hookscope.b\n\ntext\n\n"
+        "```python\ny = x\n```\n"
+    )
     sections = reference_examples(page)
     assert [(n, [b.line for b in bs]) for n, bs in sections.items()] == [("a", [6]), ("b", [14])]
     run_page(sections["a"])

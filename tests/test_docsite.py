@@ -37,8 +37,9 @@ PUBLIC = list(hs.__all__)
 
 def build(config: Path, out: Path) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(out)]
-    return subprocess.run(command, cwd=ROOT, env={**os.environ, **OFFLINE}, capture_output=True, text=True,
-                          timeout=300)
+    return subprocess.run(
+        command, cwd=ROOT, env={**os.environ, **OFFLINE}, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.fixture(scope="module")
@@ -116,12 +117,20 @@ def test_the_guides_and_their_links_land_on_the_site(site: Path):
     home = html["index.html"]
     for target in ('"scale/"', '"examples/"', '"repo/bench/RESULTS/"', '"repo/examples/"'):
         assert f"href={target}" in home, f"the home page has no link to {target}"
-    for folder in ("scale/", "store-format/", "top/", "examples/", "examples/linear_probe/",
-                   "repo/bench/RESULTS/", "repo/examples/"):
+    for folder in (
+        "scale/",
+        "store-format/",
+        "top/",
+        "examples/",
+        "examples/linear_probe/",
+        "repo/bench/RESULTS/",
+        "repo/examples/",
+    ):
         page = folder + "index.html"
         assert page in html, f"{page} was not built"
-    assert (site / "repo" / "examples" / "linear_probe.py").read_bytes() == \
-        (ROOT / "examples" / "linear_probe.py").read_bytes()
+    assert (site / "repo" / "examples" / "linear_probe.py").read_bytes() == (
+        ROOT / "examples" / "linear_probe.py"
+    ).read_bytes()
     for picture in ("top.png", "examples/img/linear_probe.png", "img/profile_time_per_block.svg"):
         assert (site / picture).read_bytes() == (ROOT / "docs" / picture).read_bytes(), picture
     assert "notest" not in html["index.html"]  # the docs runner's fence marker is not shown
@@ -137,8 +146,17 @@ def test_a_broken_link_or_anchor_fails_the_build(tmp_path: Path):
     (docs / "index.md").write_text("# Home\n\n[a page](other.md#nowhere)\n")
     (docs / "other.md").write_text("# Other\n\n[gone](missing.md)\n")
     config = tmp_path / "mkdocs.yml"
-    config.write_text(yaml.safe_dump({"site_name": "t", "docs_dir": str(docs), "strict": ours["strict"],
-                                      "validation": ours["validation"], "theme": {"name": "mkdocs"}}))
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "site_name": "t",
+                "docs_dir": str(docs),
+                "strict": ours["strict"],
+                "validation": ours["validation"],
+                "theme": {"name": "mkdocs"},
+            }
+        )
+    )
     done = build(config, tmp_path / "site")
     assert done.returncode != 0
     assert "missing.md" in done.stderr and "nowhere" in done.stderr, done.stderr[-3000:]
@@ -159,7 +177,8 @@ def test_home_page_renders_and_search_finds_collect(driver, served: str):
     driver.execute_script("arguments[0].focus()", box)
     box.send_keys("collect")
     results = WebDriverWait(driver, 30).until(
-        lambda d: d.find_elements(By.CSS_SELECTOR, ".md-search-result__item a") or False)
+        lambda d: d.find_elements(By.CSS_SELECTOR, ".md-search-result__item a") or False
+    )
     hrefs = [r.get_attribute("href").replace("?h=collect", "") for r in results]
     assert served + "reference/capture/#hookscope.collect" in hrefs, hrefs
     assert severe(driver) == []

@@ -44,8 +44,16 @@ def assert_png(path: Path) -> None:
 
 @pytest.fixture(scope="module")
 def gpt2_dir(tmp_path_factory) -> str:
-    return str(save_tiny("gpt2", tmp_path_factory.mktemp("examples") / "gpt2", d_model=64, n_layers=N_LAYERS,
-                         n_heads=4, context=64))
+    return str(
+        save_tiny(
+            "gpt2",
+            tmp_path_factory.mktemp("examples") / "gpt2",
+            d_model=64,
+            n_layers=N_LAYERS,
+            n_heads=4,
+            context=64,
+        )
+    )
 
 
 def reference(path: str, dtype: torch.dtype = torch.float32):
@@ -55,8 +63,21 @@ def reference(path: str, dtype: torch.dtype = torch.float32):
 
 def test_activation_patching_restores_the_clean_logit_difference(gpt2_dir, tmp_path):
     clean, corrupted = "The quick brown fox jumps over the lazy", "The quick brown dog jumps over the lazy"
-    r = example("activation_patching").main(["--model", gpt2_dir, "--clean", clean, "--corrupted", corrupted,
-                                             "--answers", " dog", " fox", "--out", str(tmp_path)])
+    r = example("activation_patching").main(
+        [
+            "--model",
+            gpt2_dir,
+            "--clean",
+            clean,
+            "--corrupted",
+            corrupted,
+            "--answers",
+            " dog",
+            " fox",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     model, tok = reference(gpt2_dir)
     a, b = tok(" dog").input_ids[0], tok(" fox").input_ids[0]
     ids = {t: tok(t, return_tensors="pt").input_ids for t in (clean, corrupted)}
@@ -90,7 +111,7 @@ def test_activation_patching_restores_the_clean_logit_difference(gpt2_dir, tmp_p
 
     def patch_head(m, args):
         z = args[0].clone()
-        z[..., head * d_head:(head + 1) * d_head] = kept["z"][..., head * d_head:(head + 1) * d_head]
+        z[..., head * d_head : (head + 1) * d_head] = kept["z"][..., head * d_head : (head + 1) * d_head]
         return (z,)
 
     by_hand = (logit_diff(corrupted, (layer, patch_head)) - r["corrupted"]) / span
@@ -143,8 +164,11 @@ def test_linear_probe_beats_chance(gpt2_dir, tmp_path):
     with torch.no_grad():
         hidden = model(**batch, output_hidden_states=True).hidden_states
     rows = torch.arange(len(labels)), batch["attention_mask"].sum(1) - 1
-    for name, h in [("blocks.0.resid_pre", hidden[0]), ("blocks.0.resid_post", hidden[1]),
-                    ("blocks.1.resid_post", hidden[2])]:
+    for name, h in [
+        ("blocks.0.resid_pre", hidden[0]),
+        ("blocks.0.resid_post", hidden[1]),
+        ("blocks.1.resid_post", hidden[2]),
+    ]:
         torch.testing.assert_close(r["features"][name], h[rows], rtol=1e-5, atol=1e-6)
     assert_png(r["picture"])
 
@@ -157,9 +181,28 @@ def test_saelens_sae_learns_and_resumes_exactly(gpt2_dir, tmp_path):
     corpus.write_text("\n\n".join(" ".join(rng.sample(lines, 3)) for _ in range(300)))
     sae = example("sae_from_store")
     steps, batch = 120, 64
-    r = sae.main(["--model", gpt2_dir, "--layer", "1", "--data", str(corpus), "--tokens", "4096",
-                  "--context", "32", "--shard-rows", "256", "--batch-size", str(batch), "--steps", str(steps),
-                  "--out", str(tmp_path / "sae")])
+    r = sae.main(
+        [
+            "--model",
+            gpt2_dir,
+            "--layer",
+            "1",
+            "--data",
+            str(corpus),
+            "--tokens",
+            "4096",
+            "--context",
+            "32",
+            "--shard-rows",
+            "256",
+            "--batch-size",
+            str(batch),
+            "--steps",
+            str(steps),
+            "--out",
+            str(tmp_path / "sae"),
+        ]
+    )
     # SAELens's own metrics on held-out rows: from nothing explained to most of the variance
     assert r["before"]["explained_variance"] < 0.1 and r["after"]["explained_variance"] > 0.6
     assert 0 < r["after"]["l0"] < r["before"]["l0"]
@@ -179,8 +222,22 @@ def test_saelens_sae_learns_and_resumes_exactly(gpt2_dir, tmp_path):
 
 
 def test_profile_model_before_and_after_a_dtype_change(gpt2_dir, tmp_path):
-    r = example("profile_model").main(["--model", gpt2_dir, "--batch", "2", "--seq", "16", "--steps", "2",
-                                       "--warmup", "1", "--out", str(tmp_path)])
+    r = example("profile_model").main(
+        [
+            "--model",
+            gpt2_dir,
+            "--batch",
+            "2",
+            "--seq",
+            "16",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     blocks = [f"blocks.{i}" for i in range(N_LAYERS)]
     for dtype, report in r["reports"].items():
         rows = [row for row in report.rows if row.kind == "block"]
@@ -193,15 +250,18 @@ def test_profile_model_before_and_after_a_dtype_change(gpt2_dir, tmp_path):
         assert {f"hs::{b}" for b in blocks} <= names
         assert_png(folder / "time_per_block.png")
     # the cast happened: in inference mode a block keeps only its output (and KV cache), now half the bytes
-    memory = {dtype: [row.cpu_mem_bytes for row in report.rows if row.kind == "block"]
-              for dtype, report in r["reports"].items()}
+    memory = {
+        dtype: [row.cpu_mem_bytes for row in report.rows if row.kind == "block"]
+        for dtype, report in r["reports"].items()
+    }
     assert all(m > 0 for m in memory["bfloat16"]) and memory["float32"] == [2 * m for m in memory["bfloat16"]]
     assert_png(r["picture"])
 
 
 def test_hooks_attach_without_repr(gpt2_dir, tmp_path):
-    r = example("hooks_without_hidden_cost").main(["--model", gpt2_dir, "--tensors", "20", "--rows", "8",
-                                                   "--out", str(tmp_path)])
+    r = example("hooks_without_hidden_cost").main(
+        ["--model", gpt2_dir, "--tensors", "20", "--rows", "8", "--out", str(tmp_path)]
+    )
     us, ours = r["us"], f"hookscope on {Path(gpt2_dir).name}, TensorCache"
     # the cost the example shows is repr(): counted, not timed (the timings: bench/bench_core.py, a)
     assert r["repr_calls"]["hookscope"] == 0

@@ -24,8 +24,16 @@ from hookscope.store.card import NOT_A_DATASET
 RESID, Z = "blocks.0.resid_post", "blocks.0.attn.z"
 
 
-def make_store(out: Path, *, seq_len: int, context: int, n_seqs: int = 12, per_batch: int = 2,
-               shard_rows: int = 20, seed: int = 0):
+def make_store(
+    out: Path,
+    *,
+    seq_len: int,
+    context: int,
+    n_seqs: int = 12,
+    per_batch: int = 2,
+    shard_rows: int = 20,
+    seed: int = 0,
+):
     """n_seqs sequences of seq_len rows (bfloat16 vectors, float16 per-head values), written as
     batches of `per_batch` sequences; token_ids count rows, seq_ids name each row's sequence."""
     g = torch.Generator().manual_seed(seed)
@@ -34,10 +42,17 @@ def make_store(out: Path, *, seq_len: int, context: int, n_seqs: int = 12, per_b
         for b in range(n_seqs // per_batch):
             rows = per_batch * seq_len
             start = b * rows
-            w.write(b, {RESID: torch.randn(rows, 6, generator=g).to(torch.bfloat16),
-                        Z: torch.randn(rows, 2, 3, generator=g).half()},
-                    {"token_ids": torch.arange(start, start + rows),
-                     "seq_ids": torch.arange(b * per_batch, (b + 1) * per_batch).repeat_interleave(seq_len)})
+            w.write(
+                b,
+                {
+                    RESID: torch.randn(rows, 6, generator=g).to(torch.bfloat16),
+                    Z: torch.randn(rows, 2, 3, generator=g).half(),
+                },
+                {
+                    "token_ids": torch.arange(start, start + rows),
+                    "seq_ids": torch.arange(b * per_batch, (b + 1) * per_batch).repeat_interleave(seq_len),
+                },
+            )
     return open_store(out)
 
 
@@ -87,7 +102,8 @@ def test_hf_export_keeps_shapes_dtypes_settings_and_rows(whole, tmp_path, monkey
     assert meta["columns"][RESID] == {"shape": [6], "store_dtype": "bfloat16", "dtype": "float32"}
     # one write: one Arrow file per shard, nothing in the datasets cache, no leftover partial folder
     assert sorted(p.name for p in out.glob("*.arrow")) == [
-        f"data-{i:05d}-of-{whole.num_shards:05d}.arrow" for i in range(whole.num_shards)]
+        f"data-{i:05d}-of-{whole.num_shards:05d}.arrow" for i in range(whole.num_shards)
+    ]
     data_bytes = 96 * (6 * 4 + 6 * 2 + 8 + 8)
     assert data_bytes <= sum(p.stat().st_size for p in out.glob("*.arrow")) < 1.5 * data_bytes + 20_000
     assert not cache.exists() or not any(cache.rglob("*.arrow"))
@@ -126,7 +142,12 @@ def test_hf_export_refuses_to_overwrite_and_leaves_nothing_half_written(whole, t
 def test_saelens_layout_of_whole_sequences(whole, tmp_path):
     done = export_saelens(whole, tmp_path / "sl", RESID, progress=False)
     assert (done.hook_name, done.context_size, done.d_in, done.dtype, done.sequences) == (
-        "blocks.0.hook_resid_post", 8, 6, "float32", "whole")
+        "blocks.0.hook_resid_post",
+        8,
+        6,
+        "float32",
+        "whole",
+    )
     assert (done.examples, done.rows_exported, done.rows_left_out) == (12, 96, 0)
     assert done.model_name == "tiny/model"
     ds = datasets.load_from_disk(done.path)
@@ -160,16 +181,26 @@ def test_saelens_layout_of_a_per_head_point_and_of_ragged_sequences(ragged, tmp_
         export_saelens(ragged, tmp_path / "y", RESID, context_size=1000, progress=False)
 
 
-@pytest.mark.parametrize("point, tl", [
-    ("blocks.3.resid_post", "blocks.3.hook_resid_post"), ("blocks.3.resid_pre", "blocks.3.hook_resid_pre"),
-    ("blocks.0.attn.z", "blocks.0.attn.hook_z"), ("blocks.2.attn.out", "blocks.2.hook_attn_out"),
-    ("blocks.2.mlp.out", "blocks.2.hook_mlp_out"), ("blocks.1.mlp.post", "blocks.1.mlp.hook_post"),
-    ("embed", "hook_embed"), ("ln_final.normalized", "ln_final.hook_normalized"),
-    ("ln_final", "ln_final.hook_out"),  # after the norm's weight: the bridge's HookPoint
-    # what the MLP reads (after ln2) is the bridge's mlp.hook_in; TL's hook_mlp_in is the stream before ln2
-    ("blocks.1.mlp.in", "blocks.1.mlp.hook_in"), ("blocks.1.mlp.in_pre_norm", "blocks.1.hook_mlp_in"),
-    ("blocks.1.attn.in", "blocks.1.attn.hook_in"), ("blocks.1.attn.in_pre_norm", "blocks.1.hook_attn_in"),
-])
+@pytest.mark.parametrize(
+    "point, tl",
+    [
+        ("blocks.3.resid_post", "blocks.3.hook_resid_post"),
+        ("blocks.3.resid_pre", "blocks.3.hook_resid_pre"),
+        ("blocks.0.attn.z", "blocks.0.attn.hook_z"),
+        ("blocks.2.attn.out", "blocks.2.hook_attn_out"),
+        ("blocks.2.mlp.out", "blocks.2.hook_mlp_out"),
+        ("blocks.1.mlp.post", "blocks.1.mlp.hook_post"),
+        ("embed", "hook_embed"),
+        ("ln_final.normalized", "ln_final.hook_normalized"),
+        ("ln_final", "ln_final.hook_out"),  # after the norm's weight: the bridge's HookPoint
+        # what the MLP reads (after ln2) is the bridge's mlp.hook_in;
+        # TL's hook_mlp_in is the stream before ln2
+        ("blocks.1.mlp.in", "blocks.1.mlp.hook_in"),
+        ("blocks.1.mlp.in_pre_norm", "blocks.1.hook_mlp_in"),
+        ("blocks.1.attn.in", "blocks.1.attn.hook_in"),
+        ("blocks.1.attn.in_pre_norm", "blocks.1.hook_attn_in"),
+    ],
+)
 def test_transformer_lens_hook_names(point: str, tl: str):
     assert tl_hook_name(point) == tl
     assert canonical(tl) == point  # hookscope reads TL's spelling back as the same point
@@ -181,8 +212,11 @@ def test_tl_hook_names_exist_on_a_hooked_transformer():
     import hookscope as hs
 
     # but the final norm's output, which HookedTransformer has no HookPoint for (hookscope hooks the module)
-    points = [p.name for p in hs.points(model) if not p.name.startswith("module:")
-              and p.name not in ("logits", "ln_final")]
+    points = [
+        p.name
+        for p in hs.points(model)
+        if not p.name.startswith("module:") and p.name not in ("logits", "ln_final")
+    ]
     assert len(points) > 20
     missing = [p for p in points if tl_hook_name(p) not in model.hook_dict]
     assert missing == []
@@ -191,19 +225,49 @@ def test_tl_hook_names_exist_on_a_hooked_transformer():
 
 
 def test_cli_export(whole, tmp_path, capsys):
-    assert cli(["export", str(whole.path), "--format", "saelens", "--point", Z, "--out", str(tmp_path / "sl"),
-                "--no-progress"]) == 0
+    assert (
+        cli(
+            [
+                "export",
+                str(whole.path),
+                "--format",
+                "saelens",
+                "--point",
+                Z,
+                "--out",
+                str(tmp_path / "sl"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     said = capsys.readouterr().out
     assert "12 examples of 8 x 6 float16" in said and "hook_name='blocks.0.attn.hook_z'" in said
     assert datasets.load_from_disk(str(tmp_path / "sl")).num_rows == 12
-    assert cli(["export", str(whole.path), "--format", "hf", "--columns", f"{RESID},token_ids",
-                "--out", str(tmp_path / "hf"), "--no-progress"]) == 0
+    assert (
+        cli(
+            [
+                "export",
+                str(whole.path),
+                "--format",
+                "hf",
+                "--columns",
+                f"{RESID},token_ids",
+                "--out",
+                str(tmp_path / "hf"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert datasets.load_from_disk(str(tmp_path / "hf")).column_names == [RESID, "token_ids"]
     again = ["export", str(whole.path), "--format", "hf", "--out", str(tmp_path / "hf"), "--no-progress"]
     assert cli(again) == 2
     assert "already exists" in capsys.readouterr().err
-    assert cli(["export", str(whole.path), "--format", "hf", "--point", RESID,
-                "--out", str(tmp_path / "h2")]) == 2
+    assert (
+        cli(["export", str(whole.path), "--format", "hf", "--point", RESID, "--out", str(tmp_path / "h2")])
+        == 2
+    )
     assert "for --format saelens" in capsys.readouterr().err
 
 

@@ -24,10 +24,29 @@ def test_train_sae_runs_every_step_over_several_epochs(tmp_path):
     data = store.dataset(POINT, batch_size=128, drop_last=True, repeat=True)
     steps = 5 * len(data) + 3  # the reported failure: trainSAE stopped silently after one epoch
     torch.manual_seed(0)
-    trainSAE(data=data, steps=steps, device="cpu", save_dir=str(tmp_path / "run"), trainer_configs=[{
-        "trainer": StandardTrainer, "dict_class": AutoEncoder, "activation_dim": 32, "dict_size": 128,
-        "lr": 3e-3, "l1_penalty": 0.05, "warmup_steps": 10, "sparsity_warmup_steps": 10, "seed": 0,
-        "device": "cpu", "layer": 1, "lm_name": store.manifest.settings["model"], "steps": steps}])
+    trainSAE(
+        data=data,
+        steps=steps,
+        device="cpu",
+        save_dir=str(tmp_path / "run"),
+        trainer_configs=[
+            {
+                "trainer": StandardTrainer,
+                "dict_class": AutoEncoder,
+                "activation_dim": 32,
+                "dict_size": 128,
+                "lr": 3e-3,
+                "l1_penalty": 0.05,
+                "warmup_steps": 10,
+                "sparsity_warmup_steps": 10,
+                "seed": 0,
+                "device": "cpu",
+                "layer": 1,
+                "lm_name": store.manifest.settings["model"],
+                "steps": steps,
+            }
+        ],
+    )
     # trainSAE takes one batch more than `steps` (it breaks on the first one past the end)
     consumed = steps + 1
     assert data.state_dict()["epoch"] == consumed // len(data)

@@ -42,16 +42,27 @@ def store(tmp_path_factory):
 def test_sae_trainer_takes_the_endless_dataset(store, tmp_path):
     torch.manual_seed(0)
     cfg = StandardTrainingSAEConfig(
-        d_in=32, d_sae=128, l1_coefficient=0.3,
-        metadata=SAEMetadata(model_name=store.manifest.settings["model"], hook_name=tl_hook_name(POINT),
-                             context_size=store.manifest.settings["context"]))
+        d_in=32,
+        d_sae=128,
+        l1_coefficient=0.3,
+        metadata=SAEMetadata(
+            model_name=store.manifest.settings["model"],
+            hook_name=tl_hook_name(POINT),
+            context_size=store.manifest.settings["context"],
+        ),
+    )
     sae = StandardTrainingSAE(cfg)
     x = store.tensor(POINT)
     before = fvu(lambda v: sae.decode(sae.encode(v)), x)
     batch, epochs = 128, 5
     data = store.dataset(POINT, batch_size=batch, drop_last=True, repeat=True)
-    cfg = SAETrainerConfig(total_training_samples=epochs * len(store), train_batch_size_samples=batch,
-                           lr=3e-3, lr_end=3e-3, save_final_checkpoint=False)
+    cfg = SAETrainerConfig(
+        total_training_samples=epochs * len(store),
+        train_batch_size_samples=batch,
+        lr=3e-3,
+        lr_end=3e-3,
+        save_final_checkpoint=False,
+    )
     trainer = SAETrainer(cfg, sae, iter(data))
     sae = trainer.fit()  # 5 epochs: no StopIteration escapes
     steps = epochs * len(store) // batch
@@ -62,7 +73,10 @@ def test_sae_trainer_takes_the_endless_dataset(store, tmp_path):
     sae.save_model(str(tmp_path / "sae"))
     meta = json.loads((tmp_path / "sae" / "cfg.json").read_text())["metadata"]
     assert (meta["model_name"], meta["hook_name"], meta["context_size"]) == (
-        "tiny/sparse-model", "blocks.1.hook_resid_post", 16)
+        "tiny/sparse-model",
+        "blocks.1.hook_resid_post",
+        16,
+    )
     assert meta["l0"] > 0  # SAELens's own sparsity measurement ran
 
 
@@ -70,11 +84,23 @@ def test_saelens_reads_the_export_as_its_own_cache(store, tmp_path):
     done = export_saelens(store, tmp_path / "cache", progress=False)
     assert done.sequences == "whole" and done.context_size == 16
     acts_store = ActivationsStore(
-        model=None, dataset=None, streaming=False, hook_name=done.hook_name, hook_head_index=None,
-        context_size=done.context_size, d_in=done.d_in, n_batches_in_buffer=4, total_training_tokens=10**6,
-        store_batch_size_prompts=8, train_batch_size_tokens=64, prepend_bos=False,
+        model=None,
+        dataset=None,
+        streaming=False,
+        hook_name=done.hook_name,
+        hook_head_index=None,
+        context_size=done.context_size,
+        d_in=done.d_in,
+        n_batches_in_buffer=4,
+        total_training_tokens=10**6,
+        store_batch_size_prompts=8,
+        train_batch_size_tokens=64,
+        prepend_bos=False,
         normalize_activations="none",
-        device=torch.device("cpu"), dtype="float32", cached_activations_path=done.path)
+        device=torch.device("cpu"),
+        dtype="float32",
+        cached_activations_path=done.path,
+    )
     rows = store.tensor(POINT)
     tokens = store.tensor("token_ids")
     for i in range(3):  # SAELens's reader walks the examples in order: 8 sequences of 16 rows each
@@ -92,12 +118,22 @@ def test_the_training_runner_trains_from_the_export(store, tmp_path):
     model = tiny_hooked_transformer(n_ctx=16, d_vocab=500)
     tokens = load_from_disk(done.path).select_columns(["token_ids"]).rename_column("token_ids", "tokens")
     cfg = LanguageModelSAERunnerConfig(
-        sae=StandardTrainingSAEConfig(d_in=done.d_in, d_sae=128, l1_coefficient=0.3), **done.runner_kwargs(),
-        training_tokens=3 * done.rows_exported, train_batch_size_tokens=128, store_batch_size_prompts=8,
-        n_batches_in_buffer=16, lr=3e-3, exclude_special_tokens=False, output_path=str(tmp_path / "out"),
-        logger=LoggingConfig(log_to_wandb=False))
+        sae=StandardTrainingSAEConfig(d_in=done.d_in, d_sae=128, l1_coefficient=0.3),
+        **done.runner_kwargs(),
+        training_tokens=3 * done.rows_exported,
+        train_batch_size_tokens=128,
+        store_batch_size_prompts=8,
+        n_batches_in_buffer=16,
+        lr=3e-3,
+        exclude_special_tokens=False,
+        output_path=str(tmp_path / "out"),
+        logger=LoggingConfig(log_to_wandb=False),
+    )
     sae = LanguageModelSAETrainingRunner(cfg, override_model=model, override_dataset=tokens).run()
     saved = json.loads((tmp_path / "out" / "cfg.json").read_text())["metadata"]
     assert (saved["model_name"], saved["hook_name"], saved["context_size"]) == (
-        "tiny/sparse-model", "blocks.1.hook_resid_post", 16)
+        "tiny/sparse-model",
+        "blocks.1.hook_resid_post",
+        16,
+    )
     assert fvu(lambda v: sae.decode(sae.encode(v)), store.tensor(POINT)) < 0.5

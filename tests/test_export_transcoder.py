@@ -32,8 +32,18 @@ IN, OUT = f"blocks.{LAYER}.mlp.in", f"blocks.{LAYER}.mlp.out"
 def tiny_store(tmp_path_factory):
     root = tmp_path_factory.mktemp("transcoder")
     model = save_tiny("bert", root / "bert", d_model=32, n_layers=2)
-    extract(ExtractConfig(model=str(model), out=str(root / "store"), points=[IN, OUT], max_tokens=4096,
-                          context=32, dtype="float32", shard_rows=1024, progress=False))
+    extract(
+        ExtractConfig(
+            model=str(model),
+            out=str(root / "store"),
+            points=[IN, OUT],
+            max_tokens=4096,
+            context=32,
+            dtype="float32",
+            shard_rows=1024,
+            progress=False,
+        )
+    )
     return model, hs.open_store(root / "store")
 
 

@@ -28,23 +28,42 @@ corpus = corpus_fixture(80)
 
 
 def config(tiny_dirs, corpus, out, **overrides) -> ExtractConfig:
-    base = dict(out=str(out), model=str(tiny_dirs["gpt2"]),
-                points=["blocks.1.resid_post", "blocks.0.mlp.post"],
-                data=str(corpus), context=32, batch_size=4, dtype="float16", shard_rows=150, progress=False)
+    base = dict(
+        out=str(out),
+        model=str(tiny_dirs["gpt2"]),
+        points=["blocks.1.resid_post", "blocks.0.mlp.post"],
+        data=str(corpus),
+        context=32,
+        batch_size=4,
+        dtype="float16",
+        shard_rows=150,
+        progress=False,
+    )
     return ExtractConfig(**{**base, **overrides})
 
 
 @pytest.fixture(scope="module")
 def cases(tiny_dirs, tmp_path_factory) -> dict[str, Case]:
     root = tmp_path_factory.mktemp("sources")
-    return {source: make_case(source, tiny_dirs, root / source, docs=40, images=60, dtype="float16",
-                              points=["blocks.1.resid_post", "blocks.0.mlp.post"], shard_rows=150)
-            for source in SOURCES}
+    return {
+        source: make_case(
+            source,
+            tiny_dirs,
+            root / source,
+            docs=40,
+            images=60,
+            dtype="float16",
+            points=["blocks.1.resid_post", "blocks.0.mlp.post"],
+            shard_rows=150,
+        )
+        for source in SOURCES
+    }
 
 
 @pytest.fixture(scope="module")
 def references(cases, tmp_path_factory) -> dict[str, Path]:
     """Each source's uninterrupted one-process store, made when a test first asks for it."""
+
     def make(source: str) -> Path:
         out = tmp_path_factory.mktemp(f"ref-{source}") / "store"
         extract(ExtractConfig(**cases[source].config(out)))
@@ -70,7 +89,8 @@ def test_round_trip_equals_plain_hooks(tiny_dirs, corpus, reference_store):
     want_resid, want_mlp, want_ids = [], [], []
     seen = {}
     h1 = block1.register_forward_hook(
-        lambda m, a, o: seen.__setitem__("resid", o[0] if isinstance(o, tuple) else o))
+        lambda m, a, o: seen.__setitem__("resid", o[0] if isinstance(o, tuple) else o)
+    )
     h2 = mlp0_proj.register_forward_pre_hook(lambda m, a: seen.__setitem__("mlp", a[0]))
     try:
         with torch.no_grad():
@@ -92,8 +112,9 @@ def test_round_trip_equals_plain_hooks(tiny_dirs, corpus, reference_store):
     # each row's (doc_id, position) points at that very token of the tokenizer's own output
     docs = list(iter_documents(str(corpus)))
     doc_tokens = [tok(d, add_special_tokens=False)["input_ids"] for d in docs]
-    for tid, doc, pos in zip(token_ids.tolist(), store.tensor("doc_ids").tolist(),
-                             store.tensor("positions").tolist(), strict=True):
+    for tid, doc, pos in zip(
+        token_ids.tolist(), store.tensor("doc_ids").tolist(), store.tensor("positions").tolist(), strict=True
+    ):
         assert doc_tokens[doc][pos] == tid
     assert store.manifest.settings["points"] == ["blocks.1.resid_post", "blocks.0.mlp.post"]
 
@@ -107,13 +128,21 @@ EVERY_SOURCE_KILLS = {"save:2", "replace:3:before"}
 def _for_every_source(cases: list, every_source: set) -> list:
     """(source, *case) params: all cases for text, the `every_source` ones for the other sources
     by default, the rest of theirs marked slow (run with --full)."""
-    return [pytest.param(source, *case, id="-".join(map(str, (source, *case))),
-                         marks=(pytest.mark.slow,) if source != "text" and case not in every_source else ())
-            for source in SOURCES for case in cases]
+    return [
+        pytest.param(
+            source,
+            *case,
+            id="-".join(map(str, (source, *case))),
+            marks=(pytest.mark.slow,) if source != "text" and case not in every_source else (),
+        )
+        for source in SOURCES
+        for case in cases
+    ]
 
 
-@pytest.mark.parametrize(("source", "kill_at"), _for_every_source([(k,) for k in KILL_POINTS],
-                                                                 {(k,) for k in EVERY_SOURCE_KILLS}))
+@pytest.mark.parametrize(
+    ("source", "kill_at"), _for_every_source([(k,) for k in KILL_POINTS], {(k,) for k in EVERY_SOURCE_KILLS})
+)
 def test_resume_after_sigkill_equals_uninterrupted(cases, references, tmp_path, source, kill_at):
     reference_store = references[source]
     out = tmp_path / "store"
@@ -128,8 +157,9 @@ def test_resume_after_sigkill_equals_uninterrupted(cases, references, tmp_path, 
     assert summary.batches_skipped == committed  # exactly the committed batches are skipped
     assert shard_digests(out) == shard_digests(reference_store)  # byte for byte
     resumed, ref = open_store(out, verify=True), open_store(reference_store)
-    assert [(s.file, s.rows, s.checksum) for s in resumed.manifest.shards] == \
-           [(s.file, s.rows, s.checksum) for s in ref.manifest.shards]
+    assert [(s.file, s.rows, s.checksum) for s in resumed.manifest.shards] == [
+        (s.file, s.rows, s.checksum) for s in ref.manifest.shards
+    ]
 
 
 def test_changed_command_is_refused(tiny_dirs, corpus, reference_store, tmp_path):
@@ -174,8 +204,11 @@ def test_nonfinite_counted_or_refused(tiny_dirs, corpus, tmp_path):
     assert summary.nonfinite["blocks.1.resid_post"] == int((~torch.isfinite(rows)).sum()) > 0
     assert summary.nonfinite["blocks.0.mlp.post"] == 0
     with pytest.raises(hs.HookscopeError, match="non-finite"):
-        extract(config(tiny_dirs, corpus, tmp_path / "err", model=str(poisoned), max_tokens=300,
-                       on_nonfinite="error"))
+        extract(
+            config(
+                tiny_dirs, corpus, tmp_path / "err", model=str(poisoned), max_tokens=300, on_nonfinite="error"
+            )
+        )
 
 
 def test_torchrun_two_processes_same_rows(tiny_dirs, corpus, reference_store, tmp_path):
@@ -183,13 +216,37 @@ def test_torchrun_two_processes_same_rows(tiny_dirs, corpus, reference_store, tm
     with socket.socket() as sock:  # a free port: a fixed one collides with other test runs on the machine
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", port,
-           "-m", "hookscope.cli", "extract", str(tiny_dirs["gpt2"]), "--out", str(out),
-           "--points", "blocks.1.resid_post,blocks.0.mlp.post", "--data", str(corpus), "--context", "32",
-           "--batch-size", "4", "--shard-rows", "150", "--no-progress"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+        "-m",
+        "hookscope.cli",
+        "extract",
+        str(tiny_dirs["gpt2"]),
+        "--out",
+        str(out),
+        "--points",
+        "blocks.1.resid_post,blocks.0.mlp.post",
+        "--data",
+        str(corpus),
+        "--context",
+        "32",
+        "--batch-size",
+        "4",
+        "--shard-rows",
+        "150",
+        "--no-progress",
+    ]
+    run = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     two, one = open_store(out, verify=True), open_store(reference_store)
     assert two.manifest.world_size == 2 and {s.rank for s in two.manifest.shards} == {0, 1}
@@ -217,9 +274,26 @@ def test_cli_extract_and_inspect(tiny_dirs, corpus, tmp_path, capsys):
     from hookscope.cli import main
 
     out = tmp_path / "store"
-    assert main(["extract", str(tiny_dirs["gpt2"]), "--out", str(out), "--data", str(corpus),
-                 "--context", "32", "--points", "blocks.*.resid_post", "--max-tokens", "500",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "extract",
+                str(tiny_dirs["gpt2"]),
+                "--out",
+                str(out),
+                "--data",
+                str(corpus),
+                "--context",
+                "32",
+                "--points",
+                "blocks.*.resid_post",
+                "--max-tokens",
+                "500",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "rows" in capsys.readouterr().out
     assert main(["inspect", str(out)]) == 0
     text = capsys.readouterr().out
@@ -234,7 +308,6 @@ def test_cli_extract_and_inspect(tiny_dirs, corpus, tmp_path, capsys):
     shard.write_bytes(bytes(data))
     assert main(["inspect", str(out)]) == 2
     assert shard.name in capsys.readouterr().err
-
 
 
 def _sha256(data: bytes) -> str:
@@ -254,15 +327,27 @@ def test_settings_are_those_stores_were_made_with(tiny_dirs, cases, references):
 def _settings_of(case: Case, loaded: hs.Loaded) -> dict:
     corpus = Path(case.fields["data"])
     return {
-        "model": case.fields["model"], "revision": None, "model_class": "GPT2LMHeadModel",
+        "model": case.fields["model"],
+        "revision": None,
+        "model_class": "GPT2LMHeadModel",
         "config_sha256": _sha256(loaded.model.config.to_json_string(use_diff=False).encode()),
         "tokenizer_sha256": _sha256(loaded.tokenizer.backend_tokenizer.to_str().encode()),
-        "points": ["blocks.1.resid_post", "blocks.0.mlp.post"], "dtype": "float16", "context": 32,
-        "batch_size": 4, "drop_bos": True,
-        "packing": {"start": loaded.tokenizer.bos_token, "separator": loaded.tokenizer.eos_token,
-                    "rule": "start token opens every sequence; separator between documents"},
+        "points": ["blocks.1.resid_post", "blocks.0.mlp.post"],
+        "dtype": "float16",
+        "context": 32,
+        "batch_size": 4,
+        "drop_bos": True,
+        "packing": {
+            "start": loaded.tokenizer.bos_token,
+            "separator": loaded.tokenizer.eos_token,
+            "rule": "start token opens every sequence; separator between documents",
+        },
         "data": str(corpus),
-        "data_fingerprint": {"kind": "file", "bytes": corpus.stat().st_size,
-                             "sha256": _sha256(corpus.read_bytes())},
-        "python": None, "text_field": "text",
+        "data_fingerprint": {
+            "kind": "file",
+            "bytes": corpus.stat().st_size,
+            "sha256": _sha256(corpus.read_bytes()),
+        },
+        "python": None,
+        "text_field": "text",
     }

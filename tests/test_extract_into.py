@@ -60,8 +60,10 @@ def test_rows_gathered_into_a_buffer_equal_boolean_mask_indexing(make_mask, cast
     assert got.data_ptr() == given[0].data_ptr() and got.dtype == want.dtype
     assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))  # bit for bit
     # the same rows as the gather into fresh memory (the path every other capture takes)
-    assert torch.equal(select_tokens(x, mask, 1, KeptRows(), cast=cast).to(want.dtype).view(torch.uint8),
-                       want.contiguous().view(torch.uint8))
+    assert torch.equal(
+        select_tokens(x, mask, 1, KeptRows(), cast=cast).to(want.dtype).view(torch.uint8),
+        want.contiguous().view(torch.uint8),
+    )
 
 
 def test_a_ring_without_a_bound_keeps_as_many_buffers_as_were_out_at_once():
@@ -79,16 +81,24 @@ def float64_stats(rows: torch.Tensor) -> tuple[int, int, float, torch.Tensor, to
     whole = torch.isfinite(flat).all(dim=1)
     kept = flat[whole]
     mean = kept.mean(0)
-    return (int((~torch.isfinite(flat)).sum()), int(whole.sum()), float(kept.norm(dim=1).sum()), mean,
-            ((kept - mean) ** 2).sum(0))
+    return (
+        int((~torch.isfinite(flat)).sum()),
+        int(whole.sum()),
+        float(kept.norm(dim=1).sum()),
+        mean,
+        ((kept - mean) ** 2).sum(0),
+    )
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32, torch.float64])
 def test_statistics_in_a_reused_workspace_equal_fresh_ones_and_a_float64_recomputation(dtype):
     g = torch.Generator().manual_seed(1)
     work = Workspace()
-    batches_ = [torch.randn(300, 8, generator=g) * 5 + 40, torch.randn(500, 8, generator=g),
-                torch.randn(120, 8, generator=g)]  # grows, then smaller: the same memory reused
+    batches_ = [
+        torch.randn(300, 8, generator=g) * 5 + 40,
+        torch.randn(500, 8, generator=g),
+        torch.randn(120, 8, generator=g),
+    ]  # grows, then smaller: the same memory reused
     batches_[1][7, 3], batches_[1][400, 0] = float("nan"), float("inf")  # rows left out of the sums
     for rows in (b.to(dtype) for b in batches_):
         before = rows.clone()
@@ -116,16 +126,30 @@ def test_rows_written_from_reused_buffers_equal_plain_hooks(tiny_dirs, corpus, t
 
     monkeypatch.setattr(loop_module, "CopyOut", Recorded)
     points = ["blocks.1.resid_post", "blocks.0.mlp.post"]
-    summary = extract(ExtractConfig(out=str(tmp_path / "store"), model=str(tiny_dirs["gpt2"]), points=points,
-                                    data=str(corpus), context=32, batch_size=2, dtype="bfloat16",
-                                    shard_rows=200, progress=False))
+    summary = extract(
+        ExtractConfig(
+            out=str(tmp_path / "store"),
+            model=str(tiny_dirs["gpt2"]),
+            points=points,
+            data=str(corpus),
+            context=32,
+            batch_size=2,
+            dtype="bfloat16",
+            shard_rows=200,
+            progress=False,
+        )
+    )
     loaded = hs.load(str(tiny_dirs["gpt2"]))
     model = loaded.model
     seen, want = {}, {p: [] for p in points}
-    hooks = [model.transformer.h[1].register_forward_hook(
-                 lambda m, a, o: seen.__setitem__(points[0], o[0] if isinstance(o, tuple) else o)),
-             model.transformer.h[0].mlp.c_proj.register_forward_pre_hook(
-                 lambda m, a: seen.__setitem__(points[1], a[0]))]
+    hooks = [
+        model.transformer.h[1].register_forward_hook(
+            lambda m, a, o: seen.__setitem__(points[0], o[0] if isinstance(o, tuple) else o)
+        ),
+        model.transformer.h[0].mlp.c_proj.register_forward_pre_hook(
+            lambda m, a: seen.__setitem__(points[1], a[0])
+        ),
+    ]
     try:
         with torch.no_grad():
             for batch in batches(pack(iter_documents(str(corpus)), loaded.tokenizer, context=32), 2):
@@ -166,9 +190,20 @@ def test_wide_batches_wait_two_at_a_time_for_the_writer(tiny_dirs, corpus, tmp_p
     monkeypatch.setattr(loop_module, "CopyOut", Recorded)
     for bound in (2**40, 1):  # every batch fits 4 times; none does
         monkeypatch.setattr(stages_module, "WRITER_QUEUE_BYTES", bound)
-        extract(ExtractConfig(out=str(tmp_path / f"s{bound}"), model=str(tiny_dirs["gpt2"]), points=points,
-                              data=str(corpus), context=32, batch_size=2, dtype="bfloat16", shard_rows=64,
-                              max_tokens=2048, progress=False))
+        extract(
+            ExtractConfig(
+                out=str(tmp_path / f"s{bound}"),
+                model=str(tiny_dirs["gpt2"]),
+                points=points,
+                data=str(corpus),
+                context=32,
+                batch_size=2,
+                dtype="bfloat16",
+                shard_rows=64,
+                max_tokens=2048,
+                progress=False,
+            )
+        )
         most[bound] = made[-1].host.most_out
     assert most[1] <= most[2**40] - 2 * len(points)  # two batches fewer waiting, each a buffer a point
     shards = {b: sorted((tmp_path / f"s{b}" / "shards").glob("*.safetensors")) for b in most}

@@ -34,10 +34,22 @@ def model_dir(tmp_path_factory):
 
 
 def config(model_dir, corpus, out, **kw) -> ExtractConfig:
-    return ExtractConfig(**{"out": str(out), "model": str(model_dir), "points": [*STACKS, "embed"],
-                            "data": str(corpus), "context": 16, "batch_size": 4, "dtype": "float32",
-                            "max_tokens": 16 * 4 * 5, "shard_rows": 96, "drop_bos": False,
-                            "progress": False, **kw})
+    return ExtractConfig(
+        **{
+            "out": str(out),
+            "model": str(model_dir),
+            "points": [*STACKS, "embed"],
+            "data": str(corpus),
+            "context": 16,
+            "batch_size": 4,
+            "dtype": "float32",
+            "max_tokens": 16 * 4 * 5,
+            "shard_rows": 96,
+            "drop_bos": False,
+            "progress": False,
+            **kw,
+        }
+    )
 
 
 @pytest.fixture(scope="module")
@@ -71,8 +83,9 @@ def test_the_stacked_rows_are_the_models_hidden_states(stores, model_dir):
     with torch.no_grad():
         hidden = model(input_ids=ids[None], output_hidden_states=True).hidden_states
     for layer in range(LAYERS - 1):  # the last hidden state is after the final norm
-        torch.testing.assert_close(rows["blocks.*.resid_post"][first][:, layer], hidden[layer + 1][0],
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            rows["blocks.*.resid_post"][first][:, layer], hidden[layer + 1][0], rtol=1e-5, atol=1e-5
+        )
 
 
 def test_a_stored_stack_reads_as_the_stacked_read_of_the_plain_store(stores):
@@ -106,8 +119,9 @@ def test_a_clts_two_stored_stacks_share_one_shuffle_order(stores):
     assert order != sorted(order)  # shuffled
 
 
-def test_a_cpu_capture_writes_each_point_into_its_slot_and_a_streamed_run_copies(model_dir, corpus, tmp_path,
-                                                                                monkeypatch, stores):
+def test_a_cpu_capture_writes_each_point_into_its_slot_and_a_streamed_run_copies(
+    model_dir, corpus, tmp_path, monkeypatch, stores
+):
     """In memory on the CPU, no copy makes the stack (each point was written into its slot of the
     column); a streamed run (`--max-memory`, no slots) stacks by a copy, and stores the same rows."""
     from hookscope.extract import stacking
@@ -122,14 +136,18 @@ def test_a_cpu_capture_writes_each_point_into_its_slot_and_a_streamed_run_copies
     stacked, _ = stores
     for glob in STACKS:
         assert torch.equal(hs.open_store(tmp_path / "slots").tensor(glob), stacked.tensor(glob))
-        torch.testing.assert_close(hs.open_store(tmp_path / "streamed").tensor(glob), stacked.tensor(glob),
-                                   rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(
+            hs.open_store(tmp_path / "streamed").tensor(glob), stacked.tensor(glob), rtol=1e-5, atol=1e-5
+        )
 
 
 def test_a_block_read_alone_says_which_column_holds_it(stores):
     stacked, _ = stores
-    with pytest.raises(StoreError, match=r"blocks\.2\.mlp\.out is stored inside the stacked column "
-                                         r"'blocks\.\*\.mlp\.out'.*index its second dimension"):
+    with pytest.raises(
+        StoreError,
+        match=r"blocks\.2\.mlp\.out is stored inside the stacked column "
+        r"'blocks\.\*\.mlp\.out'.*index its second dimension",
+    ):
         stacked.dataset("blocks.2.mlp.out")
 
 
@@ -152,12 +170,16 @@ def test_resuming_needs_the_same_stack(stores, model_dir, corpus):
         extract(config(model_dir, corpus, stacked.path))
 
 
-@pytest.mark.parametrize("points, message", [
-    (["blocks.1.resid_post"], r"--stack stores each glob of --points as one column.*has no glob"),
-    (["blocks.*.resid_post", "blocks.1.*"], r"blocks\.1\.resid_post is matched by both"),
-])
-def test_a_stack_that_cannot_be_made_is_refused_before_anything_is_written(model_dir, corpus, tmp_path,
-                                                                          points, message):
+@pytest.mark.parametrize(
+    "points, message",
+    [
+        (["blocks.1.resid_post"], r"--stack stores each glob of --points as one column.*has no glob"),
+        (["blocks.*.resid_post", "blocks.1.*"], r"blocks\.1\.resid_post is matched by both"),
+    ],
+)
+def test_a_stack_that_cannot_be_made_is_refused_before_anything_is_written(
+    model_dir, corpus, tmp_path, points, message
+):
     with pytest.raises(HookscopeError, match=message):
         extract(config(model_dir, corpus, tmp_path / "out", points=points, stack=True))
     assert not (tmp_path / "out").exists()
@@ -165,12 +187,32 @@ def test_a_stack_that_cannot_be_made_is_refused_before_anything_is_written(model
 
 def test_the_command_stacks_a_clts_points_in_one_pass(model_dir, corpus, tmp_path, capsys):
     out = tmp_path / "clt"
-    assert main(["extract", str(model_dir), "--data", str(corpus), "--out", str(out), "--stack",
-                 "--points", "blocks.*.mlp.in,blocks.*.mlp.out", "--context", "16", "--max-tokens", "128",
-                 "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "extract",
+                str(model_dir),
+                "--data",
+                str(corpus),
+                "--out",
+                str(out),
+                "--stack",
+                "--points",
+                "blocks.*.mlp.in,blocks.*.mlp.out",
+                "--context",
+                "16",
+                "--max-tokens",
+                "128",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     store = hs.open_store(out)
     assert {k: tuple(v.shape) for k, v in store.manifest.columns.items() if k.startswith("blocks")} == {
-        "blocks.*.mlp.in": (LAYERS, 16), "blocks.*.mlp.out": (LAYERS, 16)}
+        "blocks.*.mlp.in": (LAYERS, 16),
+        "blocks.*.mlp.out": (LAYERS, 16),
+    }
     capsys.readouterr()
     assert main(["inspect", str(out)]) == 0
     shown = capsys.readouterr().out
@@ -194,14 +236,43 @@ def test_two_torchrun_ranks_write_the_same_stacked_rows(stores, model_dir, corpu
         sock.bind(("127.0.0.1", 0))
         port = str(sock.getsockname()[1])
     out = tmp_path / "two"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", port, "-m", "hookscope.cli",
-           "extract", str(model_dir), "--out", str(out),
-           "--points", ",".join([*STACKS, "embed"]), "--stack", "--data", str(corpus), "--context", "16",
-           "--batch-size", "4", "--dtype", "float32", "--max-tokens", str(16 * 4 * 5), "--shard-rows", "96",
-           "--keep-bos", "--no-progress"]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        port,
+        "-m",
+        "hookscope.cli",
+        "extract",
+        str(model_dir),
+        "--out",
+        str(out),
+        "--points",
+        ",".join([*STACKS, "embed"]),
+        "--stack",
+        "--data",
+        str(corpus),
+        "--context",
+        "16",
+        "--batch-size",
+        "4",
+        "--dtype",
+        "float32",
+        "--max-tokens",
+        str(16 * 4 * 5),
+        "--shard-rows",
+        "96",
+        "--keep-bos",
+        "--no-progress",
+    ]
+    run = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     two = hs.open_store(out, verify=True)
     assert two.manifest.world_size == 2

@@ -22,9 +22,18 @@ DELAY = 0.25  # seconds: far above what a stage of this tiny model costs
 
 
 def config(tiny_dirs, corpus, out) -> ExtractConfig:
-    return ExtractConfig(out=str(out), model=str(tiny_dirs["gpt2"]), points=["blocks.1.resid_post"],
-                         data=str(corpus), context=32, batch_size=4, dtype="float32", shard_rows=64,
-                         max_tokens=32 * 4 * 8, progress=False)
+    return ExtractConfig(
+        out=str(out),
+        model=str(tiny_dirs["gpt2"]),
+        points=["blocks.1.resid_post"],
+        data=str(corpus),
+        context=32,
+        batch_size=4,
+        dtype="float32",
+        shard_rows=64,
+        max_tokens=32 * 4 * 8,
+        progress=False,
+    )
 
 
 def slow_data(monkeypatch) -> None:
@@ -65,13 +74,17 @@ def reference(tiny_dirs, corpus, tmp_path_factory):
     return open_store(out).tensor("blocks.1.resid_post")
 
 
-@pytest.mark.parametrize("slow, stage, says", [
-    (slow_data, "data", "bound by tokenization: raise --workers"),
-    (slow_model, "model", "bound by the model"),
-    (slow_disk, "writer", "bound by the disk at"),
-])
-def test_the_summary_names_the_slow_stage(slow, stage, says, tiny_dirs, corpus, reference, tmp_path,
-                                          monkeypatch):
+@pytest.mark.parametrize(
+    "slow, stage, says",
+    [
+        (slow_data, "data", "bound by tokenization: raise --workers"),
+        (slow_model, "model", "bound by the model"),
+        (slow_disk, "writer", "bound by the disk at"),
+    ],
+)
+def test_the_summary_names_the_slow_stage(
+    slow, stage, says, tiny_dirs, corpus, reference, tmp_path, monkeypatch
+):
     slow(monkeypatch)
     summary = extract(config(tiny_dirs, corpus, tmp_path / "store"))
     assert says in summary.bound and says in str(summary), str(summary)
@@ -123,7 +136,6 @@ def test_a_run_whose_stages_share_saturated_cores_is_bound_by_the_cpu():
     assert stages.bound(10**9, wall=10.0, cpu=0.95) == "bound by the model"
 
 
-
 def shares_of(wall: float = 10.0, cpu: float = 0.3, **busy: float) -> str:
     """The bound a run with these busy seconds (over `wall`) and this use of its cores reports."""
     stages = Stages(cores=16, data_bound="bound by tokenization: raise --workers")
@@ -135,27 +147,34 @@ def test_a_bound_is_named_only_when_a_stage_is_near_saturation():
     """On an H100 a run said "bound by the model" with the model busy 47% of the time and the
     writer 39%: neither set the pace alone. A stage is named at >= 85% of the wall time only."""
     assert shares_of(model=4.7, writer=3.9, data=0.2) == (
-        "no stage saturated: the stages wait on each other (model 47%, writer 39%, data 2%)")
+        "no stage saturated: the stages wait on each other (model 47%, writer 39%, data 2%)"
+    )
     assert shares_of(model=4.1, out=0.4, writer=3.9) == (  # the main thread's out stage counts as the model's
-        "no stage saturated: the stages wait on each other (model 45%, writer 39%, data 0%)")
+        "no stage saturated: the stages wait on each other (model 45%, writer 39%, data 0%)"
+    )
     assert shares_of(model=8.0, out=0.6, writer=3.0) == "bound by the model"
-    assert shares_of(model=8.0, writer=8.4) == "no stage saturated: the stages wait on each other " \
-                                              "(writer 84%, model 80%, data 0%)"
+    assert (
+        shares_of(model=8.0, writer=8.4) == "no stage saturated: the stages wait on each other "
+        "(writer 84%, model 80%, data 0%)"
+    )
     assert shares_of(model=2.0, writer=9.0) == "bound by the disk at 444.4 MB/s"  # 4 GB in 9 s of writing
     assert shares_of(model=2.0, writer=9.0, data=9.5) == "bound by tokenization: raise --workers"
     assert shares_of(model=3.0, writer=2.0, data=1.0, cpu=0.9) == (
-        "bound by the CPU: its 16 cores busy 90% with every stage at once")
+        "bound by the CPU: its 16 cores busy 90% with every stage at once"
+    )
 
 
 def test_a_writer_waiting_on_the_device_names_the_device():
     """On a GPU the main thread only queues the forward: a run the device bounds shows the model's
     host share low and the writer waiting for the model's results (each batch's copy-out events)."""
     assert shares_of(model=2.0, writer=3.0, device=6.0) == (
-        "bound by the device: the writer waited 60% of the time for the model's results")
+        "bound by the device: the writer waited 60% of the time for the model's results"
+    )
     # the writer waits some, but it and the device leave it idle half the time: no bound
     assert shares_of(model=4.7, writer=3.9, device=1.0) == (
         "no stage saturated: the stages wait on each other (model 47%, writer 39%, data 0%; "
-        "the writer waited for the device 10%)")
+        "the writer waited for the device 10%)"
+    )
     # the waits are not stages: the summary's busy shares leave them out
     stages = Stages()
     stages.busy.update(model=1.0, wait=2.0, device=3.0)

@@ -28,8 +28,9 @@ N_EXPERTS, TOP_K = 4, 2
 
 @pytest.fixture(scope="module", params=MOE_FAMILIES)
 def moe(request, tmp_path_factory):
-    path = save_tiny(request.param, tmp_path_factory.mktemp(request.param), n_layers=2, d_model=32,
-                     vocab_size=300)
+    path = save_tiny(
+        request.param, tmp_path_factory.mktemp(request.param), n_layers=2, d_model=32, vocab_size=300
+    )
     model = hs.load(str(path), attn_implementation="eager").model  # attn.pattern's reference
     model.config._experts_implementation = "eager"  # the per-expert reference reads its F.linear calls
     return request.param, model
@@ -42,8 +43,17 @@ def test_points_named(moe):
     family, model = moe
     names = arch_of(model).names
     assert arch_of(model).family == family
-    for suffix in ("mlp.router.logits", "mlp.router.weights", "mlp.router.indices", "mlp.router.routing",
-                   "mlp.experts.3.post", "mlp.experts.0.tokens", "mlp.experts.out", "mlp.out", "attn.z"):
+    for suffix in (
+        "mlp.router.logits",
+        "mlp.router.weights",
+        "mlp.router.indices",
+        "mlp.router.routing",
+        "mlp.experts.3.post",
+        "mlp.experts.0.tokens",
+        "mlp.experts.out",
+        "mlp.out",
+        "attn.z",
+    ):
         assert f"blocks.1.{suffix}" in names
     assert ("blocks.0.mlp.shared.out" in names) == (family == "qwen2_moe")
 
@@ -116,8 +126,11 @@ def test_expert_points_equal_the_models_own_expert_calls(moe):
     finally:
         for h in handles:
             h.remove()
-    points = [f"blocks.{layer}.mlp.experts.{e}.{w}" for e in range(N_EXPERTS)
-              for w in ("tokens", "in", "post", "out")]
+    points = [
+        f"blocks.{layer}.mlp.experts.{e}.{w}"
+        for e in range(N_EXPERTS)
+        for w in ("tokens", "in", "post", "out")
+    ]
     acts = hs.collect(model, ids, points)
     seen = 0
     for e in range(N_EXPERTS):
@@ -152,8 +165,10 @@ def test_early_stop_skips_later_blocks(moe):
     calls = {i: 0 for i in range(2)}
     experts_calls = []
     layers = model.model.layers
-    handles = [layers[i].register_forward_pre_hook(lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))
-               for i in range(2)]
+    handles = [
+        layers[i].register_forward_pre_hook(lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))
+        for i in range(2)
+    ]
     handles.append(layers[0].mlp.experts.register_forward_hook(lambda *a: experts_calls.append(1)))
     try:
         acts = hs.collect(model, _ids(model), ["blocks.0.mlp.experts.2.post", "blocks.0.mlp.router.logits"])
@@ -243,8 +258,12 @@ def test_routing_edit_errors(moe):
 
 def test_index_points_keep_their_dtype(moe):
     family, model = moe
-    acts = hs.collect(model, _ids(model), ["blocks.0.mlp.router.indices", "blocks.0.mlp.experts.0.tokens",
-                                           "blocks.0.mlp.router.logits"], dtype=torch.bfloat16)
+    acts = hs.collect(
+        model,
+        _ids(model),
+        ["blocks.0.mlp.router.indices", "blocks.0.mlp.experts.0.tokens", "blocks.0.mlp.router.logits"],
+        dtype=torch.bfloat16,
+    )
     assert acts["blocks.0.mlp.router.indices"].dtype == torch.int64
     assert acts["blocks.0.mlp.experts.0.tokens"].dtype == torch.int64
     assert acts["blocks.0.mlp.router.logits"].dtype == torch.bfloat16
@@ -256,7 +275,8 @@ def test_expert_points_add_up_to_the_experts_output_under_grouped_mm(moe):
     family, model = moe
     ids = _ids(model, seed=6)
     points = ["blocks.1.mlp.experts.out", "blocks.1.mlp.router.routing"] + [
-        f"blocks.1.mlp.experts.{e}.{w}" for e in range(N_EXPERTS) for w in ("tokens", "out")]
+        f"blocks.1.mlp.experts.{e}.{w}" for e in range(N_EXPERTS) for w in ("tokens", "out")
+    ]
     model.config._experts_implementation = "grouped_mm"
     try:
         acts = hs.collect(model, ids, points)
@@ -279,12 +299,14 @@ def test_qwen2_moe_dense_layers_get_dense_points(tmp_path):
     assert "blocks.0.mlp.pre" in arch.names and "blocks.0.mlp.router.logits" not in arch.names
     assert "blocks.1.mlp.router.logits" in arch.names and "blocks.1.mlp.pre" not in arch.names
     ids = _ids(model)
-    paths = {"blocks.0.mlp.pre": ("model.layers.0.mlp.gate_proj", OUT, same),
-             "blocks.0.mlp.post": ("model.layers.0.mlp.act_fn", OUT, same),  # times up_proj's: below
-             "blocks.0.mlp.pre_linear": ("model.layers.0.mlp.up_proj", OUT, same),
-             "blocks.0.mlp.out": ("model.layers.0.mlp", OUT, same),
-             "blocks.1.mlp.shared.out": ("model.layers.1.mlp.shared_expert", OUT, same),
-             "blocks.1.mlp.out": ("model.layers.1.mlp", OUT, same)}
+    paths = {
+        "blocks.0.mlp.pre": ("model.layers.0.mlp.gate_proj", OUT, same),
+        "blocks.0.mlp.post": ("model.layers.0.mlp.act_fn", OUT, same),  # times up_proj's: below
+        "blocks.0.mlp.pre_linear": ("model.layers.0.mlp.up_proj", OUT, same),
+        "blocks.0.mlp.out": ("model.layers.0.mlp", OUT, same),
+        "blocks.1.mlp.shared.out": ("model.layers.1.mlp.shared_expert", OUT, same),
+        "blocks.1.mlp.out": ("model.layers.1.mlp", OUT, same),
+    }
     ref = reference(model, paths, {"input_ids": ids, "use_cache": False})
     ref["blocks.0.mlp.post"] = ref["blocks.0.mlp.post"] * ref["blocks.0.mlp.pre_linear"]
     acts = hs.collect(model, ids, list(paths))

@@ -21,8 +21,9 @@ N_LAYERS = 3
 
 @pytest.fixture(scope="module", params=SSM_FAMILIES)
 def ssm(request, tmp_path_factory):
-    path = save_tiny(request.param, tmp_path_factory.mktemp(request.param), n_layers=N_LAYERS, d_model=32,
-                     vocab_size=300)
+    path = save_tiny(
+        request.param, tmp_path_factory.mktemp(request.param), n_layers=N_LAYERS, d_model=32, vocab_size=300
+    )
     return request.param, hs.load(str(path)).model
 
 
@@ -69,8 +70,10 @@ def test_early_stop_skips_later_blocks(ssm):
     arch = arch_of(model)
     blocks = [model.get_submodule(p) for p in arch.block_paths]
     calls = [0] * N_LAYERS
-    handles = [b.register_forward_pre_hook(lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))
-               for i, b in enumerate(blocks)]
+    handles = [
+        b.register_forward_pre_hook(lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))
+        for i, b in enumerate(blocks)
+    ]
     try:
         acts = hs.collect(model, _ids(model), ["blocks.1.mixer.out", "blocks.0.mixer.in"])
     finally:

@@ -47,8 +47,9 @@ def image_dir(tmp_path_factory):
 
 def _pixels(path, folder, names):
     processor = load_processor(str(path))
-    return processor(images=[Image.open(folder / n).convert("RGB") for n in names],
-                     return_tensors="pt")["pixel_values"]
+    return processor(images=[Image.open(folder / n).convert("RGB") for n in names], return_tensors="pt")[
+        "pixel_values"
+    ]
 
 
 def test_every_point_equals_a_forward_hook(vision, image_dir):
@@ -76,8 +77,14 @@ def test_dinov2_layerscale_outputs_keep_their_earlier_names(vision, image_dir):
         pytest.skip("LayerScale is DINOv2's")
     pixels = {"pixel_values": _pixels(path, image_dir, ["pic0.png"])}
     got = hs.collect(model, pixels, ["blocks.1.attn.scaled", "blocks.1.mlp.scaled"])
-    ref = reference(model, {"a": ("encoder.layer.1.layer_scale1", "output", lambda x: x),
-                            "m": ("encoder.layer.1.layer_scale2", "output", lambda x: x)}, pixels)
+    ref = reference(
+        model,
+        {
+            "a": ("encoder.layer.1.layer_scale1", "output", lambda x: x),
+            "m": ("encoder.layer.1.layer_scale2", "output", lambda x: x),
+        },
+        pixels,
+    )
     assert torch.equal(got["blocks.1.attn.scaled"], ref["a"])
     assert torch.equal(got["blocks.1.mlp.scaled"], ref["m"])
 
@@ -99,8 +106,10 @@ def test_early_stop_skips_later_blocks(vision, image_dir):
     arch = arch_of(model)
     blocks = [model.get_submodule(p) for p in arch.block_paths]
     calls = [0] * len(blocks)
-    handles = [b.register_forward_pre_hook(lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))
-               for i, b in enumerate(blocks)]
+    handles = [
+        b.register_forward_pre_hook(lambda *a, i=i: calls.__setitem__(i, calls[i] + 1))
+        for i, b in enumerate(blocks)
+    ]
     try:
         hs.collect(model, {"pixel_values": _pixels(path, image_dir, ["pic0.png"])}, "blocks.0.mlp.post")
     finally:
@@ -112,8 +121,15 @@ def test_early_stop_skips_later_blocks(vision, image_dir):
 def test_image_extraction_round_trips_and_traces_rows(vision, image_dir, tmp_path):
     family, path, model = vision
     out = tmp_path / "store"
-    cfg = ExtractConfig(out=str(out), model=str(path), points=["blocks.1.resid_post", "blocks.0.mlp.post"],
-                        data=f"images:{image_dir}", batch_size=2, dtype="float32", progress=False)
+    cfg = ExtractConfig(
+        out=str(out),
+        model=str(path),
+        points=["blocks.1.resid_post", "blocks.0.mlp.post"],
+        data=f"images:{image_dir}",
+        batch_size=2,
+        dtype="float32",
+        progress=False,
+    )
     summary = extract(cfg)
     tokens = PREFIX[family] + GRID * GRID
     assert summary.rows == summary.new_rows == 5 * tokens
@@ -151,8 +167,15 @@ def test_image_settings_are_those_stores_were_made_with(vision, image_dir, tmp_p
     import hashlib
 
     family, path, model = vision
-    extract(ExtractConfig(out=str(tmp_path / "s"), model=str(path), points=["blocks.0.resid_post"],
-                          data=f"images:{image_dir}", progress=False))
+    extract(
+        ExtractConfig(
+            out=str(tmp_path / "s"),
+            model=str(path),
+            points=["blocks.0.resid_post"],
+            data=f"images:{image_dir}",
+            progress=False,
+        )
+    )
     names = ["more/pic3.png", "pic0.png", "pic1.png", "pic2.png", "pic4.png"]
     files = hashlib.sha256()
     for name in names:
@@ -160,11 +183,16 @@ def test_image_settings_are_those_stores_were_made_with(vision, image_dir, tmp_p
     config = hs.load(str(path), tokenizer=False).model.config.to_json_string(use_diff=False)
     processor = load_processor(str(path)).to_json_string()
     want = {
-        "model": str(path), "model_class": type(model).__name__,
+        "model": str(path),
+        "model_class": type(model).__name__,
         "config_sha256": hashlib.sha256(config.encode()).hexdigest(),
         "image_processor_sha256": hashlib.sha256(processor.encode()).hexdigest(),
-        "points": ["blocks.0.resid_post"], "dtype": "float16", "batch_size": 8, "data": f"images:{image_dir}",
-        "images": names, "images_sha256": files.hexdigest(),
+        "points": ["blocks.0.resid_post"],
+        "dtype": "float16",
+        "batch_size": 8,
+        "data": f"images:{image_dir}",
+        "images": names,
+        "images_sha256": files.hexdigest(),
     }
     assert list(hs.open_store(tmp_path / "s").manifest.settings.items()) == list(want.items())
 
@@ -174,9 +202,16 @@ def test_max_tokens_keeps_whole_images(vision, image_dir, tmp_path):
     (whole images, as text keeps whole sequences); fewer than one image's tokens is refused."""
     family, path, model = vision
     tokens = PREFIX[family] + GRID * GRID
-    cfg = ExtractConfig(out=str(tmp_path / "s"), model=str(path), points=["blocks.0.resid_post"],
-                        data=f"images:{image_dir}", batch_size=2, dtype="float32", progress=False,
-                        max_tokens=3 * tokens + tokens // 2)
+    cfg = ExtractConfig(
+        out=str(tmp_path / "s"),
+        model=str(path),
+        points=["blocks.0.resid_post"],
+        data=f"images:{image_dir}",
+        batch_size=2,
+        dtype="float32",
+        progress=False,
+        max_tokens=3 * tokens + tokens // 2,
+    )
     summary = extract(cfg)
     store = hs.open_store(tmp_path / "s")
     assert summary.rows == len(store) == 3 * tokens
@@ -190,8 +225,15 @@ def test_image_folder_errors(vision, tmp_path):
     family, path, model = vision
     (tmp_path / "empty").mkdir()
     with pytest.raises(DataError, match="no image files"):
-        extract(ExtractConfig(out=str(tmp_path / "s"), model=str(path), points=["blocks.0.resid_post"],
-                              data=f"images:{tmp_path / 'empty'}", progress=False))
+        extract(
+            ExtractConfig(
+                out=str(tmp_path / "s"),
+                model=str(path),
+                points=["blocks.0.resid_post"],
+                data=f"images:{tmp_path / 'empty'}",
+                progress=False,
+            )
+        )
 
 
 def test_cli_points_lists_patches(vision, capsys):
@@ -212,8 +254,22 @@ def test_cli_extract_images(vision, image_dir, tmp_path, capsys):
 
     family, path, model = vision
     out = tmp_path / "acts"
-    assert main(["extract", str(path), "--data", f"images:{image_dir}", "--points", "blocks.0.resid_post",
-                 "--out", str(out), "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "extract",
+                str(path),
+                "--data",
+                f"images:{image_dir}",
+                "--points",
+                "blocks.0.resid_post",
+                "--out",
+                str(out),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert "wrote" in capsys.readouterr().out
     store = hs.open_store(out, verify=True)
     assert len(store) == 5 * (PREFIX[family] + GRID * GRID)
@@ -228,15 +284,32 @@ def test_keep_bos_is_refused_for_images(image_dir, tmp_path, capsys):
 
     path = save_tiny("vit", tmp_path / "vit", n_layers=2, d_model=32)
     out = tmp_path / "acts"
-    args = ["extract", str(path), "--data", f"images:{image_dir}", "--points", "blocks.0.resid_post",
-            "--out", str(out), "--no-progress"]
+    args = [
+        "extract",
+        str(path),
+        "--data",
+        f"images:{image_dir}",
+        "--points",
+        "blocks.0.resid_post",
+        "--out",
+        str(out),
+        "--no-progress",
+    ]
     assert main([*args, "--keep-bos"]) == 2
     err = capsys.readouterr().err
     assert "--keep-bos: images always keep every token" in err and "leave --keep-bos out" in err
     assert not out.exists()
     with pytest.raises(HookscopeError, match="patch_rows >= 0"):
-        extract(ExtractConfig(out=str(out), model=str(path), points=["blocks.0.resid_post"],
-                              data=f"images:{image_dir}", drop_bos=False, progress=False))
+        extract(
+            ExtractConfig(
+                out=str(out),
+                model=str(path),
+                points=["blocks.0.resid_post"],
+                data=f"images:{image_dir}",
+                drop_bos=False,
+                progress=False,
+            )
+        )
     assert main(args) == 0  # the corrected command
     assert len(hs.open_store(out, verify=True)) == 5 * (PREFIX["vit"] + GRID * GRID)
 
@@ -246,15 +319,24 @@ def test_two_tower_models_name_their_vision_tower(family):
     """CLIPModel / SiglipModel: the points are the vision tower's, under vision_model."""
     from transformers import AutoConfig, AutoModel
 
-    tower = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
-                 image_size=32, patch_size=8)
-    text = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
-                vocab_size=99)
+    tower = dict(
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        image_size=32,
+        patch_size=8,
+    )
+    text = dict(
+        hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64, vocab_size=99
+    )
     torch.manual_seed(0)
     model = AutoModel.from_config(AutoConfig.for_model(family, vision_config=tower, text_config=text)).eval()
     arch = arch_of(model)
-    assert arch.family == family and arch.block_paths == ["vision_model.encoder.layers.0",
-                                                          "vision_model.encoder.layers.1"]
+    assert arch.family == family and arch.block_paths == [
+        "vision_model.encoder.layers.0",
+        "vision_model.encoder.layers.1",
+    ]
     pixels = torch.randn(2, 3, 32, 32)
     inputs = {"pixel_values": pixels, "input_ids": torch.randint(0, 99, (2, 5))}
     points = ["embed", "blocks.1.attn.z", "blocks.1.resid_post", "ln_final"]
@@ -276,9 +358,17 @@ def test_device_map_gives_the_rows_of_a_plain_run(image_dir, tmp_path, monkeypat
     stores = {}
     for device_map in (None, "auto"):
         out = tmp_path / f"store-{device_map}"
-        extract(ExtractConfig(out=str(out), model=str(vit), points=["blocks.1.resid_post"],
-                              data=f"images:{image_dir}", dtype="float32", progress=False,
-                              device_map=device_map))
+        extract(
+            ExtractConfig(
+                out=str(out),
+                model=str(vit),
+                points=["blocks.1.resid_post"],
+                data=f"images:{image_dir}",
+                dtype="float32",
+                progress=False,
+                device_map=device_map,
+            )
+        )
         stores[device_map] = hs.open_store(out)
     assert asked == [None, "auto"]
     plain, mapped = stores[None], stores["auto"]

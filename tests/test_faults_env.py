@@ -38,11 +38,26 @@ MAX_TOKENS = 1600  # 12 batches of 4 x 32 tokens, 2 to a shard
 
 def argv(config: dict) -> list[str]:
     """The `hookscope extract` command line for an extract_config()."""
-    return ["extract", config["model"], "--out", config["out"], "--points", ",".join(config["points"]),
-            "--data", config["data"], "--context", str(config["context"]),
-            "--batch-size", str(config["batch_size"]), "--dtype", config["dtype"],
-            "--shard-rows", str(config["shard_rows"]), "--no-progress",
-            *(["--max-tokens", str(config["max_tokens"])] if config.get("max_tokens") else [])]
+    return [
+        "extract",
+        config["model"],
+        "--out",
+        config["out"],
+        "--points",
+        ",".join(config["points"]),
+        "--data",
+        config["data"],
+        "--context",
+        str(config["context"]),
+        "--batch-size",
+        str(config["batch_size"]),
+        "--dtype",
+        config["dtype"],
+        "--shard-rows",
+        str(config["shard_rows"]),
+        "--no-progress",
+        *(["--max-tokens", str(config["max_tokens"])] if config.get("max_tokens") else []),
+    ]
 
 
 def run_cli(args: list[str]) -> tuple[int, str]:
@@ -129,8 +144,14 @@ def test_a_full_disk_is_a_clear_error_and_the_same_command_resumes(site, n, setu
     code_again, _ = run_cli(argv(config))  # space freed: the same command again
     diff = compare_stores(out, ref)
     ok = code == 2 and "No space left on device" in err and code_again == 0 and diff["same_files"]
-    record("env", ENOSPC_SITES[site, n], survived=int(ok), rows_checked=diff["rows"],
-           rows_lost=diff["rows_lost"], rows_duplicated=diff["rows_duplicated"])
+    record(
+        "env",
+        ENOSPC_SITES[site, n],
+        survived=int(ok),
+        rows_checked=diff["rows"],
+        rows_lost=diff["rows_lost"],
+        rows_duplicated=diff["rows_duplicated"],
+    )
     assert code == 2 and err.startswith("hookscope: error: ") and "No space left on device" in err, err
     assert "re-run" in err or "free" in err  # it says what to do
     assert committed < len(open_store(ref)) and not debris
@@ -211,8 +232,11 @@ def test_a_reader_sees_only_complete_shards_while_a_shard_is_half_written(setup,
     finally:
         release.set()
         runner.join(60)
-    complete = (store.num_shards == 2 and len(rows) == want.first_row(2)
-                and torch.equal(rows, want.tensor("token_ids")[: len(rows)]))
+    complete = (
+        store.num_shards == 2
+        and len(rows) == want.first_row(2)
+        and torch.equal(rows, want.tensor("token_ids")[: len(rows)])
+    )
     record("env", "reader opened while a shard is half-written", survived=int(complete))
     assert half == ["shards/shard-r000-writing/shard-r000-000002.safetensors.tmp"]  # opened mid-write
     assert complete, (store.num_shards, len(rows))  # and saw the two committed shards, no more
@@ -248,8 +272,10 @@ def test_a_reader_polling_a_live_extraction_sees_only_complete_prefixes(setup, t
     final = open_store(out, verify=True)
     full = final.tensor("blocks.1.resid_post")
     growing = [len(s) for s, _ in snapshots]
-    prefixes = sum(shards == final.manifest.shards[: len(shards)] and torch.equal(rows, full[: len(rows)])
-                   for shards, rows in snapshots)
+    prefixes = sum(
+        shards == final.manifest.shards[: len(shards)] and torch.equal(rows, full[: len(rows)])
+        for shards, rows in snapshots
+    )
     record("env", "reader polling a live extraction (snapshots)", tried=len(snapshots), survived=prefixes)
     assert prefixes == len(snapshots) and len(set(growing)) >= 3  # several different moments were seen
     assert growing == sorted(growing)
@@ -297,27 +323,43 @@ def tiny_tmpfs(config: dict, mount_at: str, size_kb: int, copy_to: str) -> dict:
     mount(b"tmpfs", mount_at.encode(), b"tmpfs", MS_REMOUNT | MS_RDONLY, b"size=64m")
     new_store = run_cli(argv({**config, "out": os.path.join(mount_at, "new")}))
     resume = run_cli(argv({**config, "out": out}))
-    return {"full": full, "left": left, "again": again, "read_only_new": new_store,
-            "read_only_resume": resume}
+    return {
+        "full": full,
+        "left": left,
+        "again": again,
+        "read_only_new": new_store,
+        "read_only_resume": resume,
+    }
 
 
 def test_a_real_full_disk_and_a_read_only_filesystem(setup, tmp_path):
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
     config, ref = setup
-    reply = ForkServer.shared().call("test_faults_env:tiny_tmpfs", config={**config, "out": ""},
-                                     mount_at=str(tmp_path / "mnt"), size_kb=160,
-                                     copy_to=str(tmp_path / "copy"))
+    reply = ForkServer.shared().call(
+        "test_faults_env:tiny_tmpfs",
+        config={**config, "out": ""},
+        mount_at=str(tmp_path / "mnt"),
+        size_kb=160,
+        copy_to=str(tmp_path / "copy"),
+    )
     assert reply.status == 0, reply.log[-3000:]
     if "skip" in reply.result:
         pytest.skip(reply.result["skip"])
     r = reply.result
     diff = compare_stores(tmp_path / "copy", ref)
     full_ok = r["full"][0] == 2 and "No space left on device" in r["full"][1] and r["again"][0] == 0
-    record("env", "disk really full (a 160 KiB tmpfs)", survived=int(full_ok and diff["same_files"]),
-           rows_checked=diff["rows"], rows_lost=diff["rows_lost"], rows_duplicated=diff["rows_duplicated"])
-    ro_ok = [r[k][0] == 2 and "Read-only file system" in r[k][1]
-             for k in ("read_only_new", "read_only_resume")]
+    record(
+        "env",
+        "disk really full (a 160 KiB tmpfs)",
+        survived=int(full_ok and diff["same_files"]),
+        rows_checked=diff["rows"],
+        rows_lost=diff["rows_lost"],
+        rows_duplicated=diff["rows_duplicated"],
+    )
+    ro_ok = [
+        r[k][0] == 2 and "Read-only file system" in r[k][1] for k in ("read_only_new", "read_only_resume")
+    ]
     record("env", "read-only filesystem (new store, resume)", tried=2, survived=sum(ro_ok))
     assert r["full"][0] == 2 and "No space left on device" in r["full"][1], r["full"]
     assert 0 < r["left"]["rows"] < len(open_store(ref))  # some shards made it, the rest did not
@@ -368,8 +410,11 @@ def full_beside_a_held_commit(config: dict, mount_at: str, size_kb: int, copy_to
     out = os.path.join(mount_at, "store")
     full = run_cli(argv({**config, "out": out}))
     shutil.copytree(out, copy_to)
-    return {"full": full, "commits_found_disk_full": calls["commit ENOSPC"],
-            "files": sorted(p.name for p in Path(out, "shards").iterdir())}
+    return {
+        "full": full,
+        "commits_found_disk_full": calls["commit ENOSPC"],
+        "files": sorted(p.name for p in Path(out, "shards").iterdir()),
+    }
 
 
 def test_a_full_disk_while_the_shard_before_commits_keeps_that_shard(setup, tmp_path):
@@ -380,16 +425,25 @@ def test_a_full_disk_while_the_shard_before_commits_keeps_that_shard(setup, tmp_
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
     config, ref = setup
-    reply = ForkServer.shared().call("test_faults_env:full_beside_a_held_commit",
-                                     config={**config, "out": ""}, mount_at=str(tmp_path / "mnt"),
-                                     size_kb=160, copy_to=str(tmp_path / "copy"))
+    reply = ForkServer.shared().call(
+        "test_faults_env:full_beside_a_held_commit",
+        config={**config, "out": ""},
+        mount_at=str(tmp_path / "mnt"),
+        size_kb=160,
+        copy_to=str(tmp_path / "copy"),
+    )
     assert reply.status == 0, reply.log[-3000:]
     if "skip" in reply.result:
         pytest.skip(reply.result["skip"])
     r, first = reply.result, open_store(ref).manifest.shards[0]
     kept = committed_prefix_intact(tmp_path / "copy", ref)  # verified, bit for bit the reference's rows
-    record("env", "disk filled by the next shard while a shard commits", survived=int(kept == first.rows),
-           rows_checked=kept, rows_lost=first.rows - kept)
+    record(
+        "env",
+        "disk filled by the next shard while a shard commits",
+        survived=int(kept == first.rows),
+        rows_checked=kept,
+        rows_lost=first.rows - kept,
+    )
     assert r["commits_found_disk_full"] >= 1, r  # the first commit did meet the full disk
     assert r["full"][0] == 2 and "No space left on device" in r["full"][1], r["full"]
     assert kept == first.rows and r["files"] == [Path(first.file).name], r

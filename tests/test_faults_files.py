@@ -35,8 +35,12 @@ def write_store(out: Path, seed: int) -> Path:
     with ShardWriter(out, {"model": "tiny", "seed": seed}, shard_rows=20) as w:
         for b in range(6):
             acts = {k: torch.randn(10, *shape, generator=g).to(dtype) for k, (shape, dtype) in POINTS.items()}
-            meta = {"token_ids": torch.randint(0, 500, (10,), generator=g), "positions": torch.arange(10),
-                    "doc_ids": torch.full((10,), b), "seq_ids": torch.full((10,), b)}
+            meta = {
+                "token_ids": torch.randint(0, 500, (10,), generator=g),
+                "positions": torch.arange(10),
+                "doc_ids": torch.full((10,), b),
+                "seq_ids": torch.full((10,), b),
+            }
             w.write(b, acts, meta)
     return out
 
@@ -79,6 +83,7 @@ def write_raw_header(path: Path, header: bytes, body: bytes, length: int | None 
 
 def edit_header(fn: Callable[[dict], object]) -> Callable[[Path, Path], None]:
     """A case that edits shard 1's JSON header in place and has the manifest agree."""
+
     def case(store: Path, other: Path) -> None:
         header, body = read_parts(shard(store))
         fn(header)
@@ -107,6 +112,7 @@ def header_length(value: int) -> Callable[[Path, Path], None]:
 
 def truncate(keep: Callable[[int, int], int], *, agreed: bool) -> Callable[[Path, Path], None]:
     """keep(file size, header end) -> how many bytes to keep."""
+
     def case(store: Path, other: Path) -> None:
         data = shard(store).read_bytes()
         shard(store).write_bytes(data[: keep(len(data), 8 + int.from_bytes(data[:8], "little"))])
@@ -118,6 +124,7 @@ def truncate(keep: Callable[[int, int], int], *, agreed: bool) -> Callable[[Path
 
 def lie(fn: Callable[[dict], object]) -> Callable[[Path, Path], None]:
     """A case where the shards are intact and the manifest lies (its totals kept consistent)."""
+
     def case(store: Path, other: Path) -> None:
         raw = manifest(store)
         fn(raw)
@@ -141,6 +148,7 @@ def overlap(h: dict) -> None:
 def special_file(make: Callable[[Path], None]) -> Callable[[Path, Path], None]:
     """Shard 1 replaced by something that is not a regular file, which the manifest vouches for as
     an empty shard: reading a FIFO or /dev/zero to its end would never return."""
+
     def case(store: Path, other: Path) -> None:
         path = shard(store)
         path.unlink()
@@ -183,10 +191,14 @@ CASES: dict[str, tuple[Callable[[Path, Path], None], bool]] = {
     "truncated to 0 bytes": (truncate(lambda size, h: 0, agreed=False), True),
     "truncated inside the header length": (truncate(lambda size, h: 5, agreed=False), True),
     "truncated inside the header, manifest agrees": (truncate(lambda size, h: h - 7, agreed=True), True),
-    "truncated inside the data, manifest agrees": (truncate(lambda size, h: (size + h) // 2, agreed=True),
-                                                    True),
+    "truncated inside the data, manifest agrees": (
+        truncate(lambda size, h: (size + h) // 2, agreed=True),
+        True,
+    ),
     "bytes appended after the data, manifest agrees": (
-        lambda s, o: (shard(s).write_bytes(shard(s).read_bytes() + b"\0" * 64), agree(s)), True),
+        lambda s, o: (shard(s).write_bytes(shard(s).read_bytes() + b"\0" * 64), agree(s)),
+        True,
+    ),
     "header length 2**64-1": (header_length(2**64 - 1), True),
     "header length one past the end": (lambda s, o: header_length(shard(s).stat().st_size - 7)(s, o), True),
     "header length 0": (header_length(0), True),
@@ -211,23 +223,28 @@ CASES: dict[str, tuple[Callable[[Path, Path], None], bool]] = {
     "a column missing": (edit_header(lambda h: h.pop("seq_ids")), True),
     "metadata not strings": (edit_header(lambda h: h.update(__metadata__={"a": 1})), True),
     "shard is a FIFO, manifest agrees": (special_file(lambda p: os.mkfifo(p)), True),
-    "shard is a link to /dev/zero, manifest agrees": (special_file(lambda p: p.symlink_to("/dev/zero")),
-                                                       True),
+    "shard is a link to /dev/zero, manifest agrees": (
+        special_file(lambda p: p.symlink_to("/dev/zero")),
+        True,
+    ),
     "shard is a directory": (special_file(lambda p: p.mkdir()), True),
     "manifest: a shard's rows too many": (lie(lambda m: m["shards"][1].update(rows=25)), True),
     "manifest: a shard's rows too few": (lie(lambda m: m["shards"][1].update(rows=15)), True),
     "manifest: a shard's rows 10**15": (lie(lambda m: m["shards"][1].update(rows=10**15)), True),
     "manifest: a shard's bytes wrong": (
-        lie(lambda m: m["shards"][1].update(bytes=m["shards"][1]["bytes"] + 8)), True),
+        lie(lambda m: m["shards"][1].update(bytes=m["shards"][1]["bytes"] + 8)),
+        True,
+    ),
     "manifest: a shard's checksum wrong": (lie(lambda m: m["shards"][1].update(xxh3_128="0" * 32)), False),
     "manifest: a point's shape wrong": (lie(lambda m: m["points"][RESID].update(shape=[7])), True),
     "manifest: a point's shape 10**12": (lie(lambda m: m["points"][RESID].update(shape=[10**12])), True),
     "manifest: a point's dtype wrong": (lie(lambda m: m["points"][RESID].update(dtype="float32")), True),
     "manifest: a dtype that is no dtype": (lie(lambda m: m["meta"]["token_ids"].update(dtype="os")), True),
     "manifest: no shards, and a dtype that is no dtype": (
-        lie(lambda m: (m.update(shards=[]), m["points"][RESID].update(dtype="os"))), True),
-    "manifest: a shard's batches wrong": (lie(lambda m: m["shards"][1].update(batches=[[0, 1, 1]])),
-                                          True),
+        lie(lambda m: (m.update(shards=[]), m["points"][RESID].update(dtype="os"))),
+        True,
+    ),
+    "manifest: a shard's batches wrong": (lie(lambda m: m["shards"][1].update(batches=[[0, 1, 1]])), True),
     "manifest nested 100,000 deep": (deep_manifest, True),
     "manifest with a 5,000-digit number": (big_number_manifest, True),
     "shard swapped with another store's": (swap_with_other(agreed=False), True),

@@ -44,8 +44,16 @@ SITES = {
     # the process dies of SIGXFSZ there: a file-size limit set just before the write
     "library-save": ("inside safetensors' own shard write (its temporary file left)", 2),
 }
-DEFAULT = ("save", "manifest-replace", "manifest-write", "journal-write", "fsync", "batch", "forward",
-           "library-save")
+DEFAULT = (
+    "save",
+    "manifest-replace",
+    "manifest-write",
+    "journal-write",
+    "fsync",
+    "batch",
+    "forward",
+    "library-save",
+)
 # a crash, then a second crash early in the resume, then the resume that finishes
 TWICE = [("batch", "save:1"), ("fsync", "rename:1:after"), ("forward", "manifest-write:2")]
 
@@ -82,9 +90,12 @@ def _plan() -> list:
 
 def _for_every_source(points: list) -> list:
     """Each point for each source that has its sites."""
-    return [pytest.param(source, *p.values, id=f"{source}-{p.id}", marks=p.marks)
-            for source in SOURCES for p in points
-            if not (source == "images" and any("tokenize" in str(k) for k in p.values[0]))]
+    return [
+        pytest.param(source, *p.values, id=f"{source}-{p.id}", marks=p.marks)
+        for source in SOURCES
+        for p in points
+        if not (source == "images" and any("tokenize" in str(k) for k in p.values[0]))
+    ]
 
 
 POINTS = _plan()
@@ -114,8 +125,16 @@ def references(tiny_dirs, server, tmp_path_factory) -> dict[str, Reference]:
         root = tmp_path_factory.mktemp(f"sweep-{source}")
         # about 40 batches, 2 per shard
         shape = {"batch_size": 4, "shard_rows": 130} if source == "images" else {"shard_rows": 200}
-        case = make_case(source, tiny_dirs, root, docs=60, images=160, dtype="bfloat16",
-                         points=["blocks.1.resid_post", "blocks.0.attn.z"], **shape)
+        case = make_case(
+            source,
+            tiny_dirs,
+            root,
+            docs=60,
+            images=160,
+            dtype="bfloat16",
+            points=["blocks.1.resid_post", "blocks.0.attn.z"],
+            **shape,
+        )
         config = case.config(root / "ref")
         reply = server.call(RUN, config=config, kill_at="count")
         assert reply.status == 0, reply.log[-3000:]
@@ -136,7 +155,8 @@ def test_the_sweep_covers_every_site_and_the_run():
     by_source = _for_every_source(POINTS)
     assert {p.values[0] for p in by_source} == set(SOURCES)  # every point for every source...
     assert len(by_source) == len(POINTS) * len(SOURCES) - sum(  # ...but images' tokenizer sites
-        "tokenize" in str(p.values[0][0]) for p in POINTS)
+        "tokenize" in str(p.values[0][0]) for p in POINTS
+    )
 
 
 @pytest.mark.parametrize(("source", "kills"), _for_every_source(POINTS))
@@ -166,10 +186,20 @@ def test_sigkill_then_resume_equals_an_uninterrupted_run(source, kills, referenc
     first = kills[0]
     fault = "twice: again early in the resume" if len(kills) > 1 else SITES[first.site][0]
     fault += "" if source == "text" else f" ({source})"
-    ok = (diff["rows_lost"] == diff["rows_duplicated"] == 0 and diff["same_values"] and diff["same_files"]
-          and resumed.result["summary"]["batches_skipped"] == len(committed))
+    ok = (
+        diff["rows_lost"] == diff["rows_duplicated"] == 0
+        and diff["same_values"]
+        and diff["same_files"]
+        and resumed.result["summary"]["batches_skipped"] == len(committed)
+    )
     if landed:  # a timed kill can come after the end: then nothing was tried
-        record("kill", fault, survived=int(ok), rows_checked=diff["rows"], rows_lost=diff["rows_lost"],
-               rows_duplicated=diff["rows_duplicated"])
+        record(
+            "kill",
+            fault,
+            survived=int(ok),
+            rows_checked=diff["rows"],
+            rows_lost=diff["rows_lost"],
+            rows_duplicated=diff["rows_duplicated"],
+        )
     assert resumed.result["summary"]["batches_skipped"] == len(committed)  # exactly the committed batches
     assert diff == {**diff, "rows_lost": 0, "rows_duplicated": 0, "same_values": True, "same_files": True}

@@ -32,21 +32,27 @@ OPTIONS = {"points": ["blocks.1.resid_post", "blocks.0.mlp.post"], "dtype": "flo
 @pytest.fixture(scope="module")
 def cases(tiny_dirs, tmp_path_factory) -> dict[str, Case]:
     root = tmp_path_factory.mktemp("sources")
-    return {source: make_case(source, tiny_dirs, root / source, docs=40, images=60, **OPTIONS)
-            for source in SOURCES}
+    return {
+        source: make_case(source, tiny_dirs, root / source, docs=40, images=60, **OPTIONS)
+        for source in SOURCES
+    }
 
 
 def tree(path: Path) -> dict[str, str]:
     """Every file under `path` with its SHA-256: what a run left on disk."""
     if not path.exists():
         return {}
-    return {str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(path.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(path)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(path.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
 def references(cases, tmp_path_factory) -> dict[str, Path]:
     """Each source's uninterrupted store, made when a test first asks for it."""
+
     def make(source: str) -> Path:
         out = tmp_path_factory.mktemp(f"reference-{source}") / "store"
         assert main(cases[source].cli(out)) == 0
@@ -67,8 +73,10 @@ REJECTED = {
     "an empty data source": (ALL, lambda case, d: {"--data": case.empty_data(d)}),
     "a data file of blank lines": (TEXT, lambda case, d: {"--data": str(_write(d / "blank.txt", "\n \n\n"))}),
     "a data source that does not exist": (ALL, lambda case, d: {"--data": case.missing_data(d)}),
-    "a data file of an unsupported type": (TEXT,
-                                           lambda case, d: {"--data": str(_write(d / "data.csv", "a,b\n"))}),
+    "a data file of an unsupported type": (
+        TEXT,
+        lambda case, d: {"--data": str(_write(d / "data.csv", "a,b\n"))},
+    ),
     "a point the model does not have": (ALL, lambda case, d: {"--points": "blocks.9.resid_post"}),
     "--context for images": ({"images"}, lambda case, d: {"--context": "16"}),
     "--generate for images": ({"images"}, lambda case, d: {"--generate": "2"}),
@@ -90,8 +98,9 @@ def _rejected(source: str) -> list[str]:
     return [bad for bad, (sources, _) in REJECTED.items() if source in sources]
 
 
-@pytest.mark.parametrize(("source", "bad"), [(s, bad) for s in SOURCES
-                                             for bad in [*_rejected(s), "a model that cannot be loaded"]])
+@pytest.mark.parametrize(
+    ("source", "bad"), [(s, bad) for s in SOURCES for bad in [*_rejected(s), "a model that cannot be loaded"]]
+)
 def test_rejected_run_leaves_no_trace_and_the_corrected_command_runs(cases, tmp_path, capsys, source, bad):
     """Before: a 0-row manifest.json locked in the bad settings and the corrected command was
     refused (`batch_size: stored 0, given 8`)."""
@@ -106,8 +115,11 @@ def test_rejected_run_leaves_no_trace_and_the_corrected_command_runs(cases, tmp_
     again = main(case.cli(out, **{"--max-tokens": MAX_TOKENS}))
     capsys.readouterr()
     rows = len(open_store(out, verify=True)) if again == 0 else 0
-    record("rejected", f"new store{_of(source)}: {bad}",
-           survived=int(code == 2 and not left and again == 0 and rows > 0))
+    record(
+        "rejected",
+        f"new store{_of(source)}: {bad}",
+        survived=int(code == 2 and not left and again == 0 and rows > 0),
+    )
     assert code == 2 and err.startswith("hookscope: error: ") and "Traceback" not in err, err
     assert not left
     assert again == 0 and rows > 0  # the corrected command, into the same --out
@@ -163,8 +175,16 @@ def _interrupts() -> list:
             if at.startswith("tokenize") and source == "images":
                 continue  # no tokenizer
             slow = source != "text" and at not in EVERY_SOURCE
-            params.append(pytest.param(source, sig, at, what, id=f"{source}-{sig}-{at}",
-                                       marks=(pytest.mark.slow,) if slow else ()))
+            params.append(
+                pytest.param(
+                    source,
+                    sig,
+                    at,
+                    what,
+                    id=f"{source}-{sig}-{at}",
+                    marks=(pytest.mark.slow,) if slow else (),
+                )
+            )
     return params
 
 
@@ -176,24 +196,36 @@ def test_interrupt_then_resume_equals_uninterrupted(cases, references, tmp_path,
     reference = references[source]
     out = tmp_path / "store"
     args = cases[source].cli(out)
-    run = subprocess.run([sys.executable, str(HERE / "kill_driver.py"), "cli", sig, at, *args], text=True,
-                         capture_output=True, timeout=600, env={**os.environ, "OMP_NUM_THREADS": "1"},
-                         preexec_fn=_default_sigint)
+    run = subprocess.run(
+        [sys.executable, str(HERE / "kill_driver.py"), "cli", sig, at, *args],
+        text=True,
+        capture_output=True,
+        timeout=600,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+        preexec_fn=_default_sigint,
+    )
     ref = open_store(reference)
     stopped = open_store(out).manifest.shards if (out / "manifest.json").exists() else []
     committed = [(s.file, s.checksum) for s in stopped]
     rows = sum(s.rows for s in stopped)
     last_line = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else ""
-    clean = (run.returncode == 130 and "Traceback" not in run.stderr
-             and last_line == f"hookscope: interrupted after {rows:,} rows; run the same command to resume")
-    whole_shards = committed == [(s.file, s.checksum) for s in ref.manifest.shards[:len(committed)]]
+    clean = (
+        run.returncode == 130
+        and "Traceback" not in run.stderr
+        and last_line == f"hookscope: interrupted after {rows:,} rows; run the same command to resume"
+    )
+    whole_shards = committed == [(s.file, s.checksum) for s in ref.manifest.shards[: len(committed)]]
     no_debris = set(tree(out / "shards")) == {Path(f).name for f, _ in committed}
     again = main(args)  # the same command
     same = again == 0 and tree(out) == tree(reference)
-    record("interrupt", f"SIG{sig} {what}{_of(source)}",
-           survived=int(clean and whole_shards and no_debris and same),
-           rows_checked=len(ref), rows_lost=max(len(ref) - len(open_store(out)), 0) if again == 0 else None,
-           rows_duplicated=max(len(open_store(out)) - len(ref), 0) if again == 0 else None)
+    record(
+        "interrupt",
+        f"SIG{sig} {what}{_of(source)}",
+        survived=int(clean and whole_shards and no_debris and same),
+        rows_checked=len(ref),
+        rows_lost=max(len(ref) - len(open_store(out)), 0) if again == 0 else None,
+        rows_duplicated=max(len(open_store(out)) - len(ref), 0) if again == 0 else None,
+    )
     assert run.returncode == 130, run.stderr[-3000:]
     assert clean, run.stderr[-3000:]
     assert whole_shards  # only shards an uninterrupted run also cuts

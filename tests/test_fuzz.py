@@ -26,12 +26,52 @@ from hookscope.cli import main
 from hookscope.hooks import hook_count
 from hookscope.store import ShardWriter
 
-FUZZ = settings(max_examples=80, deadline=None, derandomize=True,
-                suppress_health_check=[HealthCheck.too_slow])
-NAME_PIECES = ["blocks", ".", "0", "1", "2", "9", "-1", "99999999999999999999", "resid_post", "resid_pre",
-               "attn", "z", "q", "pattern", "mlp", "post", "hook_", "module:", ":", ":input", ":output",
-               "transformer", "h", "*", "?", "[", "]", "[!0]", "[z-a]", ",", " ", "\t", "", "embed", "logits",
-               "ln_final", "é", "\x00", "..", "_", "-"]
+FUZZ = settings(
+    max_examples=80, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow]
+)
+NAME_PIECES = [
+    "blocks",
+    ".",
+    "0",
+    "1",
+    "2",
+    "9",
+    "-1",
+    "99999999999999999999",
+    "resid_post",
+    "resid_pre",
+    "attn",
+    "z",
+    "q",
+    "pattern",
+    "mlp",
+    "post",
+    "hook_",
+    "module:",
+    ":",
+    ":input",
+    ":output",
+    "transformer",
+    "h",
+    "*",
+    "?",
+    "[",
+    "]",
+    "[!0]",
+    "[z-a]",
+    ",",
+    " ",
+    "\t",
+    "",
+    "embed",
+    "logits",
+    "ln_final",
+    "é",
+    "\x00",
+    "..",
+    "_",
+    "-",
+]
 
 
 class Outcomes:
@@ -54,8 +94,7 @@ class Outcomes:
 
 
 def names() -> st.SearchStrategy[str]:
-    return st.one_of(st.lists(st.sampled_from(NAME_PIECES), max_size=8).map("".join),
-                     st.text(max_size=12))
+    return st.one_of(st.lists(st.sampled_from(NAME_PIECES), max_size=8).map("".join), st.text(max_size=12))
 
 
 # -- point names ----------------------------------------------------------------------------------
@@ -110,21 +149,39 @@ def int_lists() -> st.SearchStrategy[list[int]]:
 
 def selections() -> st.SearchStrategy:
     return st.one_of(
-        st.none(), st.integers(-8, 8), st.integers(), int_lists(), int_lists().map(tuple), st.booleans(),
-        st.builds(slice, st.none() | st.integers(-8, 8), st.none() | st.integers(-8, 8),
-                  st.none() | st.integers(-2, 3)),
-        st.sampled_from(["last", "first", "", "all"]), st.floats(allow_nan=True),
-        int_lists().map(torch.tensor), int_lists().map(lambda v: torch.tensor(v, dtype=torch.float32)),
-        st.just(torch.zeros(2, 2, dtype=torch.long)), st.just(torch.tensor(1)),
+        st.none(),
+        st.integers(-8, 8),
+        st.integers(),
+        int_lists(),
+        int_lists().map(tuple),
+        st.booleans(),
+        st.builds(
+            slice,
+            st.none() | st.integers(-8, 8),
+            st.none() | st.integers(-8, 8),
+            st.none() | st.integers(-2, 3),
+        ),
+        st.sampled_from(["last", "first", "", "all"]),
+        st.floats(allow_nan=True),
+        int_lists().map(torch.tensor),
+        int_lists().map(lambda v: torch.tensor(v, dtype=torch.float32)),
+        st.just(torch.zeros(2, 2, dtype=torch.long)),
+        st.just(torch.tensor(1)),
         st.just(torch.ones(5, dtype=torch.bool)),
-        st.just(torch.tensor([0, 1], dtype=torch.int32)), st.just(object()),
+        st.just(torch.tensor([0, 1], dtype=torch.int32)),
+        st.just(object()),
     )
 
 
 def is_plain(sel) -> bool:
     """A selection given as Python values, whose meaning is that of Python / torch indexing."""
-    return (sel is None or sel == "last" or (type(sel) is int) or type(sel) is slice
-            or (type(sel) in (list, tuple) and all(type(v) is int for v in sel)))
+    return (
+        sel is None
+        or sel == "last"
+        or (type(sel) is int)
+        or type(sel) is slice
+        or (type(sel) in (list, tuple) and all(type(v) is int for v in sel))
+    )
 
 
 def torch_index(size: int, sel) -> torch.Tensor:
@@ -139,8 +196,13 @@ def torch_index(size: int, sel) -> torch.Tensor:
 def plain_selections() -> st.SearchStrategy:
     """Selections that mean what Python / torch indexing means, mostly in range."""
     small = st.integers(-4, 3)
-    return st.one_of(st.none(), small, st.lists(small, min_size=1, max_size=3, unique=True), st.just("last"),
-                     st.builds(slice, st.none() | small, st.none() | small))
+    return st.one_of(
+        st.none(),
+        small,
+        st.lists(small, min_size=1, max_size=3, unique=True),
+        st.just("last"),
+        st.builds(slice, st.none() | small, st.none() | small),
+    )
 
 
 @pytest.mark.parametrize("point", ["blocks.1.attn.z", "blocks.0.resid_post"])
@@ -153,8 +215,11 @@ def test_position_and_head_selections(point, tiny, make_ids, outcomes):
     compared = Counter()
     # heads only where the point has them: elsewhere any heads= is (rightly) refused
     plain = plain_selections()
-    head_choices = (st.one_of(plain, plain, selections()) if spec.head_dim is not None
-                    else st.one_of(st.none(), st.none(), st.none(), selections()))
+    head_choices = (
+        st.one_of(plain, plain, selections())
+        if spec.head_dim is not None
+        else st.one_of(st.none(), st.none(), st.none(), selections())
+    )
 
     @FUZZ
     @given(positions=st.one_of(plain_selections(), plain_selections(), selections()), heads=head_choices)
@@ -196,15 +261,19 @@ def test_token_masks(tiny, make_ids, outcomes):
     out = outcomes("token masks (capture)")
     shapes = st.lists(st.integers(0, 7), min_size=0, max_size=3).map(tuple)
     masks = st.one_of(
-        st.builds(lambda s, seed: torch.rand(s, generator=torch.Generator().manual_seed(seed)) > 0.5,
-                  shapes, st.integers(0, 9)),
+        st.builds(
+            lambda s, seed: torch.rand(s, generator=torch.Generator().manual_seed(seed)) > 0.5,
+            shapes,
+            st.integers(0, 9),
+        ),
         st.builds(lambda s: torch.ones(s, dtype=torch.long), shapes),
         st.builds(lambda s: torch.ones(s), shapes),
         st.sampled_from([None, [[True] * 6] * 2, "all", 3]),
     )
     # masks of the activation's [batch, pos]: these must succeed
     fitting = st.integers(0, 99).map(
-        lambda seed: torch.rand(2, 6, generator=torch.Generator().manual_seed(seed)) > 0.5)
+        lambda seed: torch.rand(2, 6, generator=torch.Generator().manual_seed(seed)) > 0.5
+    )
     compared = Counter()
 
     @FUZZ
@@ -230,8 +299,13 @@ class Boom(RuntimeError):
 
 
 def hook_dicts(model: torch.nn.Module) -> dict:
-    return {path: tuple(tuple(d) for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
-                                             m._backward_pre_hooks)) for path, m in model.named_modules()}
+    return {
+        path: tuple(
+            tuple(d)
+            for d in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks, m._backward_pre_hooks)
+        )
+        for path, m in model.named_modules()
+    }
 
 
 def test_a_hook_that_raises_mid_forward_leaves_no_hook_of_ours(tiny, make_ids, outcomes):
@@ -243,8 +317,9 @@ def test_a_hook_that_raises_mid_forward_leaves_no_hook_of_ours(tiny, make_ids, o
         key = data.draw(st.sampled_from(sorted(tiny)), label="model")
         model, arch = tiny[key].model, tiny[key].arch
         ids = make_ids(model, batch=2, length=5)
-        points = data.draw(st.lists(st.sampled_from(arch.names), min_size=1, max_size=4, unique=True),
-                           label="points")
+        points = data.draw(
+            st.lists(st.sampled_from(arch.names), min_size=1, max_size=4, unique=True), label="points"
+        )
         bad = data.draw(st.sampled_from(points), label="raises at")
         around = data.draw(st.sampled_from(["hooks", "capture", "collect", "edit", "grad"]), label="with")
         modules = [m for _, m in model.named_modules()]
@@ -301,23 +376,43 @@ def cli_paths(tiny_dirs, tmp_path_factory) -> dict[str, str]:
     (root / "no-config").mkdir()
     with ShardWriter(root / "store", {"k": 1}) as w:
         w.write(0, {"blocks.0.resid_post": torch.randn(4, 3)}, {"token_ids": torch.arange(4)})
-    return {"gpt2": str(tiny_dirs["gpt2"]), "bert": str(tiny_dirs["bert"]),
-            "corpus": str(write_corpus(root / "corpus.txt", docs=8)), "empty": str(root / "empty.txt"),
-            "file": str(root / "a-file"), "no-config": str(root / "no-config"), "store": str(root / "store"),
-            "missing": str(root / "missing"), "root": str(root)}
+    return {
+        "gpt2": str(tiny_dirs["gpt2"]),
+        "bert": str(tiny_dirs["bert"]),
+        "corpus": str(write_corpus(root / "corpus.txt", docs=8)),
+        "empty": str(root / "empty.txt"),
+        "file": str(root / "a-file"),
+        "no-config": str(root / "no-config"),
+        "store": str(root / "store"),
+        "missing": str(root / "missing"),
+        "root": str(root),
+    }
 
 
 def command_lines(paths: dict[str, str]) -> st.SearchStrategy[list[str]]:
     junk = st.text(alphabet=string.printable, max_size=8)
     # mostly good values, so that most command lines get past the parser into the rooms
-    model = st.sampled_from([paths["gpt2"]] * 4 + [paths["bert"]] * 2 + [paths["missing"], paths["file"],
-                                                                         paths["no-config"], "./x"])
-    good_points = st.sampled_from(["blocks.0.resid_post", "blocks.*.resid_post", "blocks.1.attn.z", "logits",
-                                   "embed,blocks.1.mlp.post", "blocks.9.resid_post"])
+    model = st.sampled_from(
+        [paths["gpt2"]] * 4
+        + [paths["bert"]] * 2
+        + [paths["missing"], paths["file"], paths["no-config"], "./x"]
+    )
+    good_points = st.sampled_from(
+        [
+            "blocks.0.resid_post",
+            "blocks.*.resid_post",
+            "blocks.1.attn.z",
+            "logits",
+            "embed,blocks.1.mlp.post",
+            "blocks.9.resid_post",
+        ]
+    )
     point = st.one_of(good_points, good_points, good_points, names())
     number = st.one_of(*[st.integers(1, 40).map(str)] * 8, st.sampled_from(["0", "-1", "65", "100000"]), junk)
-    out_dir = st.one_of(st.integers(0, 10**9).map(lambda n: f"{paths['root']}/out{n}"),
-                        st.sampled_from([paths["file"] + "/x", paths["store"]]))
+    out_dir = st.one_of(
+        st.integers(0, 10**9).map(lambda n: f"{paths['root']}/out{n}"),
+        st.sampled_from([paths["file"] + "/x", paths["store"]]),
+    )
 
     def arg(flag: str, value: st.SearchStrategy[str]) -> st.SearchStrategy[list[str]]:
         return value.map(lambda v: [flag, v])
@@ -332,28 +427,57 @@ def command_lines(paths: dict[str, str]) -> st.SearchStrategy[list[str]]:
     the_model = model.map(lambda m: [m])
     commands = st.one_of(
         command(st.just(["points"]), the_model, maybe("--pattern", point), maybe("--text", junk), device),
-        command(st.just(["capture"]), the_model, arg("--point", point),
-                maybe("--positions", st.sampled_from(["all", "last", "0", "-1", "99", "1:3", "::", "a", "1,2",
-                                                      ""])),
-                maybe("--dtype", st.sampled_from(["float16", "bfloat16", "int8", "x"])),
-                maybe("--text", junk),
-                maybe("--save", st.sampled_from([paths["file"] + "/x.safetensors",
-                                                 paths["root"] + "/c.safetensors"])),
-                device),
-        command(st.just(["extract"]), the_model, arg("--out", out_dir), maybe("--points", point),
-                maybe("--data", st.sampled_from([paths["corpus"], paths["empty"], paths["missing"],
-                                                 paths["root"], "hf:", "builtin:nope"])),
-                maybe("--context", number), maybe("--batch-size", number), maybe("--shard-rows", number),
-                arg("--max-tokens", number),  # always: a run stays small
-                maybe("--dtype", st.sampled_from(["float32", "float64", "x"])),
-                maybe("--on-nonfinite", st.sampled_from(["warn", "error", "ignore"])),
-                st.just(["--no-progress"]), device),
-        command(st.just(["inspect"]),
-                st.sampled_from([paths["store"], paths["missing"], paths["file"], paths["root"],
-                                 paths["gpt2"]]).map(lambda p: [p]),
-                st.sampled_from([[], ["--no-verify"]])),
-        command(st.just(["profile"]), the_model, arg("--batch", number), arg("--seq", number),  # small runs
-                arg("--steps", st.sampled_from(["1", "0", "-1", "x"])), st.just(["--warmup", "0"]), device),
+        command(
+            st.just(["capture"]),
+            the_model,
+            arg("--point", point),
+            maybe(
+                "--positions", st.sampled_from(["all", "last", "0", "-1", "99", "1:3", "::", "a", "1,2", ""])
+            ),
+            maybe("--dtype", st.sampled_from(["float16", "bfloat16", "int8", "x"])),
+            maybe("--text", junk),
+            maybe(
+                "--save",
+                st.sampled_from([paths["file"] + "/x.safetensors", paths["root"] + "/c.safetensors"]),
+            ),
+            device,
+        ),
+        command(
+            st.just(["extract"]),
+            the_model,
+            arg("--out", out_dir),
+            maybe("--points", point),
+            maybe(
+                "--data",
+                st.sampled_from(
+                    [paths["corpus"], paths["empty"], paths["missing"], paths["root"], "hf:", "builtin:nope"]
+                ),
+            ),
+            maybe("--context", number),
+            maybe("--batch-size", number),
+            maybe("--shard-rows", number),
+            arg("--max-tokens", number),  # always: a run stays small
+            maybe("--dtype", st.sampled_from(["float32", "float64", "x"])),
+            maybe("--on-nonfinite", st.sampled_from(["warn", "error", "ignore"])),
+            st.just(["--no-progress"]),
+            device,
+        ),
+        command(
+            st.just(["inspect"]),
+            st.sampled_from(
+                [paths["store"], paths["missing"], paths["file"], paths["root"], paths["gpt2"]]
+            ).map(lambda p: [p]),
+            st.sampled_from([[], ["--no-verify"]]),
+        ),
+        command(
+            st.just(["profile"]),
+            the_model,
+            arg("--batch", number),
+            arg("--seq", number),  # small runs
+            arg("--steps", st.sampled_from(["1", "0", "-1", "x"])),
+            st.just(["--warmup", "0"]),
+            device,
+        ),
         st.lists(junk, max_size=3),
     )
     no_more = st.just([])
@@ -368,11 +492,28 @@ def test_command_lines(cli_paths, outcomes):
     @settings(max_examples=50, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
     @given(argv=command_lines(p))
     @example(argv=["points", p["gpt2"], "--pattern", "blocks.*.attn.z"])  # the good paths, at least once
-    @example(argv=["capture", p["bert"], "--point", "blocks.1.attn.z", "--positions", "1:3",
-                   "--dtype", "bfloat16"])
-    @example(argv=["extract", p["gpt2"], "--out", p["root"] + "/good", "--points", "blocks.*.resid_post",
-                   "--data", p["corpus"], "--context", "16", "--batch-size", "2", "--max-tokens", "200",
-                   "--no-progress"])
+    @example(
+        argv=["capture", p["bert"], "--point", "blocks.1.attn.z", "--positions", "1:3", "--dtype", "bfloat16"]
+    )
+    @example(
+        argv=[
+            "extract",
+            p["gpt2"],
+            "--out",
+            p["root"] + "/good",
+            "--points",
+            "blocks.*.resid_post",
+            "--data",
+            p["corpus"],
+            "--context",
+            "16",
+            "--batch-size",
+            "2",
+            "--max-tokens",
+            "200",
+            "--no-progress",
+        ]
+    )
     @example(argv=["inspect", p["store"]])
     @example(argv=["profile", p["gpt2"], "--batch", "1", "--seq", "8", "--steps", "1", "--warmup", "0"])
     def check(argv):

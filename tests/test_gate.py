@@ -24,21 +24,43 @@ gate.NEEDS["fake_old"] = gate.Need("pytest 0.x", "nowhere", ("pytest",), dist="p
 FILES = {
     "test_missing.py": "import gate\ngate.need('fake_missing')\n\ndef test_a():\n    pass\n",
     "test_inside.py": "import gate\n\ndef test_b():\n    gate.need('fake_missing')\n",
-    "test_there.py": ("import gate\njson = gate.need('fake_there')\n\n"
-                      "def test_c():\n    assert json.dumps(1) == '1'\n"),
+    "test_there.py": (
+        "import gate\njson = gate.need('fake_there')\n\ndef test_c():\n    assert json.dumps(1) == '1'\n"
+    ),
     "test_old.py": "import gate\ngate.need('fake_old')\n\ndef test_d():\n    pass\n",
-    "test_mark.py": ("import gate\n\n@gate.skip_unless('fake_missing')\ndef test_e():\n    pass\n\n"
-                     "@gate.skip_unless('fake_there')\ndef test_f():\n    pass\n"),
+    "test_mark.py": (
+        "import gate\n\n@gate.skip_unless('fake_missing')\ndef test_e():\n    pass\n\n"
+        "@gate.skip_unless('fake_there')\ndef test_f():\n    pass\n"
+    ),
 }
 
 
 def run_pytest(folder: Path, require: str) -> tuple[int, str]:
     """pytest over `folder` (going on past collection errors, to see every file's outcome)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
-           gate.ENV_VAR: require, "COLUMNS": "1000"}  # summary lines whole
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rfEs", "-p", "no:cacheprovider",
-                           "--continue-on-collection-errors", str(folder)],
-                          cwd=folder, env=env, capture_output=True, text=True, timeout=120)
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(TESTS), os.environ.get("PYTHONPATH", "")]),
+        gate.ENV_VAR: require,
+        "COLUMNS": "1000",
+    }  # summary lines whole
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pytest",
+            "-q",
+            "-rfEs",
+            "-p",
+            "no:cacheprovider",
+            "--continue-on-collection-errors",
+            str(folder),
+        ],
+        cwd=folder,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     return done.returncode, done.stdout + done.stderr
 
 
@@ -65,8 +87,9 @@ def test_a_required_package_that_is_missing_is_an_error(folder):
     assert code != 0, out
     # each file that needs a missing or wrong package fails; nothing is skipped
     assert "skipped" not in out, out
-    missing = ("HOOKSCOPE_REQUIRE names fake_missing (a fake package) but importing "
-               "hookscope_no_such_module failed")
+    missing = (
+        "HOOKSCOPE_REQUIRE names fake_missing (a fake package) but importing hookscope_no_such_module failed"
+    )
     for name in ("test_missing.py", "test_inside.py::test_b", "test_mark.py"):
         assert any(name in line and missing in line for line in out.splitlines()), (name, out)
     assert "HOOKSCOPE_REQUIRE names fake_old (pytest 0.x) but pytest is" in out

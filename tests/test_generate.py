@@ -41,7 +41,7 @@ def prompt_batch():
 def teacher_forced(model, sequences, prompt_mask):
     """One plain forward over the final sequences, with the masks and position ids generate used."""
     full = torch.ones_like(sequences)
-    full[:, :prompt_mask.shape[1]] = prompt_mask
+    full[:, : prompt_mask.shape[1]] = prompt_mask
     position_ids = (full.cumsum(-1) - 1).clamp(min=0)
     with torch.no_grad():
         return model(sequences, attention_mask=full, position_ids=position_ids, output_hidden_states=True)
@@ -56,6 +56,7 @@ def add_to_block_output(vector):
         if isinstance(output, torch.Tensor):
             return output + vector
         return (output[0] + vector, *output[1:])
+
     return hook
 
 
@@ -63,8 +64,14 @@ def add_to_block_output(vector):
 def test_captures_equal_a_teacher_forced_forward(family, gpt2, llama):
     model = gpt2 if family == "gpt2" else llama
     inputs = prompt_batch()
-    gen = hs.generate(model, inputs, ["blocks.0.resid_post", "blocks.1.resid_post", "logits"],
-                      max_new_tokens=NEW, do_sample=False, pad_token_id=1)
+    gen = hs.generate(
+        model,
+        inputs,
+        ["blocks.0.resid_post", "blocks.1.resid_post", "logits"],
+        max_new_tokens=NEW,
+        do_sample=False,
+        pad_token_id=1,
+    )
     seqs = gen.sequences
     assert seqs.shape == (2, 5 + NEW)
     ref = teacher_forced(model, seqs, inputs["attention_mask"])
@@ -77,7 +84,8 @@ def test_captures_equal_a_teacher_forced_forward(family, gpt2, llama):
     # the last block's output: hidden_states[-1] has the final norm applied, so read it with a hook
     seen = {}
     handle = block_of(model, 1).register_forward_hook(
-        lambda m, a, o: seen.update(x=o if isinstance(o, torch.Tensor) else o[0]))
+        lambda m, a, o: seen.update(x=o if isinstance(o, torch.Tensor) else o[0])
+    )
     try:
         teacher_forced(model, seqs, inputs["attention_mask"])
     finally:
@@ -99,13 +107,15 @@ def test_no_deprecated_argument_is_passed(family, gpt2, llama):
         warnings.simplefilter("error", DeprecationWarning)
         warnings.simplefilter("error", FutureWarning)
         plain = model.generate(**inputs, max_new_tokens=NEW, do_sample=False, pad_token_id=1)
-        gen = hs.generate(model, inputs, "blocks.1.resid_pre", max_new_tokens=NEW, do_sample=False,
-                          pad_token_id=1)
+        gen = hs.generate(
+            model, inputs, "blocks.1.resid_pre", max_new_tokens=NEW, do_sample=False, pad_token_id=1
+        )
     assert torch.equal(gen.sequences, plain)
     ref = teacher_forced(model, plain, inputs["attention_mask"])
     assert gen.mask[:, -1].all()  # the last token's activations come from the extra cached step
-    torch.testing.assert_close(gen["blocks.1.resid_pre"][gen.mask], ref.hidden_states[1][gen.mask],
-                               atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        gen["blocks.1.resid_pre"][gen.mask], ref.hidden_states[1][gen.mask], atol=ATOL, rtol=RTOL
+    )
 
 
 def test_per_head_point_equals_a_plain_hook(gpt2):
@@ -127,12 +137,14 @@ def test_sampling_with_a_seed_gives_the_tokens_of_plain_generate(gpt2):
     torch.manual_seed(11)
     plain = gpt2.generate(**inputs, max_new_tokens=NEW, do_sample=True, top_k=50, pad_token_id=1)
     torch.manual_seed(11)
-    gen = hs.generate(gpt2, inputs, "blocks.0.resid_post", max_new_tokens=NEW, do_sample=True, top_k=50,
-                      pad_token_id=1)
+    gen = hs.generate(
+        gpt2, inputs, "blocks.0.resid_post", max_new_tokens=NEW, do_sample=True, top_k=50, pad_token_id=1
+    )
     assert torch.equal(plain, gen.sequences)
     ref = teacher_forced(gpt2, gen.sequences, inputs["attention_mask"])
-    torch.testing.assert_close(gen["blocks.0.resid_post"][gen.mask], ref.hidden_states[1][gen.mask],
-                               atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        gen["blocks.0.resid_post"][gen.mask], ref.hidden_states[1][gen.mask], atol=ATOL, rtol=RTOL
+    )
 
 
 def test_num_return_sequences(gpt2):
@@ -145,8 +157,9 @@ def test_num_return_sequences(gpt2):
     assert torch.equal(plain, gen.sequences) and gen.sequences.shape[0] == 4
     ref = teacher_forced(gpt2, gen.sequences, inputs["attention_mask"].repeat_interleave(2, 0))
     assert gen.mask[:, :5].tolist() == inputs["attention_mask"].repeat_interleave(2, 0).bool().tolist()
-    torch.testing.assert_close(gen["blocks.0.resid_post"][gen.mask], ref.hidden_states[1][gen.mask],
-                               atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        gen["blocks.0.resid_post"][gen.mask], ref.hidden_states[1][gen.mask], atol=ATOL, rtol=RTOL
+    )
 
 
 def test_selections_match_collect_semantics(gpt2):
@@ -184,31 +197,42 @@ def test_left_padded_batch_equals_rows_one_by_one(gpt2, llama):
         batch = hs.generate(model, inputs, "blocks.1.resid_post", max_new_tokens=NEW, pad_token_id=1)
         for row in range(2):
             real = inputs["attention_mask"][row].bool()
-            alone = hs.generate(model, inputs["input_ids"][row][real][None], "blocks.1.resid_post",
-                                max_new_tokens=NEW, pad_token_id=1)
+            alone = hs.generate(
+                model,
+                inputs["input_ids"][row][real][None],
+                "blocks.1.resid_post",
+                max_new_tokens=NEW,
+                pad_token_id=1,
+            )
             assert torch.equal(batch.sequences[row][batch.mask[row]], alone.sequences[0])
-            torch.testing.assert_close(batch["blocks.1.resid_post"][row][batch.mask[row]],
-                                       alone["blocks.1.resid_post"][0], atol=ATOL, rtol=RTOL)
+            torch.testing.assert_close(
+                batch["blocks.1.resid_post"][row][batch.mask[row]],
+                alone["blocks.1.resid_post"][0],
+                atol=ATOL,
+                rtol=RTOL,
+            )
 
 
 def test_eos_masks_the_positions_after_it(gpt2):
     inputs = prompt_batch()
     plain = gpt2.generate(**inputs, max_new_tokens=NEW, do_sample=False, pad_token_id=1)
     eos = int(plain[0, 5 + 1])  # row 0's second new token becomes EOS
-    gen = hs.generate(gpt2, inputs, "blocks.0.resid_post", max_new_tokens=NEW, pad_token_id=1,
-                      eos_token_id=eos)
+    gen = hs.generate(
+        gpt2, inputs, "blocks.0.resid_post", max_new_tokens=NEW, pad_token_id=1, eos_token_id=eos
+    )
     seqs, mask = gen.sequences, gen.mask
     first = (seqs[0, 5:] == eos).nonzero()[0].item() + 5
-    assert mask[0, :first + 1].tolist() == [False, False] + [True] * (first - 1)
-    assert not mask[0, first + 1:].any()
-    assert (seqs[0, first + 1:] == 1).all()  # generate padded row 0 after its EOS
+    assert mask[0, : first + 1].tolist() == [False, False] + [True] * (first - 1)
+    assert not mask[0, first + 1 :].any()
+    assert (seqs[0, first + 1 :] == 1).all()  # generate padded row 0 after its EOS
     row1_eos = (seqs[1, 5:] == eos).nonzero()
     if len(row1_eos) == 0:
         assert mask[1].all()
     assert gen["blocks.0.resid_post"].shape[:2] == seqs.shape
     ref = teacher_forced(gpt2, seqs, inputs["attention_mask"])
-    torch.testing.assert_close(gen["blocks.0.resid_post"][mask], ref.hidden_states[1][mask],
-                               atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        gen["blocks.0.resid_post"][mask], ref.hidden_states[1][mask], atol=ATOL, rtol=RTOL
+    )
 
 
 @pytest.mark.parametrize("edit_on", ["both", "prompt", "generated"])
@@ -239,14 +263,22 @@ def test_steer_gives_the_tokens_of_a_hand_written_hook(gpt2, edit_on):
 def test_captures_see_the_steered_value(gpt2):
     inputs = prompt_batch()
     vector = torch.randn(32, generator=torch.Generator().manual_seed(1)) * 3
-    gen = hs.generate(gpt2, inputs, ["blocks.0.resid_post", "blocks.1.resid_post"],
-                      edits=[hs.steer("blocks.0.resid_post", vector)], max_new_tokens=NEW, pad_token_id=1)
+    gen = hs.generate(
+        gpt2,
+        inputs,
+        ["blocks.0.resid_post", "blocks.1.resid_post"],
+        edits=[hs.steer("blocks.0.resid_post", vector)],
+        max_new_tokens=NEW,
+        pad_token_id=1,
+    )
     # (a hook of our own reads the steered value: transformers' output_hidden_states records block
     # outputs with hooks of its own, which may run before the steering hook)
     seen = {}
-    handles = [gpt2.transformer.h[0].register_forward_hook(add_to_block_output(vector)),
-               gpt2.transformer.h[0].register_forward_hook(lambda m, a, o: seen.update(x0=o)),
-               gpt2.transformer.h[1].register_forward_hook(lambda m, a, o: seen.update(x1=o))]
+    handles = [
+        gpt2.transformer.h[0].register_forward_hook(add_to_block_output(vector)),
+        gpt2.transformer.h[0].register_forward_hook(lambda m, a, o: seen.update(x0=o)),
+        gpt2.transformer.h[1].register_forward_hook(lambda m, a, o: seen.update(x1=o)),
+    ]
     try:
         teacher_forced(gpt2, gen.sequences, inputs["attention_mask"])
     finally:
@@ -303,16 +335,21 @@ def test_ablate_heads_and_patch_the_prompt(gpt2):
     assert torch.equal(gen.sequences, expected)
 
     # patch the prompt's block-0 output with that of another prompt of the same length
-    other = {"input_ids": torch.tensor([[1, 1, 300, 2, 9], [44, 3, 8, 8, 150]]),
-             "attention_mask": inputs["attention_mask"]}
+    other = {
+        "input_ids": torch.tensor([[1, 1, 300, 2, 9], [44, 3, 8, 8, 150]]),
+        "attention_mask": inputs["attention_mask"],
+    }
     source = hs.collect(gpt2, other, "blocks.0.resid_post")
     calls = []
 
     def hand(module, args, output):
         calls.append(1)
         if len(calls) == 1:
-            return source["blocks.0.resid_post"] if isinstance(output, torch.Tensor) \
+            return (
+                source["blocks.0.resid_post"]
+                if isinstance(output, torch.Tensor)
                 else (source["blocks.0.resid_post"], *output[1:])
+            )
         return None
 
     handle = gpt2.transformer.h[0].register_forward_hook(hand)
@@ -320,8 +357,14 @@ def test_ablate_heads_and_patch_the_prompt(gpt2):
         expected = gpt2.generate(**inputs, **opts)
     finally:
         handle.remove()
-    gen = hs.generate(gpt2, inputs, "blocks.0.resid_post", edits=[hs.patch("blocks.0.resid_post", source)],
-                      edit_on="prompt", **opts)
+    gen = hs.generate(
+        gpt2,
+        inputs,
+        "blocks.0.resid_post",
+        edits=[hs.patch("blocks.0.resid_post", source)],
+        edit_on="prompt",
+        **opts,
+    )
     assert torch.equal(gen.sequences, expected)
     torch.testing.assert_close(gen["blocks.0.resid_post"][:, :5], source["blocks.0.resid_post"])
     with pytest.raises(hs.SelectionError, match="source covers 5 positions"):
@@ -343,14 +386,25 @@ def test_no_hook_remains_after_generation_raises(gpt2):
     from transformers import LogitsProcessorList
 
     with pytest.raises(Boom):
-        hs.generate(gpt2, inputs, ["blocks.0.resid_post", "blocks.1.attn.z"],
-                    edits=[hs.steer("blocks.1.resid_post", torch.ones(32))],
-                    max_new_tokens=NEW, pad_token_id=1, logits_processor=LogitsProcessorList([explode]))
+        hs.generate(
+            gpt2,
+            inputs,
+            ["blocks.0.resid_post", "blocks.1.attn.z"],
+            edits=[hs.steer("blocks.1.resid_post", torch.ones(32))],
+            max_new_tokens=NEW,
+            pad_token_id=1,
+            logits_processor=LogitsProcessorList([explode]),
+        )
     assert hook_count(gpt2) == before
     with pytest.raises(hs.SelectionError):  # an edit that fails inside its hook
-        hs.generate(gpt2, inputs, "blocks.0.resid_post",
-                    edits=[hs.patch("blocks.0.resid_post", torch.zeros(2, 3, 32))], max_new_tokens=2,
-                    pad_token_id=1)
+        hs.generate(
+            gpt2,
+            inputs,
+            "blocks.0.resid_post",
+            edits=[hs.patch("blocks.0.resid_post", torch.zeros(2, 3, 32))],
+            max_new_tokens=2,
+            pad_token_id=1,
+        )
     assert hook_count(gpt2) == before
     # and the model still generates as before
     plain = gpt2.generate(**inputs, max_new_tokens=2, do_sample=False, pad_token_id=1)
@@ -369,18 +423,27 @@ def test_refuses_what_it_cannot_align(gpt2):
     with pytest.raises(hs.SelectionError, match="edit_on"):
         hs.generate(gpt2, inputs, "blocks.0.resid_post", edit_on="later", max_new_tokens=2)
     with pytest.raises(hs.SelectionError, match="before the sequence ends"):
-        hs.generate(gpt2, inputs, edits=[hs.steer("blocks.0.resid_post", torch.ones(32), positions="last")],
-                    max_new_tokens=2)
+        hs.generate(
+            gpt2,
+            inputs,
+            edits=[hs.steer("blocks.0.resid_post", torch.ones(32), positions="last")],
+            max_new_tokens=2,
+        )
 
 
 def test_without_the_kv_cache(gpt2):
     inputs = prompt_batch()
     cached = hs.generate(gpt2, inputs, "blocks.1.resid_post", max_new_tokens=4, pad_token_id=1)
-    uncached = hs.generate(gpt2, inputs, "blocks.1.resid_post", max_new_tokens=4, pad_token_id=1,
-                           use_cache=False)
+    uncached = hs.generate(
+        gpt2, inputs, "blocks.1.resid_post", max_new_tokens=4, pad_token_id=1, use_cache=False
+    )
     assert torch.equal(cached.sequences, uncached.sequences)
-    torch.testing.assert_close(uncached["blocks.1.resid_post"][cached.mask],
-                               cached["blocks.1.resid_post"][cached.mask], atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        uncached["blocks.1.resid_post"][cached.mask],
+        cached["blocks.1.resid_post"][cached.mask],
+        atol=ATOL,
+        rtol=RTOL,
+    )
 
 
 def test_cli_prints_text_and_writes_captures(tmp_path, capsys):
@@ -395,9 +458,26 @@ def test_cli_prints_text_and_writes_captures(tmp_path, capsys):
     save_file({"v": vector}, str(tmp_path / "v.safetensors"))
     out = tmp_path / "caps.safetensors"
     prompts = ["The quick brown fox", "Paris is"]
-    rc = main(["generate", str(path), "--prompt", prompts[0], "--prompt", prompts[1], "--max-new-tokens", "4",
-               "--points", "blocks.1.resid_post", "--out", str(out),
-               "--steer", f"blocks.0.resid_post:{tmp_path / 'v.safetensors'}:2", "--edit-on", "generated"])
+    rc = main(
+        [
+            "generate",
+            str(path),
+            "--prompt",
+            prompts[0],
+            "--prompt",
+            prompts[1],
+            "--max-new-tokens",
+            "4",
+            "--points",
+            "blocks.1.resid_post",
+            "--out",
+            str(out),
+            "--steer",
+            f"blocks.0.resid_post:{tmp_path / 'v.safetensors'}:2",
+            "--edit-on",
+            "generated",
+        ]
+    )
     assert rc == 0
     printed = capsys.readouterr().out.splitlines()
     # the same call from Python, left-padded as the CLI pads
@@ -405,8 +485,16 @@ def test_cli_prints_text_and_writes_captures(tmp_path, capsys):
     tok.padding_side, tok.pad_token = "left", tok.eos_token
     inputs = tok(prompts, return_tensors="pt", padding=True)
     steer = hs.steer("blocks.0.resid_post", vector, scale=2)
-    gen = hs.generate(model, inputs, "blocks.1.resid_post", edits=[steer],
-                      edit_on="generated", max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    gen = hs.generate(
+        model,
+        inputs,
+        "blocks.1.resid_post",
+        edits=[steer],
+        edit_on="generated",
+        max_new_tokens=4,
+        do_sample=False,
+        pad_token_id=tok.pad_token_id,
+    )
     assert printed == [p + t for p, t in zip(prompts, gen.text(tok), strict=True)]
     with safe_open(str(out), "pt") as f:
         assert torch.equal(f.get_tensor("sequences"), gen.sequences)
@@ -430,8 +518,11 @@ def test_an_empty_kv_cache_is_refused_not_generated_from(gpt2, monkeypatch):
     # transformers >= 5.24 names the forward's cache argument `cache` (the old name is deprecated)
     cache_name = "cache" if "cache" in inspect.signature(type(gpt2).forward).parameters else "past_key_values"
     with torch.no_grad():  # what the broken cache does: the new token sees only itself
-        alone = gpt2(right.sequences[:, 5:6], **{cache_name: DynamicCache(config=gpt2.config)},
-                     output_hidden_states=True).hidden_states[2]
+        alone = gpt2(
+            right.sequences[:, 5:6],
+            **{cache_name: DynamicCache(config=gpt2.config)},
+            output_hidden_states=True,
+        ).hidden_states[2]
     assert not torch.allclose(alone[:, 0], right["blocks.1.resid_post"][:, 5], atol=1e-3)
     before = hook_count(gpt2)  # (transformers keeps hooks of its own once output_hidden_states was asked)
     with pytest.raises(hs.HookscopeError, match="empty KV cache.*use_cache=False"):
@@ -440,5 +531,6 @@ def test_an_empty_kv_cache_is_refused_not_generated_from(gpt2, monkeypatch):
     # the way out it names: every step recomputes the whole sequence, and the captures are right again
     uncached = hs.generate(gpt2, ids, "blocks.1.resid_post", max_new_tokens=3, use_cache=False)
     assert torch.equal(uncached.sequences, right.sequences)
-    torch.testing.assert_close(uncached["blocks.1.resid_post"], right["blocks.1.resid_post"],
-                               atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        uncached["blocks.1.resid_post"], right["blocks.1.resid_post"], atol=ATOL, rtol=RTOL
+    )

@@ -28,8 +28,12 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 ATOL, RTOL = 1e-5, 1e-4
 OPTS = dict(max_new_tokens=5, do_sample=False, stop_at_eos=False)
 # our point -> the bridge's own hook name, for run_with_cache
-POINTS = {"embed": "hook_embed", "blocks.0.resid_post": "blocks.0.hook_resid_post",
-          "blocks.1.attn.z": "blocks.1.attn.hook_z", "blocks.1.mlp.out": "blocks.1.hook_mlp_out"}
+POINTS = {
+    "embed": "hook_embed",
+    "blocks.0.resid_post": "blocks.0.hook_resid_post",
+    "blocks.1.attn.z": "blocks.1.attn.hook_z",
+    "blocks.1.mlp.out": "blocks.1.hook_mlp_out",
+}
 
 
 @pytest.fixture(scope="module")
@@ -38,15 +42,20 @@ def bridges(tiny_dirs) -> dict[str, TransformerBridge]:
     for key in ("gpt2", "llama"):
         path = str(tiny_dirs[key])
         out[key] = TransformerBridge.boot_transformers(
-            path, hf_model=AutoModelForCausalLM.from_pretrained(path),
-            tokenizer=AutoTokenizer.from_pretrained(path), device="cpu").eval()
+            path,
+            hf_model=AutoModelForCausalLM.from_pretrained(path),
+            tokenizer=AutoTokenizer.from_pretrained(path),
+            device="cpu",
+        ).eval()
     return out
 
 
 def padded_batch():
     """Two prompts of different lengths, left-padded (pad id 1, mask 0)."""
-    return {"input_ids": torch.tensor([[1, 1, 7, 42, 99], [5, 17, 300, 8, 61]]),
-            "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])}
+    return {
+        "input_ids": torch.tensor([[1, 1, 7, 42, 99], [5, 17, 300, 8, 61]]),
+        "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]),
+    }
 
 
 def hooks_on(bridge) -> int:
@@ -60,8 +69,9 @@ def test_padded_batch_captures_equal_run_with_cache_row_by_row(bridges, family):
     bridge = bridges[family]
     inputs = padded_batch()
     gen = hs.generate(bridge, inputs, list(POINTS), **OPTS)
-    expected = bridge.generate(inputs["input_ids"], attention_mask=inputs["attention_mask"], verbose=False,
-                               **OPTS)
+    expected = bridge.generate(
+        inputs["input_ids"], attention_mask=inputs["attention_mask"], verbose=False, **OPTS
+    )
     assert torch.equal(gen.sequences, expected)
     assert gen.sequences.shape == (2, 10)
     assert gen.mask.tolist() == [[False, False] + [True] * 8, [True] * 10]
@@ -69,7 +79,7 @@ def test_padded_batch_captures_equal_run_with_cache_row_by_row(bridges, family):
     assert gen["blocks.1.attn.z"].shape == (2, 10, cfg.n_heads, cfg.d_head)
     for b in range(2):
         real = inputs["attention_mask"][b].bool()
-        one = hs.generate(bridge, inputs["input_ids"][b:b + 1, real], list(POINTS), **OPTS)
+        one = hs.generate(bridge, inputs["input_ids"][b : b + 1, real], list(POINTS), **OPTS)
         # the padded row generates what the row alone does ...
         assert torch.equal(gen.sequences[b, gen.mask[b]], one.sequences[0])
         _, cache = bridge.run_with_cache(one.sequences)
@@ -93,24 +103,36 @@ def test_steer_gives_the_tokens_of_the_bridge_own_hooks(bridges, edit_on):
         expected = bridge.generate(ids, verbose=False, **OPTS)
     assert not torch.equal(expected, bridge.generate(ids, verbose=False, **OPTS))  # the vector matters
     before = hooks_on(bridge)
-    gen = hs.generate(bridge, ids, "blocks.1.resid_pre", edits=[hs.steer("blocks.0.resid_post", vector)],
-                      edit_on=edit_on, **OPTS)
+    gen = hs.generate(
+        bridge,
+        ids,
+        "blocks.1.resid_pre",
+        edits=[hs.steer("blocks.0.resid_post", vector)],
+        edit_on=edit_on,
+        **OPTS,
+    )
     assert torch.equal(gen.sequences, expected)
     assert hooks_on(bridge) == before
     # what the next block reads is the steered stream: a teacher-forced pass with the same hook
     with bridge.hooks(fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act + vector)]):
         _, cache = bridge.run_with_cache(gen.sequences)
     new = slice(5, None) if edit_on == "generated" else slice(0, None)
-    torch.testing.assert_close(gen["blocks.1.resid_pre"][:, new], cache["blocks.1.hook_resid_pre"][:, new],
-                               atol=ATOL, rtol=RTOL)
+    torch.testing.assert_close(
+        gen["blocks.1.resid_pre"][:, new], cache["blocks.1.hook_resid_pre"][:, new], atol=ATOL, rtol=RTOL
+    )
 
 
 def test_no_hook_remains_after_generation_raises(bridges):
     bridge = bridges["gpt2"]
     before = hooks_on(bridge)
     with pytest.raises(hs.SelectionError, match="source covers"):
-        hs.generate(bridge, padded_batch(), "blocks.0.resid_post",
-                    edits=[hs.patch("blocks.0.resid_post", torch.zeros(2, 3, bridge.cfg.d_model))], **OPTS)
+        hs.generate(
+            bridge,
+            padded_batch(),
+            "blocks.0.resid_post",
+            edits=[hs.patch("blocks.0.resid_post", torch.zeros(2, 3, bridge.cfg.d_model))],
+            **OPTS,
+        )
     assert hooks_on(bridge) == before
     gen = hs.generate(bridge, padded_batch(), "blocks.0.resid_post", **OPTS)  # and it still works
     assert gen["blocks.0.resid_post"].shape == (2, 10, bridge.cfg.d_model)
@@ -149,8 +171,9 @@ def test_the_result_reads_a_bridge_alias_as_collect_does(bridges):
     assert "blocks.0.hook_out" in gen  # ... and on a Generation
     _, cache = bridge.run_with_cache(gen.sequences)
     torch.testing.assert_close(gen["blocks.0.hook_out"], cache["blocks.0.hook_out"], atol=ATOL, rtol=RTOL)
-    torch.testing.assert_close(gen["blocks.0.hook_out"][:, :5], collected["blocks.0.hook_out"], atol=ATOL,
-                               rtol=RTOL)
+    torch.testing.assert_close(
+        gen["blocks.0.hook_out"][:, :5], collected["blocks.0.hook_out"], atol=ATOL, rtol=RTOL
+    )
     # asked by the alias, the key is the name asked for, as collect keys it
     by_alias = hs.generate(bridge, ids, "blocks.0.hook_out", **OPTS)
     assert list(by_alias) == list(hs.collect(bridge, ids, "blocks.0.hook_out")) == ["blocks.0.hook_out"]

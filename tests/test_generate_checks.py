@@ -29,8 +29,10 @@ def gpt2():
 
 
 def prompt_batch():
-    return {"input_ids": torch.tensor([[1, 1, 7, 42, 99], [5, 17, 300, 8, 61]]),
-            "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])}
+    return {
+        "input_ids": torch.tensor([[1, 1, 7, 42, 99], [5, 17, 300, 8, 61]]),
+        "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]),
+    }
 
 
 BAD = [
@@ -39,12 +41,21 @@ BAD = [
     (dict(points="blocks.9.resid_post"), hs.UnknownPointError, "blocks 0-1"),
     (dict(points="blocks.0.attn.pattern"), hs.SelectionError, "attention weights"),
     (dict(points="blocks.0.resid_post", heads=[0]), hs.SelectionError, "head"),
-    (dict(edits=[hs.steer("blocks.0.resid_post", torch.ones(32), positions="last")]), hs.SelectionError,
-     "before the sequence ends"),
-    (dict(edits=[hs.steer("blocks.0.resid_post", torch.ones(32), positions=[2, -1])]), hs.SelectionError,
-     "before the sequence ends"),
-    (dict(edits=[hs.ablate("blocks.0.resid_post", positions=slice(1, -1))]), hs.SelectionError,
-     "before the sequence ends"),
+    (
+        dict(edits=[hs.steer("blocks.0.resid_post", torch.ones(32), positions="last")]),
+        hs.SelectionError,
+        "before the sequence ends",
+    ),
+    (
+        dict(edits=[hs.steer("blocks.0.resid_post", torch.ones(32), positions=[2, -1])]),
+        hs.SelectionError,
+        "before the sequence ends",
+    ),
+    (
+        dict(edits=[hs.ablate("blocks.0.resid_post", positions=slice(1, -1))]),
+        hs.SelectionError,
+        "before the sequence ends",
+    ),
     (dict(edits=[hs.steer("blocks.7.resid_post", torch.ones(32))]), hs.UnknownPointError, "blocks 0-1"),
     (dict(edits=[lambda act, hook: act]), hs.HookscopeError, "edits= takes"),
     (dict(points="blocks.0.resid_post", edit_on="later"), hs.SelectionError, "edit_on"),
@@ -71,14 +82,22 @@ def in_pass(positions, offset, size):
     return [p for p in positions if offset <= p < offset + size]
 
 
-@pytest.mark.parametrize("positions, names", [
-    (7, [7]), ([6, 8], [6, 8]), ([8, 6], [8, 6]), (slice(1, 9, 3), list(range(1, 9, 3))),
-    (slice(6, None), list(range(6, 20))), (slice(0, 6, 2), [0, 2, 4]), (torch.tensor([9, 5, 6]), [9, 5, 6]),
-])
+@pytest.mark.parametrize(
+    "positions, names",
+    [
+        (7, [7]),
+        ([6, 8], [6, 8]),
+        ([8, 6], [8, 6]),
+        (slice(1, 9, 3), list(range(1, 9, 3))),
+        (slice(6, None), list(range(6, 20))),
+        (slice(0, 6, 2), [0, 2, 4]),
+        (torch.tensor([9, 5, 6]), [9, 5, 6]),
+    ],
+)
 def test_take_and_region_at_an_offset_read_sequence_positions(positions, names):
     x = torch.randn(2, 20, 3, generator=torch.Generator().manual_seed(0))
     offset, size = 5, 5
-    chunk = x[:, offset:offset + size]
+    chunk = x[:, offset : offset + size]
     sel = Selection.of(positions=positions).at(offset)
     wanted = in_pass(names, offset, size)
     got = sel.take(chunk, SeqDims())
@@ -101,12 +120,18 @@ def test_take_at_an_offset_refuses_what_the_pass_does_not_hold():
         Selection.of(positions=-1).at(5).take(chunk, SeqDims())
 
 
-@pytest.mark.parametrize("positions, tail, first_pass", [
-    (None, 0, [True] * 4), ("last", 1, [False] * 4), (-3, 3, [False] * 4),
-    ([1, -2], 2, [False, True, False, False]),
-    (slice(-4, None), 4, [False] * 4), (slice(-4, 2), 4, [True, True, False, False]),
-    (slice(1, -1, 2), 0, [False, True, False, True]),
-])
+@pytest.mark.parametrize(
+    "positions, tail, first_pass",
+    [
+        (None, 0, [True] * 4),
+        ("last", 1, [False] * 4),
+        (-3, 3, [False] * 4),
+        ([1, -2], 2, [False, True, False, False]),
+        (slice(-4, None), 4, [False] * 4),
+        (slice(-4, 2), 4, [True, True, False, False]),
+        (slice(1, -1, 2), 0, [False, True, False, True]),
+    ],
+)
 def test_tail_and_window_cover_every_position_a_final_selection_can_name(positions, tail, first_pass):
     sel = Selection.of(positions=positions)
     assert sel.tail == tail

@@ -36,16 +36,26 @@ def test_generate_under_blocks_equals_eager(fresh_dynamo):
     compiled = compile_model(copy.deepcopy(eager), "blocks", backend="eager")
     reset_stats()
     assert compiled.config.use_cache is False  # what `blocks` does today ...
-    inputs = {"input_ids": torch.tensor([[1, 1, 7, 42, 99], [5, 17, 300, 8, 61]]),
-              "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])}
+    inputs = {
+        "input_ids": torch.tensor([[1, 1, 7, 42, 99], [5, 17, 300, 8, 61]]),
+        "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]),
+    }
     vector = torch.randn(32, generator=torch.Generator().manual_seed(0)) * 6
     points = ["blocks.0.resid_post", "blocks.1.attn.z", "blocks.1.resid_post"]
     opts = dict(max_new_tokens=5, do_sample=False, pad_token_id=1)
     before = hook_count(compiled)
     results = []
     for model in (eager, compiled):
-        results.append(hs.generate(model, inputs, points, edits=[hs.steer("blocks.0.mlp.out", vector)],
-                                   edit_on="generated", **opts))
+        results.append(
+            hs.generate(
+                model,
+                inputs,
+                points,
+                edits=[hs.steer("blocks.0.mlp.out", vector)],
+                edit_on="generated",
+                **opts,
+            )
+        )
     want, got = results
     assert hook_count(compiled) == before
     stats = compile_stats()
@@ -58,7 +68,8 @@ def test_generate_under_blocks_equals_eager(fresh_dynamo):
     # the whole prompt (the generation config, not the model config, decides)
     lengths = []
     handle = compiled.register_forward_pre_hook(
-        lambda m, a, k: lengths.append(k["input_ids"].shape[1]), with_kwargs=True)
+        lambda m, a, k: lengths.append(k["input_ids"].shape[1]), with_kwargs=True
+    )
     try:
         compiled.generate(**inputs, **opts)
     finally:
@@ -74,20 +85,33 @@ def test_patch_under_blocks_equals_eager(fresh_dynamo):
     eager = build_tiny("gpt2", n_layers=2, d_model=32, n_heads=4, seed=6)
     compiled = compile_model(copy.deepcopy(eager), "blocks", backend="eager")
     reset_stats()
-    inputs = {"input_ids": torch.tensor([[1, 1, 7, 42, 99], [5, 17, 300, 8, 61]]),
-              "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])}
+    inputs = {
+        "input_ids": torch.tensor([[1, 1, 7, 42, 99], [5, 17, 300, 8, 61]]),
+        "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]),
+    }
     opts = dict(max_new_tokens=5, do_sample=False, pad_token_id=1)
     # the source: block 0's output over another run's whole final sequence (prompt + 5 new tokens)
-    other = hs.generate(eager, {"input_ids": torch.tensor([[1, 1, 300, 2, 9], [44, 3, 8, 8, 150]]),
-                                "attention_mask": inputs["attention_mask"]}, "blocks.0.resid_post", **opts)
+    other = hs.generate(
+        eager,
+        {
+            "input_ids": torch.tensor([[1, 1, 300, 2, 9], [44, 3, 8, 8, 150]]),
+            "attention_mask": inputs["attention_mask"],
+        },
+        "blocks.0.resid_post",
+        **opts,
+    )
     source = other["blocks.0.resid_post"] * 4
     points = ["blocks.0.resid_post", "blocks.1.resid_post"]
     plain = eager.generate(**inputs, **opts)
     before = hook_count(compiled)
-    for edit, edit_on in [(hs.patch("blocks.0.resid_post", source), "prompt"),
-                          (hs.patch("blocks.0.resid_post", source, positions=[6]), "both")]:
-        want, got = (hs.generate(model, inputs, points, edits=[edit], edit_on=edit_on, **opts)
-                     for model in (eager, compiled))
+    for edit, edit_on in [
+        (hs.patch("blocks.0.resid_post", source), "prompt"),
+        (hs.patch("blocks.0.resid_post", source, positions=[6]), "both"),
+    ]:
+        want, got = (
+            hs.generate(model, inputs, points, edits=[edit], edit_on=edit_on, **opts)
+            for model in (eager, compiled)
+        )
         assert torch.equal(got.sequences, want.sequences)
         assert not torch.equal(want.sequences, plain)  # the patch matters
         for point in points:

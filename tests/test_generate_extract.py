@@ -20,9 +20,19 @@ corpus = corpus_fixture(30)
 
 
 def cfg(tiny_dirs, corpus, out, **overrides) -> ExtractConfig:
-    base = dict(out=str(out), model=str(tiny_dirs["gpt2"]), points=["blocks.1.resid_post"], data=str(corpus),
-                context=CONTEXT, batch_size=BATCH, dtype="float32", max_tokens=MAX_TOKENS, progress=False,
-                generate=NEW, shard_rows=40)
+    base = dict(
+        out=str(out),
+        model=str(tiny_dirs["gpt2"]),
+        points=["blocks.1.resid_post"],
+        data=str(corpus),
+        context=CONTEXT,
+        batch_size=BATCH,
+        dtype="float32",
+        max_tokens=MAX_TOKENS,
+        progress=False,
+        generate=NEW,
+        shard_rows=40,
+    )
     return ExtractConfig(**{**base, **overrides})
 
 
@@ -34,15 +44,21 @@ def test_extract_generate_stores_prompt_and_continuation(tiny_dirs, corpus, tmp_
     eos = model.generation_config.eos_token_id
     seen = {}
     handle = model.transformer.h[1].register_forward_hook(
-        lambda m, a, o: seen.__setitem__("x", o[0] if isinstance(o, tuple) else o))
+        lambda m, a, o: seen.__setitem__("x", o[0] if isinstance(o, tuple) else o)
+    )
     want_x, want_ids, want_docs, want_pos = [], [], [], []
     try:
         with torch.no_grad():
             packed = pack(iter_documents(str(corpus)), tok, context=CONTEXT, max_tokens=MAX_TOKENS)
             for batch in batches(packed, BATCH):
                 assert batch["attention_mask"].all()  # full packed rows: no padding to move
-                full = model.generate(batch["input_ids"], attention_mask=batch["attention_mask"],
-                                      max_new_tokens=NEW, do_sample=False, pad_token_id=eos)
+                full = model.generate(
+                    batch["input_ids"],
+                    attention_mask=batch["attention_mask"],
+                    max_new_tokens=NEW,
+                    do_sample=False,
+                    pad_token_id=eos,
+                )
                 assert full.shape[1] == CONTEXT + NEW  # this tiny model emits no EOS here
                 model(full)  # teacher-forced: every position, the generated ones included
                 keep = ~batch["special_mask"]

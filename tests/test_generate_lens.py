@@ -37,13 +37,16 @@ def test_captures_equal_tl_own_hooks_and_run_with_cache(tl):
     steps = torch.cat(seen, dim=1)  # TL's generate never runs its last token: 10 of 11 positions
     torch.testing.assert_close(gen["blocks.0.resid_post"][:, :10], steps, atol=1e-6, rtol=1e-5)
     _, cache = tl.run_with_cache(gen.sequences)
-    torch.testing.assert_close(gen["blocks.0.resid_post"][:, :6], cache["blocks.0.hook_resid_post"][:, :6],
-                               atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(
+        gen["blocks.0.resid_post"][:, :6], cache["blocks.0.hook_resid_post"][:, :6], atol=1e-5, rtol=1e-4
+    )
 
     plain = hs.generate(tl, toks, ["blocks.0.resid_post", "blocks.1.attn.z"], use_past_kv_cache=False, **OPTS)
     _, cache = tl.run_with_cache(plain.sequences)
-    for point, name in [("blocks.0.resid_post", "blocks.0.hook_resid_post"),
-                        ("blocks.1.attn.z", "blocks.1.attn.hook_z")]:
+    for point, name in [
+        ("blocks.0.resid_post", "blocks.0.hook_resid_post"),
+        ("blocks.1.attn.z", "blocks.1.attn.hook_z"),
+    ]:
         torch.testing.assert_close(plain[point], cache[name], atol=1e-5, rtol=1e-4)
 
 
@@ -86,17 +89,23 @@ def test_left_padded_batch_equals_rows_one_by_one(tl_tokenized):
     assert torch.equal(gen.sequences[:, :6], ids)  # the prompt as given
     assert gen.mask[0].tolist() == [False, False] + [True] * 9 and gen.mask[1].all()
     for b in range(2):
-        row = ids[b:b + 1, mask[b].bool()]
+        row = ids[b : b + 1, mask[b].bool()]
         expected = tl.generate(row, verbose=False, **OPTS).clone()  # TL alone, unpadded
         assert torch.equal(gen.sequences[b, gen.mask[b]], expected[0])
         _, cache = tl.run_with_cache(expected, attention_mask=torch.ones_like(expected))
-        for point, name in [("blocks.0.resid_post", "blocks.0.hook_resid_post"),
-                            ("blocks.1.attn.z", "blocks.1.attn.hook_z")]:
+        for point, name in [
+            ("blocks.0.resid_post", "blocks.0.hook_resid_post"),
+            ("blocks.1.attn.z", "blocks.1.attn.hook_z"),
+        ]:
             torch.testing.assert_close(gen[point][b][gen.mask[b]], cache[name][0], atol=1e-5, rtol=1e-4)
     # steering a padded batch: each row steered as it is alone
     vector = torch.randn(32, generator=torch.Generator().manual_seed(2)) * 8
-    steered = hs.generate(tl, {"input_ids": ids, "attention_mask": mask},
-                          edits=[hs.steer("blocks.0.resid_post", vector)], **OPTS)
+    steered = hs.generate(
+        tl,
+        {"input_ids": ids, "attention_mask": mask},
+        edits=[hs.steer("blocks.0.resid_post", vector)],
+        **OPTS,
+    )
     with tl.hooks(fwd_hooks=[("blocks.0.hook_resid_post", lambda act, hook: act + vector)]):
         alone = tl.generate(ids[:1, 2:], verbose=False, **OPTS)
     assert torch.equal(steered.sequences[0, 2:], alone[0])
@@ -111,5 +120,9 @@ def test_padding_it_cannot_follow_is_refused(tl, tl_tokenized):
     assert hook_count(tl) == before
     # the first real token is the pad id: generate would take it for padding
     with pytest.raises(hs.HookscopeError, match="would not see this padding"):
-        hs.generate(tl_tokenized, {"input_ids": torch.tensor([[3, 3, 0, 42], [5, 17, 30, 8]]),
-                                   "attention_mask": mask}, "blocks.0.resid_post", **OPTS)
+        hs.generate(
+            tl_tokenized,
+            {"input_ids": torch.tensor([[3, 3, 0, 42], [5, 17, 30, 8]]), "attention_mask": mask},
+            "blocks.0.resid_post",
+            **OPTS,
+        )

@@ -26,8 +26,15 @@ ATOL, RTOL = 1e-5, 1e-4
 HOST_READS = ("aten::_local_scalar_dense", "aten::is_nonzero", "aten::nonzero", "aten::item")
 # ops none of which a step of ours needs: a cast or device move, a tensor from Python data, a
 # concatenation, a fresh allocation (the capture copies into its buffer), a gather
-NOT_PER_TOKEN = HOST_READS + ("aten::_to_copy", "aten::lift_fresh", "aten::cat", "aten::clone",
-                              "aten::empty", "aten::empty_strided", "aten::index_select")
+NOT_PER_TOKEN = HOST_READS + (
+    "aten::_to_copy",
+    "aten::lift_fresh",
+    "aten::cat",
+    "aten::clone",
+    "aten::empty",
+    "aten::empty_strided",
+    "aten::index_select",
+)
 # Tensor methods that read values on the host (or move them there), counted when hookscope calls them
 READ_METHODS = ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__")
 OURS = os.path.dirname(hs.__file__)
@@ -39,8 +46,10 @@ def gpt2():
 
 
 def prompt():
-    return {"input_ids": torch.tensor([[1, 1, 7, 42, 99], [5, 17, 300, 8, 61]]),
-            "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])}
+    return {
+        "input_ids": torch.tensor([[1, 1, 7, 42, 99], [5, 17, 300, 8, 61]]),
+        "attention_mask": torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]]),
+    }
 
 
 def options(new):
@@ -56,6 +65,7 @@ def counted(run, monkeypatch) -> tuple[Counter, Counter]:
             if sys._getframe(1).f_code.co_filename.startswith(OURS):
                 calls[name] += 1
             return method(self, *args, **kwargs)
+
         return wrapper
 
     with monkeypatch.context() as patch:
@@ -68,12 +78,15 @@ def counted(run, monkeypatch) -> tuple[Counter, Counter]:
 
 def per_token(run_for, monkeypatch) -> tuple[dict, dict]:
     run_for(SHORT)()  # warm: first-call work is not per token
-    (ops_short, calls_short), (ops_long, calls_long) = (counted(run_for(n), monkeypatch)
-                                                        for n in (SHORT, LONG))
+    (ops_short, calls_short), (ops_long, calls_long) = (
+        counted(run_for(n), monkeypatch) for n in (SHORT, LONG)
+    )
 
     def per(long, short):
-        return {k: (long[k] - short[k]) / (LONG - SHORT) for k in set(long) | set(short)
-                if long[k] != short[k]}
+        return {
+            k: (long[k] - short[k]) / (LONG - SHORT) for k in set(long) | set(short) if long[k] != short[k]
+        }
+
     return per(ops_long, ops_short), per(calls_long, calls_short)
 
 
@@ -95,10 +108,12 @@ def runs(gpt2, case):
     return {
         "capture": lambda n: lambda: hs.generate(gpt2, prompt(), POINT, **options(n)),
         "steer": lambda n: lambda: hs.generate(gpt2, prompt(), edits=[steer], **options(n)),
-        "steer_generated": lambda n: lambda: hs.generate(gpt2, prompt(), edits=[steer], edit_on="generated",
-                                                         **options(n)),
-        "capture_and_steer": lambda n: lambda: hs.generate(gpt2, prompt(), ["blocks.0.resid_post", POINT],
-                                                           edits=[steer], **options(n)),
+        "steer_generated": lambda n: (
+            lambda: hs.generate(gpt2, prompt(), edits=[steer], edit_on="generated", **options(n))
+        ),
+        "capture_and_steer": lambda n: (
+            lambda: hs.generate(gpt2, prompt(), ["blocks.0.resid_post", POINT], edits=[steer], **options(n))
+        ),
     }[case]
 
 
@@ -125,8 +140,12 @@ def test_a_buffer_grown_step_by_step_keeps_what_a_teacher_forced_pass_computes(g
     full = torch.ones_like(gen.sequences)
     full[:, :5] = inputs["attention_mask"]
     with torch.no_grad():
-        ref = gpt2(gen.sequences, attention_mask=full, position_ids=(full.cumsum(-1) - 1).clamp(min=0),
-                   output_hidden_states=True).hidden_states
+        ref = gpt2(
+            gen.sequences,
+            attention_mask=full,
+            position_ids=(full.cumsum(-1) - 1).clamp(min=0),
+            output_hidden_states=True,
+        ).hidden_states
     mask = gen.mask
     torch.testing.assert_close(gen[POINT][mask], ref[2][mask], atol=ATOL, rtol=RTOL)
     torch.testing.assert_close(gen["blocks.0.resid_post"][mask], ref[1][mask], atol=ATOL, rtol=RTOL)
@@ -137,8 +156,9 @@ def test_rows_that_stop_early_give_a_sequence_shorter_than_the_buffer(gpt2):
     inputs = prompt()
     plain = gpt2.generate(**inputs, max_new_tokens=LONG, do_sample=False, pad_token_id=1)
     eos = int(plain[0, 5])  # row 0's first new token; row 1 is forced to stop too:
-    gen = hs.generate(gpt2, inputs, POINT, max_new_tokens=LONG, pad_token_id=1,
-                      eos_token_id=[eos, int(plain[1, 6])])
+    gen = hs.generate(
+        gpt2, inputs, POINT, max_new_tokens=LONG, pad_token_id=1, eos_token_id=[eos, int(plain[1, 6])]
+    )
     total = gen.sequences.shape[1]
     assert total < 5 + LONG
     assert gen[POINT].shape == (2, total, 32) and gen[POINT].is_contiguous()
@@ -175,7 +195,7 @@ def test_a_steer_with_a_vector_of_another_dtype_gives_a_hand_written_hook_values
     gen = hs.generate(gpt2, inputs, POINT, edits=[hs.steer(POINT, vector64)], **options(LONG))
     assert torch.equal(gen.sequences, expected)
     steered = torch.cat(seen, dim=1)  # every pass generate ran (all but the last token's)
-    torch.testing.assert_close(gen[POINT][:, :steered.shape[1]], steered, atol=0, rtol=0)
+    torch.testing.assert_close(gen[POINT][:, : steered.shape[1]], steered, atol=0, rtol=0)
 
 
 def test_the_pass_on_the_last_token_stops_after_the_last_captured_point(gpt2):
@@ -183,8 +203,10 @@ def test_the_pass_on_the_last_token_stops_after_the_last_captured_point(gpt2):
     the deepest captured point (unless the caller takes generate's cache, which it then extends in
     every layer). Counted with plain forward hooks on the blocks."""
     runs = Counter()
-    handles = [block.register_forward_hook(lambda m, a, o, i=i: runs.update([i]))
-               for i, block in enumerate(gpt2.transformer.h)]
+    handles = [
+        block.register_forward_hook(lambda m, a, o, i=i: runs.update([i]))
+        for i, block in enumerate(gpt2.transformer.h)
+    ]
     try:
         gen = hs.generate(gpt2, prompt(), "blocks.1.resid_post", **options(LONG))
         stopped, runs = runs, Counter()
@@ -200,18 +222,26 @@ def test_the_pass_on_the_last_token_stops_after_the_last_captured_point(gpt2):
 
 # ops a heads= selection made once per call does not repeat per token: the heads' index from Python
 # data (lift_fresh, _to_copy), an edit's head mask (zeros + index_put, ones, the & of the two)
-HEADS_MADE_ONCE = HOST_READS + ("aten::lift_fresh", "aten::_to_copy", "aten::index_put_", "aten::zeros",
-                                "aten::ones", "aten::bitwise_and")
+HEADS_MADE_ONCE = HOST_READS + (
+    "aten::lift_fresh",
+    "aten::_to_copy",
+    "aten::index_put_",
+    "aten::zeros",
+    "aten::ones",
+    "aten::bitwise_and",
+)
 
 
 def heads_runs(gpt2, case):
     ablate = hs.ablate("blocks.0.attn.z", heads=[-1])
     return {
-        "capture_heads": lambda n: lambda: hs.generate(gpt2, prompt(), "blocks.1.attn.z", heads=[3, 1],
-                                                       **options(n)),
+        "capture_heads": lambda n: (
+            lambda: hs.generate(gpt2, prompt(), "blocks.1.attn.z", heads=[3, 1], **options(n))
+        ),
         "ablate_heads": lambda n: lambda: hs.generate(gpt2, prompt(), edits=[ablate], **options(n)),
-        "ablate_heads_generated": lambda n: lambda: hs.generate(gpt2, prompt(), edits=[ablate],
-                                                                edit_on="generated", **options(n)),
+        "ablate_heads_generated": lambda n: (
+            lambda: hs.generate(gpt2, prompt(), edits=[ablate], edit_on="generated", **options(n))
+        ),
     }[case]
 
 
@@ -233,20 +263,30 @@ def test_heads_captured_and_ablated_while_generating_match_plain_hooks_on_the_at
         z[:, :, 3] = 0
         return (z.flatten(-2),)
 
-    handles = [gpt2.transformer.h[0].attn.c_proj.register_forward_pre_hook(zero_last_head_of_new_tokens),
-               gpt2.transformer.h[1].attn.c_proj.register_forward_pre_hook(
-                   lambda m, args: seen.append(args[0].unflatten(-1, (4, 8))[:, :, [3, 1]].clone()))]
+    handles = [
+        gpt2.transformer.h[0].attn.c_proj.register_forward_pre_hook(zero_last_head_of_new_tokens),
+        gpt2.transformer.h[1].attn.c_proj.register_forward_pre_hook(
+            lambda m, args: seen.append(args[0].unflatten(-1, (4, 8))[:, :, [3, 1]].clone())
+        ),
+    ]
     try:
         expected = gpt2.generate(**inputs, **options(LONG))
     finally:
         for handle in handles:
             handle.remove()
-    gen = hs.generate(gpt2, inputs, "blocks.1.attn.z", heads=[3, 1], edit_on="generated",
-                      edits=[hs.ablate("blocks.0.attn.z", heads=[-1])], **options(LONG))
+    gen = hs.generate(
+        gpt2,
+        inputs,
+        "blocks.1.attn.z",
+        heads=[3, 1],
+        edit_on="generated",
+        edits=[hs.ablate("blocks.0.attn.z", heads=[-1])],
+        **options(LONG),
+    )
     assert torch.equal(gen.sequences, expected)
     by_hand = torch.cat(seen, dim=1)  # every pass generate ran (all but the last token's)
     assert gen["blocks.1.attn.z"].shape == (2, 5 + LONG, 2, 8)
-    torch.testing.assert_close(gen["blocks.1.attn.z"][:, :by_hand.shape[1]], by_hand, atol=0, rtol=0)
+    torch.testing.assert_close(gen["blocks.1.attn.z"][:, : by_hand.shape[1]], by_hand, atol=0, rtol=0)
 
 
 def test_heads_made_under_inference_mode_serve_a_pass_that_records_gradients(gpt2):

@@ -126,8 +126,12 @@ def test_grad_errors(gpt2, ids):
 def test_grads_are_keyed_by_the_names_asked_for(gpt2, ids):
     want = reference_grads(gpt2, ids)
     got = hs.grads(gpt2, ids, ["blocks.1.hook_resid_post", "blocks.*.mlp.post"], loss_fn)
-    assert list(got) == ["blocks.1.hook_resid_post", "blocks.0.mlp.post", "blocks.1.mlp.post",
-                         "blocks.2.mlp.post"]
+    assert list(got) == [
+        "blocks.1.hook_resid_post",
+        "blocks.0.mlp.post",
+        "blocks.1.mlp.post",
+        "blocks.2.mlp.post",
+    ]
     assert torch.equal(got["blocks.1.hook_resid_post"], want["blocks.1.resid_post"])
     assert got["blocks.1.resid_post"] is got["blocks.1.hook_resid_post"]  # any spelling reads it
     assert torch.equal(got["blocks.1.mlp.post"], want["blocks.1.mlp.post"])

@@ -25,8 +25,9 @@ SIZE = 64 * 2**20  # above glibc's largest mmap threshold (32 MB): mapped afresh
 # that glibc's default shows, each allocation a fresh mapping
 BIG = 4 * SIZE
 corpus = corpus_fixture(40)
-glibc = pytest.mark.skipif(allocator._glibc() is None or allocator._user_tuned(),
-                           reason="needs glibc and no MALLOC_* variables")
+glibc = pytest.mark.skipif(
+    allocator._glibc() is None or allocator._user_tuned(), reason="needs glibc and no MALLOC_* variables"
+)
 
 
 def faults(size: int = SIZE) -> int:
@@ -49,9 +50,21 @@ def steady(size: int = SIZE, warm: int = 5, counted: int = 6) -> int:
 
 
 class _Mallinfo2(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_size_t) for name in (
-        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-        "keepcost")]
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in (
+            "arena",
+            "ordblks",
+            "smblks",
+            "hblks",
+            "hblkhd",
+            "usmblks",
+            "fsmblks",
+            "uordblks",
+            "fordblks",
+            "keepcost",
+        )
+    ]
 
 
 def mapped_on_its_own(size: int = BIG) -> bool:
@@ -117,9 +130,19 @@ def test_an_extraction_keeps_freed_memory_but_not_under_max_memory(tiny_dirs, co
     measured(InMemory, "in memory", lambda: (mapped_on_its_own(), steady()))
     measured(Streamed, "streamed", mapped_on_its_own)
     for name, overrides in (("streamed", {"max_memory": "600KB"}), ("in memory", {})):
-        extract(ExtractConfig(out=str(tmp_path / name), model=str(tiny_dirs["gpt2"]),
-                              points=["blocks.1.resid_post"], data=str(corpus), context=32, batch_size=4,
-                              max_tokens=256, progress=False, **overrides))
+        extract(
+            ExtractConfig(
+                out=str(tmp_path / name),
+                model=str(tiny_dirs["gpt2"]),
+                points=["blocks.1.resid_post"],
+                data=str(corpus),
+                context=32,
+                batch_size=4,
+                max_tokens=256,
+                progress=False,
+                **overrides,
+            )
+        )
     assert seen["streamed"] is True
     on_its_own, faulted = seen["in memory"]
     assert not on_its_own and faulted <= 2 * mapped  # by default: 6 mappings' faults
@@ -136,8 +159,10 @@ def test_extract_asks_for_huge_pages_unless_the_user_chose(monkeypatch):
 
 
 # PyTorch's allocator settings, read back with its own getter (the string it last parsed)
-settings_api = pytest.mark.skipif(not hasattr(torch._C, "_accelerator_getAllocatorSettings"),
-                                  reason="this torch cannot read its allocator settings back")
+settings_api = pytest.mark.skipif(
+    not hasattr(torch._C, "_accelerator_getAllocatorSettings"),
+    reason="this torch cannot read its allocator settings back",
+)
 
 
 def parsed_settings() -> dict[str, str]:
@@ -154,8 +179,9 @@ def allocator_settings():
 
 
 @settings_api
-def test_pinned_memory_is_registered_inside_and_the_user_s_settings_come_back(allocator_settings,
-                                                                             monkeypatch):
+def test_pinned_memory_is_registered_inside_and_the_user_s_settings_come_back(
+    allocator_settings, monkeypatch
+):
     monkeypatch.delenv(allocator.REGISTER_ENV, raising=False)
     monkeypatch.setattr(allocator.os, "cpu_count", lambda: 6)
     allocator_settings("max_split_size_mb:512,garbage_collection_threshold:0.6")
@@ -176,8 +202,9 @@ def test_pinned_memory_is_registered_inside_and_the_user_s_settings_come_back(al
 
 
 @settings_api
-@pytest.mark.parametrize("user", ["pinned_use_cuda_host_register:False",
-                                  "pinned_use_cuda_host_register:True"])
+@pytest.mark.parametrize(
+    "user", ["pinned_use_cuda_host_register:False", "pinned_use_cuda_host_register:True"]
+)
 def test_a_user_s_choice_of_pinning_is_left_alone(allocator_settings, monkeypatch, user):
     monkeypatch.delenv(allocator.REGISTER_ENV, raising=False)
     allocator_settings(user)
@@ -197,11 +224,21 @@ def test_pinned_memory_is_left_alone_when_not_asked(allocator_settings, monkeypa
 
 
 @settings_api
-def test_a_cpu_extraction_leaves_the_allocator_settings_alone(allocator_settings, tiny_dirs, corpus,
-                                                              tmp_path, monkeypatch):
+def test_a_cpu_extraction_leaves_the_allocator_settings_alone(
+    allocator_settings, tiny_dirs, corpus, tmp_path, monkeypatch
+):
     changes = []
     monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", changes.append)
-    extract(ExtractConfig(out=str(tmp_path / "s"), model=str(tiny_dirs["gpt2"]),
-                          points=["blocks.1.resid_post"], data=str(corpus), context=32, batch_size=4,
-                          max_tokens=128, progress=False))
+    extract(
+        ExtractConfig(
+            out=str(tmp_path / "s"),
+            model=str(tiny_dirs["gpt2"]),
+            points=["blocks.1.resid_post"],
+            data=str(corpus),
+            context=32,
+            batch_size=4,
+            max_tokens=128,
+            progress=False,
+        )
+    )
     assert changes == []

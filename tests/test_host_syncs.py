@@ -35,16 +35,31 @@ corpus = corpus_fixture(60)
 SIZE = {"d_model": 64, "n_layers": 2, "n_heads": 4, "context": 64}
 CONTEXT, BATCH = 16, 4
 # family -> block 1's module path, written from the Hugging Face module tree (the reference hook)
-BLOCK_1 = {"gpt2": "transformer.h.1", "llama": "model.layers.1", "gpt_neox": "gpt_neox.layers.1",
-           "bert": "encoder.layer.1", "mixtral": "model.layers.1", "qwen2_moe": "model.layers.1",
-           "qwen3_moe": "model.layers.1", "olmoe": "model.layers.1", "mistral": "model.layers.1",
-           "mistral_window": "model.layers.1", "gemma2": "model.layers.1", "gemma2_window": "model.layers.1",
-           "qwen3": "model.layers.1"}
+BLOCK_1 = {
+    "gpt2": "transformer.h.1",
+    "llama": "model.layers.1",
+    "gpt_neox": "gpt_neox.layers.1",
+    "bert": "encoder.layer.1",
+    "mixtral": "model.layers.1",
+    "qwen2_moe": "model.layers.1",
+    "qwen3_moe": "model.layers.1",
+    "olmoe": "model.layers.1",
+    "mistral": "model.layers.1",
+    "mistral_window": "model.layers.1",
+    "gemma2": "model.layers.1",
+    "gemma2_window": "model.layers.1",
+    "qwen3": "model.layers.1",
+}
 SAVED = ("gpt2", "llama", "gpt_neox", "bert", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 # built from their own configs (case -> model type, config): the default sliding window (longer
 # than the context: the mask check runs) and one shorter than the context (the mask is built)
-BUILT = {"mistral": ("mistral", {}), "mistral_window": ("mistral", {"sliding_window": 6}),
-         "gemma2": ("gemma2", {}), "gemma2_window": ("gemma2", {"sliding_window": 6}), "qwen3": ("qwen3", {})}
+BUILT = {
+    "mistral": ("mistral", {}),
+    "mistral_window": ("mistral", {"sliding_window": 6}),
+    "gemma2": ("gemma2", {}),
+    "gemma2_window": ("gemma2", {"sliding_window": 6}),
+    "qwen3": ("qwen3", {}),
+}
 
 
 @pytest.fixture(scope="module")
@@ -63,9 +78,21 @@ def model_dirs(tmp_path_factory) -> dict[str, Path]:
 
 
 def run_extract(model_dir: Path, corpus: Path, out: Path, **options) -> None:
-    extract(ExtractConfig(out=str(out), model=str(model_dir), points=["blocks.1.resid_post"],
-                          data=str(corpus), context=CONTEXT, batch_size=BATCH, dtype="float32", device="cpu",
-                          progress=False, max_tokens=CONTEXT * BATCH * 3, **options))
+    extract(
+        ExtractConfig(
+            out=str(out),
+            model=str(model_dir),
+            points=["blocks.1.resid_post"],
+            data=str(corpus),
+            context=CONTEXT,
+            batch_size=BATCH,
+            dtype="float32",
+            device="cpu",
+            progress=False,
+            max_tokens=CONTEXT * BATCH * 3,
+            **options,
+        )
+    )
 
 
 def counted_extract(monkeypatch, model_dir: Path, corpus: Path, out: Path) -> list[list[str]]:
@@ -75,8 +102,11 @@ def counted_extract(monkeypatch, model_dir: Path, corpus: Path, out: Path) -> li
 
     def counted(self, batch):
         call = self.source.call_of(batch, self.run_on.device)
-        host = {t.untyped_storage().data_ptr() for t in [call.keep, *(call.columns or {}).values()]
-                if t is not None}
+        host = {
+            t.untyped_storage().data_ptr()
+            for t in [call.keep, *(call.columns or {}).values()]
+            if t is not None
+        }
         on_device = type(batch)(batch)  # the inputs as the device gets them: copies
         on_device.call = dataclasses.replace(call, inputs={k: v.clone() for k, v in call.inputs.items()})
         with HostReads(host) as reads:
@@ -95,15 +125,18 @@ def reference_rows(model_dir: Path, corpus: Path, family: str) -> torch.Tensor:
     block = loaded.model.get_submodule(BLOCK_1[family])
     rows, kept = [], []
     handle = block.register_forward_hook(
-        lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out))
+        lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out)
+    )
     try:
-        sequences = pack(iter_documents(str(corpus)), loaded.tokenizer, context=CONTEXT,
-                         max_tokens=CONTEXT * BATCH * 3)
+        sequences = pack(
+            iter_documents(str(corpus)), loaded.tokenizer, context=CONTEXT, max_tokens=CONTEXT * BATCH * 3
+        )
         for batch in batches(sequences, BATCH):
             kept.clear()
             with torch.inference_mode():
-                loaded.model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                             use_cache=False)
+                loaded.model(
+                    input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False
+                )
             rows.append(kept[0][batch["attention_mask"].bool() & ~batch["special_mask"].bool()])
     finally:
         handle.remove()
@@ -111,12 +144,15 @@ def reference_rows(model_dir: Path, corpus: Path, family: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", list(BLOCK_1))
-def test_the_model_stage_reads_nothing_on_the_host_and_rows_stay_bit_identical(monkeypatch, model_dirs,
-                                                                               corpus, tmp_path, family):
+def test_the_model_stage_reads_nothing_on_the_host_and_rows_stay_bit_identical(
+    monkeypatch, model_dirs, corpus, tmp_path, family
+):
     per_batch = counted_extract(monkeypatch, model_dirs[family], corpus, tmp_path / "store")
     assert len(per_batch) == 3
-    assert per_batch == [[]] * 3, (f"{family}: host reads in the model stage (a host wait per batch on a "
-                                   "GPU):\n" + "\n".join(per_batch[0]))
+    assert per_batch == [[]] * 3, (
+        f"{family}: host reads in the model stage (a host wait per batch on a "
+        "GPU):\n" + "\n".join(per_batch[0])
+    )
     got = hs.open_store(str(tmp_path / "store")).tensor("blocks.1.resid_post")
     want = reference_rows(model_dirs[family], corpus, family)
     assert got.shape == want.shape and got.view(torch.int32).equal(want.view(torch.int32))  # byte for byte
@@ -138,8 +174,10 @@ def test_a_streamed_run_reads_nothing_on_the_host_either(monkeypatch, model_dirs
     def counted(self, inputs, keeps):
         host = {k.untyped_storage().data_ptr() for k in keeps if k is not None}
         if self.buffers is not None:  # the weights' host slots and staging, read from the files
-            host |= {t.untyped_storage().data_ptr() for t in [*(w for w, _ in self.buffers.host),
-                                                              *self.buffers._staging]}
+            host |= {
+                t.untyped_storage().data_ptr()
+                for t in [*(w for w, _ in self.buffers.host), *self.buffers._staging]
+            }
         on_device = [{k: v.clone() for k, v in batch.items()} for batch in inputs]
         with HostReads(host) as reads:
             acts = run_chunk(self, on_device, keeps)

@@ -3,6 +3,7 @@
 Built on hand-made environments: what must become one file (identical bytes, across the script's
 1 MiB chunks) and what must stay apart (other bytes, Python sources and bytecode, another Python's
 directory, a symlink), and a real import that must find its bytecode still valid."""
+
 import os
 import subprocess
 import sys
@@ -29,16 +30,20 @@ def one_file(a: Path, b: Path) -> bool:
 
 
 def run(*venvs: Path) -> str:
-    done = subprocess.run([sys.executable, str(SCRIPT), *map(str, venvs)], capture_output=True, text=True,
-                          check=True)
+    done = subprocess.run(
+        [sys.executable, str(SCRIPT), *map(str, venvs)], capture_output=True, text=True, check=True
+    )
     return done.stdout
 
 
 def test_identical_files_become_one_and_different_ones_stay_apart(tmp_path):
     big = os.urandom(3 << 20)  # over the script's 1 MiB chunk: a difference in the last chunk counts
-    both = {"torch/lib/libtorch.so": big, "torch/_C.pyi": b"def f() -> None: ...\n",
-            "torch/functional.py": b"def f(): pass\n",
-            "torch/__pycache__/functional.cpython-311.pyc": b"bytecode"}
+    both = {
+        "torch/lib/libtorch.so": big,
+        "torch/_C.pyi": b"def f() -> None: ...\n",
+        "torch/functional.py": b"def f(): pass\n",
+        "torch/__pycache__/functional.cpython-311.pyc": b"bytecode",
+    }
     old = env(tmp_path, ".venv", {**both, "torch/version.txt": b"1.0\n"})
     new = env(tmp_path, ".venv-base", {**both, "torch/version.txt": b"2.0\n", "only/here.so": b"x"})
     tail_differs = env(tmp_path, ".venv-tl4", {"torch/lib/libtorch.so": big[:-1] + bytes([big[-1] ^ 1])})
@@ -63,15 +68,23 @@ def test_a_linked_environment_keeps_its_bytecode_valid(tmp_path):
     installed_at = (1_600_000_000, 1_700_000_000)  # each source's own modification time
     for when, venv in zip(installed_at, venvs, strict=True):
         os.utime(site(venv, "shared_mod.py"), (when, when))
-        subprocess.run([sys.executable, "-c", "import py_compile; py_compile.compile('shared_mod.py')"],
-                       cwd=site(venv, ""), check=True)
+        subprocess.run(
+            [sys.executable, "-c", "import py_compile; py_compile.compile('shared_mod.py')"],
+            cwd=site(venv, ""),
+            check=True,
+        )
     run(venvs[1], venvs[0])
     assert one_file(site(venvs[1], "data.bin"), site(venvs[0], "data.bin"))
     cached = next(site(venvs[1], "__pycache__").glob("shared_mod.*.pyc"))
     before = cached.stat().st_mtime_ns
-    out = subprocess.run([sys.executable, "-c", "import shared_mod; print(shared_mod.VALUE)"],
-                         cwd=site(venvs[1], ""), capture_output=True, text=True, check=True,
-                         env={**os.environ, "PYTHONDONTWRITEBYTECODE": ""})
+    out = subprocess.run(
+        [sys.executable, "-c", "import shared_mod; print(shared_mod.VALUE)"],
+        cwd=site(venvs[1], ""),
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONDONTWRITEBYTECODE": ""},
+    )
     assert out.stdout.strip() == repr(b"\x01\x02")
     assert cached.stat().st_mtime_ns == before  # its .pyc was still valid: Python did not rewrite it
 

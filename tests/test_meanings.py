@@ -30,8 +30,18 @@ def gemma2(gemma2_dir) -> str:
 
 
 def config(model: str, corpus, out, points: list[str], max_tokens: int) -> ExtractConfig:
-    return ExtractConfig(out=str(out), model=model, points=points, data=str(corpus), context=16, batch_size=2,
-                         dtype="float32", shard_rows=40, max_tokens=max_tokens, progress=False)
+    return ExtractConfig(
+        out=str(out),
+        model=model,
+        points=points,
+        data=str(corpus),
+        context=16,
+        batch_size=2,
+        dtype="float32",
+        shard_rows=40,
+        max_tokens=max_tokens,
+        progress=False,
+    )
 
 
 def written_before(monkeypatch, cfg: ExtractConfig) -> None:
@@ -40,8 +50,9 @@ def written_before(monkeypatch, cfg: ExtractConfig) -> None:
         extract(cfg)
 
 
-def test_a_store_of_a_changed_point_written_before_is_refused_and_still_reads(gemma2, corpus, tmp_path,
-                                                                               monkeypatch, capsys):
+def test_a_store_of_a_changed_point_written_before_is_refused_and_still_reads(
+    gemma2, corpus, tmp_path, monkeypatch, capsys
+):
     out = tmp_path / "old"
     written_before(monkeypatch, config(gemma2, corpus, out, [CHANGED, "blocks.1.resid_post"], 60))
     rows = len(open_store(out))
@@ -100,8 +111,9 @@ def dinov2(tmp_path_factory) -> str:
     from hookscope.testing import save_tiny
 
     # LayerScale 0.5, not 1: before and after the scale differ
-    return str(save_tiny("dinov2", tmp_path_factory.mktemp("dinov2"), n_layers=2, d_model=32,
-                         layerscale_value=0.5))
+    return str(
+        save_tiny("dinov2", tmp_path_factory.mktemp("dinov2"), n_layers=2, d_model=32, layerscale_value=0.5)
+    )
 
 
 @pytest.fixture(scope="module")
@@ -118,12 +130,21 @@ def pictures(tmp_path_factory):
 
 def image_config(model: str, folder, out, points: list[str], images: int) -> ExtractConfig:
     tokens = 1 + 16  # CLS and 4x4 patches a picture
-    return ExtractConfig(out=str(out), model=model, points=points, data=f"images:{folder}", batch_size=2,
-                         dtype="float32", max_tokens=images * tokens, progress=False)
+    return ExtractConfig(
+        out=str(out),
+        model=model,
+        points=points,
+        data=f"images:{folder}",
+        batch_size=2,
+        dtype="float32",
+        max_tokens=images * tokens,
+        progress=False,
+    )
 
 
-def test_a_dinov2_store_of_attn_out_before_layerscale_is_refused(dinov2, pictures, tmp_path, monkeypatch,
-                                                                  capsys):
+def test_a_dinov2_store_of_attn_out_before_layerscale_is_refused(
+    dinov2, pictures, tmp_path, monkeypatch, capsys
+):
     from hookscope.sources import images
 
     out, points = tmp_path / "old", ["blocks.1.attn.out", "blocks.1.resid_post"]

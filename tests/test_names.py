@@ -107,8 +107,10 @@ def test_find_key_answers_any_spelling_of_a_kept_point():
     assert find_key(keys, "blocks.2.attn.hook_z") == "blocks.2.attn.hook_z"  # as written
     assert find_key(keys, "blocks.1.resid_post") is None
     # both spellings kept: the one asked for wins over the first in order
-    assert find_key(["blocks.0.resid_post", "blocks.0.hook_resid_post"], "blocks.0.hook_resid_post") \
+    assert (
+        find_key(["blocks.0.resid_post", "blocks.0.hook_resid_post"], "blocks.0.hook_resid_post")
         == "blocks.0.hook_resid_post"
+    )
 
 
 def test_find_key_takes_a_model_tables_own_spellings():

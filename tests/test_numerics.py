@@ -70,10 +70,13 @@ def plain_counts(p: Poisoned, dtype: torch.dtype) -> Counter:
     model = loaded.model
     seen = {}
     put = seen.__setitem__
-    hooks = [model.transformer.wte.register_forward_hook(lambda m, a, o: put("embed", o)),
-             model.transformer.h[1].register_forward_hook(lambda m, a, o: put("blocks.1.resid_post", o)),
-             model.transformer.h[0].mlp.c_proj.register_forward_pre_hook(
-                 lambda m, a: put("blocks.0.mlp.post", a[0]))]
+    hooks = [
+        model.transformer.wte.register_forward_hook(lambda m, a, o: put("embed", o)),
+        model.transformer.h[1].register_forward_hook(lambda m, a, o: put("blocks.1.resid_post", o)),
+        model.transformer.h[0].mlp.c_proj.register_forward_pre_hook(
+            lambda m, a: put("blocks.0.mlp.post", a[0])
+        ),
+    ]
     counts = Counter({point: 0 for point in POINTS})
     try:
         with torch.no_grad():
@@ -96,9 +99,26 @@ def cli(*args: str) -> tuple[int, str, str]:
 
 
 def extract_args(p: Poisoned, out: Path, dtype: str, *extra: str) -> list[str]:
-    return ["extract", str(p.model), "--out", str(out), "--points", ",".join(POINTS), "--data", str(p.corpus),
-            "--context", str(CONTEXT), "--batch-size", str(BATCH), "--dtype", dtype, "--shard-rows", "300",
-            "--no-progress", *extra]
+    return [
+        "extract",
+        str(p.model),
+        "--out",
+        str(out),
+        "--points",
+        ",".join(POINTS),
+        "--data",
+        str(p.corpus),
+        "--context",
+        str(CONTEXT),
+        "--batch-size",
+        str(BATCH),
+        "--dtype",
+        dtype,
+        "--shard-rows",
+        "300",
+        "--no-progress",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -124,10 +144,20 @@ def test_nonfinite_values_are_counted_per_point_and_reported(dtype, poisoned, wa
     code, shown, _ = cli("inspect", str(out))
     summary = printed.split("per point:")[-1]
     reported = [f"{point}: {plain[point]}" in summary for point in POINTS if plain[point]]
-    inspected = [any(line.strip().startswith(point + ":") and f", {plain[point]} NaN/Inf" in line
-                     for line in shown.splitlines()) for point in POINTS if plain[point]]
-    record("numerics", f"NaN / Inf per point, stored as {dtype}", tried=len(POINTS),
-           survived=sum(counted[p] == in_rows[p] == plain[p] for p in POINTS))
+    inspected = [
+        any(
+            line.strip().startswith(point + ":") and f", {plain[point]} NaN/Inf" in line
+            for line in shown.splitlines()
+        )
+        for point in POINTS
+        if plain[point]
+    ]
+    record(
+        "numerics",
+        f"NaN / Inf per point, stored as {dtype}",
+        tried=len(POINTS),
+        survived=sum(counted[p] == in_rows[p] == plain[p] for p in POINTS),
+    )
     assert counted == in_rows == dict(plain)  # the manifest, the stored rows and plain hooks agree
     assert all(reported) and all(inspected) and code == 0, (printed, shown)
     nan_rows = int((store.tensor("token_ids") == poisoned.nan).sum())
@@ -147,8 +177,11 @@ def test_on_nonfinite_error_writes_none_of_them(poisoned, warned, tmp_path):
     code_again, _, _ = cli(*extract_args(poisoned, out, "float16"))  # the same command, now keeping them
     diff = compare_stores(out, warned["float16"][0])
     refused = code == 2 and finite and kept == set(range(poisoned.first_bad_batch))
-    record("numerics", "--on-nonfinite error: refused, nothing non-finite written, earlier batches kept",
-           survived=int(refused and code_again == 0 and diff["rows_lost"] == diff["rows_duplicated"] == 0))
+    record(
+        "numerics",
+        "--on-nonfinite error: refused, nothing non-finite written, earlier batches kept",
+        survived=int(refused and code_again == 0 and diff["rows_lost"] == diff["rows_duplicated"] == 0),
+    )
     assert code == 2 and err.startswith("hookscope: error: ") and "non-finite" in err, err
     assert f"batch {poisoned.first_bad_batch}:" in err and "--on-nonfinite warn" in err
     assert finite and all(s.nonfinite == 0 for s in store.stats.values())

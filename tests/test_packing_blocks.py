@@ -39,8 +39,11 @@ def bpe(special: dict[str, str]) -> transformers.PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=sorted(set(special.values())),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=sorted(set(special.values())),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tok.train_from_iterator([" ".join(WORDS)] * 5, trainer)
     return transformers.PreTrainedTokenizerFast(tokenizer_object=tok, **special)
 
@@ -60,8 +63,9 @@ def tokenizer(request) -> transformers.PreTrainedTokenizerFast:
 # -- the reference: packing token by token, as before ----------------------------------------------
 
 
-def reference_batches(documents, tokenizer, context, batch_size, *, bos="auto", drop_remainder=True,
-                      max_tokens=None):
+def reference_batches(
+    documents, tokenizer, context, batch_size, *, bos="auto", drop_remainder=True, max_tokens=None
+):
     policy = pack_policy(tokenizer, bos)
     lead = int(policy.start_id is not None)
     body = context - lead
@@ -71,11 +75,13 @@ def reference_batches(documents, tokenizer, context, batch_size, *, bos="auto", 
 
     def sequence(ids, docs, positions):
         pad = context - lead - len(ids)
-        return (torch.tensor([policy.start_id] * lead + ids + [policy.pad_id] * pad),
-                torch.tensor([1] * (context - pad) + [0] * pad),
-                torch.tensor([-1] * lead + docs + [-1] * pad),
-                torch.tensor([-1] * lead + positions + [-1] * pad),
-                torch.tensor([True] * lead + [d == -1 for d in docs] + [False] * pad))
+        return (
+            torch.tensor([policy.start_id] * lead + ids + [policy.pad_id] * pad),
+            torch.tensor([1] * (context - pad) + [0] * pad),
+            torch.tensor([-1] * lead + docs + [-1] * pad),
+            torch.tensor([-1] * lead + positions + [-1] * pad),
+            torch.tensor([True] * lead + [d == -1 for d in docs] + [False] * pad),
+        )
 
     for doc_id, doc in enumerate(documents):
         tokens = tokenizer(doc, add_special_tokens=False)["input_ids"]
@@ -95,9 +101,11 @@ def reference_batches(documents, tokenizer, context, batch_size, *, bos="auto", 
     if not drop_remainder and rest > 0:
         seqs.append(sequence(ids[:rest], docs[:rest], positions[:rest]))
     if not seqs:
-        raise DataError(f"the data gave {seen} tokens, not enough for one sequence of {context}"
-                        + (f" within max_tokens={max_tokens}" if max_tokens is not None else "")
-                        + "; add data, lower --context, or keep the remainder (drop_remainder=False)")
+        raise DataError(
+            f"the data gave {seen} tokens, not enough for one sequence of {context}"
+            + (f" within max_tokens={max_tokens}" if max_tokens is not None else "")
+            + "; add data, lower --context, or keep the remainder (drop_remainder=False)"
+        )
     keys = ("input_ids", "attention_mask", "doc_ids", "doc_positions", "special_mask")
     out = []
     for at in range(0, len(seqs), batch_size):
@@ -149,8 +157,9 @@ def test_files_and_directories_pack_as_before(tokenizer, tmp_path: Path):
     (tmp_path / "d" / "sub" / "b.txt").write_text("\n\n".join(d for d in docs[120:] if d))
     for source in (tmp_path / "d", tmp_path / "d" / "a.jsonl"):
         want = reference_batches(iter_documents(str(source)), tokenizer, 24, 3, max_tokens=24 * 50)
-        assert_same(list(pack_batches(iter_documents(str(source)), tokenizer, 24, 3, max_tokens=24 * 50)),
-                    want)
+        assert_same(
+            list(pack_batches(iter_documents(str(source)), tokenizer, 24, 3, max_tokens=24 * 50)), want
+        )
 
 
 class Counted:
@@ -201,20 +210,35 @@ def store_files(out: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("keep_bos, max_tokens", [(False, None), (True, 32 * 4 * 5 + 40)])
-def test_a_store_is_the_bytes_the_per_token_packing_wrote(tiny_dirs, corpus_file, tmp_path, monkeypatch,
-                                                         keep_bos, max_tokens):
+def test_a_store_is_the_bytes_the_per_token_packing_wrote(
+    tiny_dirs, corpus_file, tmp_path, monkeypatch, keep_bos, max_tokens
+):
     def cfg(out: Path, workers: int = 0) -> ExtractConfig:
-        return ExtractConfig(out=str(out), model=str(tiny_dirs["gpt2"]), points=["blocks.1.resid_post"],
-                             data=str(corpus_file), context=32, batch_size=4, dtype="float32",
-                             shard_rows=100, drop_bos=not keep_bos, max_tokens=max_tokens, progress=False,
-                             workers=workers)
+        return ExtractConfig(
+            out=str(out),
+            model=str(tiny_dirs["gpt2"]),
+            points=["blocks.1.resid_post"],
+            data=str(corpus_file),
+            context=32,
+            batch_size=4,
+            dtype="float32",
+            shard_rows=100,
+            drop_bos=not keep_bos,
+            max_tokens=max_tokens,
+            progress=False,
+            workers=workers,
+        )
 
     extract(cfg(tmp_path / "new"))
     extract(cfg(tmp_path / "workers", workers=2))
     with monkeypatch.context() as m:
-        m.setattr(text_source, "pack_batches",
-                  lambda docs, tok, context, batch_size, max_tokens, workers: iter(
-                      reference_batches(docs, tok, context, batch_size, max_tokens=max_tokens)))
+        m.setattr(
+            text_source,
+            "pack_batches",
+            lambda docs, tok, context, batch_size, max_tokens, workers: iter(
+                reference_batches(docs, tok, context, batch_size, max_tokens=max_tokens)
+            ),
+        )
         extract(cfg(tmp_path / "old"))
     old = store_files(tmp_path / "old")
     assert len([name for name in old if name.startswith("shards/")]) > 2

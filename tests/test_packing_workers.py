@@ -57,8 +57,11 @@ def docs_with(bad: str, at: int) -> list[str]:
 
 
 def test_a_tokenizer_error_in_a_worker_is_a_data_error_naming_the_documents():
-    with pytest.raises(DataError, match=r"documents 192-255 failed in a worker.*ValueError: this "
-                                        r"tokenizer refuses poison"):
+    with pytest.raises(
+        DataError,
+        match=r"documents 192-255 failed in a worker.*ValueError: this "
+        r"tokenizer refuses poison",
+    ):
         list(pack_batches(docs_with("poison", 200), Trapped(words_tokenizer()), 16, 4, workers=2))
 
 
@@ -126,8 +129,13 @@ ENDLESS = textwrap.dedent("""
 def test_ctrl_c_or_a_kill_leaves_no_worker(how, tmp_path: Path):
     script = tmp_path / "endless.py"
     script.write_text(ENDLESS.format(tests=str(Path(__file__).parent)))
-    proc = subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)})
+    proc = subprocess.Popen(
+        [sys.executable, str(script)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
     try:
         assert proc.stdout.readline().strip() == "packing"
         workers = children(proc.pid)

@@ -34,7 +34,8 @@ def block_output(model: nn.Module, block: nn.Module, inputs: dict[str, Tensor]) 
     """The block's output on `inputs`, by a plain forward hook."""
     kept = []
     handle = block.register_forward_hook(
-        lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out))
+        lambda m, a, out: kept.append(out[0] if isinstance(out, tuple) else out)
+    )
     try:
         with torch.inference_mode():
             model(**inputs)
@@ -85,8 +86,13 @@ def test_last_in_a_with_block_and_given_mask(tiny):
         loaded.model(**batch)  # the mask the model is called with is the one used
     assert torch.equal(cap["blocks.0.resid_post"], want)
     # given explicitly, for a model called with positional inputs only
-    got = hs.collect(loaded.model, batch["input_ids"], "blocks.0.resid_post", positions="last",
-                     attention_mask=batch["attention_mask"])["blocks.0.resid_post"]
+    got = hs.collect(
+        loaded.model,
+        batch["input_ids"],
+        "blocks.0.resid_post",
+        positions="last",
+        attention_mask=batch["attention_mask"],
+    )["blocks.0.resid_post"]
     full = hs.collect(loaded.model, batch["input_ids"], "blocks.0.resid_post")["blocks.0.resid_post"]
     lengths = batch["attention_mask"].sum(1)
     assert torch.equal(got, full[torch.arange(3), lengths - 1])
@@ -138,11 +144,17 @@ def test_bad_masks_are_refused(tiny):
     loaded = tiny["gpt2"]
     batch = padded(loaded, "right")
     with pytest.raises(hs.SelectionError, match="attention mask"):
-        hs.collect(loaded.model, batch["input_ids"], "blocks.0.resid_post", positions="last",
-                   attention_mask=batch["attention_mask"][:, :3])
+        hs.collect(
+            loaded.model,
+            batch["input_ids"],
+            "blocks.0.resid_post",
+            positions="last",
+            attention_mask=batch["attention_mask"][:, :3],
+        )
     empty = batch["attention_mask"].clone()
     empty[1] = 0
     with pytest.raises(hs.SelectionError, match="no real token"):
-        hs.collect(loaded.model, batch["input_ids"], "blocks.0.resid_post", positions="last",
-                   attention_mask=empty)
+        hs.collect(
+            loaded.model, batch["input_ids"], "blocks.0.resid_post", positions="last", attention_mask=empty
+        )
     assert hook_count(loaded.model) == 0

@@ -29,22 +29,53 @@ EXPECTED = {
     "gpt2": ("transformer.h.{L}", {"transformer.wte.weight", "transformer.wpe.weight"}),
     "llama": ("model.layers.{L}", {"model.embed_tokens.weight"}),
     "gpt_neox": ("gpt_neox.layers.{L}", {"gpt_neox.embed_in.weight"}),
-    "bert": ("encoder.layer.{L}", {f"embeddings.{name}" for name in (
-        "word_embeddings.weight", "position_embeddings.weight", "token_type_embeddings.weight",
-        "LayerNorm.weight", "LayerNorm.bias")}),
+    "bert": (
+        "encoder.layer.{L}",
+        {
+            f"embeddings.{name}"
+            for name in (
+                "word_embeddings.weight",
+                "position_embeddings.weight",
+                "token_type_embeddings.weight",
+                "LayerNorm.weight",
+                "LayerNorm.bias",
+            )
+        },
+    ),
     **{moe: ("model.layers.{L}", {"model.embed_tokens.weight"}) for moe in MOE_FAMILIES},
     "vit": ("layers.{L}", {"embeddings.cls_token", "embeddings.position_embeddings", *PATCHES}),
-    "clip_vision_model": ("encoder.layers.{L}", {
-        "embeddings.class_embedding", "embeddings.patch_embedding.weight",
-        "embeddings.position_embedding.weight", "pre_layrnorm.weight", "pre_layrnorm.bias"}),
-    "siglip_vision_model": ("encoder.layers.{L}", {
-        "embeddings.patch_embedding.weight", "embeddings.patch_embedding.bias",
-        "embeddings.position_embedding.weight"}),
-    "dinov2": ("encoder.layer.{L}", {
-        "embeddings.cls_token", "embeddings.mask_token", "embeddings.position_embeddings", *PATCHES}),
-    "dinov2_with_registers": ("encoder.layer.{L}", {
-        "embeddings.cls_token", "embeddings.mask_token", "embeddings.register_tokens",
-        "embeddings.position_embeddings", *PATCHES}),
+    "clip_vision_model": (
+        "encoder.layers.{L}",
+        {
+            "embeddings.class_embedding",
+            "embeddings.patch_embedding.weight",
+            "embeddings.position_embedding.weight",
+            "pre_layrnorm.weight",
+            "pre_layrnorm.bias",
+        },
+    ),
+    "siglip_vision_model": (
+        "encoder.layers.{L}",
+        {
+            "embeddings.patch_embedding.weight",
+            "embeddings.patch_embedding.bias",
+            "embeddings.position_embedding.weight",
+        },
+    ),
+    "dinov2": (
+        "encoder.layer.{L}",
+        {"embeddings.cls_token", "embeddings.mask_token", "embeddings.position_embeddings", *PATCHES},
+    ),
+    "dinov2_with_registers": (
+        "encoder.layer.{L}",
+        {
+            "embeddings.cls_token",
+            "embeddings.mask_token",
+            "embeddings.register_tokens",
+            "embeddings.position_embeddings",
+            *PATCHES,
+        },
+    ),
     "mamba": ("backbone.layers.{L}", {"backbone.embeddings.weight"}),
     "rwkv": ("rwkv.blocks.{L}", {"rwkv.embeddings.weight"}),
 }
@@ -107,15 +138,24 @@ def test_points_load_gives_the_full_models_values_and_only_the_needed_weights(sa
     # counted against the hand-written list: block 2, the final norm and any head stay on meta
     assert off_meta(loaded.model) == expected_names(family, full, through=1)
     assert len(off_meta(loaded.model)) < len(dict(full.named_parameters()))
-    assert not any(b.is_meta for name, b in loaded.model.named_buffers()
-                   if not name.startswith(EXPECTED[family][0].format(L=2)))
+    assert not any(
+        b.is_meta
+        for name, b in loaded.model.named_buffers()
+        if not name.startswith(EXPECTED[family][0].format(L=2))
+    )
 
 
 def test_a_point_past_the_load_is_a_clear_error(saved):
     loaded = hs.load(str(saved["llama"]), tokenizer=False, points="blocks.0.resid_post")
     ids = inputs_for("llama")["input_ids"]
-    for point in ("blocks.1.resid_post", "blocks.2.attn.q", "ln_final", "logits",
-                  "module:model.layers.1.mlp:output", "module:model.norm:output"):
+    for point in (
+        "blocks.1.resid_post",
+        "blocks.2.attn.q",
+        "ln_final",
+        "logits",
+        "module:model.layers.1.mlp:output",
+        "module:model.norm:output",
+    ):
         with pytest.raises(PointNotLoadedError) as info:
             hs.collect(loaded.model, ids, ["blocks.0.resid_post", point])
         message = str(info.value)
@@ -193,8 +233,11 @@ def test_dtype_conversion_equals_the_full_load_converted(saved, family, monkeypa
     monkeypatch.setattr(hookscope.loading.checkpoint, "_CHUNK_BYTES", 1000)  # many chunks per tensor
     chunked = []
     read_whole = hookscope.loading.checkpoint._Converting.__getitem__
-    monkeypatch.setattr(hookscope.loading.checkpoint._Converting, "__getitem__",
-                        lambda self, index: chunked.append(self.key) or read_whole(self, index))
+    monkeypatch.setattr(
+        hookscope.loading.checkpoint._Converting,
+        "__getitem__",
+        lambda self, index: chunked.append(self.key) or read_whole(self, index),
+    )
     path = saved[family]
     full = plain_model(path, dtype=torch.bfloat16)
     loaded = hs.load(str(path), tokenizer=False, dtype=torch.bfloat16, points=["blocks.1.resid_post"])
@@ -252,8 +295,13 @@ def test_a_base_model_checkpoint_under_a_head_class(saved, tmp_path):
 def test_device_map_spreads_only_the_needed_modules(saved, device_map):
     path = saved["llama"]
     if device_map == "per-module":
-        device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers": "cpu",
-                      "model.norm": "cpu", "lm_head": "cpu"}
+        device_map = {
+            "model.embed_tokens": "cpu",
+            "model.rotary_emb": "cpu",
+            "model.layers": "cpu",
+            "model.norm": "cpu",
+            "lm_head": "cpu",
+        }
     full = plain_model(path)
     loaded = hs.load(str(path), tokenizer=False, device_map=device_map, points=["blocks.0.resid_post"])
     ids = inputs_for("llama")
@@ -310,18 +358,30 @@ def test_device_map_auto_budgets_the_needed_modules_alone(saved, monkeypatch):
     assert all(any(n.startswith(prefix + ".") for n in held) for prefix in device_map)
     assert all(any(not k or n.startswith(k + ".") for k in device_map) for n in needed)
     # the reference: the whole model under the same budget spills past the GPUs
-    assert "cpu" in infer_auto_device_map(full, max_memory=dict(budget),
-                                          no_split_module_classes=full._no_split_modules).values()
+    assert (
+        "cpu"
+        in infer_auto_device_map(
+            full, max_memory=dict(budget), no_split_module_classes=full._no_split_modules
+        ).values()
+    )
 
 
 def test_a_device_map_for_the_whole_model_places_the_needed_part(saved):
     """A map written for the whole model over two devices, of which the needed modules use one:
     nothing is dispatched for the other (a GPU this machine does not have, never touched)."""
-    device_map = {"model.embed_tokens": "cpu", "model.rotary_emb": "cpu", "model.layers.0": "cpu",
-                  "model.layers.1": "cpu", "model.layers.2": 1, "model.norm": 1, "lm_head": 1}
+    device_map = {
+        "model.embed_tokens": "cpu",
+        "model.rotary_emb": "cpu",
+        "model.layers.0": "cpu",
+        "model.layers.1": "cpu",
+        "model.layers.2": 1,
+        "model.norm": 1,
+        "lm_head": 1,
+    }
     full = plain_model(saved["llama"])
-    loaded = hs.load(str(saved["llama"]), tokenizer=False, device_map=device_map,
-                     points=["blocks.1.resid_post"])
+    loaded = hs.load(
+        str(saved["llama"]), tokenizer=False, device_map=device_map, points=["blocks.1.resid_post"]
+    )
     ids = inputs_for("llama")
     want = hooked_output(full, "model.layers.1", ids)
     assert torch.equal(hs.collect(loaded.model, ids, "blocks.1.resid_post")["blocks.1.resid_post"], want)
@@ -343,9 +403,19 @@ def test_extract_loads_only_what_its_points_need(saved, tmp_path, monkeypatch):
         return loaded
 
     def run(out: Path) -> dict[str, bytes]:
-        hs.extract(hs.ExtractConfig(
-            out=str(out), model=str(saved["llama"]), points=["blocks.1.resid_post"], data=str(corpus),
-            context=16, batch_size=2, dtype="float32", shard_rows=40, progress=False))
+        hs.extract(
+            hs.ExtractConfig(
+                out=str(out),
+                model=str(saved["llama"]),
+                points=["blocks.1.resid_post"],
+                data=str(corpus),
+                context=16,
+                batch_size=2,
+                dtype="float32",
+                shard_rows=40,
+                progress=False,
+            )
+        )
         return {p.name: p.read_bytes() for p in sorted((out / "shards").glob("*"))}
 
     monkeypatch.setattr(extract_loop, "load", spying_load)

@@ -40,6 +40,7 @@ def calls_per_block(model: nn.Module) -> tuple[list[int], list]:
     def counter(index: int):
         def count(*_):
             counts[index] += 1
+
         return count
 
     blocks = [model.get_submodule(f"model.layers.{i}") for i in range(3)]
@@ -64,8 +65,11 @@ def test_profile_runs_the_loaded_blocks_and_says_what_was_left_out(llama_dir, pa
     assert counts[0] == counts[1] > 0 and counts[2] == 0  # every step stopped where the weights end
     # rows for the loaded blocks only, forward then backward in the order backward runs them
     assert [(r.name, r.kind) for r in report.block_rows()] == [
-        ("blocks.0", "block"), ("blocks.1", "block"),
-        ("blocks.1", "block backward"), ("blocks.0", "block backward")]
+        ("blocks.0", "block"),
+        ("blocks.1", "block"),
+        ("blocks.1", "block backward"),
+        ("blocks.0", "block backward"),
+    ]
     # loss_fn got the hidden state where the weights end: block 1's output
     want = hooked_output(full, "model.layers.1", {"input_ids": ids})
     assert given and all(torch.equal(h, want) for h in given)

@@ -71,8 +71,16 @@ def test_the_writer_waits_on_each_handoff_and_hands_buffers_back_after_writing(t
             (view,) = views(buffer, [value])
             view.fill_(float("nan"))  # what a buffer holds before its copy lands
             parts = stats_tensors(value)  # as the device would compute them
-            handoff = Watched([LateCopy(view, value)], {"x": parts}, ring, buffer, store=out, value=value,
-                              log=log, renames=renames)
+            handoff = Watched(
+                [LateCopy(view, value)],
+                {"x": parts},
+                ring,
+                buffer,
+                store=out,
+                value=value,
+                log=log,
+                renames=renames,
+            )
             writer.write(i, {"x": view}, {"token_ids": torch.arange(len(value)) + 1000 * i}, handoff=handoff)
     store = open_store(out, verify=True)
     want = torch.cat([rows_of(i) for i in range(12)])
@@ -305,8 +313,12 @@ def test_a_ring_with_a_spare_never_hands_out_one_buffer_twice():
 
 
 def test_views_lay_tensors_out_aligned_and_apart():
-    tensors = [torch.zeros(3, 5, dtype=torch.bfloat16), torch.zeros(7, dtype=torch.float32),
-               torch.zeros(0, 4, dtype=torch.float64), torch.zeros(2, 2, dtype=torch.int64)]
+    tensors = [
+        torch.zeros(3, 5, dtype=torch.bfloat16),
+        torch.zeros(7, dtype=torch.float32),
+        torch.zeros(0, 4, dtype=torch.float64),
+        torch.zeros(2, 2, dtype=torch.int64),
+    ]
     buffer = torch.zeros(nbytes_of(tensors), dtype=torch.uint8)
     placed = views(buffer, tensors)
     for i, (view, t) in enumerate(zip(placed, tensors, strict=True)):
@@ -318,12 +330,17 @@ def test_views_lay_tensors_out_aligned_and_apart():
 
 def test_token_columns_equal_boolean_mask_indexing():
     g = torch.Generator().manual_seed(4)
-    batch = {"input_ids": torch.randint(0, 1000, (5, 13), generator=g),
-             "doc_ids": torch.randint(0, 50, (5, 13), generator=g),
-             "doc_positions": torch.randint(0, 13, (5, 13), generator=g),
-             "seq_ids": torch.arange(5) + 70}
-    for keep in (torch.rand(5, 13, generator=g) > 0.3, torch.zeros(5, 13, dtype=torch.bool),
-                 torch.ones(5, 13, dtype=torch.bool)):
+    batch = {
+        "input_ids": torch.randint(0, 1000, (5, 13), generator=g),
+        "doc_ids": torch.randint(0, 50, (5, 13), generator=g),
+        "doc_positions": torch.randint(0, 13, (5, 13), generator=g),
+        "seq_ids": torch.arange(5) + 70,
+    }
+    for keep in (
+        torch.rand(5, 13, generator=g) > 0.3,
+        torch.zeros(5, 13, dtype=torch.bool),
+        torch.ones(5, 13, dtype=torch.bool),
+    ):
         got = token_columns(batch, keep)
         assert torch.equal(got["token_ids"], batch["input_ids"][keep])
         assert torch.equal(got["doc_ids"], batch["doc_ids"][keep])

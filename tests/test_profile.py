@@ -100,7 +100,8 @@ def test_block_memory_is_its_output_under_inference(forward_run, model, inputs):
     sizes = {}
     handles = [
         model.get_submodule(path).register_forward_hook(
-            lambda m, a, out, i=i: sizes.__setitem__(f"blocks.{i}", out.numel() * out.element_size()))
+            lambda m, a, out, i=i: sizes.__setitem__(f"blocks.{i}", out.numel() * out.element_size())
+        )
         for i, path in enumerate(arch_of(model).block_paths)
     ]
     try:
@@ -134,7 +135,7 @@ def test_html_embeds_the_picture_and_names_every_block(forward_run):
     page = files["html"].read_text()
     assert files["picture"].read_text() in page  # the SVG picture, inline
     assert all(f"<td>{b}</td>" in page for b in BLOCKS)
-    assert "src=\"http" not in page  # self-contained
+    assert 'src="http' not in page  # self-contained
 
 
 def test_table_file_is_the_summary(forward_run):
@@ -181,8 +182,9 @@ def test_each_block_range_holds_that_blocks_own_work(model, inputs, tmp_path):
     finally:
         for h in handles:
             h.remove()
-    spans = {e["name"]: (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
-             for e in trace_events(files["trace"])}
+    spans = {
+        e["name"]: (float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in trace_events(files["trace"])
+    }
     for i in range(N_BLOCKS):
         pairs = ((f"test.forward.{i}", f"hs::blocks.{i}"), (f"test.backward.{i}", f"hs::blocks.{i}.backward"))
         for marker, label in pairs:
@@ -244,8 +246,14 @@ def test_hook_overhead_grows_with_a_slow_hook():
 def test_gradient_hooks_get_backward_rows():
     small = build_tiny("gpt2")
     seen = []
-    report = hs.profile(small, torch.randint(0, 512, (2, 16)), backward=True, steps=2, warmup=0,
-                        hooks=lambda h: h.grad("blocks.1.resid_mid", lambda g, hook: seen.append(g.shape)))
+    report = hs.profile(
+        small,
+        torch.randint(0, 512, (2, 16)),
+        backward=True,
+        steps=2,
+        warmup=0,
+        hooks=lambda h: h.grad("blocks.1.resid_mid", lambda g, hook: seen.append(g.shape)),
+    )
     assert seen and all(s == (2, 16, 64) for s in seen)
     kinds = {(r.name, r.kind) for r in report.rows if r.kind.startswith("hook")}
     assert ("blocks.1.resid_mid", "hook backward") in kinds
@@ -262,8 +270,14 @@ def test_no_hooks_left_behind_even_when_the_forward_raises(model, inputs):
 
     for backward in (False, True):
         with pytest.raises(RuntimeError, match="boom"):
-            hs.profile(model, inputs, backward=backward, steps=1, warmup=0,
-                       hooks=[("blocks.2.resid_post", fail_while_profiling)])
+            hs.profile(
+                model,
+                inputs,
+                backward=backward,
+                steps=1,
+                warmup=0,
+                hooks=[("blocks.2.resid_post", fail_while_profiling)],
+            )
         assert hook_count(model) == before
         assert not profiler_enabled()
 
@@ -326,20 +340,58 @@ def test_the_picture_needs_no_matplotlib(forward_run, no_matplotlib, tmp_path):
 
 def test_cli_profile_on_the_base_install_prints_then_writes(tiny_dirs, no_matplotlib, tmp_path, capsys):
     out = tmp_path / "prof"
-    assert main(["profile", str(tiny_dirs["gpt2"]), "--batch", "1", "--seq", "8", "--steps", "2",
-                 "--warmup", "0", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "profile",
+                str(tiny_dirs["gpt2"]),
+                "--batch",
+                "1",
+                "--seq",
+                "8",
+                "--steps",
+                "2",
+                "--warmup",
+                "0",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     text = capsys.readouterr().out
     assert text.index("hookscope profile:") < text.index(f"files in {out}:")
     assert "time_per_block.svg" in text and "report.html" in text and "time_per_block.png" not in text
-    assert sorted(p.name for p in out.iterdir()) == ["report.html", "table.txt", "time_per_block.svg",
-                                                     "trace.json"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "report.html",
+        "table.txt",
+        "time_per_block.svg",
+        "trace.json",
+    ]
 
 
 def test_an_unwritable_out_is_a_clear_error_before_any_work(tiny_dirs, tmp_path, capsys):
     blocker = tmp_path / "a-file"
     blocker.write_text("not a directory")
-    assert main(["profile", str(tiny_dirs["gpt2"]), "--batch", "1", "--seq", "8", "--steps", "1",
-                 "--warmup", "0", "--out", str(blocker / "prof")]) == 2
+    assert (
+        main(
+            [
+                "profile",
+                str(tiny_dirs["gpt2"]),
+                "--batch",
+                "1",
+                "--seq",
+                "8",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--out",
+                str(blocker / "prof"),
+            ]
+        )
+        == 2
+    )
     captured = capsys.readouterr()
     assert captured.err.startswith(f"hookscope: error: cannot write the profile into {blocker / 'prof'}")
     assert "Traceback" not in captured.err and captured.out == ""  # refused before profiling
@@ -352,8 +404,25 @@ def test_a_failed_write_keeps_the_printed_summary(tiny_dirs, tmp_path, capsys, m
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(report_module, "write_trace", disk_full)
-    assert main(["profile", str(tiny_dirs["gpt2"]), "--batch", "1", "--seq", "8", "--steps", "1",
-                 "--warmup", "0", "--out", str(tmp_path / "prof")]) == 2
+    assert (
+        main(
+            [
+                "profile",
+                str(tiny_dirs["gpt2"]),
+                "--batch",
+                "1",
+                "--seq",
+                "8",
+                "--steps",
+                "1",
+                "--warmup",
+                "0",
+                "--out",
+                str(tmp_path / "prof"),
+            ]
+        )
+        == 2
+    )
     captured = capsys.readouterr()
     assert "hookscope profile:" in captured.out and "blocks.2" in captured.out  # shown before the files
     assert "cannot write the profile into" in captured.err and "No space left on device" in captured.err
@@ -376,8 +445,9 @@ def test_uneven_steps_show_a_spread_per_row_and_a_warning():
         if len(calls) % 2:
             time.sleep(0.2)
 
-    report = hs.profile(small, ids, steps=4, warmup=0,
-                        hooks=lambda h: h.forward("blocks.0.resid_post", sometimes_slow))
+    report = hs.profile(
+        small, ids, steps=4, warmup=0, hooks=lambda h: h.forward("blocks.0.resid_post", sometimes_slow)
+    )
     assert len(report.step_times_s) == 4 and len(report.step_times_without_hooks_s) == 4
     assert report.step_time_s == min(report.step_times_s)
     assert max(report.step_times_s) - min(report.step_times_s) > 0.1

@@ -80,8 +80,9 @@ def test_round_trip_is_bitwise_and_traceable(store_dir: Path):
     want = expected_columns()
     assert len(store) == sum(len(v) for v in [want["token_ids"]]) == 12 * 5 + 3 * (0 + 1 + 2 + 3)
     assert set(store.points) == {"blocks.1.resid_post", "blocks.1.attn.z"}
-    assert (store.points["blocks.1.attn.z"].shape == (2, 3)
-            and store.points["blocks.1.attn.z"].dtype == "float16")
+    assert (
+        store.points["blocks.1.attn.z"].shape == (2, 3) and store.points["blocks.1.attn.z"].dtype == "float16"
+    )
     assert store.points["blocks.1.resid_post"].dtype == "bfloat16"
     assert set(store.meta) == {"token_ids", "doc_ids", "positions", "seq_ids"}
     for name, t in want.items():
@@ -98,8 +99,11 @@ def test_round_trip_is_bitwise_and_traceable(store_dir: Path):
 def test_shards_are_memory_mapped_whole_batches_with_checksums(store_dir: Path):
     store = open_store(store_dir)
     m = store.manifest
-    assert m.settings == SETTINGS and m.settings_hash == hashlib.sha256(
-        json.dumps(SETTINGS, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    assert (
+        m.settings == SETTINGS
+        and m.settings_hash
+        == hashlib.sha256(json.dumps(SETTINGS, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+    )
     covered = []
     for i, entry in enumerate(m.shards):
         data = (store_dir / entry.file).read_bytes()
@@ -226,8 +230,9 @@ def committed_manifest(out: Path) -> Manifest:
 @pytest.mark.parametrize("mode", ["after_tmp", "after_rename", "inside_library", "poll"])
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path: Path, store_dir: Path, mode: str):
     out = tmp_path / "crashed"
-    child = subprocess.Popen([sys.executable, "-c", _CHILD.format(tests=str(Path(__file__).parent)),
-                              mode, str(out)])
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD.format(tests=str(Path(__file__).parent)), mode, str(out)]
+    )
     if mode == "poll":  # the real thing: SIGKILL from outside once two shards are committed
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline and child.poll() is None:
@@ -270,7 +275,8 @@ def test_leftovers_of_a_crash_are_removed_on_resume(store_dir: Path):
     before = Manifest.load(store_dir / "manifest.json")
     ShardWriter(store_dir, SETTINGS, shard_rows=SHARD_ROWS).close()
     assert sorted(p.name for p in shards.iterdir()) == sorted(
-        [Path(s.file).name for s in before.shards] + ["shard-r001-000000.safetensors"])
+        [Path(s.file).name for s in before.shards] + ["shard-r001-000000.safetensors"]
+    )
     assert not (store_dir / "manifest.json.tmp").exists()
     assert Manifest.load(store_dir / "manifest.json").to_json() == before.to_json()
 
@@ -392,15 +398,23 @@ def test_a_corrupt_header_is_an_error_not_a_crash(store_dir: Path):
         open_store(store_dir).shard(0)
 
 
-@pytest.mark.parametrize("edit, message", [
-    (lambda raw: "{not json", "not readable JSON"),
-    (lambda raw: {**raw, "rows": "many"}, "rows should be int"),
-    (lambda raw: {**raw, "version": 99}, "format version 99"),
-    (lambda raw: {**raw, "settings": {**raw["settings"], "context": 9}}, "settings_hash does not match"),
-    (lambda raw: {**raw, "shards": [{**raw["shards"][0], "file": "../etc/passwd"}, *raw["shards"][1:]]},
-     "should be shards/"),
-    (lambda raw: {k: v for k, v in raw.items() if k != "shards"}, "'shards'"),
-])
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (lambda raw: "{not json", "not readable JSON"),
+        (lambda raw: {**raw, "rows": "many"}, "rows should be int"),
+        (lambda raw: {**raw, "version": 99}, "format version 99"),
+        (lambda raw: {**raw, "settings": {**raw["settings"], "context": 9}}, "settings_hash does not match"),
+        (
+            lambda raw: {
+                **raw,
+                "shards": [{**raw["shards"][0], "file": "../etc/passwd"}, *raw["shards"][1:]],
+            },
+            "should be shards/",
+        ),
+        (lambda raw: {k: v for k, v in raw.items() if k != "shards"}, "'shards'"),
+    ],
+)
 def test_a_malformed_manifest_is_a_clear_error(store_dir: Path, edit, message):
     path = store_dir / "manifest.json"
     raw = json.loads(path.read_text())
@@ -437,12 +451,21 @@ def test_ranks_write_their_own_shards_and_merge_to_the_same_rows(tmp_path: Path,
     both, one = open_store(out, verify=True), open_store(store_dir)
     assert len(both) == len(one)
     for name, stats in one.stats.items():  # merged sums agree up to the order of float additions
-        assert ((both.stats[name].nonfinite, both.stats[name].norm_count)
-                == (stats.nonfinite, stats.norm_count))
+        assert (both.stats[name].nonfinite, both.stats[name].norm_count) == (
+            stats.nonfinite,
+            stats.norm_count,
+        )
         assert both.stats[name].norm_sumsq == pytest.approx(stats.norm_sumsq, rel=1e-12)
+
     def rows(s):
-        return sorted(zip(s.tensor("seq_ids").tolist(), s.tensor("positions").tolist(),
-                          s.tensor("blocks.1.resid_post").float().sum(1).tolist(), strict=True))
+        return sorted(
+            zip(
+                s.tensor("seq_ids").tolist(),
+                s.tensor("positions").tolist(),
+                s.tensor("blocks.1.resid_post").float().sum(1).tolist(),
+                strict=True,
+            )
+        )
 
     assert rows(both) == rows(one)
     with ShardWriter(out, SETTINGS) as w:  # one process may take over: a new attempt with nothing to do
@@ -531,12 +554,15 @@ def test_restored_sampler_in_batches_and_per_rank(id_store):
 
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_ranks_cover_every_row_exactly_once(id_store, world_size: int):
-    parts = [ids_of(id_store.dataset("x", seed=2, buffer_rows=60, rank=r, world_size=world_size))
-             for r in range(world_size)]
+    parts = [
+        ids_of(id_store.dataset("x", seed=2, buffer_rows=60, rank=r, world_size=world_size))
+        for r in range(world_size)
+    ]
     assert sorted(i for part in parts for i in part) == list(range(200))
     assert max(map(len, parts)) - min(map(len, parts)) <= 1
-    assert ([len(id_store.dataset("x", rank=r, world_size=world_size)) for r in range(world_size)]
-            == list(map(len, parts)))
+    assert [len(id_store.dataset("x", rank=r, world_size=world_size)) for r in range(world_size)] == list(
+        map(len, parts)
+    )
 
 
 def test_train_and_val_split_rows_and_do_not_depend_on_the_seed(id_store):
@@ -553,8 +579,9 @@ def test_unknown_column_is_refused_and_workers_share_the_rows(id_store):
     with pytest.raises(StoreError, match="no column 'y'"):
         id_store.dataset("y")
     for workers in (0, 1, 2):  # the main process, or worker processes: every row once
-        loader = torch.utils.data.DataLoader(id_store.dataset("x", batch_size=10), batch_size=None,
-                                             num_workers=workers)
+        loader = torch.utils.data.DataLoader(
+            id_store.dataset("x", batch_size=10), batch_size=None, num_workers=workers
+        )
         assert sorted(ids_of(loader)) == list(range(200))
 
 

@@ -109,8 +109,9 @@ WRITTEN_BY_B05E947 = {
 
 def test_the_files_are_those_the_earlier_writer_wrote(store, location):
     fs = open_fs(location)
-    assert fs.list("shards") == sorted(name.removeprefix("shards/") for name in WRITTEN_BY_B05E947
-                                       if name.startswith("shards/"))
+    assert fs.list("shards") == sorted(
+        name.removeprefix("shards/") for name in WRITTEN_BY_B05E947 if name.startswith("shards/")
+    )
     got = {}
     raw = json.loads(fs.read("manifest.json"))
     for entry in raw["shards"]:
@@ -171,8 +172,9 @@ def test_both_exports_hold_the_rows_written(store, tmp_path):
     sae = datasets.load_from_disk(str(tmp_path / "sae"))
     whole = ROWS // 4 * 4
     assert done.examples == ROWS // 4 and done.hook_name == "blocks.0.hook_resid_post"
-    assert torch.equal(torch.tensor(sae[done.hook_name], dtype=torch.float16).reshape(-1, UNITS),
-                       REF[POINT][:whole])
+    assert torch.equal(
+        torch.tensor(sae[done.hook_name], dtype=torch.float16).reshape(-1, UNITS), REF[POINT][:whole]
+    )
     assert torch.tensor(sae["token_ids"]).reshape(-1).tolist() == REF["token_ids"][:whole].tolist()
 
 
@@ -183,8 +185,13 @@ def top_rows(unit: int, k: int) -> list[int]:
 
 def around(row: int, context: int) -> list[int]:
     """The token ids of the rows within `context` of `row` in its own sequence and document."""
-    same = [r for r in range(row - context, row + context + 1) if 0 <= r < ROWS
-            and REF["seq_ids"][r] == REF["seq_ids"][row] and REF["doc_ids"][r] == REF["doc_ids"][row]]
+    same = [
+        r
+        for r in range(row - context, row + context + 1)
+        if 0 <= r < ROWS
+        and REF["seq_ids"][r] == REF["seq_ids"][row]
+        and REF["doc_ids"][r] == REF["doc_ids"][row]
+    ]
     return REF["token_ids"][same].tolist()
 
 
@@ -254,5 +261,6 @@ def test_an_interrupted_store_resumes_to_the_rows_written(location, tmp_path):
     assert all(torch.equal(resumed.tensor(k), REF[k]) for k in REF)
     # shard for shard the bytes of a store written in one go on the local disk
     write(str(tmp_path / "one-go"))
-    assert [(s.file, s.checksum) for s in resumed.manifest.shards] == \
-        [(s.file, s.checksum) for s in open_store(tmp_path / "one-go").manifest.shards]
+    assert [(s.file, s.checksum) for s in resumed.manifest.shards] == [
+        (s.file, s.checksum) for s in open_store(tmp_path / "one-go").manifest.shards
+    ]

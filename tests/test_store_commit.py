@@ -26,8 +26,10 @@ N, CRASH_AT = 10, 6  # batches in the run; shards committed when the snapshot is
 def batch(i: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(i)
     rows = 3 + i % 2
-    return ({"x": torch.randn(rows, 4, generator=g).to(torch.bfloat16)},
-            {"token_ids": torch.arange(rows) + 100 * i})
+    return (
+        {"x": torch.randn(rows, 4, generator=g).to(torch.bfloat16)},
+        {"token_ids": torch.arange(rows) + 100 * i},
+    )
 
 
 def write(out, batches=range(N)) -> None:
@@ -39,8 +41,11 @@ def write(out, batches=range(N)) -> None:
 
 def files(out: Path) -> dict[str, str]:
     """SHA-256 of every file of the store (debris and journal included)."""
-    return {p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(out.rglob("*")) if p.is_file()}
+    return {
+        p.relative_to(out).as_posix(): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(out.rglob("*"))
+        if p.is_file()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -115,9 +120,11 @@ def test_a_crash_snapshot_resumes_to_the_uninterrupted_store(crashed, reference)
 def test_a_torn_last_line_is_not_committed(crashed, reference, tear):
     data = (crashed / "manifest.journal").read_bytes()
     last = data.rfind(b"\n", 0, len(data) - 1) + 1
-    torn = {"half a line": data[: last + (len(data) - last) // 2],
-            "zeros after the last newline": data[:last] + bytes(len(data) - last),
-            "no newline": data[:-1]}[tear]
+    torn = {
+        "half a line": data[: last + (len(data) - last) // 2],
+        "zeros after the last newline": data[:last] + bytes(len(data) - last),
+        "no newline": data[:-1],
+    }[tear]
     (crashed / "manifest.journal").write_bytes(torn)
     assert open_store(crashed, verify=True).num_shards == CRASH_AT - 1
     with ShardWriter(crashed, SETTINGS, shard_rows=1) as w:
@@ -143,8 +150,9 @@ def _edit_entry(lines: list[bytes], k: int, **changes) -> bytes:
 
 def _new_entry(lines: list[bytes], **changes) -> bytes:
     """A line for a shard no one committed (batch 99), with `changes`."""
-    return _edit_entry(lines, 0, file="shards/shard-r000-000099.safetensors", batches=[[99, 99, 1]],
-                       **changes)
+    return _edit_entry(
+        lines, 0, file="shards/shard-r000-000099.safetensors", batches=[[99, 99, 1]], **changes
+    )
 
 
 def _not_hex(lines: list[bytes]) -> bytes:
@@ -158,7 +166,9 @@ HOSTILE = {
     "wrong hash": (lambda ls: [ls[0], b"0" * 64 + ls[1][64:], *ls[2:]], r"line 2: its SHA-256 does not"),
     "not JSON, hash right": (lambda ls: [line_of(b"{oops"), *ls], r"line 1: not JSON"),
     "the same shard twice, differently": (
-        lambda ls: [*ls, _edit_entry(ls, 1, rows=1)], r"committed twice, with different entries"),
+        lambda ls: [*ls, _edit_entry(ls, 1, rows=1)],
+        r"committed twice, with different entries",
+    ),
     "an entry for a missing file": (lambda ls: [*ls, _new_entry(ls)], r"missing"),
     "an entry of another rank": (lambda ls: [*ls, _new_entry(ls, rank=1)], r"cannot belong to manifest.json"),
     "a negative row count": (lambda ls: [*ls, _new_entry(ls, rows=-1)], r"line 6: entry.rows is -1"),
@@ -167,7 +177,8 @@ HOSTILE = {
     "stats of another point": (lambda ls: [*ls, _new_entry(ls, stats={})], r"has stats for \[\]"),
     "a batch in two shards": (
         lambda ls: [*ls, _edit_entry(ls, 0, file="shards/shard-r000-000042.safetensors")],
-        r"batch 1 is in both"),
+        r"batch 1 is in both",
+    ),
 }
 
 

@@ -61,8 +61,9 @@ def test_direct_writes_give_the_bytes_safetensors_writes(tmp_path: Path, monkeyp
     columns, metadata = shard(rows), {"hookscope.shard": f"{rows} rows"}
     want = reference(columns, tmp_path, metadata)
     pool = ThreadPoolExecutor(threads) if threads else None
-    size, digest = write_shard_file(columns, tmp_path / "s", metadata, "xxh3_128", pool,
-                                    bounce=direct.Bounce())
+    size, digest = write_shard_file(
+        columns, tmp_path / "s", metadata, "xxh3_128", pool, bounce=direct.Bounce()
+    )
     got = (tmp_path / "s").read_bytes()
     assert got == want
     assert (size, digest) == (len(want), xxhash.xxh3_128(want).hexdigest())
@@ -136,10 +137,17 @@ MOUNTINFO = """\
 """
 
 
-@pytest.mark.parametrize("path, kind", [
-    ("/home/me/store", "ext4"), ("/dev/shm/store", "tmpfs"), ("/data/my runs/store", "xfs"),
-    ("/data/my runs/fuse/store", "fuse.s3fs"), ("/mnt/nfs", "nfs4"), ("/dev/shmem", "ext4"),
-])
+@pytest.mark.parametrize(
+    "path, kind",
+    [
+        ("/home/me/store", "ext4"),
+        ("/dev/shm/store", "tmpfs"),
+        ("/data/my runs/store", "xfs"),
+        ("/data/my runs/fuse/store", "fuse.s3fs"),
+        ("/mnt/nfs", "nfs4"),
+        ("/dev/shmem", "ext4"),
+    ],
+)
 def test_the_filesystem_is_that_of_the_longest_mount_above(path: str, kind: str):
     assert direct.filesystem_of(Path(path), MOUNTINFO) == kind
 
@@ -158,13 +166,21 @@ CONTAINER = """\
 """
 
 
-@pytest.mark.parametrize("path, disk", [
-    ("/root/store", True),  # the container's own filesystem: its upper layer out of sight, on the host's disk
-    ("/data/store", True), ("/stacked/store", True),  # xfs, and an overlay whose upper layer is on it
-    ("/dev/shm/store", False), ("/scratch/store", False),  # tmpfs, and an overlay whose upper layer is on it
-    ("/ro/store", False),  # no upper layer: nothing is written there
-    ("/over,comma/store", False),  # an upper layer on tmpfs, its path with an escaped comma
-])
+@pytest.mark.parametrize(
+    "path, disk",
+    [
+        (
+            "/root/store",
+            True,
+        ),  # the container's own filesystem: its upper layer out of sight, on the host's disk
+        ("/data/store", True),
+        ("/stacked/store", True),  # xfs, and an overlay whose upper layer is on it
+        ("/dev/shm/store", False),
+        ("/scratch/store", False),  # tmpfs, and an overlay whose upper layer is on it
+        ("/ro/store", False),  # no upper layer: nothing is written there
+        ("/over,comma/store", False),  # an upper layer on tmpfs, its path with an escaped comma
+    ],
+)
 def test_an_overlay_is_written_directly_where_its_upper_layer_is_on_a_disk(path: str, disk: bool):
     assert direct.on_a_disk(Path(path), CONTAINER) is disk
     assert direct.on_a_disk(Path(path), MOUNTINFO.replace("ext4", "tmpfs")) is False  # no overlay: tmpfs
@@ -180,8 +196,12 @@ def test_a_store_on_an_overlay_mounted_here_is_written_directly(tmp_path: Path, 
     for d in layers.values():
         d.mkdir()
     options = "lowerdir={lower},upperdir={upper},workdir={work}".format(**layers)
-    if subprocess.run(["mount", "-t", "overlay", "overlay", "-o", options, str(layers["merged"])],
-                      capture_output=True).returncode != 0:
+    if (
+        subprocess.run(
+            ["mount", "-t", "overlay", "overlay", "-o", options, str(layers["merged"])], capture_output=True
+        ).returncode
+        != 0
+    ):
         pytest.skip("this machine does not let us mount an overlay")
     try:
         assert direct.filesystem_of(layers["merged"]) == "overlay" and direct.wanted(layers["merged"])

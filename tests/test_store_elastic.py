@@ -28,8 +28,10 @@ def make_batch(i: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]
     """Batch i: 3 to 6 rows that depend only on i; column `batch` names the batch of every row."""
     g = torch.Generator().manual_seed(500 + i)
     rows = 3 + i % 4
-    acts = {"p": torch.randn(rows, 4, generator=g).to(torch.bfloat16),
-            "q": torch.randn(rows, 2, 3, generator=g)}
+    acts = {
+        "p": torch.randn(rows, 4, generator=g).to(torch.bfloat16),
+        "q": torch.randn(rows, 2, 3, generator=g),
+    }
     return acts, {"batch": torch.full((rows,), i), "token_ids": torch.randint(0, 999, (rows,), generator=g)}
 
 
@@ -41,7 +43,7 @@ def write_attempt(out: str, world_size: int, stop_after: list[int | None]) -> No
         try:
             with ShardWriter(out, SETTINGS, shard_rows=SHARD_ROWS, rank=rank, world_size=world_size) as w:
                 mine = [i for i in range(N_BATCHES) if w.owns(i)]
-                for i in mine[:stop_after[rank]]:
+                for i in mine[: stop_after[rank]]:
                     w.write(i, *make_batch(i))
                 if stop_after[rank] is not None:
                     raise KeyboardInterrupt
@@ -59,8 +61,9 @@ def in_batch_order(store) -> dict[str, torch.Tensor]:
 
 def same_rows(got, want) -> bool:
     a, b = in_batch_order(got), in_batch_order(want)
-    return a.keys() == b.keys() and all(torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8))
-                                        for k in a)  # bit for bit
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].view(torch.uint8), b[k].view(torch.uint8)) for k in a
+    )  # bit for bit
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +81,13 @@ HISTORIES = {
     "2 -> 3 -> 1": [(2, [4, 1]), (3, [1, 0, 3])],
     "1 -> 2 -> 2 (same size continues) -> 1": [(1, [5]), (2, [2, 4]), (2, [3, 1])],
 }
-FINISH = {"2 -> 1": 1, "1 -> 2": 2, "3 -> 2, ragged": 2, "2 -> 3 -> 1": 1,
-          "1 -> 2 -> 2 (same size continues) -> 1": 1}
+FINISH = {
+    "2 -> 1": 1,
+    "1 -> 2": 2,
+    "3 -> 2, ragged": 2,
+    "2 -> 3 -> 1": 1,
+    "1 -> 2 -> 2 (same size continues) -> 1": 1,
+}
 
 
 @pytest.mark.parametrize("history", list(HISTORIES))
@@ -103,12 +111,15 @@ def test_finished_by_another_world_size_holds_the_same_rows(tmp_path, reference,
     assert got.manifest.generation == changes  # a new attempt exactly when the world size changed
     # a finished store re-opened with yet another world size has nothing left to write
     with ShardWriter(out, SETTINGS, shard_rows=SHARD_ROWS, rank=0, world_size=4) as w:
-        assert not any(w.owns(i) for i in range(N_BATCHES + 5)) or min(
-            i for i in range(N_BATCHES + 5) if w.owns(i)) == N_BATCHES
+        assert (
+            not any(w.owns(i) for i in range(N_BATCHES + 5))
+            or min(i for i in range(N_BATCHES + 5) if w.owns(i)) == N_BATCHES
+        )
 
 
 def test_same_world_size_resume_is_unchanged(tmp_path):
     """Two ranks stopped and resumed by two ranks write the files an uninterrupted 2-rank run writes."""
+
     def shards(out: Path) -> dict[str, bytes]:
         return {p.name: p.read_bytes() for p in sorted((out / "shards").iterdir())}
 
@@ -164,7 +175,7 @@ def to_version_1(out: Path, world_size: int) -> None:
     for name in ["manifest.json", *[f"manifest.rank{r}.json" for r in range(world_size) if world_size > 1]]:
         raw = json.loads((out / name).read_text())
         for s in raw["shards"]:
-            (first, last, step), = s.pop("batches")
+            ((first, last, step),) = s.pop("batches")
             assert step in (1, world_size)
             path = out / s["file"]
             identity = f"batches {first}-{last} of rank {s['rank']}, settings {raw['settings_hash']}"

@@ -49,8 +49,13 @@ def reference(stored: torch.Tensor) -> dict:
     x = stored.reshape(len(stored), -1).double()
     x = x[torch.isfinite(x).all(dim=1)]
     mean = x.sum(0) / len(x)
-    return {"rows": len(x), "mean": mean, "var": ((x - mean) ** 2).sum(0) / len(x),
-            "msn": float((x**2).sum(1).mean()), "norm_mean": float(x.norm(dim=1).mean())}
+    return {
+        "rows": len(x),
+        "mean": mean,
+        "var": ((x - mean) ** 2).sum(0) / len(x),
+        "msn": float((x**2).sum(1).mean()),
+        "norm_mean": float(x.norm(dim=1).mean()),
+    }
 
 
 def assert_matches(stats: PointStats, stored: torch.Tensor) -> None:
@@ -162,8 +167,10 @@ def test_the_manifest_keeps_no_vector_the_shards_do(tmp_path):
         for data in files.values():
             assert b'"mean"' not in data and b'"m2"' not in data
         raw = json.loads((out / "manifest.json").read_text())
-        assert all(set(e["stats"]["p"]) == {"nonfinite", "norm_count", "norm_sum", "norm_sumsq"}
-                   for e in raw["shards"])
+        assert all(
+            set(e["stats"]["p"]) == {"nonfinite", "norm_count", "norm_sum", "norm_sumsq"}
+            for e in raw["shards"]
+        )
         sizes[width] = [len(json.dumps(e)) for e in raw["shards"]]
         shard, _ = header_of((out / raw["shards"][0]["file"]).read_bytes())
         vectors = json.loads(shard["__metadata__"][HEADER_KEY])["p"]
@@ -178,8 +185,10 @@ def test_a_damaged_shard_header_is_refused_by_name(tmp_path, capsys):
     first = tmp_path / "s" / store.manifest.shards[0].file
     original = first.read_bytes()
     for edit, message in [
-        (lambda s: s["blocks.0.resid_post"].update(mean=s["blocks.0.resid_post"]["mean"][:-32]) or s,
-         "mean holds 21 dimensions, the point has 24"),
+        (
+            lambda s: s["blocks.0.resid_post"].update(mean=s["blocks.0.resid_post"]["mean"][:-32]) or s,
+            "mean holds 21 dimensions, the point has 24",
+        ),
         (lambda s: s["blocks.0.resid_post"].update(mean="not base64!") or s, "not base64"),
         (lambda s: s["blocks.0.resid_post"].update(m2=b64([-1.0] * 24)) or s, "negative sum of squares"),
         (lambda s: s["blocks.0.resid_post"].update(mean=b64([float("nan")] * 24)) or s, "non-finite"),
@@ -218,8 +227,9 @@ def test_an_elastic_store_merges_them_exactly(tmp_path):
         assert w.generation == 1
         for b in range(11):
             if w.owns(b):
-                w.write(b, {n: make_rows(b, n) for n in POINTS},
-                        {"token_ids": torch.arange(b * 50, b * 50 + 50)})
+                w.write(
+                    b, {n: make_rows(b, n) for n in POINTS}, {"token_ids": torch.arange(b * 50, b * 50 + 50)}
+                )
     store = open_store(out)
     assert len(store) == 11 * 50 and {s.generation for s in store.manifest.shards} == {0, 1}
     for name in POINTS:
@@ -239,8 +249,10 @@ def test_a_store_written_before_the_per_dimension_stats_opens(tmp_path, capsys):
     store = open_store(tmp_path / "s")
     st = store.stats["blocks.0.resid_post"]
     assert st.mean is None and st.var is None and st.norm_count == 150 - 2
-    assert "shard-r000-000000.safetensors and 1 other shard(s) were written before" in store.stats.missing[
-        "blocks.0.resid_post"]
+    assert (
+        "shard-r000-000000.safetensors and 1 other shard(s) were written before"
+        in store.stats.missing["blocks.0.resid_post"]
+    )
     want = reference(store.tensor("blocks.0.resid_post"))
     assert st.mean_squared_norm == pytest.approx(want["msn"], rel=1e-6)
     assert main(["inspect", str(tmp_path / "s"), "--no-verify"]) == 0

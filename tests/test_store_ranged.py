@@ -30,8 +30,9 @@ SHARD_ROWS = 100  # shards of ~100 KiB, larger than the 64 KiB first GET, so ran
 BLOCK = 4096
 # the first GET of a shard, for its header: checks.HEAD_BYTES, and room for its per-dimension
 # statistics (per point: its name, 64 bytes of JSON, two float64 vectors in base64)
-HEADER_GET = (16 << 10) + sum(len(name) + 64 + 2 * 4 * math.ceil(8 * width / 3)
-                              for name, width in (("p", WIDE), ("q", NARROW)))
+HEADER_GET = (16 << 10) + sum(
+    len(name) + 64 + 2 * 4 * math.ceil(8 * width / 3) for name, width in (("p", WIDE), ("q", NARROW))
+)
 
 
 def write(out: str, settings: dict | None = None, batches: int = 12) -> None:
@@ -39,9 +40,14 @@ def write(out: str, settings: dict | None = None, batches: int = 12) -> None:
     with ShardWriter(out, settings or {"test": "ranged"}, shard_rows=SHARD_ROWS) as w:
         for i in range(batches):
             rows = 30 + 7 * (i % 3)
-            w.write(i, {"p": torch.randn(rows, WIDE, generator=gen),
-                        "q": torch.randn(rows, NARROW, generator=gen).to(torch.bfloat16)},
-                    {"token_ids": torch.arange(rows) + 1000 * i})
+            w.write(
+                i,
+                {
+                    "p": torch.randn(rows, WIDE, generator=gen),
+                    "q": torch.randn(rows, NARROW, generator=gen).to(torch.bfloat16),
+                },
+                {"token_ids": torch.arange(rows) + 1000 * i},
+            )
 
 
 @pytest.fixture
@@ -120,8 +126,11 @@ def in_row_order(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 def test_the_shuffled_dataset_reads_a_url_unchanged(pair):
     url, local_dir = pair
     remote, local = open_store(url), open_store(local_dir)
-    for kwargs in ({"seed": 4, "buffer_rows": 150, "batch_size": 32}, {"seed": 1, "buffer_rows": 90},
-                   {"shuffle": False, "batch_size": 50, "split": "val", "prefetch": False}):
+    for kwargs in (
+        {"seed": 4, "buffer_rows": 150, "batch_size": 32},
+        {"seed": 1, "buffer_rows": 90},
+        {"shuffle": False, "batch_size": 50, "split": "val", "prefetch": False},
+    ):
         want = list(local.dataset(["p", "q"], **kwargs))
         got = list(remote.dataset(["p", "q"], **kwargs))
         assert len(got) == len(want) > 0
@@ -194,8 +203,13 @@ def test_a_sequential_scan_reads_the_next_shard_ahead_and_a_jump_does_not(pair):
     assert held == {jumping.manifest.shards[2].file}
 
 
-RANGED_FAULTS = ["truncated", "two shards exchanged", "manifest lies about a shard's size",
-                 "manifest lies about a shard's rows", "header says another dtype"]
+RANGED_FAULTS = [
+    "truncated",
+    "two shards exchanged",
+    "manifest lies about a shard's size",
+    "manifest lies about a shard's rows",
+    "header says another dtype",
+]
 
 
 @pytest.mark.parametrize("fault", RANGED_FAULTS)
@@ -257,28 +271,35 @@ def test_s3_ranged_reads_equal_the_local_store(s3, bucket, tmp_path, blocks):  #
     p = remote.load_shard(3, ["p"])["p"]  # ~100 KiB: many 4 KiB blocks in one concurrent batch
     assert torch.equal(p, local.load_shard(3, ["p"])["p"])
     start = remote.first_row(2) - 5
-    assert torch.equal(remote.rows(start, start + 10, ["p", "token_ids"])["token_ids"],
-                       local.tensor("token_ids")[start : start + 10])
+    assert torch.equal(
+        remote.rows(start, start + 10, ["p", "token_ids"])["token_ids"],
+        local.tensor("token_ids")[start : start + 10],
+    )
     got = list(remote.dataset(["p"], seed=2, buffer_rows=120, batch_size=48))
     want = list(local.dataset(["p"], seed=2, buffer_rows=120, batch_size=48))
     assert len(got) == len(want) > 0
     # a shuffled batch is its slice of the stream as a set (grouped by shard from a URL)
-    assert all(torch.equal(in_row_order(a)["p"], in_row_order(b)["p"])
-               for a, b in zip(got, want, strict=True))
+    assert all(
+        torch.equal(in_row_order(a)["p"], in_row_order(b)["p"]) for a, b in zip(got, want, strict=True)
+    )
     open_store(url, verify=True)
 
 
 @needs_s3
-@pytest.mark.parametrize("fault", ["truncated", "two shards exchanged", "shard from another store",
-                                   "manifest lies about a shard's rows"])
+@pytest.mark.parametrize(
+    "fault",
+    ["truncated", "two shards exchanged", "shard from another store", "manifest lies about a shard's rows"],
+)
 def test_s3_ranged_reads_refuse_hostile_objects(s3, bucket, blocks, fault):  # noqa: F811
     url = f"s3://{bucket}/store"
     write(url)
     root = f"{bucket}/store"
     if fault == "shard from another store":
         write(f"s3://{bucket}/other", settings={"test": "another store"})
-        s3.pipe_file(f"{root}/shards/shard-r000-000000.safetensors",
-                     s3.cat_file(f"{bucket}/other/shards/shard-r000-000000.safetensors"))
+        s3.pipe_file(
+            f"{root}/shards/shard-r000-000000.safetensors",
+            s3.cat_file(f"{bucket}/other/shards/shard-r000-000000.safetensors"),
+        )
     else:
         damage(s3, root, fault)
     s3.invalidate_cache()

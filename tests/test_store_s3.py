@@ -31,8 +31,11 @@ from hookscope.errors import StoreError  # noqa: E402
 from hookscope.store import open_store  # noqa: E402
 
 HERE = Path(__file__).parent
-CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-               "AWS_DEFAULT_REGION": "us-east-1"}
+CREDENTIALS = {
+    "AWS_ACCESS_KEY_ID": "testing",
+    "AWS_SECRET_ACCESS_KEY": "testing",
+    "AWS_DEFAULT_REGION": "us-east-1",
+}
 MIN_PART = 1024  # the smallest multipart part the test server takes
 
 
@@ -50,9 +53,12 @@ def s3(tmp_path_factory):
     log = tmp_path_factory.mktemp("moto") / "server.log"
     with open(log, "wb") as out:
         # parts as small as the tests' (S3 itself takes no part but the last under 5 MiB)
-        server = subprocess.Popen([sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
-                                  stdout=out, stderr=subprocess.STDOUT,
-                                  env={**os.environ, "S3_UPLOAD_PART_MIN_SIZE": str(MIN_PART)})
+        server = subprocess.Popen(
+            [sys.executable, "-m", "moto.server", "-H", "127.0.0.1", "-p", str(port)],
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "S3_UPLOAD_PART_MIN_SIZE": str(MIN_PART)},
+        )
     endpoint = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
     while True:
@@ -107,15 +113,19 @@ def reference(tiny_dirs, corpus, tmp_path_factory) -> Path:
 
 
 def local_objects(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def s3_objects(s3, url: str) -> dict[str, str]:
     root = url.removeprefix("s3://")
     s3.invalidate_cache()
-    return {p.removeprefix(root + "/"): hashlib.sha256(s3.cat_file(p)).hexdigest()
-            for p in sorted(s3.find(root))}
+    return {
+        p.removeprefix(root + "/"): hashlib.sha256(s3.cat_file(p)).hexdigest() for p in sorted(s3.find(root))
+    }
 
 
 def env() -> dict[str, str]:
@@ -144,21 +154,33 @@ def test_extract_to_s3_equals_the_local_store(s3, bucket, tiny_dirs, corpus, ref
 LOCAL_TOO = pytest.mark.slow
 
 
-@pytest.mark.parametrize(("sig", "at"), [pytest.param("KILL", "batch:4", marks=LOCAL_TOO),
-                                         pytest.param("KILL", "save:2", marks=LOCAL_TOO),
-                                         ("KILL", "upload:3:after"),
-                                         ("KILL", "upload:2:before"), ("KILL", "put:4:before"),
-                                         ("KILL", "put:1:after"), ("INT", "upload:3:after"),
-                                         pytest.param("TERM", "batch:6", marks=LOCAL_TOO)])
+@pytest.mark.parametrize(
+    ("sig", "at"),
+    [
+        pytest.param("KILL", "batch:4", marks=LOCAL_TOO),
+        pytest.param("KILL", "save:2", marks=LOCAL_TOO),
+        ("KILL", "upload:3:after"),
+        ("KILL", "upload:2:before"),
+        ("KILL", "put:4:before"),
+        ("KILL", "put:1:after"),
+        ("INT", "upload:3:after"),
+        pytest.param("TERM", "batch:6", marks=LOCAL_TOO),
+    ],
+)
 def test_killed_then_resumed_equals_uninterrupted(s3, bucket, tiny_dirs, corpus, reference, sig, at):
     """A kill at any moment, including between a shard's upload and the manifest PUT that commits
     it: readers see only listed shards, the resume deletes the orphan, and the finished store
     equals an uninterrupted one object for object."""
     url = f"s3://{bucket}/store"
     args = cli_args(tiny_dirs["gpt2"], corpus, url)
-    run = subprocess.run([sys.executable, str(HERE / "kill_driver.py"), "cli", sig, at, *args], text=True,
-                         capture_output=True, timeout=600, env=env(),
-                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+    run = subprocess.run(
+        [sys.executable, str(HERE / "kill_driver.py"), "cli", sig, at, *args],
+        text=True,
+        capture_output=True,
+        timeout=600,
+        env=env(),
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
     assert run.returncode == (-9 if sig == "KILL" else 130), run.stderr[-3000:]
     partial = open_store(url, verify=True)  # a consistent store: only what the manifest lists
     if sig == "INT":  # an interrupt still commits the shard it had uploaded, and no partial one
@@ -168,8 +190,11 @@ def test_killed_then_resumed_equals_uninterrupted(s3, bucket, tiny_dirs, corpus,
     if (sig, at) == ("KILL", "upload:3:after"):  # the third shard was uploaded but never committed
         # (the fourth may be uploaded too: shards go up in the background, two at a time)
         orphans = shards - listed
-        assert "shards/shard-r000-000002.safetensors" in orphans <= {"shards/shard-r000-000002.safetensors",
-                                                                    "shards/shard-r000-000003.safetensors"}
+        assert (
+            "shards/shard-r000-000002.safetensors"
+            in orphans
+            <= {"shards/shard-r000-000002.safetensors", "shards/shard-r000-000003.safetensors"}
+        )
         assert max(listed, default="") < min(orphans)  # committed in the order cut: none after an orphan
     assert main(args) == 0  # the same command
     assert s3_objects(s3, url) == local_objects(reference)  # orphan gone, everything byte for byte
@@ -187,8 +212,13 @@ def test_killed_mid_multipart_upload_resumes_identical(s3, bucket, tiny_dirs, co
     monkeypatch.setenv("HOOKSCOPE_UPLOAD_PART_BYTES", "32768")  # shards here are ~170 KB: 6 parts each
     url = f"s3://{bucket}/store"
     args = cli_args(tiny_dirs["gpt2"], corpus, url)
-    run = subprocess.run([sys.executable, str(HERE / "kill_driver.py"), "cli", "KILL", "part:9:after", *args],
-                         text=True, capture_output=True, timeout=600, env=env())
+    run = subprocess.run(
+        [sys.executable, str(HERE / "kill_driver.py"), "cli", "KILL", "part:9:after", *args],
+        text=True,
+        capture_output=True,
+        timeout=600,
+        env=env(),
+    )
     assert run.returncode == -9, run.stderr[-3000:]
     left = open_uploads(s3, bucket)
     assert left and all(k.startswith("store/shards/") for k in left)  # killed mid-upload, as meant
@@ -199,8 +229,13 @@ def test_killed_mid_multipart_upload_resumes_identical(s3, bucket, tiny_dirs, co
     assert open_uploads(s3, bucket) == []
 
 
-HOSTILE = ["truncated", "two shards exchanged", "shard from another store", "manifest lies about a checksum",
-           "a listed shard deleted"]
+HOSTILE = [
+    "truncated",
+    "two shards exchanged",
+    "shard from another store",
+    "manifest lies about a checksum",
+    "a listed shard deleted",
+]
 
 
 @pytest.mark.parametrize("fault", HOSTILE)
@@ -232,9 +267,20 @@ def test_hostile_objects_are_refused(s3, bucket, tiny_dirs, corpus, capsys, faul
 
 def test_torchrun_two_ranks_write_to_one_url(s3, bucket, tiny_dirs, corpus, reference):
     url = f"s3://{bucket}/store"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()), "-m", "hookscope.cli",
-           *cli_args(tiny_dirs["gpt2"], corpus, url)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_free_port()),
+        "-m",
+        "hookscope.cli",
+        *cli_args(tiny_dirs["gpt2"], corpus, url),
+    ]
     run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env())
     assert run.returncode == 0, run.stderr[-3000:]
     names = set(s3_objects(s3, url))

@@ -19,9 +19,12 @@ def columns() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     out = {}
     for i, dtype in enumerate(DTYPES):  # every dtype, named so that names and dtypes sort apart
-        values = torch.randint(0, 100, (7, 3), generator=g) if not dtype.is_floating_point else \
-            torch.randn(7, 3, generator=g) * 5
-        out[f"c{len(DTYPES) - i:02d}-ü \"q\"\\"] = values.to(dtype)
+        values = (
+            torch.randint(0, 100, (7, 3), generator=g)
+            if not dtype.is_floating_point
+            else torch.randn(7, 3, generator=g) * 5
+        )
+        out[f'c{len(DTYPES) - i:02d}-ü "q"\\'] = values.to(dtype)
     out["wide"] = torch.randn(7, 300, 5, generator=g).to(torch.bfloat16)
     out["token_ids"] = torch.arange(7)
     out["empty"] = torch.zeros(7, 0)

@@ -60,8 +60,9 @@ CASES = {
     # finite values whose squares overflow float32: an infinite norm from an entirely finite row
     "f32 overflowing squares": lambda: torch.tensor([[3e38, 3e38], [1.0, 2.0], [float("nan"), 1.0]]),
     # finite float64 values past float32's range count as non-finite (they are Inf in float32)
-    "f64 past float32's range": lambda: torch.tensor([[1e300, 1.0], [1.0, 2.0], [-1e39, 0.0]],
-                                                      dtype=torch.float64),
+    "f64 past float32's range": lambda: torch.tensor(
+        [[1e300, 1.0], [1.0, 2.0], [-1e39, 0.0]], dtype=torch.float64
+    ),
 }
 
 
@@ -72,8 +73,9 @@ def test_stats_equal_the_plain_formula_bit_for_bit(case):
     # compare the floats' bits: equal values computed in another order would differ in the last bit
     assert dataclasses.astuple(got)[:4] == dataclasses.astuple(want)[:4]
     for field in ("norm_sum", "norm_sumsq"):
-        assert torch.tensor(getattr(got, field), dtype=torch.float64).view(torch.int64) \
-            == torch.tensor(getattr(want, field), dtype=torch.float64).view(torch.int64)
+        assert torch.tensor(getattr(got, field), dtype=torch.float64).view(torch.int64) == torch.tensor(
+            getattr(want, field), dtype=torch.float64
+        ).view(torch.int64)
 
 
 def test_the_poisoned_cases_hold_what_they_say():
@@ -100,8 +102,10 @@ def written(out: Path, **options) -> list[tuple[str, int, str, str]]:
     return [(s.file, s.bytes, s.algorithm, s.checksum) for s in w.manifest.shards]
 
 
-REFERENCE = {"sha256": lambda data: hashlib.sha256(data).hexdigest(),
-             "xxh3_128": lambda data: xxhash.xxh3_128(data).hexdigest()}
+REFERENCE = {
+    "sha256": lambda data: hashlib.sha256(data).hexdigest(),
+    "xxh3_128": lambda data: xxhash.xxh3_128(data).hexdigest(),
+}
 
 
 @pytest.mark.parametrize("algorithm", ["xxh3_128", "sha256"])
@@ -147,6 +151,7 @@ def test_sha256_of_hashes_what_is_left_of_the_file(tmp_path: Path, start: int):
 def test_a_store_of_sha256_shards_verifies_and_resumes_with_xxh3_shards(tmp_path: Path):
     """Stores written before xxh3_128 name SHA-256 per shard: they open, verify and resume, the new
     shards beside them named xxh3_128, the rows and shard bytes those of a store written in one go."""
+
     def batch(i: int):
         return {"p": random_rows((40, 24), torch.bfloat16, i)}, {"token_ids": torch.arange(40) + 40 * i}
 

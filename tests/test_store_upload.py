@@ -36,8 +36,12 @@ SHARD = "shards/shard-r000-{:06d}.safetensors"
 def batch(i: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     x = torch.randn(ROWS, WIDTH, generator=torch.Generator().manual_seed(i)).half()
     ids = torch.arange(i * ROWS, (i + 1) * ROWS)
-    return {"blocks.0.resid_post": x}, {"token_ids": ids, "doc_ids": ids // 50, "positions": ids % 50,
-                                        "seq_ids": ids // 32}
+    return {"blocks.0.resid_post": x}, {
+        "token_ids": ids,
+        "doc_ids": ids // 50,
+        "positions": ids % 50,
+        "seq_ids": ids // 32,
+    }
 
 
 def write(location) -> None:
@@ -94,8 +98,13 @@ def staged(tmp_path, i: int) -> bool:
     return any(tmp_path.glob(f"hookscope-stage-*/{SHARD.format(i).removeprefix('shards/')}.tmp"))
 
 
-def test_the_next_shard_is_cut_while_one_uploads_and_commits_follow_their_uploads(s3, url, local,  # noqa: F811
-                                                                                 monkeypatch, tmp_path):
+def test_the_next_shard_is_cut_while_one_uploads_and_commits_follow_their_uploads(
+    s3,  # noqa: F811
+    url,
+    local,  # noqa: F811
+    monkeypatch,
+    tmp_path,
+):
     """The first shard's upload waits until the second shard is cut: a writer that uploads before it
     takes the next batch never gets there; the second goes up only once the first is committed."""
     seen, real = {}, fs_module.RemoteFS.put_file
@@ -113,13 +122,21 @@ def test_the_next_shard_is_cut_while_one_uploads_and_commits_follow_their_upload
 
     monkeypatch.setattr(fs_module.RemoteFS, "put_file", put_file)
     write(url)
-    assert seen == {"cut while uploading": True, "committed before the upload": [],
-                    "committed when the next goes up": [SHARD.format(0)]}
+    assert seen == {
+        "cut while uploading": True,
+        "committed before the upload": [],
+        "committed when the next goes up": [SHARD.format(0)],
+    }
     assert s3_objects(s3, url) == local_objects(local)
 
 
-def test_one_shard_uploads_at_a_time_and_the_caller_is_held_back(s3, url, local, monkeypatch,  # noqa: F811
-                                                                 tmp_path):
+def test_one_shard_uploads_at_a_time_and_the_caller_is_held_back(
+    s3,  # noqa: F811
+    url,
+    local,
+    monkeypatch,  # noqa: F811
+    tmp_path,
+):
     release, started, fed, real = threading.Event(), [], [], fs_module.RemoteFS.put_file
 
     def put_file(self, path, rel):
@@ -155,8 +172,12 @@ def test_a_failed_part_is_retried(s3, bucket, url, local, monkeypatch):  # noqa:
     fails, real = [], s3fs.S3FileSystem.call_s3
 
     def flaky(self, method, *args, **kwargs):
-        if (method == "upload_part" and kwargs["Key"].endswith(SHARD.format(1)) and kwargs["PartNumber"] == 2
-                and len(fails) < 2):
+        if (
+            method == "upload_part"
+            and kwargs["Key"].endswith(SHARD.format(1))
+            and kwargs["PartNumber"] == 2
+            and len(fails) < 2
+        ):
             fails.append(kwargs["PartNumber"])
             raise ConnectionResetError("connection reset (by the test)")
         return real(self, method, *args, **kwargs)
@@ -168,8 +189,13 @@ def test_a_failed_part_is_retried(s3, bucket, url, local, monkeypatch):  # noqa:
     assert open_uploads(s3, bucket) == []
 
 
-def test_a_part_that_keeps_failing_commits_nothing_after_it_and_the_rerun_resumes(s3, bucket, url, local,  # noqa: F811
-                                                                                  monkeypatch):
+def test_a_part_that_keeps_failing_commits_nothing_after_it_and_the_rerun_resumes(
+    s3,  # noqa: F811
+    bucket,  # noqa: F811
+    url,
+    local,  # noqa: F811
+    monkeypatch,
+):
     monkeypatch.setenv("HOOKSCOPE_UPLOAD_RETRIES", "2")
     tries, real = [], s3fs.S3FileSystem.call_s3
 

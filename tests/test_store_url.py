@@ -17,12 +17,17 @@ from hookscope.store import ShardWriter, merge_rank_manifests, open_store
 
 def write(out: str, world_size: int = 1) -> None:
     gen = torch.Generator().manual_seed(0)
-    writers = [ShardWriter(out, {"test": "url"}, shard_rows=10, rank=r, world_size=world_size)
-               for r in range(world_size)]
+    writers = [
+        ShardWriter(out, {"test": "url"}, shard_rows=10, rank=r, world_size=world_size)
+        for r in range(world_size)
+    ]
     for i in range(12):
         rows = 3 + i % 4
-        writers[i % world_size].write(i, {"p": torch.randn(rows, 5, generator=gen).to(torch.bfloat16)},
-                                      {"token_ids": torch.arange(rows) + 100 * i})
+        writers[i % world_size].write(
+            i,
+            {"p": torch.randn(rows, 5, generator=gen).to(torch.bfloat16)},
+            {"token_ids": torch.arange(rows) + 100 * i},
+        )
     for w in writers:
         w.close()
     if world_size > 1:
@@ -30,16 +35,21 @@ def write(out: str, world_size: int = 1) -> None:
 
 
 def local_files(root: Path) -> dict[str, str]:
-    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(root.rglob("*")) if p.is_file()}
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
 
 
 def memory_files(url: str) -> dict[str, str]:
     fs = fsspec.filesystem("memory")
     root = url.removeprefix("memory://")
     prefix = root.lstrip("/") + "/"
-    return {p.removeprefix("/").removeprefix(prefix): hashlib.sha256(fs.cat_file(p)).hexdigest()
-            for p in fs.find(root)}
+    return {
+        p.removeprefix("/").removeprefix(prefix): hashlib.sha256(fs.cat_file(p)).hexdigest()
+        for p in fs.find(root)
+    }
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -53,9 +63,9 @@ def test_memory_url_holds_the_local_bytes(tmp_path, world_size):
     for name in ("p", "token_ids"):
         assert torch.equal(remote.tensor(name), local.tensor(name))
     rows = list(remote.dataset("p", seed=1, buffer_rows=7))
-    assert len(rows) == len(local) and all(torch.equal(a, b)
-                                           for a, b in zip(rows, local.dataset("p", seed=1, buffer_rows=7),
-                                                           strict=True))
+    assert len(rows) == len(local) and all(
+        torch.equal(a, b) for a, b in zip(rows, local.dataset("p", seed=1, buffer_rows=7), strict=True)
+    )
 
 
 def test_file_url_is_the_local_path(tmp_path):

@@ -55,8 +55,9 @@ def test_other_families_stream_too(family, corpus, tmp_path):
     model_dir = save_tiny(family, tmp_path / family, d_model=32, n_layers=3)
     points = ["blocks.1.resid_post", "blocks.0.resid_mid" if family == "mixtral" else "blocks.0.resid_post"]
     want = _extract(model_dir, corpus, tmp_path / "memory", points=points, max_tokens=600)
-    got = _extract(model_dir, corpus, tmp_path / "streamed", points=points, max_tokens=600,
-                   max_memory="600KB")
+    got = _extract(
+        model_dir, corpus, tmp_path / "streamed", points=points, max_tokens=600, max_memory="600KB"
+    )
     assert shard_digests(got) == shard_digests(want)
 
 
@@ -82,14 +83,25 @@ def test_a_pickled_bin_checkpoint_streams_too(tiny_dirs, corpus, tmp_path):
 def test_the_last_block_and_after_it_equal_plain_hooks(tiny_dirs, corpus, tmp_path):
     """Points in the last block and after the blocks (the final norm) against forward hooks on the
     module paths, on the whole model loaded the ordinary way."""
-    out = _extract(tiny_dirs["llama"], corpus, tmp_path / "s", points=["blocks.2.resid_post", "ln_final"],
-                   max_memory=LIMIT, dtype="float32", max_tokens=256, drop_bos=False)
+    out = _extract(
+        tiny_dirs["llama"],
+        corpus,
+        tmp_path / "s",
+        points=["blocks.2.resid_post", "ln_final"],
+        max_memory=LIMIT,
+        dtype="float32",
+        max_tokens=256,
+        drop_bos=False,
+    )
     store = open_store(out)
     model = hs.load(str(tiny_dirs["llama"])).model
     seen: dict[str, torch.Tensor] = {}
-    hooks = [model.get_submodule(path).register_forward_hook(
-        lambda m, a, o, path=path: seen.__setitem__(path, o[0] if isinstance(o, tuple) else o))
-        for path in ("model.layers.2", "model.norm")]
+    hooks = [
+        model.get_submodule(path).register_forward_hook(
+            lambda m, a, o, path=path: seen.__setitem__(path, o[0] if isinstance(o, tuple) else o)
+        )
+        for path in ("model.layers.2", "model.norm")
+    ]
     ids = store.tensor("token_ids").reshape(-1, 32)  # every token kept: whole packed sequences
     want: dict[str, list[torch.Tensor]] = {"model.layers.2": [], "model.norm": []}
     with torch.inference_mode():
@@ -108,22 +120,28 @@ def test_resident_weights_stay_under_the_limit(tiny_dirs):
     running block is whole, no other block is in memory, and the total is under the limit."""
     loaded = hs.load(str(tiny_dirs["llama"]), device="meta")
     limit = parse_size("700KB")
-    streamer = streamer_for(loaded, ["blocks.2.resid_post"], limit, batch_size=2, context=16,
-                            dtype=torch.float32)
+    streamer = streamer_for(
+        loaded, ["blocks.2.resid_post"], limit, batch_size=2, context=16, dtype=torch.float32
+    )
     model = loaded.model
     counts: list[tuple[int, int, int, int]] = []
 
     def count(k: int):
         def hook(module, args, kwargs):
-            blocks = [sum(p.numel() for p in model.get_submodule(f"model.layers.{j}").parameters()
-                          if not p.is_meta) for j in range(3)]
+            blocks = [
+                sum(p.numel() for p in model.get_submodule(f"model.layers.{j}").parameters() if not p.is_meta)
+                for j in range(3)
+            ]
             total = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
             counts.append((k, blocks[k], sum(blocks) - blocks[k], total))
+
         return hook
 
     block_size = sum(p.numel() for p in model.get_submodule("model.layers.0").parameters())
-    hooks = [model.get_submodule(f"model.layers.{k}").register_forward_pre_hook(count(k), with_kwargs=True)
-             for k in range(3)]
+    hooks = [
+        model.get_submodule(f"model.layers.{k}").register_forward_pre_hook(count(k), with_kwargs=True)
+        for k in range(3)
+    ]
     ids = torch.randint(3, 100, (2, 16))
     try:
         for _ in range(2):  # two chunks
@@ -137,8 +155,9 @@ def test_resident_weights_stay_under_the_limit(tiny_dirs):
     assert 0 < streamer.peak_weight_bytes <= limit
 
 
-def test_each_block_is_read_once_per_chunk_and_the_bar_shows_it(tiny_dirs, corpus, tmp_path, monkeypatch,
-                                                                capsys):
+def test_each_block_is_read_once_per_chunk_and_the_bar_shows_it(
+    tiny_dirs, corpus, tmp_path, monkeypatch, capsys
+):
     """Block 0's weights are read from the files (into a reused buffer, `BlockBuffers.read`, or by
     `Checkpoint.materialize` asked for transformer.h.0) once per chunk, each read followed by the
     chunk's batches through the block (counted by a pre-hook on its module path): no batch runs
@@ -171,8 +190,14 @@ def test_each_block_is_read_once_per_chunk_and_the_bar_shows_it(tiny_dirs, corpu
     monkeypatch.setattr(BlockBuffers, "read", read)
     monkeypatch.setattr(BlockBuffers, "attach", attach)
     out = _extract(tiny_dirs["gpt2"], corpus, tmp_path / "s", max_memory=LIMIT, progress=True)
-    chunk = streamer_for(hs.load(str(tiny_dirs["gpt2"]), device="meta"), POINTS, parse_size(LIMIT),
-                         batch_size=4, context=32, dtype=torch.bfloat16).plan.chunk_batches
+    chunk = streamer_for(
+        hs.load(str(tiny_dirs["gpt2"]), device="meta"),
+        POINTS,
+        parse_size(LIMIT),
+        batch_size=4,
+        context=32,
+        dtype=torch.bfloat16,
+    ).plan.chunk_batches
     batches = sum(len(s.batch_indices()) for s in open_store(out).manifest.shards)
     assert 2 <= chunk and batches % chunk not in (0, 1)  # an extra pass for one batch would show
     if reads[-1] == 0:  # the next chunk's block 0 read ahead, and no next chunk came
@@ -215,8 +240,12 @@ def server(tiny_dirs) -> ForkServer:
 # inside safetensors' own write of a shard, which the writer thread does while a chunk computes: a
 # mid-chunk kill that landed there once left the library's temporary file (`shards/.tmpXXXXXX`)
 # beside the shards, where the resume did not clean it (same rows, other files)
-KILLS = {"first chunk, early block": "forward:0.05", "mid-chunk": "forward:0.5",
-         "between chunks": "batch:next", "inside the library's shard write": "library-save:0.5"}
+KILLS = {
+    "first chunk, early block": "forward:0.05",
+    "mid-chunk": "forward:0.5",
+    "between chunks": "batch:next",
+    "inside the library's shard write": "library-save:0.5",
+}
 
 
 @pytest.mark.parametrize("moment", list(KILLS))
@@ -225,8 +254,14 @@ def test_a_kill_at_any_moment_resumes_byte_identically(moment, tiny_dirs, corpus
     reference = server.call(RUN, config=config, kill_at="count")
     assert reference.status == 0, reference.log[-3000:]
     counts = reference.result["counts"]
-    chunk = streamer_for(hs.load(str(tiny_dirs["gpt2"]), device="meta"), POINTS, parse_size(LIMIT),
-                         batch_size=4, context=32, dtype=torch.bfloat16).plan.chunk_batches
+    chunk = streamer_for(
+        hs.load(str(tiny_dirs["gpt2"]), device="meta"),
+        POINTS,
+        parse_size(LIMIT),
+        batch_size=4,
+        context=32,
+        dtype=torch.bfloat16,
+    ).plan.chunk_batches
     assert 2 <= chunk and counts["batch"] > 3 * chunk  # several chunks of several batches
     site, at = KILLS[moment].split(":")
     # chunks of batches 1..chunk, chunk+1..2*chunk...: the second chunk's first goes to the writer

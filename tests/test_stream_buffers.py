@@ -47,10 +47,14 @@ def _params_seen_in_each_block(model_dir: Path, point: str, chunks: int, limit: 
     streamer = streamer_for(loaded, [point], parse_size(limit), batch_size=2, context=16, dtype=torch.float32)
     seen: list[tuple[int, dict[str, tuple[int, torch.Tensor]]]] = []
     layers = loaded.model.model.layers
-    hooks = [layers[k].register_forward_pre_hook(
-        lambda module, args, k=k: seen.append((k, {name: (p.data_ptr(), p.detach().clone())
-                                                   for name, p in module.named_parameters()})))
-        for k in range(len(layers))]
+    hooks = [
+        layers[k].register_forward_pre_hook(
+            lambda module, args, k=k: seen.append(
+                (k, {name: (p.data_ptr(), p.detach().clone()) for name, p in module.named_parameters()})
+            )
+        )
+        for k in range(len(layers))
+    ]
     ids = torch.randint(3, 100, (2, 16))
     try:
         for _ in range(chunks):
@@ -171,18 +175,26 @@ else:
 """
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc" or not Path("/proc/self/status").exists(),
-                    reason="glibc's allocator and Linux's /proc")
+@pytest.mark.skipif(
+    platform.libc_ver()[0] != "glibc" or not Path("/proc/self/status").exists(),
+    reason="glibc's allocator and Linux's /proc",
+)
 def test_inside_a_streamed_block_freed_tensors_go_back_to_the_system(tiny_dirs):
     """In a fresh process whose heap would keep them (glibc's threshold slid up by a freed 16 MiB
     tensor), 16 MiB of tensors made and freed inside a streamed block's forward leave the resident
     anonymous memory as it was; the same in a process that neither loads on `meta` nor streams stays
     resident (the premise). Rejects a meta load + streamer that leave glibc's sliding threshold
     (the heap then holds what a pass frees, as measured before)."""
+
     def kept(mode: str) -> float:
         env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        out = subprocess.run([sys.executable, "-c", _FREED_PROBE, str(tiny_dirs["llama"]), mode], env=env,
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", _FREED_PROBE, str(tiny_dirs["llama"]), mode],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         return float(out.stdout.split()[-1])
 
@@ -210,8 +222,9 @@ def test_blocks_that_differ_stream_without_buffers(tmp_path, convert):
     loaded = hs.load(str(model_dir), device="meta")
     blocks = [dict(loaded.model.get_submodule(path).named_parameters()) for path in loaded.arch.block_paths]
     assert set(blocks[0]) != set(blocks[1])  # the premise: the blocks differ
-    streamer = streamer_for(loaded, ["blocks.2.resid_post"], 10**8, batch_size=2, context=16,
-                            dtype=torch.float32)
+    streamer = streamer_for(
+        loaded, ["blocks.2.resid_post"], 10**8, batch_size=2, context=16, dtype=torch.float32
+    )
     assert streamer.buffers is None
     points = ["blocks.2.resid_post", "blocks.0.resid_post"]
     diff = _streamed_against_in_memory(model_dir, points, "1MB", tmp_path)
@@ -222,10 +235,14 @@ def _streamed_against_in_memory(model_dir: Path, points: list[str], limit: str, 
     """compare_stores of 800 tokens extracted streamed under `limit` against in memory."""
     corpus = write_corpus(tmp_path / "corpus.txt", docs=20)
     for mode, max_memory in (("memory", None), ("streamed", limit)):
-        extract(ExtractConfig(**extract_config(model_dir, corpus, tmp_path / mode, points=points,
-                                               max_tokens=800, max_memory=max_memory)))
+        extract(
+            ExtractConfig(
+                **extract_config(
+                    model_dir, corpus, tmp_path / mode, points=points, max_tokens=800, max_memory=max_memory
+                )
+            )
+        )
     return compare_stores(tmp_path / "streamed", tmp_path / "memory")
-
 
 
 _HELD_PROBE = """
@@ -267,15 +284,21 @@ def test_reading_ahead_holds_a_second_block_only_where_the_read_converts(tmp_pat
     Rejects a second slot where reading ahead is only a copy, and a read-ahead that holds nothing
     where it converts; the one-block run holding at least a block is the premise that RssAnon sees
     the weights."""
-    model_dir = save_tiny("llama", tmp_path / "llama", d_model=512, d_mlp=2048, n_layers=4, n_heads=8,
-                          context=64)
+    model_dir = save_tiny(
+        "llama", tmp_path / "llama", d_model=512, d_mlp=2048, n_layers=4, n_heads=8, context=64
+    )
     if convert:
         model_dir = _converting_copy(model_dir, tmp_path / "bf16")
     env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
 
     def held(blocks: int) -> float:
-        out = subprocess.run([sys.executable, "-c", _HELD_PROBE, str(model_dir), str(blocks)], env=env,
-                             capture_output=True, text=True, timeout=300)
+        out = subprocess.run(
+            [sys.executable, "-c", _HELD_PROBE, str(model_dir), str(blocks)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert out.returncode == 0, out.stderr[-2000:]
         read_ahead, held_blocks = out.stdout.split()[-2:]
         assert read_ahead == str(blocks == 2)

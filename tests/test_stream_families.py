@@ -50,8 +50,10 @@ SAME = {"rows_lost": 0, "rows_duplicated": 0, "same_values": True, "same_files":
 @pytest.fixture(scope="module")
 def data(tmp_path_factory) -> dict[str, str]:
     root = tmp_path_factory.mktemp("stream-families")
-    return {"text": str(write_corpus(root / "corpus.txt", docs=30)),
-            "images": f"images:{write_images(root / 'pictures', PICTURES)}"}
+    return {
+        "text": str(write_corpus(root / "corpus.txt", docs=30)),
+        "images": f"images:{write_images(root / 'pictures', PICTURES)}",
+    }
 
 
 @pytest.fixture(scope="module")
@@ -89,8 +91,16 @@ def fields(case: str, model_dir: Path, data: dict[str, str], out: Path, **overri
         base = {"data": data["images"], "batch_size": 2}
     else:
         base = {"data": data["text"], "context": 16, "batch_size": 4, "max_tokens": 16 * 4 * TEXT_BATCHES}
-    return {"model": str(model_dir), "out": str(out), "points": POINTS, "dtype": "float32", "shard_rows": 100,
-            "progress": False, **base, **overrides}
+    return {
+        "model": str(model_dir),
+        "out": str(out),
+        "points": POINTS,
+        "dtype": "float32",
+        "shard_rows": 100,
+        "progress": False,
+        **base,
+        **overrides,
+    }
 
 
 def limit_for(config: dict[str, Any], batches_per_chunk: int = 2) -> int:
@@ -102,8 +112,15 @@ def limit_for(config: dict[str, Any], batches_per_chunk: int = 2) -> int:
     tokens = kind.open(cfg, loaded, cfg.points, Run(0, 1, "cpu")).item_tokens()
 
     def plan(limit: int):
-        return plan_stream(loaded.model, loaded.arch, cfg.points, limit, batch_size=cfg.batch_size,
-                           context=tokens, store_itemsize=4)
+        return plan_stream(
+            loaded.model,
+            loaded.arch,
+            cfg.points,
+            limit,
+            batch_size=cfg.batch_size,
+            context=tokens,
+            store_itemsize=4,
+        )
 
     weights, spare = plan(10**12).weight_limit, 10**9
     per_batch = spare / plan(weights + spare).chunk_batches
@@ -126,9 +143,15 @@ def test_a_streamed_store_is_the_in_memory_store_byte_for_byte(case, saved, data
 
 
 # one model of each kind, its block 1 as a module path written here (the model as transformers builds it)
-REFERENCE = {"gemma3_text": "model.layers.1", "bert": "encoder.layer.1", "qwen2_moe": "model.layers.1",
-             "siglip": "encoder.layers.1", "dinov2_with_registers": "encoder.layer.1",
-             "rwkv_rescaled": "rwkv.blocks.1", "falcon_mamba": "backbone.layers.1"}
+REFERENCE = {
+    "gemma3_text": "model.layers.1",
+    "bert": "encoder.layer.1",
+    "qwen2_moe": "model.layers.1",
+    "siglip": "encoder.layers.1",
+    "dinov2_with_registers": "encoder.layer.1",
+    "rwkv_rescaled": "rwkv.blocks.1",
+    "falcon_mamba": "backbone.layers.1",
+}
 
 
 @pytest.mark.parametrize("case", list(REFERENCE))
@@ -146,7 +169,8 @@ def test_streamed_rows_are_plain_forward_hooks_on_the_whole_model(case, saved, d
     model = auto.from_pretrained(saved(case)).eval()
     outputs: list[torch.Tensor] = []
     model.get_submodule(REFERENCE[case]).register_forward_hook(
-        lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+        lambda m, a, out: outputs.append(out[0] if isinstance(out, tuple) else out)
+    )
     with torch.inference_mode():
         for batch in _batches(case, store, config):
             model(**batch)
@@ -164,8 +188,10 @@ def _batches(case: str, store, config: dict[str, Any]) -> list[dict[str, torch.T
     folder = Path(config["data"].removeprefix("images:"))
     pictures = [Image.open(p).convert("RGB") for p in sorted(folder.iterdir())]
     processor = image_processor(family_models.CASES[CASES[case][0]][0])
-    return [{"pixel_values": processor(images=pictures[i:i + size], return_tensors="pt")["pixel_values"]}
-            for i in range(0, len(pictures), size)]
+    return [
+        {"pixel_values": processor(images=pictures[i : i + size], return_tensors="pt")["pixel_values"]}
+        for i in range(0, len(pictures), size)
+    ]
 
 
 def test_a_picture_is_sized_as_its_patches_and_extra_tokens(saved, data, tmp_path):
@@ -199,15 +225,17 @@ def test_a_chunk_of_pictures_holds_what_the_limit_leaves(saved, data, tmp_path):
     loaded = hs.load(cfg.model, device="meta", tokenizer=False)
     run = Run(0, 1, "cpu")
     source = source_for(cfg).open(cfg, loaded, POINTS, run)
-    weights = plan_stream(loaded.model, loaded.arch, POINTS, 10**12, batch_size=2, context=tokens,
-                          store_itemsize=4).weight_limit
+    weights = plan_stream(
+        loaded.model, loaded.arch, POINTS, 10**12, batch_size=2, context=tokens, store_itemsize=4
+    ).weight_limit
     room = int(2.5 * per_batch)
     cfg = ExtractConfig(**{**fields(case, saved(case), data, tmp_path / "s"), "max_memory": weights + room})
     executor = Streamed(source, loaded, POINTS, torch.float32, run, cfg)
     chunks: list[list[int]] = []  # per chunk, the bytes of each output of block 0
     executor.on_stage = lambda where: chunks.append([]) if where.startswith("block 1/") else None
     loaded.model.get_submodule("encoder.layer.0").register_forward_hook(
-        lambda m, a, out: chunks[-1].append((out[0] if isinstance(out, tuple) else out).nbytes))
+        lambda m, a, out: chunks[-1].append((out[0] if isinstance(out, tuple) else out).nbytes)
+    )
     rows = sum(len(r[1]["doc_ids"]) for *_, r in executor.run(enumerate(source.batches())))
     assert rows == PICTURES * tokens and len(chunks) > 1
     assert max(2 * sum(chunk) for chunk in chunks) <= room
@@ -222,8 +250,12 @@ RUN = "kill_driver:run_extract"
 # where a SIGKILL lands: a forward of the first chunk's early blocks, one in the middle of the run
 # (inside a chunk), and as the first batch of a chunk goes to the writer (between two chunks)
 MOMENTS = {"early": "forward:0.05", "mid-chunk": "forward:0.5", "between chunks": "batch:next"}
-KINDS = {"encoder": "bert", "mixture of experts": "qwen2_moe", "vision": "dinov2_with_registers",
-         "state space": "rwkv_rescaled"}  # a decoder: test_stream.py (GPT-2)
+KINDS = {
+    "encoder": "bert",
+    "mixture of experts": "qwen2_moe",
+    "vision": "dinov2_with_registers",
+    "state space": "rwkv_rescaled",
+}  # a decoder: test_stream.py (GPT-2)
 
 
 @pytest.fixture(scope="module")
@@ -264,12 +296,32 @@ def test_a_kill_at_three_moments_resumes_byte_identically(kind, moment, killed_r
 
 def test_two_torchrun_ranks_stream_the_shards_two_in_memory_ranks_write(tiny_dirs, data, tmp_path):
     """The same two ranks, once streamed: each rank's shards and the merged manifest, byte for byte."""
+
     def run(out: Path, *flags: str) -> None:
-        cmd = [*torchrun_command(2), "-m", "hookscope.cli", "extract", str(tiny_dirs["gpt2"]),
-               "--out", str(out), "--points", ",".join(POINTS), "--data", data["text"], "--context", "16",
-               "--batch-size", "4", "--shard-rows", "100", "--no-progress", *flags]
-        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
-                              env={**os.environ, "OMP_NUM_THREADS": "1"})
+        cmd = [
+            *torchrun_command(2),
+            "-m",
+            "hookscope.cli",
+            "extract",
+            str(tiny_dirs["gpt2"]),
+            "--out",
+            str(out),
+            "--points",
+            ",".join(POINTS),
+            "--data",
+            data["text"],
+            "--context",
+            "16",
+            "--batch-size",
+            "4",
+            "--shard-rows",
+            "100",
+            "--no-progress",
+            *flags,
+        ]
+        done = subprocess.run(
+            cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
+        )
         assert done.returncode == 0, done.stderr[-3000:]
 
     run(tmp_path / "memory")
@@ -278,4 +330,3 @@ def test_two_torchrun_ranks_stream_the_shards_two_in_memory_ranks_write(tiny_dir
     assert diff == {**diff, **SAME}
     store = open_store(tmp_path / "streamed")
     assert store.manifest.world_size == 2 and {s.rank for s in store.manifest.shards} == {0, 1}
-

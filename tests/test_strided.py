@@ -29,16 +29,26 @@ def write_file(path, header: int, rows: int, row_bytes: int, seed: int) -> np.nd
     return data
 
 
-@pytest.mark.parametrize("row_shape,dtype", [((768,), torch.float16), ((2048,), torch.float16),
-                                             ((769,), torch.float16), ((3,), torch.int32),
-                                             ((4, 6), torch.bfloat16), ((5,), torch.uint8)])
+@pytest.mark.parametrize(
+    "row_shape,dtype",
+    [
+        ((768,), torch.float16),
+        ((2048,), torch.float16),
+        ((769,), torch.float16),
+        ((3,), torch.int32),
+        ((4, 6), torch.bfloat16),
+        ((5,), torch.uint8),
+    ],
+)
 def test_each_row_reads_back_as_the_files_bytes(tmp_path, row_shape, dtype):
     row_bytes = math.prod(row_shape) * torch.empty((), dtype=dtype).element_size()
     headers = [304, 296, 304, 4096, 8, 304, 5000, 296]  # equal, 8 apart, page sized, odd
     rows = [40, 40, 40, 7, 40, 1, 40, 33]
     files = [tmp_path / f"s{i}" for i in range(len(headers))]
-    written = [write_file(f, h, n, row_bytes, i)
-               for i, (f, h, n) in enumerate(zip(files, headers, rows, strict=True))]
+    written = [
+        write_file(f, h, n, row_bytes, i)
+        for i, (f, h, n) in enumerate(zip(files, headers, rows, strict=True))
+    ]
     runs = Runs(sum(f.stat().st_size for f in files), len(files), row_shape, dtype)
     placed = [runs.add(f, h) for f, h in zip(files, headers, strict=True)]
     for (run, first), data, n in zip(placed, written, rows, strict=True):
@@ -80,11 +90,20 @@ def gappy_store(path):
     return open_store(path)
 
 
-@pytest.mark.parametrize("kw", [dict(batch_size=8), dict(batch_size=8, shuffle=False), dict(),
-                                dict(shuffle=False), dict(batch_size=5, split="train")])
+@pytest.mark.parametrize(
+    "kw",
+    [
+        dict(batch_size=8),
+        dict(batch_size=8, shuffle=False),
+        dict(),
+        dict(shuffle=False),
+        dict(batch_size=5, split="train"),
+    ],
+)
 @pytest.mark.parametrize("keep", [True, False])
-def test_a_dataset_over_several_runs_yields_what_shard_by_shard_mapping_yields(tmp_path, monkeypatch, kw,
-                                                                               keep):
+def test_a_dataset_over_several_runs_yields_what_shard_by_shard_mapping_yields(
+    tmp_path, monkeypatch, kw, keep
+):
     store = gappy_store(tmp_path / "s")
     if not keep:
         monkeypatch.setattr(mapper_module, "ram_bytes", lambda: 0)
@@ -123,6 +142,7 @@ def test_a_windows_mappings_go_with_it_when_not_kept(tmp_path, monkeypatch):
     store = gappy_store(tmp_path / "s")
     monkeypatch.setattr(mapper_module, "ram_bytes", lambda: 0)
     ds = store.dataset("x", seed=0, buffer_rows=20, batch_size=8)
+
     def settled_regions() -> int:  # once the next epoch's first window, read ahead, is mapped
         if ds._ahead is not None:
             ds._ahead[1].result()

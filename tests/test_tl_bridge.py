@@ -42,16 +42,19 @@ def bridges(tiny_dirs) -> dict[str, TransformerBridge]:
         path = str(tiny_dirs[key])
         hf = AutoModelForCausalLM.from_pretrained(path)
         tokenizer = AutoTokenizer.from_pretrained(path)
-        out[key] = TransformerBridge.boot_transformers(path, hf_model=hf, tokenizer=tokenizer,
-                                                       device="cpu").eval()
+        out[key] = TransformerBridge.boot_transformers(
+            path, hf_model=hf, tokenizer=tokenizer, device="cpu"
+        ).eval()
     return out
 
 
 @pytest.fixture(scope="module")
 def hf_models(tiny_dirs) -> dict[str, torch.nn.Module]:
     """The same weights as plain Hugging Face models (eager attention, as the bridge forces)."""
-    return {key: AutoModelForCausalLM.from_pretrained(str(tiny_dirs[key]), attn_implementation="eager").eval()
-            for key in FAMILIES}
+    return {
+        key: AutoModelForCausalLM.from_pretrained(str(tiny_dirs[key]), attn_implementation="eager").eval()
+        for key in FAMILIES
+    }
 
 
 def hooks_on(bridge) -> int:
@@ -114,9 +117,13 @@ def test_points_lists_true_shapes(bridges, key):
     for info in infos:
         assert info.shape is not None, f"{info.name} is listed but did not fire"
         if info.name != "logits":
-            assert info.shape == tuple(cache[info.name if info.name in cache else
-                                             next(k for k in cache.keys() if arch.spec(k).name == info.name)
-                                             ].shape), info.name
+            assert info.shape == tuple(
+                cache[
+                    info.name
+                    if info.name in cache
+                    else next(k for k in cache.keys() if arch.spec(k).name == info.name)
+                ].shape
+            ), info.name
     cfg = bridge.cfg
     n_kv = getattr(cfg, "n_key_value_heads", None) or cfg.n_heads
     shapes = {i.name: i.shape for i in infos}
@@ -243,8 +250,9 @@ def test_head_selections_match_cache_slices(bridges, key):
     ids = ids_for(bridge)
     with torch.no_grad():
         _, cache = bridge.run_with_cache(ids)
-    got = hs.collect(bridge, ids, ["blocks.1.attn.hook_z", "blocks.1.attn.hook_q"], heads=[3, 1],
-                     positions=slice(2, 5))
+    got = hs.collect(
+        bridge, ids, ["blocks.1.attn.hook_z", "blocks.1.attn.hook_q"], heads=[3, 1], positions=slice(2, 5)
+    )
     assert torch.equal(got["blocks.1.attn.z"], cache["blocks.1.attn.hook_z"][:, 2:5][:, :, [3, 1]])
     assert torch.equal(got["blocks.1.attn.q"], cache["blocks.1.attn.hook_q"][:, 2:5][:, :, [3, 1]])
     # patterns are [batch, head, query, key]: positions pick queries
@@ -257,6 +265,7 @@ def zero_head(head: int):
         z = z.clone()
         z[:, :, head] = 0
         return z
+
     return hook
 
 
@@ -299,12 +308,15 @@ def test_head_edit_hits_the_head_in_the_model_underneath(bridges, hf_models, key
     bridge, hf = bridges[key], hf_models[key]
     ids = ids_for(bridge)
     d_head = bridge.cfg.d_head
-    proj = {"gpt2": "transformer.h.1.attn.c_proj", "llama": "model.layers.1.self_attn.o_proj",
-            "neox_parallel": "gpt_neox.layers.1.attention.dense"}[key]
+    proj = {
+        "gpt2": "transformer.h.1.attn.c_proj",
+        "llama": "model.layers.1.self_attn.o_proj",
+        "neox_parallel": "gpt_neox.layers.1.attention.dense",
+    }[key]
 
     def zero_slice(module, args):
         x = args[0].clone()
-        x[..., d_head:2 * d_head] = 0
+        x[..., d_head : 2 * d_head] = 0
         return (x, *args[1:])
 
     handle = hf.get_submodule(proj).register_forward_pre_hook(zero_slice)
@@ -334,8 +346,19 @@ def test_captures_equal_the_hugging_face_model(bridges, hf_models, key):
     shared = [n for n in arch_of(hf).names if n in bridge_points]
     # the points every decoder family has, at least
     for layer in range(bridge.cfg.n_layers):
-        for suffix in ("resid_pre", "attn.q", "attn.k", "attn.v", "attn.pattern", "attn.z", "attn.out",
-                       "mlp.pre", "mlp.post", "mlp.out", "resid_post"):
+        for suffix in (
+            "resid_pre",
+            "attn.q",
+            "attn.k",
+            "attn.v",
+            "attn.pattern",
+            "attn.z",
+            "attn.out",
+            "mlp.pre",
+            "mlp.post",
+            "mlp.out",
+            "resid_post",
+        ):
             assert f"blocks.{layer}.{suffix}" in shared, (key, suffix)
     assert {"embed", "ln_final", "logits"} <= set(shared)
     ours = hs.collect(bridge, ids, shared)
@@ -374,16 +397,20 @@ def test_no_hook_left_after_an_error(bridges):
     # and the bridge still runs clean
     with torch.no_grad():
         _, cache = bridge.run_with_cache(ids, names_filter="blocks.1.hook_resid_post")
-    assert torch.equal(hs.collect(bridge, ids, "blocks.1.resid_post")["blocks.1.resid_post"],
-                       cache["blocks.1.hook_resid_post"])
+    assert torch.equal(
+        hs.collect(bridge, ids, "blocks.1.resid_post")["blocks.1.resid_post"],
+        cache["blocks.1.hook_resid_post"],
+    )
 
 
 def test_early_stop_runs_no_later_block(bridges):
     bridge = bridges["gpt2"]
     ids = ids_for(bridge)
     ran = []
-    handles = [block.register_forward_pre_hook(lambda m, a, i=i: ran.append(i))
-               for i, block in enumerate(bridge.blocks)]
+    handles = [
+        block.register_forward_pre_hook(lambda m, a, i=i: ran.append(i))
+        for i, block in enumerate(bridge.blocks)
+    ]
     try:
         got = hs.collect(bridge, ids, "blocks.0.hook_resid_post")
     finally:
@@ -426,8 +453,9 @@ def test_grads_equal_the_bridges_backward_hooks(bridges, key):
     bridge = bridges[key]
     ids = ids_for(bridge)
     before = hooks_on(bridge)
-    got = hs.grads(bridge, ids, ["blocks.0.attn.z", "blocks.1.resid_mid"],
-                   loss_fn=lambda out: out[:, -1].sum())
+    got = hs.grads(
+        bridge, ids, ["blocks.0.attn.z", "blocks.1.resid_mid"], loss_fn=lambda out: out[:, -1].sum()
+    )
     # the reference: d loss / d activation from the bridge's own HookPoints, by hand
     kept = {}
 
@@ -436,8 +464,9 @@ def test_grads_equal_the_bridges_backward_hooks(bridges, key):
         kept[hook.name] = act
         return act
 
-    logits = bridge.run_with_hooks(ids, fwd_hooks=[("blocks.0.attn.hook_z", keep),
-                                                   ("blocks.1.hook_resid_mid", keep)])
+    logits = bridge.run_with_hooks(
+        ids, fwd_hooks=[("blocks.0.attn.hook_z", keep), ("blocks.1.hook_resid_mid", keep)]
+    )
     logits[:, -1].sum().backward()
     bridge.zero_grad(set_to_none=True)
     z = kept["blocks.0.attn.hook_z"] if "blocks.0.attn.hook_z" in kept else kept["blocks.0.attn.o.hook_in"]

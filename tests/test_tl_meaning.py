@@ -35,30 +35,69 @@ from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 TOL = 2e-5
 # every decoder case of family_models the bridge boots (see test_cases_the_bridge_does_not_boot)
-CASES = ["gpt2", "llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2",
-         "neox_parallel", "neox_sequential", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe",
-         "mamba", "falcon_mamba", "rwkv"]
+CASES = [
+    "gpt2",
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "gemma",
+    "gemma2",
+    "gemma3_text",
+    "olmo",
+    "olmo2",
+    "neox_parallel",
+    "neox_sequential",
+    "mixtral",
+    "qwen2_moe",
+    "qwen3_moe",
+    "olmoe",
+    "mamba",
+    "falcon_mamba",
+    "rwkv",
+]
 # hookscope name suffix -> the bridge's spelling of the same point, compared wherever the bridge has
 # that spelling: names TransformerLens 3 lacks, and names the bridge's table files under another
 # spelling of one HookPoint (OLMo 2's mlp.hook_in is also its hook_resid_mid: it has no ln2; a MoE
 # block's mlp.hook_in is also its mlp.hook_pre)
-BRIDGE_ONLY = {"attn.in": ("attn.hook_in",), "mlp.in": ("mlp.hook_in", "hook_channel_mix_in"),
-               "attn.out_pre_norm": ("attn.hook_out",), "mlp.out_pre_norm": ("mlp.hook_out",),
-               "mlp.router.logits": ("mlp.gate.hook_out",),
-               "mlp.router.indices": ("mlp.hook_expert_indices",),
-               # Mamba's mixer, RWKV's time mixing (mixer) and channel mixing (mlp)
-               "mixer.in": ("hook_mixer_in", "hook_time_mix_in"),
-               "mixer.out": ("hook_mixer_out", "hook_time_mix_out"),
-               "mlp.out": ("hook_mlp_out", "hook_channel_mix_out")}
+BRIDGE_ONLY = {
+    "attn.in": ("attn.hook_in",),
+    "mlp.in": ("mlp.hook_in", "hook_channel_mix_in"),
+    "attn.out_pre_norm": ("attn.hook_out",),
+    "mlp.out_pre_norm": ("mlp.hook_out",),
+    "mlp.router.logits": ("mlp.gate.hook_out",),
+    "mlp.router.indices": ("mlp.hook_expert_indices",),
+    # Mamba's mixer, RWKV's time mixing (mixer) and channel mixing (mlp)
+    "mixer.in": ("hook_mixer_in", "hook_time_mix_in"),
+    "mixer.out": ("hook_mixer_out", "hook_time_mix_out"),
+    "mlp.out": ("hook_mlp_out", "hook_channel_mix_out"),
+}
 # names whose meaning differs from a bridge HookPoint of the same folded name, on purpose: Mamba's
 # mixer.ssm_out is the gated scan output entering out_proj (d_inner wide, the bridge's
 # mixer.out_proj.hook_in); the bridge's mixer.hook_ssm_out is another spelling of its mixer output
 NOT_THE_BRIDGES = {"mixer.ssm_out": ("mixer.out_proj.hook_in",)}
 BRIDGE_LACKS = re.compile(r"\.mlp\.(experts\.|router\.(weights|routing)|shared\.)")
 # the names whose meaning this issue is about: each must be compared wherever hookscope has it
-MUST = ("resid_pre", "attn.in", "ln1.normalized", "ln1.scale", "attn.out", "attn.out_pre_norm",
-        "resid_mid", "ln2.normalized", "ln2.scale", "mlp.in", "mlp.out", "mlp.out_pre_norm", "resid_post",
-        "mixer.in", "mixer.out", "ln_final", "ln_final.normalized", "ln_final.scale")
+MUST = (
+    "resid_pre",
+    "attn.in",
+    "ln1.normalized",
+    "ln1.scale",
+    "attn.out",
+    "attn.out_pre_norm",
+    "resid_mid",
+    "ln2.normalized",
+    "ln2.scale",
+    "mlp.in",
+    "mlp.out",
+    "mlp.out_pre_norm",
+    "resid_post",
+    "mixer.in",
+    "mixer.out",
+    "ln_final",
+    "ln_final.normalized",
+    "ln_final.scale",
+)
 
 
 def save(case: str, directory) -> str:
@@ -71,9 +110,9 @@ def save(case: str, directory) -> str:
 
 def boot(path: str) -> TransformerBridge:
     hf = AutoModelForCausalLM.from_pretrained(path)
-    return TransformerBridge.boot_transformers(path, hf_model=hf,
-                                               tokenizer=AutoTokenizer.from_pretrained(path),
-                                               device="cpu").eval()
+    return TransformerBridge.boot_transformers(
+        path, hf_model=hf, tokenizer=AutoTokenizer.from_pretrained(path), device="cpu"
+    ).eval()
 
 
 def pairs(bridge: TransformerBridge, cache_keys, ours: list[str]) -> dict[str, str]:
@@ -136,13 +175,16 @@ def test_every_shared_name_equals_the_bridge(case, tmp_path):
     assert not left, sorted(left)
 
 
-@pytest.mark.parametrize("case, point, wrong", [
-    ("gemma2", "blocks.1.mlp.out", ("layers.1.mlp", "output")),  # the meaning before the fix
-    ("olmo2", "blocks.0.attn.out", ("layers.0.self_attn", "output")),
-    ("llama", "blocks.1.mlp.in", ("layers.1.post_attention_layernorm", "input")),  # before ln2
-    ("llama", "ln_final.normalized", ("norm", "output")),  # after the norm's weight: ln_final
-    ("gpt2", "ln_final", ("h.1", "output")),  # before the final norm
-])
+@pytest.mark.parametrize(
+    "case, point, wrong",
+    [
+        ("gemma2", "blocks.1.mlp.out", ("layers.1.mlp", "output")),  # the meaning before the fix
+        ("olmo2", "blocks.0.attn.out", ("layers.0.self_attn", "output")),
+        ("llama", "blocks.1.mlp.in", ("layers.1.post_attention_layernorm", "input")),  # before ln2
+        ("llama", "ln_final.normalized", ("norm", "output")),  # after the norm's weight: ln_final
+        ("gpt2", "ln_final", ("h.1", "output")),  # before the final norm
+    ],
+)
 def test_a_broken_entry_fails(case, point, wrong, tmp_path):
     import dataclasses
 
@@ -161,8 +203,7 @@ def test_a_broken_entry_fails(case, point, wrong, tmp_path):
 # `attn.hook_out` is Hugging Face's BertAttention output, after the residual add and LayerNorm
 # (hookscope: the output projection's, before the add), its `ln2.hook_in` / `hook_resid_mid` the
 # output LayerNorm's input in the MLP sublayer. Asserted to differ, so a change on either side shows.
-BERT_DIFFERS = {"embed", "blocks.0.attn.out", "blocks.1.attn.out", "blocks.0.resid_mid",
-                "blocks.1.resid_mid"}
+BERT_DIFFERS = {"embed", "blocks.0.attn.out", "blocks.1.attn.out", "blocks.0.resid_mid", "blocks.1.resid_mid"}
 
 
 def test_bert_names_equal_the_bridge_but_three(tmp_path):
@@ -171,10 +212,12 @@ def test_bert_names_equal_the_bridge_but_three(tmp_path):
     path = tmp_path / "bert"
     family_models.build("bert").float().save_pretrained(path)
     train_tokenizer(family_models.VOCAB, bert=True).save_pretrained(path)
-    bridge = TransformerBridge.boot_transformers(str(path),
-                                                 hf_model=AutoModelForMaskedLM.from_pretrained(path),
-                                                 tokenizer=AutoTokenizer.from_pretrained(path),
-                                                 device="cpu").eval()
+    bridge = TransformerBridge.boot_transformers(
+        str(path),
+        hf_model=AutoModelForMaskedLM.from_pretrained(path),
+        tokenizer=AutoTokenizer.from_pretrained(path),
+        device="cpu",
+    ).eval()
     hf = AutoModel.from_pretrained(path, attn_implementation="eager").eval()
     ids = family_models.inputs("bert")["input_ids"]
     with torch.no_grad():
@@ -184,8 +227,11 @@ def test_bert_names_equal_the_bridge_but_three(tmp_path):
     assert set(names) == set(matched)
     got = hs.collect(hf, ids, names)
     theirs = {n: cache[key][:1] if n == "pos_embed" else cache[key] for n, key in matched.items()}
-    differ = {n for n in matched
-              if got[n].shape != theirs[n].shape or not torch.allclose(got[n], theirs[n], atol=TOL, rtol=TOL)}
+    differ = {
+        n
+        for n in matched
+        if got[n].shape != theirs[n].shape or not torch.allclose(got[n], theirs[n], atol=TOL, rtol=TOL)
+    }
     assert differ == BERT_DIFFERS
 
 
@@ -196,9 +242,9 @@ def test_vit_names_equal_the_bridge(tmp_path):
 
     path = tmp_path / "vit"
     family_models.build("vit").float().save_pretrained(path)
-    bridge = TransformerBridge.boot_transformers(str(path),
-                                                 hf_model=ViTForImageClassification.from_pretrained(path),
-                                                 device="cpu").eval()
+    bridge = TransformerBridge.boot_transformers(
+        str(path), hf_model=ViTForImageClassification.from_pretrained(path), device="cpu"
+    ).eval()
     hf = AutoModel.from_pretrained(path, attn_implementation="eager").eval()
     pixels = family_models.inputs("vit")["pixel_values"].float()
     with torch.no_grad():
@@ -207,9 +253,11 @@ def test_vit_names_equal_the_bridge(tmp_path):
     matched = pairs(bridge, list(cache.keys()), names)
     assert set(names) - set(matched) == {"patch_embed"}
     got = hs.collect(hf, {"pixel_values": pixels}, list(matched))
-    wrong = [n for n, key in matched.items()
-             if got[n].shape != cache[key].shape
-             or not torch.allclose(got[n], cache[key], atol=TOL, rtol=TOL)]
+    wrong = [
+        n
+        for n, key in matched.items()
+        if got[n].shape != cache[key].shape or not torch.allclose(got[n], cache[key], atol=TOL, rtol=TOL)
+    ]
     assert not wrong
 
 

@@ -11,8 +11,13 @@ from torch import Tensor
 
 import hookscope as hs
 
-DTYPES = [(torch.float32, torch.bfloat16), (torch.float32, torch.float16), (torch.float64, torch.float32),
-          (torch.float64, torch.bfloat16), (torch.float16, torch.float32)]
+DTYPES = [
+    (torch.float32, torch.bfloat16),
+    (torch.float32, torch.float16),
+    (torch.float64, torch.float32),
+    (torch.float64, torch.bfloat16),
+    (torch.float16, torch.float32),
+]
 
 
 def bits(x: Tensor) -> Tensor:
@@ -24,12 +29,26 @@ def awkward(dtype: torch.dtype, shape: tuple[int, ...]) -> Tensor:
     """Random values across many exponents, with the values a cast can get wrong mixed in: NaNs
     with payloads, infinities, -0.0, subnormals, the largest finite values, rounding ties."""
     g = torch.Generator().manual_seed(0)
-    x = (torch.randn(shape, generator=g, dtype=torch.float64)
-         * torch.exp2(torch.randint(-30, 30, shape, generator=g).double())).to(dtype)
+    x = (
+        torch.randn(shape, generator=g, dtype=torch.float64)
+        * torch.exp2(torch.randint(-30, 30, shape, generator=g).double())
+    ).to(dtype)
     flat = x.view(-1)
     info = torch.finfo(dtype)
-    special = torch.tensor([float("nan"), float("inf"), -float("inf"), -0.0, info.tiny / 4, info.max,
-                            -info.max, 1 + 2 ** -8, 1 + 3 * 2 ** -9], dtype=dtype)
+    special = torch.tensor(
+        [
+            float("nan"),
+            float("inf"),
+            -float("inf"),
+            -0.0,
+            info.tiny / 4,
+            info.max,
+            -info.max,
+            1 + 2**-8,
+            1 + 3 * 2**-9,
+        ],
+        dtype=dtype,
+    )
     flat[: special.numel()] = special
     raw = bits(flat)
     raw[special.numel()] = raw[0] | 1  # a NaN with another payload
@@ -78,9 +97,12 @@ def test_non_contiguous_and_batch_shared_points(gpt2):
     mask = torch.ones(3, 9, dtype=torch.bool)
     mask[:, 0], mask[2, 6:] = False, False
     ref = {}
-    handles = [gpt2.transformer.wpe.register_forward_hook(lambda m, a, o: ref.__setitem__("wpe", o)),
-               gpt2.transformer.h[1].register_forward_hook(
-                   lambda m, a, o: ref.__setitem__("h1", o if isinstance(o, Tensor) else o[0]))]
+    handles = [
+        gpt2.transformer.wpe.register_forward_hook(lambda m, a, o: ref.__setitem__("wpe", o)),
+        gpt2.transformer.h[1].register_forward_hook(
+            lambda m, a, o: ref.__setitem__("h1", o if isinstance(o, Tensor) else o[0])
+        ),
+    ]
     try:
         with torch.no_grad():
             gpt2(ids)
@@ -103,8 +125,9 @@ def test_non_contiguous_and_batch_shared_points(gpt2):
 def test_a_mask_changed_in_place_between_passes_is_read_anew():
     x = awkward(torch.float32, (2, 8, 4))
     mask = torch.ones(2, 8, dtype=torch.bool)
-    with hs.capture(Passthrough(), "blocks.0.resid_post", token_mask=mask, dtype=torch.bfloat16,
-                    accumulate=True) as cap:
+    with hs.capture(
+        Passthrough(), "blocks.0.resid_post", token_mask=mask, dtype=torch.bfloat16, accumulate=True
+    ) as cap:
         cap.model(x)
         mask[:, 3:] = False
         cap.model(x)

@@ -99,7 +99,7 @@ def test_float32_and_bfloat16_stores_with_nan(tmp_path, dtype):
     x[:, 4] = x[:, 4].round()  # ties
     with ShardWriter(tmp_path / "s", {"t": 1}, shard_rows=64) as w:
         for b in range(0, 300, 20):
-            w.write(b // 20, {"p": x[b:b + 20]}, {"token_ids": torch.arange(b, b + 20)})
+            w.write(b // 20, {"p": x[b : b + 20]}, {"token_ids": torch.arange(b, b + 20)})
     store = open_store(tmp_path / "s")
     assert store.stats["p"].nonfinite > 0
     ref = torch.nan_to_num(x.float(), nan=float("-inf"))
@@ -124,7 +124,7 @@ def test_planted_unit_answers_with_its_token_and_contexts_decode_to_the_tokenize
         assert (ctx.doc_id, ctx.position) == (d, p)
         # the tokens of those positions in the document, as the tokenizer made them
         first = syn.rows[window[0]][1]
-        want_ids = syn.docs[d][first:first + len(window)]
+        want_ids = syn.docs[d][first : first + len(window)]
         assert ctx.token_ids == want_ids
         assert ctx.center == p - first
         assert ctx.text == syn.tokenizer.decode(want_ids)
@@ -213,9 +213,13 @@ def _sae_weights(d_in: int, d_sae: int, seed: int = 1) -> dict[str, torch.Tensor
     W = torch.randn(d_in, d_sae, generator=g)
     W[:, 0] = 0
     W[PLANTED, 0] = 1.0  # feature 0 reads the planted unit: it fires on the target token
-    return {"W_enc": W, "b_enc": torch.randn(d_sae, generator=g) * 0.1 - 0.2,
-            "W_dec": torch.randn(d_sae, d_in, generator=g), "b_dec": torch.randn(d_in, generator=g) * 0.1,
-            "threshold": torch.rand(d_sae, generator=g) * 0.5}
+    return {
+        "W_enc": W,
+        "b_enc": torch.randn(d_sae, generator=g) * 0.1 - 0.2,
+        "W_dec": torch.randn(d_sae, d_in, generator=g),
+        "b_dec": torch.randn(d_in, generator=g) * 0.1,
+        "threshold": torch.rand(d_sae, generator=g) * 0.5,
+    }
 
 
 def _reference_encode(x, w, arch, k=None, apply_b_dec=True):
@@ -233,10 +237,19 @@ def _write_saelens(directory, w, arch, **cfg):
     directory.mkdir(parents=True)
     tensors = {k: v for k, v in w.items() if arch == "jumprelu" or k != "threshold"}
     save_file(tensors, directory / "sae_weights.safetensors")
-    (directory / "cfg.json").write_text(json.dumps({"architecture": arch, "d_in": w["W_enc"].shape[0],
-                                                    "d_sae": w["W_enc"].shape[1], "dtype": "float32",
-                                                    "apply_b_dec_to_input": True,
-                                                    "normalize_activations": "none", **cfg}))
+    (directory / "cfg.json").write_text(
+        json.dumps(
+            {
+                "architecture": arch,
+                "d_in": w["W_enc"].shape[0],
+                "d_sae": w["W_enc"].shape[1],
+                "dtype": "float32",
+                "apply_b_dec_to_input": True,
+                "normalize_activations": "none",
+                **cfg,
+            }
+        )
+    )
     return directory
 
 
@@ -308,8 +321,18 @@ def extracted(tmp_path_factory):
     root = tmp_path_factory.mktemp("top-cli")
     model = save_tiny("gpt2", root / "model", d_model=32, n_layers=2, n_heads=2, context=64)
     out = root / "store"
-    extract(ExtractConfig(out=str(out), model=str(model), points=["blocks.0.mlp.post"], context=32,
-                          batch_size=4, max_tokens=1024, shard_rows=300, progress=False))
+    extract(
+        ExtractConfig(
+            out=str(out),
+            model=str(model),
+            points=["blocks.0.mlp.post"],
+            context=32,
+            batch_size=4,
+            max_tokens=1024,
+            shard_rows=300,
+            progress=False,
+        )
+    )
     return out, model
 
 
@@ -379,6 +402,7 @@ def test_page_data_for_sae_features(syn, store, tmp_path):
             window = expected_window(syn, c["row"], 2)
             assert c["a"] == pytest.approx(ref[window, u["u"]].tolist(), abs=1e-4)
             assert "".join(data["strings"][i] for i in c["t"]) == syn.tokenizer.decode(
-                [syn.docs[syn.rows[r][0]][syn.rows[r][1]] for r in window])
+                [syn.docs[syn.rows[r][0]][syn.rows[r][1]] for r in window]
+            )
     page = write_page(tmp_path / "sae.html", data)
     assert "(SAE)" in page.read_text()

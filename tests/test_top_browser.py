@@ -46,10 +46,14 @@ def _shown(driver):
 
     rows = []
     for el in driver.find_elements(By.CSS_SELECTOR, "#contexts .ctx"):
-        rows.append({"row": int(el.get_attribute("data-row")),
-                     "text": el.find_element(By.CSS_SELECTOR, ".toks").get_attribute("textContent"),
-                     "center": el.find_element(By.CSS_SELECTOR, ".tok.center").get_attribute("textContent"),
-                     "value": float(el.find_element(By.CSS_SELECTOR, ".v").text)})
+        rows.append(
+            {
+                "row": int(el.get_attribute("data-row")),
+                "text": el.find_element(By.CSS_SELECTOR, ".toks").get_attribute("textContent"),
+                "center": el.find_element(By.CSS_SELECTOR, ".tok.center").get_attribute("textContent"),
+                "value": float(el.find_element(By.CSS_SELECTOR, ".v").text),
+            }
+        )
     return rows
 
 
@@ -103,12 +107,27 @@ def test_page_shows_the_known_contexts_without_console_errors(driver, page):
 
 def test_page_text_is_never_parsed_as_html(driver, tmp_path):
     """Token text like `<img onerror=...>` must show as text, not run."""
-    data = {"point": "p<b>", "source": {"kind": "neurons"}, "rows": 1, "k": 1, "context": 0,
-            "strings": ["<img src=x onerror=\"document.title='pwned'\">", "</script><b>x</b>"],
-            "edges": [None] + [0.0] * 80 + [None], "store": "s", "settings": {},
-            "units": [{"u": 0, "freq": 1.0, "fires": 1, "max": 1.0, "hist": [0] * 40 + [0, 1] + [0] * 39,
-                       "ctx": [{"v": 1.0, "c": 0, "row": 0, "doc": 0, "pos": 0, "t": [0, 1],
-                                "a": [1.0, 0.5]}]}]}
+    data = {
+        "point": "p<b>",
+        "source": {"kind": "neurons"},
+        "rows": 1,
+        "k": 1,
+        "context": 0,
+        "strings": ["<img src=x onerror=\"document.title='pwned'\">", "</script><b>x</b>"],
+        "edges": [None] + [0.0] * 80 + [None],
+        "store": "s",
+        "settings": {},
+        "units": [
+            {
+                "u": 0,
+                "freq": 1.0,
+                "fires": 1,
+                "max": 1.0,
+                "hist": [0] * 40 + [0, 1] + [0] * 39,
+                "ctx": [{"v": 1.0, "c": 0, "row": 0, "doc": 0, "pos": 0, "t": [0, 1], "a": [1.0, 0.5]}],
+            }
+        ],
+    }
     path = write_page(tmp_path / "x.html", data)
     driver.get(path.as_uri())
     rows = _shown(driver)

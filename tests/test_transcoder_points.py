@@ -35,9 +35,31 @@ def test_points_says_what_names_mean(gemma2, capsys):
 
 def test_extract_mlp_in_and_out_of_every_layer_in_one_run(gemma2, corpus, tmp_path, capsys):
     out = tmp_path / "store"
-    assert main(["extract", gemma2, "--out", str(out), "--data", str(corpus), "--context", "16",
-                 "--batch-size", "4", "--dtype", "float32", "--keep-bos", "--max-tokens", "160",
-                 "--points", "blocks.*.mlp.in,blocks.*.mlp.out", "--no-progress"]) == 0
+    assert (
+        main(
+            [
+                "extract",
+                gemma2,
+                "--out",
+                str(out),
+                "--data",
+                str(corpus),
+                "--context",
+                "16",
+                "--batch-size",
+                "4",
+                "--dtype",
+                "float32",
+                "--keep-bos",
+                "--max-tokens",
+                "160",
+                "--points",
+                "blocks.*.mlp.in,blocks.*.mlp.out",
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     store = open_store(out, verify=True)
     layers = range(family_models.N_LAYERS)
     names = [f"blocks.{L}.mlp.{s}" for L in layers for s in ("in", "out")]
@@ -46,8 +68,9 @@ def test_extract_mlp_in_and_out_of_every_layer_in_one_run(gemma2, corpus, tmp_pa
     model = AutoModelForCausalLM.from_pretrained(gemma2, attn_implementation="eager").eval()
     blocks = model.model.layers
     taps = {f"blocks.{L}.mlp.in": (blocks[L].mlp, "input", lambda x: x) for L in layers}
-    taps |= {f"blocks.{L}.mlp.out": (blocks[L].post_feedforward_layernorm, "output", lambda x: x)
-             for L in layers}
+    taps |= {
+        f"blocks.{L}.mlp.out": (blocks[L].post_feedforward_layernorm, "output", lambda x: x) for L in layers
+    }
     seq, pos, ids = store.tensor("seq_ids"), store.tensor("positions"), store.tensor("token_ids")
     stored = {name: store.tensor(name) for name in names}
     for s in seq.unique():

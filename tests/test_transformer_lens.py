@@ -272,18 +272,32 @@ def gemma2_config(c) -> HookedTransformerConfig:
     """TransformerLens's own Gemma 2 config (loading_from_pretrained's google/gemma-2-2b entry), with
     the tiny model's sizes and settings written in."""
     return HookedTransformerConfig(
-        d_model=c.hidden_size, d_head=c.head_dim, n_heads=c.num_attention_heads, d_mlp=c.intermediate_size,
-        n_layers=c.num_hidden_layers, n_ctx=c.max_position_embeddings, eps=c.rms_norm_eps,
-        d_vocab=c.vocab_size, act_fn=c.hidden_activation, normalization_type="RMS",
-        rotary_base=c.rope_parameters["rope_theta"], rotary_dim=c.head_dim,
-        positional_embedding_type="rotary", use_attn_scale=True,
-        attn_scale=c.query_pre_attn_scalar**0.5, n_key_value_heads=c.num_key_value_heads,
-        window_size=c.sliding_window, use_local_attn=True,
+        d_model=c.hidden_size,
+        d_head=c.head_dim,
+        n_heads=c.num_attention_heads,
+        d_mlp=c.intermediate_size,
+        n_layers=c.num_hidden_layers,
+        n_ctx=c.max_position_embeddings,
+        eps=c.rms_norm_eps,
+        d_vocab=c.vocab_size,
+        act_fn=c.hidden_activation,
+        normalization_type="RMS",
+        rotary_base=c.rope_parameters["rope_theta"],
+        rotary_dim=c.head_dim,
+        positional_embedding_type="rotary",
+        use_attn_scale=True,
+        attn_scale=c.query_pre_attn_scalar**0.5,
+        n_key_value_heads=c.num_key_value_heads,
+        window_size=c.sliding_window,
+        use_local_attn=True,
         attn_types=["local" if t == "sliding_attention" else "global" for t in c.layer_types],
         attn_scores_soft_cap=c.attn_logit_softcapping or -1.0,
         output_logits_soft_cap=c.final_logit_softcapping or -1.0,
-        gated_mlp=True, final_rms=True, use_normalization_before_and_after=True,
-        original_architecture="Gemma2ForCausalLM")
+        gated_mlp=True,
+        final_rms=True,
+        use_normalization_before_and_after=True,
+        original_architecture="Gemma2ForCausalLM",
+    )
 
 
 def gemma3_config(c) -> HookedTransformerConfig:
@@ -291,35 +305,64 @@ def gemma3_config(c) -> HookedTransformerConfig:
     sizes and settings written in."""
     rope = c.rope_parameters
     return HookedTransformerConfig(
-        d_model=c.hidden_size, d_head=c.head_dim, n_heads=c.num_attention_heads, d_mlp=c.intermediate_size,
-        n_layers=c.num_hidden_layers, n_ctx=c.max_position_embeddings, eps=c.rms_norm_eps,
-        d_vocab=c.vocab_size, act_fn=c.hidden_activation, normalization_type="RMS",
+        d_model=c.hidden_size,
+        d_head=c.head_dim,
+        n_heads=c.num_attention_heads,
+        d_mlp=c.intermediate_size,
+        n_layers=c.num_hidden_layers,
+        n_ctx=c.max_position_embeddings,
+        eps=c.rms_norm_eps,
+        d_vocab=c.vocab_size,
+        act_fn=c.hidden_activation,
+        normalization_type="RMS",
         rotary_base=rope["full_attention"]["rope_theta"],
-        rotary_base_local=rope["sliding_attention"]["rope_theta"], rotary_dim=c.head_dim,
-        positional_embedding_type="rotary", use_attn_scale=True, attn_scale=c.query_pre_attn_scalar**0.5,
-        n_key_value_heads=c.num_key_value_heads, window_size=c.sliding_window, use_local_attn=True,
+        rotary_base_local=rope["sliding_attention"]["rope_theta"],
+        rotary_dim=c.head_dim,
+        positional_embedding_type="rotary",
+        use_attn_scale=True,
+        attn_scale=c.query_pre_attn_scalar**0.5,
+        n_key_value_heads=c.num_key_value_heads,
+        window_size=c.sliding_window,
+        use_local_attn=True,
         attn_types=["local" if t == "sliding_attention" else "global" for t in c.layer_types],
-        gated_mlp=True, final_rms=True, use_normalization_before_and_after=True, use_qk_norm=True,
-        original_architecture="Gemma3ForCausalLM")
+        gated_mlp=True,
+        final_rms=True,
+        use_normalization_before_and_after=True,
+        use_qk_norm=True,
+        original_architecture="Gemma3ForCausalLM",
+    )
 
 
 def olmo2_config(c) -> HookedTransformerConfig:
     """TransformerLens's own OLMo 2 config (its allenai/OLMo-2-0425-1B entry), with the tiny model's
     sizes written in (multi-head attention: TransformerLens converts OLMo 2's k / v as full heads)."""
     return HookedTransformerConfig(
-        d_model=c.hidden_size, d_head=c.head_dim, n_heads=c.num_attention_heads, d_mlp=c.intermediate_size,
-        n_layers=c.num_hidden_layers, n_ctx=c.max_position_embeddings, eps=c.rms_norm_eps,
-        d_vocab=c.vocab_size, act_fn=c.hidden_act, normalization_type="RMS",
+        d_model=c.hidden_size,
+        d_head=c.head_dim,
+        n_heads=c.num_attention_heads,
+        d_mlp=c.intermediate_size,
+        n_layers=c.num_hidden_layers,
+        n_ctx=c.max_position_embeddings,
+        eps=c.rms_norm_eps,
+        d_vocab=c.vocab_size,
+        act_fn=c.hidden_act,
+        normalization_type="RMS",
         rotary_base=c.rope_parameters["rope_theta"],
-        rotary_dim=c.head_dim, positional_embedding_type="rotary", gated_mlp=True, final_rms=True,
-        original_architecture="Olmo2ForCausalLM")
+        rotary_dim=c.head_dim,
+        positional_embedding_type="rotary",
+        gated_mlp=True,
+        final_rms=True,
+        original_architecture="Olmo2ForCausalLM",
+    )
 
 
 # post-normed family -> (its HookedTransformer config, TransformerLens's weight conversion, settings
 # over family_models' case)
-POST_NORMED = {"gemma2": (gemma2_config, "convert_gemma_weights", {}),
-               "gemma3_text": (gemma3_config, "convert_gemma_weights", {}),
-               "olmo2": (olmo2_config, "convert_olmo2_weights", {"num_key_value_heads": 4})}
+POST_NORMED = {
+    "gemma2": (gemma2_config, "convert_gemma_weights", {}),
+    "gemma3_text": (gemma3_config, "convert_gemma_weights", {}),
+    "olmo2": (olmo2_config, "convert_olmo2_weights", {"num_key_value_heads": 4}),
+}
 
 
 @pytest.mark.parametrize("case", list(POST_NORMED))
@@ -344,13 +387,19 @@ def test_post_normed_names_mean_what_hooked_transformer_means(case):
     logits, cache = tl.run_with_cache(ids)
     want = {canonical(k): v for k, v in cache.items()} | {"logits": logits}
     names = [n for n in arch_of(hf).names if n in want]
-    for must in ("blocks.1.attn.out", "blocks.1.mlp.out", "blocks.1.resid_mid", "ln_final.normalized",
-                 "ln_final.scale", "logits"):
+    for must in (
+        "blocks.1.attn.out",
+        "blocks.1.mlp.out",
+        "blocks.1.resid_mid",
+        "ln_final.normalized",
+        "ln_final.scale",
+        "logits",
+    ):
         assert must in names
     if case != "olmo2":
         assert "blocks.1.ln2.normalized" in names
     got = hs.collect(hf, ids, names)
     for name in names:
-        torch.testing.assert_close(got[name], want[name], atol=1e-5, rtol=1e-5,
-                                   msg=lambda m, name=name: f"{name}: {m}")
-
+        torch.testing.assert_close(
+            got[name], want[name], atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )

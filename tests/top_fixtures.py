@@ -28,9 +28,11 @@ PLANTED, TIED, DEAD = 3, 5, 7
 CONTEXT = 16  # tokens per packed sequence
 BATCH = 4  # sequences per batch
 
-_WORDS = ("the quick brown fox jumps over lazy dog interpretability researchers read residual stream one "
-          "layer at a time sparse autoencoder learns dictionary of features from activations hooks attach "
-          "to modules Paris is capital France and Rome Italy").split()
+_WORDS = (
+    "the quick brown fox jumps over lazy dog interpretability researchers read residual stream one "
+    "layer at a time sparse autoencoder learns dictionary of features from activations hooks attach "
+    "to modules Paris is capital France and Rome Italy"
+).split()
 
 
 @dataclass
@@ -57,29 +59,37 @@ def make_store(root: Path, *, n_docs: int = 40, seed: int = 0, shard_rows: int =
     docs = [tok(t)["input_ids"] for t in documents(n_docs, seed)]
     # pack: documents back to back, cut into sequences of CONTEXT tokens (the last one may be short)
     flat = [(d, p, t) for d, ids in enumerate(docs) for p, t in enumerate(ids)]
-    seqs = [flat[i:i + CONTEXT] for i in range(0, len(flat), CONTEXT)]
+    seqs = [flat[i : i + CONTEXT] for i in range(0, len(flat), CONTEXT)]
     counts: dict[int, int] = {}
     for _, _, t in flat:
         counts[t] = counts.get(t, 0) + 1
     # a token seen often, but not the most common one
     target = sorted(counts, key=lambda t: (-counts[t], t))[3]
-    settings = {"model": str(model_dir), "points": [POINT], "note": "synthetic top-k test store",
-                "seed": seed}
+    settings = {
+        "model": str(model_dir),
+        "points": [POINT],
+        "note": "synthetic top-k test store",
+        "seed": seed,
+    }
     gen = torch.Generator().manual_seed(seed)
     rows: list[tuple[int, int, int]] = []
     path = root / "store"
     with ShardWriter(path, settings, shard_rows=shard_rows) as writer:
         for b in range(0, len(seqs), BATCH):
-            batch = [tok_row for s in seqs[b:b + BATCH] for tok_row in s]
-            seq_of = [b + i for i, s in enumerate(seqs[b:b + BATCH]) for _ in s]
+            batch = [tok_row for s in seqs[b : b + BATCH] for tok_row in s]
+            seq_of = [b + i for i, s in enumerate(seqs[b : b + BATCH]) for _ in s]
             n = len(batch)
             ids = torch.tensor([t for _, _, t in batch])
             x = torch.randn(n, UNITS, generator=gen) * 0.5
             x[:, PLANTED] = torch.where(ids == target, 6 + torch.rand(n, generator=gen), x[:, PLANTED] * 0.2)
             x[:, TIED] = (torch.randn(n, generator=gen) * 2).round().clamp(0, 3) / 2
             x[:, DEAD] = 0
-            meta = {"token_ids": ids, "doc_ids": torch.tensor([d for d, _, _ in batch]),
-                    "positions": torch.tensor([p for _, p, _ in batch]), "seq_ids": torch.tensor(seq_of)}
+            meta = {
+                "token_ids": ids,
+                "doc_ids": torch.tensor([d for d, _, _ in batch]),
+                "positions": torch.tensor([p for _, p, _ in batch]),
+                "seq_ids": torch.tensor(seq_of),
+            }
             writer.write(b // BATCH, {POINT: x.half()}, meta)
             rows += [(d, p, s) for (d, p, _), s in zip(batch, seq_of, strict=True)]
     return Synthetic(path, model_dir, tok, target, docs, rows, settings)

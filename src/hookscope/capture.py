@@ -162,11 +162,23 @@ class Capture(Kept):
 
     copy = "auto"  # how `_keep` copies (`Selection.take`); "never": a subclass copies into its own buffer
 
-    def __init__(self, model: nn.Module, points: str | Sequence[str], *, positions: Positions = None,
-                 heads: Heads = None, token_mask: Tensor | None = None, dtype: torch.dtype | None = None,
-                 device: torch.device | str | None = None, stop: bool | None = None, inference: bool = True,
-                 accumulate: bool = False, attention_mask: Tensor | None = None, arch: Arch | None = None,
-                 into: PointInto | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        points: str | Sequence[str],
+        *,
+        positions: Positions = None,
+        heads: Heads = None,
+        token_mask: Tensor | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        stop: bool | None = None,
+        inference: bool = True,
+        accumulate: bool = False,
+        attention_mask: Tensor | None = None,
+        arch: Arch | None = None,
+        into: PointInto | None = None,
+    ):
         self._state = state_of(model)  # its `layer` is asked at enter
         if arch is None:
             arch = self._state.arch if self._state.arch is not None else arch_of(model)
@@ -228,8 +240,10 @@ class Capture(Kept):
             self._stopping = self.stop is True
         if self._pending:  # only after a pass that ended normally: an error mid-pass must reach the caller
             missing, self._pending = ", ".join(sorted(self._pending)), set()
-            raise PointNotReachedError(f"point(s) {missing} never ran in this forward pass; check the "
-                                       "model's execution path (e.g. an encoder-only model has no logits)")
+            raise PointNotReachedError(
+                f"point(s) {missing} never ran in this forward pass; check the "
+                "model's execution path (e.g. an encoder-only model has no logits)"
+            )
         return output
 
     def _start_pass(self, mask: Tensor | None) -> None:
@@ -240,8 +254,12 @@ class Capture(Kept):
     def _keep(self, act: Tensor, hook: Hook) -> None:
         name = hook.spec.name
         into = None if self.into is None else functools.partial(self.into, name)
-        self.file(name, self.selection.take(act, hook.spec, attention_mask=self.pass_mask,
-                                            copy=self.copy, events=self.events, into=into))
+        self.file(
+            name,
+            self.selection.take(
+                act, hook.spec, attention_mask=self.pass_mask, copy=self.copy, events=self.events, into=into
+            ),
+        )
 
     def file(self, name: str, kept: Tensor) -> None:
         """Keep `kept` as this pass's value of point `name`; stop the pass if it was the last one
@@ -316,8 +334,9 @@ def grads(
     with Hooks(model, arch) as h, torch.enable_grad():
         for spec in keys.values():
             # autograd cannot differentiate with respect to a tensor a compiled graph only returned
-            h.untraceable_forward(spec, keep,
-                                  reason="a gradient with respect to a point inside a compiled region")
+            h.untraceable_forward(
+                spec, keep, reason="a gradient with respect to a point inside a compiled region"
+            )
         output = call_model(model, inputs)
     missing = [s.name for s in keys.values() if s.name not in kept]
     if missing:
@@ -327,8 +346,13 @@ def grads(
         raise SelectionError("loss_fn must return a scalar tensor")
     leaves = [kept[s.name] for s in keys.values()]
     values = torch.autograd.grad(loss, leaves, allow_unused=True)
-    return PointDict(((key, g if g is not None else torch.zeros_like(leaf))
-                      for key, g, leaf in zip(keys, values, leaves, strict=True)), arch=arch)
+    return PointDict(
+        (
+            (key, g if g is not None else torch.zeros_like(leaf))
+            for key, g, leaf in zip(keys, values, leaves, strict=True)
+        ),
+        arch=arch,
+    )
 
 
 @dataclass(frozen=True)
@@ -381,14 +405,21 @@ def points(model: nn.Module, example: Any = None, *, pattern: str | None = None)
                 h.forward(spec, record)
             stop.run(model, example)
     return [
-        PointInfo(s.name, s.module or "<root>", s.io, s.view.label if s.view else "", shapes.get(s.name),
-                  meaning(s.name))
+        PointInfo(
+            s.name,
+            s.module or "<root>",
+            s.io,
+            s.view.label if s.view else "",
+            shapes.get(s.name),
+            meaning(s.name),
+        )
         for s in specs
     ]
 
 
-def save_tensors(path: str | os.PathLike, tensors: Mapping[str, Tensor], *,
-                 metadata: dict[str, str] | None = None) -> None:
+def save_tensors(
+    path: str | os.PathLike, tensors: Mapping[str, Tensor], *, metadata: dict[str, str] | None = None
+) -> None:
     """Write captured tensors to a .safetensors file, whole or not at all, with the umask's mode
     (safetensors' own `save_file` makes it 0600)."""
     from safetensors import SafetensorError

@@ -127,13 +127,18 @@ class _Compiled:
             for d in deferred:
                 if d.value is not None:
                     kept, d.value = d.value, None
-                    capture.file(d.spec.name, rest.take(kept, d.spec, attention_mask=capture.pass_mask,
-                                                        copy=copy, events=capture.events))
+                    capture.file(
+                        d.spec.name,
+                        rest.take(
+                            kept, d.spec, attention_mask=capture.pass_mask, copy=copy, events=capture.events
+                        ),
+                    )
 
         for region, deferred in regions.items():
             capture.hooks.module_forward(
                 PointSpec(name=f"<compiled {region or 'model'}>", module=region, io="output"),
-                lambda module, args, output, d=deferred: flush(d))
+                lambda module, args, output, d=deferred: flush(d),
+            )
         return plain
 
 
@@ -201,8 +206,13 @@ def compile_model(
     targets = _blocks(model, arch) if policy == "blocks" else {"": model}
     # hooks attached after the first compiled call must fire (pytorch #117758)
     torch._dynamo.config.skip_nnmodule_hook_guards = False
-    options = {"mode": mode, "dynamic": dynamic, "fullgraph": fullgraph, "backend": backend or "inductor",
-               **_recompile_limit()}
+    options = {
+        "mode": mode,
+        "dynamic": dynamic,
+        "fullgraph": fullgraph,
+        "backend": backend or "inductor",
+        **_recompile_limit(),
+    }
     state = _Compiled(policy, mode)
     shared: dict[Callable, Callable] = {}  # one torch.compile call per distinct forward function
     for path, module in targets.items():
@@ -263,8 +273,10 @@ def _set_forward(module: nn.Module, forward: Any) -> None:
 
 def hold_eager(model: nn.Module, region: str, reason: str) -> Held:
     """Run `region` eagerly until the returned handle is removed; warns once per reason."""
-    warn_once(f"{reason}; hookscope runs {'the whole model' if region == '' else 'that block'} "
-              "eagerly while it is attached (policy blocks / full)")
+    warn_once(
+        f"{reason}; hookscope runs {'the whole model' if region == '' else 'that block'} "
+        "eagerly while it is attached (policy blocks / full)"
+    )
     state = _compiled(model)
     if state is None or region not in state.regions:
         raise HookscopeError(f"no compiled region {region!r} in this model")

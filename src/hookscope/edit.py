@@ -181,10 +181,12 @@ class Patch(Edit):
         src, have = self.source, self.source.shape[1]
         last = offset + int(keep.nonzero().max())
         if last >= have:
-            raise SelectionError(f"patch {self.point}: the source covers {have} positions but position "
-                                 f"{last} is to be patched; restrict the patch (positions=, edit_on='prompt')"
-                                 " or give a longer source")
-        part = src[:, offset:min(offset + size, have)]
+            raise SelectionError(
+                f"patch {self.point}: the source covers {have} positions but position "
+                f"{last} is to be patched; restrict the patch (positions=, edit_on='prompt')"
+                " or give a longer source"
+            )
+        part = src[:, offset : min(offset + size, have)]
         if part.shape[1] < size:
             filler = src.new_zeros((src.shape[0], size - part.shape[1], *src.shape[2:]))
             part = torch.cat([part, filler], dim=1)
@@ -209,8 +211,14 @@ class Steer(Edit):
         return act + (vector if self.scale == 1 else self.scale * vector)  # (x * 1.0 is x: one op fewer)
 
 
-def ablate(point: str, how: str = "zero", *, positions: Positions = None, heads: Heads = None,
-           mean: Tensor | None = None) -> Ablate:
+def ablate(
+    point: str,
+    how: str = "zero",
+    *,
+    positions: Positions = None,
+    heads: Heads = None,
+    mean: Tensor | None = None,
+) -> Ablate:
     """Zero or mean ablation of a point (or of chosen positions / heads).
 
     Returns:
@@ -223,8 +231,9 @@ def ablate(point: str, how: str = "zero", *, positions: Positions = None, heads:
     return Ablate(point, positions, heads, how=how, mean=mean)
 
 
-def patch(point: str, source: Tensor | Mapping[str, Tensor], *, positions: Positions = None,
-          heads: Heads = None) -> Patch:
+def patch(
+    point: str, source: Tensor | Mapping[str, Tensor], *, positions: Positions = None, heads: Heads = None
+) -> Patch:
     """Write activations from another run (a tensor, or the dict `hs.collect` returns).
 
     Returns:

@@ -35,12 +35,15 @@ def _rows(act: Tensor, tokens: Tokens) -> Tensor:
         index = torch.as_tensor(tokens, device=act.device).reshape(-1)
         if index.dtype == torch.bool:
             if len(index) != act.shape[0]:
-                raise SelectionError(f"a bool tokens mask must have the router's {act.shape[0]} rows "
-                                     f"(batch * positions), got {len(index)}")
+                raise SelectionError(
+                    f"a bool tokens mask must have the router's {act.shape[0]} rows "
+                    f"(batch * positions), got {len(index)}"
+                )
             keep = index
         elif len(index) and (index.min() < -act.shape[0] or index.max() >= act.shape[0]):
             raise SelectionError(
-                f"tokens {tokens!r}: the router saw {act.shape[0]} tokens (batch * positions)")
+                f"tokens {tokens!r}: the router saw {act.shape[0]} tokens (batch * positions)"
+            )
         else:
             keep[index] = True
     return keep[:, None]
@@ -99,8 +102,9 @@ def ablate_expert(layer: int, experts: int | Sequence[int], *, tokens: Tokens = 
     return AblateExperts(f"blocks.{layer}.mlp.router.routing", experts=experts, tokens=tokens)
 
 
-def force_route(layer: int, experts: Sequence[int], weights: Sequence[float] | None = None, *,
-                tokens: Tokens = None) -> ForceRoute:
+def force_route(
+    layer: int, experts: Sequence[int], weights: Sequence[float] | None = None, *, tokens: Tokens = None
+) -> ForceRoute:
     """Route tokens of one MoE layer to the given experts (at most the model's top-k of them).
 
     Returns:
@@ -112,5 +116,9 @@ def force_route(layer: int, experts: Sequence[int], weights: Sequence[float] | N
             does not have (when it runs)."""
     if not experts:
         raise SelectionError("force_route needs at least one expert")
-    return ForceRoute(f"blocks.{layer}.mlp.router.routing", experts=tuple(experts),
-                      weights=None if weights is None else tuple(float(w) for w in weights), tokens=tokens)
+    return ForceRoute(
+        f"blocks.{layer}.mlp.router.routing",
+        experts=tuple(experts),
+        weights=None if weights is None else tuple(float(w) for w in weights),
+        tokens=tokens,
+    )

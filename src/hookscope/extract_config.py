@@ -83,15 +83,19 @@ def validate_config(cfg: ExtractConfig) -> None:
             flag = "--" + name.replace("_", "-")
             raise HookscopeError(f"{flag} {value!r}: must be a whole number >= 1")
     if isinstance(cfg.workers, bool) or not isinstance(cfg.workers, int) or cfg.workers < 0:
-        raise HookscopeError(f"--workers {cfg.workers!r}: must be a whole number >= 0 "
-                             "(0 tokenizes in the extraction's own data thread)")
+        raise HookscopeError(
+            f"--workers {cfg.workers!r}: must be a whole number >= 0 "
+            "(0 tokenizes in the extraction's own data thread)"
+        )
     if cfg.max_tokens is not None and not _whole(cfg.max_tokens):
         raise HookscopeError(f"--max-tokens {cfg.max_tokens!r}: must be a whole number >= 1 (or left out)")
     if not cfg.points:
         raise HookscopeError("no points given; name at least one, e.g. --points blocks.3.resid_post")
     if cfg.stack and not any(is_pattern(p) for p in cfg.points):
-        raise HookscopeError(f"--stack stores each glob of --points as one column, and {cfg.points} has no "
-                             "glob: name one, e.g. --points 'blocks.*.resid_post', or leave --stack out")
+        raise HookscopeError(
+            f"--stack stores each glob of --points as one column, and {cfg.points} has no "
+            "glob: name one, e.g. --points 'blocks.*.resid_post', or leave --stack out"
+        )
     if not str(cfg.out).strip():
         raise HookscopeError("--out is empty; name the store directory to write")
     if cfg.max_memory is not None:
@@ -100,5 +104,7 @@ def validate_config(cfg: ExtractConfig) -> None:
         parse_size(cfg.max_memory)
         for flag, value in (("--generate", cfg.generate), ("--device-map", cfg.device_map)):
             if value:
-                raise HookscopeError(f"--max-memory streams blocks through one device; it does not combine "
-                                     f"with {flag}: leave one of them out")
+                raise HookscopeError(
+                    f"--max-memory streams blocks through one device; it does not combine "
+                    f"with {flag}: leave one of them out"
+                )

@@ -210,8 +210,9 @@ class _OnOutput(Hook):
         else:
             raw = output if isinstance(output, Tensor) else output_tensor(output, item)
         if raw is None:
-            raise HookscopeError(f"{spec.name}: cannot read a tensor from a module output of type "
-                                 f"{type(output).__name__}")
+            raise HookscopeError(
+                f"{spec.name}: cannot read a tensor from a module output of type {type(output).__name__}"
+            )
         new = self._run(raw if view is None else view.get(raw), self)
         if new is None:
             return None
@@ -283,8 +284,11 @@ class Hooks:
             if spec.needs_eager:
                 hook.hold(_eager_attention(self.model))
             # (no keyword unless needed: torch's keyword handling costs ~10% of an attach)
-            hook._handle = (module.register_forward_hook(hook, prepend=True) if prepend
-                            else module.register_forward_hook(hook))
+            hook._handle = (
+                module.register_forward_hook(hook, prepend=True)
+                if prepend
+                else module.register_forward_hook(hook)
+            )
         else:
             hook = _OnInput(spec, fn, "forward")
             hook._handle = module.register_forward_pre_hook(hook, prepend=prepend, with_kwargs=True)
@@ -296,8 +300,9 @@ class Hooks:
         replaces the gradient. Uses a tensor hook (cheaper than a module backward hook)."""
         spec = self._spec(point)
         spec.require_writable("a gradient hook")
-        hook = self.untraceable_forward(spec, _grad_capture(fn),
-                                        reason="a gradient hook cannot be traced into a compiled graph")
+        hook = self.untraceable_forward(
+            spec, _grad_capture(fn), reason="a gradient hook cannot be traced into a compiled graph"
+        )
         hook.kind, hook.fn = "grad", fn
         return hook
 
@@ -311,8 +316,9 @@ class Hooks:
     def module_backward(self, point: str | PointSpec, fn: Callable) -> Hook:
         """A full backward hook on the point's module: `fn(module, grad_input, grad_output)`."""
         spec = self._spec(point)
-        hook = self._keep(Hook(spec, fn, "backward"),
-                          self.arch.module(self.model, spec).register_full_backward_hook(fn))
+        hook = self._keep(
+            Hook(spec, fn, "backward"), self.arch.module(self.model, spec).register_full_backward_hook(fn)
+        )
         self._hold_untraceable(hook, "a module backward hook cannot be traced into a compiled graph")
         return hook
 
@@ -395,5 +401,10 @@ def add_hook(model: nn.Module, point: str, fn: HookFn, *, kind: str = "forward")
 def hook_count(model: nn.Module) -> int:
     """How many forward / pre-forward / backward hooks sit on the model's modules (for tests
     and debugging: compare before and after a block)."""
-    return sum(len(m._forward_hooks) + len(m._forward_pre_hooks) + len(m._backward_hooks)
-               + len(getattr(m, "_backward_pre_hooks", {})) for m in model.modules())
+    return sum(
+        len(m._forward_hooks)
+        + len(m._forward_pre_hooks)
+        + len(m._backward_hooks)
+        + len(getattr(m, "_backward_pre_hooks", {}))
+        for m in model.modules()
+    )

@@ -45,8 +45,10 @@ _POSITION_TABLES = ("wpe", "position_embeddings", "embed_positions")  # GPT-2, B
 def max_positions(model: nn.Module) -> int | None:
     """The longest input a model with a learned position-embedding table takes; None for rotary or
     relative positions, which have no hard limit."""
-    if not any(name.rsplit(".", 1)[-1] in _POSITION_TABLES and isinstance(m, nn.Embedding)
-               for name, m in model.named_modules()):
+    if not any(
+        name.rsplit(".", 1)[-1] in _POSITION_TABLES and isinstance(m, nn.Embedding)
+        for name, m in model.named_modules()
+    ):
         return None
     config = getattr(model, "config", None)
     for key in ("n_positions", "max_position_embeddings"):
@@ -97,8 +99,9 @@ def _wrap_mask_builders() -> bool:
                 continue
 
             @functools.wraps(builder)
-            def wrapped(*args: Any, attention_mask: Any = None, _builder: Any = builder,
-                        **kwargs: Any) -> Any:
+            def wrapped(
+                *args: Any, attention_mask: Any = None, _builder: Any = builder, **kwargs: Any
+            ) -> Any:
                 # a compiled graph reads no host value anyway (and cannot trace a context variable)
                 if not torch.compiler.is_compiling() and _UNPADDED.get():
                     attention_mask = None

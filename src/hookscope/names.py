@@ -34,13 +34,18 @@ _LAYER = re.compile(r"^blocks\.(\d+)\.")
 # What each canonical name means: TransformerLens's meaning, on every family that has the point
 # (`hookscope points` shows it; README "Point names" has the table and where families differ)
 MEANINGS = {
-    "embed": "token embeddings", "pos_embed": "position embeddings", "patch_embed": "patch embeddings",
+    "embed": "token embeddings",
+    "pos_embed": "position embeddings",
+    "patch_embed": "patch embeddings",
     "resid_pre": "residual stream into the block",
-    "ln1.scale": "ln1's scale, sqrt(mean square + eps)", "ln2.scale": "ln2's scale, sqrt(mean square + eps)",
+    "ln1.scale": "ln1's scale, sqrt(mean square + eps)",
+    "ln2.scale": "ln2's scale, sqrt(mean square + eps)",
     "ln1.normalized": "ln1's input / scale, before its weight",
     "ln2.normalized": "ln2's input / scale, before its weight",
     "attn.in": "what attention reads (after ln1)",
-    "attn.q": "queries, per head", "attn.k": "keys, per head", "attn.v": "values, per head",
+    "attn.q": "queries, per head",
+    "attn.k": "keys, per head",
+    "attn.v": "values, per head",
     "attn.pattern": "attention weights [batch, head, query, key]",
     "attn.z": "attention output per head, before W_O",
     "attn.out_pre_norm": "attention output before its post-norm",
@@ -50,14 +55,17 @@ MEANINGS = {
     "resid_mid": "residual stream between attention and MLP",
     "mlp.in_pre_norm": "residual stream before ln2 (TL hook_mlp_in)",
     "mlp.in": "what the MLP reads (after ln2): a transcoder's input",
-    "mlp.pre": "MLP pre-activation (the gate, if gated)", "mlp.pre_linear": "gated MLP's up projection",
-    "mlp.post": "MLP activation, into W_out", "mlp.out_pre_norm": "MLP output before its post-norm",
+    "mlp.pre": "MLP pre-activation (the gate, if gated)",
+    "mlp.pre_linear": "gated MLP's up projection",
+    "mlp.post": "MLP activation, into W_out",
+    "mlp.out_pre_norm": "MLP output before its post-norm",
     "mlp.out_pre_scale": "MLP output before LayerScale (DINOv2)",
     "mlp.out": "what the MLP adds to the residual stream",
     "resid_post": "residual stream out of the block",
     "ln_final.scale": "final norm's scale, sqrt(mean square + eps)",
     "ln_final.normalized": "final norm's input / scale, before its weight",
-    "ln_final": "final norm's output, what the unembedding reads", "logits": "the model's output logits",
+    "ln_final": "final norm's output, what the unembedding reads",
+    "logits": "the model's output logits",
 }
 
 
@@ -90,7 +98,7 @@ def canonical(name: str) -> str:
             renamed = renamed[1:]
         return ".".join(parts[:-1] + renamed)
     if last.startswith("hook_"):
-        parts[-1] = last[len("hook_"):]
+        parts[-1] = last[len("hook_") :]
     name = ".".join(parts)
     return canonical(name) if name.startswith(MODULE_PREFIX) else name  # "hook_module:..." checked as one
 
@@ -99,7 +107,7 @@ def parse_module_path(name: str) -> ModulePath:
     """Parse `module:<path>[:input|:output]` (output when the suffix is left out)."""
     from .errors import UnknownPointError
 
-    body = name[len(MODULE_PREFIX):]
+    body = name[len(MODULE_PREFIX) :]
     path, _, io = body.partition(":")
     io = io or "output"
     if io not in ("input", "output") or not path:

@@ -9,8 +9,14 @@ from types import ModuleType
 from .errors import HookscopeError
 
 
-def require(module: str, *, extra: str, needed_for: str, error: type[HookscopeError] = HookscopeError,
-            also: tuple[str, ...] = ()) -> ModuleType:
+def require(
+    module: str,
+    *,
+    extra: str,
+    needed_for: str,
+    error: type[HookscopeError] = HookscopeError,
+    also: tuple[str, ...] = (),
+) -> ModuleType:
     """`module` imported (and each of `also`, which it depends on), or `error` saying what needs it."""
     try:
         for name in also:

@@ -27,8 +27,9 @@ class RowsBar:
         if self.bar is None:
             from tqdm.auto import tqdm
 
-            self.bar = tqdm(total=self.total, unit=self.unit, unit_scale=True, desc=self.desc,
-                            dynamic_ncols=True)
+            self.bar = tqdm(
+                total=self.total, unit=self.unit, unit_scale=True, desc=self.desc, dynamic_ncols=True
+            )
 
     def update(self, rows: int, *, total: int | None = None, note: str | None = None) -> None:
         if not self.enabled:

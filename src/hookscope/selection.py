@@ -69,21 +69,38 @@ class Selection:
     _heads_made: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
-    def of(cls, positions: Positions = None, heads: Heads = None, token_mask: Tensor | None = None,
-           dtype: torch.dtype | None = None, device: torch.device | str | None = None) -> Selection:
+    def of(
+        cls,
+        positions: Positions = None,
+        heads: Heads = None,
+        token_mask: Tensor | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+    ) -> Selection:
         if positions is None and heads is None and token_mask is None and dtype is None and device is None:
             return EVERYTHING  # frozen, so one value serves every capture that keeps everything
         if token_mask is not None and positions is not None:
             raise SelectionError("give either positions= or token_mask=, not both")
-        if token_mask is not None and (not isinstance(token_mask, Tensor) or token_mask.dtype != torch.bool
-                                       or token_mask.ndim != 2):
-            raise SelectionError("token_mask must be a bool tensor [batch, pos], got "
-                                 + (f"{token_mask.dtype} {tuple(token_mask.shape)}"
-                                    if isinstance(token_mask, Tensor) else type(token_mask).__name__))
+        if token_mask is not None and (
+            not isinstance(token_mask, Tensor) or token_mask.dtype != torch.bool or token_mask.ndim != 2
+        ):
+            raise SelectionError(
+                "token_mask must be a bool tensor [batch, pos], got "
+                + (
+                    f"{token_mask.dtype} {tuple(token_mask.shape)}"
+                    if isinstance(token_mask, Tensor)
+                    else type(token_mask).__name__
+                )
+            )
         if dtype is not None and not isinstance(dtype, torch.dtype):
             raise SelectionError(f"dtype={dtype!r}: use a torch.dtype such as torch.bfloat16")
-        return cls(_parse(positions, "position", _POSITIONS_HELP), _parse(heads, "head", _HEADS_HELP),
-                   token_mask, dtype, torch.device(device) if device is not None else None)
+        return cls(
+            _parse(positions, "position", _POSITIONS_HELP),
+            _parse(heads, "head", _HEADS_HELP),
+            token_mask,
+            dtype,
+            torch.device(device) if device is not None else None,
+        )
 
     def at(self, offset: int) -> Selection:
         """This selection on a pass over the sequence positions from `offset` on (a generation step):
@@ -94,12 +111,19 @@ class Selection:
         """Itself, if its positions count from the sequence's start; else a `SelectionError` about
         `what`: before a generated sequence ends, its end is not known."""
         p = self.positions
-        values = () if p is None or isinstance(p, str) else \
-            (p.start, p.stop) if isinstance(p, slice) else _values(p)
+        values = (
+            ()
+            if p is None or isinstance(p, str)
+            else (p.start, p.stop)
+            if isinstance(p, slice)
+            else _values(p)
+        )
         if isinstance(p, str) or any(v is not None and v < 0 for v in values):
-            raise SelectionError(f"{what}: positions={_short(p)} counts from the end of the sequence, which "
-                                 "has no meaning before the sequence ends; give positions counted from the "
-                                 "start (ints >= 0, a slice with non-negative bounds)")
+            raise SelectionError(
+                f"{what}: positions={_short(p)} counts from the end of the sequence, which "
+                "has no meaning before the sequence ends; give positions counted from the "
+                "start (ints >= 0, a slice with non-negative bounds)"
+            )
         return self
 
     @property
@@ -137,8 +161,16 @@ class Selection:
 
     # capture: what to keep ---------------------------------------------------------------------
 
-    def take(self, act: Tensor, spec: Dims, *, attention_mask: Tensor | None = None,
-             copy: str = "auto", events: list | None = None, into: Into | None = None) -> Tensor:
+    def take(
+        self,
+        act: Tensor,
+        spec: Dims,
+        *,
+        attention_mask: Tensor | None = None,
+        copy: str = "auto",
+        events: list | None = None,
+        into: Into | None = None,
+    ) -> Tensor:
         """The selected part of `act`, cast and moved, and never a view of `act`.
 
         copy: "auto" copies only if the result would share memory with `act`; "always" copies
@@ -168,15 +200,22 @@ class Selection:
         """Heads, then positions or the token mask (no cast, no copy)."""
         return self._select(act, spec, attention_mask, None)
 
-    def _select(self, act: Tensor, spec: Dims, attention_mask: Tensor | None, cast: torch.dtype | None,
-                into: Into | None = None) -> Tensor:
+    def _select(
+        self,
+        act: Tensor,
+        spec: Dims,
+        attention_mask: Tensor | None,
+        cast: torch.dtype | None,
+        into: Into | None = None,
+    ) -> Tensor:
         """`select`; a token mask's gather may cast to `cast` on the way (whichever order moves
         fewer bytes: the same bits either way, a cast is element by element)."""
         x = act
         if self.heads is not None:
             if spec.head_dim is None:
-                raise SelectionError("this point has no head dimension: "
-                                     "heads= works on attn.q|k|v|z (and attn.pattern)")
+                raise SelectionError(
+                    "this point has no head dimension: heads= works on attn.q|k|v|z (and attn.pattern)"
+                )
             head_dim = spec.head_dim % x.ndim
             x = x.index_select(head_dim, self._heads(x.shape[head_dim], x.ndim, head_dim, x.device)[0])
         if self.token_mask is not None:
@@ -196,8 +235,12 @@ class Selection:
             return x.select(pos_dim, int(positions))
         if isinstance(positions, slice):
             return x[(slice(None),) * pos_dim + (positions,)]
-        if isinstance(positions, Tensor) and positions.ndim == 1 and positions.numel() == x.shape[0] \
-                and pos_dim == 1:
+        if (
+            isinstance(positions, Tensor)
+            and positions.ndim == 1
+            and positions.numel() == x.shape[0]
+            and pos_dim == 1
+        ):
             # one position per row (an explicit [batch] LongTensor)
             return _per_row(x, _index(positions, size, "per-row position", x.device), pos_dim)
         return x.index_select(pos_dim, _index(positions, size, "position", x.device))
@@ -211,8 +254,10 @@ class Selection:
             return slice(start, None if p.stop is None else max(0, p.stop - offset), step)
         values = [v - offset for v in _values(p)]
         if not all(0 <= v < size for v in values):
-            raise SelectionError(f"positions {_values(p)} are not all in this pass, which covers sequence "
-                                 f"positions [{offset}, {offset + size})")
+            raise SelectionError(
+                f"positions {_values(p)} are not all in this pass, which covers sequence "
+                f"positions [{offset}, {offset + size})"
+            )
         return p - offset if isinstance(p, Tensor) else values[0] if _is_int(p) else tuple(values)
 
     def split(self) -> tuple[Selection, Selection]:
@@ -221,12 +266,25 @@ class Selection:
         padding-aware "last") and the move to the device. `rest.take(first.take(x))` keeps what
         `take(x)` keeps."""
         heads_static = not isinstance(self.heads, Tensor)
-        pos_static = (heads_static and self.token_mask is None
-                      and not isinstance(self.positions, (Tensor, str)))
-        first = Selection(self.positions if pos_static else None, self.heads if heads_static else None,
-                          None, self.dtype, None, self.offset if pos_static else None)
-        rest = Selection(None if pos_static else self.positions, None if heads_static else self.heads,
-                         self.token_mask, None, self.device, None if pos_static else self.offset)
+        pos_static = (
+            heads_static and self.token_mask is None and not isinstance(self.positions, (Tensor, str))
+        )
+        first = Selection(
+            self.positions if pos_static else None,
+            self.heads if heads_static else None,
+            None,
+            self.dtype,
+            None,
+            self.offset if pos_static else None,
+        )
+        rest = Selection(
+            None if pos_static else self.positions,
+            None if heads_static else self.heads,
+            self.token_mask,
+            None,
+            self.device,
+            None if pos_static else self.offset,
+        )
         return first, rest
 
     # edits: where to write ---------------------------------------------------------------------
@@ -253,13 +311,15 @@ class Selection:
                 if isinstance(positions, slice):
                     keep[positions] = True
                 else:
-                    keep[_index(-1 if isinstance(positions, str) else positions, size, "position",
-                                act.device)] = True
+                    keep[
+                        _index(-1 if isinstance(positions, str) else positions, size, "position", act.device)
+                    ] = True
                 mask = _along(keep, act.ndim, pos_dim)
         if self.heads is not None:
             if spec.head_dim is None:
-                raise SelectionError("this point has no head dimension: "
-                                     "heads= works on attn.q|k|v|z (and attn.pattern)")
+                raise SelectionError(
+                    "this point has no head dimension: heads= works on attn.q|k|v|z (and attn.pattern)"
+                )
             head_dim = spec.head_dim % act.ndim
             heads = self._heads(act.shape[head_dim], act.ndim, head_dim, act.device)[1]
             mask = heads if mask is None else mask & heads
@@ -310,8 +370,9 @@ def _parse(sel: Any, what: str, help_text: str) -> Any:
             raise SelectionError(f"{what}s={sel!r}: {help_text}")
         bounds = (sel.start, sel.stop, sel.step)
         if not all(v is None or _is_int(v) for v in bounds) or (sel.step is not None and sel.step < 1):
-            raise SelectionError(f"{what}s={sel!r}: a slice needs int bounds and a positive step "
-                                 "(torch cannot step back)")
+            raise SelectionError(
+                f"{what}s={sel!r}: a slice needs int bounds and a positive step (torch cannot step back)"
+            )
         return sel
     if isinstance(sel, (list, tuple)) and sel and all(_is_int(v) for v in sel):
         return tuple(int(v) for v in sel)

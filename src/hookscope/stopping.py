@@ -40,8 +40,9 @@ class Stop:
         """Whether `exc` is this stop's end of a pass."""
         return isinstance(exc, ForwardStopped) and exc.stop is self
 
-    def before(self, module: nn.Module, seen: Callable[[tuple, dict], None] | None = None, *,
-               first: bool = False) -> RemovableHandle:
+    def before(
+        self, module: nn.Module, seen: Callable[[tuple, dict], None] | None = None, *, first: bool = False
+    ) -> RemovableHandle:
         """A pre-hook that ends the pass as it reaches `module`, after `seen(args, kwargs)`; `first`:
         ahead of the module's other pre-hooks (a `points=` load's guard among them)."""
 
@@ -83,8 +84,9 @@ def builds_kv_cache(model: nn.Module) -> bool:
     """Whether `model(...)` builds a key/value cache unless told `use_cache=False` (Hugging Face decoders
     do by default). A pass that stops early returns nothing, so that cache is pure waste: 2 x [batch,
     heads, pos, d_head] per layer run, +58% peak memory capturing block 5 of GPT-2-small at 8 x 128."""
-    return bool(getattr(getattr(model, "config", None), "use_cache", False)) \
-        and "use_cache" in forward_parameters(type(model))
+    return bool(
+        getattr(getattr(model, "config", None), "use_cache", False)
+    ) and "use_cache" in forward_parameters(type(model))
 
 
 def no_cache(model: nn.Module) -> dict[str, Any]:

@@ -71,8 +71,14 @@ class KeptRows:
         return self._runs
 
 
-def select_tokens(x: Tensor, mask: Tensor, pos_dim: int | None, kept: KeptRows,
-                  cast: torch.dtype | None = None, into: Into | None = None) -> Tensor:
+def select_tokens(
+    x: Tensor,
+    mask: Tensor,
+    pos_dim: int | None,
+    kept: KeptRows,
+    cast: torch.dtype | None = None,
+    into: Into | None = None,
+) -> Tensor:
     """Keep the tokens where mask [batch, pos] is True, as rows; cast to `cast` on the way when
     that is cheaper before the gather (else the caller casts the rows). `into`: where to write
     the rows (cast to `cast`), when it gives a buffer."""
@@ -81,8 +87,10 @@ def select_tokens(x: Tensor, mask: Tensor, pos_dim: int | None, kept: KeptRows,
     if x.shape[0] == 1 and mask.shape[0] > 1:
         x = x.expand(mask.shape[0], *x.shape[1:])  # batch-shared points (HF position embeddings)
     if tuple(mask.shape) != tuple(x.shape[:2]):
-        raise SelectionError(f"token_mask must be a bool tensor of shape {tuple(x.shape[:2])} (batch, pos), "
-                             f"got {mask.dtype} {tuple(mask.shape)}")
+        raise SelectionError(
+            f"token_mask must be a bool tensor of shape {tuple(x.shape[:2])} (batch, pos), "
+            f"got {mask.dtype} {tuple(mask.shape)}"
+        )
     if x.shape[0] > 1 and x.stride(0) != x.stride(1) * x.shape[1]:  # batch and pos not one dim (expanded)
         return x[mask.to(x.device)]
     rows = kept.of(mask, x.device)
@@ -95,7 +103,7 @@ def select_tokens(x: Tensor, mask: Tensor, pos_dim: int | None, kept: KeptRows,
             flat = x.flatten(0, 1)
             with one_thread():  # the other cores run the forward: splitting each copy costs more
                 for first, at, length in runs:
-                    out[at:at + length].copy_(flat[first:first + length])
+                    out[at : at + length].copy_(flat[first : first + length])
             return out
     if cast is not None and x.dtype != cast and 2 * rows.numel() > mask.numel():
         x = x.to(cast)  # keeps a dense x's strides (batch and pos stay one dim), else contiguous
@@ -113,8 +121,10 @@ def token_region(x: Tensor, mask: Tensor, pos_dim: int | None) -> Tensor:
         raise SelectionError("token_mask needs a [batch, pos, ...] activation")
     pos_dim = pos_dim % x.ndim
     if mask.shape[0] != x.shape[0] or mask.shape[1] != x.shape[pos_dim]:
-        raise SelectionError(f"token_mask must be a bool tensor of shape {(x.shape[0], x.shape[pos_dim])} "
-                             f"(batch, pos), got {mask.dtype} {tuple(mask.shape)}")
+        raise SelectionError(
+            f"token_mask must be a bool tensor of shape {(x.shape[0], x.shape[pos_dim])} "
+            f"(batch, pos), got {mask.dtype} {tuple(mask.shape)}"
+        )
     return mask.to(x.device)
 
 
@@ -123,8 +133,10 @@ def last_real(attention_mask: Tensor, batch: int, size: int) -> Tensor:
     mask = attention_mask
     if not isinstance(mask, Tensor) or mask.ndim != 2 or mask.shape[0] != batch or mask.shape[1] != size:
         shape = tuple(mask.shape) if isinstance(mask, Tensor) else type(mask).__name__
-        raise SelectionError(f"positions='last': the attention mask has shape {shape}, the activation "
-                             f"has {batch} rows of {size} positions; pass the mask of this very batch")
+        raise SelectionError(
+            f"positions='last': the attention mask has shape {shape}, the activation "
+            f"has {batch} rows of {size} positions; pass the mask of this very batch"
+        )
     real = mask != 0
     if not bool(real.any(dim=1).all()):
         raise SelectionError("positions='last': a row of the attention mask has no real token")

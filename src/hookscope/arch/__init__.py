@@ -35,8 +35,17 @@ from . import (
 )
 from .base import Arch, PointSpec, View
 
-__all__ = ["Arch", "PointSpec", "View", "arch_of", "state_of", "ModelState", "FAMILIES", "meaning_changes",
-           "meaning_changes_of_class"]
+__all__ = [
+    "Arch",
+    "PointSpec",
+    "View",
+    "arch_of",
+    "state_of",
+    "ModelState",
+    "FAMILIES",
+    "meaning_changes",
+    "meaning_changes_of_class",
+]
 
 FAMILIES = (gpt2, llama, gpt_neox, bert, moe, vit, clip, dinov2, mamba, rwkv)
 _BY_MODEL_TYPE = {mt: fam for fam in FAMILIES for mt in fam.MODEL_TYPES}
@@ -98,8 +107,14 @@ def _detect(model: nn.Module) -> Arch:
     prefix = "" if has_layers else f"{family.BASE}."
     if not has_layers and not _has_path(model, prefix + family.LAYERS):
         return generic.table(model)
-    lm_head = next((h for h in ("lm_head", "embed_out", "head")  # "head": RWKV
-                    if isinstance(getattr(model, h, None), nn.Module)), None)
+    lm_head = next(
+        (
+            h
+            for h in ("lm_head", "embed_out", "head")  # "head": RWKV
+            if isinstance(getattr(model, h, None), nn.Module)
+        ),
+        None,
+    )
     return family.table(config, prefix, lm_head)
 
 
@@ -127,8 +142,14 @@ def _family_meaning_changes(family: str) -> dict[str, tuple[str, str]]:
 
 # model classes of the families in meaning_changes, for stores written before they recorded it
 # (their settings name the class, not the family)
-_CLASS_FAMILY = {"Gemma2": "gemma2", "Gemma3ForCausalLM": "gemma3_text", "Gemma3TextModel": "gemma3_text",
-                 "Olmo2": "olmo2", "Dinov2": "dinov2", "TransformerBridge": "tl_bridge"}
+_CLASS_FAMILY = {
+    "Gemma2": "gemma2",
+    "Gemma3ForCausalLM": "gemma3_text",
+    "Gemma3TextModel": "gemma3_text",
+    "Olmo2": "olmo2",
+    "Dinov2": "dinov2",
+    "TransformerBridge": "tl_bridge",
+}
 
 
 def meaning_changes_of_class(model_class: str) -> dict[str, tuple[str, str]]:

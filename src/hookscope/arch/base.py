@@ -44,6 +44,7 @@ def fused_heads(part: int, n_parts: int, n_heads: int, interleaved: bool = False
     Interleaved layout (NeoX): per head [q_h | k_h | v_h].
     """
     if interleaved:
+
         def get(raw: Tensor) -> Tensor:
             return raw.unflatten(-1, (n_heads, -1)).chunk(n_parts, dim=-1)[part]
 
@@ -52,6 +53,7 @@ def fused_heads(part: int, n_parts: int, n_heads: int, interleaved: bool = False
             parts[part] = new.to(raw.dtype)
             return torch.cat(parts, dim=-1).flatten(-2)
     else:
+
         def get(raw: Tensor) -> Tensor:
             return raw.chunk(n_parts, dim=-1)[part].unflatten(-1, (n_heads, -1))
 
@@ -167,14 +169,17 @@ class Arch:
             if len(resolved) != 1:  # a glob: hooks and specs take one point each
                 raise UnknownPointError(
                     f"{name!r} matches {len(resolved)} points ({', '.join(resolved[:3])}, ...); name one "
-                    "point here, or resolve the pattern with arch.resolve()") from None
+                    "point here, or resolve the pattern with arch.resolve()"
+                ) from None
             return self.spec(resolved[0])  # canonical now: a known name, or a raw module path
 
     def _optional(self, name: str) -> PointSpec:
         point = self.optional[name]
         if not point.active():
-            raise UnknownPointError(point.why or (
-                f"{name!r} fires only with a model option switched on: call {point.needs} first"))
+            raise UnknownPointError(
+                point.why
+                or (f"{name!r} fires only with a model option switched on: call {point.needs} first")
+            )
         return point.spec
 
     def module(self, model: nn.Module, spec: PointSpec) -> nn.Module:

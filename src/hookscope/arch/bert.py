@@ -18,7 +18,10 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
     H = config.num_attention_heads
     layer = "encoder.layer.{L}"
     return build(
-        "bert", prefix, config.num_hidden_layers, layer,
+        "bert",
+        prefix,
+        config.num_hidden_layers,
+        layer,
         top={
             "embed": ("embeddings.word_embeddings", "output", None),
             "pos_embed": ("embeddings.position_embeddings", "output", None),
@@ -39,5 +42,6 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
             "resid_post": (layer, "output", None),
         },
         final={},
-        n_heads=H, d_model=config.hidden_size,
+        n_heads=H,
+        d_model=config.hidden_size,
     )

@@ -20,7 +20,10 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
     layer = "encoder.layers.{L}"
     family = "siglip" if config.model_type.startswith("siglip") else "clip"
     return build(
-        family, prefix, config.num_hidden_layers, layer,
+        family,
+        prefix,
+        config.num_hidden_layers,
+        layer,
         top={"embed": ("embeddings", "output", None)},
         per_layer={
             "resid_pre": (layer, "input", None),
@@ -40,5 +43,6 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
             "resid_post": (layer, "output", None),
         },
         final={"ln_final": ("post_layernorm", "output", None)},
-        n_heads=H, d_model=config.hidden_size,
+        n_heads=H,
+        d_model=config.hidden_size,
     )

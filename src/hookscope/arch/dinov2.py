@@ -28,11 +28,16 @@ NEEDS_TRANSFORMERS = (5, 18)
 # release, what it meant in earlier ones). A store records the meaning of such points, so resuming a
 # store written with the other meaning is refused (sources/identity.py, store/meanings.py).
 MEANING_CHANGES = {
-    "attn.out": ("what attention adds to the residual stream, after LayerScale (TransformerLens's "
-                 "meaning of hook_attn_out)",
-                 "attention's output before LayerScale (now attn.out_pre_scale)"),
-    "mlp.out": ("what the MLP adds to the residual stream, after LayerScale (TransformerLens's meaning "
-                "of hook_mlp_out)", "the MLP's output before LayerScale (now mlp.out_pre_scale)"),
+    "attn.out": (
+        "what attention adds to the residual stream, after LayerScale (TransformerLens's "
+        "meaning of hook_attn_out)",
+        "attention's output before LayerScale (now attn.out_pre_scale)",
+    ),
+    "mlp.out": (
+        "what the MLP adds to the residual stream, after LayerScale (TransformerLens's meaning "
+        "of hook_mlp_out)",
+        "the MLP's output before LayerScale (now mlp.out_pre_scale)",
+    ),
 }
 # earlier releases' names of the LayerScale outputs, still accepted: aliases of attn.out / mlp.out
 EARLIER_NAMES = {"attn.scaled": "attn.out", "mlp.scaled": "mlp.out"}
@@ -46,19 +51,34 @@ def _check_transformers() -> None:
     version = importlib.metadata.version("transformers")
     if tuple(int(n) for n in re.findall(r"\d+", version)[:2]) < NEEDS_TRANSFORMERS:
         need = ".".join(map(str, NEEDS_TRANSFORMERS))
-        raise ModelLoadError(f"DINOv2 needs transformers >= {need} (the module names of its attention); "
-                             f"this is transformers {version}: pip install -U 'transformers>={need}'")
+        raise ModelLoadError(
+            f"DINOv2 needs transformers >= {need} (the module names of its attention); "
+            f"this is transformers {version}: pip install -U 'transformers>={need}'"
+        )
 
 
 def table(config, prefix: str, lm_head: str | None) -> Arch:
     _check_transformers()
     if config.use_swiglu_ffn:
-        mlp = {"mlp.pre": ("mlp.gate_proj", "output"), "mlp.pre_linear": ("mlp.up_proj", "output"),
-               "mlp.post": ("mlp.down_proj", "input")}
+        mlp = {
+            "mlp.pre": ("mlp.gate_proj", "output"),
+            "mlp.pre_linear": ("mlp.up_proj", "output"),
+            "mlp.post": ("mlp.down_proj", "input"),
+        }
     else:
         mlp = {"mlp.pre": ("mlp.fc1", "output"), "mlp.post": ("mlp.fc2", "input")}
-    arch = vit.encoder(config, prefix, lm_head, layer="encoder.layer.{L}", norm_paths=("norm1", "norm2"),
-                       mlp=mlp, layer_scales=("layer_scale1", "layer_scale2"))
-    arch.aliases = {f"blocks.{L}.{old}": f"blocks.{L}.{new}"
-                    for L in range(config.num_hidden_layers) for old, new in EARLIER_NAMES.items()}
+    arch = vit.encoder(
+        config,
+        prefix,
+        lm_head,
+        layer="encoder.layer.{L}",
+        norm_paths=("norm1", "norm2"),
+        mlp=mlp,
+        layer_scales=("layer_scale1", "layer_scale2"),
+    )
+    arch.aliases = {
+        f"blocks.{L}.{old}": f"blocks.{L}.{new}"
+        for L in range(config.num_hidden_layers)
+        for old, new in EARLIER_NAMES.items()
+    }
     return arch

@@ -11,7 +11,10 @@ LAYERS = "h"
 def table(config, prefix: str, lm_head: str | None) -> Arch:
     H = config.n_head
     return build(
-        "gpt2", prefix, config.n_layer, "h.{L}",
+        "gpt2",
+        prefix,
+        config.n_layer,
+        "h.{L}",
         top={"embed": ("wte", "output", None), "pos_embed": ("wpe", "output", None)},
         per_layer={
             "resid_pre": ("h.{L}", "input", None),
@@ -30,7 +33,11 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
             "mlp.out": ("h.{L}.mlp", "output", None),
             "resid_post": ("h.{L}", "output", None),
         },
-        final={**norms.entries("ln_final", "ln_f"), "ln_final": ("ln_f", "output", None),
-               **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
-        n_heads=H, d_model=config.n_embd,
+        final={
+            **norms.entries("ln_final", "ln_f"),
+            "ln_final": ("ln_f", "output", None),
+            **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {}),
+        },
+        n_heads=H,
+        d_model=config.n_embd,
     )

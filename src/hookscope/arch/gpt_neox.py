@@ -21,8 +21,11 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
         "attn.z": ("layers.{L}.attention.dense", "input", heads(H)),
         "attn.out": ("layers.{L}.attention", "output", None),
         # with a parallel residual (Pythia) attention and MLP both read resid_pre: no resid_mid
-        **({} if config.use_parallel_residual
-           else {"resid_mid": ("layers.{L}.post_attention_layernorm", "input", None)}),
+        **(
+            {}
+            if config.use_parallel_residual
+            else {"resid_mid": ("layers.{L}.post_attention_layernorm", "input", None)}
+        ),
         **norms.entries("ln2", "layers.{L}.post_attention_layernorm"),
         "mlp.in": ("layers.{L}.mlp", "input", None),
         "mlp.pre": ("layers.{L}.mlp.dense_h_to_4h", "output", None),
@@ -31,11 +34,17 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
         "resid_post": ("layers.{L}", "output", None),
     }
     return build(
-        "gpt_neox", prefix, config.num_hidden_layers, "layers.{L}",
+        "gpt_neox",
+        prefix,
+        config.num_hidden_layers,
+        "layers.{L}",
         top={"embed": ("embed_in", "output", None)},
         per_layer=per_layer,
-        final={**norms.entries("ln_final", "final_layer_norm"),
-               "ln_final": ("final_layer_norm", "output", None),
-               **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
-        n_heads=H, d_model=config.hidden_size,
+        final={
+            **norms.entries("ln_final", "final_layer_norm"),
+            "ln_final": ("final_layer_norm", "output", None),
+            **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {}),
+        },
+        n_heads=H,
+        d_model=config.hidden_size,
     )

@@ -30,10 +30,14 @@ _POST_NORMED = {
 # such points, so resuming a store written with the other meaning is refused (sources/identity.py,
 # store/meanings.py).
 MEANING_CHANGES = {
-    "attn.out": ("what attention adds to the residual stream, after its post-norm (TransformerLens "
-                 "hook_attn_out)", "attention's output before its post-norm (now attn.out_pre_norm)"),
-    "mlp.out": ("what the MLP adds to the residual stream, after its post-norm (TransformerLens "
-                "hook_mlp_out)", "the MLP's output before its post-norm (now mlp.out_pre_norm)"),
+    "attn.out": (
+        "what attention adds to the residual stream, after its post-norm (TransformerLens hook_attn_out)",
+        "attention's output before its post-norm (now attn.out_pre_norm)",
+    ),
+    "mlp.out": (
+        "what the MLP adds to the residual stream, after its post-norm (TransformerLens hook_mlp_out)",
+        "the MLP's output before its post-norm (now mlp.out_pre_norm)",
+    ),
 }
 
 
@@ -41,8 +45,12 @@ def meaning_changes(model_type: str) -> dict[str, tuple[str, str]]:
     return MEANING_CHANGES if model_type in _POST_NORMED else {}
 
 
-def attention(config, ln1: str | None = "input_layernorm", post_norm: str | None = None,
-              mid: str = "layers.{L}.post_attention_layernorm") -> dict:
+def attention(
+    config,
+    ln1: str | None = "input_layernorm",
+    post_norm: str | None = None,
+    mid: str = "layers.{L}.post_attention_layernorm",
+) -> dict:
     """The residual stream into the block and its self-attention, as Llama-style decoders name
     them (grouped-query k / v heads); shared with the MoE decoders, whose attention is the same.
     `post_norm`: the norm between attention and the residual add, if any; `mid`: a module whose
@@ -50,9 +58,14 @@ def attention(config, ln1: str | None = "input_layernorm", post_norm: str | None
     H = config.num_attention_heads
     KV = getattr(config, "num_key_value_heads", None) or H
     attn = "layers.{L}.self_attn"
-    out = {"attn.out_pre_norm": (attn, "output", None),
-           "attn.out": (f"layers.{{L}}.{post_norm}", "output", None)} if post_norm else {
-           "attn.out": (attn, "output", None)}
+    out = (
+        {
+            "attn.out_pre_norm": (attn, "output", None),
+            "attn.out": (f"layers.{{L}}.{post_norm}", "output", None),
+        }
+        if post_norm
+        else {"attn.out": (attn, "output", None)}
+    )
     return {
         "resid_pre": ("layers.{L}", "input", None),
         **(norms.entries("ln1", f"layers.{{L}}.{ln1}") if ln1 else {}),
@@ -70,11 +83,19 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
     ln2, attn_norm, mlp_norm = _POST_NORMED.get(config.model_type, ("post_attention_layernorm", None, None))
     # resid_mid enters ln2; OLMo 2 has none: its MLP reads the stream itself
     mid = f"layers.{{L}}.{ln2}" if ln2 else "layers.{L}.mlp"
-    mlp_out = {"mlp.out_pre_norm": ("layers.{L}.mlp", "output", None),
-               "mlp.out": (f"layers.{{L}}.{mlp_norm}", "output", None)} if mlp_norm else {
-               "mlp.out": ("layers.{L}.mlp", "output", None)}
+    mlp_out = (
+        {
+            "mlp.out_pre_norm": ("layers.{L}.mlp", "output", None),
+            "mlp.out": (f"layers.{{L}}.{mlp_norm}", "output", None),
+        }
+        if mlp_norm
+        else {"mlp.out": ("layers.{L}.mlp", "output", None)}
+    )
     return build(
-        config.model_type, prefix, config.num_hidden_layers, "layers.{L}",
+        config.model_type,
+        prefix,
+        config.num_hidden_layers,
+        "layers.{L}",
         top={"embed": ("embed_tokens", "output", None)},
         per_layer={
             **attention(config, "input_layernorm" if config.model_type != "olmo2" else None, attn_norm, mid),
@@ -86,7 +107,11 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
             **mlp_out,
             "resid_post": ("layers.{L}", "output", None),
         },
-        final={**norms.entries("ln_final", "norm"), "ln_final": ("norm", "output", None),
-               **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
-        n_heads=config.num_attention_heads, d_model=config.hidden_size,
+        final={
+            **norms.entries("ln_final", "norm"),
+            "ln_final": ("norm", "output", None),
+            **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {}),
+        },
+        n_heads=config.num_attention_heads,
+        d_model=config.hidden_size,
     )

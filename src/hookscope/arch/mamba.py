@@ -18,7 +18,10 @@ LAYERS = "layers"
 def table(config, prefix: str, lm_head: str | None) -> Arch:
     layer = "layers.{L}"
     return build(
-        config.model_type, prefix, config.num_hidden_layers, layer,
+        config.model_type,
+        prefix,
+        config.num_hidden_layers,
+        layer,
         top={"embed": ("embeddings", "output", None)},
         per_layer={
             "resid_pre": (layer, "input", None),
@@ -28,7 +31,11 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
             "mixer.out": (f"{layer}.mixer", "output", None),
             "resid_post": (layer, "output", None),
         },
-        final={**norms.entries("ln_final", "norm_f"), "ln_final": ("norm_f", "output", None),
-               **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
-        n_heads=None, d_model=config.hidden_size,
+        final={
+            **norms.entries("ln_final", "norm_f"),
+            "ln_final": ("norm_f", "output", None),
+            **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {}),
+        },
+        n_heads=None,
+        d_model=config.hidden_size,
     )

@@ -37,6 +37,7 @@ EXPERTS = "layers.{L}.mlp.experts"
 
 # --- the routing as one dense tensor ---------------------------------------------------------
 
+
 def _routing_get(out: tuple) -> Tensor:
     """Router output (logits, weights, indices) -> [tokens, n_experts]: each token's weight on
     each expert, 0 where it is not routed."""
@@ -50,7 +51,8 @@ def _routing_put(out: tuple, new: Tensor) -> tuple:
     if new.numel() and int((new != 0).sum(-1).max()) > k:
         raise HookscopeError(
             f"a routing edit gives some token more than {k} experts (the model's top-k); "
-            f"give each token at most {k} non-zero weights")
+            f"give each token at most {k} non-zero weights"
+        )
     index = new.abs().topk(k, dim=-1).indices
     return (out[0], new.gather(-1, index).to(out[1].dtype), index.to(out[2].dtype), *out[3:])
 
@@ -59,6 +61,7 @@ ROUTING = View(_routing_get, _routing_put, "top-k weights scattered to [tokens, 
 
 
 # --- one expert, from the experts module's call ---------------------------------------------
+
 
 def _arg(call: Call, i: int, name: str) -> Tensor:
     return call.args[i] if len(call.args) > i else call.kwargs[name]
@@ -72,12 +75,17 @@ def _routed(call: Call, expert: int) -> Tensor:
 
 def _expert_post(call: Call, expert: int) -> Tensor:
     m = call.module
-    layout = (getattr(m, "is_transposed", False), getattr(m, "has_bias", False),
-              getattr(m, "has_gate", True), getattr(m, "is_concatenated", True))
+    layout = (
+        getattr(m, "is_transposed", False),
+        getattr(m, "has_bias", False),
+        getattr(m, "has_gate", True),
+        getattr(m, "is_concatenated", True),
+    )
     if layout != (False, False, True, True):
         raise HookscopeError(
             f"{type(m).__name__}: per-expert points support the concatenated, untransposed, bias-free "
-            "[gate; up] layout (Mixtral, Qwen-MoE, OLMoE); read module:...mlp.experts:output instead")
+            "[gate; up] layout (Mixtral, Qwen-MoE, OLMoE); read module:...mlp.experts:output instead"
+        )
     rows = _arg(call, 0, "hidden_states")[_routed(call, expert)]
     gate, up = F.linear(rows, m.gate_up_proj[expert]).chunk(2, dim=-1)
     return m.act_fn(gate) * up
@@ -86,7 +94,8 @@ def _expert_post(call: Call, expert: int) -> Tensor:
 def _read_only(raw: Call, new: Tensor) -> Call:
     raise HookscopeError(
         "per-expert points are computed from the experts' weights and cannot be written; edit the "
-        "routing instead: hookscope.experts.ablate_expert / force_route")
+        "routing instead: hookscope.experts.ablate_expert / force_route"
+    )
 
 
 def expert_view(expert: int, what: str) -> View:
@@ -100,6 +109,7 @@ def expert_view(expert: int, what: str) -> View:
 
 
 # --- the table --------------------------------------------------------------------------------
+
 
 def _n_experts(config) -> int:
     return getattr(config, "num_local_experts", None) or config.num_experts
@@ -116,23 +126,30 @@ def is_sparse(config, layer: int) -> bool:
 def table(config, prefix: str, lm_head: str | None) -> Arch:
     H = config.num_attention_heads
     # mlp.in: what the MLP block reads (after ln2), [batch, pos, d]: the router's input, unflattened
-    attention = {**llama.attention(config), **norms.entries("ln2", "layers.{L}.post_attention_layernorm"),
-                 "mlp.in": ("layers.{L}.mlp", "input", None)}
+    attention = {
+        **llama.attention(config),
+        **norms.entries("ln2", "layers.{L}.post_attention_layernorm"),
+        "mlp.in": ("layers.{L}.mlp", "input", None),
+    }
     sparse = dict(attention)
     if getattr(config, "shared_expert_intermediate_size", 0):  # Qwen2-MoE: runs before the router
         shared = "layers.{L}.mlp.shared_expert"
-        sparse.update({
-            "mlp.shared.pre": (f"{shared}.gate_proj", "output", None, FLAT),
-            "mlp.shared.pre_linear": (f"{shared}.up_proj", "output", None, FLAT),
-            "mlp.shared.post": (f"{shared}.down_proj", "input", None, FLAT),
-            "mlp.shared.out": (shared, "output", None, FLAT),
-        })
-    sparse.update({
-        "mlp.router.logits": (ROUTER, "output", None, {**FLAT, "item": 0}),
-        "mlp.router.weights": (ROUTER, "output", None, {**FLAT, "item": 1}),
-        "mlp.router.indices": (ROUTER, "output", None, {**FLAT, "item": 2}),
-        "mlp.router.routing": (ROUTER, "output", ROUTING, {**FLAT, "item": None}),
-    })
+        sparse.update(
+            {
+                "mlp.shared.pre": (f"{shared}.gate_proj", "output", None, FLAT),
+                "mlp.shared.pre_linear": (f"{shared}.up_proj", "output", None, FLAT),
+                "mlp.shared.post": (f"{shared}.down_proj", "input", None, FLAT),
+                "mlp.shared.out": (shared, "output", None, FLAT),
+            }
+        )
+    sparse.update(
+        {
+            "mlp.router.logits": (ROUTER, "output", None, {**FLAT, "item": 0}),
+            "mlp.router.weights": (ROUTER, "output", None, {**FLAT, "item": 1}),
+            "mlp.router.indices": (ROUTER, "output", None, {**FLAT, "item": 2}),
+            "mlp.router.routing": (ROUTER, "output", ROUTING, {**FLAT, "item": None}),
+        }
+    )
     for e in range(_n_experts(config)):
         for what in ("tokens", "in", "post", "out"):
             view = expert_view(e, what)
@@ -142,17 +159,26 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
         sparse["mlp.shared.gate"] = ("layers.{L}.mlp.shared_expert_gate", "output", None, FLAT)
     tail = {"mlp.out": ("layers.{L}.mlp", "output", None), "resid_post": ("layers.{L}", "output", None)}
     sparse.update(tail)
-    dense = {**attention,
-             "mlp.pre": ("layers.{L}.mlp.gate_proj", "output", None),
-             "mlp.pre_linear": ("layers.{L}.mlp.up_proj", "output", None),
-             "mlp.post": ("layers.{L}.mlp.down_proj", "input", None),
-             **tail}
+    dense = {
+        **attention,
+        "mlp.pre": ("layers.{L}.mlp.gate_proj", "output", None),
+        "mlp.pre_linear": ("layers.{L}.mlp.up_proj", "output", None),
+        "mlp.post": ("layers.{L}.mlp.down_proj", "input", None),
+        **tail,
+    }
 
-    final = {**norms.entries("ln_final", "norm"), "ln_final": ("norm", "output", None),
-             **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})}
+    final = {
+        **norms.entries("ln_final", "norm"),
+        "ln_final": ("norm", "output", None),
+        **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {}),
+    }
     args = (config.model_type, prefix, config.num_hidden_layers, "layers.{L}")
-    kw = {"top": {"embed": ("embed_tokens", "output", None)}, "final": final,
-          "n_heads": H, "d_model": config.hidden_size}
+    kw = {
+        "top": {"embed": ("embed_tokens", "output", None)},
+        "final": final,
+        "n_heads": H,
+        "d_model": config.hidden_size,
+    }
     arch = build(*args, per_layer=sparse, **kw)
     if all(is_sparse(config, L) for L in range(config.num_hidden_layers)):
         return arch

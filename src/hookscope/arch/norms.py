@@ -53,7 +53,8 @@ def _parts(call: Call) -> tuple[Tensor, Tensor, torch.dtype]:
 def _read_only(raw: Call, new: Tensor) -> Call:
     raise HookscopeError(
         "ln1.normalized / ln2.normalized / *.scale are computed from the norm's input and cannot be "
-        "written: edit attn.in / mlp.in (what the sublayer reads) or resid_pre / resid_mid instead")
+        "written: edit attn.in / mlp.in (what the sublayer reads) or resid_pre / resid_mid instead"
+    )
 
 
 def _normalized(call: Call) -> Tensor:
@@ -72,5 +73,7 @@ SCALE = View(_scale, _read_only, "computed: scale")
 
 def entries(prefix: str, norm: str) -> dict:
     """`{prefix}.normalized` and `{prefix}.scale` of the norm module at path `norm`."""
-    return {f"{prefix}.scale": (norm, "input", SCALE, CALL),
-            f"{prefix}.normalized": (norm, "input", NORMALIZED, CALL)}
+    return {
+        f"{prefix}.scale": (norm, "input", SCALE, CALL),
+        f"{prefix}.normalized": (norm, "input", NORMALIZED, CALL),
+    }

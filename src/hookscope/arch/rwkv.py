@@ -19,7 +19,10 @@ LAYERS = "blocks"
 def table(config, prefix: str, lm_head: str | None) -> Arch:
     layer = "blocks.{L}"
     return build(
-        "rwkv", prefix, config.num_hidden_layers, layer,
+        "rwkv",
+        prefix,
+        config.num_hidden_layers,
+        layer,
         top={"embed": ("embeddings", "output", None)},
         per_layer={
             "resid_pre": (layer, "input", None),
@@ -30,7 +33,11 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
             "mlp.out": (f"{layer}.feed_forward", "output", None),
             "resid_post": (layer, "output", None),
         },
-        final={**norms.entries("ln_final", "ln_out"), "ln_final": ("ln_out", "output", None),
-               **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
-        n_heads=None, d_model=config.hidden_size,
+        final={
+            **norms.entries("ln_final", "ln_out"),
+            "ln_final": ("ln_out", "output", None),
+            **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {}),
+        },
+        n_heads=None,
+        d_model=config.hidden_size,
     )

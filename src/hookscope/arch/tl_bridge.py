@@ -46,19 +46,36 @@ _OPTIONS = (
 )
 # [batch, head, query_pos, key_pos] points
 _PATTERN_LIKE = ("attn.attn_scores", "attn.pattern")
-_PER_HEAD = ("attn.q", "attn.k", "attn.v", "attn.z", "attn.result", "attn.rot_q", "attn.rot_k",
-             "attn.q_input", "attn.k_input", "attn.v_input", "attn.in_pre_norm")
+_PER_HEAD = (
+    "attn.q",
+    "attn.k",
+    "attn.v",
+    "attn.z",
+    "attn.result",
+    "attn.rot_q",
+    "attn.rot_k",
+    "attn.q_input",
+    "attn.k_input",
+    "attn.v_input",
+    "attn.in_pre_norm",
+)
 
 
 # points whose meaning differs between hookscope releases: name suffix -> (what it means in this
 # release, what it meant in earlier ones), recorded in a store (see arch/llama.py)
 MEANING_CHANGES = {
-    "mlp.in": ("what the MLP reads, after ln2 (the bridge's mlp.hook_in)",
-               "TransformerLens's hook_mlp_in, the residual stream before ln2 (now mlp.in_pre_norm)"),
-    "attn.in": ("what attention reads, after ln1 (the bridge's attn.hook_in)",
-                "TransformerLens's hook_attn_in, the residual stream before ln1 (now attn.in_pre_norm)"),
-    "ln_final": ("the final norm's output, what the unembedding reads (the bridge's ln_final.hook_out)",
-                 "the bridge's ln_final.hook_normalized, before the norm's weight (now ln_final.normalized)"),
+    "mlp.in": (
+        "what the MLP reads, after ln2 (the bridge's mlp.hook_in)",
+        "TransformerLens's hook_mlp_in, the residual stream before ln2 (now mlp.in_pre_norm)",
+    ),
+    "attn.in": (
+        "what attention reads, after ln1 (the bridge's attn.hook_in)",
+        "TransformerLens's hook_attn_in, the residual stream before ln1 (now attn.in_pre_norm)",
+    ),
+    "ln_final": (
+        "the final norm's output, what the unembedding reads (the bridge's ln_final.hook_out)",
+        "the bridge's ln_final.hook_normalized, before the norm's weight (now ln_final.normalized)",
+    ),
 }
 
 
@@ -78,8 +95,11 @@ def _tl_style(key: str) -> bool:
     (`attn.hook_in`: `attn.in`) or the final norm's output (`ln_final`), not another component's
     own input / output (`attn.q.hook_out`)."""
     last = key.rsplit(".", 1)[-1]
-    return ((last.startswith("hook_") and last not in ("hook_in", "hook_out"))
-            or key.endswith(_SUBLAYER_INPUTS) or key == _FINAL_NORM_OUT)
+    return (
+        (last.startswith("hook_") and last not in ("hook_in", "hook_out"))
+        or key.endswith(_SUBLAYER_INPUTS)
+        or key == _FINAL_NORM_OUT
+    )
 
 
 def _view(hook_point: nn.Module) -> View | None:
@@ -161,8 +181,15 @@ def table(model: nn.Module) -> Arch:
         modules[name] = hook_points[hp_id]
         order, shape = fired.get(hp_id, (None, None)) if fired is not None else (None, None)
         pos_dim, head_dim = _dims(name, shape)
-        spec = PointSpec(name=name, module=name, io="output", view=_view(hook_points[hp_id]),
-                         layer=layer_of(name), pos_dim=pos_dim, head_dim=head_dim)
+        spec = PointSpec(
+            name=name,
+            module=name,
+            io="output",
+            view=_view(hook_points[hp_id]),
+            layer=layer_of(name),
+            pos_dim=pos_dim,
+            head_dim=head_dim,
+        )
         gate = next((g for g in map(_gate, keys[hp_id]) if g is not None), None)
         if order is not None or (fired is None and (gate is None or getattr(cfg, gate[0], False))):
             listed.append(((0, order) if order is not None else (1, rank(name)), spec))
@@ -171,15 +198,24 @@ def table(model: nn.Module) -> Arch:
             optional[name] = OptionalPoint(spec, needs, lambda flag=flag: bool(getattr(cfg, flag, False)))
         else:
             optional[name] = OptionalPoint(
-                spec, "", lambda: False,
+                spec,
+                "",
+                lambda: False,
                 why=f"{name!r} never fires in a forward pass of this bridge (TransformerLens has the "
-                    f"HookPoint, this architecture does not call it); hook the module that computes it "
-                    f"as module:<path>:output")
+                f"HookPoint, this architecture does not call it); hook the module that computes it "
+                f"as module:<path>:output",
+            )
     specs = [spec for _, spec in sorted(listed, key=lambda item: item[0])]
     specs.append(PointSpec(name="logits", module="", io="output"))
     return Arch(
-        "tl_bridge", {s.name: s for s in specs}, [f"blocks.{i}" for i in range(cfg.n_layers)],
-        n_heads=cfg.n_heads, d_model=cfg.d_model, modules=modules, aliases=aliases, optional=optional,
+        "tl_bridge",
+        {s.name: s for s in specs},
+        [f"blocks.{i}" for i in range(cfg.n_layers)],
+        n_heads=cfg.n_heads,
+        d_model=cfg.d_model,
+        modules=modules,
+        aliases=aliases,
+        optional=optional,
     )
 
 
@@ -199,8 +235,11 @@ def _names(hook_points: dict[int, nn.Module], keys: dict[int, list[str]]) -> tup
             winner[name] = ranked[0][0]
     primary: dict[int, str] = {}
     for hp_id, spellings in keys.items():
-        won = sorted((claims[canonical(k)][hp_id], canonical(k)) for k in spellings
-                     if winner.get(canonical(k)) == hp_id and _tl_style(k))
+        won = sorted(
+            (claims[canonical(k)][hp_id], canonical(k))
+            for k in spellings
+            if winner.get(canonical(k)) == hp_id and _tl_style(k)
+        )
         primary[hp_id] = won[0][1] if won else (getattr(hook_points[hp_id], "name", None) or spellings[0])
     aliases = {key: primary[hp_id] for hp_id, spellings in keys.items() for key in spellings}
     for name, hp_id in winner.items():

@@ -14,13 +14,26 @@ LAYERS = "layers"
 
 
 def table(config, prefix: str, lm_head: str | None) -> Arch:
-    return encoder(config, prefix, lm_head, layer="layers.{L}",
-                   norm_paths=("layernorm_before", "layernorm_after"),
-                   mlp={"mlp.pre": ("mlp.fc1", "output"), "mlp.post": ("mlp.fc2", "input")})
+    return encoder(
+        config,
+        prefix,
+        lm_head,
+        layer="layers.{L}",
+        norm_paths=("layernorm_before", "layernorm_after"),
+        mlp={"mlp.pre": ("mlp.fc1", "output"), "mlp.post": ("mlp.fc2", "input")},
+    )
 
 
-def encoder(config, prefix: str, lm_head: str | None, *, layer: str, norm_paths: tuple[str, str],
-            mlp: dict[str, tuple[str, str]], layer_scales: tuple[str, str] | None = None) -> Arch:
+def encoder(
+    config,
+    prefix: str,
+    lm_head: str | None,
+    *,
+    layer: str,
+    norm_paths: tuple[str, str],
+    mlp: dict[str, tuple[str, str]],
+    layer_scales: tuple[str, str] | None = None,
+) -> Arch:
     """The table of a pre-norm encoder with ViT's embeddings and attention. What differs from one
     family to the next: the block's path `layer`, its two norms (`norm_paths`, in the block), the
     MLP's points (`mlp`: name -> (path in the block, side)), and `layer_scales`: the modules that
@@ -34,14 +47,21 @@ def encoder(config, prefix: str, lm_head: str | None, *, layer: str, norm_paths:
     def out(name: str, sublayer: str, scale: str | None) -> dict:
         if scale is None:
             return {name: (f"{layer}.{sublayer}", "output", None)}
-        return {f"{name}_pre_scale": (f"{layer}.{sublayer}", "output", None),
-                name: (f"{layer}.{scale}", "output", None)}
+        return {
+            f"{name}_pre_scale": (f"{layer}.{sublayer}", "output", None),
+            name: (f"{layer}.{scale}", "output", None),
+        }
 
     attn_scale, mlp_scale = layer_scales or (None, None)
     return build(
-        config.model_type, prefix, config.num_hidden_layers, layer,
-        top={"embed": ("embeddings", "output", None),
-             "patch_embed": ("embeddings.patch_embeddings", "output", None)},
+        config.model_type,
+        prefix,
+        config.num_hidden_layers,
+        layer,
+        top={
+            "embed": ("embeddings", "output", None),
+            "patch_embed": ("embeddings.patch_embeddings", "output", None),
+        },
         per_layer={
             "resid_pre": (layer, "input", None),
             **norms.entries("ln1", ln1),
@@ -58,8 +78,11 @@ def encoder(config, prefix: str, lm_head: str | None, *, layer: str, norm_paths:
             **out("mlp.out", "mlp", mlp_scale),
             "resid_post": (layer, "output", None),
         },
-        final={**norms.entries("ln_final", "layernorm"), "ln_final": ("layernorm", "output", None),
-               **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {})},
-        n_heads=H, d_model=config.hidden_size,
+        final={
+            **norms.entries("ln_final", "layernorm"),
+            "ln_final": ("layernorm", "output", None),
+            **({"logits": (f"/{lm_head}", "output", None)} if lm_head else {}),
+        },
+        n_heads=H,
+        d_model=config.hidden_size,
     )
-

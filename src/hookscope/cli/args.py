@@ -85,7 +85,8 @@ def positions(value: str | None):
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"{value!r} is not a position selection: use all, last, N, A:B or i,j,k (negative N counts "
-            "from the end)") from None
+            "from the end)"
+        ) from None
 
 
 def point_list(value: str) -> list[str]:
@@ -96,8 +97,12 @@ def point_list(value: str) -> list[str]:
 
 
 def model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", default=None,
-                   help="Hugging Face id or local directory (default: the bundled all-MiniLM-L6-v2)")
+    p.add_argument(
+        "model",
+        nargs="?",
+        default=None,
+        help="Hugging Face id or local directory (default: the bundled all-MiniLM-L6-v2)",
+    )
     p.add_argument("--device", default="cpu", type=device, help="cpu, cuda, cuda:N or mps")
 
 

@@ -31,8 +31,10 @@ def run(args) -> int:
     print(f"{loaded.name} on {args.text!r} ({len(tokens)} tokens: {' '.join(tokens)})")
     for name, act in acts.items():
         x = act.float()
-        print(f"  {name}: shape {list(act.shape)} {act.dtype}  mean {x.mean():+.4f}  std {x.std():.4f}  "
-              f"max |x| {x.abs().max():.4f}")
+        print(
+            f"  {name}: shape {list(act.shape)} {act.dtype}  mean {x.mean():+.4f}  std {x.std():.4f}  "
+            f"max |x| {x.abs().max():.4f}"
+        )
     if args.save:
         save_tensors(args.save, acts)
         print(f"  saved to {args.save}")

@@ -15,44 +15,89 @@ def add_parser(sub) -> None:
 
     p = sub.add_parser("extract", help="stream chosen points of a dataset to a sharded store (resumable)")
     model_args(p)
-    p.add_argument("--out", required=True,
-                   help="store directory or URL (s3://, gs://, az://, hf://, memory://); "
-                        "re-run the same command to resume")
-    points_arg(p, default=default.points,
-               help=f"comma-separated point names or globs (default {','.join(default.points)})")
-    p.add_argument("--data", default=default.data,
-                   help=".txt / .jsonl file, a directory of them, a saved HF dataset dir, hf:NAME[:split], "
-                        f"or {default.data} (default; built offline from Python's docstrings)")
-    p.add_argument("--text-field", default=default.text_field,
-                   help="field holding the text in .jsonl / datasets")
-    p.add_argument("--context", type=int, default=default.context,
-                   help=f"tokens per packed sequence (default {DEFAULT_CONTEXT}; not for images)")
+    p.add_argument(
+        "--out",
+        required=True,
+        help="store directory or URL (s3://, gs://, az://, hf://, memory://); "
+        "re-run the same command to resume",
+    )
+    points_arg(
+        p,
+        default=default.points,
+        help=f"comma-separated point names or globs (default {','.join(default.points)})",
+    )
+    p.add_argument(
+        "--data",
+        default=default.data,
+        help=".txt / .jsonl file, a directory of them, a saved HF dataset dir, hf:NAME[:split], "
+        f"or {default.data} (default; built offline from Python's docstrings)",
+    )
+    p.add_argument(
+        "--text-field", default=default.text_field, help="field holding the text in .jsonl / datasets"
+    )
+    p.add_argument(
+        "--context",
+        type=int,
+        default=default.context,
+        help=f"tokens per packed sequence (default {DEFAULT_CONTEXT}; not for images)",
+    )
     p.add_argument("--batch-size", type=int, default=default.batch_size)
     p.add_argument("--dtype", default=default.dtype, choices=DTYPES)
-    p.add_argument("--keep-bos", action="store_true",
-                   help="also store BOS / CLS / SEP tokens (dropped by default; images keep every token)")
-    p.add_argument("--max-tokens", type=int, default=default.max_tokens,
-                   help="stop after this many tokens (whole sequences; images: whole images)")
+    p.add_argument(
+        "--keep-bos",
+        action="store_true",
+        help="also store BOS / CLS / SEP tokens (dropped by default; images keep every token)",
+    )
+    p.add_argument(
+        "--max-tokens",
+        type=int,
+        default=default.max_tokens,
+        help="stop after this many tokens (whole sequences; images: whole images)",
+    )
     p.add_argument("--shard-rows", type=int, default=default.shard_rows, help="rows per shard file")
-    p.add_argument("--on-nonfinite", default=default.on_nonfinite, choices=["warn", "error"],
-                   help="NaN/Inf activations: count and report (warn), or refuse to write them (error)")
+    p.add_argument(
+        "--on-nonfinite",
+        default=default.on_nonfinite,
+        choices=["warn", "error"],
+        help="NaN/Inf activations: count and report (warn), or refuse to write them (error)",
+    )
     p.add_argument("--revision", default=default.revision, help="model revision (hub ids)")
-    p.add_argument("--device-map", default=default.device_map,
-                   help="'auto' spreads a model bigger than one device (accelerate)")
-    p.add_argument("--max-memory", default=default.max_memory, metavar="SIZE",
-                   help="stream the blocks through chunks of batches, weights kept under SIZE (2GiB, 500MB): "
-                        "for a model whose needed weights do not fit")
-    p.add_argument("--workers", type=at_least(0), default=default.workers, metavar="N",
-                   help="processes that tokenize text ahead of the model (default 0: the data thread, "
-                        "with the tokenizer's own threads); raise it when the run says it is bound by "
-                        "tokenization")
-    p.add_argument("--stack", action="store_true",
-                   help="store each glob of --points as one column named by the glob, [rows, blocks, d] in "
-                        "block order: crosscoder and cross-layer transcoder reads gather each row in one "
-                        "piece")
+    p.add_argument(
+        "--device-map",
+        default=default.device_map,
+        help="'auto' spreads a model bigger than one device (accelerate)",
+    )
+    p.add_argument(
+        "--max-memory",
+        default=default.max_memory,
+        metavar="SIZE",
+        help="stream the blocks through chunks of batches, weights kept under SIZE (2GiB, 500MB): "
+        "for a model whose needed weights do not fit",
+    )
+    p.add_argument(
+        "--workers",
+        type=at_least(0),
+        default=default.workers,
+        metavar="N",
+        help="processes that tokenize text ahead of the model (default 0: the data thread, "
+        "with the tokenizer's own threads); raise it when the run says it is bound by "
+        "tokenization",
+    )
+    p.add_argument(
+        "--stack",
+        action="store_true",
+        help="store each glob of --points as one column named by the glob, [rows, blocks, d] in "
+        "block order: crosscoder and cross-layer transcoder reads gather each row in one "
+        "piece",
+    )
     p.add_argument("--no-progress", action="store_true")
-    p.add_argument("--generate", type=at_least(0), default=default.generate, metavar="N",
-                   help="also store N greedy tokens the model generates after each sequence")
+    p.add_argument(
+        "--generate",
+        type=at_least(0),
+        default=default.generate,
+        metavar="N",
+        help="also store N greedy tokens the model generates after each sequence",
+    )
     p.set_defaults(run=run)
 
 
@@ -65,12 +110,26 @@ def run(args) -> int:
     prefer_huge_pages()
     quiet_transformers()
     cfg = ExtractConfig(
-        out=args.out, model=args.model, points=args.points, data=args.data, text_field=args.text_field,
-        context=args.context, batch_size=args.batch_size, dtype=args.dtype, drop_bos=not args.keep_bos,
-        max_tokens=args.max_tokens, device=args.device, shard_rows=args.shard_rows,
-        on_nonfinite=args.on_nonfinite, revision=args.revision, progress=not args.no_progress,
-        device_map=args.device_map, generate=args.generate, max_memory=args.max_memory,
-        workers=args.workers, stack=args.stack,
+        out=args.out,
+        model=args.model,
+        points=args.points,
+        data=args.data,
+        text_field=args.text_field,
+        context=args.context,
+        batch_size=args.batch_size,
+        dtype=args.dtype,
+        drop_bos=not args.keep_bos,
+        max_tokens=args.max_tokens,
+        device=args.device,
+        shard_rows=args.shard_rows,
+        on_nonfinite=args.on_nonfinite,
+        revision=args.revision,
+        progress=not args.no_progress,
+        device_map=args.device_map,
+        generate=args.generate,
+        max_memory=args.max_memory,
+        workers=args.workers,
+        stack=args.stack,
     )
     try:
         print(extract(cfg))

@@ -12,32 +12,50 @@ def _steer_arg(value: str):
     """POINT:VECTOR_FILE:SCALE (split from the right: a point name may hold colons)."""
     parts = value.rsplit(":", 2)
     if len(parts) != 3 or not parts[0] or not parts[1]:
-        raise argparse.ArgumentTypeError(f"--steer {value!r}: use POINT:VECTOR_FILE:SCALE, "
-                                         "e.g. blocks.3.resid_post:vec.safetensors:4")
+        raise argparse.ArgumentTypeError(
+            f"--steer {value!r}: use POINT:VECTOR_FILE:SCALE, e.g. blocks.3.resid_post:vec.safetensors:4"
+        )
     try:
         scale = float(parts[2])
     except ValueError:
-        raise argparse.ArgumentTypeError(f"--steer {value!r}: the scale {parts[2]!r} is not a "
-                                         "number") from None
+        raise argparse.ArgumentTypeError(
+            f"--steer {value!r}: the scale {parts[2]!r} is not a number"
+        ) from None
     return parts[0], parts[1], scale
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate text, capturing and steering points at every token")
     model_args(p)
-    p.add_argument("--prompt", action="append", required=True,
-                   help="prompt text (repeat for a batch; prompts are left-padded)")
+    p.add_argument(
+        "--prompt",
+        action="append",
+        required=True,
+        help="prompt text (repeat for a batch; prompts are left-padded)",
+    )
     p.add_argument("--max-new-tokens", type=at_least(1), default=20)
     p.add_argument("--points", default=None, help="point name(s) to capture, comma-separated or a glob")
-    p.add_argument("--positions", type=positions, default=None,
-                   help="sequence positions to keep: all | last | N | A:B | i,j,k")
+    p.add_argument(
+        "--positions",
+        type=positions,
+        default=None,
+        help="sequence positions to keep: all | last | N | A:B | i,j,k",
+    )
     p.add_argument("--dtype", default=None, choices=DTYPES)
-    p.add_argument("--out", default=None,
-                   help="write captures (+ sequences, mask) to this .safetensors file")
-    p.add_argument("--steer", type=_steer_arg, action="append", default=[],
-                   help="POINT:VECTOR_FILE:SCALE, add SCALE x the vector (.safetensors / .npy) at POINT")
-    p.add_argument("--edit-on", default="both", choices=["both", "prompt", "generated"],
-                   help="which positions the steering applies to")
+    p.add_argument("--out", default=None, help="write captures (+ sequences, mask) to this .safetensors file")
+    p.add_argument(
+        "--steer",
+        type=_steer_arg,
+        action="append",
+        default=[],
+        help="POINT:VECTOR_FILE:SCALE, add SCALE x the vector (.safetensors / .npy) at POINT",
+    )
+    p.add_argument(
+        "--edit-on",
+        default="both",
+        choices=["both", "prompt", "generated"],
+        help="which positions the steering applies to",
+    )
     p.add_argument("--sample", action="store_true", help="sample instead of greedy decoding")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -61,11 +79,14 @@ def _read_vector(path: str):
     except (OSError, ValueError) as e:
         raise HookscopeError(f"cannot read steering vector {path}: {e}") from e
     except Exception as e:  # safetensors raises its own error type for a malformed file
-        raise HookscopeError(f"cannot read steering vector {path}: {e} (give a .safetensors or .npy "
-                             "file)") from e
+        raise HookscopeError(
+            f"cannot read steering vector {path}: {e} (give a .safetensors or .npy file)"
+        ) from e
     if len(tensors) != 1:
-        raise HookscopeError(f"{path} holds {len(tensors)} tensors ({', '.join(tensors)}); a steering vector "
-                             "file must hold exactly one")
+        raise HookscopeError(
+            f"{path} holds {len(tensors)} tensors ({', '.join(tensors)}); a steering vector "
+            "file must hold exactly one"
+        )
     return next(iter(tensors.values()))
 
 
@@ -99,9 +120,13 @@ def _save(gen, loaded, args) -> None:
 
     tensors = dict(gen.activations)
     tensors.update(sequences=gen.sequences.cpu(), mask=gen.mask.cpu())
-    metadata = {"model": loaded.name, "prompt_length": str(gen.prompt_length),
-                "positions": str(args.positions), "edit_on": args.edit_on,
-                "steer": ";".join(f"{p}:{f}:{s}" for p, f, s in args.steer)}
+    metadata = {
+        "model": loaded.name,
+        "prompt_length": str(gen.prompt_length),
+        "positions": str(args.positions),
+        "edit_on": args.edit_on,
+        "steer": ";".join(f"{p}:{f}:{s}" for p, f, s in args.steer),
+    }
     save_tensors(args.out, tensors, metadata=metadata)
     shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in tensors.items())
     print(f"captures written to {args.out}: {shapes}", file=sys.stderr)
@@ -122,8 +147,17 @@ def run(args) -> int:
     if args.out and not points:
         raise HookscopeError("--out writes captures: give --points too")
     dtype = getattr(torch, args.dtype) if args.dtype else None
-    gen = hs.generate(loaded.model, inputs, points, edits=edits, edit_on=args.edit_on,
-                      positions=args.positions, dtype=dtype, device="cpu", **_options(args, tok))
+    gen = hs.generate(
+        loaded.model,
+        inputs,
+        points,
+        edits=edits,
+        edit_on=args.edit_on,
+        positions=args.positions,
+        dtype=dtype,
+        device="cpu",
+        **_options(args, tok),
+    )
     for prompt, text in zip(args.prompt, gen.text(tok), strict=True):
         print(f"{prompt}{text}")
     if args.out:

@@ -6,8 +6,11 @@ from __future__ import annotations
 def add_parser(sub) -> None:
     p = sub.add_parser("inspect", help="summarise and check a store")
     p.add_argument("dir", help="store directory or URL")
-    p.add_argument("--no-verify", action="store_true",
-                   help="skip the checksum check of every shard (xxh3_128, or SHA-256 in older stores)")
+    p.add_argument(
+        "--no-verify",
+        action="store_true",
+        help="skip the checksum check of every shard (xxh3_128, or SHA-256 in older stores)",
+    )
     p.set_defaults(run=run)
 
 
@@ -18,8 +21,10 @@ def run(args) -> int:
     store = open_store(args.dir)
     m = store.manifest
     if len(store) == 0:
-        raise StoreError(f"{store.path} holds 0 rows: nothing was extracted into it yet (a run stopped "
-                         "before its first shard?); run the extract command again to fill it")
+        raise StoreError(
+            f"{store.path} holds 0 rows: nothing was extracted into it yet (a run stopped "
+            "before its first shard?); run the extract command again to fill it"
+        )
     print(f"{store.path}: {len(store):,} rows in {store.num_shards} shards, {m.bytes / 2**20:,.1f} MiB")
     settings = m.settings
     for key in ("model", "data", "context", "batch_size", "dtype", "drop_bos", "world_size"):
@@ -33,11 +38,15 @@ def run(args) -> int:
         st = store.stats.get(name)
         norms = ""
         if st and st.norm_count:
-            norms = (f"row L2 norm {st.norm_mean:.3f} +/- {st.norm_std:.3f}, "
-                     f"mean squared norm {st.mean_squared_norm:.4g}")
+            norms = (
+                f"row L2 norm {st.norm_mean:.3f} +/- {st.norm_std:.3f}, "
+                f"mean squared norm {st.mean_squared_norm:.4g}"
+            )
             if st.mean is not None and st.std is not None:  # merged from every shard's header
-                norms += (f"; per-dim mean {float(st.mean.min()):.3g}..{float(st.mean.max()):.3g}, "
-                          f"std {float(st.std.min()):.3g}..{float(st.std.max()):.3g}")
+                norms += (
+                    f"; per-dim mean {float(st.mean.min()):.3g}..{float(st.mean.max()):.3g}, "
+                    f"std {float(st.std.min()):.3g}..{float(st.std.max()):.3g}"
+                )
             elif name in store.stats.missing:
                 norms += f"; no per-dim statistics: {store.stats.missing[name]}"
         bad = f", {st.nonfinite} NaN/Inf" if st and st.nonfinite else ""
@@ -70,6 +79,7 @@ def held_meanings(settings: dict) -> dict[str, str]:
     for point in settings.get("points", []):
         suffix = re.sub(r"^blocks\.\d+\.", "", point)
         if suffix in changes:
-            held[point] = (f"{changes[suffix][1]} "
-                           "(written before hookscope gave the name TransformerLens's meaning)")
+            held[point] = (
+                f"{changes[suffix][1]} (written before hookscope gave the name TransformerLens's meaning)"
+            )
     return held

@@ -8,10 +8,12 @@ from .args import DEFAULT_TEXT, encode, load, model_args, quiet_transformers
 def add_parser(sub) -> None:
     p = sub.add_parser("points", help="list a model's hook points")
     model_args(p)
-    p.add_argument("--text", default=DEFAULT_TEXT,
-                   help="sample input for shapes ('' to skip the forward pass)")
-    p.add_argument("--pattern", default=None,
-                   help="only names matching this glob, e.g. 'blocks.*.resid_post'")
+    p.add_argument(
+        "--text", default=DEFAULT_TEXT, help="sample input for shapes ('' to skip the forward pass)"
+    )
+    p.add_argument(
+        "--pattern", default=None, help="only names matching this glob, e.g. 'blocks.*.resid_post'"
+    )
     p.set_defaults(run=run)
 
 
@@ -29,8 +31,12 @@ def _example(args):
     loaded = load(args)
     example = encode(loaded, text) if text else None
     heads = loaded.arch.n_heads
-    while (example is not None and args.text == DEFAULT_TEXT and heads
-           and example["input_ids"].shape[-1] == heads):  # [1, 12, 12, 32] could not be read
+    while (
+        example is not None
+        and args.text == DEFAULT_TEXT
+        and heads
+        and example["input_ids"].shape[-1] == heads
+    ):  # [1, 12, 12, 32] could not be read
         text += " Again."
         example = encode(loaded, text)
     return loaded, example, text
@@ -41,8 +47,10 @@ def run(args) -> int:
 
     loaded, example, text = _example(args)
     infos = hs.points(loaded.model, example, pattern=args.pattern)
-    print(f"{loaded.name}: {type(loaded.model).__name__}, family {loaded.arch.family}, "
-          f"{loaded.arch.n_layers} blocks, {len(loaded.arch.names)} points")
+    print(
+        f"{loaded.name}: {type(loaded.model).__name__}, family {loaded.arch.family}, "
+        f"{loaded.arch.n_layers} blocks, {len(loaded.arch.names)} points"
+    )
     if example is not None and "input_ids" in example:  # a vision model's sample image has none
         print(f"shapes on {text!r} ({example['input_ids'].shape[-1]} tokens; --text to change it)")
     width = max(len(i.name) for i in infos)

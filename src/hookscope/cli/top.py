@@ -21,9 +21,12 @@ def add_parser(sub) -> None:
     p.add_argument("--unit", type=at_least(0), default=None, help="unit (or SAE feature) number")
     p.add_argument("--k", type=at_least(1), default=20, help="contexts to show")
     p.add_argument("--context", type=at_least(0), default=8, help="tokens on each side")
-    p.add_argument("--sae", default=None,
-                   help="SAELens SAE directory (cfg.json + sae_weights.safetensors) or an encoder "
-                        ".safetensors file (W_enc + b_enc): rank its features instead of raw units")
+    p.add_argument(
+        "--sae",
+        default=None,
+        help="SAELens SAE directory (cfg.json + sae_weights.safetensors) or an encoder "
+        ".safetensors file (W_enc + b_enc): rank its features instead of raw units",
+    )
     p.add_argument("--html", default=None, help="write a self-contained page for every unit here")
     p.add_argument("--units", type=_units, default=None, help="units on the page: A:B or i,j,k (default all)")
     p.add_argument("--index-k", type=at_least(1), default=32, help="rows kept per unit in the saved index")
@@ -42,11 +45,14 @@ def _store_tokenizer(store, override: str | None):
     settings = store.manifest.settings
     name = override or settings.get("model")
     if not name:
-        raise HookscopeError(f"{store.path}: the store's settings name no model, so its tokenizer is "
-                             "unknown; give --tokenizer PATH_OR_ID")
+        raise HookscopeError(
+            f"{store.path}: the store's settings name no model, so its tokenizer is "
+            "unknown; give --tokenizer PATH_OR_ID"
+        )
     # a tokenizer saved alone has no config.json
-    return load_tokenizer(name, saved_alone=bool(override) and os.path.isdir(override),
-                          sha256=settings.get("tokenizer_sha256"))
+    return load_tokenizer(
+        name, saved_alone=bool(override) and os.path.isdir(override), sha256=settings.get("tokenizer_sha256")
+    )
 
 
 def _only_point(store, point: str | None) -> str:
@@ -55,8 +61,9 @@ def _only_point(store, point: str | None) -> str:
     if point is not None:
         return point
     if len(store.points) != 1:
-        raise HookscopeError(f"the store has {len(store.points)} points {list(store.points)}; choose one "
-                             "with --point")
+        raise HookscopeError(
+            f"the store has {len(store.points)} points {list(store.points)}; choose one with --point"
+        )
     return next(iter(store.points))
 
 
@@ -65,10 +72,24 @@ def _page(store, point: str, tokenizer, args) -> None:
 
     encoder = resolve_encoder(store, point, args.sae)
     rebuild = args.rebuild and args.unit is None  # with --unit, the query above rebuilt it already
-    index = get_index(store, point, encoder=encoder, k=max(args.k, args.index_k), rebuild=rebuild,
-                      progress=not args.no_progress)
-    data = page_data(store, index, encoder, units=args.units, k=args.k, context=args.context,
-                     tokenizer=tokenizer, progress=not args.no_progress)
+    index = get_index(
+        store,
+        point,
+        encoder=encoder,
+        k=max(args.k, args.index_k),
+        rebuild=rebuild,
+        progress=not args.no_progress,
+    )
+    data = page_data(
+        store,
+        index,
+        encoder,
+        units=args.units,
+        k=args.k,
+        context=args.context,
+        tokenizer=tokenizer,
+        progress=not args.no_progress,
+    )
     print(f"wrote {write_page(args.html, data)} ({len(data['units'])} units)")
 
 
@@ -84,8 +105,20 @@ def run(args) -> int:
         raise HookscopeError("give --unit N (terminal) or --html FILE (a page for every unit), or both")
     tokenizer = _store_tokenizer(store, args.tokenizer)
     if args.unit is not None:
-        print(top(store, point, args.unit, k=args.k, context=args.context, sae=args.sae, tokenizer=tokenizer,
-                  rebuild=args.rebuild, index_k=max(args.k, args.index_k), progress=not args.no_progress))
+        print(
+            top(
+                store,
+                point,
+                args.unit,
+                k=args.k,
+                context=args.context,
+                sae=args.sae,
+                tokenizer=tokenizer,
+                rebuild=args.rebuild,
+                index_k=max(args.k, args.index_k),
+                progress=not args.no_progress,
+            )
+        )
     if args.html is not None:
         _page(store, point, tokenizer, args)
     return 0

@@ -15,5 +15,12 @@ from .arrow import SIDECAR
 from .hf import export_hf, to_hf_dataset
 from .saelens import SaelensExport, export_saelens, saelens_config, tl_hook_name
 
-__all__ = ["SIDECAR", "SaelensExport", "export_hf", "export_saelens", "saelens_config", "tl_hook_name",
-           "to_hf_dataset"]
+__all__ = [
+    "SIDECAR",
+    "SaelensExport",
+    "export_hf",
+    "export_saelens",
+    "saelens_config",
+    "tl_hook_name",
+    "to_hf_dataset",
+]

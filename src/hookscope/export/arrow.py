@@ -29,9 +29,18 @@ SIDECAR = "hookscope_export.json"  # what the export holds and which store it ca
 
 # torch dtype -> Arrow/`datasets` value type. bfloat16 has no Arrow type: it is widened to float32,
 # which holds every bfloat16 value exactly (twice the bytes).
-_ARROW_DTYPE = {torch.float32: "float32", torch.float16: "float16", torch.bfloat16: "float32",
-                torch.float64: "float64", torch.int64: "int64", torch.int32: "int32", torch.int16: "int16",
-                torch.int8: "int8", torch.uint8: "uint8", torch.bool: "bool"}
+_ARROW_DTYPE = {
+    torch.float32: "float32",
+    torch.float16: "float16",
+    torch.bfloat16: "float32",
+    torch.float64: "float64",
+    torch.int64: "int64",
+    torch.int32: "int32",
+    torch.int16: "int16",
+    torch.int8: "int8",
+    torch.uint8: "uint8",
+    torch.bool: "bool",
+}
 
 
 def arrow_dtype(dtype: torch.dtype) -> str:
@@ -41,8 +50,13 @@ def arrow_dtype(dtype: torch.dtype) -> str:
 
 
 def import_datasets() -> Any:
-    return require("datasets", extra="datasets", needed_for="exporting to a Hugging Face dataset",
-                   error=StoreError, also=("pyarrow",))  # datasets depends on pyarrow
+    return require(
+        "datasets",
+        extra="datasets",
+        needed_for="exporting to a Hugging Face dataset",
+        error=StoreError,
+        also=("pyarrow",),
+    )  # datasets depends on pyarrow
 
 
 def feature(shape: tuple[int, ...], dtype: str) -> Any:
@@ -88,9 +102,17 @@ def _level_counts(rows: int, shape: tuple[int, ...]) -> list[int]:
     return counts
 
 
-def write_dataset(out: str | os.PathLike, features: dict[str, Any], tables: Iterator[dict[str, Any]],
-                  n_files: int, *, description: str, sidecar: dict[str, Any], overwrite: bool = False,
-                  progress: Callable[[int], None] | None = None) -> Path:
+def write_dataset(
+    out: str | os.PathLike,
+    features: dict[str, Any],
+    tables: Iterator[dict[str, Any]],
+    n_files: int,
+    *,
+    description: str,
+    sidecar: dict[str, Any],
+    overwrite: bool = False,
+    progress: Callable[[int], None] | None = None,
+) -> Path:
     """Write `n_files` Arrow files, one per item of `tables` (column name -> Arrow array), plus
     `state.json` and `dataset_info.json`, into `out` (built as `out.partial`, renamed at the end)."""
     import pyarrow as pa
@@ -99,8 +121,10 @@ def write_dataset(out: str | os.PathLike, features: dict[str, Any], tables: Iter
     out = Path(out)
     if out.exists():
         if not overwrite:
-            raise StoreError(f"{out} already exists: choose a new --out directory, or pass overwrite=True "
-                             "(--overwrite) to replace it")
+            raise StoreError(
+                f"{out} already exists: choose a new --out directory, or pass overwrite=True "
+                "(--overwrite) to replace it"
+            )
         if not (out / "state.json").is_file() and any(out.iterdir()):
             raise StoreError(f"{out} exists and is not a dataset folder: refusing to replace it")
     partial = out.with_name(out.name + ".partial")
@@ -124,11 +148,19 @@ def write_dataset(out: str | os.PathLike, features: dict[str, Any], tables: Iter
         info = datasets.DatasetInfo(description=description, features=feats)
         info_dict = asdict(info)
         fingerprint = hashlib.sha256(json.dumps(sidecar, sort_keys=True).encode()).hexdigest()[:16]
-        state = {"_data_files": files, "_fingerprint": fingerprint, "_format_columns": None,
-                 "_format_kwargs": {}, "_format_type": None, "_output_all_columns": False, "_split": None}
+        state = {
+            "_data_files": files,
+            "_fingerprint": fingerprint,
+            "_format_columns": None,
+            "_format_kwargs": {},
+            "_format_type": None,
+            "_output_all_columns": False,
+            "_split": None,
+        }
         (partial / "state.json").write_text(json.dumps(state, indent=2, sort_keys=True))
         (partial / "dataset_info.json").write_text(
-            json.dumps({k: info_dict[k] for k in sorted(info_dict)}, indent=2))
+            json.dumps({k: info_dict[k] for k in sorted(info_dict)}, indent=2)
+        )
         (partial / SIDECAR).write_text(json.dumps({**sidecar, "rows": rows}, indent=1) + "\n")
         if out.exists():
             shutil.rmtree(out)

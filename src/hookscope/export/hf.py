@@ -36,12 +36,20 @@ def store_info(store: Store) -> dict[str, Any]:
 
 def describe(store: Store, layout: str) -> str:
     name = store.path.rstrip("/").rsplit("/", 1)[-1]
-    return (f"Activations exported by hookscope from the store {name} ({layout}). "
-            f"Store settings (JSON): {json.dumps(store.manifest.settings, sort_keys=True)}")
+    return (
+        f"Activations exported by hookscope from the store {name} ({layout}). "
+        f"Store settings (JSON): {json.dumps(store.manifest.settings, sort_keys=True)}"
+    )
 
 
-def export_hf(store: Store, out: str | os.PathLike, columns: Sequence[str] | None = None, *,
-              overwrite: bool = False, progress: bool = True) -> Path:
+def export_hf(
+    store: Store,
+    out: str | os.PathLike,
+    columns: Sequence[str] | None = None,
+    *,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> Path:
     """Write column(s) `columns` (default: every column) of `store` as a `datasets` folder with one
     example per row, in store order; one Arrow file per shard, written once. Returns `out`.
     Needs the `datasets` package: `pip install 'hookscope[datasets]'`.
@@ -58,31 +66,47 @@ def export_hf(store: Store, out: str | os.PathLike, columns: Sequence[str] | Non
     cols = store.manifest.columns
     dtypes = {n: getattr(torch, cols[n].dtype) for n in names}
     features = {n: feature(cols[n].shape, arrow_dtype(dtypes[n])) for n in names}
-    sidecar = {"format": "hookscope-export", "layout": "rows", "store": store_info(store),
-               "columns": {n: {"shape": list(cols[n].shape), "store_dtype": cols[n].dtype,
-                               "dtype": arrow_dtype(dtypes[n])} for n in names}}
+    sidecar = {
+        "format": "hookscope-export",
+        "layout": "rows",
+        "store": store_info(store),
+        "columns": {
+            n: {"shape": list(cols[n].shape), "store_dtype": cols[n].dtype, "dtype": arrow_dtype(dtypes[n])}
+            for n in names
+        },
+    }
     with rows_progress(len(store), "export hf", progress) as bar:
-        tables = ({n: arrow_column(t, features[n]) for n, t in store.load_shard(i, names).items()}
-                  for i in range(store.num_shards))
-        return write_dataset(out, features, tables, store.num_shards,
-                             description=describe(store, "one row per token"),
-                             sidecar=sidecar, overwrite=overwrite, progress=bar)
+        tables = (
+            {n: arrow_column(t, features[n]) for n, t in store.load_shard(i, names).items()}
+            for i in range(store.num_shards)
+        )
+        return write_dataset(
+            out,
+            features,
+            tables,
+            store.num_shards,
+            description=describe(store, "one row per token"),
+            sidecar=sidecar,
+            overwrite=overwrite,
+            progress=bar,
+        )
 
 
-def to_hf_dataset(store: Store, columns: Sequence[str] | None = None, *,
-                  cache_dir: str | os.PathLike | None = None) -> datasets.Dataset:
+def to_hf_dataset(
+    store: Store, columns: Sequence[str] | None = None, *, cache_dir: str | os.PathLike | None = None
+) -> datasets.Dataset:
     """A Hugging Face `datasets.Dataset` with one example per row, memory-mapped from a folder
     written once by `export_hf` under `cache_dir` (default: the datasets cache) and reused while the
     store is unchanged. Fixed-shape features; bfloat16 becomes float32."""
     try:
         import datasets
     except ImportError as e:
-        raise StoreError("to_hf_dataset needs the `datasets` package: "
-                         "pip install 'hookscope[datasets]'") from e
+        raise StoreError(
+            "to_hf_dataset needs the `datasets` package: pip install 'hookscope[datasets]'"
+        ) from e
     names = store.column_names(columns)
     key = hashlib.sha256(json.dumps([store.manifest.to_json(), names], sort_keys=True).encode()).hexdigest()
     folder = Path(cache_dir or datasets.config.HF_DATASETS_CACHE) / "hookscope" / key[:32]
     if not (folder / "state.json").is_file():
         export_hf(store, folder, names, overwrite=folder.exists(), progress=False)
     return datasets.load_from_disk(str(folder))
-

@@ -38,10 +38,17 @@ if TYPE_CHECKING:  # the store room is below this one; a Store is passed in, nev
 # canonical point suffix -> TransformerLens hook name suffix, where it is not just "hook_" + last part
 # (attn.in / mlp.in: what the sublayer reads, after its norm: the bridge's attn.hook_in / mlp.hook_in;
 # TransformerLens's hook_attn_in / hook_mlp_in are the stream before that norm: *.in_pre_norm)
-_TL_SPELLING = {"attn.out": "hook_attn_out", "mlp.out": "hook_mlp_out", "attn.in": "attn.hook_in",
-                "mlp.in": "mlp.hook_in", "attn.in_pre_norm": "hook_attn_in", "mlp.in_pre_norm": "hook_mlp_in",
-                "attn.q_input": "hook_q_input", "attn.k_input": "hook_k_input",
-                "attn.v_input": "hook_v_input"}
+_TL_SPELLING = {
+    "attn.out": "hook_attn_out",
+    "mlp.out": "hook_mlp_out",
+    "attn.in": "attn.hook_in",
+    "mlp.in": "mlp.hook_in",
+    "attn.in_pre_norm": "hook_attn_in",
+    "mlp.in_pre_norm": "hook_mlp_in",
+    "attn.q_input": "hook_q_input",
+    "attn.k_input": "hook_k_input",
+    "attn.v_input": "hook_v_input",
+}
 _BLOCK = re.compile(r"^(blocks\.\d+)\.(.+)$")
 
 
@@ -49,8 +56,10 @@ def tl_hook_name(point: str) -> str:
     """The TransformerLens hook name of a canonical point name (`blocks.3.resid_post` ->
     `blocks.3.hook_resid_post`, `blocks.3.attn.z` -> `blocks.3.attn.hook_z`)."""
     if point.startswith("module:"):
-        raise StoreError(f"{point!r} is a raw module path with no TransformerLens hook name; pass "
-                         "hook_name= (--hook-name) to name the SAELens column yourself")
+        raise StoreError(
+            f"{point!r} is a raw module path with no TransformerLens hook name; pass "
+            "hook_name= (--hook-name) to name the SAELens column yourself"
+        )
     if point == "ln_final":  # after the norm's weight: the bridge's spelling (HookedTransformer has none)
         return "ln_final.hook_out"
     block = _BLOCK.match(point)
@@ -80,8 +89,14 @@ class SaelensExport:
 
     def runner_kwargs(self) -> dict[str, Any]:
         """Arguments of SAELens's `LanguageModelSAERunnerConfig` that point it at this export."""
-        return {"model_name": self.model_name, "hook_name": self.hook_name, "context_size": self.context_size,
-                "dtype": self.dtype, "use_cached_activations": True, "cached_activations_path": self.path}
+        return {
+            "model_name": self.model_name,
+            "hook_name": self.hook_name,
+            "context_size": self.context_size,
+            "dtype": self.dtype,
+            "use_cached_activations": True,
+            "cached_activations_path": self.path,
+        }
 
 
 def saelens_config(path: str | os.PathLike) -> SaelensExport:
@@ -91,15 +106,23 @@ def saelens_config(path: str | os.PathLike) -> SaelensExport:
         meta = json.loads(sidecar.read_text())["saelens"]
         return SaelensExport(**meta)
     except FileNotFoundError:
-        raise StoreError(f"{path}: no {SIDECAR}; is this a folder made by hookscope export --format saelens?"
-                         ) from None
+        raise StoreError(
+            f"{path}: no {SIDECAR}; is this a folder made by hookscope export --format saelens?"
+        ) from None
     except (KeyError, TypeError, ValueError) as e:
         raise StoreError(f"{sidecar}: not a SAELens export's metadata ({e})") from e
 
 
-def export_saelens(store: Store, out: str | os.PathLike, point: str | None = None, *,
-                   hook_name: str | None = None, context_size: int | None = None, overwrite: bool = False,
-                   progress: bool = True) -> SaelensExport:
+def export_saelens(
+    store: Store,
+    out: str | os.PathLike,
+    point: str | None = None,
+    *,
+    hook_name: str | None = None,
+    context_size: int | None = None,
+    overwrite: bool = False,
+    progress: bool = True,
+) -> SaelensExport:
     """Write `point` (default: the store's only point) in SAELens's cached-activations layout.
     Needs the `datasets` package: `pip install 'hookscope[datasets]'`.
 
@@ -121,15 +144,19 @@ def export_saelens(store: Store, out: str | os.PathLike, point: str | None = Non
     if context_size is None:
         context_size = whole or store.manifest.settings.get("context")
         if not isinstance(context_size, int):
-            raise StoreError(f"{store.path}: the store's settings give no context size; pass context_size= "
-                             "(--context-size)")
+            raise StoreError(
+                f"{store.path}: the store's settings give no context size; pass context_size= "
+                "(--context-size)"
+            )
     if context_size < 1:
         raise StoreError(f"context_size={context_size} must be >= 1")
     sequences = "whole" if whole == context_size else "regrouped"
     examples = len(store) // context_size
     if examples == 0:
-        raise StoreError(f"{store.path}: {len(store)} rows do not fill one example of {context_size} rows; "
-                         "pass a smaller context_size")
+        raise StoreError(
+            f"{store.path}: {len(store)} rows do not fill one example of {context_size} rows; "
+            "pass a smaller context_size"
+        )
     datasets = import_datasets()
     has_tokens = "token_ids" in store.meta
     features = {hook_name: datasets.Array2D(shape=(context_size, d_in), dtype=dtype)}
@@ -137,12 +164,24 @@ def export_saelens(store: Store, out: str | os.PathLike, point: str | None = Non
         features["token_ids"] = feature((context_size,), "int32")
     plan = _examples_per_shard(store, context_size)
     result = SaelensExport(
-        path=str(Path(out).resolve()), point=point, hook_name=hook_name,
-        model_name=store.manifest.settings.get("model"), context_size=context_size, d_in=d_in, dtype=dtype,
-        sequences=sequences, examples=examples, rows_exported=examples * context_size,
-        rows_left_out=len(store) - examples * context_size)
-    sidecar = {"format": "hookscope-export", "layout": "saelens", "saelens": asdict(result),
-               "store": store_info(store)}
+        path=str(Path(out).resolve()),
+        point=point,
+        hook_name=hook_name,
+        model_name=store.manifest.settings.get("model"),
+        context_size=context_size,
+        d_in=d_in,
+        dtype=dtype,
+        sequences=sequences,
+        examples=examples,
+        rows_exported=examples * context_size,
+        rows_left_out=len(store) - examples * context_size,
+    )
+    sidecar = {
+        "format": "hookscope-export",
+        "layout": "saelens",
+        "saelens": asdict(result),
+        "store": store_info(store),
+    }
     names = [point] + (["token_ids"] if has_tokens else [])
 
     def tables():
@@ -156,18 +195,25 @@ def export_saelens(store: Store, out: str | os.PathLike, point: str | None = Non
             if not n_examples:
                 continue
             acts = shard[point][:take].reshape(take, d_in)
-            columns = {hook_name: arrow_column(acts.reshape(n_examples, context_size, d_in),
-                                               features[hook_name])}
+            columns = {
+                hook_name: arrow_column(acts.reshape(n_examples, context_size, d_in), features[hook_name])
+            }
             if has_tokens:
                 tokens = shard["token_ids"][:take].to(torch.int32).reshape(n_examples, context_size)
                 columns["token_ids"] = arrow_column(tokens, features["token_ids"])
             yield columns
 
     with rows_progress(result.rows_exported, "export saelens", progress) as bar:
-        write_dataset(out, features, tables(), sum(1 for n in plan if n),
-                      description=describe(store, f"SAELens cached activations of {hook_name}"),
-                      sidecar=sidecar, overwrite=overwrite,
-                      progress=None if bar is None else lambda n: bar(n * context_size))
+        write_dataset(
+            out,
+            features,
+            tables(),
+            sum(1 for n in plan if n),
+            description=describe(store, f"SAELens cached activations of {hook_name}"),
+            sidecar=sidecar,
+            overwrite=overwrite,
+            progress=None if bar is None else lambda n: bar(n * context_size),
+        )
     return result
 
 
@@ -175,16 +221,20 @@ def _the_point(store: Store, point: str | None) -> str:
     points = list(store.points)
     if point is None:
         if len(points) != 1:
-            raise StoreError(f"{store.path}: the store holds {len(points)} points {points}; name the one to "
-                             "export (--point)")
+            raise StoreError(
+                f"{store.path}: the store holds {len(points)} points {points}; name the one to "
+                "export (--point)"
+            )
         return points[0]
     if point not in store.points:
         raise StoreError(f"{store.path}: no point {point!r}; the store has {points}")
     members = store.manifest.settings.get("stacked", {}).get(point)
     if members:  # SAELens trains on one hook's activations, not several blocks' side by side
-        raise StoreError(f"{store.path}: {point!r} is a stacked column (--stack) of {len(members)} blocks "
-                         f"({members[0]} ... {members[-1]}); SAELens trains on one hook: export from a store "
-                         "extracted without --stack, or read the stack with store.dataset for a crosscoder")
+        raise StoreError(
+            f"{store.path}: {point!r} is a stacked column (--stack) of {len(members)} blocks "
+            f"({members[0]} ... {members[-1]}); SAELens trains on one hook: export from a store "
+            "extracted without --stack, or read the stack with store.dataset for a crosscoder"
+        )
     return point
 
 

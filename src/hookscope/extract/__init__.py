@@ -6,5 +6,13 @@ from ..extract_config import DEFAULT_DATA, DEFAULT_POINT, ExtractConfig, validat
 from .loop import InMemory, extract
 from .outcome import ExtractInterrupted, ExtractSummary
 
-__all__ = ["DEFAULT_DATA", "DEFAULT_POINT", "ExtractConfig", "ExtractInterrupted", "ExtractSummary",
-           "InMemory", "extract", "validate_config"]
+__all__ = [
+    "DEFAULT_DATA",
+    "DEFAULT_POINT",
+    "ExtractConfig",
+    "ExtractInterrupted",
+    "ExtractSummary",
+    "InMemory",
+    "extract",
+    "validate_config",
+]

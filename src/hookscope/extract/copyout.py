@@ -33,10 +33,16 @@ class Handoff:
     """One batch's copy to the host, as the writer sees it: `wait()` (the copy is done: its
     statistics, by point) before reading, `release()` once its bytes are written."""
 
-    def __init__(self, events: Sequence[Any], stats: dict[str, tuple[torch.Tensor, ...]],
-                 ring: HostRing | None = None, buffer: torch.Tensor | None = None,
-                 sources: Sequence[torch.Tensor] = (), on_wait: Callable[[float], None] | None = None,
-                 lent: Sequence[tuple[HostRing, torch.Tensor]] = ()):
+    def __init__(
+        self,
+        events: Sequence[Any],
+        stats: dict[str, tuple[torch.Tensor, ...]],
+        ring: HostRing | None = None,
+        buffer: torch.Tensor | None = None,
+        sources: Sequence[torch.Tensor] = (),
+        on_wait: Callable[[float], None] | None = None,
+        lent: Sequence[tuple[HostRing, torch.Tensor]] = (),
+    ):
         self.events, self.stats, self.ring, self.buffer = list(events), stats, ring, buffer
         self.on_wait = on_wait  # told the seconds `wait` spent waiting for the device
         self.lent = list(lent)  # (ring, buffer): the host buffers a CPU capture filled
@@ -72,8 +78,9 @@ class CopyOut:
     """The out stage of one run: a side stream per CUDA device, a ring of page-locked buffers for the
     copies from it, and a ring of plain host buffers for CPU captures to write into."""
 
-    def __init__(self, keep: int = 8, on_wait: Callable[[float], None] | None = None,
-                 groups: Groups | None = None):
+    def __init__(
+        self, keep: int = 8, on_wait: Callable[[float], None] | None = None, groups: Groups | None = None
+    ):
         self.ring = HostRing(keep=keep, pinned=True, spare=True)  # pinning is slow: made ahead
         self.host = HostRing(keep=None, pinned=False)  # what CPU captures write into (`into`)
         self.lent: dict[int, torch.Tensor] = {}  # by storage address: host buffers out to the capture
@@ -82,8 +89,9 @@ class CopyOut:
         # `--stack`: a CPU capture writes each stacked point into its slot of one buffer
         self.slots = Slots(groups, self._lend) if groups else None
 
-    def into(self, point: str, shape: tuple[int, ...], dtype: torch.dtype,
-             device: torch.device) -> torch.Tensor | None:
+    def into(
+        self, point: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor | None:
         """A buffer of the host ring, `shape` and `dtype`, for a capture on the CPU to write `point`'s
         kept rows into (`Capture(into=)`; a stacked point's slot of its column's buffer); None for
         one on another device (copied out below)."""
@@ -101,8 +109,11 @@ class CopyOut:
     def _claim(self, acts: dict[str, torch.Tensor]) -> list[tuple[HostRing, torch.Tensor]]:
         """The lent buffers that `acts` are in; any other lent since the last batch is not handed
         back (a source that made its rows from them may hold them still)."""
-        claimed = [self.lent.pop(a.untyped_storage().data_ptr(), None) for a in acts.values()
-                   if a.device.type == "cpu"]
+        claimed = [
+            self.lent.pop(a.untyped_storage().data_ptr(), None)
+            for a in acts.values()
+            if a.device.type == "cpu"
+        ]
         for buffer in self.lent.values():
             self.host.forget(buffer)
         self.lent.clear()
@@ -134,8 +145,9 @@ class CopyOut:
             event.record(side)
             events.append(event)
         host = {name: placed[name] if name in placed else a.cpu() for name, a in acts.items()}
-        return host, Handoff(events, stats, self.ring, buffer, sources=list(cuda.values()),
-                             on_wait=self.on_wait, lent=lent)
+        return host, Handoff(
+            events, stats, self.ring, buffer, sources=list(cuda.values()), on_wait=self.on_wait, lent=lent
+        )
 
     def close(self) -> None:
         """The run is over: no buffer is made ahead any more (ring.py)."""

@@ -22,8 +22,9 @@ class Generating:
     the same rows. The activations are kept on the CPU (a continuation's length is known only once
     it ends)."""
 
-    def __init__(self, source: GeneratedSource, model: nn.Module, points: Sequence[str], dtype: torch.dtype,
-                 run: Run):
+    def __init__(
+        self, source: GeneratedSource, model: nn.Module, points: Sequence[str], dtype: torch.dtype, run: Run
+    ):
         self.source, self.model, self.points, self.dtype = source, model, list(points), dtype
         self.run_on = run
         self.pad_id = _pad_id(model)
@@ -35,9 +36,17 @@ class Generating:
     def forward(self, batch: dict[str, Tensor]) -> Rows:
         device = self.run_on.device
         prompt = {k: v.to(device) for k, v in self.source.call_of(batch, device).inputs.items()}
-        generation = generate(self.model, prompt, self.points, dtype=self.dtype, device="cpu",
-                              max_new_tokens=self.source.new_tokens, min_new_tokens=0, do_sample=False,
-                              pad_token_id=self.pad_id)
+        generation = generate(
+            self.model,
+            prompt,
+            self.points,
+            dtype=self.dtype,
+            device="cpu",
+            max_new_tokens=self.source.new_tokens,
+            min_new_tokens=0,
+            do_sample=False,
+            pad_token_id=self.pad_id,
+        )
         return self.source.generated_rows(batch, generation)
 
 

@@ -58,8 +58,9 @@ class InMemory:
     the inputs and makes the rows. `into`, set by the loop, gives the buffers a capture on
     the CPU writes its kept rows into (copyout.py)."""
 
-    def __init__(self, source: Source, model: torch.nn.Module, points: Sequence[str], dtype: torch.dtype,
-                 run: Run):
+    def __init__(
+        self, source: Source, model: torch.nn.Module, points: Sequence[str], dtype: torch.dtype, run: Run
+    ):
         self.source, self.model, self.points, self.dtype, self.run_on = source, model, points, dtype, run
         self.into: PointInto | None = None
 
@@ -74,9 +75,12 @@ class InMemory:
         inputs = {k: v.to(device, non_blocking=True) for k, v in call.inputs.items()}
         # kept where the model ran (the loop takes statistics there, then copies to the host); the
         # mask stays on the CPU, where the capture finds the kept rows without waiting for the device
-        with Capture(self.model, list(points), token_mask=call.keep, dtype=self.dtype, device=None,
-                     into=self.into) as cap, \
-                unpadded(call.unpadded):
+        with (
+            Capture(
+                self.model, list(points), token_mask=call.keep, dtype=self.dtype, device=None, into=self.into
+            ) as cap,
+            unpadded(call.unpadded),
+        ):
             cap.run(inputs)
             acts = {name: cap[name] for name in points}
         return self.source.rows_of(batch, call, acts)
@@ -121,13 +125,21 @@ def _start(cfg: ExtractConfig, kind: type[Source]) -> tuple[Source, Any, list[st
 
         if not dist.is_initialized():
             dist.init_process_group("nccl" if cfg.device.startswith("cuda") else "gloo")
-    device = (f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if cfg.device == "cuda" and world_size > 1
-              else cfg.device)
+    device = (
+        f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}"
+        if cfg.device == "cuda" and world_size > 1
+        else cfg.device
+    )
     streamed = cfg.max_memory is not None  # then the weights stay on meta until a block runs
-    loaded = load(cfg.model, device="meta" if streamed else device, revision=cfg.revision,
-                  device_map=cfg.device_map, tokenizer=kind.needs_tokenizer,
-                  # only the weights the points need (a generating source runs the whole model)
-                  points=cfg.points if kind.streamable and not streamed else None)
+    loaded = load(
+        cfg.model,
+        device="meta" if streamed else device,
+        revision=cfg.revision,
+        device_map=cfg.device_map,
+        tokenizer=kind.needs_tokenizer,
+        # only the weights the points need (a generating source runs the whole model)
+        points=cfg.points if kind.streamable and not streamed else None,
+    )
     if cfg.device_map is not None:  # inputs go where the embeddings live
         device = str(_input_device(loaded.model))
     run = Run(rank, world_size, device)
@@ -164,8 +176,9 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
             return _run(cfg, source, executor, points, opened)
 
 
-def _run(cfg: ExtractConfig, source: Source, executor: Any, points: list[str],
-         opened: list[ShardWriter]) -> ExtractSummary:
+def _run(
+    cfg: ExtractConfig, source: Source, executor: Any, points: list[str], opened: list[ShardWriter]
+) -> ExtractSummary:
     """The batches through the executor into the store: everything after the model is loaded."""
     rank, world_size = executor.run_on.rank, executor.run_on.world_size
     groups = stack_groups(cfg.points, points) if cfg.stack else {}
@@ -181,8 +194,14 @@ def _run(cfg: ExtractConfig, source: Source, executor: Any, points: list[str],
     stages = Stages(data_bound=source.bound_by_data)
     device = executor.run_on.device
     # the data stage's thread also makes each batch to do ready for the model (Source.prepare)
-    ours = ahead(((i, b if i in done else source.prepare(b, device)) for i, b in enumerate(source.batches())
-                  if found.deal.visits(i, rank)), stages)
+    ours = ahead(
+        (
+            (i, b if i in done else source.prepare(b, device))
+            for i, b in enumerate(source.batches())
+            if found.deal.visits(i, rank)
+        ),
+        stages,
+    )
     first = next(ours, None)
     if first is None and rank == 0:
         raise DataError(source.nothing_to_extract())
@@ -194,8 +213,10 @@ def _run(cfg: ExtractConfig, source: Source, executor: Any, points: list[str],
         written = opened[0].bytes_written if opened else 0
         wall = time.perf_counter() - started
         stages.busy["writer"] = opened[0].busy_seconds if opened else 0.0
-        return (f"{mib_written(written)}, {written / wall / 1e6 if wall > 0 else 0:,.0f} MB/s, "
-                + stages.describe(written, wall))
+        return (
+            f"{mib_written(written)}, {written / wall / 1e6 if wall > 0 else 0:,.0f} MB/s, "
+            + stages.describe(written, wall)
+        )
 
     def advance(rows: int, batch: dict[str, Tensor]) -> None:
         if bar.enabled:
@@ -211,16 +232,30 @@ def _run(cfg: ExtractConfig, source: Source, executor: Any, points: list[str],
 
     copy_out = CopyOut(on_wait=functools.partial(stages.add, "device"), groups=groups)
     executor.into = copy_out.into
-    ran = _timed(_checked(executor.run(pending(itertools.chain([first] if first else [], ours))),
-                          cfg.on_nonfinite, stages, copy_out, groups), stages)
+    ran = _timed(
+        _checked(
+            executor.run(pending(itertools.chain([first] if first else [], ours))),
+            cfg.on_nonfinite,
+            stages,
+            copy_out,
+            groups,
+        ),
+        stages,
+    )
     try:
         # The first batch to do is run before the store is opened (a streamed run runs its whole
         # first chunk, so that no block's weights are read one extra time): an empty or bad data
         # source, or a point the forward pass never reaches, is refused with nothing written.
         head = next(ran, None)
-        writer = ShardWriter(cfg.out, settings, shard_rows=cfg.shard_rows, rank=rank, world_size=world_size,
-                             opened=view,  # refuses if another run wrote since the view was read
-                             queue_size=writer_queue(head[2][0] if head else {}))
+        writer = ShardWriter(
+            cfg.out,
+            settings,
+            shard_rows=cfg.shard_rows,
+            rank=rank,
+            world_size=world_size,
+            opened=view,  # refuses if another run wrote since the view was read
+            queue_size=writer_queue(head[2][0] if head else {}),
+        )
         opened.append(writer)
         with writer:  # on an interrupt it commits whole shards only (see ShardWriter.__exit__)
             for index, batch, (acts, columns), handoff in itertools.chain([head] if head else [], ran):
@@ -241,16 +276,30 @@ def _run(cfg: ExtractConfig, source: Source, executor: Any, points: list[str],
         if rank == 0:
             merge_rank_manifests(cfg.out, world_size)
         dist.barrier()
-    return ExtractSummary(cfg.out, total_rows, counts["new_rows"], counts["done"], counts["skipped"],
-                          seconds, bytes_written, nonfinite, stages.shares(seconds),
-                          stages.bound(bytes_written, seconds))
+    return ExtractSummary(
+        cfg.out,
+        total_rows,
+        counts["new_rows"],
+        counts["done"],
+        counts["skipped"],
+        seconds,
+        bytes_written,
+        nonfinite,
+        stages.shares(seconds),
+        stages.bound(bytes_written, seconds),
+    )
 
 
 Done = tuple[int, dict[str, Tensor], Rows, Handoff | None]
 
 
-def _checked(ran: Iterator[tuple[int, dict[str, Tensor], Rows]], on_nonfinite: str, stages: Stages,
-             copy_out: CopyOut, groups: Groups) -> Iterator[Done]:
+def _checked(
+    ran: Iterator[tuple[int, dict[str, Tensor], Rows]],
+    on_nonfinite: str,
+    stages: Stages,
+    copy_out: CopyOut,
+    groups: Groups,
+) -> Iterator[Done]:
     """An executor's rows, each batch refused under --on-nonfinite error before it is written,
     stacked (`--stack`), on their way to the host (the `out` stage, copyout.py: nothing waits for a
     device here)."""

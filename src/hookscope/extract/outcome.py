@@ -42,14 +42,18 @@ class ExtractSummary:
             f"{self.bytes_written / 2**20:,.1f} MiB); store holds {self.rows:,} rows -> {self.out}",
         ]
         if self.busy:
-            lines.append("busy: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in self.busy.items())
-                         + (f"; {self.bound}" if self.bound else ""))
+            lines.append(
+                "busy: "
+                + ", ".join(f"{k} {100 * v:.0f}%" for k, v in self.busy.items())
+                + (f"; {self.bound}" if self.bound else "")
+            )
         if self.batches_skipped:
             lines.append(f"resumed: skipped {self.batches_skipped} batches already on disk")
         bad = {k: v for k, v in self.nonfinite.items() if v}
         if bad:
-            lines.append("non-finite values (NaN/Inf) per point: "
-                         + ", ".join(f"{k}: {v}" for k, v in bad.items()))
+            lines.append(
+                "non-finite values (NaN/Inf) per point: " + ", ".join(f"{k}: {v}" for k, v in bad.items())
+            )
         return "\n".join(lines)
 
 

@@ -42,8 +42,13 @@ class HostRing:
     out, `give_back` returns it. Thread-safe: taken on the main thread, given back by the writer's.
     `spare`: while the ring grows, one more buffer is made ahead in a background thread."""
 
-    def __init__(self, keep: int | None = 8, pinned: bool = True, spare: bool = False,
-                 allocate: Callable[[int, bool], torch.Tensor] | None = None):
+    def __init__(
+        self,
+        keep: int | None = 8,
+        pinned: bool = True,
+        spare: bool = False,
+        allocate: Callable[[int, bool], torch.Tensor] | None = None,
+    ):
         self.keep, self.pinned, self.spare = keep, pinned, spare
         self._allocate = allocate or _allocate
         self.free: list[torch.Tensor] = []
@@ -153,7 +158,7 @@ def views(buffer: torch.Tensor, tensors: Iterable[torch.Tensor]) -> list[torch.T
     out, at = [], 0
     for t in tensors:
         nbytes = t.numel() * t.element_size()
-        out.append(buffer[at:at + nbytes].view(t.dtype).view(t.shape))
+        out.append(buffer[at : at + nbytes].view(t.dtype).view(t.shape))
         at += -(-nbytes // ALIGN) * ALIGN
     return out
 

@@ -34,8 +34,10 @@ def stack_groups(patterns: Sequence[str], points: Sequence[str]) -> Groups:
     for pattern, members in groups.items():
         for point in members:
             if point in seen:
-                raise HookscopeError(f"--stack: {point} is matched by both {seen[point]!r} and {pattern!r}; "
-                                     "a point can be stacked in one column only: make the globs disjoint")
+                raise HookscopeError(
+                    f"--stack: {point} is matched by both {seen[point]!r} and {pattern!r}; "
+                    "a point can be stacked in one column only: make the globs disjoint"
+                )
             seen[point] = pattern
     return groups
 
@@ -46,8 +48,9 @@ class Slots:
     next buffer is taken when a point asks again, or with rows of another shape: the next batch."""
 
     def __init__(self, groups: Groups, take: Callable[[tuple[int, ...], torch.dtype], torch.Tensor]):
-        self.where = {point: (column, i) for column, members in groups.items()
-                      for i, point in enumerate(members)}
+        self.where = {
+            point: (column, i) for column, members in groups.items() for i, point in enumerate(members)
+        }
         self.size = {column: len(members) for column, members in groups.items()}
         self.take = take
         self.building: dict[str, tuple[torch.Tensor, set[int]]] = {}  # column -> its buffer, slots given
@@ -69,8 +72,12 @@ class Slots:
         buffer, given = self.building.get(column, (None, set()))
         if buffer is None or len(given) != len(parts):
             return None
-        ok = all(p.data_ptr() == buffer[:, i].data_ptr() and p.stride() == buffer[:, i].stride()
-                 and p.shape == buffer[:, i].shape for i, p in enumerate(parts))
+        ok = all(
+            p.data_ptr() == buffer[:, i].data_ptr()
+            and p.stride() == buffer[:, i].stride()
+            and p.shape == buffer[:, i].shape
+            for i, p in enumerate(parts)
+        )
         return buffer if ok else None
 
 
@@ -85,8 +92,10 @@ def stacked(acts: dict[str, torch.Tensor], groups: Groups, slots: Slots | None) 
         kinds = {(tuple(p.shape), p.dtype, p.device) for p in parts}
         if len(kinds) > 1:
             shown = ", ".join(f"{m} {list(p.shape)}" for m, p in zip(members, parts, strict=True))
-            raise HookscopeError(f"--stack: {column!r} matches points of different shapes ({shown}); a "
-                                 "stacked column needs one shape: narrow the glob or leave --stack out")
+            raise HookscopeError(
+                f"--stack: {column!r} matches points of different shapes ({shown}); a "
+                "stacked column needs one shape: narrow the glob or leave --stack out"
+            )
         filled = None if slots is None else slots.filled(column, parts)
         out[column] = filled if filled is not None else _copied(parts)
     return out

@@ -87,12 +87,16 @@ class Stages:
             return self._named(stage, nbytes)
         cpu = self.cpu_share() if cpu is None else cpu
         if cpu >= SATURATED:
-            return (f"bound by the CPU: its {self.cores} core{'s' if self.cores > 1 else ''} busy "
-                    f"{100 * min(cpu, 1.0):.0f}% with every stage at once")
+            return (
+                f"bound by the CPU: its {self.cores} core{'s' if self.cores > 1 else ''} busy "
+                f"{100 * min(cpu, 1.0):.0f}% with every stage at once"
+            )
         device = self.share("device", wall)
         if device >= busiest["writer"] and device + busiest["writer"] >= SATURATED:
-            return (f"bound by the device: the writer waited {100 * device:.0f}% of the time for the "
-                    "model's results")
+            return (
+                f"bound by the device: the writer waited {100 * device:.0f}% of the time for the "
+                "model's results"
+            )
         listed = ", ".join(f"{k} {100 * v:.0f}%" for k, v in sorted(busiest.items(), key=lambda kv: -kv[1]))
         if device > 0:
             listed += f"; the writer waited for the device {100 * device:.0f}%"
@@ -109,8 +113,12 @@ class Stages:
 
     def describe(self, nbytes: int, wall: float | None = None) -> str:
         shares = self.shares(wall)
-        return ("busy: " + ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items()) + "; "
-                + self.bound(nbytes, wall))
+        return (
+            "busy: "
+            + ", ".join(f"{k} {100 * v:.0f}%" for k, v in shares.items())
+            + "; "
+            + self.bound(nbytes, wall)
+        )
 
 
 def writer_queue(acts: Mapping[str, Any]) -> int:

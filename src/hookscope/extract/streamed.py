@@ -24,12 +24,27 @@ class Streamed:
     """Runs chunks of `plan.chunk_batches` batches through the blocks one at a time. `on_stage` is
     told where the run is ("block 3/32") for the progress bar."""
 
-    def __init__(self, source: Source, loaded: Loaded, points: Sequence[str], dtype: torch.dtype, run: Run,
-                 cfg: ExtractConfig):
+    def __init__(
+        self,
+        source: Source,
+        loaded: Loaded,
+        points: Sequence[str],
+        dtype: torch.dtype,
+        run: Run,
+        cfg: ExtractConfig,
+    ):
         self.source, self.run_on, self.on_stage = source, run, None
-        self.streamer = streamer_for(loaded, list(points), parse_size(cfg.max_memory),
-                                     batch_size=cfg.batch_size, context=source.item_tokens(), dtype=dtype,
-                                     device=run.device, revision=cfg.revision, on_block=self._where)
+        self.streamer = streamer_for(
+            loaded,
+            list(points),
+            parse_size(cfg.max_memory),
+            batch_size=cfg.batch_size,
+            context=source.item_tokens(),
+            dtype=dtype,
+            device=run.device,
+            revision=cfg.revision,
+            on_block=self._where,
+        )
 
     def _where(self, block: int, blocks: int) -> None:
         if self.on_stage is not None:

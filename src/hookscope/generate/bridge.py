@@ -46,7 +46,7 @@ class Bridge(Backend):
         call: dict[str, Any] = {}
         if attention_mask is not None:
             full = torch.ones_like(sequences)
-            full[:, :attention_mask.shape[1]] = attention_mask.to(sequences.device)
+            full[:, : attention_mask.shape[1]] = attention_mask.to(sequences.device)
             call["attention_mask"] = full
         with torch.inference_mode():
             self.model(sequences, **call)

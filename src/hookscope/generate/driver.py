@@ -89,8 +89,16 @@ class _Run:
     steps: Steps
 
     @classmethod
-    def checked(cls, model: nn.Module, inputs: Any, points: str | Sequence[str], edits: Sequence[Any],
-                edit_on: str, selection: Selection, options: dict) -> _Run:
+    def checked(
+        cls,
+        model: nn.Module,
+        inputs: Any,
+        points: str | Sequence[str],
+        edits: Sequence[Any],
+        edit_on: str,
+        selection: Selection,
+        options: dict,
+    ) -> _Run:
         if edit_on not in EDIT_ON:
             raise SelectionError(f"edit_on={edit_on!r}: use one of {', '.join(EDIT_ON)}")
         arch = arch_of(model)
@@ -106,30 +114,50 @@ class _Run:
             backend.check_point(spec)
         prompt_length = input_ids.shape[1]
         step_edits = [StepEdit.checked(e, arch, model, edit_on, prompt_length) for e in edits]
-        return cls(model, backend, given_ids, input_ids, attention_mask, extra, keys, selection, step_edits,
-                   Steps(prompt_length))
+        return cls(
+            model,
+            backend,
+            given_ids,
+            input_ids,
+            attention_mask,
+            extra,
+            keys,
+            selection,
+            step_edits,
+            Steps(prompt_length),
+        )
 
     def go(self) -> Generation:
         """Generate with everything attached; the prompt's ids as given in the result."""
         # every position on the activation's device: one buffer per point, sized for the whole sequence
         buffered, capacity = self.selection.device is None, self._expected_length()
-        kept = {key: Kept(Selection(positions=self.selection.positions), buffered=buffered, capacity=capacity)
-                for key in self.keys}
+        kept = {
+            key: Kept(Selection(positions=self.selection.positions), buffered=buffered, capacity=capacity)
+            for key in self.keys
+        }
         output, sequences, attention_mask = self._generate(kept)
         # made under the capture's inference_mode: a plain copy can feed a later pass with gradients
         sequences = sequences.clone()
         if self.given_ids is not self.input_ids:  # the prompt as given (its padding ids were swapped)
-            sequences[:, :self.given_ids.shape[1]] = self.given_ids.to(sequences.device)
+            sequences[:, : self.given_ids.shape[1]] = self.given_ids.to(sequences.device)
         batch, total = sequences.shape
         filled = {k.filled for k in kept.values()}
         if filled and filled != {total}:
-            raise HookscopeError(f"internal: captured {sorted(filled)} positions for a sequence of "
-                                 f"{total}; this decoding mode does not run one forward pass per token")
+            raise HookscopeError(
+                f"internal: captured {sorted(filled)} positions for a sequence of "
+                f"{total}; this decoding mode does not run one forward pass per token"
+            )
         mask = real_tokens(sequences, attention_mask, self.steps.prompt_length, self.backend.eos_ids())
-        activations = PointDict(((name, k.result(total, batch)) for name, k in kept.items()),
-                                arch=arch_of(self.model))
-        return Generation(sequences, mask, self.steps.prompt_length, activations,
-                          output if self.backend.options.get("return_dict_in_generate") else None)
+        activations = PointDict(
+            ((name, k.result(total, batch)) for name, k in kept.items()), arch=arch_of(self.model)
+        )
+        return Generation(
+            sequences,
+            mask,
+            self.steps.prompt_length,
+            activations,
+            output if self.backend.options.get("return_dict_in_generate") else None,
+        )
 
     def _expected_length(self) -> int:
         """The sequence length generate will reach if no row stops early (0 when unknown)."""
@@ -152,10 +180,12 @@ class _Run:
             cap = None
             if self.keys:
                 s = self.selection  # positions are kept step by step (keep.py); the rest by the capture
-                cap = stack.enter_context(StepCapture(model, kept, heads=s.heads, dtype=s.dtype,
-                                                      device=s.device))
-            stack.enter_context(follow(*backend.hooked_modules(), self.steps, self.step_edits,
-                                       backend.cache_keys))
+                cap = stack.enter_context(
+                    StepCapture(model, kept, heads=s.heads, dtype=s.dtype, device=s.device)
+                )
+            stack.enter_context(
+                follow(*backend.hooked_modules(), self.steps, self.step_edits, backend.cache_keys)
+            )
             output = model.generate(self.input_ids, **kwargs)
             sequences = output.sequences if hasattr(output, "sequences") else output
             if attention_mask is not None and sequences.shape[0] != attention_mask.shape[0]:
@@ -163,8 +193,10 @@ class _Run:
                 repeats = sequences.shape[0] // attention_mask.shape[0]
                 attention_mask = attention_mask.repeat_interleave(repeats, 0)
             if cap is not None and any(k.filled < sequences.shape[1] for k in kept.values()):
+
                 def last() -> None:
                     backend.complete(output, sequences, attention_mask, self.extra)
+
                 if backend.options.get("return_dict_in_generate"):
                     last()  # the caller gets generate's cache: every layer of it sees the last token
                 else:
@@ -176,25 +208,35 @@ def _check_decoding(model: nn.Module, options: dict) -> None:
     for key, why in _UNSUPPORTED.items():
         value = options.get(key)
         if value is not None and not (key == "num_beams" and value == 1) and value is not False:
-            raise HookscopeError(f"hs.generate does not support {key}={value!r}: {why}, so captures and "
-                                 "edits cannot follow token positions; use greedy or sampling decoding")
+            raise HookscopeError(
+                f"hs.generate does not support {key}={value!r}: {why}, so captures and "
+                "edits cannot follow token positions; use greedy or sampling decoding"
+            )
     config = options.get("generation_config") or getattr(model, "generation_config", None)
     beams = options.get("num_beams") or getattr(config, "num_beams", None) or 1
     if beams > 1:
-        raise HookscopeError(f"hs.generate does not support num_beams={beams} (from the arguments or the "
-                             f"generation config): {_UNSUPPORTED['num_beams']}; pass num_beams=1")
+        raise HookscopeError(
+            f"hs.generate does not support num_beams={beams} (from the arguments or the "
+            f"generation config): {_UNSUPPORTED['num_beams']}; pass num_beams=1"
+        )
     if not hasattr(model, "generate"):
-        raise HookscopeError(f"{type(model).__name__} has no generate(); hs.generate needs a Hugging Face "
-                             "causal LM (AutoModelForCausalLM)")
+        raise HookscopeError(
+            f"{type(model).__name__} has no generate(); hs.generate needs a Hugging Face "
+            "causal LM (AutoModelForCausalLM)"
+        )
 
 
 def _check_point(spec: PointSpec, selection: Selection) -> None:
     if spec.needs_eager:
-        raise SelectionError(f"{spec.name}: attention weights grow with the key length at every step; "
-                             "capture them with hs.collect over gen.sequences (a teacher-forced pass)")
+        raise SelectionError(
+            f"{spec.name}: attention weights grow with the key length at every step; "
+            "capture them with hs.collect over gen.sequences (a teacher-forced pass)"
+        )
     if spec.pos_dim != 1:
-        raise SelectionError(f"{spec.name} has no [batch, pos, ...] layout, so it cannot be aligned to "
-                             "generated tokens; use a canonical point name (hs.points(model))")
+        raise SelectionError(
+            f"{spec.name} has no [batch, pos, ...] layout, so it cannot be aligned to "
+            "generated tokens; use a canonical point name (hs.points(model))"
+        )
     if selection.heads is not None and spec.head_dim is None:
         raise SelectionError(f"{spec.name} has no head dimension: heads= works on attn.q|k|v|z")
 
@@ -204,20 +246,26 @@ def _split_inputs(inputs: Any) -> tuple[Tensor, Tensor | None, dict]:
         ids, mask, extra = inputs, None, {}
     elif isinstance(inputs, Mapping):
         # tokenizers add token_type_ids; causal LMs do not take them
-        extra = {k: v for k, v in inputs.items()
-                 if k not in ("input_ids", "attention_mask", "token_type_ids")}
+        extra = {
+            k: v for k, v in inputs.items() if k not in ("input_ids", "attention_mask", "token_type_ids")
+        }
         ids, mask = inputs.get("input_ids"), inputs.get("attention_mask")
     else:
-        raise HookscopeError(f"inputs of type {type(inputs).__name__}: give input ids [batch, P] or a "
-                             "tokenizer's output (input_ids + attention_mask)")
+        raise HookscopeError(
+            f"inputs of type {type(inputs).__name__}: give input ids [batch, P] or a "
+            "tokenizer's output (input_ids + attention_mask)"
+        )
     if not isinstance(ids, Tensor) or ids.ndim != 2 or ids.dtype not in (torch.int32, torch.int64):
         raise HookscopeError("hs.generate needs integer input_ids of shape [batch, prompt length]")
     if ids.shape[1] == 0:
         raise HookscopeError("the prompt is empty; give at least one token")
     if mask is not None and tuple(mask.shape) != tuple(ids.shape):
-        raise HookscopeError(f"attention_mask {tuple(mask.shape)} does not match input_ids "
-                             f"{tuple(ids.shape)}")
+        raise HookscopeError(
+            f"attention_mask {tuple(mask.shape)} does not match input_ids {tuple(ids.shape)}"
+        )
     if mask is not None and ids.shape[0] > 1 and bool((mask[:, -1] == 0).any()):
-        raise HookscopeError("the batch is right-padded: a decoder generates after the last column, so pad "
-                             "on the left (tokenizer.padding_side = 'left')")
+        raise HookscopeError(
+            "the batch is right-padded: a decoder generates after the last column, so pad "
+            "on the left (tokenizer.padding_side = 'left')"
+        )
     return ids, mask, extra

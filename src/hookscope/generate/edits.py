@@ -35,23 +35,28 @@ class StepEdit:
         self.edit, self.spec, self.edit_on, self.prompt_length = edit, spec, edit_on, prompt_length
         self.current: EditStep | None = None
         self.dtype: torch.dtype | None = None  # the dtype the edit's data was cast to (on the first pass)
-        self.fixed = (edit_on == "both" and edit.selection.positions is None
-                      and type(edit).part_at is Edit.part_at)
+        self.fixed = (
+            edit_on == "both" and edit.selection.positions is None and type(edit).part_at is Edit.part_at
+        )
         if self.fixed:
             self.current = edit.step(0, 1)
 
     @classmethod
-    def checked(cls, edit: object, arch: Arch, model: nn.Module, edit_on: str,
-                prompt_length: int) -> StepEdit:
+    def checked(
+        cls, edit: object, arch: Arch, model: nn.Module, edit_on: str, prompt_length: int
+    ) -> StepEdit:
         """A step edit, once `edit` is known to follow sequence positions (refused before generating),
         its data on the device of the point's module."""
         if not isinstance(edit, Edit):
-            raise HookscopeError("edits= takes hs.steer / hs.ablate / hs.patch values, got "
-                                 f"{type(edit).__name__}")
+            raise HookscopeError(
+                f"edits= takes hs.steer / hs.ablate / hs.patch values, got {type(edit).__name__}"
+            )
         spec = arch.spec(edit.point)
         if spec.pos_dim != 1:
-            raise SelectionError(f"edit on {spec.name}: the point has no [batch, pos, ...] layout to follow "
-                                 "during generation; use a canonical point name (hs.points(model))")
+            raise SelectionError(
+                f"edit on {spec.name}: the point has no [batch, pos, ...] layout to follow "
+                "during generation; use a canonical point name (hs.points(model))"
+            )
         edit.selection.from_start(f"edit on {spec.name} (or use edit_on='prompt' / 'generated')")
         weight = _weight(arch.module(model, spec), model)
         if weight is not None and weight.device.type != "meta":

@@ -38,7 +38,7 @@ class HuggingFace(Backend):
         batch, total = sequences.shape
         full_mask = torch.ones(batch, total, dtype=torch.long, device=sequences.device)
         if attention_mask is not None:
-            full_mask[:, :attention_mask.shape[1]] = attention_mask
+            full_mask[:, : attention_mask.shape[1]] = attention_mask
         accepted = forward_parameters(type(self.model))
         # transformers >= 5.24 names the cache `cache` (on the output and the forward; the old name is
         # deprecated) and generate passes it so; older releases call it `past_key_values` in both places

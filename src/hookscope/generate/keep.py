@@ -56,7 +56,7 @@ class Kept:
         from n and what was filed before (`steps.pass_window`); those computed before are skipped."""
         filled = self.filled
         lo, hi = pass_window(filled, chunk.shape[1])
-        self.add(chunk if filled == lo else chunk[:, filled - lo:], filled)
+        self.add(chunk if filled == lo else chunk[:, filled - lo :], filled)
         self.filled = hi
 
     def add(self, chunk: Tensor, start: int) -> None:
@@ -78,7 +78,7 @@ class Kept:
         if self.tail:
             x = chunk if self.tail_x is None else torch.cat([self.tail_x, chunk], dim=1)
             pos = self.tail_pos + list(range(start, start + n))
-            self.tail_x, self.tail_pos = x[:, -self.tail:], pos[-self.tail:]
+            self.tail_x, self.tail_pos = x[:, -self.tail :], pos[-self.tail :]
 
     def _grown(self, chunk: Tensor, end: int) -> Tensor:
         """A buffer for at least `end` positions, holding what was filed so far (grows by doubling

@@ -34,10 +34,12 @@ class Lens(Bridge):
         tokenizer = getattr(self.model, "tokenizer", None)
         pad = getattr(tokenizer, "pad_token_id", None)
         if pad is None:
-            raise HookscopeError("a padded batch through HookedTransformer.generate needs the model's "
-                                 "tokenizer (generate reads the padding off its pad token): "
-                                 "model.set_tokenizer(tokenizer), or give rows of equal length / generate "
-                                 "them one by one")
+            raise HookscopeError(
+                "a padded batch through HookedTransformer.generate needs the model's "
+                "tokenizer (generate reads the padding off its pad token): "
+                "model.set_tokenizer(tokenizer), or give rows of equal length / generate "
+                "them one by one"
+            )
         try:  # TransformerLens 3.9 deprecates `transformer_lens.utils` (a DeprecationWarning) for `utilities`
             from transformer_lens.utilities import get_attention_mask
         except ImportError:  # older 3.x releases have only `utils`
@@ -46,17 +48,21 @@ class Lens(Bridge):
         ids = input_ids.masked_fill(attention_mask == 0, pad)
         derived = get_attention_mask(tokenizer, ids, prepend_bos, padding_side="left")
         if not torch.equal(derived.to(attention_mask.device).bool(), attention_mask.bool()):
-            raise HookscopeError("HookedTransformer.generate would not see this padding: it treats only "
-                                 f"leading pad tokens (id {pad}) as padding, so a left-padded batch whose "
-                                 "first real token is the pad id (or whose mask has holes) cannot be "
-                                 "generated faithfully; generate such rows one by one")
+            raise HookscopeError(
+                "HookedTransformer.generate would not see this padding: it treats only "
+                f"leading pad tokens (id {pad}) as padding, so a left-padded batch whose "
+                "first real token is the pad id (or whose mask has holes) cannot be "
+                "generated faithfully; generate such rows one by one"
+            )
         return ids
 
     def check_point(self, spec: PointSpec) -> None:
         if not spec.module.startswith(_IN_FORWARD):
-            raise SelectionError(f"{spec.name}: TransformerLens generate embeds tokens outside its forward "
-                                 "passes, so this point cannot follow the steps; capture blocks.* / ln_final "
-                                 "points (or run hs.collect over gen.sequences)")
+            raise SelectionError(
+                f"{spec.name}: TransformerLens generate embeds tokens outside its forward "
+                "passes, so this point cannot follow the steps; capture blocks.* / ln_final "
+                "points (or run hs.collect over gen.sequences)"
+            )
 
     def generate_kwargs(self, extra: dict, attention_mask: Tensor | None, points: list[str]) -> dict:
         kwargs = super().generate_kwargs(extra, None, points)

@@ -24,13 +24,15 @@ class Generation(Mapping[str, Tensor]):
 
     @property
     def new_tokens(self) -> Tensor:
-        return self.sequences[:, self.prompt_length:]
+        return self.sequences[:, self.prompt_length :]
 
     def text(self, tokenizer: Any, *, prompt: bool = False) -> list[str]:
         """Each row's generated text (with `prompt=True`, the prompt too), real tokens only."""
         start = 0 if prompt else self.prompt_length
-        return [tokenizer.decode(row[keep[start:]].tolist(), skip_special_tokens=True)
-                for row, keep in zip(self.sequences[:, start:], self.mask, strict=True)]
+        return [
+            tokenizer.decode(row[keep[start:]].tolist(), skip_special_tokens=True)
+            for row, keep in zip(self.sequences[:, start:], self.mask, strict=True)
+        ]
 
     def __getitem__(self, name: str) -> Tensor:
         try:
@@ -48,8 +50,9 @@ class Generation(Mapping[str, Tensor]):
         return len(self.activations)
 
 
-def real_tokens(sequences: Tensor, attention_mask: Tensor | None, prompt_length: int,
-                eos: list[int]) -> Tensor:
+def real_tokens(
+    sequences: Tensor, attention_mask: Tensor | None, prompt_length: int, eos: list[int]
+) -> Tensor:
     """True for prompt tokens the attention mask keeps and for generated tokens up to and
     including the row's first EOS."""
     batch, total = sequences.shape

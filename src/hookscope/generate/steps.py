@@ -30,8 +30,10 @@ def pass_window(filled: int, length: int) -> tuple[int, int]:
         return filled, filled + 1  # one new token, the rest in the KV cache
     if length == filled + 1:
         return 0, length  # no cache: the whole sequence again
-    raise HookscopeError(f"a forward pass over {length} positions after {filled} were computed: "
-                         "this decoding mode does not run one token per step")
+    raise HookscopeError(
+        f"a forward pass over {length} positions after {filled} were computed: "
+        "this decoding mode does not run one token per step"
+    )
 
 
 @dataclass
@@ -68,13 +70,15 @@ def check_cache_filled(kwargs: dict, filled: int, cache_keys: Sequence[str]) -> 
                     "model computed the new token without its context, so its tokens and activations would "
                     "be wrong. TransformerLens 4.3's TransformerBridge does this with transformers >= 5.24; "
                     "pass use_past_kv_cache=False (a bridge) or use_cache=False (each step then recomputes "
-                    "the whole sequence), or install transformers<5.24")
+                    "the whole sequence), or install transformers<5.24"
+                )
             return
 
 
 @contextlib.contextmanager
-def follow(first: nn.Module, last: nn.Module, steps: Steps, step_edits: list[StepEdit],
-           cache_keys: Sequence[str]) -> Iterator[None]:
+def follow(
+    first: nn.Module, last: nn.Module, steps: Steps, step_edits: list[StepEdit], cache_keys: Sequence[str]
+) -> Iterator[None]:
     """Where an edit's decision varies: a pre-hook that tells those edits which positions the pass
     covers, and a forward hook that marks them computed. Plain torch hooks on the modules that start
     and end a pass (the root, or on a HookedTransformer, whose generate calls `forward` directly, its
@@ -105,8 +109,10 @@ def follow(first: nn.Module, last: nn.Module, steps: Steps, step_edits: list[Ste
     def after(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         steps.filled = steps.window[1]
 
-    handles = [first.register_forward_pre_hook(before, with_kwargs=True),
-               last.register_forward_hook(after, with_kwargs=True)]
+    handles = [
+        first.register_forward_pre_hook(before, with_kwargs=True),
+        last.register_forward_hook(after, with_kwargs=True),
+    ]
     try:
         yield
     finally:

@@ -12,5 +12,14 @@ from .streamer import streamer_for
 from .tokenizer import load_tokenizer, sha256_text, tokenizer_hash
 from .weight_files import DEFAULT_MODEL, resolve_source
 
-__all__ = ["DEFAULT_MODEL", "Loaded", "load", "load_tokenizer", "parse_size", "resolve_source", "sha256_text",
-           "streamer_for", "tokenizer_hash"]
+__all__ = [
+    "DEFAULT_MODEL",
+    "Loaded",
+    "load",
+    "load_tokenizer",
+    "parse_size",
+    "resolve_source",
+    "sha256_text",
+    "streamer_for",
+    "tokenizer_hash",
+]

@@ -153,7 +153,8 @@ def _start_registering() -> str | None:
 
 def _stop_registering(before: str) -> None:
     torch._C._accelerator_setAllocatorSettings(
-        _joined(before, f"{REGISTER_KEY}:False", "" if THREADS_KEY in before else f"{THREADS_KEY}:1"))
+        _joined(before, f"{REGISTER_KEY}:False", "" if THREADS_KEY in before else f"{THREADS_KEY}:1")
+    )
 
 
 _REGISTERING = SharedChange(_start_registering, _stop_registering)
@@ -169,8 +170,9 @@ def _joined(*settings: str) -> str:
 
 
 def _user_tuned() -> bool:
-    return (any(name in os.environ for name in _USER_SETTINGS)
-            or "malloc" in os.environ.get("GLIBC_TUNABLES", ""))
+    return any(name in os.environ for name in _USER_SETTINGS) or "malloc" in os.environ.get(
+        "GLIBC_TUNABLES", ""
+    )
 
 
 def prefer_huge_pages() -> None:

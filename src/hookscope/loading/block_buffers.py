@@ -37,8 +37,9 @@ def layout_of(block: nn.Module) -> Layout:
     return {name: (tuple(p.shape), p.dtype) for name, p in block.named_parameters()}
 
 
-def slots_for(layout: Layout, reads: dict[int, dict[str, TensorRead]], device: torch.device | str,
-              read_ahead: bool) -> int:
+def slots_for(
+    layout: Layout, reads: dict[int, dict[str, TensorRead]], device: torch.device | str, read_ahead: bool
+) -> int:
     """How many slots: two when the next block is read ahead and reading it is more than a copy of
     cached bytes (a dtype conversion, or a GPU run's pinned copy); else one."""
     if not read_ahead:
@@ -62,7 +63,7 @@ def _carve(layout: Layout, device: torch.device | str, pin: bool) -> tuple[Tenso
     views = {}
     for name, (shape, dtype) in layout.items():
         nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-        views[name] = whole[offsets[name]: offsets[name] + nbytes].view(dtype).view(shape)
+        views[name] = whole[offsets[name] : offsets[name] + nbytes].view(dtype).view(shape)
     return whole, views
 
 
@@ -72,8 +73,13 @@ class BlockBuffers:
     or waited for when read ahead); `detach` puts its `meta` parameters back; `read_ahead(k)` reads
     block k into the spare slot in a thread, or with one slot pages its bytes in."""
 
-    def __init__(self, layout: Layout, reads: dict[int, dict[str, TensorRead]], count: int,
-                 device: torch.device | str = "cpu"):
+    def __init__(
+        self,
+        layout: Layout,
+        reads: dict[int, dict[str, TensorRead]],
+        count: int,
+        device: torch.device | str = "cpu",
+    ):
         device = torch.device(device)
         on_host = device.type == "cpu"
         pin = device.type == "cuda"
@@ -183,4 +189,3 @@ def data_ranges(buffers: BlockBuffers) -> list[tuple[int, int]]:
     """The address ranges of every slot (and the device set), for a check that weights live there."""
     wholes = [whole for whole, _ in buffers.host] + ([buffers.device[0]] if buffers.device else [])
     return [(w.data_ptr(), w.data_ptr() + w.numel()) for w in wholes]
-

@@ -61,14 +61,20 @@ class Checkpoint:
         renamings = [m for m in self.mapping if isinstance(m, WeightRenaming)]
         converters = [m for m in self.mapping if isinstance(m, WeightConverter)]
         state = model.state_dict()  # on meta: names, shapes and the dtypes the weights will have
-        renamed = {key: rename_source_key(key, renamings, converters, model.base_model_prefix, state)
-                   for key in self._slices}
+        renamed = {
+            key: rename_source_key(key, renamings, converters, model.base_model_prefix, state)
+            for key in self._slices
+        }
         self._target = {key: target for key, (target, _) in renamed.items()}
         self._read_directly = _direct_reads(safetensors, renamed, state, model, dtype)
         # (a .bin's tensor is converted whole by transformers, as from_pretrained does)
-        converting = {key: state[t].dtype for key, t in self._target.items() if t in state
-                      and not isinstance(self._slices[key], torch.Tensor)
-                      and _STORED.get(self._slices[key].get_dtype(), state[t].dtype) != state[t].dtype}
+        converting = {
+            key: state[t].dtype
+            for key, t in self._target.items()
+            if t in state
+            and not isinstance(self._slices[key], torch.Tensor)
+            and _STORED.get(self._slices[key].get_dtype(), state[t].dtype) != state[t].dtype
+        }
         if converting and not model._get_dtype_plan(dtype):
             files_of = {key: f for f, h in zip(safetensors, self._handles, strict=True) for key in h.keys()}
             for key, target_dtype in converting.items():
@@ -82,17 +88,23 @@ class Checkpoint:
         from transformers.modeling_utils import LoadStateDictConfig
 
         chosen = {key: s for key, s in self._slices.items() if wants(self._target[key])}
-        config = LoadStateDictConfig(device_map=device_map, dtype=self.dtype, weight_mapping=self.mapping,
-                                     dtype_plan=model._get_dtype_plan(self.dtype))
+        config = LoadStateDictConfig(
+            device_map=device_map,
+            dtype=self.dtype,
+            weight_mapping=self.mapping,
+            dtype_plan=model._get_dtype_plan(self.dtype),
+        )
         # transformers < 5.16 takes a tensor-parallel plan as a fourth, required argument: none here
         older = "tp_plan" in inspect.signature(convert_and_load_state_dict_in_model).parameters
         with no_progress_bars():  # transformers 5 draws one per call: a streamer calls per block
             info, _ = convert_and_load_state_dict_in_model(model, chosen, config, *((None,) if older else ()))
         missing = sorted(k for k in info.missing_keys if wants(k) and k not in model.all_tied_weights_keys)
         if any(not _is_buffer(model, k) for k in missing):
-            raise ModelLoadError(f"the checkpoint has no weights for {', '.join(missing[:5])}: it does not "
-                                 "match the model's config; load it without points= to see transformers' "
-                                 "report")
+            raise ModelLoadError(
+                f"the checkpoint has no weights for {', '.join(missing[:5])}: it does not "
+                "match the model's config; load it without points= to see transformers' "
+                "report"
+            )
         model.mark_tied_weights_as_initialized(info)
         _fill_buffers(model, wants, device_map)
         model.initialize_weights()  # computes the buffers just placed; loaded weights are flagged, kept
@@ -118,7 +130,8 @@ class Checkpoint:
 
         for path in modules:
             for name, _ in list(model.get_submodule(path).named_parameters(recurse=True)) + list(
-                    model.get_submodule(path).named_buffers(recurse=True)):
+                model.get_submodule(path).named_buffers(recurse=True)
+            ):
                 set_module_tensor_to_device(model, f"{path}.{name}", "meta")
 
     def direct_reads(self, names: Iterable[str]) -> dict[str, TensorRead] | None:
@@ -166,8 +179,13 @@ class _Converting:
         return out[index]
 
 
-def _direct_reads(files: list[str], renamed: dict[str, tuple[str, str | None]], state: dict, model: nn.Module,
-                  dtype: torch.dtype | None) -> dict[str, TensorRead]:
+def _direct_reads(
+    files: list[str],
+    renamed: dict[str, tuple[str, str | None]],
+    state: dict,
+    model: nn.Module,
+    dtype: torch.dtype | None,
+) -> dict[str, TensorRead]:
     """Target parameter -> its stored tensor, for the targets only renamed from one stored tensor of
     their shape (a float converted to a float dtype, anything else kept)."""
     if model._get_dtype_plan(dtype):

@@ -48,8 +48,9 @@ class EmbeddingRows:
         return rows[where].reshape(*ids.shape, self.module.embedding_dim)
 
 
-def embedding_rows_for(model: nn.Module, locate: Callable[[str], TensorRead | None],
-                       device: torch.device | str) -> tuple[str, EmbeddingRows] | None:
+def embedding_rows_for(
+    model: nn.Module, locate: Callable[[str], TensorRead | None], device: torch.device | str
+) -> tuple[str, EmbeddingRows] | None:
     """The input embedding's weight name and its row reader, when it can be read by rows: on the
     CPU, a plain `nn.Embedding` whose weight `locate` finds in a safetensors file."""
     if torch.device(device).type != "cpu":
@@ -60,8 +61,9 @@ def embedding_rows_for(model: nn.Module, locate: Callable[[str], TensorRead | No
         return None
     if type(module) is not nn.Embedding or module.max_norm is not None:
         return None
-    name = next((f"{path}.weight" if path else "weight" for path, m in model.named_modules() if m is module),
-                None)
+    name = next(
+        (f"{path}.weight" if path else "weight" for path, m in model.named_modules() if m is module), None
+    )
     read = locate(name) if name else None
     if read is None:
         return None

@@ -81,14 +81,31 @@ def load(
     # importing a model's code and building it makes ~200,000 objects that live on, which full
     # collections would walk again and again: a quarter of a first load (collector.py)
     with collector.young_only():
-        return _load(name_or_path, device=device, dtype=dtype, revision=revision,
-                     attn_implementation=attn_implementation, device_map=device_map,
-                     compile_policy=compile_policy, tokenizer=tokenizer, points=points)
+        return _load(
+            name_or_path,
+            device=device,
+            dtype=dtype,
+            revision=revision,
+            attn_implementation=attn_implementation,
+            device_map=device_map,
+            compile_policy=compile_policy,
+            tokenizer=tokenizer,
+            points=points,
+        )
 
 
-def _load(name_or_path: str | None, *, device: str | torch.device, dtype: torch.dtype | str | None,
-          revision: str | None, attn_implementation: str | None, device_map: str | dict | None,
-          compile_policy: str | None, tokenizer: bool, points: str | list[str] | None) -> Loaded:
+def _load(
+    name_or_path: str | None,
+    *,
+    device: str | torch.device,
+    dtype: torch.dtype | str | None,
+    revision: str | None,
+    attn_implementation: str | None,
+    device_map: str | dict | None,
+    compile_policy: str | None,
+    tokenizer: bool,
+    points: str | list[str] | None,
+) -> Loaded:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
     source, local = resolve_source(name_or_path)
@@ -124,8 +141,9 @@ def _load(name_or_path: str | None, *, device: str | torch.device, dtype: torch.
             if str(device) == "meta":
                 model = _weightless(auto, config, kwargs, files)
             elif points is not None and files:
-                model, partial = _load_partial(auto, source, config, kwargs, files, points, device,
-                                               device_map)
+                model, partial = _load_partial(
+                    auto, source, config, kwargs, files, points, device, device_map
+                )
             else:  # the whole model (a checkpoint without weight files fails here, in from_pretrained)
                 placed = {"device_map": device_map} if device_map is not None else {}
                 model = auto.from_pretrained(source, **kwargs, **placed)
@@ -174,9 +192,16 @@ def _weight_files(source: str, hub: dict) -> list[str] | None:
         return None
 
 
-def _load_partial(auto: Any, source: str, config: Any, kwargs: dict, files: list[str],
-                  points: str | list[str], device: str | torch.device, device_map: str | dict | None,
-                  ) -> tuple[nn.Module, PartialLoad | None]:
+def _load_partial(
+    auto: Any,
+    source: str,
+    config: Any,
+    kwargs: dict,
+    files: list[str],
+    points: str | list[str],
+    device: str | torch.device,
+    device_map: str | dict | None,
+) -> tuple[nn.Module, PartialLoad | None]:
     """The model on `meta`, with only the weights `points` need read from its weight `files`."""
     dtype = _auto_dtype(config, kwargs, files)
     options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
@@ -207,8 +232,13 @@ def _load_partial(auto: Any, source: str, config: Any, kwargs: dict, files: list
     return model, partial
 
 
-def _placement(model: nn.Module, partial: PartialLoad, device: str | torch.device,
-               device_map: str | dict | None, dtype: torch.dtype) -> dict:
+def _placement(
+    model: nn.Module,
+    partial: PartialLoad,
+    device: str | torch.device,
+    device_map: str | dict | None,
+    dtype: torch.dtype,
+) -> dict:
     """{module prefix: device} for the needed modules: `device`, the user's dict, or accelerate's
     spread of the needed modules alone over the devices (`device_map="auto"` and the like)."""
     if device_map is None:
@@ -216,15 +246,22 @@ def _placement(model: nn.Module, partial: PartialLoad, device: str | torch.devic
     if isinstance(device_map, dict):  # only the entries that place a needed tensor: one for a
         # module left on meta would make accelerate dispatch (and choose its main device) for nothing
         wanted = _wanted_names(model, partial)
-        return {prefix: where for prefix, where in device_map.items()
-                if not prefix or any(n == prefix or n.startswith(prefix + ".") for n in wanted)}
+        return {
+            prefix: where
+            for prefix, where in device_map.items()
+            if not prefix or any(n == prefix or n.startswith(prefix + ".") for n in wanted)
+        }
     from accelerate.utils import get_balanced_memory, infer_auto_device_map
 
     with _only_needed(model, partial):
-        balanced = None if device_map == "sequential" else get_balanced_memory(
-            model, dtype=dtype, no_split_module_classes=model._no_split_modules)
-        return infer_auto_device_map(model, max_memory=balanced, dtype=dtype,
-                                     no_split_module_classes=model._no_split_modules)
+        balanced = (
+            None
+            if device_map == "sequential"
+            else get_balanced_memory(model, dtype=dtype, no_split_module_classes=model._no_split_modules)
+        )
+        return infer_auto_device_map(
+            model, max_memory=balanced, dtype=dtype, no_split_module_classes=model._no_split_modules
+        )
 
 
 def _dispatch(model: nn.Module, partial: PartialLoad, placement: dict) -> None:

@@ -67,7 +67,8 @@ class PartialLoad:
         if not self.everything:
             raise PointNotLoadedError(
                 f"{what}, which needs every weight: this model was loaded with points="
-                f"{list(self.points)}, {self.loaded()}. Load it without points=")
+                f"{list(self.points)}, {self.loaded()}. Load it without points="
+            )
 
     def loaded(self) -> str:
         if self.through < 0:
@@ -105,9 +106,14 @@ class PartialLoad:
             return []
         if self.through + 1 < len(self.block_paths):
             return [self.block_paths[self.through + 1]]
-        return [path for path, m in model.named_modules() if any(
-            t.is_meta and not self.wants(f"{path}.{leaf}" if path else leaf)
-            for leaf, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False)))]
+        return [
+            path
+            for path, m in model.named_modules()
+            if any(
+                t.is_meta and not self.wants(f"{path}.{leaf}" if path else leaf)
+                for leaf, t in (*m.named_parameters(recurse=False), *m.named_buffers(recurse=False))
+            )
+        ]
 
     def guard(self, model: nn.Module) -> list[Any]:
         """Pre-hooks on the `frontier` modules: a forward that reaches one (a pass not stopped after
@@ -139,8 +145,10 @@ def prologue_modules(make_meta_model: Callable[[], nn.Module], first_block: str)
     RWKV rescales its weights)."""
     model = make_meta_model()
     ran: list[str] = []
-    handles = [m.register_forward_pre_hook(lambda _m, _a, name=name: ran.append(name))
-               for name, m in model.named_modules()]
+    handles = [
+        m.register_forward_pre_hook(lambda _m, _a, name=name: ran.append(name))
+        for name, m in model.named_modules()
+    ]
     stop = Stop()
     handles.append(stop.before(model.get_submodule(first_block)))  # after the block's name is recorded
     try:
@@ -163,4 +171,3 @@ def _meta_inputs(model: nn.Module) -> dict[str, torch.Tensor]:
         channels = getattr(config, "num_channels", 3)
         return {"pixel_values": torch.empty(1, channels, size, size, device="meta")}
     return {"input_ids": torch.zeros(1, 4, dtype=torch.long, device="meta")}
-

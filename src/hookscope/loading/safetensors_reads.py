@@ -18,9 +18,18 @@ from functools import lru_cache
 import torch
 from torch import Tensor
 
-_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-           "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-           "BOOL": torch.bool}
+_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
 
 
 @dataclass(frozen=True)
@@ -42,10 +51,17 @@ def safetensors_index(file: str) -> dict[str, TensorRead]:
         (length,) = struct.unpack("<Q", f.read(8))
         header = json.loads(f.read(length))
     start = 8 + length
-    return {key: TensorRead(file, start + entry["data_offsets"][0],
-                            entry["data_offsets"][1] - entry["data_offsets"][0],
-                            _DTYPES[entry["dtype"]], tuple(entry["shape"]))
-            for key, entry in header.items() if key != "__metadata__" and entry["dtype"] in _DTYPES}
+    return {
+        key: TensorRead(
+            file,
+            start + entry["data_offsets"][0],
+            entry["data_offsets"][1] - entry["data_offsets"][0],
+            _DTYPES[entry["dtype"]],
+            tuple(entry["shape"]),
+        )
+        for key, entry in header.items()
+        if key != "__metadata__" and entry["dtype"] in _DTYPES
+    }
 
 
 def read_into(read: TensorRead, out: Tensor, staging: Tensor) -> None:
@@ -67,8 +83,13 @@ def read_rows(read: TensorRead, rows: list[int], out: Tensor, staging: Tensor) -
             end = start + 1
             while end < len(rows) and rows[end] == rows[end - 1] + 1:
                 end += 1
-            _read_range(f.fileno(), read.offset + rows[start] * row_bytes, read.stored,
-                        flat[start * width: end * width], staging)
+            _read_range(
+                f.fileno(),
+                read.offset + rows[start] * row_bytes,
+                read.stored,
+                flat[start * width : end * width],
+                staging,
+            )
             start = end
 
 
@@ -82,7 +103,7 @@ def _read_range(fd: int, offset: int, stored: torch.dtype, flat: Tensor, staging
         n = min(per_chunk, flat.numel() - start)
         raw = staging[: n * stored.itemsize]
         _pread(fd, raw, offset + start * stored.itemsize)
-        flat[start: start + n].copy_(raw.view(stored))
+        flat[start : start + n].copy_(raw.view(stored))
 
 
 def page_in(read: TensorRead) -> None:

@@ -12,8 +12,22 @@ from ..arch import Arch
 from ..errors import HookscopeError
 from ..names import MODULE_PREFIX
 
-_UNITS = {"": 1, "b": 1, "k": 1000, "kb": 1000, "m": 1000**2, "mb": 1000**2, "g": 1000**3, "gb": 1000**3,
-          "t": 1000**4, "tb": 1000**4, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
 
 
 def parse_size(size: str | int) -> int:
@@ -59,14 +73,24 @@ class StreamPlan:
     weight_limit: int  # bytes: the resident weights + one block, or two with read-ahead
 
 
-def plan_stream(model: nn.Module, arch: Arch, points: list[str], max_memory: int, *, batch_size: int,
-                context: int, store_itemsize: int) -> StreamPlan:
+def plan_stream(
+    model: nn.Module,
+    arch: Arch,
+    points: list[str],
+    max_memory: int,
+    *,
+    batch_size: int,
+    context: int,
+    store_itemsize: int,
+) -> StreamPlan:
     """The plan for streaming `points` under `max_memory` bytes; a clear error if one block and the
     weights outside the blocks do not fit together."""
     n_layers = arch.n_layers
     if n_layers == 0:
-        raise HookscopeError(f"--max-memory streams a model block by block, and this {arch.family} model "
-                             "has no blocks hookscope knows; run without --max-memory")
+        raise HookscopeError(
+            f"--max-memory streams a model block by block, and this {arch.family} model "
+            "has no blocks hookscope knows; run without --max-memory"
+        )
     stage_of = {p: _stage(arch, p) for p in points}
     last_block = min(max(stage_of.values()), n_layers - 1)
     blocks = [names_under(model, arch.block_paths[k]) for k in range(last_block + 1)]
@@ -78,7 +102,8 @@ def plan_stream(model: nn.Module, arch: Arch, points: list[str], max_memory: int
         raise HookscopeError(
             f"--max-memory {_size(max_memory)} holds less than the weights needed at once: {_size(fixed)} "
             f"outside the blocks + {_size(largest)} for the largest block = {_size(fixed + largest)}; give "
-            f"at least that (with the next block read ahead: {_size(fixed + 2 * largest)})")
+            f"at least that (with the next block read ahead: {_size(fixed + 2 * largest)})"
+        )
     read_ahead = fixed + 2 * largest <= max_memory
     weight_limit = fixed + (2 if read_ahead else 1) * largest
     # a chunk's hidden states (a block's input and output) and kept rows take what the weights leave
@@ -96,15 +121,19 @@ def _stage(arch: Arch, point: str) -> int:
         return block
     order = list(arch.specs)
     if point.startswith(MODULE_PREFIX) or point not in order:
-        raise HookscopeError(f"{point}: under --max-memory, points are read block by block; name points of "
-                             "the blocks (or embed / ln_final / logits), or run without --max-memory")
+        raise HookscopeError(
+            f"{point}: under --max-memory, points are read block by block; name points of "
+            "the blocks (or embed / ln_final / logits), or run without --max-memory"
+        )
     first = next(i for i, name in enumerate(order) if _block_of(arch, arch.specs[name].module) is not None)
     return 0 if order.index(point) < first else arch.n_layers  # in execution order: before or after
 
 
 def _block_of(arch: Arch, module: str) -> int | None:
-    return next((k for k, path in enumerate(arch.block_paths)
-                 if module == path or module.startswith(path + ".")), None)
+    return next(
+        (k for k, path in enumerate(arch.block_paths) if module == path or module.startswith(path + ".")),
+        None,
+    )
 
 
 def _output_embedding_names(model: nn.Module) -> list[str]:
@@ -125,4 +154,3 @@ def _size(n: int) -> str:
         if n >= scale:
             return f"{n / scale:,.1f} {unit}"
     return f"{n} B"
-

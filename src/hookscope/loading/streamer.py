@@ -66,10 +66,17 @@ class BlockStreamer:
     starts (the progress bar). `peak_weight_bytes`: the most weight memory held at once, read-ahead
     included."""
 
-    def __init__(self, model: nn.Module, arch: Arch, checkpoint: Callable[[], Checkpoint], plan: StreamPlan,
-                 *,
-                 dtype: torch.dtype, device: str | torch.device = "cpu",
-                 on_block: Callable[[int, int], None] | None = None):
+    def __init__(
+        self,
+        model: nn.Module,
+        arch: Arch,
+        checkpoint: Callable[[], Checkpoint],
+        plan: StreamPlan,
+        *,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+        on_block: Callable[[int, int], None] | None = None,
+    ):
         # a checkpoint opened for each read and closed after it: the pages a memory map has read
         # stay in the process until it is closed, and would add up to the whole model
         self.model, self.arch, self.open_checkpoint, self.plan = model, arch, checkpoint, plan
@@ -139,6 +146,7 @@ class BlockStreamer:
         """The input embedding's weight, left on `meta` and looked up row by row from its file
         (embedding_rows.py), when it is resident and can be: its name, else nothing."""
         with contextlib.closing(self.open_checkpoint()) as checkpoint:
+
             def locate(name: str):
                 return (checkpoint.direct_reads([name]) or {}).get(name)
 
@@ -164,7 +172,7 @@ class BlockStreamer:
                 found = checkpoint.direct_reads(self.plan.blocks[k])
                 if found is None:
                     return None
-                reads[k] = {name[len(path) + 1:]: read for name, read in found.items()}
+                reads[k] = {name[len(path) + 1 :]: read for name, read in found.items()}
         slots = slots_for(layout, reads, self.device, self.plan.read_ahead and self.plan.last_block > 0)
         return BlockBuffers(layout, reads, slots, self.device)
 
@@ -211,24 +219,44 @@ class BlockStreamer:
             held += nbytes(self.model, self.plan.blocks[nxt])
         self.peak_weight_bytes = max(self.peak_weight_bytes, held)
 
-    def _pass(self, k: int, batch: dict[str, Tensor], keep: Tensor, saved: Tensor | None,
-              points: list[str], acts: dict[str, Tensor]) -> Tensor | None:
+    def _pass(
+        self,
+        k: int,
+        batch: dict[str, Tensor],
+        keep: Tensor,
+        saved: Tensor | None,
+        points: list[str],
+        acts: dict[str, Tensor],
+    ) -> Tensor | None:
         """One batch through block k (blocks before it replaying `saved`); keeps `points` into `acts`
         and returns block k's output, the next block's input (None after the last block)."""
         wants_output = k < self._final
         out: list[Tensor] = []
         with torch.inference_mode(), self._replaying(k, saved), contextlib.ExitStack() as stack:
-            cap = stack.enter_context(Capture(
-                self.model, points, token_mask=keep, dtype=self.dtype, device="cpu",
-                stop=False if wants_output else None)) if points else None
+            cap = (
+                stack.enter_context(
+                    Capture(
+                        self.model,
+                        points,
+                        token_mask=keep,
+                        dtype=self.dtype,
+                        device="cpu",
+                        stop=False if wants_output else None,
+                    )
+                )
+                if points
+                else None
+            )
             if wants_output:
                 block = self.model.get_submodule(self.arch.block_paths[k])
                 stop = Stop()  # after block k: the rest of the model is not needed
                 stack.callback(stop.after(block, self._keep_output(out)).remove)
                 stop.run(self.model, batch, **no_cache(self.model))
                 if not out:
-                    raise HookscopeError(f"block {k} ({self.arch.block_paths[k]}) never ran in the forward "
-                                         "pass: this model cannot be streamed; run without --max-memory")
+                    raise HookscopeError(
+                        f"block {k} ({self.arch.block_paths[k]}) never ran in the forward "
+                        "pass: this model cannot be streamed; run without --max-memory"
+                    )
             else:
                 cap.run(batch)
             for point in points:
@@ -269,21 +297,47 @@ def _rescale_fresh_block(model: nn.Module) -> None:
     forward, so it is rescaled here, by the model's own method, as it arrives: the other blocks are on
     meta then (a streamer holds one block in the model at a time), where the division does nothing."""
     for module in model.modules():
-        if not module.training and callable(getattr(module, "_rescale_layers", None)) and hasattr(
-                module, "layers_are_rescaled"):
+        if (
+            not module.training
+            and callable(getattr(module, "_rescale_layers", None))
+            and hasattr(module, "layers_are_rescaled")
+        ):
             module.layers_are_rescaled = False
             module._rescale_layers()
 
 
-def streamer_for(loaded: Loaded, points: list[str], max_memory: int, *, batch_size: int, context: int,
-                 dtype: torch.dtype, device: str | torch.device = "cpu", revision: str | None = None,
-                 on_block: Callable[[int, int], None] | None = None) -> BlockStreamer:
+def streamer_for(
+    loaded: Loaded,
+    points: list[str],
+    max_memory: int,
+    *,
+    batch_size: int,
+    context: int,
+    dtype: torch.dtype,
+    device: str | torch.device = "cpu",
+    revision: str | None = None,
+    on_block: Callable[[int, int], None] | None = None,
+) -> BlockStreamer:
     """The executor for a model loaded with `device="meta"` (its weights are read from its own
     directory, or its snapshot in the Hugging Face cache)."""
-    plan = plan_stream(loaded.model, loaded.arch, points, max_memory, batch_size=batch_size, context=context,
-                       store_itemsize=dtype.itemsize)
+    plan = plan_stream(
+        loaded.model,
+        loaded.arch,
+        points,
+        max_memory,
+        batch_size=batch_size,
+        context=context,
+        store_itemsize=dtype.itemsize,
+    )
     source, local = resolve_source(loaded.name)
     files = checkpoint_files(source, revision=revision, local_files_only=local)
     weights_dtype = next(iter(loaded.model.parameters())).dtype
-    return BlockStreamer(loaded.model, loaded.arch, lambda: Checkpoint(loaded.model, files, weights_dtype),
-                         plan, dtype=dtype, device=device, on_block=on_block)
+    return BlockStreamer(
+        loaded.model,
+        loaded.arch,
+        lambda: Checkpoint(loaded.model, files, weights_dtype),
+        plan,
+        dtype=dtype,
+        device=device,
+        on_block=on_block,
+    )

@@ -34,9 +34,12 @@ def load_tokenizer(name: str, *, saved_alone: bool = False, sha256: str | None =
     try:
         tok = AutoTokenizer.from_pretrained(source, local_files_only=local)
     except (OSError, ValueError) as e:
-        raise ModelLoadError(f"cannot load the tokenizer of {name!r} ({e}); "
-                             "give --tokenizer PATH_OR_ID") from e
+        raise ModelLoadError(
+            f"cannot load the tokenizer of {name!r} ({e}); give --tokenizer PATH_OR_ID"
+        ) from e
     if sha256 and tokenizer_hash(tok) != sha256:
-        raise ModelLoadError(f"the tokenizer of {name!r} is not the one this store was made with (its hash "
-                             "differs from the manifest's tokenizer_sha256); give the right --tokenizer")
+        raise ModelLoadError(
+            f"the tokenizer of {name!r} is not the one this store was made with (its hash "
+            "differs from the manifest's tokenizer_sha256); give the right --tokenizer"
+        )
     return tok

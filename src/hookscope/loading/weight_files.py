@@ -16,8 +16,10 @@ from ..errors import ModelLoadError
 DEFAULT_MODEL = "bundled:all-MiniLM-L6-v2"
 
 # (index of shards, single file), in the order from_pretrained prefers them
-_WEIGHT_FILES = (("model.safetensors.index.json", "model.safetensors"),
-                 ("pytorch_model.bin.index.json", "pytorch_model.bin"))
+_WEIGHT_FILES = (
+    ("model.safetensors.index.json", "model.safetensors"),
+    ("pytorch_model.bin.index.json", "pytorch_model.bin"),
+)
 
 
 def default_model_path() -> Path:
@@ -46,7 +48,6 @@ def resolve_source(name_or_path: str | None) -> tuple[str, bool]:
     return name_or_path, False  # a Hugging Face hub id
 
 
-
 def checkpoint_files(source: str, **hub: Any) -> list[str]:
     """The weight files of a local directory or hub id (one file, or the shards of an index):
     safetensors where there are any, else PyTorch's `pytorch_model.bin`."""
@@ -64,6 +65,6 @@ def checkpoint_files(source: str, **hub: Any) -> list[str]:
         single = find(single_name)
         if single is not None:
             return [single]
-    raise ModelLoadError(f"{source!r} has no safetensors or pytorch_model.bin weights: points= reads them "
-                         "tensor by tensor")
-
+    raise ModelLoadError(
+        f"{source!r} has no safetensors or pytorch_model.bin weights: points= reads them tensor by tensor"
+    )

@@ -118,12 +118,12 @@ def is_block_backward(name: str) -> bool:
 
 def _row_key(label: str) -> tuple[str, str]:
     if label.startswith(HOOK_BACKWARD):
-        return label[len(HOOK_BACKWARD):], "hook backward"
+        return label[len(HOOK_BACKWARD) :], "hook backward"
     if label.startswith(HOOK):
-        return label[len(HOOK):], "hook"
+        return label[len(HOOK) :], "hook"
     if is_block_backward(label):
-        return label[len(PREFIX):-len(BACKWARD_SUFFIX)], "block backward"
-    return label[len(PREFIX):], "block"
+        return label[len(PREFIX) : -len(BACKWARD_SUFFIX)], "block backward"
+    return label[len(PREFIX) :], "block"
 
 
 class _Totals:
@@ -155,8 +155,9 @@ def cpu_threads(events: Iterable) -> dict[int, ThreadIndex]:
 def label_totals(threads: dict[int, ThreadIndex]) -> dict[str, _Totals]:
     """Per label: calls, total, self, memory and device time, summed over the profiled steps."""
     totals: dict[str, _Totals] = defaultdict(_Totals)
-    step_starts = sorted(ev.time_range.start for index in threads.values() for ev in index.events
-                         if ev.name == STEP)
+    step_starts = sorted(
+        ev.time_range.start for index in threads.values() for ev in index.events if ev.name == STEP
+    )
     for index in threads.values():
         for ev in index.events:
             if not ev.name.startswith(PREFIX):
@@ -200,14 +201,20 @@ def build_rows(
         name, kind = _row_key(label)
         primary = (t.device if on_device else t.total) / steps * US
         per_step = t.per_step_device if on_device else t.per_step
-        rows.append(Row(
-            name=name, kind=kind, calls=t.calls / steps, self_s=t.self / steps * US,
-            total_s=t.total / steps * US, cpu_mem_bytes=t.cpu_mem / steps,
-            share=primary / base if base > 0 else 0.0,
-            device_s=t.device / steps * US if on_device else None,
-            device_mem_bytes=t.device_mem / steps if on_device else None,
-            spread=relative_spread([per_step.get(i, 0.0) for i in range(steps)]) if t.calls else None,
-        ))
+        rows.append(
+            Row(
+                name=name,
+                kind=kind,
+                calls=t.calls / steps,
+                self_s=t.self / steps * US,
+                total_s=t.total / steps * US,
+                cpu_mem_bytes=t.cpu_mem / steps,
+                share=primary / base if base > 0 else 0.0,
+                device_s=t.device / steps * US if on_device else None,
+                device_mem_bytes=t.device_mem / steps if on_device else None,
+                spread=relative_spread([per_step.get(i, 0.0) for i in range(steps)]) if t.calls else None,
+            )
+        )
     return rows, step_cpu, (step_device if on_device else None)
 
 
@@ -229,7 +236,13 @@ def top_ops(threads: dict[int, ThreadIndex], steps: int, on_device: bool, n: int
     key = 4 if on_device else 2
     ranked = sorted(acc.items(), key=lambda item: item[1][key], reverse=True)[:n]
     return [
-        OpRow(name=name, calls=a[0] / steps, self_s=a[2] / steps * US, total_s=a[1] / steps * US,
-              self_cpu_mem_bytes=a[3] / steps, self_device_s=a[4] / steps * US if on_device else None)
+        OpRow(
+            name=name,
+            calls=a[0] / steps,
+            self_s=a[2] / steps * US,
+            total_s=a[1] / steps * US,
+            self_cpu_mem_bytes=a[3] / steps,
+            self_device_s=a[4] / steps * US if on_device else None,
+        )
         for name, a in ranked
     ]

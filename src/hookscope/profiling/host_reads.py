@@ -28,9 +28,16 @@ from torch.utils._pytree import tree_leaves
 
 _aten = torch.ops.aten
 # operations that read a tensor's values on the host
-READS = {_aten._local_scalar_dense.default, _aten.item.default, _aten.is_nonzero.default,
-         _aten.nonzero.default, _aten.masked_select.default, _aten.equal.default, _aten._unique2.default,
-         _aten.unique_consecutive.default}
+READS = {
+    _aten._local_scalar_dense.default,
+    _aten.item.default,
+    _aten.is_nonzero.default,
+    _aten.nonzero.default,
+    _aten.masked_select.default,
+    _aten.equal.default,
+    _aten._unique2.default,
+    _aten.unique_consecutive.default,
+}
 INDEXING = {_aten.index.Tensor, _aten.index_put.default, _aten.index_put_.default}  # with a bool index
 COPIES = {torch.Tensor.tolist, torch.Tensor.numpy, torch.Tensor.cpu}  # a device tensor's copy to the host
 _OWN_FRAMES = ("record", "__torch_dispatch__", "__torch_function__")
@@ -62,10 +69,13 @@ class HostReads:
             return
         if {t.untyped_storage().data_ptr() for t in tensors} <= self.host:
             return
-        where = [f for f in traceback.extract_stack()
-                 if "/torch/" not in f.filename and f.name not in _OWN_FRAMES][-3:]
-        self.calls.append(f"{what} at " + " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.line}"
-                                                     for f in reversed(where)))
+        where = [
+            f for f in traceback.extract_stack() if "/torch/" not in f.filename and f.name not in _OWN_FRAMES
+        ][-3:]
+        self.calls.append(
+            f"{what} at "
+            + " <- ".join(f"{Path(f.filename).name}:{f.lineno} {f.line}" for f in reversed(where))
+        )
 
 
 class _Dispatch(TorchDispatchMode):
@@ -73,8 +83,10 @@ class _Dispatch(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in READS or (func in INDEXING and any(
-                isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in tree_leaves(args[1]))):
+        if func in READS or (
+            func in INDEXING
+            and any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in tree_leaves(args[1]))
+        ):
             self.reads.record(str(func), args, kwargs)
         return func(*args, **kwargs)
 

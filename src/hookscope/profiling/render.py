@@ -43,6 +43,7 @@ class Shown(Protocol):
 
     def summary(self) -> str: ...
 
+
 FORWARD, BACKWARD, HOOK = "#4C72B0", "#DD8452", "#55A868"
 
 
@@ -69,8 +70,9 @@ class _Bars:
         backward = {r.name: r for r in report.rows if r.kind == "block backward"}
         hooks = [r for r in report.rows if r.kind.startswith("hook")]
         self.has_backward, self.has_hooks = bool(backward), bool(hooks)
-        self.labels = list(forward) + [f"hook {r.name}" + (" (backward)" if r.kind == "hook backward" else "")
-                                       for r in hooks]
+        self.labels = list(forward) + [
+            f"hook {r.name}" + (" (backward)" if r.kind == "hook backward" else "") for r in hooks
+        ]
         self.fwd = [ms(forward[n]) for n in forward] + [0.0] * len(hooks)
         self.bwd = [ms(backward[n]) if n in backward else 0.0 for n in forward] + [0.0] * len(hooks)
         self.hook = [0.0] * len(forward) + [ms(r) for r in hooks]
@@ -80,8 +82,10 @@ class _Bars:
         what = "forward + backward" if report.backward else "forward"
         self.title = f"Time per block: {report.model} on {report.device}, {what}"
         step = report.profiled_step_device_s if on_device else report.profiled_step_s
-        self.subtitle = (f"profiled step {step * 1e3:.2f} ms, blocks {report.blocks_share:.1%} of it; "
-                         f"fastest step without the profiler {report.step_time_s * 1e3:.2f} ms")
+        self.subtitle = (
+            f"profiled step {step * 1e3:.2f} ms, blocks {report.blocks_share:.1%} of it; "
+            f"fastest step without the profiler {report.step_time_s * 1e3:.2f} ms"
+        )
         self.xlabel = f"ms per step ({'device' if on_device else 'CPU'} time, under the profiler)"
 
 
@@ -93,36 +97,49 @@ def plot_svg(report: Shown) -> str:
     height = top + row_h * max(len(bars.labels), 1) + 60
     scale = bar_w / (max(bars.ends, default=0.0) or 1.0)
     esc = html.escape
-    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-           f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
-           '<rect width="100%" height="100%" fill="white"/>',
-           f'<text x="8" y="20" font-size="15">{esc(bars.title)}</text>',
-           f'<text x="8" y="40" font-size="11" fill="#555555">{esc(bars.subtitle)}</text>']
+    out = [
+        f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
+        f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="12">',
+        '<rect width="100%" height="100%" fill="white"/>',
+        f'<text x="8" y="20" font-size="15">{esc(bars.title)}</text>',
+        f'<text x="8" y="40" font-size="11" fill="#555555">{esc(bars.subtitle)}</text>',
+    ]
     for i, label in enumerate(bars.labels):
         y = top + i * row_h
         out.append(f'<text x="{left - 8}" y="{y + 15}" text-anchor="end">{esc(label)}</text>')
         x = float(left)
-        for value, color, name in ((bars.fwd[i], FORWARD, "forward"), (bars.bwd[i], BACKWARD, "backward"),
-                                   (bars.hook[i], HOOK, "hooks")):
+        for value, color, name in (
+            (bars.fwd[i], FORWARD, "forward"),
+            (bars.bwd[i], BACKWARD, "backward"),
+            (bars.hook[i], HOOK, "hooks"),
+        ):
             if value > 0:
                 w = value * scale
-                out.append(f'<rect x="{x:.1f}" y="{y + 3}" width="{w:.1f}" height="{row_h - 6}" '
-                           f'fill="{color}"><title>{esc(label)} {name}: {value:.3f} ms</title></rect>')
+                out.append(
+                    f'<rect x="{x:.1f}" y="{y + 3}" width="{w:.1f}" height="{row_h - 6}" '
+                    f'fill="{color}"><title>{esc(label)} {name}: {value:.3f} ms</title></rect>'
+                )
                 x += w
         out.append(f'<text x="{x + 6:.1f}" y="{y + 15}">{bars.ends[i]:.2f} ms  {bars.shares[i]:.1%}</text>')
     axis_y = top + row_h * len(bars.labels) + 6
     out.append(f'<line x1="{left}" y1="{axis_y}" x2="{left + bar_w}" y2="{axis_y}" stroke="#888888"/>')
     out.append(f'<text x="{left}" y="{axis_y + 18}" font-size="11">0</text>')
-    out.append(f'<text x="{left + bar_w}" y="{axis_y + 18}" font-size="11" text-anchor="end">'
-               f'{max(bars.ends, default=0.0):.2f}</text>')
-    out.append(f'<text x="{left + bar_w / 2}" y="{axis_y + 36}" font-size="11" text-anchor="middle">'
-               f'{esc(bars.xlabel)}</text>')
+    out.append(
+        f'<text x="{left + bar_w}" y="{axis_y + 18}" font-size="11" text-anchor="end">'
+        f"{max(bars.ends, default=0.0):.2f}</text>"
+    )
+    out.append(
+        f'<text x="{left + bar_w / 2}" y="{axis_y + 36}" font-size="11" text-anchor="middle">'
+        f"{esc(bars.xlabel)}</text>"
+    )
     legend = [("forward", FORWARD)] + [("backward", BACKWARD)] * bars.has_backward
     legend += [("hooks at the point (inside its block's bar)", HOOK)] * bars.has_hooks
     for j, (name, color) in enumerate(legend if len(legend) > 1 else []):
         x = 8 + j * 150
-        out.append(f'<rect x="{x}" y="48" width="10" height="10" fill="{color}"/>'
-                   f'<text x="{x + 14}" y="57" font-size="11">{esc(name)}</text>')
+        out.append(
+            f'<rect x="{x}" y="48" width="10" height="10" fill="{color}"/>'
+            f'<text x="{x + 14}" y="57" font-size="11">{esc(name)}</text>'
+        )
     out.append("</svg>")
     return "\n".join(out)
 
@@ -171,9 +188,12 @@ def html_page(report: Shown, svg: str) -> str:
     summary_lines = report.summary().split("\n\n")[0].split("\n")
     notes = [*report.warnings, report.memory_note]
     if report.hook_overhead is not None:
-        notes.insert(0, f"hooks cost {report.hook_overhead:+.1%} per step "
-                        f"({report.step_time_s * 1e3:.2f} ms with, "
-                        f"{report.step_time_without_hooks_s * 1e3:.2f} ms without)")
+        notes.insert(
+            0,
+            f"hooks cost {report.hook_overhead:+.1%} per step "
+            f"({report.step_time_s * 1e3:.2f} ms with, "
+            f"{report.step_time_without_hooks_s * 1e3:.2f} ms without)",
+        )
     if report.compile_stats:
         notes.append("compile: " + ", ".join(f"{k}={v}" for k, v in report.compile_stats.items()))
     return f"""<!doctype html>

@@ -86,17 +86,31 @@ class ProfileReport:
                 f"warning: the {len(self.step_times_s)} timed steps took {_ms(min(self.step_times_s))} to "
                 f"{_ms(max(self.step_times_s))} (spread {spread:.0%} of the median): the machine is busy "
                 "or a step is too short to time; read the times as rough, see each row's spread, and "
-                "re-run with more --steps on a quieter machine")
-        wide = [r.name for r in self.rows if r.spread is not None and r.spread > WIDE_SPREAD
-                and r.kind in ("block", "block backward") and r.share >= 0.05]
+                "re-run with more --steps on a quieter machine"
+            )
+        wide = [
+            r.name
+            for r in self.rows
+            if r.spread is not None
+            and r.spread > WIDE_SPREAD
+            and r.kind in ("block", "block backward")
+            and r.share >= 0.05
+        ]
         if wide and not out:
-            out.append(f"warning: {', '.join(wide)} varied by more than {WIDE_SPREAD:.0%} between "
-                       "profiled steps (see the spread column); re-run with more --steps")
+            out.append(
+                f"warning: {', '.join(wide)} varied by more than {WIDE_SPREAD:.0%} between "
+                "profiled steps (see the spread column); re-run with more --steps"
+            )
         span = self.hook_overhead_range
-        if span is not None and self.hook_overhead is not None and span[1] - span[0] > max(
-                abs(self.hook_overhead), MIN_OVERHEAD_NOISE):
-            out.append(f"warning: the hook overhead of one pair of steps ranged from {span[0]:+.1%} to "
-                       f"{span[1]:+.1%}: {self.hook_overhead:+.1%} is within the machine's noise")
+        if (
+            span is not None
+            and self.hook_overhead is not None
+            and span[1] - span[0] > max(abs(self.hook_overhead), MIN_OVERHEAD_NOISE)
+        ):
+            out.append(
+                f"warning: the hook overhead of one pair of steps ranged from {span[0]:+.1%} to "
+                f"{span[1]:+.1%}: {self.hook_overhead:+.1%} is within the machine's noise"
+            )
         return out
 
     def block_rows(self) -> list[Row]:
@@ -116,34 +130,54 @@ class ProfileReport:
         what = "forward + backward" if self.backward else "forward"
         device_step = f", {_ms(self.profiled_step_device_s)} on the device" if on_device else ""
         lines = [
-            (f"hookscope profile: {self.model} on {self.device}, {what}, "
-             f"{self.steps} profiled steps after {self.warmup} warm-up"),
-            (f"step: {_ms(self.step_time_s)} (fastest of {self.steps}, wall clock, no profiler"
-             f"{_spread_note(self.step_times_s)}); {_ms(self.profiled_step_s)} under the "
-             f"profiler{device_step}"),
+            (
+                f"hookscope profile: {self.model} on {self.device}, {what}, "
+                f"{self.steps} profiled steps after {self.warmup} warm-up"
+            ),
+            (
+                f"step: {_ms(self.step_time_s)} (fastest of {self.steps}, wall clock, no profiler"
+                f"{_spread_note(self.step_times_s)}); {_ms(self.profiled_step_s)} under the "
+                f"profiler{device_step}"
+            ),
         ]
         if self.not_loaded is not None:
             lines.append(f"not profiled: {self.not_loaded}")
         if self.block_rows():
-            lines.append(f"blocks: {self.blocks_share:.1%} of the profiled step "
-                         "(hook rows are part of their block's time)")
+            lines.append(
+                f"blocks: {self.blocks_share:.1%} of the profiled step "
+                "(hook rows are part of their block's time)"
+            )
         elif self.not_loaded is None:
             lines.append("no repeated blocks found in this model: rows cover hooked points only")
         lines += ["", text_table(row_header(on_device), [row_cells(r, on_device) for r in self.rows])]
         if self.hook_overhead is not None:
-            lines += ["", (f"hooks cost {self.hook_overhead:+.1%} per step: "
-                           f"{_ms(self.step_time_s)} with them, "
-                           f"{_ms(self.step_time_without_hooks_s)} without "
-                           f"(fastest of {self.steps} steps each"
-                           + (", one pair of steps: {:+.1%} to {:+.1%}".format(*self.hook_overhead_range)
-                              if self.hook_overhead_range else "") + ")")]
+            lines += [
+                "",
+                (
+                    f"hooks cost {self.hook_overhead:+.1%} per step: "
+                    f"{_ms(self.step_time_s)} with them, "
+                    f"{_ms(self.step_time_without_hooks_s)} without "
+                    f"(fastest of {self.steps} steps each"
+                    + (
+                        ", one pair of steps: {:+.1%} to {:+.1%}".format(*self.hook_overhead_range)
+                        if self.hook_overhead_range
+                        else ""
+                    )
+                    + ")"
+                ),
+            ]
         if self.compile_stats:
             lines += ["", "compile: " + ", ".join(f"{k}={v}" for k, v in self.compile_stats.items())]
         if self.warnings:
             lines += ["", *self.warnings]
         clock = "device" if on_device else "CPU"
-        lines += ["", self.memory_note, "", f"top operators by self {clock} time, per step:",
-                  text_table(op_header(on_device), [op_cells(o, on_device) for o in self.top_ops])]
+        lines += [
+            "",
+            self.memory_note,
+            "",
+            f"top operators by self {clock} time, per step:",
+            text_table(op_header(on_device), [op_cells(o, on_device) for o in self.top_ops]),
+        ]
         return "\n".join(lines)
 
     def write(self, out_dir: str | Path) -> dict[str, Path]:
@@ -176,8 +210,10 @@ class ProfileReport:
             files["html"] = out / "report.html"
             files["html"].write_text(html_page(self, svg), encoding="utf-8")
         except OSError as e:
-            raise HookscopeError(f"cannot write the profile into {out}: {e.strerror or e}; choose "
-                                 "another --out / out_dir (the printed summary is complete)") from e
+            raise HookscopeError(
+                f"cannot write the profile into {out}: {e.strerror or e}; choose "
+                "another --out / out_dir (the printed summary is complete)"
+            ) from e
         return files
 
 
@@ -190,8 +226,10 @@ def writable_dir(out_dir: str | Path) -> Path:
         with tempfile.TemporaryFile(dir=out):
             pass
     except OSError as e:
-        raise HookscopeError(f"cannot write the profile into {out}: {e.strerror or e}; choose a "
-                             "writable directory for --out / out_dir") from e
+        raise HookscopeError(
+            f"cannot write the profile into {out}: {e.strerror or e}; choose a "
+            "writable directory for --out / out_dir"
+        ) from e
     return out
 
 

@@ -78,29 +78,39 @@ def profile(
     labels = block_labels(arch, backward=backward)
     rows, step_cpu, step_device = build_rows(label_totals(threads), labels, steps, on_device)
     report = ProfileReport(
-        model=_model_name(model), device=str(device), backward=backward, steps=steps, warmup=warmup,
-        rows=rows, top_ops=top_ops(threads, steps, on_device), step_time_s=min(step_times),
-        profiled_step_s=step_cpu, profiled_step_device_s=step_device,
+        model=_model_name(model),
+        device=str(device),
+        backward=backward,
+        steps=steps,
+        warmup=warmup,
+        rows=rows,
+        top_ops=top_ops(threads, steps, on_device),
+        step_time_s=min(step_times),
+        profiled_step_s=step_cpu,
+        profiled_step_device_s=step_device,
         hook_overhead=None if without_hooks is None else min(step_times) / min(without_hooks) - 1.0,
         step_time_without_hooks_s=None if without_hooks is None else min(without_hooks),
-        memory_snapshot=snapshot, profiler=prof, step_times_s=step_times,
-        step_times_without_hooks_s=without_hooks, not_loaded=_not_loaded(arch),
+        memory_snapshot=snapshot,
+        profiler=prof,
+        step_times_s=step_times,
+        step_times_without_hooks_s=without_hooks,
+        not_loaded=_not_loaded(arch),
     )
     if out_dir is not None:
         report.write(out_dir)
     return report
 
 
-
-
-def random_tokens(model: nn.Module, batch: int, seq: int, *, device: str | torch.device = "cpu",
-                  seed: int = 0) -> dict[str, Tensor]:
+def random_tokens(
+    model: nn.Module, batch: int, seq: int, *, device: str | torch.device = "cpu", seed: int = 0
+) -> dict[str, Tensor]:
     """`batch` x `seq` random token ids (and a mask of ones) to profile with: the time a step takes
     does not depend on the text. Refused when `seq` is longer than the model's positions."""
     longest = max_positions(model)
     if longest is not None and seq > longest:
-        raise HookscopeError(f"--seq {seq} is longer than the model's {longest} positions; "
-                             f"use --seq {longest} or less")
+        raise HookscopeError(
+            f"--seq {seq} is longer than the model's {longest} positions; use --seq {longest} or less"
+        )
     generator = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, model.config.vocab_size, (batch, seq), generator=generator).to(device)
     return {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
@@ -132,8 +142,10 @@ class _WeightsEnd:
         self._stop = Stop()
 
     def __enter__(self) -> _WeightsEnd:
-        self._handles = [self._stop.before(self.model.get_submodule(path), self._keep_hidden, first=True)
-                         for path in self.paths]
+        self._handles = [
+            self._stop.before(self.model.get_submodule(path), self._keep_hidden, first=True)
+            for path in self.paths
+        ]
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -158,16 +170,25 @@ def _not_loaded(arch: Arch) -> str | None:
     loaded = arch.loaded
     if loaded is None or loaded.everything:
         return None
-    return (f"{loaded.left_out()}: their weights were not loaded (points={list(loaded.points)}); "
-            f"each step ran {loaded.loaded()} and stopped there")
+    return (
+        f"{loaded.left_out()}: their weights were not loaded (points={list(loaded.points)}); "
+        f"each step ran {loaded.loaded()} and stopped there"
+    )
 
 
 class _Stepper:
     """One step: forward (under inference_mode) or forward + backward, inside the `hs::step`
     range, synchronised so wall-clock time covers the device's work."""
 
-    def __init__(self, model: nn.Module, inputs: Any, backward: bool, loss_fn: Callable,
-                 device: torch.device, end: _WeightsEnd):
+    def __init__(
+        self,
+        model: nn.Module,
+        inputs: Any,
+        backward: bool,
+        loss_fn: Callable,
+        device: torch.device,
+        end: _WeightsEnd,
+    ):
         self.model, self.inputs, self.backward, self.loss_fn = model, inputs, backward, loss_fn
         self.cuda = device.type == "cuda"
         self.end = end
@@ -228,7 +249,12 @@ def _timed(step: _Stepper) -> float:
 
 
 def _profile_steps(
-    step: _Stepper, model: nn.Module, arch: Arch, install: Install | None, steps: int, backward: bool,
+    step: _Stepper,
+    model: nn.Module,
+    arch: Arch,
+    install: Install | None,
+    steps: int,
+    backward: bool,
     device: torch.device,
 ) -> tuple[torch.profiler.profile, dict | None]:
     """`steps` steps under torch.profiler after one profiler warm-up step; the user's hooks
@@ -243,7 +269,8 @@ def _profile_steps(
         if cuda:
             stack.enter_context(_cuda_memory_history())
         with torch.profiler.profile(
-            activities=activities, profile_memory=True,
+            activities=activities,
+            profile_memory=True,
             schedule=schedule(wait=0, warmup=1, active=steps, repeat=1),
         ) as prof:
             for _ in range(1 + steps):

@@ -25,6 +25,20 @@ def source_for(cfg: ExtractConfig) -> type[Source]:
     return kind
 
 
-__all__ = ["BUILTIN_STDLIB", "DEFAULT_CONTEXT", "KINDS", "GeneratedSource", "ImageSource", "PackPolicy",
-           "Rows", "Source", "TextSource", "batches", "iter_documents", "pack", "pack_policy",
-           "source_fingerprint", "source_for"]
+__all__ = [
+    "BUILTIN_STDLIB",
+    "DEFAULT_CONTEXT",
+    "KINDS",
+    "GeneratedSource",
+    "ImageSource",
+    "PackPolicy",
+    "Rows",
+    "Source",
+    "TextSource",
+    "batches",
+    "iter_documents",
+    "pack",
+    "pack_policy",
+    "source_fingerprint",
+    "source_for",
+]

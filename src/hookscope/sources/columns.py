@@ -33,8 +33,12 @@ def patch_columns(images: list[int], n_tokens: int, grid: tuple[int, int]) -> di
     if prefix < 0:
         raise HookscopeError(f"{n_tokens} tokens but a {rows}x{cols} patch grid: the point is not per patch")
     patch = torch.arange(n_tokens) - prefix
-    per_image = {"positions": torch.arange(n_tokens),
-                 "patch_rows": torch.where(patch >= 0, patch // cols, -1),
-                 "patch_cols": torch.where(patch >= 0, patch % cols, -1)}
-    return {"doc_ids": torch.tensor(images).repeat_interleave(n_tokens),
-            **{k: v.repeat(len(images)) for k, v in per_image.items()}}
+    per_image = {
+        "positions": torch.arange(n_tokens),
+        "patch_rows": torch.where(patch >= 0, patch // cols, -1),
+        "patch_cols": torch.where(patch >= 0, patch % cols, -1),
+    }
+    return {
+        "doc_ids": torch.tensor(images).repeat_interleave(n_tokens),
+        **{k: v.repeat(len(images)) for k, v in per_image.items()},
+    }

@@ -82,8 +82,10 @@ def missing_source(name: str) -> DataError:
     # only hf:NAME goes to the hub: a mistyped directory must not turn into a minute of retries
     looks_like_hub = not (Path(name).suffix or Path(name).is_absolute() or name.startswith((".", "~")))
     hub = f", or hf:{name} if you meant a Hugging Face hub dataset" if looks_like_hub else ""
-    return DataError(f"data source {name!r}: no such file or directory; give a .txt / .jsonl file, a "
-                     f"directory of them or one saved with save_to_disk, or {BUILTIN_STDLIB}{hub}")
+    return DataError(
+        f"data source {name!r}: no such file or directory; give a .txt / .jsonl file, a "
+        f"directory of them or one saved with save_to_disk, or {BUILTIN_STDLIB}{hub}"
+    )
 
 
 def _nonempty(docs: Iterator[str], name: str) -> Iterator[str]:
@@ -125,11 +127,13 @@ def _from_jsonl(path: Path, text_field: str) -> Iterator[str]:
             raise DataError(f"{path}:{number}: not valid JSON ({e.msg} at column {e.colno})") from None
         if not isinstance(record, dict) or text_field not in record:
             keys = sorted(record) if isinstance(record, dict) else type(record).__name__
-            raise DataError(f"{path}:{number}: no {text_field!r} field (found {keys}); "
-                            "choose it with --text-field")
+            raise DataError(
+                f"{path}:{number}: no {text_field!r} field (found {keys}); choose it with --text-field"
+            )
         if not isinstance(record[text_field], str):
-            raise DataError(f"{path}:{number}: {text_field!r} is "
-                            f"{type(record[text_field]).__name__}, not text")
+            raise DataError(
+                f"{path}:{number}: {text_field!r} is {type(record[text_field]).__name__}, not text"
+            )
         yield record[text_field]
 
 
@@ -161,8 +165,10 @@ def _from_dir(path: Path, text_field: str, split: str) -> Iterator[str]:
 
 def text_files(path: Path) -> list[Path]:
     """The .txt / .jsonl files under `path`, in the order they are read."""
-    return sorted((p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()),
-                  key=lambda p: p.relative_to(path).as_posix())
+    return sorted(
+        (p for p in path.rglob("*") if p.suffix in TEXT_SUFFIXES and p.is_file()),
+        key=lambda p: p.relative_to(path).as_posix(),
+    )
 
 
 def is_saved_dataset(path: Path) -> bool:
@@ -177,16 +183,20 @@ def _from_hub(name: str, text_field: str, split: str) -> Iterator[str]:
         raise DataError("--data hf: needs a dataset name, e.g. hf:owner/name or hf:owner/name:config")
     reason = unreachable_reason()
     if reason is not None and offline_variable() is None:  # with an offline variable, try the cache
-        raise DataError(f"data source 'hf:{name}': the Hugging Face hub cannot be reached ({reason}). "
-                        "Save the dataset with `datasets`' save_to_disk on a connected machine and give "
-                        "that directory, or a .txt / .jsonl file; HF_DATASETS_OFFLINE=1 reads a copy "
-                        "already in the datasets cache")
+        raise DataError(
+            f"data source 'hf:{name}': the Hugging Face hub cannot be reached ({reason}). "
+            "Save the dataset with `datasets`' save_to_disk on a connected machine and give "
+            "that directory, or a .txt / .jsonl file; HF_DATASETS_OFFLINE=1 reads a copy "
+            "already in the datasets cache"
+        )
     try:  # streaming: read only as far as the token budget needs, in the dataset's own order
         loaded = datasets.load_dataset(repo, config or None, split=split, streaming=True)
     except Exception as e:  # network, missing repo, missing split...: all one answer for the user
-        raise DataError(f"data source 'hf:{name}': loading it from the Hugging Face hub failed "
-                        f"({type(e).__name__}: {e}). Check the name (hf:owner/name[:config]) and "
-                        "--text-field, or give a local file or directory") from e
+        raise DataError(
+            f"data source 'hf:{name}': loading it from the Hugging Face hub failed "
+            f"({type(e).__name__}: {e}). Check the name (hf:owner/name[:config]) and "
+            "--text-field, or give a local file or directory"
+        ) from e
     yield from _from_hf_dataset(loaded, text_field, split, name)
 
 
@@ -237,12 +247,16 @@ def _docstrings_in(tree: ast.Module) -> Iterator[str]:
     """The module's docstring, then each public top-level class (and its public methods) and function."""
     nodes: list[ast.AST] = [tree]
     for node in tree.body:
-        if (isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
-                and not node.name.startswith("_")):
+        if isinstance(
+            node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef
+        ) and not node.name.startswith("_"):
             nodes.append(node)
             if isinstance(node, ast.ClassDef):
-                nodes += [m for m in node.body if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef)
-                          and not m.name.startswith("_")]
+                nodes += [
+                    m
+                    for m in node.body
+                    if isinstance(m, ast.FunctionDef | ast.AsyncFunctionDef) and not m.name.startswith("_")
+                ]
     for node in nodes:
         doc = ast.get_docstring(node)
         if doc and doc.strip():

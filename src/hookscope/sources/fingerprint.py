@@ -38,8 +38,10 @@ def source_fingerprint(source: Any, *, text_field: str = "text", split: str = "t
         if fingerprint is None and isinstance(source, dict):  # a DatasetDict: its split's
             fingerprint = getattr(source.get(split), "_fingerprint", None)
         if fingerprint is None:
-            raise DataError(f"cannot fingerprint a data source of type {type(source).__name__}; pass a "
-                            "file, a directory or a Hugging Face dataset")
+            raise DataError(
+                f"cannot fingerprint a data source of type {type(source).__name__}; pass a "
+                "file, a directory or a Hugging Face dataset"
+            )
         return {"kind": "datasets", "fingerprint": fingerprint, "split": split}
     name = os.fspath(source)
     if name.startswith("builtin:"):
@@ -51,9 +53,11 @@ def source_fingerprint(source: Any, *, text_field: str = "text", split: str = "t
         return {"kind": "file", **_file_fingerprint(path)}
     if path.is_dir():
         saved = is_saved_dataset(path)
-        files = (sorted(p for p in path.rglob("*") if p.is_file()) if saved else text_files(path))
-        return {"kind": "saved dataset" if saved else "directory",
-                "files": {f.relative_to(path).as_posix(): _file_fingerprint(f)["sha256"] for f in files}}
+        files = sorted(p for p in path.rglob("*") if p.is_file()) if saved else text_files(path)
+        return {
+            "kind": "saved dataset" if saved else "directory",
+            "files": {f.relative_to(path).as_posix(): _file_fingerprint(f)["sha256"] for f in files},
+        }
     raise missing_source(name)
 
 

@@ -36,8 +36,10 @@ class GeneratedSource(TextSource):
         source = super().open(cfg, loaded, points, run)
         longest = max_positions(loaded.model)
         if longest is not None and source.context + cfg.generate > longest:
-            raise HookscopeError(f"--context {source.context} + --generate {cfg.generate} is longer than the "
-                                 f"model's {longest} positions; lower one of them")
+            raise HookscopeError(
+                f"--context {source.context} + --generate {cfg.generate} is longer than the "
+                f"model's {longest} positions; lower one of them"
+            )
         return source
 
     def settings(self) -> dict[str, Any]:
@@ -60,7 +62,7 @@ class GeneratedSource(TextSource):
         document's last token."""
         gen, left = generation, _left_aligned(batch, self.keep(batch))
         total_new = gen.sequences.shape[1] - gen.prompt_length
-        rows_mask = torch.cat([left["keep"], gen.mask[:, gen.prompt_length:].cpu()], dim=1)
+        rows_mask = torch.cat([left["keep"], gen.mask[:, gen.prompt_length :].cpu()], dim=1)
         # the last token of a document (not a separator / padding, whose doc id is -1)
         in_doc = left["doc_ids"] >= 0
         last = (in_doc.long() * torch.arange(in_doc.shape[1])).argmax(dim=1, keepdim=True)

@@ -13,8 +13,11 @@ from ..loading import Loaded, sha256_text
 
 def model_identity(loaded: Loaded) -> dict[str, str]:
     """The settings that name the model: its name or path, its class and the hash of its config."""
-    return {"model": loaded.name, "model_class": type(loaded.model).__name__,
-            "config_sha256": sha256_text(loaded.model.config.to_json_string(use_diff=False))}
+    return {
+        "model": loaded.name,
+        "model_class": type(loaded.model).__name__,
+        "config_sha256": sha256_text(loaded.model.config.to_json_string(use_diff=False)),
+    }
 
 
 def point_meanings(loaded: Loaded, points: list[str]) -> dict[str, Any]:

@@ -48,11 +48,12 @@ def is_image_source(data: str) -> bool:
 
 def list_images(data: str) -> tuple[Path, list[str]]:
     """The folder and its image files (relative paths, sorted: the order is the image index)."""
-    folder = Path(data[len(PREFIX):] if data.startswith(PREFIX) else data).expanduser()
+    folder = Path(data[len(PREFIX) :] if data.startswith(PREFIX) else data).expanduser()
     if not folder.is_dir():
         raise DataError(f"--data {data}: no folder {folder}; give images:DIR with image files in it")
-    names = sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
-                   if p.is_file() and p.suffix.lower() in SUFFIXES)
+    names = sorted(
+        str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file() and p.suffix.lower() in SUFFIXES
+    )
     if not names:
         raise DataError(f"--data {data}: no image files ({', '.join(SUFFIXES)}) under {folder}")
     return folder, names
@@ -72,7 +73,8 @@ def load_processor(model_dir: str) -> Any:
     except (OSError, ValueError) as exc:
         raise HookscopeError(
             f"{model_dir!r} has no usable image processor ({exc}); save the model's processor beside it "
-            "with processor.save_pretrained(MODEL_DIR)") from exc
+            "with processor.save_pretrained(MODEL_DIR)"
+        ) from exc
 
 
 def _named_processor(model_dir: str) -> Any:
@@ -81,8 +83,10 @@ def _named_processor(model_dir: str) -> Any:
     config = json.loads((Path(model_dir).expanduser() / "preprocessor_config.json").read_text())
     cls = getattr(transformers, str(config.get("image_processor_type")), None)
     if cls is None:
-        raise HookscopeError(f"{model_dir!r}: its image processor {config.get('image_processor_type')!r} "
-                             f"needs torchvision or a newer transformers ({transformers.__version__})")
+        raise HookscopeError(
+            f"{model_dir!r}: its image processor {config.get('image_processor_type')!r} "
+            f"needs torchvision or a newer transformers ({transformers.__version__})"
+        )
     return cls.from_pretrained(model_dir, local_files_only=True)
 
 
@@ -107,7 +111,8 @@ def patch_grid(model: torch.nn.Module, pixels: torch.Tensor) -> tuple[int, int]:
     patch = getattr(config, "patch_size", None)
     if patch is None:
         raise HookscopeError(
-            f"{type(model).__name__}: no patch_size in its config; not a patch-based encoder")
+            f"{type(model).__name__}: no patch_size in its config; not a patch-based encoder"
+        )
     ph, pw = (patch, patch) if isinstance(patch, int) else patch
     return pixels.shape[-2] // ph, pixels.shape[-1] // pw
 
@@ -153,23 +158,30 @@ class ImageSource(Source):
     @classmethod
     def check_config(cls, cfg: ExtractConfig) -> None:
         if cfg.context is not None:
-            raise HookscopeError(f"--context {cfg.context}: an image's tokens are set by the model's image "
-                                 "processor and patch size; leave --context out for images")
+            raise HookscopeError(
+                f"--context {cfg.context}: an image's tokens are set by the model's image "
+                "processor and patch size; leave --context out for images"
+            )
         if cfg.generate:
-            raise HookscopeError(f"--generate {cfg.generate}: images have no continuation to generate; leave "
-                                 "--generate out for images")
+            raise HookscopeError(
+                f"--generate {cfg.generate}: images have no continuation to generate; leave "
+                "--generate out for images"
+            )
         if not cfg.drop_bos:  # nothing to keep: no image row is ever dropped
-            raise HookscopeError("--keep-bos: images always keep every token, CLS and register tokens "
-                                 "included (their patch_rows / patch_cols are -1: select patch_rows >= 0 "
-                                 "for the patches alone); leave --keep-bos out for images")
+            raise HookscopeError(
+                "--keep-bos: images always keep every token, CLS and register tokens "
+                "included (their patch_rows / patch_cols are -1: select patch_rows >= 0 "
+                "for the patches alone); leave --keep-bos out for images"
+            )
 
     @classmethod
     def open(cls, cfg: ExtractConfig, loaded: Loaded, points: list[str], run: Run) -> ImageSource:
         folder, names = list_images(cfg.data)
         return cls(cfg, loaded, points, run, folder, names)
 
-    def __init__(self, cfg: ExtractConfig, loaded: Loaded, points: list[str], run: Run, folder: Path,
-                 names: list[str]):
+    def __init__(
+        self, cfg: ExtractConfig, loaded: Loaded, points: list[str], run: Run, folder: Path, names: list[str]
+    ):
         self.cfg, self.loaded, self.points, self.run = cfg, loaded, points, run
         self.folder, self.names = folder, names
         self.processor = load_processor(loaded.name)
@@ -180,8 +192,10 @@ class ImageSource(Source):
             tokens = self._tokens_per_image()
             self.images = min(len(names), cfg.max_tokens // tokens)
             if not self.images:
-                raise DataError(f"--max-tokens {cfg.max_tokens} holds no whole image: each of "
-                                f"{self.loaded.name} gives {tokens} tokens; give at least {tokens}")
+                raise DataError(
+                    f"--max-tokens {cfg.max_tokens} holds no whole image: each of "
+                    f"{self.loaded.name} gives {tokens} tokens; give at least {tokens}"
+                )
 
     def settings(self) -> dict[str, Any]:
         """Everything that shapes the stored rows. A resume compares these with the store's key for
@@ -220,8 +234,9 @@ class ImageSource(Source):
         """How many tokens a picture becomes (patches + CLS + registers: whatever the family adds),
         read from the first block's input in a pass over one image stopped there (nothing written)."""
         if self.picture_tokens is None:
-            self.picture_tokens = _first_block_tokens(self.loaded.model, self.loaded.arch.block_paths[0],
-                                                      self._pixels([0]), self.run.device)
+            self.picture_tokens = _first_block_tokens(
+                self.loaded.model, self.loaded.arch.block_paths[0], self._pixels([0]), self.run.device
+            )
         return self.picture_tokens
 
     def item_tokens(self) -> int:
@@ -232,7 +247,8 @@ class ImageSource(Source):
         if len(lengths) != 1 or any(a.dim() < 3 for a in acts.values()):
             raise HookscopeError(
                 f"points {self.points} are not all [image, token, ...] of one length; extract per-token "
-                "points (resid_*, attn.*, mlp.*) together")
+                "points (resid_*, attn.*, mlp.*) together"
+            )
         self.tokens_per_image = lengths.pop()
         return self.tokens_per_image
 
@@ -241,8 +257,9 @@ class ImageSource(Source):
 
     def rows(self, batch: dict[str, Tensor], acts: dict[str, Tensor]) -> Rows:
         n_tokens = self._tokens(acts)
-        columns = patch_columns(batch["images"].tolist(), n_tokens,
-                                patch_grid(self.loaded.model, batch["pixel_values"]))
+        columns = patch_columns(
+            batch["images"].tolist(), n_tokens, patch_grid(self.loaded.model, batch["pixel_values"])
+        )
         return {name: a.flatten(0, 1) for name, a in acts.items()}, columns  # [image * token, ...]
 
     def rows_in(self, batch: dict[str, Tensor]) -> int | None:

@@ -33,8 +33,11 @@ class PackPolicy:
     separator_token: str | None
 
     def as_dict(self) -> dict[str, Any]:
-        return {"start": self.start_token, "separator": self.separator_token,
-                "rule": "start token opens every sequence; separator between documents"}
+        return {
+            "start": self.start_token,
+            "separator": self.separator_token,
+            "rule": "start token opens every sequence; separator between documents",
+        }
 
 
 def pack_policy(tokenizer: Any, bos: str | bool = "auto") -> PackPolicy:
@@ -44,8 +47,9 @@ def pack_policy(tokenizer: Any, bos: str | bool = "auto") -> PackPolicy:
         raise DataError(f"bos={bos!r}: use 'auto', True or False")
     start = _first_id(tokenizer, "bos_token_id", "cls_token_id")
     if bos is True and start is None:
-        raise DataError(f"{type(tokenizer).__name__} has neither a BOS nor a CLS token; "
-                        "use bos='auto' or False")
+        raise DataError(
+            f"{type(tokenizer).__name__} has neither a BOS nor a CLS token; use bos='auto' or False"
+        )
     start = start if bos else None
     separator = _first_id(tokenizer, "eos_token_id", "sep_token_id", "bos_token_id")
     pad = _first_id(tokenizer, "pad_token_id", "eos_token_id")
@@ -76,9 +80,16 @@ class PackedSequence:
     special_mask: torch.Tensor  # [T] bool: start and separator tokens
 
 
-def pack(documents: Iterable[str], tokenizer: Any, context: int = 128, *, bos: str | bool = "auto",
-         drop_remainder: bool = True, max_tokens: int | None = None,
-         workers: int = 0) -> Iterator[PackedSequence]:
+def pack(
+    documents: Iterable[str],
+    tokenizer: Any,
+    context: int = 128,
+    *,
+    bos: str | bool = "auto",
+    drop_remainder: bool = True,
+    max_tokens: int | None = None,
+    workers: int = 0,
+) -> Iterator[PackedSequence]:
     """Tokenize `documents` (without the tokenizer's own special tokens) and pack them into
     sequences of `context` tokens (see the module docstring). `max_tokens` caps the tokens emitted;
     the last partial sequence is dropped unless `drop_remainder=False`, which pads it. `workers`
@@ -92,9 +103,17 @@ def _split(blocks: Iterator[tuple[int, tuple[np.ndarray, ...]]]) -> Iterator[Pac
             yield PackedSequence(first + i, *(torch.from_numpy(a[i].copy()) for a in arrays))
 
 
-def pack_batches(documents: Iterable[str], tokenizer: Any, context: int = 128, batch_size: int = 8, *,
-                 bos: str | bool = "auto", drop_remainder: bool = True, max_tokens: int | None = None,
-                 workers: int = 0) -> Iterator[dict[str, torch.Tensor]]:
+def pack_batches(
+    documents: Iterable[str],
+    tokenizer: Any,
+    context: int = 128,
+    batch_size: int = 8,
+    *,
+    bos: str | bool = "auto",
+    drop_remainder: bool = True,
+    max_tokens: int | None = None,
+    workers: int = 0,
+) -> Iterator[dict[str, torch.Tensor]]:
     """`batches(pack(...), batch_size)`, the same batches, built a block of sequences at a time."""
     if batch_size < 1:
         raise DataError(f"batch_size={batch_size} must be >= 1")
@@ -102,21 +121,35 @@ def pack_batches(documents: Iterable[str], tokenizer: Any, context: int = 128, b
     return _batched(blocks, batch_size)
 
 
-def _blocks(documents: Iterable[str], tokenizer: Any, context: int, bos: str | bool, drop_remainder: bool,
-            max_tokens: int | None, workers: int) -> Iterator[tuple[int, tuple[np.ndarray, ...]]]:
+def _blocks(
+    documents: Iterable[str],
+    tokenizer: Any,
+    context: int,
+    bos: str | bool,
+    drop_remainder: bool,
+    max_tokens: int | None,
+    workers: int,
+) -> Iterator[tuple[int, tuple[np.ndarray, ...]]]:
     policy = pack_policy(tokenizer, bos)
     body = context - (policy.start_id is not None)
     if body < 1:
         raise DataError(f"context {context} leaves no room for text after the start token")
     if max_tokens is not None and max_tokens < 1:
         raise DataError(f"max_tokens={max_tokens} must be >= 1")
-    stream = _stream(tokenized(documents, tokenizer, workers), policy, context, body, drop_remainder,
-                     max_tokens)
+    stream = _stream(
+        tokenized(documents, tokenizer, workers), policy, context, body, drop_remainder, max_tokens
+    )
     return _rows(stream, policy, context, body, drop_remainder, max_tokens)
 
 
-def _stream(chunks: Iterator[Chunk], policy: PackPolicy, context: int, body: int, drop_remainder: bool,
-            max_tokens: int | None) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+def _stream(
+    chunks: Iterator[Chunk],
+    policy: PackPolicy,
+    context: int,
+    body: int,
+    drop_remainder: bool,
+    max_tokens: int | None,
+) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
     """The body-token stream, a chunk of documents at a time: (ids, doc ids, positions, document
     tokens so far), a separator before every non-empty document but the first. It ends after the
     document at which the budget is spent (`_rows` would take no more), reading no further chunk."""
@@ -131,8 +164,12 @@ def _stream(chunks: Iterator[Chunk], policy: PackPolicy, context: int, body: int
         separated[0] &= seen > 0
         stop = _spent_after(length + np.cumsum(sizes + separated), context, body, drop_remainder, max_tokens)
         if stop is not None:
-            nonempty, sizes, starts, separated = (nonempty[: stop + 1], sizes[: stop + 1],
-                                                  starts[: stop + 1], separated[: stop + 1])
+            nonempty, sizes, starts, separated = (
+                nonempty[: stop + 1],
+                sizes[: stop + 1],
+                starts[: stop + 1],
+                separated[: stop + 1],
+            )
             flat = flat[: starts[-1] + sizes[-1]]
         docs = np.repeat(first + nonempty, sizes)
         positions = np.arange(len(flat)) - np.repeat(starts, sizes)
@@ -145,8 +182,9 @@ def _stream(chunks: Iterator[Chunk], policy: PackPolicy, context: int, body: int
             return
 
 
-def _spent_after(ends: np.ndarray, context: int, body: int, drop_remainder: bool,
-                 max_tokens: int | None) -> int | None:
+def _spent_after(
+    ends: np.ndarray, context: int, body: int, drop_remainder: bool, max_tokens: int | None
+) -> int | None:
     """Given the stream's length after each document, the first document after which the budget is
     spent: every full sequence it allows is out, and the remainder is dropped or already as long as
     the budget lets it be."""
@@ -161,9 +199,14 @@ def _spent_after(ends: np.ndarray, context: int, body: int, drop_remainder: bool
     return int(hits[0]) if len(hits) else None
 
 
-def _rows(stream: Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]], policy: PackPolicy,
-          context: int, body: int, drop_remainder: bool,
-          max_tokens: int | None) -> Iterator[tuple[int, tuple[np.ndarray, ...]]]:
+def _rows(
+    stream: Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]],
+    policy: PackPolicy,
+    context: int,
+    body: int,
+    drop_remainder: bool,
+    max_tokens: int | None,
+) -> Iterator[tuple[int, tuple[np.ndarray, ...]]]:
     """Blocks of whole sequences, (first seq_id, their SEQUENCE_KEYS arrays [n, context]), then the
     padded remainder (drop_remainder=False); a DataError if there is not one sequence."""
     lead = context - body
@@ -176,20 +219,23 @@ def _rows(stream: Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]], poli
         if n:
             yield seq_id, _sequences(policy, context, *(j[: n * body].reshape(n, body) for j in joined))
             seq_id += n
-        rest = [j[n * body:] for j in joined]
+        rest = [j[n * body :] for j in joined]
     budget = sys.maxsize if max_tokens is None else max_tokens - seq_id * context
     kept = min(len(rest[0]), budget - lead)
     if not drop_remainder and kept > 0:
         yield seq_id, _sequences(policy, context, *(r[None, :kept] for r in rest))
         seq_id += 1
     if not seq_id:
-        raise DataError(f"the data gave {seen} tokens, not enough for one sequence of {context}"
-                        + (f" within max_tokens={max_tokens}" if max_tokens is not None else "")
-                        + "; add data, lower --context, or keep the remainder (drop_remainder=False)")
+        raise DataError(
+            f"the data gave {seen} tokens, not enough for one sequence of {context}"
+            + (f" within max_tokens={max_tokens}" if max_tokens is not None else "")
+            + "; add data, lower --context, or keep the remainder (drop_remainder=False)"
+        )
 
 
-def _sequences(policy: PackPolicy, context: int, ids: np.ndarray, docs: np.ndarray,
-               positions: np.ndarray) -> tuple[np.ndarray, ...]:
+def _sequences(
+    policy: PackPolicy, context: int, ids: np.ndarray, docs: np.ndarray, positions: np.ndarray
+) -> tuple[np.ndarray, ...]:
     """Sequences [n, context] from their body tokens [n, <= body]: the start token first, padding last."""
     n, width = ids.shape
     lead = 0 if policy.start_id is None else 1
@@ -202,15 +248,18 @@ def _sequences(policy: PackPolicy, context: int, ids: np.ndarray, docs: np.ndarr
         out[:, lead:real], out[:, real:] = body, pad
         return out
 
-    return (filled(ids, policy.start_id, policy.pad_id, np.int64),
-            filled(np.ones_like(ids), 1, 0, np.int64),
-            filled(docs, -1, -1, np.int64),
-            filled(positions, -1, -1, np.int64),
-            filled(docs == -1, True, False, bool))
+    return (
+        filled(ids, policy.start_id, policy.pad_id, np.int64),
+        filled(np.ones_like(ids), 1, 0, np.int64),
+        filled(docs, -1, -1, np.int64),
+        filled(positions, -1, -1, np.int64),
+        filled(docs == -1, True, False, bool),
+    )
 
 
-def _batched(blocks: Iterator[tuple[int, tuple[np.ndarray, ...]]],
-             batch_size: int) -> Iterator[dict[str, torch.Tensor]]:
+def _batched(
+    blocks: Iterator[tuple[int, tuple[np.ndarray, ...]]], batch_size: int
+) -> Iterator[dict[str, torch.Tensor]]:
     held: list[tuple[int, tuple[np.ndarray, ...]]] = []  # sequences not yet in a batch
     count = 0
     for block in blocks:
@@ -232,14 +281,17 @@ def _join(held: list[tuple[int, tuple[np.ndarray, ...]]]) -> tuple[int, tuple[np
 
 
 def _batch(first: int, arrays: Iterable[np.ndarray]) -> dict[str, torch.Tensor]:
-    out = {k: torch.from_numpy(np.ascontiguousarray(a).copy())
-           for k, a in zip(SEQUENCE_KEYS, arrays, strict=True)}
+    out = {
+        k: torch.from_numpy(np.ascontiguousarray(a).copy())
+        for k, a in zip(SEQUENCE_KEYS, arrays, strict=True)
+    }
     out["seq_ids"] = torch.arange(first, first + len(out["input_ids"]))
     return out
 
 
-def batches(sequences: Iterable[PackedSequence], batch_size: int, *,
-            drop_last: bool = False) -> Iterator[dict[str, torch.Tensor]]:
+def batches(
+    sequences: Iterable[PackedSequence], batch_size: int, *, drop_last: bool = False
+) -> Iterator[dict[str, torch.Tensor]]:
     """Stack sequences into batches: input_ids, attention_mask, doc_ids, doc_positions,
     special_mask [B, T] and seq_ids [B]."""
     if batch_size < 1:

@@ -38,18 +38,24 @@ class TextSource(Source):
         context = cfg.context or DEFAULT_CONTEXT
         longest = max_positions(loaded.model)
         if longest is not None and context > longest:
-            raise HookscopeError(f"context {context} is longer than the model's {longest} positions; use "
-                                 f"--context {longest} or less")
+            raise HookscopeError(
+                f"context {context} is longer than the model's {longest} positions; use "
+                f"--context {longest} or less"
+            )
         return cls(cfg, loaded, points, context, run)
 
     def __init__(self, cfg: ExtractConfig, loaded: Loaded, points: list[str], context: int, run: Run):
         self.cfg, self.loaded, self.points, self.context = cfg, loaded, points, context
-        self.meter = ReadMeter(iter_documents(cfg.data, text_field=cfg.text_field), source_chars(cfg.data),
-                               workers=cfg.workers)
+        self.meter = ReadMeter(
+            iter_documents(cfg.data, text_field=cfg.text_field), source_chars(cfg.data), workers=cfg.workers
+        )
         # progress: the tokens packed so far and the last document they reach into
         self.tokens, self.last_doc = 0, -1
-        self.budget = (None if cfg.max_tokens is None  # the tokens of this rank (whole sequences only)
-                       else cfg.max_tokens // context * context / run.world_size)
+        self.budget = (
+            None
+            if cfg.max_tokens is None  # the tokens of this rank (whole sequences only)
+            else cfg.max_tokens // context * context / run.world_size
+        )
 
     def settings(self) -> dict[str, Any]:
         """Everything that shapes the stored rows. The number of processes does not: a store started
@@ -74,9 +80,14 @@ class TextSource(Source):
         }
 
     def batches(self) -> Iterator[dict[str, Tensor]]:
-        return pack_batches(self.meter, self.loaded.tokenizer, context=self.context,
-                            batch_size=self.cfg.batch_size, max_tokens=self.cfg.max_tokens,
-                            workers=self.cfg.workers)
+        return pack_batches(
+            self.meter,
+            self.loaded.tokenizer,
+            context=self.context,
+            batch_size=self.cfg.batch_size,
+            max_tokens=self.cfg.max_tokens,
+            workers=self.cfg.workers,
+        )
 
     def keep(self, batch: dict[str, Tensor]) -> Tensor:
         """The tokens of a batch that become rows: real tokens, less BOS / CLS / SEP unless kept."""

@@ -49,8 +49,13 @@ def chunks(documents: Iterable[str]) -> Iterator[list[str]]:
 
 def encode(tokenizer: Any, chunk: list[str]) -> tuple[np.ndarray, np.ndarray]:
     """One tokenizer call over `chunk` (without the tokenizer's own special tokens), flattened."""
-    out = tokenizer(chunk, add_special_tokens=False, verbose=False, return_attention_mask=False,
-                    return_token_type_ids=False)["input_ids"]
+    out = tokenizer(
+        chunk,
+        add_special_tokens=False,
+        verbose=False,
+        return_attention_mask=False,
+        return_token_type_ids=False,
+    )["input_ids"]
     lengths = np.fromiter(map(len, out), dtype=np.int64, count=len(out))
     flat = np.fromiter(itertools.chain.from_iterable(out), dtype=np.int64, count=int(lengths.sum()))
     return flat, lengths
@@ -79,8 +84,9 @@ def _in_processes(documents: Iterable[str], tokenizer: Any, workers: int) -> Ite
     try:
         for _ in range(workers):
             ours, theirs = context.Pipe()
-            process = context.Process(target=_work, args=(theirs, tokenizer, os.getpid()),
-                                      name="hookscope-tokenize", daemon=True)
+            process = context.Process(
+                target=_work, args=(theirs, tokenizer, os.getpid()), name="hookscope-tokenize", daemon=True
+            )
             process.start()
             theirs.close()  # so that the worker's death reads as the end of its pipe
             pool.append((process, ours))
@@ -143,19 +149,22 @@ def _receive(worker: tuple[Any, Any], start: int, count: int) -> tuple[np.ndarra
     except (EOFError, ConnectionResetError):
         raise _died(process, start, count) from None
     if not ok:
-        raise DataError(f"tokenizing documents {start}-{start + count - 1} failed in a worker process: "
-                        f"{result}")
+        raise DataError(
+            f"tokenizing documents {start}-{start + count - 1} failed in a worker process: {result}"
+        )
     return result
 
 
 def _died(process: Any, start: int, count: int) -> DataError:
     process.join(timeout=5)
     code = process.exitcode
-    how = (f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}")
-    return DataError("a tokenizer worker process died while tokenizing documents "
-                     f"{start}-{start + count - 1} "
-                     f"({how}; out of memory?); run again with fewer --workers, or --workers 0 to "
-                     "tokenize in the data thread")
+    how = f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}"
+    return DataError(
+        "a tokenizer worker process died while tokenizing documents "
+        f"{start}-{start + count - 1} "
+        f"({how}; out of memory?); run again with fewer --workers, or --workers 0 to "
+        "tokenize in the data thread"
+    )
 
 
 def _stop(pool: list[tuple[Any, Any]]) -> None:

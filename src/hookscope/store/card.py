@@ -10,9 +10,11 @@ store...'") instead of misreading the store. The card's text says how to read or
 from __future__ import annotations
 
 CARD = "README.md"
-NOT_A_DATASET = ("This is a hookscope activation store, not a datasets folder - read it with "
-                 "hookscope.open_store(DIR), "
-                 "or convert it with hookscope export DIR --format hf --out NEW_DIR")
+NOT_A_DATASET = (
+    "This is a hookscope activation store, not a datasets folder - read it with "
+    "hookscope.open_store(DIR), "
+    "or convert it with hookscope export DIR --format hf --out NEW_DIR"
+)
 
 _TEXT = f"""---
 configs:

@@ -23,9 +23,18 @@ from .stats import HEADER_KEY
 MAX_HEADER = 100 << 20  # safetensors' own limit on the JSON header
 HEAD_BYTES = 16 << 10  # the first read of a shard: its header is a few KiB, so one read does
 # safetensors' dtype codes, by the torch dtype names the manifest uses
-SAFETENSORS_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16",
-                      "int64": "I64", "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8",
-                      "bool": "BOOL"}
+SAFETENSORS_DTYPES = {
+    "float64": "F64",
+    "float32": "F32",
+    "float16": "F16",
+    "bfloat16": "BF16",
+    "int64": "I64",
+    "int32": "I32",
+    "int16": "I16",
+    "int8": "I8",
+    "uint8": "U8",
+    "bool": "BOOL",
+}
 
 Header = tuple[int, dict[str, Any]]  # (offset of the first data byte, the safetensors JSON header)
 
@@ -35,14 +44,23 @@ def check_size(where: str, size: int | None, entry: ShardEntry) -> int:
     if size is None:
         raise StoreError(f"{where}: listed in the manifest but missing")
     if size != entry.bytes:
-        raise StoreError(f"{where}: {size} bytes but the manifest says {entry.bytes}: the shard is "
-                         "truncated or was replaced; re-run the extraction into a new store")
+        raise StoreError(
+            f"{where}: {size} bytes but the manifest says {entry.bytes}: the shard is "
+            "truncated or was replaced; re-run the extraction into a new store"
+        )
     return size
 
 
-def checked_header(where: str, head: bytes, size: int, entry: ShardEntry, settings_hash: str,
-                   columns: dict[str, Column], rest: Callable[[int, int], bytes],
-                   keep_stats: bool = False) -> Header:
+def checked_header(
+    where: str,
+    head: bytes,
+    size: int,
+    entry: ShardEntry,
+    settings_hash: str,
+    columns: dict[str, Column],
+    rest: Callable[[int, int], bytes],
+    keep_stats: bool = False,
+) -> Header:
     """The header of a shard of `size` bytes from its first bytes `head` (at least `HEAD_BYTES` of
     them; `rest(start, end)` reads more when the header is longer), checked against its manifest
     entry and `columns`. Its per-dimension statistics (`__metadata__[HEADER_KEY]`, checked where
@@ -51,18 +69,23 @@ def checked_header(where: str, head: bytes, size: int, entry: ShardEntry, settin
     if size < 8:
         raise StoreError(f"{where}: {size} bytes, too short for a safetensors header: truncated")
     if len(head) < min(size, HEAD_BYTES):
-        raise StoreError(f"{where}: its first {min(size, HEAD_BYTES)} bytes came back as {len(head)}: "
-                         "the file is shorter than listed (truncated or replaced); re-open the store")
+        raise StoreError(
+            f"{where}: its first {min(size, HEAD_BYTES)} bytes came back as {len(head)}: "
+            "the file is shorter than listed (truncated or replaced); re-open the store"
+        )
     n = int.from_bytes(head[:8], "little")
     if n > size - 8 or n > MAX_HEADER:
-        raise StoreError(f"{where}: header length {n} does not fit in a file of {size} bytes: "
-                         "truncated or corrupt")
+        raise StoreError(
+            f"{where}: header length {n} does not fit in a file of {size} bytes: truncated or corrupt"
+        )
     raw = head[8 : 8 + n]
     if len(raw) < n:  # a header longer than the first read: one more for the rest
         more = rest(len(head), 8 + n)
         if len(more) != 8 + n - len(head):
-            raise StoreError(f"{where}: bytes {len(head)}-{8 + n} came back as {len(more)} bytes: the "
-                             "file is shorter than listed (truncated or replaced); re-open the store")
+            raise StoreError(
+                f"{where}: bytes {len(head)}-{8 + n} came back as {len(more)} bytes: the "
+                "file is shorter than listed (truncated or replaced); re-open the store"
+            )
         raw += more
     header = _parse(where, raw, size - 8 - n)
     _check_identity(where, header, entry, settings_hash)
@@ -85,29 +108,39 @@ def _parse(where: str, raw: bytes, data: int) -> dict[str, Any]:
     try:
         header = json.loads(raw)
     except (ValueError, RecursionError) as e:  # ValueError: bad UTF-8 or JSON, or a 5,000-digit int
-        raise StoreError(f"{where}: the safetensors header is not valid JSON ({type(e).__name__}): "
-                         "corrupt") from e
+        raise StoreError(
+            f"{where}: the safetensors header is not valid JSON ({type(e).__name__}): corrupt"
+        ) from e
     if not isinstance(header, dict):
         raise StoreError(f"{where}: the safetensors header is not a JSON object: corrupt")
     for name, info in header.items():
         if name == "__metadata__":
             continue
         offsets = info.get("data_offsets") if isinstance(info, dict) else None
-        if (not isinstance(offsets, list) or len(offsets) != 2 or not all(isinstance(o, int) for o in offsets)
-                or not 0 <= offsets[0] <= offsets[1] <= data):
-            raise StoreError(f"{where}: tensor {name!r} has byte range {offsets} outside the {data} "
-                             "data bytes: truncated or corrupt")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data
+        ):
+            raise StoreError(
+                f"{where}: tensor {name!r} has byte range {offsets} outside the {data} "
+                "data bytes: truncated or corrupt"
+            )
     # safetensors lays the tensors end to end over exactly the data bytes (its own loader refuses
     # anything else): an overlap, a gap or bytes after the last tensor mean the file was altered
     end = 0
-    for start, stop in sorted(info["data_offsets"] for name, info in header.items()
-                              if name != "__metadata__"):
+    for start, stop in sorted(
+        info["data_offsets"] for name, info in header.items() if name != "__metadata__"
+    ):
         if start != end:
             break
         end = stop
     if end != data:
-        raise StoreError(f"{where}: the tensors' byte ranges overlap, leave gaps, or stop before the end of "
-                         f"the {data} data bytes: corrupt")
+        raise StoreError(
+            f"{where}: the tensors' byte ranges overlap, leave gaps, or stop before the end of "
+            f"the {data} data bytes: corrupt"
+        )
     return header
 
 
@@ -120,12 +153,16 @@ def _check_columns(where: str, header: dict[str, Any], entry: ShardEntry, column
         # a dtype with no code here (float8, say) is left to safetensors' own loader
         want = (SAFETENSORS_DTYPES.get(col.dtype, got and got[0]), [entry.rows, *col.shape])
         if got != want:
-            raise StoreError(f"{where}: column {name!r} is {got} in the shard's header, the manifest "
-                             f"says {want}: corrupt, or from another store")
+            raise StoreError(
+                f"{where}: column {name!r} is {got} in the shard's header, the manifest "
+                f"says {want}: corrupt, or from another store"
+            )
         start, end = info["data_offsets"]
         if end - start != entry.rows * col.row_bytes:
-            raise StoreError(f"{where}: column {name!r} spans {end - start} bytes, its {entry.rows} rows "
-                             f"need {entry.rows * col.row_bytes}: corrupt")
+            raise StoreError(
+                f"{where}: column {name!r} spans {end - start} bytes, its {entry.rows} rows "
+                f"need {entry.rows * col.row_bytes}: corrupt"
+            )
 
 
 def _check_identity(where: str, header: dict[str, Any], entry: ShardEntry, settings_hash: str) -> None:
@@ -135,13 +172,17 @@ def _check_identity(where: str, header: dict[str, Any], entry: ShardEntry, setti
     if got == want:
         return
     if got is None:
-        raise StoreError(f"{where}: the shard has no {IDENTITY!r} entry in its metadata (it was not written "
-                         "by a hookscope ShardWriter); re-run the extraction into a new directory")
+        raise StoreError(
+            f"{where}: the shard has no {IDENTITY!r} entry in its metadata (it was not written "
+            "by a hookscope ShardWriter); re-run the extraction into a new directory"
+        )
 
     def short(identity: str) -> str:  # settings hashes cut to 12 digits
         return re.sub(r"\b([0-9a-f]{12})[0-9a-f]{52}\b", r"\1...", identity)
 
-    raise StoreError(f"{where}: the shard holds {short(got)!r}, but the manifest lists it as "
-                     f"{short(want)!r}: "
-                     "it was copied from another store or moved within this one; re-run the extraction into "
-                     "a new directory")
+    raise StoreError(
+        f"{where}: the shard holds {short(got)!r}, but the manifest lists it as "
+        f"{short(want)!r}: "
+        "it was copied from another store or moved within this one; re-run the extraction into "
+        "a new directory"
+    )

@@ -93,10 +93,25 @@ class ActivationDataset(IterableDataset):
     Raises:
         StoreError: a column the store lacks, options out of range, a cursor from another dataset."""
 
-    def __init__(self, store: ReadStore, point: str | Sequence[str], *, shuffle: bool = True, seed: int = 0,
-                 buffer_rows: int = 1 << 18, split: str | None = None, val_fraction: float = 0.1,
-                 rank: int = 0, world_size: int = 1, epoch: int = 0, batch_size: int | None = None,
-                 drop_last: bool = False, repeat: bool = False, prefetch: bool = True, stack: bool = False):
+    def __init__(
+        self,
+        store: ReadStore,
+        point: str | Sequence[str],
+        *,
+        shuffle: bool = True,
+        seed: int = 0,
+        buffer_rows: int = 1 << 18,
+        split: str | None = None,
+        val_fraction: float = 0.1,
+        rank: int = 0,
+        world_size: int = 1,
+        epoch: int = 0,
+        batch_size: int | None = None,
+        drop_last: bool = False,
+        repeat: bool = False,
+        prefetch: bool = True,
+        stack: bool = False,
+    ):
         super().__init__()
         selected = select(store.manifest.columns, point, stack, store.path)
         self.names, self._outputs, self._single = selected.names, selected.outputs, selected.single
@@ -125,8 +140,9 @@ class ActivationDataset(IterableDataset):
         self._ahead: tuple[tuple[int, _Job], Future] | None = None
         # batch memory reused from epoch to epoch (not in workers): four batches' worth of columns
         self._recycler = Recycler(keep=4 * len(self.names))
-        self._kept = [int(self._keep_mask(i).sum()) if split else s.rows
-                      for i, s in enumerate(store.manifest.shards)]
+        self._kept = [
+            int(self._keep_mask(i).sum()) if split else s.rows for i, s in enumerate(store.manifest.shards)
+        ]
 
     def __getstate__(self) -> dict[str, Any]:  # to a DataLoader worker: no mappings, it maps its own
         return {**self.__dict__, "_mapper": None, "_reader": None, "_ahead": None}
@@ -139,17 +155,28 @@ class ActivationDataset(IterableDataset):
         self.epoch, self.position = epoch, 0
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "rank": self.rank,
-                "world_size": self.world_size, "split": self.split, "rows": self.rows_per_epoch}
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "seed": self.seed,
+            "rank": self.rank,
+            "world_size": self.world_size,
+            "split": self.split,
+            "rows": self.rows_per_epoch,
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("seed", "rank", "world_size", "split"):
             if key in state and state[key] != getattr(self, key):
-                raise StoreError(f"sampler state has {key}={state[key]!r} but this dataset has "
-                                 f"{getattr(self, key)!r}; build the dataset with the same arguments")
+                raise StoreError(
+                    f"sampler state has {key}={state[key]!r} but this dataset has "
+                    f"{getattr(self, key)!r}; build the dataset with the same arguments"
+                )
         if "rows" in state and state["rows"] != self.rows_per_epoch:
-            raise StoreError(f"sampler state was saved over {state['rows']} rows per epoch, this dataset has "
-                             f"{self.rows_per_epoch}: a different store or split")
+            raise StoreError(
+                f"sampler state was saved over {state['rows']} rows per epoch, this dataset has "
+                f"{self.rows_per_epoch}: a different store or split"
+            )
         if not 0 <= state["position"] <= self.rows_per_epoch:
             raise StoreError(f"sampler position {state['position']} is outside 0..{self.rows_per_epoch}")
         self.epoch, self.position = int(state["epoch"]), int(state["position"])
@@ -171,11 +198,12 @@ class ActivationDataset(IterableDataset):
 
     def __iter__(self) -> Iterator[Any]:
         if self.repeat and len(self) == 0:
-            raise StoreError(f"repeat=True over {self.rows_per_epoch} rows per epoch"
-                             + (f" in batches of {self.batch_size} with drop_last=True"
-                                if self.drop_last else "")
-                             + " would loop forever without yielding: use a larger store or split, or a "
-                             "smaller batch_size")
+            raise StoreError(
+                f"repeat=True over {self.rows_per_epoch} rows per epoch"
+                + (f" in batches of {self.batch_size} with drop_last=True" if self.drop_last else "")
+                + " would loop forever without yielding: use a larger store or split, or a "
+                "smaller batch_size"
+            )
         info = get_worker_info()
         # in a DataLoader worker: this worker's share of the stream, gathered into shared memory
         worker, workers = (0, 1) if info is None else (info.id, info.num_workers)
@@ -205,8 +233,7 @@ class ActivationDataset(IterableDataset):
                     yield self._out({name: v[j] for name, v in chunk.items()})
             window = chunk = None  # let the window go before the next is handed over
 
-    def _batches(self, windows: Iterator[_Item], worker: int, workers: int,
-                 empty: Alloc) -> Iterator[Any]:
+    def _batches(self, windows: Iterator[_Item], worker: int, workers: int, empty: Alloc) -> Iterator[Any]:
         """Each batch is gathered straight into its own memory: from one window in one pass, or, for
         the few that straddle windows, each window's rows into their slice of it (no second copy,
         no memory of an odd size). Batches of other workers, and a last short batch that `drop_last`
@@ -297,7 +324,10 @@ class ActivationDataset(IterableDataset):
             # one thread per dataset, kept from iterator to iterator; a forked DataLoader worker
             # inherits the executor and what it was reading but not its thread: it starts its own
             self._reader, self._reader_pid, self._ahead = (
-                ThreadPoolExecutor(1, thread_name_prefix="hookscope-prefetch"), os.getpid(), None)
+                ThreadPoolExecutor(1, thread_name_prefix="hookscope-prefetch"),
+                os.getpid(),
+                None,
+            )
             weakref.finalize(self, self._reader.shutdown, wait=False, cancel_futures=True)
         pool = self._reader
         queue: deque[tuple[int, Future | None]] = deque()

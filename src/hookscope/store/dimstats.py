@@ -79,8 +79,9 @@ class StoreStats(Mapping[str, PointStats]):
                 without += [m.shards[i].file for i, v in zip(group, vectors, strict=True) if v is None]
                 if not without:
                     for name in totals:
-                        merged[name] = merged[name].merge(_pooled([m.shards[i].stats[name] for i in group],
-                                                                  [v[name] for v in vectors]))
+                        merged[name] = merged[name].merge(
+                            _pooled([m.shards[i].stats[name] for i in group], [v[name] for v in vectors])
+                        )
         if without:
             self._note(totals, without)
             return totals
@@ -98,18 +99,26 @@ class StoreStats(Mapping[str, PointStats]):
             return None
         counts = {name: st.norm_count for name, st in (entry.stats or {}).items()}
         if set(counts) != set(widths):
-            raise StoreError(f"{self._where(i)}: its manifest entry has statistics for {sorted(counts)}, the "
-                             f"store's points are {sorted(widths)}: the manifest is damaged")
+            raise StoreError(
+                f"{self._where(i)}: its manifest entry has statistics for {sorted(counts)}, the "
+                f"store's points are {sorted(widths)}: the manifest is damaged"
+            )
         try:
             return from_header_text(text, counts, widths, f"its {HEADER_KEY!r} metadata")
         except (TypeError, ValueError) as e:
-            raise StoreError(f"{self._where(i)}: {e}: the shard is corrupt or was altered; re-run the "
-                             "extraction into a new directory") from None
+            raise StoreError(
+                f"{self._where(i)}: {e}: the shard is corrupt or was altered; re-run the "
+                "extraction into a new directory"
+            ) from None
 
     def _note(self, totals: dict[str, PointStats], without: list[str]) -> None:
-        reason = (f"{without[0]}" + (f" and {len(without) - 1} other shard(s)" if len(without) > 1 else "")
-                  + " were written before hookscope kept per-dimension statistics in each shard"
-                  if without else "the store holds no rows")
+        reason = (
+            f"{without[0]}"
+            + (f" and {len(without) - 1} other shard(s)" if len(without) > 1 else "")
+            + " were written before hookscope kept per-dimension statistics in each shard"
+            if without
+            else "the store holds no rows"
+        )
         self._missing = {name: reason for name in totals}
 
 

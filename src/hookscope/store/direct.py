@@ -141,7 +141,7 @@ class Bounce:
                     if filled == 0 and in_flight[turn] is not None:
                         in_flight[turn].result()  # written (or raises): this buffer may be refilled
                     n = min(len(piece), BLOCK - filled)
-                    views[turn][filled:filled + n] = piece[:n]
+                    views[turn][filled : filled + n] = piece[:n]
                     piece, filled = piece[n:], filled + n
                     if filled == BLOCK:
                         in_flight[turn] = writer.submit(write_at, fd, views[turn], at)
@@ -151,8 +151,9 @@ class Bounce:
             if whole:
                 writes.append(writer.submit(write_at, fd, views[turn][:whole], at))
             if filled > whole:  # the last partial block: through the page cache
-                writes.append(writer.submit(write_at, fd, views[turn][whole:filled], at + whole,
-                                            through_cache=True))
+                writes.append(
+                    writer.submit(write_at, fd, views[turn][whole:filled], at + whole, through_cache=True)
+                )
         for w in writes:
             w.result()  # the first error (a full disk), raised here
 

@@ -78,8 +78,15 @@ class ShardEntry:
         return shard_identity(settings_hash, self.batches, self.rank)[IDENTITY]
 
     def to_json(self) -> dict[str, Any]:
-        out = {"file": self.file, "rows": self.rows, self.algorithm: self.checksum, "bytes": self.bytes,
-               "batches": [list(r) for r in self.batches], "rank": self.rank, "generation": self.generation}
+        out = {
+            "file": self.file,
+            "rows": self.rows,
+            self.algorithm: self.checksum,
+            "bytes": self.bytes,
+            "batches": [list(r) for r in self.batches],
+            "rank": self.rank,
+            "generation": self.generation,
+        }
         if self.stats is not None:
             out["stats"] = {k: s.to_json() for k, s in self.stats.items()}
         return out
@@ -89,8 +96,10 @@ def check_fits(entry: ShardEntry, row_bytes: int, where: str) -> None:
     """Refuse an entry claiming more rows than its bytes hold: bounds what a reader allocates from
     the manifest's word alone."""
     if entry.rows * row_bytes > entry.bytes:
-        raise ValueError(f"{where} ({entry.file}) claims {entry.rows} rows of {row_bytes} bytes each, "
-                         f"more than its {entry.bytes} bytes: the manifest or the shard is damaged")
+        raise ValueError(
+            f"{where} ({entry.file}) claims {entry.rows} rows of {row_bytes} bytes each, "
+            f"more than its {entry.bytes} bytes: the manifest or the shard is damaged"
+        )
 
 
 def expect(value: Any, kind: type, what: str) -> Any:
@@ -141,19 +150,34 @@ def _plain_shard(raw: Any) -> ShardEntry | None:
     algorithm = named[0]
     file, digest, runs, stats = raw.get("file"), raw.get(algorithm), raw.get("batches"), raw.get("stats")
     ints = raw.get("rows"), raw.get("bytes"), raw.get("rank"), raw.get("generation")
-    if (type(file) is not str or not file.startswith(SHARDS_DIR + "/") or ".." in file
-            or not file.endswith(".safetensors") or type(digest) is not str
-            or len(digest) != ALGORITHMS[algorithm] or not _HEX.fullmatch(digest)
-            or any(type(v) is not int or v < 0 for v in ints) or type(runs) is not list or not runs
-            or type(stats) is not dict):
+    if (
+        type(file) is not str
+        or not file.startswith(SHARDS_DIR + "/")
+        or ".." in file
+        or not file.endswith(".safetensors")
+        or type(digest) is not str
+        or len(digest) != ALGORITHMS[algorithm]
+        or not _HEX.fullmatch(digest)
+        or any(type(v) is not int or v < 0 for v in ints)
+        or type(runs) is not list
+        or not runs
+        or type(stats) is not dict
+    ):
         return None
     batches, last = [], -1
     for run in runs:
         if type(run) is not list or len(run) != 3:
             return None
         first, end, step = run
-        if (type(first) is not int or type(end) is not int or type(step) is not int or first <= last
-                or end < first or step < 1 or (end - first) % step):
+        if (
+            type(first) is not int
+            or type(end) is not int
+            or type(step) is not int
+            or first <= last
+            or end < first
+            or step < 1
+            or (end - first) % step
+        ):
             return None
         batches.append((first, end, step))
         last = end
@@ -162,8 +186,9 @@ def _plain_shard(raw: Any) -> ShardEntry | None:
     except (KeyError, TypeError, ValueError):
         return None
     rows, size, rank, generation = ints
-    return ShardEntry(file, rows, digest, size, tuple(batches), rank, generation, point_stats,
-                      algorithm=algorithm)
+    return ShardEntry(
+        file, rows, digest, size, tuple(batches), rank, generation, point_stats, algorithm=algorithm
+    )
 
 
 def _checked_shard(raw: Any, w: str) -> ShardEntry:
@@ -178,8 +203,9 @@ def _checked_shard(raw: Any, w: str) -> ShardEntry:
         runs.append((first, last, step))
     if not runs:
         raise ValueError(f"{w}.batches is empty")
-    stats = {k: stats_from_json(v, f"{w}.stats.{k}")
-             for k, v in expect(raw["stats"], dict, f"{w}.stats").items()}
+    stats = {
+        k: stats_from_json(v, f"{w}.stats.{k}") for k, v in expect(raw["stats"], dict, f"{w}.stats").items()
+    }
     generation = nonnegative(raw["generation"], f"{w}.generation")
     return ShardEntry(file, rows, digest, size, tuple(runs), rank, generation, stats, algorithm=algorithm)
 
@@ -192,8 +218,9 @@ def shard_v1_from_json(raw: Any, i: int, world_size: int) -> ShardEntry:
     end = nonnegative(raw["batch_end"], f"{w}.batch_end")
     if end < start or (end - start) % world_size:
         raise ValueError(f"{w}: batch_start..batch_end ({start}..{end}) is no run of step {world_size}")
-    return ShardEntry(file, rows, digest, size, ((start, end, world_size),), rank, legacy=True,
-                      algorithm=algorithm)
+    return ShardEntry(
+        file, rows, digest, size, ((start, end, world_size),), rank, legacy=True, algorithm=algorithm
+    )
 
 
 def stats_from_json(raw: Any, where: str) -> PointStats:

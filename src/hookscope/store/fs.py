@@ -32,8 +32,15 @@ CHUNK = 1 << 22  # 4 MiB reads: large enough to read at disk speed, small enough
 
 # the extra (pyproject.toml) behind each scheme, for the message when it is missing; hf:// needs none
 # (huggingface_hub, which transformers installs, brings its filesystem)
-_EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs", "az": "azure", "abfs": "azure",
-           "abfss": "azure"}
+_EXTRAS = {
+    "s3": "s3",
+    "s3a": "s3",
+    "gs": "gcs",
+    "gcs": "gcs",
+    "az": "azure",
+    "abfs": "azure",
+    "abfss": "azure",
+}
 
 Part = tuple[str, int, int]  # (object, start, end): bytes [start, end) of one object
 
@@ -183,8 +190,10 @@ class FS:
         if isinstance(error, FileNotFoundError):
             err = StoreError(f"{self.where(rel)}: listed in the manifest but missing")
         else:
-            err = StoreError(f"{self.where(rel)}: cannot read it ({error}); if it is shorter than the "
-                             "manifest says, it was truncated or replaced")
+            err = StoreError(
+                f"{self.where(rel)}: cannot read it ({error}); if it is shorter than the "
+                "manifest says, it was truncated or replaced"
+            )
         err.__cause__ = error
         return err
 
@@ -297,7 +306,9 @@ class RemoteFS(FS):
             fs, root = fsspec.core.url_to_fs(url, **(storage_options or {}))
         except ImportError as e:
             extra = _EXTRAS.get(scheme)
-            hint = f"pip install 'hookscope[{extra}]'" if extra else f"install fsspec's backend for {scheme}://"
+            hint = (
+                f"pip install 'hookscope[{extra}]'" if extra else f"install fsspec's backend for {scheme}://"
+            )
             raise StoreError(f"{url}: no filesystem for {scheme}:// is installed ({e}); {hint}") from e
         except ValueError as e:
             raise StoreError(f"{url}: not a store URL fsspec knows ({e})") from e
@@ -318,13 +329,19 @@ class RemoteFS(FS):
         return sorted(f["name"].rstrip("/").rsplit("/", 1)[-1] for f in self._ls(rel))
 
     def sizes(self, rel: str = "") -> dict[str, int]:
-        return {f["name"].rstrip("/").rsplit("/", 1)[-1]: int(f.get("size") or 0)
-                for f in self._ls(rel) if f.get("type", "file") == "file"}
+        return {
+            f["name"].rstrip("/").rsplit("/", 1)[-1]: int(f.get("size") or 0)
+            for f in self._ls(rel)
+            if f.get("type", "file") == "file"
+        }
 
     def size(self, rel: str) -> int | None:
         try:
-            info = self.fs.info(self.path(rel), refresh=True) if _takes_refresh(self.fs) \
+            info = (
+                self.fs.info(self.path(rel), refresh=True)
+                if _takes_refresh(self.fs)
                 else self.fs.info(self.path(rel))
+            )
         except FileNotFoundError:
             return None
         except OSError as e:
@@ -343,12 +360,18 @@ class RemoteFS(FS):
         if not parts:
             return []
         try:
-            datas = self.fs.cat_ranges([self.path(rel) for rel, _, _ in parts], [a for _, a, _ in parts],
-                                       [b for _, _, b in parts], on_error="return")
+            datas = self.fs.cat_ranges(
+                [self.path(rel) for rel, _, _ in parts],
+                [a for _, a, _ in parts],
+                [b for _, _, b in parts],
+                on_error="return",
+            )
         except OSError as e:
             raise StoreError(f"{self.url}: cannot read {parts[0][0]} ({e})") from e
-        out = [self._part_error(rel, d) if isinstance(d, BaseException) else d
-               for (rel, _, _), d in zip(parts, datas, strict=True)]
+        out = [
+            self._part_error(rel, d) if isinstance(d, BaseException) else d
+            for (rel, _, _), d in zip(parts, datas, strict=True)
+        ]
         self._count(sum(len(d) for d in out if isinstance(d, bytes)), len(parts))
         return out
 
@@ -362,8 +385,9 @@ class RemoteFS(FS):
         local.unlink()
 
     def staging(self, rel: str, owner: str) -> Path:
-        return Path(tempfile.mkdtemp(prefix=f"hookscope-stage-{owner}-",
-                                     dir=os.environ.get("HOOKSCOPE_STAGING_DIR")))
+        return Path(
+            tempfile.mkdtemp(prefix=f"hookscope-stage-{owner}-", dir=os.environ.get("HOOKSCOPE_STAGING_DIR"))
+        )
 
     def remove(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -88,8 +88,11 @@ def read_journal(fs: FS, name: str) -> list[tuple[str, ShardEntry]]:
     where = fs.where(name)
     if fs.remote:  # one listing, then every record in one concurrent batch of GETs
         parts = [(f"{name}/{n}", 0, size) for n, size in sorted(fs.sizes(name).items())]
-        lines = [(fs.where(rel), data) for (rel, _, _), data in zip(parts, fs.read_parts(parts), strict=True)
-                 if not isinstance(data, StoreError) or fs.size(rel) is not None]
+        lines = [
+            (fs.where(rel), data)
+            for (rel, _, _), data in zip(parts, fs.read_parts(parts), strict=True)
+            if not isinstance(data, StoreError) or fs.size(rel) is not None
+        ]
         for _, data in lines:  # one gone since the listing was compacted into the manifest, read after
             if isinstance(data, StoreError):
                 raise data
@@ -110,8 +113,10 @@ def read_journal(fs: FS, name: str) -> list[tuple[str, ShardEntry]]:
         except ValueError as e:  # a whole line with a bad entry is damage even when last
             if torn_allowed and k == len(lines) - 1 and isinstance(e, _Torn):
                 break  # the last line, cut short by a crash mid-append: that shard was not committed
-            raise StoreError(f"{at}: {e}; the store's commit journal is damaged. Re-run the extraction "
-                             "into a new directory") from None
+            raise StoreError(
+                f"{at}: {e}; the store's commit journal is damaged. Re-run the extraction "
+                "into a new directory"
+            ) from None
     return out
 
 
@@ -129,15 +134,23 @@ def applied(m: Manifest, records: list[tuple[str, ShardEntry]], manifest: str) -
         seen = known.get(e.file)
         if seen is not None:
             if seen != e:
-                raise StoreError(f"{at}: {e.file} is committed twice, with different entries; the store "
-                                 "is damaged. Re-run the extraction into a new directory")
+                raise StoreError(
+                    f"{at}: {e.file} is committed twice, with different entries; the store "
+                    "is damaged. Re-run the extraction into a new directory"
+                )
             continue  # already in the manifest (compacted, then a crash before the journal went)
         prefix = prefix or f"{SHARDS_DIR}/{shard_prefix(rank, m.generation)}"
-        if (m.version != VERSION or e.rank != rank or e.generation != m.generation
-                or not e.file.startswith(prefix)):
-            raise StoreError(f"{at}: an entry for {e.file} (rank {e.rank}, attempt {e.generation}) cannot "
-                             f"belong to {manifest} (rank {rank}, attempt {m.generation}); the store is "
-                             "damaged")
+        if (
+            m.version != VERSION
+            or e.rank != rank
+            or e.generation != m.generation
+            or not e.file.startswith(prefix)
+        ):
+            raise StoreError(
+                f"{at}: an entry for {e.file} (rank {e.rank}, attempt {e.generation}) cannot "
+                f"belong to {manifest} (rank {rank}, attempt {m.generation}); the store is "
+                "damaged"
+            )
         if not m.columns:
             raise StoreError(f"{at}: an entry, but {manifest} lists no columns yet; the store is damaged")
         try:
@@ -145,8 +158,10 @@ def applied(m: Manifest, records: list[tuple[str, ShardEntry]], manifest: str) -
         except ValueError as err:
             raise StoreError(str(err)) from None
         if set(e.stats or {}) != set(m.points):
-            raise StoreError(f"{at}: {e.file} has stats for {sorted(e.stats or {})}, the store's points "
-                             f"are {sorted(m.points)}; the store is damaged")
+            raise StoreError(
+                f"{at}: {e.file} has stats for {sorted(e.stats or {})}, the store's points "
+                f"are {sorted(m.points)}; the store is damaged"
+            )
         try:
             check_stats(e.stats or {}, m.points, f"{at}: stats")
         except ValueError as err:
@@ -160,9 +175,11 @@ def applied(m: Manifest, records: list[tuple[str, ShardEntry]], manifest: str) -
     for s in shards:
         for b in s.batch_indices():
             if holder.setdefault(b, s.file) != s.file:
-                raise StoreError(f"{manifest} and {journal_name(manifest)}: batch {b} is in both {holder[b]} "
-                                 f"and {s.file}; the store is damaged. Re-run the extraction into a new "
-                                 "directory")
+                raise StoreError(
+                    f"{manifest} and {journal_name(manifest)}: batch {b} is in both {holder[b]} "
+                    f"and {s.file}; the store is damaged. Re-run the extraction into a new "
+                    "directory"
+                )
     return dataclasses.replace(m, shards=shards, stats=summed_stats(shards))
 
 
@@ -175,8 +192,9 @@ def load_manifest(fs: FS, name: str) -> Manifest:
     return applied(m, records, name) if records else m
 
 
-def with_shard(old: Manifest, entry: ShardEntry, layout: dict[str, Column],
-               stats: dict[str, PointStats]) -> Manifest:
+def with_shard(
+    old: Manifest, entry: ShardEntry, layout: dict[str, Column], stats: dict[str, PointStats]
+) -> Manifest:
     """`old` with `entry` committed: kept in order of first batch, stats summed in that order. The
     shard list is `old`'s own, grown in place (a copy would cost O(shards) per commit): `Commits`
     calls it once the entry is durable, or on a copy when it rewrites the whole manifest."""
@@ -192,8 +210,10 @@ def with_shard(old: Manifest, entry: ShardEntry, layout: dict[str, Column],
 
 def _columns(layout: dict[str, Column], stats: dict[str, PointStats]) -> dict[str, dict[str, Column]]:
     """The manifest's `points` (the columns with statistics) and `meta` (the others)."""
-    return {"points": {k: c for k, c in layout.items() if k in stats},
-            "meta": {k: c for k, c in layout.items() if k not in stats}}
+    return {
+        "points": {k: c for k, c in layout.items() if k in stats},
+        "meta": {k: c for k, c in layout.items() if k not in stats},
+    }
 
 
 class Commits:
@@ -220,9 +240,11 @@ class Commits:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
-                raise StoreError(f"{self.fs.where(self.name)}: another run is writing this store right now "
-                                 "(it holds the lock on " + path.name + "); let it finish or stop it, then "
-                                 "run this again (it resumes)") from None
+                raise StoreError(
+                    f"{self.fs.where(self.name)}: another run is writing this store right now "
+                    "(it holds the lock on " + path.name + "); let it finish or stop it, then "
+                    "run this again (it resumes)"
+                ) from None
             try:  # the file a writer closing just then unlinked is no lock: take the one now there
                 if os.fstat(fd).st_ino == os.stat(path).st_ino:
                     self._lock = (fd, path)
@@ -265,12 +287,14 @@ class Commits:
         with contextlib.suppress(OSError):  # left behind, its entries are in the manifest: harmless
             self.fs.remove_tree(self.journal)
 
-    def commit(self, old: Manifest, entry: ShardEntry, layout: dict[str, Column],
-               stats: dict[str, PointStats]) -> Manifest:
+    def commit(
+        self, old: Manifest, entry: ShardEntry, layout: dict[str, Column], stats: dict[str, PointStats]
+    ) -> Manifest:
         """Commit `entry` durably; the manifest with it. Raises if it is not committed."""
         columns = _columns(layout, stats)
-        if ({**columns["points"], **columns["meta"]} != old.columns
-                or self.lines >= max(COMPACT_AFTER, self.based)):
+        if {**columns["points"], **columns["meta"]} != old.columns or self.lines >= max(
+            COMPACT_AFTER, self.based
+        ):
             new = with_shard(dataclasses.replace(old, shards=list(old.shards)), entry, layout, stats)
             self.compact(new)  # the whole manifest rewritten: O(shards) now and then, on a copy
             return new
@@ -300,7 +324,7 @@ def _append(path: Path, data: bytes) -> None:
         try:
             view = memoryview(data)
             while view:
-                view = view[os.write(fd, view):]
+                view = view[os.write(fd, view) :]
             os.fsync(fd)
         except BaseException:
             with contextlib.suppress(OSError):

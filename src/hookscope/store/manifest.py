@@ -42,6 +42,8 @@ from .stats import PointStats
 FORMAT = "hookscope-store"
 VERSION = 2  # 2: shards list their batches explicitly and carry their own stats (elastic resume)
 MANIFEST = "manifest.json"
+
+
 def manifest_name(rank: int, world_size: int, generation: int = 0) -> str:
     """`manifest.json` for a single process; `manifest.rank{r}.json` per rank under torchrun, and
     `manifest.rank{r}.gen{g}.json` for the ranks of a later attempt with another world size."""
@@ -65,8 +67,9 @@ def canonical_json(value: Any) -> str:
     try:
         return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False, allow_nan=False)
     except (TypeError, ValueError) as e:
-        raise StoreError("store settings must be plain JSON "
-                         f"(str, int, float, bool, None, list, dict): {e}") from e
+        raise StoreError(
+            f"store settings must be plain JSON (str, int, float, bool, None, list, dict): {e}"
+        ) from e
 
 
 def settings_hash(settings: dict[str, Any]) -> str:
@@ -227,24 +230,30 @@ class Manifest:
             raise ValueError("settings_hash does not match the settings (edited by hand?)")
         world_size = nonnegative(raw["world_size"], "world_size", minimum=1)
         raw_shards = expect(raw["shards"], list, "shards")
-        shards = ([shard_v1_from_json(s, i, world_size) for i, s in enumerate(raw_shards)] if version == 1
-                  else [shard_from_json(s, f"shards[{i}]") for i, s in enumerate(raw_shards)])
+        shards = (
+            [shard_v1_from_json(s, i, world_size) for i, s in enumerate(raw_shards)]
+            if version == 1
+            else [shard_from_json(s, f"shards[{i}]") for i, s in enumerate(raw_shards)]
+        )
         m = cls(
             settings=settings,
             world_size=world_size,
             points=_columns(raw["points"], "points"),
             meta=_columns(raw["meta"], "meta"),
             shards=shards,
-            stats={k: stats_from_json(v, f"stats.{k}")
-                   for k, v in expect(raw["stats"], dict, "stats").items()},
+            stats={
+                k: stats_from_json(v, f"stats.{k}") for k, v in expect(raw["stats"], dict, "stats").items()
+            },
             settings_hash=stored_hash,
             generation=0 if version == 1 else nonnegative(raw["generation"], "generation"),
             version=version,
         )
         if nonnegative(raw["rows"], "rows") != m.rows or nonnegative(raw["bytes"], "bytes") != m.bytes:
             raise ValueError("totals 'rows'/'bytes' disagree with the shard list")
-        for where, stats in [("stats", m.stats), *((f"shards[{i}].stats", s.stats or {})
-                                                   for i, s in enumerate(m.shards))]:
+        for where, stats in [
+            ("stats", m.stats),
+            *((f"shards[{i}].stats", s.stats or {}) for i, s in enumerate(m.shards)),
+        ]:
             check_stats(stats, m.points, where)
         if version != 1 and m.stats != summed_stats(m.shards):
             raise ValueError("'stats' disagree with the sum of the shards' stats")
@@ -273,12 +282,11 @@ def _columns(raw: Any, what: str) -> dict[str, Column]:
     out = {}
     for name, c in expect(raw, dict, what).items():
         expect(c, dict, f"{what}.{name}")
-        shape = tuple(nonnegative(d, f"{what}.{name}.shape")
-                      for d in expect(c["shape"], list, f"{what}.{name}.shape"))
+        shape = tuple(
+            nonnegative(d, f"{what}.{name}.shape") for d in expect(c["shape"], list, f"{what}.{name}.shape")
+        )
         dtype = expect(c["dtype"], str, f"{what}.{name}.dtype")
         if not isinstance(getattr(torch, dtype, None), torch.dtype):
             raise ValueError(f"{what}.{name}.dtype {dtype!r} is not a torch dtype")
         out[name] = Column(shape, dtype)
     return out
-
-

@@ -101,20 +101,24 @@ class Mapper:
         # a part: one combination of runs (one per column); almost always a single one
         keys = [tuple(placed[i][n][:2] for n in self.names) for i in shards]
         distinct = list(dict.fromkeys(keys))
-        sources = [{n: runs[owner].tensor(run) for n, (owner, run) in zip(self.names, key, strict=True)}
-                   for key in distinct]
+        sources = [
+            {n: runs[owner].tensor(run) for n, (owner, run) in zip(self.names, key, strict=True)}
+            for key in distinct
+        ]
         part = [distinct.index(k) for k in keys]
         sizes = [entries[i].rows for i in shards]
         if len(self.names) == 1:
             firsts = [placed[i][self.names[0]][2] for i in shards]
             return Layout(sources, self.dtypes, located_rows(part, firsts, sizes), hold=runs)
-        rows = {n: located_rows([0] * len(shards), [placed[i][n][2] for i in shards], sizes)
-                for n in self.names}
+        rows = {
+            n: located_rows([0] * len(shards), [placed[i][n][2] for i in shards], sizes) for n in self.names
+        }
         parts = np.repeat(np.array(part, dtype=np.int64), sizes)
         return Layout(sources, self.dtypes, np.arange(len(parts), dtype=np.int64), parts, rows, hold=runs)
 
-    def _place(self, runs: dict[str, Runs], path: str,
-               offsets: dict[str, int]) -> dict[str, tuple[str, int, int]]:
+    def _place(
+        self, runs: dict[str, Runs], path: str, offsets: dict[str, int]
+    ) -> dict[str, tuple[str, int, int]]:
         """Map one shard file: each column's (the column whose runs hold it, run, first row). The file
         is mapped once for all the columns that lie a whole number of rows after an earlier column of
         the same row shape and element size (a writer's equal columns, side by side): they are rows
@@ -134,8 +138,10 @@ class Mapper:
     def _new_runs(self, shards: Sequence[int]) -> dict[str, Runs]:
         entries = self.store.manifest.shards
         file_bytes = sum(entries[i].bytes for i in shards)
-        return {n: Runs(file_bytes, len(shards), tuple(self.store.manifest.columns[n].shape), self.dtypes[n])
-                for n in self.names}
+        return {
+            n: Runs(file_bytes, len(shards), tuple(self.store.manifest.columns[n].shape), self.dtypes[n])
+            for n in self.names
+        }
 
 
 def ram_bytes() -> int:

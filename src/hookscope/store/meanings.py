@@ -31,9 +31,13 @@ def refusal(stored: dict[str, Any], wanted: dict[str, Any], where: str) -> str |
     changed = changed_meanings(stored, wanted)
     if not changed:
         return None
-    lines = "\n".join(f"  {point}: this store holds {held}; hookscope now writes {means}"
-                      for point, (held, means) in changed.items())
-    return (f"{where} cannot be resumed: a point it holds changed meaning since it was written, so new "
-            f"rows would not match its old ones:\n{lines}\nIt still opens for reading (hs.open_store), "
-            f"and its rows keep their old meaning. To extend it, extract into a new --out directory "
-            f"(the old meaning is reachable under the names above, e.g. *.out_pre_norm, *.out_pre_scale).")
+    lines = "\n".join(
+        f"  {point}: this store holds {held}; hookscope now writes {means}"
+        for point, (held, means) in changed.items()
+    )
+    return (
+        f"{where} cannot be resumed: a point it holds changed meaning since it was written, so new "
+        f"rows would not match its old ones:\n{lines}\nIt still opens for reading (hs.open_store), "
+        f"and its rows keep their old meaning. To extend it, extract into a new --out directory "
+        f"(the old meaning is reachable under the names above, e.g. *.out_pre_norm, *.out_pre_scale)."
+    )

@@ -40,12 +40,18 @@ class StoreView:
         puts the store card: not a change."""
         deal = self.plan.deal
         theirs = {manifest_name(r, deal.world_size, deal.generation) for r in range(deal.world_size)} - {
-            manifest_name(self.rank, deal.world_size, deal.generation)}
+            manifest_name(self.rank, deal.world_size, deal.generation)
+        }
 
         def mine(sizes: dict[str, int]) -> dict[str, int]:
             # theirs: their manifests, and the files named after them (.tmp, journal, lock)
-            return {k: v for k, v in sizes.items() if k not in (CARD, CARD + ".tmp") and k not in theirs
-                    and not any(k.startswith(t.removesuffix(".json") + ".") for t in theirs)}
+            return {
+                k: v
+                for k, v in sizes.items()
+                if k not in (CARD, CARD + ".tmp")
+                and k not in theirs
+                and not any(k.startswith(t.removesuffix(".json") + ".") for t in theirs)
+            }
 
         return mine(fs.sizes()) != mine(self.sizes)
 
@@ -55,6 +61,8 @@ def store_names(fs: Any) -> list[str]:
     names = fs.list()
     foreign = [n for n in names if n != SHARDS_DIR and not n.startswith("manifest")]
     if foreign and not any(is_manifest(n) for n in names):
-        raise StoreError(f"{fs.url} is not empty and is not a hookscope store "
-                         f"(it holds {sorted(foreign)[:5]}); choose a new or empty --out directory")
+        raise StoreError(
+            f"{fs.url} is not empty and is not a hookscope store "
+            f"(it holds {sorted(foreign)[:5]}); choose a new or empty --out directory"
+        )
     return names

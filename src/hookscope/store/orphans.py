@@ -11,18 +11,27 @@ from .manifest import SHARDS_DIR
 _LIBRARY_TEMP = re.compile(r"\.tmp[A-Za-z0-9]{6}")
 
 
-def remove_orphans(fs: FS, rank: int, generation: int, prefix: str, listed: set[str], manifest_name: str,
-                   found_at_open: list[str]) -> None:
+def remove_orphans(
+    fs: FS,
+    rank: int,
+    generation: int,
+    prefix: str,
+    listed: set[str],
+    manifest_name: str,
+    found_at_open: list[str],
+) -> None:
     """Delete leftovers of a crash: this rank's staging directory (a half-written shard and any
     temporary file safetensors made beside it), `.tmp` files and the shards no manifest lists
     (`listed`: file names), and (rank 0) those of earlier attempts, whose processes have stopped,
     and safetensors' temporary files in shards/ itself (only writers before the staging
     directories left them); and this writer's manifest's cut-short `.tmp`."""
+
     def debris(name: str) -> bool:
         if rank == 0 and _LIBRARY_TEMP.fullmatch(name):
             return True
-        if not name.startswith(prefix) and (rank != 0 or not name.startswith("shard-")
-                                            or _of_generation(name, generation)):
+        if not name.startswith(prefix) and (
+            rank != 0 or not name.startswith("shard-") or _of_generation(name, generation)
+        ):
             return False  # another rank's of this attempt: it may be writing it right now
         return name.endswith(".tmp") or name not in listed
 

@@ -38,8 +38,9 @@ class BlockCache:
     send them at once). Every GET must return exactly the bytes asked for: a short answer means the
     object is shorter than listed (truncated or replaced), an error naming the object."""
 
-    def __init__(self, fs: FS, sizes: dict[str, int], *, block_bytes: int | None = None,
-                 max_bytes: int | None = None):
+    def __init__(
+        self, fs: FS, sizes: dict[str, int], *, block_bytes: int | None = None, max_bytes: int | None = None
+    ):
         self.fs = fs
         self.sizes = sizes  # rel -> object size, as listed when the store was opened
         # 8 MiB: the size of ranged GET that object stores serve at full speed, few enough requests
@@ -58,8 +59,10 @@ class BlockCache:
         for extent, start, end in ranges:
             size = self.sizes.get(rel)
             if size is None or not 0 <= extent[0] <= start <= end <= extent[1] <= size:
-                raise StoreError(f"{self.fs.url}/{rel}: bytes {start}-{end} of extent {extent} asked "
-                                 f"for, but the object has {size} bytes")
+                raise StoreError(
+                    f"{self.fs.url}/{rel}: bytes {start}-{end} of extent {extent} asked "
+                    f"for, but the object has {size} bytes"
+                )
             keys.append([(rel, extent, b) for b in self._span(extent, start, end)])
         got: dict[tuple[str, Extent, int], bytes] = {}
         with self._lock:
@@ -96,9 +99,11 @@ class BlockCache:
         datas = self.fs.read_ranges(rel, ranges)
         for (start, end), data in zip(ranges, datas, strict=True):
             if len(data) != end - start:
-                raise StoreError(f"{self.fs.url}/{rel}: bytes {start}-{end} came back as {len(data)} "
-                                 f"bytes: the object is shorter than the {self.sizes[rel]} listed when the "
-                                 "store was opened (truncated or replaced while read); re-open the store")
+                raise StoreError(
+                    f"{self.fs.url}/{rel}: bytes {start}-{end} came back as {len(data)} "
+                    f"bytes: the object is shorter than the {self.sizes[rel]} listed when the "
+                    "store was opened (truncated or replaced while read); re-open the store"
+                )
         got = dict(zip(keys, datas, strict=True))
         with self._lock:
             for key, data in got.items():

@@ -64,8 +64,10 @@ class RangedShards:
     def rows(self, i: int, names: list[str], lo: int, hi: int) -> dict[str, torch.Tensor]:
         """Rows [lo, hi) of columns `names` of shard `i`: one byte range per column."""
         datas = self.blocks.read_many(self.manifest.shards[i].file, self._column_ranges(i, names, lo, hi))
-        return {name: tensor_of(data, self.manifest.columns[name], hi - lo)
-                for name, data in zip(names, datas, strict=True)}
+        return {
+            name: tensor_of(data, self.manifest.columns[name], hi - lo)
+            for name, data in zip(names, datas, strict=True)
+        }
 
     def header(self, i: int, fresh: bool = False) -> Header:
         """Shard `i`'s checked header: one small ranged GET (`fresh`: as the object is now)."""
@@ -85,8 +87,15 @@ class RangedShards:
                 head = self._heads.pop(i, None)
             if head is None:
                 head = self._fetch_heads(i)
-        header = checked_header(where, head, size, entry, self.manifest.settings_hash, self.manifest.columns,
-                                lambda start, end: self.fs.read_ranges(entry.file, [(start, end)])[0])
+        header = checked_header(
+            where,
+            head,
+            size,
+            entry,
+            self.manifest.settings_hash,
+            self.manifest.columns,
+            lambda start, end: self.fs.read_ranges(entry.file, [(start, end)])[0],
+        )
         with self._header_lock:
             self._headers[i] = header
         return header
@@ -105,8 +114,10 @@ class RangedShards:
         """Fetch shard `i`'s header and columns `names` into the block cache in the background. A
         damaged shard is reported when it is read, not here."""
         rows = self.manifest.shards[i].rows
-        if rows * sum(self.manifest.columns[n].row_bytes for n in names) * _READ_AHEAD \
-                > self.blocks.max_bytes // 2:  # it would push out what it was fetched for
+        if (
+            rows * sum(self.manifest.columns[n].row_bytes for n in names) * _READ_AHEAD
+            > self.blocks.max_bytes // 2
+        ):  # it would push out what it was fetched for
             return
         if i not in self.ahead:
             self.ahead[i] = self._pool.submit(self._fetch_ahead, i, names)
@@ -120,9 +131,13 @@ class RangedShards:
         known yet, and whose listed size is right, come in the same concurrent batch: a scan,
         sequential or shuffled, waits one round trip per batch of headers, not per shard."""
         shards, sizes = self.manifest.shards, self.blocks.sizes
-        batch = [i] + [j for j in range(i + 1, min(i + _HEADER_BATCH, len(shards)))
-                       if j not in self._headers and j not in self._heads
-                       and sizes.get(shards[j].file) == shards[j].bytes][: _HEADER_BATCH - 1]
+        batch = [i] + [
+            j
+            for j in range(i + 1, min(i + _HEADER_BATCH, len(shards)))
+            if j not in self._headers
+            and j not in self._heads
+            and sizes.get(shards[j].file) == shards[j].bytes
+        ][: _HEADER_BATCH - 1]
         first = HEAD_BYTES + stats_header_bytes(self.manifest.points)  # the statistics too: one GET
         datas = self.fs.read_parts([(shards[j].file, 0, min(sizes[shards[j].file], first)) for j in batch])
         with self._header_lock:

@@ -32,13 +32,16 @@ from .stats import stats_header_bytes
 if TYPE_CHECKING:
     from .dataset import ActivationDataset
 
-_UNMERGED = ("{root}: only per-rank manifests here; the torchrun job did not finish. Re-run it with "
-             "any number of processes (it resumes), or merge them with "
-             "hookscope.store.merge_rank_manifests(path)")
+_UNMERGED = (
+    "{root}: only per-rank manifests here; the torchrun job did not finish. Re-run it with "
+    "any number of processes (it resumes), or merge them with "
+    "hookscope.store.merge_rank_manifests(path)"
+)
 
 
-def open_store(location: str | os.PathLike, *, verify: bool = False,
-               storage_options: dict[str, Any] | None = None) -> Store:
+def open_store(
+    location: str | os.PathLike, *, verify: bool = False, storage_options: dict[str, Any] | None = None
+) -> Store:
     """Open the store at `location` (a directory with manifest.json, `file://DIR`, or a URL such as
     s3://bucket/dir: see store/fs.py); `verify=True` also checks every shard's size and checksum
     against the manifest. A remote store is read with ranged GETs of only the columns and rows asked
@@ -68,8 +71,10 @@ def open_store(location: str | os.PathLike, *, verify: bool = False,
     present = sizes or {f"{SHARDS_DIR}/{name}" for name in fs.file_names(SHARDS_DIR)}
     missing = [s.file for s in manifest.shards if s.file not in present]
     if missing:
-        raise StoreError(f"{fs}: {len(missing)} shard file(s) listed in the manifest are missing or not "
-                         f"regular files, e.g. {missing[0]}")
+        raise StoreError(
+            f"{fs}: {len(missing)} shard file(s) listed in the manifest are missing or not "
+            f"regular files, e.g. {missing[0]}"
+        )
     store = Store(fs, manifest, sizes)
     if verify:
         store.verify()
@@ -124,8 +129,10 @@ class Store:
         return self._starts[i]
 
     def __repr__(self) -> str:
-        return (f"Store({str(self.path)!r}, rows={len(self)}, shards={self.num_shards}, "
-                f"points={list(self.points)})")
+        return (
+            f"Store({str(self.path)!r}, rows={len(self)}, shards={self.num_shards}, "
+            f"points={list(self.points)})"
+        )
 
     def shard(self, i: int) -> dict[str, torch.Tensor]:
         """Every column of shard `i`, memory-mapped (pages are read when touched); on a URL, read
@@ -158,21 +165,38 @@ class Store:
         where = self.fs.where(entry.file)
         size = check_size(where, self.fs.size(entry.file), entry)
         head = self.fs.read_ranges(entry.file, [(0, min(size, HEAD_BYTES))])[0]
-        return checked_header(where, head, size, entry, self.manifest.settings_hash, self.manifest.columns,
-                              lambda start, end: self.fs.read_ranges(entry.file, [(start, end)])[0])
+        return checked_header(
+            where,
+            head,
+            size,
+            entry,
+            self.manifest.settings_hash,
+            self.manifest.columns,
+            lambda start, end: self.fs.read_ranges(entry.file, [(start, end)])[0],
+        )
 
     def _stats_header(self, i: int) -> Header:
         """Shard `i`'s checked header with its per-dimension statistics (not kept: headers a
         reader caches leave them out), in one read where the statistics fit the first bytes."""
         entry = self.manifest.shards[i]
         where = self.fs.where(entry.file)
-        size = check_size(where, self.fs.size(entry.file) if self._ranged is None
-                          else self._ranged.blocks.sizes.get(entry.file), entry)
+        size = check_size(
+            where,
+            self.fs.size(entry.file) if self._ranged is None else self._ranged.blocks.sizes.get(entry.file),
+            entry,
+        )
         first = min(size, HEAD_BYTES + stats_header_bytes(self.manifest.points))
         head = self.fs.read_ranges(entry.file, [(0, first)])[0]
-        return checked_header(where, head, size, entry, self.manifest.settings_hash, self.manifest.columns,
-                              lambda start, end: self.fs.read_ranges(entry.file, [(start, end)])[0],
-                              keep_stats=True)
+        return checked_header(
+            where,
+            head,
+            size,
+            entry,
+            self.manifest.settings_hash,
+            self.manifest.columns,
+            lambda start, end: self.fs.read_ranges(entry.file, [(start, end)])[0],
+            keep_stats=True,
+        )
 
     def read_ahead(self, shards: Sequence[int], names: Sequence[str] | None = None) -> None:
         """On a URL, start fetching columns `names` of `shards` into the block cache in the background,
@@ -192,8 +216,11 @@ class Store:
         while start < stop:
             lo, hi = start - self._starts[i], min(stop, self._starts[i + 1]) - self._starts[i]
             if hi > lo:
-                parts.append(self._ranged.rows(i, names, lo, hi) if self._ranged is not None
-                             else {k: v[lo:hi] for k, v in ((k, self.shard(i)[k]) for k in names)})
+                parts.append(
+                    self._ranged.rows(i, names, lo, hi)
+                    if self._ranged is not None
+                    else {k: v[lo:hi] for k, v in ((k, self.shard(i)[k]) for k in names)}
+                )
             start, i = self._starts[i] + hi, i + 1
         if len(parts) == 1:
             return parts[0]
@@ -219,13 +246,17 @@ class Store:
         workers = max(1, min(workers or 4 * (os.cpu_count() or 1), n))
         step = max(1, min(256, n // (4 * workers)))  # a task is a run of shards: few tasks, even ends
         with ThreadPoolExecutor(workers, thread_name_prefix="hookscope-verify") as pool:
-            runs = pool.map(lambda a: [self._problem(i) for i in range(a, min(a + step, n))],
-                            range(0, n, step))
+            runs = pool.map(
+                lambda a: [self._problem(i) for i in range(a, min(a + step, n))], range(0, n, step)
+            )
             problems = [p for run in runs for p in run]
         bad = [f"{entry.file}: {p}" for entry, p in zip(self.manifest.shards, problems, strict=True) if p]
         if bad:
-            raise StoreError(f"{self.path}: {len(bad)} of {self.num_shards} shards are damaged:\n  "
-                             + "\n  ".join(bad) + "\nRe-run the extraction into a new directory.")
+            raise StoreError(
+                f"{self.path}: {len(bad)} of {self.num_shards} shards are damaged:\n  "
+                + "\n  ".join(bad)
+                + "\nRe-run the extraction into a new directory."
+            )
 
     def _problem(self, i: int) -> str | None:
         """What is wrong with shard `i` (size, every byte's checksum, streamed, then its header), or None."""
@@ -270,8 +301,15 @@ class Store:
                 f.seek(start)
                 return f.read(end - start)
 
-            checked_header(self.fs.where(entry.file), head, size, entry, self.manifest.settings_hash,
-                           self.manifest.columns, rest)
+            checked_header(
+                self.fs.where(entry.file),
+                head,
+                size,
+                entry,
+                self.manifest.settings_hash,
+                self.manifest.columns,
+                rest,
+            )
         return None
 
     def tensor(self, name: str) -> torch.Tensor:
@@ -314,6 +352,7 @@ class Store:
         names = list(self.manifest.columns) if names is None else list(names)
         unknown = [n for n in names if n not in self.manifest.columns]
         if unknown:
-            raise StoreError(f"{self.path}: no column {unknown[0]!r}; "
-                             f"the store has {list(self.manifest.columns)}")
+            raise StoreError(
+                f"{self.path}: no column {unknown[0]!r}; the store has {list(self.manifest.columns)}"
+            )
         return names

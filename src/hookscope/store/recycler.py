@@ -73,4 +73,3 @@ def empty_shared(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     one then passes a handle instead of copying it into shared memory first)."""
     nbytes = max(1, int(np.prod(shape, dtype=np.int64)) * dtype.itemsize)
     return torch.empty(0, dtype=dtype).set_(torch.UntypedStorage._new_shared(nbytes), 0, shape)
-

@@ -105,20 +105,25 @@ def union_shards(manifests: list[tuple[str, Manifest]], where: str) -> list[Shar
         for s in m.shards:
             seen = by_file.setdefault(s.file, s)
             if seen != s:
-                raise StoreError(f"{where}: {name} lists {s.file} differently from another manifest; the "
-                                 "store is damaged. Re-run the extraction into a new directory")
+                raise StoreError(
+                    f"{where}: {name} lists {s.file} differently from another manifest; the "
+                    "store is damaged. Re-run the extraction into a new directory"
+                )
     shards = sorted(by_file.values(), key=lambda s: s.batch_start)
     holder: dict[int, str] = {}
     for s in shards:
         for b in s.batch_indices():
             if holder.setdefault(b, s.file) != s.file:
-                raise StoreError(f"{where}: batch {b} is in both {holder[b]} and {s.file}; the store is "
-                                 "damaged. Re-run the extraction into a new directory")
+                raise StoreError(
+                    f"{where}: batch {b} is in both {holder[b]} and {s.file}; the store is "
+                    "damaged. Re-run the extraction into a new directory"
+                )
     return shards
 
 
-def plan(manifests: list[tuple[str, Manifest]], settings: dict[str, Any], world_size: int,
-         where: str) -> Plan:
+def plan(
+    manifests: list[tuple[str, Manifest]], settings: dict[str, Any], world_size: int, where: str
+) -> Plan:
     """Check that `manifests` belong to a store made with `settings`, and deal the rest."""
     wanted = settings_hash(settings)
     for name, m in manifests:
@@ -126,19 +131,24 @@ def plan(manifests: list[tuple[str, Manifest]], settings: dict[str, Any], world_
             raise StoreError(
                 f"{where} was written by an older hookscope (store format {m.version}, in {name}): it opens "
                 "for reading, but this version cannot resume or extend it. Finish it with the hookscope "
-                "that started it, or use a new --out directory")
+                "that started it, or use a new --out directory"
+            )
         if m.settings_hash != wanted:
             why = meanings.refusal(m.settings, settings, where)
             if why:
                 raise StoreError(why)
             diff = "\n  ".join(settings_diff(m.settings, settings))
-            raise StoreError(f"{where} already holds a store made with different settings:\n  {diff}\n"
-                             f"Use a new --out directory, or delete {where} to start over.")
+            raise StoreError(
+                f"{where} already holds a store made with different settings:\n  {diff}\n"
+                f"Use a new --out directory, or delete {where} to start over."
+            )
     shards = union_shards(manifests, where)
     layouts = {(tuple(m.points.items()), tuple(m.meta.items())) for _, m in manifests if m.shards}
     if len(layouts) > 1:
-        raise StoreError(f"{where}: the manifests hold different columns (points, shapes or dtypes); "
-                         "the store is damaged. Re-run the extraction into a new directory")
+        raise StoreError(
+            f"{where}: the manifests hold different columns (points, shapes or dtypes); "
+            "the store is damaged. Re-run the extraction into a new directory"
+        )
     points, meta = (dict(c) for c in next(iter(layouts))) if layouts else ({}, {})
     latest = max((m.generation for _, m in manifests), default=None)
     if latest is None:
@@ -146,8 +156,10 @@ def plan(manifests: list[tuple[str, Manifest]], settings: dict[str, Any], world_
     else:
         sizes = {m.world_size for _, m in manifests if m.generation == latest}
         if len(sizes) != 1:
-            raise StoreError(f"{where}: the manifests of attempt {latest} disagree on its number of "
-                             f"processes ({sorted(sizes)}); the store is damaged")
+            raise StoreError(
+                f"{where}: the manifests of attempt {latest} disagree on its number of "
+                f"processes ({sorted(sizes)}); the store is damaged"
+            )
         generation = latest if sizes == {world_size} else latest + 1
     done_before = sorted(b for s in shards if s.generation < generation for b in s.batch_indices())
     return Plan(Deal(generation, world_size, tuple(done_before)), shards, points, meta, dict(manifests))
@@ -173,15 +185,27 @@ def merge_rank_manifests(out_dir: str | os.PathLike, world_size: int | None = No
     if world_size is not None and world_size != latest.world_size:
         raise StoreError(f"{out}: its latest run had {latest.world_size} process(es), not {world_size}")
     names = {name for name, _ in manifests}
-    missing = [r for r in range(latest.world_size)
-               if manifest_name(r, latest.world_size, latest.generation) not in names]
+    missing = [
+        r
+        for r in range(latest.world_size)
+        if manifest_name(r, latest.world_size, latest.generation) not in names
+    ]
     if missing:
-        raise StoreError(f"{out}: rank {missing[0]} of the latest run left no manifest; re-run the job "
-                         "(it resumes) to finish the store")
+        raise StoreError(
+            f"{out}: rank {missing[0]} of the latest run left no manifest; re-run the job "
+            "(it resumes) to finish the store"
+        )
     united = plan(manifests, latest.settings, latest.world_size, out)
-    merged = Manifest(settings=latest.settings, world_size=latest.world_size, generation=latest.generation,
-                      points=united.points, meta=united.meta, shards=united.shards,
-                      stats=summed_stats(united.shards), settings_hash=latest.settings_hash)
+    merged = Manifest(
+        settings=latest.settings,
+        world_size=latest.world_size,
+        generation=latest.generation,
+        points=united.points,
+        meta=united.meta,
+        shards=united.shards,
+        stats=summed_stats(united.shards),
+        settings_hash=latest.settings_hash,
+    )
     fs.put(MANIFEST, merged.to_bytes())
     fs.remove_tree(journal_name(MANIFEST))  # a single process's commits of an earlier attempt: merged now
     return merged

@@ -48,8 +48,9 @@ def select(columns: dict[str, Column], point: str | Sequence[str], stack: bool, 
     glob matches something, a stack's columns share shape and dtype)."""
     patterns = [point] if isinstance(point, str) else list(point)
     if not patterns:
-        raise StoreError("no column named: pass a point name, a glob such as 'blocks.*.resid_post', "
-                         "or a list")
+        raise StoreError(
+            "no column named: pass a point name, a glob such as 'blocks.*.resid_post', or a list"
+        )
     outputs: dict[str, list[str]] = {}
     stacked: set[str] = set()
     for pattern in patterns:
@@ -60,8 +61,10 @@ def select(columns: dict[str, Column], point: str | Sequence[str], stack: bool, 
             if not matched:
                 raise StoreError(f"{where}: {pattern!r} matches no column; the store has {list(columns)}")
         else:
-            raise StoreError(f"{where}: no column {pattern!r}; the store has {list(columns)}"
-                             + _in_a_stack(columns, pattern))
+            raise StoreError(
+                f"{where}: no column {pattern!r}; the store has {list(columns)}"
+                + _in_a_stack(columns, pattern)
+            )
         if stack and _is_glob(pattern) and pattern not in columns:
             outputs[pattern] = matched
             stacked.add(pattern)
@@ -69,8 +72,10 @@ def select(columns: dict[str, Column], point: str | Sequence[str], stack: bool, 
             outputs.update({name: [name] for name in matched})
     names = list(dict.fromkeys(n for group in outputs.values() for n in group))
     if len(names) < sum(len(group) for group in outputs.values()):
-        raise StoreError(f"{where}: {patterns} name some columns twice (a stack's columns may be in no "
-                         "other stack and not named on their own)")
+        raise StoreError(
+            f"{where}: {patterns} name some columns twice (a stack's columns may be in no "
+            "other stack and not named on their own)"
+        )
     _check_stacks(columns, {k: v for k, v in outputs.items() if k in stacked}, where)
     lone = stack or not _is_glob(point) or point in columns  # a stored stack is one column
     single = isinstance(point, str) and len(outputs) == 1 and lone
@@ -81,8 +86,10 @@ def _in_a_stack(columns: dict[str, Column], name: str) -> str:
     """Where `name` is stored when a stacked column (`--stack`) holds it, in words, else ''."""
     for column in columns:
         if _is_glob(column) and fnmatch.fnmatchcase(name, column):
-            return (f"; {name} is stored inside the stacked column {column!r} (written with --stack): read "
-                    f"that column, [rows, blocks, ...] in block order, and index its second dimension")
+            return (
+                f"; {name} is stored inside the stacked column {column!r} (written with --stack): read "
+                f"that column, [rows, blocks, ...] in block order, and index its second dimension"
+            )
     return ""
 
 
@@ -91,16 +98,20 @@ def _check_stacks(columns: dict[str, Column], outputs: dict[str, list[str]], whe
         kinds = {(columns[n].shape, columns[n].dtype) for n in group}
         if len(kinds) > 1:
             shown = ", ".join(f"{n} {list(columns[n].shape)} {columns[n].dtype}" for n in group)
-            raise StoreError(f"{where}: {pattern!r} matches columns of different shapes or dtypes ({shown}); "
-                             "stack=True needs one shape and dtype: narrow the pattern")
+            raise StoreError(
+                f"{where}: {pattern!r} matches columns of different shapes or dtypes ({shown}); "
+                "stack=True needs one shape and dtype: narrow the pattern"
+            )
     if len(outputs) > 1:
         blocks = {p: [_numbers(n) for n in group] for p, group in outputs.items()}
         first, *rest = blocks.items()
         for p, b in rest:
             if b != first[1]:
-                raise StoreError(f"{where}: stacked patterns must match the same blocks so that index l "
-                                 f"of each stack is one block: {first[0]!r} matches {outputs[first[0]]}, "
-                                 f"{p!r} matches {outputs[p]}")
+                raise StoreError(
+                    f"{where}: stacked patterns must match the same blocks so that index l "
+                    f"of each stack is one block: {first[0]!r} matches {outputs[first[0]]}, "
+                    f"{p!r} matches {outputs[p]}"
+                )
 
 
 def _numbers(name: str) -> tuple[int, ...]:

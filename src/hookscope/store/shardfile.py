@@ -26,11 +26,22 @@ from .direct import Bounce, open_for_writing, write_at
 # safetensors' name of each dtype, and its rank in safetensors' own order of dtypes: a file holds
 # its tensors by descending rank, then by name (safetensors' `prepare`)
 DTYPES: dict[torch.dtype, tuple[str, int]] = {
-    torch.bool: ("BOOL", 0), torch.uint8: ("U8", 1), torch.int8: ("I8", 2),
-    torch.float8_e5m2: ("F8_E5M2", 3), torch.float8_e4m3fn: ("F8_E4M3", 4), torch.int16: ("I16", 5),
-    torch.uint16: ("U16", 6), torch.float16: ("F16", 7), torch.bfloat16: ("BF16", 8), torch.int32: ("I32", 9),
-    torch.uint32: ("U32", 10), torch.float32: ("F32", 11), torch.complex64: ("C64", 12),
-    torch.float64: ("F64", 13), torch.int64: ("I64", 14), torch.uint64: ("U64", 15),
+    torch.bool: ("BOOL", 0),
+    torch.uint8: ("U8", 1),
+    torch.int8: ("I8", 2),
+    torch.float8_e5m2: ("F8_E5M2", 3),
+    torch.float8_e4m3fn: ("F8_E4M3", 4),
+    torch.int16: ("I16", 5),
+    torch.uint16: ("U16", 6),
+    torch.float16: ("F16", 7),
+    torch.bfloat16: ("BF16", 8),
+    torch.int32: ("I32", 9),
+    torch.uint32: ("U32", 10),
+    torch.float32: ("F32", 11),
+    torch.complex64: ("C64", 12),
+    torch.float64: ("F64", 13),
+    torch.int64: ("I64", 14),
+    torch.uint64: ("U64", 15),
 }
 PIECE = 8 * 2**20  # bytes one thread writes at a time: a few per shard per thread, each hashed in cache
 
@@ -39,9 +50,11 @@ Columns = Mapping[str, Sequence[torch.Tensor]]  # name -> the parts (batches) of
 
 def writable(columns: Columns) -> bool:
     """Whether every part is a contiguous CPU tensor of a dtype this module writes."""
-    return all(p.dtype in DTYPES and p.device.type == "cpu" and p.is_contiguous()
-               for parts in columns.values() for p in parts) and all(
-        len({(p.dtype, tuple(p.shape[1:])) for p in parts}) == 1 for parts in columns.values())
+    return all(
+        p.dtype in DTYPES and p.device.type == "cpu" and p.is_contiguous()
+        for parts in columns.values()
+        for p in parts
+    ) and all(len({(p.dtype, tuple(p.shape[1:])) for p in parts}) == 1 for parts in columns.values())
 
 
 def header(columns: Columns, metadata: Mapping[str, str] | None) -> tuple[bytes, list[str]]:
@@ -56,17 +69,27 @@ def header(columns: Columns, metadata: Mapping[str, str] | None) -> tuple[bytes,
         rows = sum(p.shape[0] for p in parts) if parts[0].dim() else None
         shape = list(parts[0].shape) if rows is None else [rows, *parts[0].shape[1:]]
         size = sum(p.nbytes for p in parts)
-        entries[name] = {"dtype": DTYPES[parts[0].dtype][0], "shape": shape,
-                         "data_offsets": [start, start + size]}
+        entries[name] = {
+            "dtype": DTYPES[parts[0].dtype][0],
+            "shape": shape,
+            "data_offsets": [start, start + size],
+        }
         start += size
     text = json.dumps(entries, separators=(",", ":"), ensure_ascii=False).encode()
     text += b" " * (-len(text) % 8)
     return struct.pack("<Q", len(text)) + text, order
 
 
-def save_columns(columns: Columns, path: Path, metadata: Mapping[str, str] | None, algorithm: str,
-                 pool: Executor | None = None, mode: int = 0o666, sync: bool = True,
-                 bounce: Bounce | None = None) -> tuple[int, str]:
+def save_columns(
+    columns: Columns,
+    path: Path,
+    metadata: Mapping[str, str] | None,
+    algorithm: str,
+    pool: Executor | None = None,
+    mode: int = 0o666,
+    sync: bool = True,
+    bounce: Bounce | None = None,
+) -> tuple[int, str]:
     """`write_shard_file`, or for a column it cannot write (a dtype it does not name, a tensor
     elsewhere than the CPU) safetensors' own save_file, fsynced, then checksummed read back.
     `sync=False`: not fsynced here (the caller calls `sync_file` before the file counts)."""
@@ -74,17 +97,27 @@ def save_columns(columns: Columns, path: Path, metadata: Mapping[str, str] | Non
         return write_shard_file(columns, path, metadata, algorithm, pool, mode, sync, bounce)
     from safetensors.torch import save_file
 
-    save_file({k: torch.cat(list(v)) if len(v) > 1 else v[0] for k, v in columns.items()}, path,
-              metadata=None if metadata is None else dict(metadata))
+    save_file(
+        {k: torch.cat(list(v)) if len(v) > 1 else v[0] for k, v in columns.items()},
+        path,
+        metadata=None if metadata is None else dict(metadata),
+    )
     os.chmod(path, mode)
     with open(path, "rb") as f:
         os.fsync(f.fileno())  # raises the fsync's error (a full disk): the shard is not durable
         return checksum_of(f, algorithm)
 
 
-def write_shard_file(columns: Columns, path: Path, metadata: Mapping[str, str] | None, algorithm: str,
-                     pool: Executor | None = None, mode: int = 0o666, sync: bool = True,
-                     bounce: Bounce | None = None) -> tuple[int, str]:
+def write_shard_file(
+    columns: Columns,
+    path: Path,
+    metadata: Mapping[str, str] | None,
+    algorithm: str,
+    pool: Executor | None = None,
+    mode: int = 0o666,
+    sync: bool = True,
+    bounce: Bounce | None = None,
+) -> tuple[int, str]:
     """Write `columns` to `path` as a safetensors file, fsynced unless `sync` is False; (bytes, hex
     checksum by `algorithm`). `bounce`: around the page cache, through its buffer (direct.py)."""
     head, order = header(columns, metadata)
@@ -92,7 +125,7 @@ def write_shard_file(columns: Columns, path: Path, metadata: Mapping[str, str] |
     for name in order:
         for part in columns[name]:
             data = memoryview(part.reshape(-1).view(torch.uint8).numpy())
-            pieces += [data[i:i + PIECE] for i in range(0, len(data), PIECE)]
+            pieces += [data[i : i + PIECE] for i in range(0, len(data), PIECE)]
     h = hasher(algorithm)
     fd, direct = open_for_writing(path, mode, direct=bounce is not None)
     try:

@@ -64,8 +64,11 @@ class PointStats:
         """The statistics of `rows` [rows, ...], on any device, any float dtype; `work`: where to
         take the float32 copy (a writer's, reused batch after batch)."""
         flat = rows.reshape(rows.shape[0], -1)
-        chunk = None if work is None else work.take((min(flat.shape[0], _chunk_rows(flat.shape[1])),
-                                                     flat.shape[1]), flat.device)
+        chunk = (
+            None
+            if work is None
+            else work.take((min(flat.shape[0], _chunk_rows(flat.shape[1])), flat.shape[1]), flat.device)
+        )
         if chunk is not None and flat.shape[0]:
             with one_thread():  # the other cores run the forward: splitting each small op costs more
                 done = _in_chunks(flat, chunk)
@@ -107,15 +110,24 @@ class PointStats:
             delta = other.mean - self.mean
             mean = self.mean + delta * (other.norm_count / n)
             m2 = self.m2 + other.m2 + delta**2 * (self.norm_count * other.norm_count / n)
-        return PointStats(self.nonfinite + other.nonfinite, n, self.norm_sum + other.norm_sum,
-                          self.norm_sumsq + other.norm_sumsq, mean, m2)
+        return PointStats(
+            self.nonfinite + other.nonfinite,
+            n,
+            self.norm_sum + other.norm_sum,
+            self.norm_sumsq + other.norm_sumsq,
+            mean,
+            m2,
+        )
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, PointStats):
             return NotImplemented
-        return ((self.nonfinite, self.norm_count, self.norm_sum, self.norm_sumsq)
-                == (other.nonfinite, other.norm_count, other.norm_sum, other.norm_sumsq)
-                and _same(self.mean, other.mean) and _same(self.m2, other.m2))
+        return (
+            (self.nonfinite, self.norm_count, self.norm_sum, self.norm_sumsq)
+            == (other.nonfinite, other.norm_count, other.norm_sum, other.norm_sumsq)
+            and _same(self.mean, other.mean)
+            and _same(self.m2, other.m2)
+        )
 
     def scalars(self) -> PointStats:
         """These statistics without the per-dimension mean and M2: what the manifest keeps."""
@@ -125,8 +137,12 @@ class PointStats:
         """The scalar statistics, as the manifest keeps them (its entries, totals and journal lines:
         a few numbers whatever the point's width). The per-dimension mean and M2 live in each
         shard's own header (`header_text`)."""
-        return {"nonfinite": self.nonfinite, "norm_count": self.norm_count,
-                "norm_sum": self.norm_sum, "norm_sumsq": self.norm_sumsq}
+        return {
+            "nonfinite": self.nonfinite,
+            "norm_count": self.norm_count,
+            "norm_sum": self.norm_sum,
+            "norm_sumsq": self.norm_sumsq,
+        }
 
     @classmethod
     def from_json(cls, raw: Any, where: str) -> PointStats:
@@ -204,8 +220,10 @@ def _in_chunks(flat: torch.Tensor, chunk: torch.Tensor) -> PointStats | None:
     s1 = torch.zeros(flat.shape[1], dtype=torch.float64)
     s2 = torch.zeros(flat.shape[1], dtype=torch.float64)
     for start in range(0, n, step):
-        part = chunk[:min(step, n - start)].copy_(flat[start:start + step])  # the same rounding as .float()
-        row_norms = torch.norm(part, dim=1, out=norms[start:start + part.shape[0]])
+        part = chunk[: min(step, n - start)].copy_(
+            flat[start : start + step]
+        )  # the same rounding as .float()
+        row_norms = torch.norm(part, dim=1, out=norms[start : start + part.shape[0]])
         if not bool(torch.isfinite(row_norms).all()):
             return None
         part_s1, part_s2 = _deviation_sums(part, shift, owned=True)
@@ -223,8 +241,9 @@ def _float32(rows: torch.Tensor) -> tuple[torch.Tensor, bool]:
     return flat.float().contiguous(), flat.dtype != torch.float32
 
 
-def _deviation_sums(flat: torch.Tensor, shift: torch.Tensor, owned: bool,
-                    dropped: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _deviation_sums(
+    flat: torch.Tensor, shift: torch.Tensor, owned: bool, dropped: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per column of `flat` (overwritten when `owned`), the float64 sums of the deviations from
     `shift` and of their squares, over the rows not `dropped` (a bool [rows] mask)."""
     deviations = flat.sub_(shift) if owned else flat - shift
@@ -234,8 +253,9 @@ def _deviation_sums(flat: torch.Tensor, shift: torch.Tensor, owned: bool,
     return s1, deviations.square_().sum(0).double()
 
 
-def _moments(shift: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor, n: int | torch.Tensor
-             ) -> tuple[torch.Tensor, torch.Tensor]:
+def _moments(
+    shift: torch.Tensor, s1: torch.Tensor, s2: torch.Tensor, n: int | torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The float64 mean and M2 of `n` rows whose deviations from `shift` sum to `s1`, squared `s2`."""
     return shift.double() + s1 / n, (s2 - s1**2 / n).clamp_(min=0)
 
@@ -264,10 +284,15 @@ def header_text(stats: dict[str, PointStats]) -> str:
     JSON (sorted keys, so the shard's bytes are the same from run to run) of, per point, the rows
     they cover (`norm_count`) and the float64 `mean` and `m2` as base64 of their little-endian bytes
     (exact, and 2.7x shorter than JSON numbers)."""
-    return json.dumps({name: {"norm_count": s.norm_count, "mean": _vector_text(s.mean),
-                              "m2": _vector_text(s.m2)}
-                       for name, s in stats.items() if s.mean is not None and s.m2 is not None},
-                      sort_keys=True, separators=(",", ":"))
+    return json.dumps(
+        {
+            name: {"norm_count": s.norm_count, "mean": _vector_text(s.mean), "m2": _vector_text(s.m2)}
+            for name, s in stats.items()
+            if s.mean is not None and s.m2 is not None
+        },
+        sort_keys=True,
+        separators=(",", ":"),
+    )
 
 
 def stats_header_bytes(points: Mapping[str, Any]) -> int:
@@ -276,8 +301,9 @@ def stats_header_bytes(points: Mapping[str, Any]) -> int:
     return sum(len(name) + 64 + 2 * 4 * math.ceil(8 * math.prod(c.shape) / 3) for name, c in points.items())
 
 
-def from_header_text(raw: Any, counts: dict[str, int], widths: dict[str, int],
-                     where: str) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+def from_header_text(
+    raw: Any, counts: dict[str, int], widths: dict[str, int], where: str
+) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     """Each point's (mean, M2) from a shard's `HEADER_KEY` text, every field checked against the
     shard's manifest entry (`counts`: its rows per point) and the points' `widths` (ValueError)."""
     if not isinstance(raw, str):

@@ -42,8 +42,14 @@ def _c():
     global _libc
     if _libc is None:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
-                              ctypes.c_long]
+        libc.mmap.argtypes = [
+            ctypes.c_void_p,
+            ctypes.c_size_t,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_int,
+            ctypes.c_long,
+        ]
         libc.mmap.restype = ctypes.c_void_p
         libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
         _libc = libc

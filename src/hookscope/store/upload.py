@@ -49,9 +49,11 @@ class UploadSettings:
     @classmethod
     def from_env(cls) -> UploadSettings:
         d = cls()
-        return cls(part_bytes=_env_int("HOOKSCOPE_UPLOAD_PART_BYTES", d.part_bytes, 1),
-                   threads=_env_int("HOOKSCOPE_UPLOAD_THREADS", d.threads, 1),
-                   retries=_env_int("HOOKSCOPE_UPLOAD_RETRIES", d.retries, 0))
+        return cls(
+            part_bytes=_env_int("HOOKSCOPE_UPLOAD_PART_BYTES", d.part_bytes, 1),
+            threads=_env_int("HOOKSCOPE_UPLOAD_THREADS", d.threads, 1),
+            retries=_env_int("HOOKSCOPE_UPLOAD_RETRIES", d.retries, 0),
+        )
 
 
 def _is_s3(fs: Any) -> bool:
@@ -72,12 +74,17 @@ def _retried(fn: Callable[[], Any], retries: int) -> Any:
     raise AssertionError("unreachable")
 
 
-def put_part(fs: Any, fd: int, bucket: str, key: str, upload_id: str, number: int, start: int, end: int,
-             retries: int) -> str:
+def put_part(
+    fs: Any, fd: int, bucket: str, key: str, upload_id: str, number: int, start: int, end: int, retries: int
+) -> str:
     """Upload bytes [start, end) of open file `fd` as part `number`; its ETag."""
     data = os.pread(fd, end - start, start)
-    return _retried(lambda: fs.call_s3("upload_part", Bucket=bucket, Key=key, UploadId=upload_id,
-                                       PartNumber=number, Body=data)["ETag"], retries)
+    return _retried(
+        lambda: fs.call_s3(
+            "upload_part", Bucket=bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=data
+        )["ETag"],
+        retries,
+    )
 
 
 def _put_whole(fs: Any, local: Path, path: str, retries: int) -> None:
@@ -115,28 +122,52 @@ def upload_file(fs: Any, local: Path, path: str, where: str, settings: UploadSet
             with ThreadPoolExecutor(settings.threads, thread_name_prefix="hookscope-part") as parts:
                 _put_in_parts(fs, local, path, size, settings, parts)
     except Exception as e:
-        raise StoreError(f"{where}: uploading this shard ({size:,} bytes) failed ({e!r}), after up to "
-                           f"{settings.retries} retries of each request; the shards committed before it "
-                           "are intact. Fix the cause (connection, credentials, bucket) and re-run the "
-                           "same command to resume") from e
+        raise StoreError(
+            f"{where}: uploading this shard ({size:,} bytes) failed ({e!r}), after up to "
+            f"{settings.retries} retries of each request; the shards committed before it "
+            "are intact. Fix the cause (connection, credentials, bucket) and re-run the "
+            "same command to resume"
+        ) from e
     fs.invalidate_cache(path)
 
 
-def _put_in_parts(fs: Any, local: Path, path: str, size: int, settings: UploadSettings,
-                  parts: ThreadPoolExecutor) -> None:
+def _put_in_parts(
+    fs: Any, local: Path, path: str, size: int, settings: UploadSettings, parts: ThreadPoolExecutor
+) -> None:
     bucket, key, _ = fs.split_path(path)
-    upload_id = _retried(lambda: fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key),
-                         settings.retries)["UploadId"]
+    upload_id = _retried(
+        lambda: fs.call_s3("create_multipart_upload", Bucket=bucket, Key=key), settings.retries
+    )["UploadId"]
     step = settings.part_bytes
     with open(local, "rb") as f:  # open until no part reads it any more
-        futures = [parts.submit(put_part, fs, f.fileno(), bucket, key, upload_id, n + 1, start,
-                                min(start + step, size), settings.retries)
-                   for n, start in enumerate(range(0, size, step))]
+        futures = [
+            parts.submit(
+                put_part,
+                fs,
+                f.fileno(),
+                bucket,
+                key,
+                upload_id,
+                n + 1,
+                start,
+                min(start + step, size),
+                settings.retries,
+            )
+            for n, start in enumerate(range(0, size, step))
+        ]
         try:
             etags = [future.result() for future in futures]  # the first failure ends the wait
             done = {"Parts": [{"PartNumber": n + 1, "ETag": etag} for n, etag in enumerate(etags)]}
-            _retried(lambda: fs.call_s3("complete_multipart_upload", Bucket=bucket, Key=key,
-                                        UploadId=upload_id, MultipartUpload=done), settings.retries)
+            _retried(
+                lambda: fs.call_s3(
+                    "complete_multipart_upload",
+                    Bucket=bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload=done,
+                ),
+                settings.retries,
+            )
         except BaseException:
             for future in futures:
                 if not future.cancel():

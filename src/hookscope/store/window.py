@@ -17,8 +17,12 @@ def located_rows(parts: Sequence[int], firsts: Sequence[int], sizes: Sequence[in
     """Where each row of shards placed at (part, first row) with `sizes` rows lies, packed."""
     if not sizes:
         return np.zeros(0, np.int64)
-    return np.concatenate([np.arange(f, f + n, dtype=np.int64) + (p << _SHIFT)
-                           for p, f, n in zip(parts, firsts, sizes, strict=True)])
+    return np.concatenate(
+        [
+            np.arange(f, f + n, dtype=np.int64) + (p << _SHIFT)
+            for p, f, n in zip(parts, firsts, sizes, strict=True)
+        ]
+    )
 
 
 class Layout:
@@ -28,9 +32,15 @@ class Layout:
     or shards mapped one by one); else r itself, with its part in `parts[r]` and its row in each
     column in `rows[name][r]`. `hold` keeps the mappings alive."""
 
-    def __init__(self, sources: list[dict[str, torch.Tensor]], dtypes: dict[str, torch.dtype],
-                 located: np.ndarray, parts: np.ndarray | None = None,
-                 rows: dict[str, np.ndarray] | None = None, hold: object = None):
+    def __init__(
+        self,
+        sources: list[dict[str, torch.Tensor]],
+        dtypes: dict[str, torch.dtype],
+        located: np.ndarray,
+        parts: np.ndarray | None = None,
+        rows: dict[str, np.ndarray] | None = None,
+        hold: object = None,
+    ):
         self.sources, self.dtypes, self.located = sources, dtypes, located
         self.parts, self.rows, self.hold = parts, rows, hold
 
@@ -52,8 +62,14 @@ class MappedWindow:
     part holding its row and the row there (worked out once a window, by the thread that maps it,
     so a batch only slices them)."""
 
-    def __init__(self, layout: Layout, located: np.ndarray, ordered: bool, batches: tuple[int, int] | None,
-                 stacks: dict[str, list[str]] | None = None):
+    def __init__(
+        self,
+        layout: Layout,
+        located: np.ndarray,
+        ordered: bool,
+        batches: tuple[int, int] | None,
+        stacks: dict[str, list[str]] | None = None,
+    ):
         """`located`: the window's rows for this rank, in order (see Layout); `ordered`: sequential;
         `stacks`: output key -> the columns gathered into it as one `[rows, columns, ...]` tensor."""
         self.sources, self.dtypes, self.hold = layout.sources, layout.dtypes, layout
@@ -136,8 +152,12 @@ class MappedWindow:
                         source, end = sources[names[j]], j + 1
                         while end < len(names) and sources[names[end]] is source:
                             end += 1
-                        torch.index_select(source, 0, torch.cat([index[name] for name in names[j:end]]),
-                                           out=flat[j * n : end * n])
+                        torch.index_select(
+                            source,
+                            0,
+                            torch.cat([index[name] for name in names[j:end]]),
+                            out=flat[j * n : end * n],
+                        )
                         j = end
                     for name in names:
                         del sources[name]
@@ -167,8 +187,13 @@ class Batch:
     buffer); `rows`, each column's `n` rows as integers of its element size (contiguous); `whole`, each
     buffer of stacks as (its columns, one `[columns * n, ...]` block)."""
 
-    def __init__(self, n: int, out: dict[str, torch.Tensor], rows: dict[str, torch.Tensor],
-                 whole: list[tuple[list[str], torch.Tensor]]):
+    def __init__(
+        self,
+        n: int,
+        out: dict[str, torch.Tensor],
+        rows: dict[str, torch.Tensor],
+        whole: list[tuple[list[str], torch.Tensor]],
+    ):
         self.n, self.out, self.rows, self.whole = n, out, rows, whole
 
     def first(self, rows: int) -> dict[str, torch.Tensor]:

@@ -65,9 +65,19 @@ class ShardWriter:
     no one has committed; `done_batches` are those to skip.
     """
 
-    def __init__(self, out_dir: str | os.PathLike, settings: dict[str, Any], *, shard_rows: int = 65536,
-                 queue_size: int = 4, rank: int = 0, world_size: int = 1, checksum: str = WRITTEN,
-                 writers: int | None = None, opened: StoreView | None = None):
+    def __init__(
+        self,
+        out_dir: str | os.PathLike,
+        settings: dict[str, Any],
+        *,
+        shard_rows: int = 65536,
+        queue_size: int = 4,
+        rank: int = 0,
+        world_size: int = 1,
+        checksum: str = WRITTEN,
+        writers: int | None = None,
+        opened: StoreView | None = None,
+    ):
         if shard_rows < 1 or queue_size < 1:
             raise StoreError(f"shard_rows ({shard_rows}) and queue_size ({queue_size}) must be >= 1")
         if not 0 <= rank < world_size:
@@ -82,8 +92,10 @@ class ShardWriter:
         if opened is None:
             opened = StoreView.read(self.fs, settings, world_size, rank)
         elif opened.changed(self.fs):  # read by the caller before its first batch: nobody may write since
-            raise StoreError(f"{self.out} changed while this run started: is another run writing to it? Stop "
-                             "every other run on this store and re-run the command")
+            raise StoreError(
+                f"{self.out} changed while this run started: is another run writing to it? Stop "
+                "every other run on this store and re-run the command"
+            )
         found_at_open, found = opened.names, opened.plan
         self.deal = found.deal
         self.generation = found.deal.generation
@@ -92,8 +104,9 @@ class ShardWriter:
             # with its shard prefix, inside shards/ (or a local one for a URL); see orphans.py
             self._staging = self.fs.staging(SHARDS_DIR, f"{self._prefix}writing")
         except OSError as e:
-            raise StoreError(f"cannot create the store directory {self.out}: {e}; "
-                             "choose a writable --out") from e
+            raise StoreError(
+                f"cannot create the store directory {self.out}: {e}; choose a writable --out"
+            ) from e
         # around the page cache on a disk's filesystem (direct.py); a URL's staged files are read back
         self._bounce = direct.Bounce() if not self.fs.remote and direct.wanted(self._staging) else None
         self._manifest_name = manifest_name(rank, world_size, self.generation)
@@ -102,22 +115,37 @@ class ShardWriter:
         # one process keeps the whole store's manifest.json (earlier attempts' shards too); a rank
         # of several keeps its own shards only, and the merge unites them
         shards = sorted([*found.inherited(), *own], key=lambda s: s.batch_start) if world_size == 1 else own
-        self.manifest = Manifest(settings=settings, world_size=world_size, generation=self.generation,
-                                 points=found.points if shards else {}, meta=found.meta if shards else {},
-                                 shards=shards, stats=summed_stats(shards))
+        self.manifest = Manifest(
+            settings=settings,
+            world_size=world_size,
+            generation=self.generation,
+            points=found.points if shards else {},
+            meta=found.meta if shards else {},
+            shards=shards,
+            stats=summed_stats(shards),
+        )
         try:  # stamps the settings into the directory now, and proves it is writable before any compute
             self._commits = Commits(self.fs, self._manifest_name, puts_card=rank == 0)  # store/journal.py
             self._commits.lock()  # before anything is touched: a second run on the store is refused
-            remove_orphans(self.fs, self.rank, self.generation, self._prefix, self._listed,
-                           self._manifest_name, found_at_open)
+            remove_orphans(
+                self.fs,
+                self.rank,
+                self.generation,
+                self._prefix,
+                self._listed,
+                self._manifest_name,
+                found_at_open,
+            )
             self._commits.open(self.manifest, found.manifests.get(self._manifest_name))
             # README.md: datasets.load_dataset(DIR) fails clearly rather than misreading the store
             if self.fs.size(CARD) is None:
                 self._commits.put_card()
         except OSError as e:
             self._commits.unlock()  # refused: the next try, in this process too, may take the store
-            raise StoreError(f"cannot write to the store directory {self.out}: {e}; make it writable (or "
-                             "free space) or choose another --out, and re-run") from e
+            raise StoreError(
+                f"cannot write to the store directory {self.out}: {e}; make it writable (or "
+                "free space) or choose another --out, and re-run"
+            ) from e
         # to skip: what earlier attempts committed, and this rank's own shards of this attempt
         self.done_batches: set[int] = set(found.done(rank))  # grown in place by the writer thread
         self.bytes_written = 0  # this session, for a progress bar
@@ -162,9 +190,15 @@ class ShardWriter:
         """Whether this writer is to write batch `batch_index` (not done, and dealt to this rank)."""
         return batch_index not in self.done_batches and self.deal.owner(batch_index) == self.rank
 
-    def write(self, batch_index: int, tensors: Mapping[str, torch.Tensor],
-              meta: Mapping[str, torch.Tensor] | None = None, *,
-              stats: Mapping[str, PointStats] | None = None, handoff: Handoff | None = None) -> None:
+    def write(
+        self,
+        batch_index: int,
+        tensors: Mapping[str, torch.Tensor],
+        meta: Mapping[str, torch.Tensor] | None = None,
+        *,
+        stats: Mapping[str, PointStats] | None = None,
+        handoff: Handoff | None = None,
+    ) -> None:
         """Queue batch `batch_index`: `tensors` are activations [rows, ...], `meta` integer [rows]
         columns (token_ids, doc_ids, positions, seq_ids). `stats`: each point's `PointStats.of` its
         tensor, computed by the caller where the activations were (on a GPU, before the copy to the
@@ -228,18 +262,23 @@ class ShardWriter:
         if i in self.done_batches:
             raise StoreError(f"batch {i} is already in the store; skip the batches in writer.done_batches")
         if self.deal.owner(i) != self.rank:
-            raise StoreError(f"batch {i} belongs to rank {self.deal.owner(i)}, not to this writer "
-                             f"(rank {self.rank}); write the batches for which owns(i) is true")
+            raise StoreError(
+                f"batch {i} belongs to rank {self.deal.owner(i)}, not to this writer "
+                f"(rank {self.rank}); write the batches for which owns(i) is true"
+            )
         if self._last_batch is not None and i <= self._last_batch:
             raise StoreError(f"batch {i} after batch {self._last_batch}: write batches in increasing order")
 
     def _check_layout(self, i: int, batch: dict[str, torch.Tensor]) -> None:
         rows = {v.shape[0] if v.dim() else None for v in batch.values()}
         if len(rows) != 1 or None in rows:
-            raise StoreError(f"batch {i}: every tensor needs the same first (rows) dimension, got "
-                             + ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items()))
-        layout = {k: Column(tuple(v.shape[1:]), str(v.dtype).removeprefix("torch."))
-                  for k, v in batch.items()}
+            raise StoreError(
+                f"batch {i}: every tensor needs the same first (rows) dimension, got "
+                + ", ".join(f"{k} {tuple(v.shape)}" for k, v in batch.items())
+            )
+        layout = {
+            k: Column(tuple(v.shape[1:]), str(v.dtype).removeprefix("torch.")) for k, v in batch.items()
+        }
         if not self._layout:
             self._layout = layout
             return
@@ -295,10 +334,18 @@ class ShardWriter:
         except Exception as e:  # noqa: BLE001 - any failure is handed to the caller at its next write() / close()
             self._error = self._error or e  # the first failure is the one reported
 
-    def _take(self, index: int, batch: dict[str, torch.Tensor], points: tuple[str, ...],
-              given: dict[str, PointStats], measured: Future | None, handoff: Handoff | None) -> None:
-        if self._pending and (self.deal.position(index)
-                              != self.deal.position(self._pending[-1][0]) + self.world_size):
+    def _take(
+        self,
+        index: int,
+        batch: dict[str, torch.Tensor],
+        points: tuple[str, ...],
+        given: dict[str, PointStats],
+        measured: Future | None,
+        handoff: Handoff | None,
+    ) -> None:
+        if self._pending and (
+            self.deal.position(index) != self.deal.position(self._pending[-1][0]) + self.world_size
+        ):
             self._flush()  # a batch of this rank was left out: a shard holds an unbroken run of them
         if handoff is not None:
             self._handoffs.append(handoff)
@@ -345,8 +392,9 @@ class ShardWriter:
                 handoff.release()
         self._handoffs = []
 
-    def _write_shard(self, pending: list[tuple[int, dict[str, torch.Tensor]]],
-                     stats: dict[str, PointStats]) -> None:
+    def _write_shard(
+        self, pending: list[tuple[int, dict[str, torch.Tensor]]], stats: dict[str, PointStats]
+    ) -> None:
         # each column as its batches: written one after the other, never concatenated into a copy
         columns = {k: [b[k] for _, b in pending] for k in pending[0][1]}
         name = f"{self._prefix}{self._next_shard:06d}.safetensors"
@@ -355,12 +403,22 @@ class ShardWriter:
         runs = runs_of([i for i, _ in pending])
         # the identity, then the per-dimension statistics (the manifest keeps their scalars), each
         # text deterministic: the shard's bytes are the same from run to run
-        metadata = {**shard_identity(self.manifest.settings_hash, runs, self.rank),
-                    HEADER_KEY: header_text(stats)}
+        metadata = {
+            **shard_identity(self.manifest.settings_hash, runs, self.rank),
+            HEADER_KEY: header_text(stats),
+        }
         try:
             self._staging.mkdir(exist_ok=True)  # made on the first write: a store never written has none
-            size, digest = save_columns(columns, tmp, metadata, self.checksum, self._copiers, self._file_mode,
-                                        sync=False, bounce=self._bounce)
+            size, digest = save_columns(
+                columns,
+                tmp,
+                metadata,
+                self.checksum,
+                self._copiers,
+                self._file_mode,
+                sync=False,
+                bounce=self._bounce,
+            )
             # the batches' bytes are in the file: their buffers go back now, not after the wait below,
             # so that the next batches' copies reuse them instead of pinning new ones meanwhile
             self._release()
@@ -370,8 +428,17 @@ class ShardWriter:
             raise
         rows = sum(b[next(iter(b))].shape[0] for _, b in pending)
         scalars = {k: s.scalars() for k, s in stats.items()}
-        entry = ShardEntry(f"{SHARDS_DIR}/{name}", rows, digest, size, runs, self.rank, self.generation,
-                           scalars, algorithm=self.checksum)
+        entry = ShardEntry(
+            f"{SHARDS_DIR}/{name}",
+            rows,
+            digest,
+            size,
+            runs,
+            self.rank,
+            self.generation,
+            scalars,
+            algorithm=self.checksum,
+        )
         self._committing = self._committer.submit(self._put_and_commit, tmp, entry, scalars)
 
     def _put_and_commit(self, tmp: Path, entry: ShardEntry, stats: dict[str, PointStats]) -> None:

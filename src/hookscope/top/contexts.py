@@ -39,8 +39,16 @@ class Context:
     pieces: list[str] | None = None  # each token's share of `text` (they concatenate to it)
 
     def to_json(self) -> dict[str, Any]:
-        return {"row": self.row, "value": self.value, "center": self.center, "doc": self.doc_id,
-                "pos": self.position, "ids": self.token_ids, "values": self.values, "pieces": self.pieces}
+        return {
+            "row": self.row,
+            "value": self.value,
+            "center": self.center,
+            "doc": self.doc_id,
+            "pos": self.position,
+            "ids": self.token_ids,
+            "values": self.values,
+            "pieces": self.pieces,
+        }
 
 
 @dataclass
@@ -85,17 +93,18 @@ class Gatherer:
         return out
 
 
-def unit_values_at(gather: Gatherer, point: str, encoder: Encoder, rows: torch.Tensor,
-                   units: torch.Tensor) -> torch.Tensor:
+def unit_values_at(
+    gather: Gatherer, point: str, encoder: Encoder, rows: torch.Tensor, units: torch.Tensor
+) -> torch.Tensor:
     """The value of unit `units[j]` on global row `rows[j]`, as float32."""
     if encoder.kind == "neurons":
         return gather.column(point, rows, units).float()
     out = torch.empty(rows.shape[0])
     for s in range(0, rows.shape[0], _PAIR_CHUNK):
-        x = gather.column(point, rows[s:s + _PAIR_CHUNK]).float()
-        u = units[s:s + _PAIR_CHUNK]
+        x = gather.column(point, rows[s : s + _PAIR_CHUNK]).float()
+        u = units[s : s + _PAIR_CHUNK]
         if encoder.topk is not None:  # whether a feature survives depends on the whole row
-            out[s:s + _PAIR_CHUNK] = encoder.encode_units(x, None).gather(1, u[:, None]).squeeze(1)
+            out[s : s + _PAIR_CHUNK] = encoder.encode_units(x, None).gather(1, u[:, None]).squeeze(1)
             continue
         if encoder.b_dec is not None:
             x = x - encoder.b_dec
@@ -105,17 +114,28 @@ def unit_values_at(gather: Gatherer, point: str, encoder: Encoder, rows: torch.T
         v = pre.relu()
         if encoder.threshold is not None:
             v = v * (pre > encoder.threshold[u])
-        out[s:s + _PAIR_CHUNK] = v
+        out[s : s + _PAIR_CHUNK] = v
     return out
 
 
-def build_contexts(store: Store, point: str, encoder: Encoder, units: Sequence[int], rows: torch.Tensor,
-                   values: torch.Tensor, *, context: int = 8, tokenizer: Any = None,
-                   gather: Gatherer | None = None) -> list[list[Context]]:
+def build_contexts(
+    store: Store,
+    point: str,
+    encoder: Encoder,
+    units: Sequence[int],
+    rows: torch.Tensor,
+    values: torch.Tensor,
+    *,
+    context: int = 8,
+    tokenizer: Any = None,
+    gather: Gatherer | None = None,
+) -> list[list[Context]]:
     """Contexts of the top rows `rows` `[len(units), k]` (values `values`) of each of `units`."""
     if "token_ids" not in store.meta:
-        raise StoreError(f"{store.path}: the store has no token_ids column, so its rows cannot be traced "
-                         "back to tokens (it was not written by hookscope extract)")
+        raise StoreError(
+            f"{store.path}: the store has no token_ids column, so its rows cannot be traced "
+            "back to tokens (it was not written by hookscope extract)"
+        )
     if context < 0:
         raise StoreError(f"context={context}: give 0 or more tokens on each side")
     gather = gather or Gatherer(store, point)
@@ -130,7 +150,7 @@ def build_contexts(store: Store, point: str, encoder: Encoder, units: Sequence[i
     for name in ("seq_ids", "doc_ids"):
         if name in store.meta:
             col = gather.column(name, clamped).view(clamped.shape)
-            same = same & (col == col[:, :, context:context + 1])
+            same = same & (col == col[:, :, context : context + 1])
     ids = gather.column("token_ids", clamped).view(clamped.shape)
     unit_t = torch.as_tensor(list(units), dtype=torch.long)
     pair_rows = clamped[same]
@@ -151,8 +171,15 @@ def build_contexts(store: Store, point: str, encoder: Encoder, units: Sequence[i
             token_vals = vals[u, j][keep].tolist()
             center = context - first
             token_vals[center] = float(values[u, j])  # the index's own value, bit for bit
-            c = Context(int(rows[u, j]), float(values[u, j]), token_ids, token_vals, center,
-                        None if doc is None else int(doc[u, j]), None if pos is None else int(pos[u, j]))
+            c = Context(
+                int(rows[u, j]),
+                float(values[u, j]),
+                token_ids,
+                token_vals,
+                center,
+                None if doc is None else int(doc[u, j]),
+                None if pos is None else int(pos[u, j]),
+            )
             if decoder is not None:
                 c.text, c.pieces = decoder(token_ids)
             ctxs.append(c)
@@ -175,10 +202,10 @@ class _Decoder:
         text = self.decode(ids)
         pieces, prev = [], ""
         for i in range(len(ids)):
-            cur = self.decode(ids[:i + 1])
+            cur = self.decode(ids[: i + 1])
             if cur.startswith(prev):
-                pieces.append(cur[len(prev):])
+                pieces.append(cur[len(prev) :])
             else:
-                pieces.append(self.decode(ids[i:i + 1]))
+                pieces.append(self.decode(ids[i : i + 1]))
             prev = cur
         return text, pieces

@@ -95,8 +95,10 @@ def load_encoder(path: str | Path) -> Encoder:
         return _saelens(path)
     if path.is_file():
         return _plain(path)
-    raise SAEError(f"{path}: no such SAE directory or encoder file; give an SAELens directory "
-                   f"({SAELENS_CFG} + {SAELENS_WEIGHTS}) or a .safetensors file with W_enc and b_enc")
+    raise SAEError(
+        f"{path}: no such SAE directory or encoder file; give an SAELens directory "
+        f"({SAELENS_CFG} + {SAELENS_WEIGHTS}) or a .safetensors file with W_enc and b_enc"
+    )
 
 
 def _sha256(*paths: Path) -> str:
@@ -118,29 +120,40 @@ def _load_tensors(path: Path) -> dict[str, torch.Tensor]:
 def _saelens(directory: Path) -> Encoder:
     cfg_path, weights_path = directory / SAELENS_CFG, directory / SAELENS_WEIGHTS
     if not cfg_path.is_file() or not weights_path.is_file():
-        raise SAEError(f"{directory}: an SAELens SAE directory holds {SAELENS_CFG} and {SAELENS_WEIGHTS} "
-                       "(as SAE.save_model writes them); one is missing")
+        raise SAEError(
+            f"{directory}: an SAELens SAE directory holds {SAELENS_CFG} and {SAELENS_WEIGHTS} "
+            "(as SAE.save_model writes them); one is missing"
+        )
     try:
         cfg = json.loads(cfg_path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise SAEError(f"{cfg_path}: not readable JSON ({e})") from e
     arch = cfg.get("architecture", "standard")
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise SAEError(f"{directory}: SAE architecture {arch!r} is not supported; hookscope top reads "
-                       f"{', '.join(SUPPORTED_ARCHITECTURES)} (fold a gated SAE into a JumpReLU one, or "
-                       "export plain W_enc/b_enc)")
+        raise SAEError(
+            f"{directory}: SAE architecture {arch!r} is not supported; hookscope top reads "
+            f"{', '.join(SUPPORTED_ARCHITECTURES)} (fold a gated SAE into a JumpReLU one, or "
+            "export plain W_enc/b_enc)"
+        )
     norm = cfg.get("normalize_activations", "none")
     if norm not in (None, "none"):
-        raise SAEError(f"{directory}: normalize_activations={norm!r} is not supported (only 'none'): the "
-                       "scale it needs is not saved with the weights; fold it into W_enc and b_enc")
+        raise SAEError(
+            f"{directory}: normalize_activations={norm!r} is not supported (only 'none'): the "
+            "scale it needs is not saved with the weights; fold it into W_enc and b_enc"
+        )
     w = _load_tensors(weights_path)
     missing = [k for k in ("W_enc", "b_enc", "b_dec") if k not in w]
     if arch == "jumprelu" and "threshold" not in w:
         missing.append("threshold")
     if missing:
         raise SAEError(f"{weights_path}: missing tensor(s) {missing} for a {arch!r} SAE")
-    enc = _checked(weights_path, w["W_enc"], w["b_enc"], w["b_dec"] if cfg.get("apply_b_dec_to_input", True)
-                   else None, w.get("threshold") if arch == "jumprelu" else None)
+    enc = _checked(
+        weights_path,
+        w["W_enc"],
+        w["b_enc"],
+        w["b_dec"] if cfg.get("apply_b_dec_to_input", True) else None,
+        w.get("threshold") if arch == "jumprelu" else None,
+    )
     if arch == "topk":
         k = cfg.get("k")
         if not isinstance(k, int) or k < 1:
@@ -150,8 +163,13 @@ def _saelens(directory: Path) -> Encoder:
             if "W_dec" not in w:
                 raise SAEError(f"{weights_path}: rescale_acts_by_decoder_norm needs W_dec")
             enc.scale = w["W_dec"].norm(dim=-1)
-    enc.source = {"kind": "sae", "format": "saelens", "path": str(directory), "architecture": arch,
-                  "sha256": _sha256(cfg_path, weights_path)}
+    enc.source = {
+        "kind": "sae",
+        "format": "saelens",
+        "path": str(directory),
+        "architecture": arch,
+        "sha256": _sha256(cfg_path, weights_path),
+    }
     return enc
 
 
@@ -162,20 +180,29 @@ def _plain(path: Path) -> Encoder:
     elif "weight" in w and "bias" in w:
         W, b = w["weight"].T.contiguous(), w["bias"]
     else:
-        raise SAEError(f"{path}: an encoder file holds W_enc [d_in, d_sae] + b_enc [d_sae], or weight "
-                       f"[d_sae, d_in] + bias (nn.Linear); it has {sorted(w)}")
+        raise SAEError(
+            f"{path}: an encoder file holds W_enc [d_in, d_sae] + b_enc [d_sae], or weight "
+            f"[d_sae, d_in] + bias (nn.Linear); it has {sorted(w)}"
+        )
     enc = _checked(path, W, b, w.get("b_dec"), w.get("threshold"))
-    enc.source = {"kind": "sae", "format": "plain", "path": str(path),
-                  "architecture": "jumprelu" if enc.threshold is not None else "standard",
-                  "sha256": _sha256(path)}
+    enc.source = {
+        "kind": "sae",
+        "format": "plain",
+        "path": str(path),
+        "architecture": "jumprelu" if enc.threshold is not None else "standard",
+        "sha256": _sha256(path),
+    }
     return enc
 
 
-def _checked(where: Path, W: torch.Tensor, b: torch.Tensor, b_dec: torch.Tensor | None,
-             threshold: torch.Tensor | None) -> Encoder:
+def _checked(
+    where: Path, W: torch.Tensor, b: torch.Tensor, b_dec: torch.Tensor | None, threshold: torch.Tensor | None
+) -> Encoder:
     if W.dim() != 2 or b.shape != (W.shape[1],):
-        raise SAEError(f"{where}: encoder weight {tuple(W.shape)} and bias {tuple(b.shape)} do not fit "
-                       "([d_in, d_sae] and [d_sae])")
+        raise SAEError(
+            f"{where}: encoder weight {tuple(W.shape)} and bias {tuple(b.shape)} do not fit "
+            "([d_in, d_sae] and [d_sae])"
+        )
     d_in, units = W.shape
     if b_dec is not None and b_dec.shape != (d_in,):
         raise SAEError(f"{where}: b_dec is {tuple(b_dec.shape)}, expected ({d_in},)")

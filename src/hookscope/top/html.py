@@ -29,15 +29,26 @@ MAX_UNITS = 4096  # a page for more units than this gets too big to open; choose
 _UNIT_BATCH = 64  # units whose contexts are built at once
 
 
-def page_data(store: Store, index: TopIndex, encoder: Encoder, *, units: Sequence[int] | None = None,
-              k: int = 20, context: int = 8, tokenizer: Any = None, progress: bool = False) -> dict[str, Any]:
+def page_data(
+    store: Store,
+    index: TopIndex,
+    encoder: Encoder,
+    *,
+    units: Sequence[int] | None = None,
+    k: int = 20,
+    context: int = 8,
+    tokenizer: Any = None,
+    progress: bool = False,
+) -> dict[str, Any]:
     units = list(range(index.units)) if units is None else [int(u) for u in units]
     bad = [u for u in units if not 0 <= u < index.units]
     if bad:
         raise StoreError(f"unit {bad[0]} is out of range: the index has units 0..{index.units - 1}")
     if len(units) > MAX_UNITS:
-        raise StoreError(f"{len(units)} units is too many for one page (at most {MAX_UNITS}); choose some, "
-                         "e.g. --units 0:1024")
+        raise StoreError(
+            f"{len(units)} units is too many for one page (at most {MAX_UNITS}); choose some, "
+            "e.g. --units 0:1024"
+        )
     k = min(k, index.k)
     strings: dict[str, int] = {}
 
@@ -48,31 +59,57 @@ def page_data(store: Store, index: TopIndex, encoder: Encoder, *, units: Sequenc
     out_units = []
     bar = RowsBar("contexts", total=len(units), unit="unit") if progress else None
     for b in range(0, len(units), _UNIT_BATCH):
-        batch = units[b:b + _UNIT_BATCH]
+        batch = units[b : b + _UNIT_BATCH]
         sel = list(batch)
-        ctxs = build_contexts(store, index.info["point"], encoder, sel, index.rows[sel, :k],
-                              index.values[sel, :k], context=context, tokenizer=tokenizer, gather=gather)
+        ctxs = build_contexts(
+            store,
+            index.info["point"],
+            encoder,
+            sel,
+            index.rows[sel, :k],
+            index.values[sel, :k],
+            context=context,
+            tokenizer=tokenizer,
+            gather=gather,
+        )
         for u, cs in zip(batch, ctxs, strict=True):
-            out_units.append({
-                "u": u,
-                "freq": float(index.fires[u]) / max(index.total_rows, 1),
-                "fires": int(index.fires[u]),
-                "max": _num(float(index.values[u, 0])) if index.k else None,
-                "hist": index.hist[u].tolist(),
-                "ctx": [{"v": _num(c.value), "c": c.center, "row": c.row, "doc": c.doc_id, "pos": c.position,
-                         "t": [sid(p) for p in (c.pieces or [f"<{t}>" for t in c.token_ids])],
-                         "a": [_num(round(a, 5)) for a in c.values]} for c in cs],
-            })
+            out_units.append(
+                {
+                    "u": u,
+                    "freq": float(index.fires[u]) / max(index.total_rows, 1),
+                    "fires": int(index.fires[u]),
+                    "max": _num(float(index.values[u, 0])) if index.k else None,
+                    "hist": index.hist[u].tolist(),
+                    "ctx": [
+                        {
+                            "v": _num(c.value),
+                            "c": c.center,
+                            "row": c.row,
+                            "doc": c.doc_id,
+                            "pos": c.position,
+                            "t": [sid(p) for p in (c.pieces or [f"<{t}>" for t in c.token_ids])],
+                            "a": [_num(round(a, 5)) for a in c.values],
+                        }
+                        for c in cs
+                    ],
+                }
+            )
         if bar is not None:
             bar.update(len(batch))
     if bar is not None:
         bar.close()
     edges = hist_edges()
     return {
-        "point": index.info["point"], "source": index.info["source"], "rows": index.total_rows,
-        "k": k, "context": context, "units": out_units, "strings": list(strings),
+        "point": index.info["point"],
+        "source": index.info["source"],
+        "rows": index.total_rows,
+        "k": k,
+        "context": context,
+        "units": out_units,
+        "strings": list(strings),
         "edges": [None if math.isinf(e) else e for e in edges],
-        "store": str(store.path), "settings": {key: store.manifest.settings.get(key) for key in ("model", "data")},
+        "store": str(store.path),
+        "settings": {key: store.manifest.settings.get(key) for key in ("model", "data")},
     }
 
 
@@ -83,7 +120,9 @@ def _num(x: float) -> float | None:
 def write_page(path: str | os.PathLike, data: dict[str, Any]) -> Path:
     path = Path(path)
     blob = json.dumps(data, separators=(",", ":"), allow_nan=False)
-    blob = blob.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")  # safe inside <script>
+    blob = (
+        blob.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
+    )  # safe inside <script>
     title = f"hookscope top: {data['point']}" + (" (SAE)" if data["source"].get("kind") == "sae" else "")
     html = _PAGE.replace("__TITLE__", _escape(title)).replace("__DATA__", blob)
     try:

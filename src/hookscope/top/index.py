@@ -55,8 +55,13 @@ _HIST_LOW_EXP = -10  # log2 of the smallest |value| with a bin of its own
 def hist_edges() -> list[float]:
     """The 82 bin edges of the histogram, -inf and +inf at the ends; the middle bin is (-2^-10, 2^-10)."""
     pos = [(1.5 if j % 2 else 1.0) * 2.0 ** (_HIST_LOW_EXP + j // 2) for j in range(1, 40)]
-    return [float("-inf")] + [-v for v in reversed(pos)] + [-(2.0**_HIST_LOW_EXP), 2.0**_HIST_LOW_EXP] \
-        + pos + [float("inf")]
+    return (
+        [float("-inf")]
+        + [-v for v in reversed(pos)]
+        + [-(2.0**_HIST_LOW_EXP), 2.0**_HIST_LOW_EXP]
+        + pos
+        + [float("inf")]
+    )
 
 
 def _fold_table(mags: int, low: int) -> torch.Tensor:
@@ -126,8 +131,12 @@ class TopIndex:
 
     def to_bytes(self) -> bytes:
         """The index as one safetensors file's bytes (its info in the metadata)."""
-        tensors = {"values": self.values.contiguous(), "rows": self.rows.contiguous(),
-                   "hist": self.hist.contiguous(), "fires": self.fires.contiguous()}
+        tensors = {
+            "values": self.values.contiguous(),
+            "rows": self.rows.contiguous(),
+            "hist": self.hist.contiguous(),
+            "fires": self.fires.contiguous(),
+        }
         return save(tensors, metadata={INDEX_FORMAT: json.dumps(self.info, sort_keys=True)})
 
     def save(self, path: str | os.PathLike) -> None:
@@ -152,16 +161,25 @@ def check_point(store: Store, point: str) -> int:
     return units
 
 
-def build_index(store: Store, point: str, *, encoder: Encoder | None = None, k: int = DEFAULT_INDEX_K,
-                batch_rows: int | None = None, progress: bool = False,
-                on_batch: Callable[[int], None] | None = None) -> TopIndex:
+def build_index(
+    store: Store,
+    point: str,
+    *,
+    encoder: Encoder | None = None,
+    k: int = DEFAULT_INDEX_K,
+    batch_rows: int | None = None,
+    progress: bool = False,
+    on_batch: Callable[[int], None] | None = None,
+) -> TopIndex:
     """One pass over `store`: the top-k rows, histogram and firing count of every unit of `point`
     (raw units, or the features of `encoder`)."""
     d_in = check_point(store, point)
     encoder = encoder or neurons(d_in)
     if encoder.d_in != d_in:
-        raise StoreError(f"the SAE reads {encoder.d_in} inputs but {point!r} has {d_in} values per row "
-                         f"(shape {list(store.points[point].shape)}): is it the SAE of another point?")
+        raise StoreError(
+            f"the SAE reads {encoder.d_in} inputs but {point!r} has {d_in} values per row "
+            f"(shape {list(store.points[point].shape)}): is it the SAE of another point?"
+        )
     if k < 1:
         raise StoreError(f"k={k}: give k >= 1")
     units = encoder.units
@@ -182,7 +200,7 @@ def build_index(store: Store, point: str, *, encoder: Encoder | None = None, k: 
             column = store.load_shard(i, [point])[point]
             first = store.first_row(i)
             for start in range(0, column.shape[0], batch_rows):
-                x = column[start:start + batch_rows].reshape(-1, d_in)
+                x = column[start : start + batch_rows].reshape(-1, d_in)
                 if half:  # exact in float16 (every value is one), and no copy of the batch
                     v = x
                 else:
@@ -194,20 +212,34 @@ def build_index(store: Store, point: str, *, encoder: Encoder | None = None, k: 
                 top_v, top_r = _update(top_v, top_r, v, first + start, k, mask)
                 counts = counting.result()
                 hist.index_add_(1, binner.fold, counts)
-                fires += counts[:, binner.fires_from:].sum(1)
+                fires += counts[:, binner.fires_from :].sum(1)
                 if bar is not None:
                     bar.update(n)
                 if on_batch is not None:
                     on_batch(n)
     if bar is not None:
         bar.close()
-    info = {"format": INDEX_FORMAT, "version": INDEX_VERSION, "point": point, "rows": len(store),
-            "k": top_v.shape[1], "units": units, "source": encoder.source, **store_key(store)}
+    info = {
+        "format": INDEX_FORMAT,
+        "version": INDEX_VERSION,
+        "point": point,
+        "rows": len(store),
+        "k": top_v.shape[1],
+        "units": units,
+        "source": encoder.source,
+        **store_key(store),
+    }
     return TopIndex(top_v.contiguous(), top_r.contiguous(), hist, fires, info)
 
 
-def _update(top_v: torch.Tensor, top_r: torch.Tensor, v: torch.Tensor, offset: int, k: int,
-            mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def _update(
+    top_v: torch.Tensor,
+    top_r: torch.Tensor,
+    v: torch.Tensor,
+    offset: int,
+    k: int,
+    mask: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge batch `v` `[n, units]` (global rows offset..offset+n) into the running top-k; `mask`
     is a reusable bool buffer of at least v's shape."""
     if top_v.shape[1] == k:
@@ -222,7 +254,7 @@ def _update(top_v: torch.Tensor, top_r: torch.Tensor, v: torch.Tensor, offset: i
             hits = sub.nonzero()
             hits[:, 1] = active[hits[:, 1]]
         else:
-            hits = torch.gt(v, thr, out=None if mask is None else mask[:v.shape[0]]).nonzero()
+            hits = torch.gt(v, thr, out=None if mask is None else mask[: v.shape[0]]).nonzero()
         if hits.shape[0] <= max(4 * top_v.numel(), 1):
             return _merge_sparse(top_v, top_r, v, hits, offset, k)
     if v.dtype != torch.float32:
@@ -231,8 +263,9 @@ def _update(top_v: torch.Tensor, top_r: torch.Tensor, v: torch.Tensor, offset: i
     return _merge(top_v, top_r, bv, br + offset, k)
 
 
-def _merge_sparse(top_v: torch.Tensor, top_r: torch.Tensor, v: torch.Tensor, hits: torch.Tensor,
-                  offset: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge_sparse(
+    top_v: torch.Tensor, top_r: torch.Tensor, v: torch.Tensor, hits: torch.Tensor, offset: int, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge the batch's (row, unit) `hits` (row-major, as nonzero gives them) into the lists of the
     units they touch, with one stable sort on (unit, value descending). Stability gives the row
     order among equal values: each unit's current list (older rows, itself in row order among
@@ -281,8 +314,9 @@ def _batch_topk(v: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     return vals, rows
 
 
-def _merge(top_v: torch.Tensor, top_r: torch.Tensor, bv: torch.Tensor, br: torch.Tensor,
-           k: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _merge(
+    top_v: torch.Tensor, top_r: torch.Tensor, bv: torch.Tensor, br: torch.Tensor, k: int
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Merge two candidate lists per unit; older rows come first, so a stable sort on (value desc)
     keeps equal values in row order once each side is itself in row order among ties."""
     order = torch.argsort(br, dim=1)  # the batch's candidates in row order

@@ -16,5 +16,5 @@ def context_line(ctx, *, marker: tuple[str, str] = ("[[", "]]")) -> str:
     left, right = marker
     c = ctx.center
     stripped = pieces[c].lstrip()  # keep the token's leading space outside the marker
-    pieces[c] = pieces[c][:len(pieces[c]) - len(stripped)] + left + stripped + right
+    pieces[c] = pieces[c][: len(pieces[c]) - len(stripped)] + left + stripped + right
     return "".join(pieces).strip()

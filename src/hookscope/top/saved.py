@@ -54,8 +54,9 @@ def _name(point: str, encoder: Encoder) -> str:
 
 def _cached(store: Store, point: str, encoder: Encoder, cache_dir: str | os.PathLike | None) -> Place:
     key = hashlib.sha256(json.dumps(store_key(store), sort_keys=True).encode()).hexdigest()[:16]
-    return LocalFS(Path(cache_dir) if cache_dir is not None else default_cache_dir()), \
-        f"{key}/{_name(point, encoder)}"
+    return LocalFS(
+        Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    ), f"{key}/{_name(point, encoder)}"
 
 
 def _places(store: Store, point: str, encoder: Encoder, cache_dir: str | os.PathLike | None) -> list[Place]:
@@ -66,8 +67,7 @@ def _places(store: Store, point: str, encoder: Encoder, cache_dir: str | os.Path
     return [(store.fs, f"{INDEX_DIR}/{_name(point, encoder)}"), _cached(store, point, encoder, None)]
 
 
-def index_path(store: Store, point: str, encoder: Encoder,
-               cache_dir: str | os.PathLike | None = None) -> str:
+def index_path(store: Store, point: str, encoder: Encoder, cache_dir: str | os.PathLike | None = None) -> str:
     """Where the index of `point` (and `encoder`) is kept first: beside the store (a path or a URL),
     or in `cache_dir`."""
     fs, rel = _places(store, point, encoder, cache_dir)[0]
@@ -96,12 +96,18 @@ def _load(store: Store, point: str, encoder: Encoder, fs: FS, rel: str) -> TopIn
     except (SafetensorError, RuntimeError) as e:
         raise StoreError(f"{where}: not a readable top-k index ({e}); delete it and build it again") from e
     if info.get("version") != INDEX_VERSION:
-        raise StaleIndexError(f"{where}: index format version {info.get('version')}, this hookscope reads "
-                              f"{INDEX_VERSION}; rebuild it (hookscope top ... --rebuild)")
+        raise StaleIndexError(
+            f"{where}: index format version {info.get('version')}, this hookscope reads "
+            f"{INDEX_VERSION}; rebuild it (hookscope top ... --rebuild)"
+        )
     _check_fresh(where, info, store, point, encoder)
     values = tensors.get("values")
-    if (any(k not in tensors for k in ("rows", "hist", "fires")) or values is None
-            or values.shape[0] != info.get("units") or tensors["rows"].shape != values.shape):
+    if (
+        any(k not in tensors for k in ("rows", "hist", "fires"))
+        or values is None
+        or values.shape[0] != info.get("units")
+        or tensors["rows"].shape != values.shape
+    ):
         raise StoreError(f"{where}: index tensors do not match its metadata: the file is damaged; rebuild it")
     return TopIndex(tensors["values"], tensors["rows"], tensors["hist"], tensors["fires"], info)
 
@@ -113,20 +119,32 @@ def _check_fresh(where: str, info: dict, store: Store, point: str, encoder: Enco
         problems.append("the store's settings_hash differs")
     if info.get("shards") != now["shards"]:
         old, new = {tuple(s) for s in info.get("shards", [])}, {tuple(s) for s in now["shards"]}
-        problems.append(f"the shard list differs ({len(new - old)} shard(s) added or changed, "
-                        f"{len(old - new)} gone; {len(now['shards'])} now, "
-                        f"{len(info.get('shards', []))} then)")
+        problems.append(
+            f"the shard list differs ({len(new - old)} shard(s) added or changed, "
+            f"{len(old - new)} gone; {len(now['shards'])} now, "
+            f"{len(info.get('shards', []))} then)"
+        )
     if info.get("point") != point or info.get("source") != encoder.source:
         problems.append("it was built for another point or SAE")
     if problems:
-        raise StaleIndexError(f"{where}: this top-k index no longer matches the store: "
-                              f"{'; '.join(problems)}. Rebuild it (hookscope top ... --rebuild, or "
-                              "build_index + save)")
+        raise StaleIndexError(
+            f"{where}: this top-k index no longer matches the store: "
+            f"{'; '.join(problems)}. Rebuild it (hookscope top ... --rebuild, or "
+            "build_index + save)"
+        )
 
 
-def get_index(store: Store, point: str, *, encoder: Encoder | None = None, k: int = DEFAULT_INDEX_K,
-              rebuild: bool = False, progress: bool = False, save: bool = True,
-              cache_dir: str | os.PathLike | None = None) -> TopIndex:
+def get_index(
+    store: Store,
+    point: str,
+    *,
+    encoder: Encoder | None = None,
+    k: int = DEFAULT_INDEX_K,
+    rebuild: bool = False,
+    progress: bool = False,
+    save: bool = True,
+    cache_dir: str | os.PathLike | None = None,
+) -> TopIndex:
     """The saved index if there is one and it matches (and keeps at least k per unit); otherwise
     build it and save it (beside the store, else in the cache: see this module). A stale index is
     refused unless `rebuild`."""
@@ -138,8 +156,10 @@ def get_index(store: Store, point: str, *, encoder: Encoder | None = None, k: in
         index = _load(store, point, encoder, fs, rel)
         if index.k >= min(k, len(store)):
             return index
-        raise StoreError(f"{fs.where(rel)}: the saved index keeps {index.k} rows per unit, {k} asked; "
-                         f"rebuild it with k >= {k} (hookscope top ... --rebuild --k {k})")
+        raise StoreError(
+            f"{fs.where(rel)}: the saved index keeps {index.k} rows per unit, {k} asked; "
+            f"rebuild it with k >= {k} (hookscope top ... --rebuild --k {k})"
+        )
     index = build_index(store, point, encoder=encoder, k=k, progress=progress)
     if save:
         _save(index, places)
@@ -156,5 +176,7 @@ def _save(index: TopIndex, places: list[Place]) -> None:
             return
         except (OSError, StoreError) as e:
             failed.append(f"{fs.where(rel)} ({e})")
-    raise StoreError(f"cannot save the top-k index: {'; '.join(failed)}; make the store directory or the "
-                     "cache (cache_dir=, $HOOKSCOPE_CACHE) writable")
+    raise StoreError(
+        f"cannot save the top-k index: {'; '.join(failed)}; make the store directory or the "
+        "cache (cache_dir=, $HOOKSCOPE_CACHE) writable"
+    )
