@@ -1,6 +1,6 @@
 """The CPU cost of one batch's work outside the writer's I/O, on the CPU (issue 34): the statistics
 of a point's rows (`PointStats.of` with the writer's reused `Workspace`) and the capture's gather
-of a point's kept rows into a lent buffer, cast on the way (`select_tokens(into=)`), for a
+of a point's kept rows into a lent buffer, cast on the way (`select_tokens(out=)`), for a
 32 x 1024 x 768 batch (float32 activations kept as bfloat16, one document start in 800 dropped).
 CPU seconds (every thread's) and minor page faults per call, medians over repeated calls.
 

@@ -1,5 +1,6 @@
 """The CPU extraction writes each point's kept rows once, into memory reused batch after batch
-(extract/copyout.py `CopyOut.into`, token_rows.py's gather into a given buffer, extract/ring.py),
+(extract/lending.py's capture, extract/copyout.py `CopyOut.lend`, token_rows.py's gather `out=`,
+extract/ring.py),
 and the statistics take their float32 copy in a reused `Workspace` (store/stats.py). The rows, the
 statistics and the stored bytes must be those of fresh memory: each test holds them to an
 independent reference (boolean-mask indexing, plain forward hooks, a float64 recomputation)."""
@@ -49,15 +50,9 @@ def test_rows_gathered_into_a_buffer_equal_boolean_mask_indexing(make_mask, cast
     x = torch.randn(*shape, generator=torch.Generator().manual_seed(0)) * 1e3
     mask = make_mask(*shape[:2])
     want = x[mask] if cast is None else x[mask].to(cast)
-    given = []
-
-    def into(rows_shape, dtype, device):
-        buffer = torch.full(rows_shape, float("nan"), dtype=dtype)  # what a reused buffer held before
-        given.append(buffer)
-        return buffer
-
-    got = select_tokens(x, mask, 1, KeptRows(), cast=cast, into=into)
-    assert got.data_ptr() == given[0].data_ptr() and got.dtype == want.dtype
+    buffer = torch.full(want.shape, float("nan"), dtype=want.dtype)  # what a reused buffer held before
+    got = select_tokens(x, mask, 1, KeptRows(), cast=cast, out=buffer)
+    assert got is buffer and got.dtype == want.dtype
     assert torch.equal(got.view(torch.uint8), want.contiguous().view(torch.uint8))  # bit for bit
     # the same rows as the gather into fresh memory (the path every other capture takes)
     assert torch.equal(
@@ -164,6 +159,7 @@ def test_rows_written_from_reused_buffers_equal_plain_hooks(tiny_dirs, corpus, t
     for p in points:
         assert torch.equal(store.tensor(p).view(torch.int16), torch.cat(want[p]).view(torch.int16))
     ring = made[0].host
+    assert ring.made > 0  # the capture wrote its rows into lent buffers (extract/lending.py)
     assert summary.batches_done > 3 * ring.made // len(points)  # buffers were reused, several times over
     assert ring.out == 0  # every one handed back
 

@@ -25,7 +25,6 @@ compile layer takes over the points inside compiled regions through one seam
 
 from __future__ import annotations
 
-import functools
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
@@ -40,7 +39,7 @@ from .errors import HookscopeError, PointNotReachedError, SelectionError
 from .hooks import Hook, Hooks, grad_leaf
 from .model_inputs import attention_mask_of, call_model
 from .names import canonical, find_key, is_pattern, meaning
-from .selection import Heads, PointInto, Positions, Selection
+from .selection import Heads, Positions, Selection
 from .stopping import Stop, no_cache
 
 
@@ -148,19 +147,17 @@ class Kept(Mapping[str, Tensor]):
 class Capture(Kept):
     """Hooks that keep copies of chosen activations. Use as a `with` block; read like a dict.
 
-    Built by `hs.capture(model, points, **options)`; the model runs whole inside the block unless
+    Built by `hs.capture(model, points, ...)`; the model runs whole inside the block unless
     `stop=True`. `attention_mask`: the batch's mask, for `positions="last"` (each row's last real
-    token); when left out, the `attention_mask=` the model is called with is used. `into`: with a
-    `token_mask`, a function `(point, shape, dtype, device) -> tensor or None` that gives the buffer
-    each point's kept rows are written into (the extraction's reused host buffers, or a point's slot
-    of a stacked column; None: a new tensor).
+    token); when left out, the `attention_mask=` the model is called with is used.
+
+    What a hook keeps goes through one method, `take`: a subclass that keeps rows elsewhere (the
+    extraction writes them into its own reused buffers, extract/lending.py) overrides it alone.
 
     Raises:
         UnknownPointError: a point name the model does not have (the message lists close names).
         SelectionError: positions, heads or a token mask that do not fit the point.
         PointNotReachedError: reading a point that never ran while the block was open."""
-
-    copy = "auto"  # how `_keep` copies (`Selection.take`); "never": a subclass copies into its own buffer
 
     def __init__(
         self,
@@ -177,19 +174,19 @@ class Capture(Kept):
         accumulate: bool = False,
         attention_mask: Tensor | None = None,
         arch: Arch | None = None,
-        into: PointInto | None = None,
     ):
         self._state = state_of(model)  # its `layer` is asked at enter
         if arch is None:
             arch = self._state.arch if self._state.arch is not None else arch_of(model)
         super().__init__(arch, keyed_specs(arch, points), accumulate)
         self.model, self.inference, self.attention_mask = model, inference, attention_mask
-        self.into = into  # where a token mask's kept rows are written (Selection.take)
         self.selection = Selection.of(positions, heads, token_mask, dtype, device)
         self.specs: list[PointSpec] = list(self._keys.values())
-        self.stop = stop  # None: stop only inside run() / collect(), where nobody sees the cut
-        self._stopping = stop is True  # raise after the last pending point of a pass
+        self.stop = stop  # True: the `with` block's passes stop too; False: not even `run`'s
         self._stopper = Stop()  # what ends this capture's passes, and only theirs
+        # what ends the pass running now once its last point is kept (None: it runs whole):
+        # a `with` block's passes run whole unless stop=True; `run` sets its own for its pass
+        self._pass_stop: Stop | None = self._stopper if stop is True else None
         self.hooks = Hooks(model, arch)
         # whether each pass's own attention mask is read (for "last", when none was given)
         self._mask_per_pass = attention_mask is None and self.selection.wants_attention_mask
@@ -231,13 +228,13 @@ class Capture(Kept):
         """Run the model on `inputs`, stopping after the last point unless stop=False.
         Returns the model output, or None when the pass was stopped early. Unless stop=False, a
         Hugging Face decoder runs without building its key/value cache (see `stopping.builds_kv_cache`)."""
-        self._stopping = self.stop is not False
+        outer, self._pass_stop = self._pass_stop, None if self.stop is False else self._stopper
         self._start_pass(attention_mask_of(inputs) if isinstance(inputs, Mapping) else None)
-        options = no_cache(self.model) if self._stopping else {}
+        options = no_cache(self.model) if self._pass_stop is not None else {}
         try:
             output, _ = self._stopper.run(self.model, inputs, **options)
         finally:
-            self._stopping = self.stop is True
+            self._pass_stop = outer
         if self._pending:  # only after a pass that ended normally: an error mid-pass must reach the caller
             missing, self._pending = ", ".join(sorted(self._pending)), set()
             raise PointNotReachedError(
@@ -252,14 +249,23 @@ class Capture(Kept):
         self.pass_mask = mask if self._mask_per_pass else self.attention_mask
 
     def _keep(self, act: Tensor, hook: Hook) -> None:
-        name = hook.spec.name
-        into = None if self.into is None else functools.partial(self.into, name)
-        self.file(
-            name,
-            self.selection.take(
-                act, hook.spec, attention_mask=self.pass_mask, copy=self.copy, events=self.events, into=into
-            ),
+        self.file(hook.spec.name, self.take(act, hook.spec))
+
+    def take(
+        self, act: Tensor, spec: PointSpec, *, selection: Selection | None = None, copy: bool = True
+    ) -> Tensor:
+        """What is kept of `act` at point `spec`: the part `selection` (this capture's unless
+        given: the eager half of a compiled point's) selects, cast, on the capture's device, never
+        a view of `act` unless `copy=False`. A copy from a CUDA device to the host does not wait
+        for the device: it is waited for before any read."""
+        kept = (selection or self.selection).take(
+            act, spec, attention_mask=self.pass_mask, copy=copy, non_blocking=True
         )
+        if act.is_cuda and kept.device.type == "cpu":
+            event = torch.cuda.Event()
+            event.record()
+            self.events.append(event)
+        return kept
 
     def file(self, name: str, kept: Tensor) -> None:
         """Keep `kept` as this pass's value of point `name`; stop the pass if it was the last one
@@ -269,12 +275,42 @@ class Capture(Kept):
         else:
             self._parts[name] = [kept]
         self._pending.discard(name)
-        if self._stopping and not self._pending:
-            self._stopper.now()
+        if self._pass_stop is not None and not self._pending:
+            self._pass_stop.now()
 
 
-def capture(model: nn.Module, points: str | Sequence[str], **options: Any) -> Capture:
+def capture(
+    model: nn.Module,
+    points: str | Sequence[str],
+    *,
+    positions: Positions = None,
+    heads: Heads = None,
+    token_mask: Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    stop: bool | None = None,
+    inference: bool = True,
+    accumulate: bool = False,
+    attention_mask: Tensor | None = None,
+) -> Capture:
     """Hooks that keep copies of `points` while the `with` block runs; see `Capture`.
+
+    Args:
+        model: a Hugging Face or TransformerLens model, or any `nn.Module` (raw `module:` names).
+        points: a name, a glob (`blocks.*.resid_post`), a comma-separated string or a list.
+        positions: which positions to keep: an int, a slice, a list or 1-D tensor of ints, or
+            `"last"` (each row's last real token under the attention mask); None keeps all.
+        heads: which heads of `attn.q|k|v|z` / `attn.pattern` to keep (ints); None keeps all.
+        token_mask: a `[batch, pos]` bool tensor: the tokens kept, as rows `[n_tokens, ...]`.
+        dtype: the dtype kept (a cast on the model's device, before any copy); None keeps it.
+        device: where the kept copies go (`"cpu"`: to the host without waiting for the device).
+        stop: True ends every forward pass once the last point has been kept (the rest of the
+            model never runs; the block's body sees the pass end quietly); None (the default)
+            lets the block's passes run whole and stops only `cap.run(inputs)`; False stops none.
+        inference: run under `torch.inference_mode` while the block is open.
+        accumulate: keep every pass's values, concatenated along the batch on read.
+        attention_mask: the batch's mask for `positions="last"`; by default the `attention_mask=`
+            each pass is called with.
 
     Returns:
         Capture: a `with` block; inside it and after, `cap[point]` is the kept copy.
@@ -282,12 +318,45 @@ def capture(model: nn.Module, points: str | Sequence[str], **options: Any) -> Ca
     Raises:
         UnknownPointError: a point name the model does not have.
         SelectionError: an option that does not fit (checked when it is built) or the activation."""
-    return Capture(model, points, **options)
+    return Capture(
+        model,
+        points,
+        positions=positions,
+        heads=heads,
+        token_mask=token_mask,
+        dtype=dtype,
+        device=device,
+        stop=stop,
+        inference=inference,
+        accumulate=accumulate,
+        attention_mask=attention_mask,
+    )
 
 
-def collect(model: nn.Module, inputs: Any, points: str | Sequence[str], **options: Any) -> PointDict:
+def collect(
+    model: nn.Module,
+    inputs: Any,
+    points: str | Sequence[str],
+    *,
+    positions: Positions = None,
+    heads: Heads = None,
+    token_mask: Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    stop: bool = True,
+    inference: bool = True,
+    attention_mask: Tensor | None = None,
+) -> PointDict:
     """Run the model on `inputs` and return `{point: activation}`; no layer after the last
     needed point runs.
+
+    Args:
+        model: a Hugging Face or TransformerLens model, or any `nn.Module` (raw `module:` names).
+        inputs: what the model is called with: a tensor of token ids, or a dict (a tokenizer's
+            output: its `attention_mask` is read for `positions="last"`).
+        points: a name, a glob (`blocks.*.resid_post`), a comma-separated string or a list.
+        positions, heads, token_mask, dtype, device, inference, attention_mask: as `capture`.
+        stop: False runs the whole model (e.g. to keep its key/value cache use as it is).
 
     Returns:
         PointDict: `{point: tensor}`, keyed by the names asked for (a glob: one key per point).
@@ -296,7 +365,12 @@ def collect(model: nn.Module, inputs: Any, points: str | Sequence[str], **option
         UnknownPointError: a point name the model does not have (the message lists close names).
         SelectionError: positions, heads or a token mask that do not fit the point.
         PointNotReachedError: a point that never ran in the forward pass (an encoder's `logits`)."""
-    with Capture(model, points, **options) as cap:
+    options = dict(positions=positions, heads=heads, token_mask=token_mask, dtype=dtype, device=device)
+    # stop=None: only `run`'s pass stops (no root hook to end a `with` block's passes)
+    stops = None if stop else False
+    with Capture(
+        model, points, **options, stop=stops, inference=inference, attention_mask=attention_mask
+    ) as cap:
         cap.run(inputs)
     return PointDict(((key, cap[key]) for key in cap), arch=cap.arch)
 

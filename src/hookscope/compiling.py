@@ -111,7 +111,7 @@ class _Compiled:
         first, rest = capture.selection.split()
         # still the graph's output after a full in-graph selection: under CUDA graphs the next
         # replay overwrites it, so the eager half copies it
-        copy = "always" if self.mode in CUDAGRAPH_MODES else "never"
+        copy = self.mode in CUDAGRAPH_MODES
         plain: list[PointSpec] = []
         regions: dict[str, list[_Deferred]] = {}
         for spec in specs:
@@ -127,12 +127,7 @@ class _Compiled:
             for d in deferred:
                 if d.value is not None:
                     kept, d.value = d.value, None
-                    capture.file(
-                        d.spec.name,
-                        rest.take(
-                            kept, d.spec, attention_mask=capture.pass_mask, copy=copy, events=capture.events
-                        ),
-                    )
+                    capture.file(d.spec.name, capture.take(kept, d.spec, selection=rest, copy=copy))
 
         for region, deferred in regions.items():
             capture.hooks.module_forward(
@@ -153,7 +148,7 @@ class _Deferred:
         self.selection, self.spec, self.value = selection, spec, None
 
     def __call__(self, act: Tensor, hook: Hook) -> None:
-        self.value = self.selection.take(act, self.spec, copy="always")
+        self.value = self.selection.take(act, self.spec)
 
 
 def _compiled(model: nn.Module) -> _Compiled | None:

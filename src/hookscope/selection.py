@@ -32,8 +32,7 @@ import torch
 from torch import Tensor
 
 from .errors import SelectionError
-from .token_rows import Into, KeptRows, last_real, select_tokens, token_region
-from .token_rows import PointInto as PointInto  # Capture's `into`, named here for capture.py
+from .token_rows import KeptRows, last_real, select_tokens, token_region
 
 Positions = None | int | slice | Sequence[int] | Tensor | str
 Heads = None | int | Sequence[int] | Tensor
@@ -167,38 +166,33 @@ class Selection:
         spec: Dims,
         *,
         attention_mask: Tensor | None = None,
-        copy: str = "auto",
-        events: list | None = None,
-        into: Into | None = None,
+        copy: bool = True,
+        non_blocking: bool = False,
     ) -> Tensor:
         """The selected part of `act`, cast and moved, and never a view of `act`.
 
-        copy: "auto" copies only if the result would share memory with `act`; "always" copies
-        unless a cast or a move already did (no storage check: it runs inside a compiled graph);
-        "never" hands back what the selections made (the caller owns `act`).
-        `events`: CUDA events of pinned, non-blocking host copies are appended (sync before use).
-        `into`: for a token mask, where to write the kept rows (`token_rows.Into`: a buffer of
-        the shape and dtype asked, or None to make one); what it gives is returned, filled."""
+        copy: whether to copy what the selections left a view of (or `act` itself); False hands
+        back what they made (the caller owns `act`). Whether a selection made memory of its own is
+        known from the ops it ran, not read from storages, so this runs inside a compiled graph too.
+        non_blocking: a move from a CUDA device to the host goes into page-locked memory without
+        waiting for the device; the caller synchronises (an event, `torch.cuda.synchronize`)
+        before the value is read."""
         if self is EVERYTHING:  # (the common case: no selection to make, only the copy)
-            return act if copy == "never" else act.clone()
+            return act.clone() if copy else act
         cast = self.dtype if self.dtype is not None and act.is_floating_point() else None
-        x = self._select(act, spec, attention_mask, cast, into if self.device is None else None)
-        fresh = copy == "never" or x.dtype != act.dtype  # a cast inside the token gather made x
-        if not fresh and copy == "auto" and x is not act:  # (act itself: shares its own storage)
-            # compare storages: views made under inference_mode have no _base, and a view at an
-            # offset (positions=1) has a different data_ptr
-            fresh = x.untyped_storage().data_ptr() != act.untyped_storage().data_ptr()
+        x, fresh = self._select(act, spec, attention_mask, cast)
+        fresh = fresh or not copy
         # integer points (router indices, expert token indices) keep their dtype: a float cast
         # would silently round indices above 256 in bfloat16
         if cast is not None and x.dtype != cast and x.is_floating_point():
             x, fresh = x.to(cast), True  # cast on the device, before the copy: fewer bytes to move
         if self.device is not None and x.device != self.device:
-            return _to_device(x, self.device, events)
+            return _to_device(x, self.device, non_blocking)
         return x if fresh else x.clone()  # never keep a view: a later in-place op would rewrite it
 
     def select(self, act: Tensor, spec: Dims, *, attention_mask: Tensor | None = None) -> Tensor:
         """Heads, then positions or the token mask (no cast, no copy)."""
-        return self._select(act, spec, attention_mask, None)
+        return self._select(act, spec, attention_mask, None)[0]
 
     def _select(
         self,
@@ -206,11 +200,11 @@ class Selection:
         spec: Dims,
         attention_mask: Tensor | None,
         cast: torch.dtype | None,
-        into: Into | None = None,
-    ) -> Tensor:
-        """`select`; a token mask's gather may cast to `cast` on the way (whichever order moves
-        fewer bytes: the same bits either way, a cast is element by element)."""
-        x = act
+    ) -> tuple[Tensor, bool]:
+        """`select`, and whether its result is memory of its own (False: `act` or a view of it); a
+        token mask's gather may cast to `cast` on the way (whichever order moves fewer bytes: the
+        same bits either way, a cast is element by element)."""
+        x, fresh = act, False
         if self.heads is not None:
             if spec.head_dim is None:
                 raise SelectionError(
@@ -218,10 +212,11 @@ class Selection:
                 )
             head_dim = spec.head_dim % x.ndim
             x = x.index_select(head_dim, self._heads(x.shape[head_dim], x.ndim, head_dim, x.device)[0])
+            fresh = True
         if self.token_mask is not None:
-            return select_tokens(x, self.token_mask, spec.pos_dim, self._kept_rows, cast, into)
+            return select_tokens(x, self.token_mask, spec.pos_dim, self._kept_rows, cast), True
         if self.positions is None:
-            return x
+            return x, fresh
         pos_dim = _pos_dim(spec, x)
         size = x.shape[pos_dim]
         positions = self.positions if self.offset is None else self._local(size)
@@ -229,12 +224,12 @@ class Selection:
             if attention_mask is None:
                 positions = -1
             else:
-                return _per_row(x, last_real(attention_mask, x.shape[0], size), pos_dim)
-        if _is_int(positions):
+                return _per_row(x, last_real(attention_mask, x.shape[0], size), pos_dim), True
+        if _is_int(positions):  # a view
             _check_range([positions], size, "position")
-            return x.select(pos_dim, int(positions))
-        if isinstance(positions, slice):
-            return x[(slice(None),) * pos_dim + (positions,)]
+            return x.select(pos_dim, int(positions)), fresh
+        if isinstance(positions, slice):  # a view
+            return x[(slice(None),) * pos_dim + (positions,)], fresh
         if (
             isinstance(positions, Tensor)
             and positions.ndim == 1
@@ -242,8 +237,8 @@ class Selection:
             and pos_dim == 1
         ):
             # one position per row (an explicit [batch] LongTensor)
-            return _per_row(x, _index(positions, size, "per-row position", x.device), pos_dim)
-        return x.index_select(pos_dim, _index(positions, size, "position", x.device))
+            return _per_row(x, _index(positions, size, "per-row position", x.device), pos_dim), True
+        return x.index_select(pos_dim, _index(positions, size, "position", x.device)), True
 
     def _local(self, size: int) -> int | slice | tuple[int, ...] | Tensor:
         """The positions as indices into a pass over sequence positions [offset, offset + size)."""
@@ -442,16 +437,12 @@ def _per_row(x: Tensor, rows: Tensor, pos_dim: int) -> Tensor:
     return x.movedim(pos_dim, 1)[torch.arange(x.shape[0], device=x.device), rows]
 
 
-def _to_device(x: Tensor, device: torch.device, events: list | None) -> Tensor:
-    if x.is_cuda and device.type == "cpu" and events is not None:
-        # pinned host buffer + non-blocking copy; the caller synchronises before anyone reads it
+def _to_device(x: Tensor, device: torch.device, non_blocking: bool) -> Tensor:
+    if non_blocking and x.is_cuda and device.type == "cpu":
+        # page-locked, so the copy leaves the device without the host waiting for it
         buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
-        buf.copy_(x, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        events.append(event)
-        return buf
-    return x.to(device, non_blocking=True, copy=True)
+        return buf.copy_(x, non_blocking=True)
+    return x.to(device, non_blocking=non_blocking, copy=True)
 
 
 EVERYTHING = Selection()  # keeps every position and head, as computed

@@ -5,23 +5,17 @@ each row's last real token under an attention mask (`last_real`, positions="last
 One capture gathers every point with the same mask, so `KeptRows` finds the kept rows once per
 device and each point is one `index_select`. Found on a GPU, they wait for the device (the count of
 rows is needed on the host); from a mask on the CPU they are found there and sent to the device
-without waiting, so a forward with such a mask never stops for the host. Where
-most tokens are kept and the capture casts, the cast goes first: it makes and moves fewer bytes
-than gather-then-cast, and the bits are the same (a cast is element by element, a gather moves
-elements whole). Given a buffer to fill (`into`: the extraction's reused host buffers), the
-gather writes the kept rows there, into memory written batch after batch (no fresh pages to fault
-in). Where it casts on the CPU and the kept rows come in long runs (a packed batch drops only each
-document's first tokens), each run is one copy that casts on the way, into the buffer or one new
-tensor, on the calling thread alone (`one_thread`): one pass and no intermediate, where a cast
-first made and faulted in a whole new tensor (32 x 1024 x 768 float32 -> bfloat16 into a buffer,
-on 2 loaded cores: 4.4-4.7 ms of CPU against 16-24 ms; into a new tensor 7.5 against 19-22 ms).
-Split over the intra-op threads, those copies would each wake them: on a loaded machine 47 runs'
-copies took 380 ms where one cast took 10 ms. Otherwise it is one op per point.
+without waiting, so a forward with such a mask never stops for the host. Where most tokens are
+kept and the gather casts, the cast goes first: it makes and moves fewer bytes than
+gather-then-cast, and the bits are the same (a cast is element by element, a gather moves elements
+whole). Given a tensor to write into (`out=`, as torch's ops take one), the rows go there. Where it
+casts on the CPU and the kept rows come in long runs (a packed batch drops only each document's
+first tokens), each run is one copy that casts on the way, on the calling thread alone
+(`one_thread`): one pass and no intermediate tensor, and no wake-up of the intra-op threads for each
+small copy (measured in bench/HISTORY.md, "Extraction with a free forward on the CPU").
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import torch
 from torch import Tensor
@@ -30,11 +24,6 @@ from .errors import SelectionError
 from .one_thread import one_thread
 
 _RUN_ROWS = 256  # kept rows per run, on average, from which a gather into a buffer copies run by run
-
-# (shape, dtype, device) -> a tensor of that shape and dtype to write the kept rows into (rows may
-# be strided: a slot of a stacked column), or None to make a new one
-Into = Callable[[tuple[int, ...], torch.dtype, torch.device], Tensor | None]
-PointInto = Callable[[str, tuple[int, ...], torch.dtype, torch.device], Tensor | None]  # Capture's: by point
 
 
 class KeptRows:
@@ -77,11 +66,12 @@ def select_tokens(
     pos_dim: int | None,
     kept: KeptRows,
     cast: torch.dtype | None = None,
-    into: Into | None = None,
+    out: Tensor | None = None,
 ) -> Tensor:
     """Keep the tokens where mask [batch, pos] is True, as rows; cast to `cast` on the way when
-    that is cheaper before the gather (else the caller casts the rows). `into`: where to write
-    the rows (cast to `cast`), when it gives a buffer."""
+    that is cheaper before the gather (else the caller casts the rows). `out`: a tensor of the kept
+    rows' shape to write them into (its dtype wins over `cast`); it is returned, filled, except
+    for an expanded `x` (batch and pos not one dimension), whose rows are gathered anew."""
     if pos_dim is None or pos_dim % x.ndim != 1:
         raise SelectionError("token_mask needs a [batch, pos, ...] activation")
     if x.shape[0] == 1 and mask.shape[0] > 1:
@@ -94,7 +84,10 @@ def select_tokens(
     if x.shape[0] > 1 and x.stride(0) != x.stride(1) * x.shape[1]:  # batch and pos not one dim (expanded)
         return x[mask.to(x.device)]
     rows = kept.of(mask, x.device)
-    out = None if into is None else into((rows.numel(), *x.shape[2:]), cast or x.dtype, x.device)
+    if out is not None and tuple(out.shape) != (rows.numel(), *x.shape[2:]):
+        raise SelectionError(
+            f"out= has shape {tuple(out.shape)}; the kept rows need {(rows.numel(), *x.shape[2:])}"
+        )
     dtype = (cast or x.dtype) if out is None else out.dtype
     if dtype != x.dtype and x.device.type == "cpu" and mask.device.type == "cpu":
         runs = kept.runs(mask)

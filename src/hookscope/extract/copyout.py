@@ -7,11 +7,12 @@ marks the end. The main thread goes on to the next batch at once. The writer's t
 `Handoff`: it waits on the events before it reads the buffer (`wait`, which also gives the
 statistics), and hands the buffer back once the batch's bytes are on disk (`release`).
 
-On the CPU the capture itself writes each point's kept rows into a buffer of a second ring (`into`,
-given to the executor): the rows are written once, where the writer reads them, in memory reused
-batch after batch. Their handoff is `ready` (nothing to wait for) and has no statistics (the writer
-measures them on a thread of their own as the batch is queued); it hands the buffers back once
-written. Activations on the CPU in memory of their own (a source that makes its rows itself) go as
+On the CPU the capture itself writes each point's kept rows into a buffer of a second ring
+(`lend`, asked by the executor's `LendingCapture`, lending.py): the rows are written once, where
+the writer reads them, in memory reused batch after batch. Their handoff is `ready` (nothing to
+wait for) and has no statistics (the writer measures them on a thread of their own as the batch is
+queued); it hands the buffers back once written. Activations on the CPU in memory of their own (a
+source that makes its rows itself) go as
 they are, with no handoff.
 """
 
@@ -82,42 +83,40 @@ class CopyOut:
         self, keep: int = 8, on_wait: Callable[[float], None] | None = None, groups: Groups | None = None
     ):
         self.ring = HostRing(keep=keep, pinned=True, spare=True)  # pinning is slow: made ahead
-        self.host = HostRing(keep=None, pinned=False)  # what CPU captures write into (`into`)
-        self.lent: dict[int, torch.Tensor] = {}  # by storage address: host buffers out to the capture
+        self.host = HostRing(keep=None, pinned=False)  # what CPU captures write into (`lend`)
+        # this batch's host buffers out to the capture: (the tensor handed out, its ring buffer)
+        self.lent: list[tuple[torch.Tensor, torch.Tensor]] = []
         self.on_wait = on_wait  # each handoff's wait for the device, in seconds (the run's report)
         self.streams: dict[torch.device, torch.cuda.Stream] = {}
         # `--stack`: a CPU capture writes each stacked point into its slot of one buffer
         self.slots = Slots(groups, self._lend) if groups else None
 
-    def into(
-        self, point: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor | None:
+    def lend(self, point: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         """A buffer of the host ring, `shape` and `dtype`, for a capture on the CPU to write `point`'s
-        kept rows into (`Capture(into=)`; a stacked point's slot of its column's buffer); None for
-        one on another device (copied out below)."""
-        if torch.device(device).type != "cpu":
-            return None
+        kept rows into (a stacked point's slot of its column's buffer)."""
         slot = None if self.slots is None else self.slots.slot(point, shape, dtype)
         return slot if slot is not None else self._lend(shape, dtype)
 
     def _lend(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         nbytes = math.prod(shape) * dtype.itemsize
         buffer = self.host.take(nbytes)
-        self.lent[buffer.untyped_storage().data_ptr()] = buffer
-        return buffer[:nbytes].view(dtype).view(shape)
+        lent = buffer[:nbytes].view(dtype).view(shape)
+        self.lent.append((lent, buffer))
+        return lent
 
     def _claim(self, acts: dict[str, torch.Tensor]) -> list[tuple[HostRing, torch.Tensor]]:
-        """The lent buffers that `acts` are in; any other lent since the last batch is not handed
-        back (a source that made its rows from them may hold them still)."""
-        claimed = [
-            self.lent.pop(a.untyped_storage().data_ptr(), None)
-            for a in acts.values()
-            if a.device.type == "cpu"
-        ]
-        for buffer in self.lent.values():
-            self.host.forget(buffer)
+        """The lent buffers that `acts` are (the very tensors handed out: a point's rows, or a
+        stacked column); any other lent since the last batch is not handed back (a source that
+        made its rows from them may hold them still)."""
+        held = {id(a) for a in acts.values()}
+        claimed = []
+        for lent, buffer in self.lent:
+            if id(lent) in held:
+                claimed.append((self.host, buffer))
+            else:
+                self.host.forget(buffer)
         self.lent.clear()
-        return [(self.host, b) for b in claimed if b is not None]
+        return claimed
 
     def __call__(self, acts: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], Handoff | None]:
         """`acts` on the host (views of a ring buffer for those on CUDA, still being filled), and the

@@ -16,12 +16,11 @@ import itertools
 import os
 import time
 from collections.abc import Iterable, Iterator, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..capture import Capture
 from ..errors import DataError
 from ..extract_config import ExtractConfig, Run, validate_config
 from ..loading import load
@@ -32,12 +31,10 @@ from ..sources import Rows, Source, source_for
 from ..store import ShardWriter, merge_rank_manifests
 from ..store.opening import StoreView
 from .copyout import CopyOut, Handoff
+from .lending import Lender, LendingCapture
 from .outcome import ExtractInterrupted, ExtractSummary, check_finite, signals_interrupt
 from .stacking import Groups, stack_groups, stacked
 from .stages import Stages, ahead, writer_queue
-
-if TYPE_CHECKING:
-    from ..capture import PointInto
 
 Batches = Iterable[tuple[int, dict[str, Tensor]]]
 
@@ -55,14 +52,14 @@ class InMemory:
     `source.model_call` / `source.rows` around its own capture; it runs only sources whose
     `streamable` is True. A generating executor (`generating.py`) runs the sources whose rows come
     from a generation (`generates`). The executors own the extraction's forward: a source gives
-    the inputs and makes the rows. `into`, set by the loop, gives the buffers a capture on
-    the CPU writes its kept rows into (copyout.py)."""
+    the inputs and makes the rows. `lender`, set by the loop, lends the buffers a capture on
+    the CPU writes its kept rows into (copyout.py, lending.py)."""
 
     def __init__(
         self, source: Source, model: torch.nn.Module, points: Sequence[str], dtype: torch.dtype, run: Run
     ):
         self.source, self.model, self.points, self.dtype, self.run_on = source, model, points, dtype, run
-        self.into: PointInto | None = None
+        self.lender: Lender | None = None
 
     def run(self, batches: Batches) -> Iterator[tuple[int, dict[str, Tensor], Rows]]:
         for index, batch in batches:
@@ -76,8 +73,8 @@ class InMemory:
         # kept where the model ran (the loop takes statistics there, then copies to the host); the
         # mask stays on the CPU, where the capture finds the kept rows without waiting for the device
         with (
-            Capture(
-                self.model, list(points), token_mask=call.keep, dtype=self.dtype, device=None, into=self.into
+            LendingCapture(
+                self.model, list(points), lender=self.lender, token_mask=call.keep, dtype=self.dtype
             ) as cap,
             unpadded(call.unpadded),
         ):
@@ -231,7 +228,7 @@ def _run(
                 yield index, batch
 
     copy_out = CopyOut(on_wait=functools.partial(stages.add, "device"), groups=groups)
-    executor.into = copy_out.into
+    executor.lender = copy_out
     ran = _timed(
         _checked(
             executor.run(pending(itertools.chain([first] if first else [], ours))),

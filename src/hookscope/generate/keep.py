@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from ..arch import PointSpec
 from ..capture import Capture
 from ..selection import Selection
 from ..stopping import Stop
@@ -124,10 +125,16 @@ class StepCapture(Capture):
     def __init__(self, model, kept: dict[str, Kept], **options):
         super().__init__(model, list(kept), stop=False, **options)
         self.by_name = {spec.name: kept[key] for key, spec in self._keys.items()}
-        if all(k.buffered for k in kept.values()):
-            self.copy = "never"
+        self.buffered = all(k.buffered for k in kept.values())  # each point's buffer copies it
         self.last_pass: Stop | None = None  # during `run_last`: what ends the pass
         self.unfiled: set[str] = set()
+
+    def take(self, act: Tensor, spec: PointSpec, *, selection=None, copy: bool = True) -> Tensor:
+        # a hook's own value goes straight to the buffer, which copies it; a compiled region's
+        # eager half (`selection` given) copies as the compile layer asks
+        return super().take(
+            act, spec, selection=selection, copy=copy and not (self.buffered and selection is None)
+        )
 
     def file(self, name: str, kept: Tensor) -> None:
         self.by_name[name].file(kept)
