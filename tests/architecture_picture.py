@@ -1,64 +1,71 @@
-"""docs/img/architecture.svg, drawn from the import table of docs/architecture.md (its one copy):
-a box per room, a row per layer (a room sits one row below the lowest row it imports from), an
-arrow per import the table allows, pointing up to the room imported. `everything` is one arrow to
-a bar at the left beside all the rooms above. Every arrow carries `data-from` / `data-to`, which
-tests/test_architecture.py reads back and compares with the table.
+"""docs/img/architecture.svg, drawn from the import contract in pyproject.toml (`[tool.importlinter]`,
+its one copy) and the imports the code makes: a row per layer of the contract (the lowest at the top,
+since arrows point up to the room imported), a box per room, an arrow per room-to-room import found
+in the code. The top layer (`cli/`, which may import every room) is one arrow to a bar beside all
+the rooms below. Every arrow carries `data-from` / `data-to`, which tests/core/test_architecture.py
+reads back and compares with the code.
 
-    python tests/architecture_picture.py      # rewrite docs/img/architecture.svg after a table change
+    python tests/architecture_picture.py      # rewrite docs/img/architecture.svg after a change
 """
 
 from __future__ import annotations
 
 import sys
+import tomllib
 from html import escape
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from test_architecture import ARCHITECTURE_MD, read_table  # noqa: E402
+from test_architecture import GRAPH, ROOT, room_of  # noqa: E402
 
-PICTURE = ARCHITECTURE_MD.parent / "img" / "architecture.svg"
-EVERYTHING = "*"  # the arrow target of a row that may import every room above it
+PICTURE = ROOT / "docs" / "img" / "architecture.svg"
+EVERYTHING = "*"  # the arrow target of the top layer, which may import every room below it
 
 BOX_W, BOX_H, GAP_X, ROW_H, MARGIN, LEFT = 132, 30, 22, 64, 16, 90
 
 
-def layers(table: dict[str, set[str]]) -> dict[str, int]:
-    """Each room's row: 0 for a room importing none of ours, else one below its lowest import."""
-    row: dict[str, int] = {}
-    for room, imports in table.items():  # the table lists every import above its importer
-        row[room] = 1 + max((row[r] for r in imports), default=-1)
-    return row
+def contract_layers() -> list[list[str]]:
+    """The rooms of the layers contract over `hookscope`, lowest layer first."""
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["importlinter"]
+    contract = next(
+        c for c in config["contracts"] if c["type"] == "layers" and c["containers"] == ["hookscope"]
+    )
+    return [[r.strip() for r in layer.split("|")] for layer in reversed(contract["layers"])]
 
 
-def everything(table: dict[str, set[str]], room: str) -> bool:
-    """A row whose last column says `everything`: it may import each room above it."""
-    above = list(table)[: list(table).index(room)]
-    return len(above) > 3 and table[room] == set(above)
+def room_imports() -> dict[str, set[str]]:
+    """Room -> the other rooms its modules import (the package's own `__init__` left out)."""
+    found: dict[str, set[str]] = {}
+    for module, targets in GRAPH.items():
+        room = room_of(module)
+        found.setdefault(room, set()).update(room_of(t) for t in targets if room_of(t) != room)
+    return {r: {t for t in ts if t != "__init__"} for r, ts in found.items() if r != "__init__"}
 
 
-def arrange(table: dict[str, set[str]]) -> list[list[str]]:
-    """Rooms by row, each row ordered to keep arrows short (a few barycentre sweeps)."""
-    row = layers(table)
-    rows = [[r for r in table if row[r] == i] for i in range(max(row.values()) + 1)]
+def arrange(rows: list[list[str]], table: dict[str, set[str]]) -> list[list[str]]:
+    """Each row ordered to keep arrows short (a few barycentre sweeps)."""
+    rows = [list(r) for r in rows]
     for _ in range(4):
         place = {r: i / max(len(rr), 1) for rr in rows for i, r in enumerate(rr)}
         for rr in rows[1:]:
-            rr.sort(key=lambda r: (sum(place[d] for d in table[r]) / len(table[r])) if table[r] else 0.5)
+            rr.sort(key=lambda r: (sum(place[d] for d in table[r]) / len(table[r])) if table.get(r) else 0.5)
             place |= {r: i / max(len(rr), 1) for i, r in enumerate(rr)}
     return rows
 
 
-def edges(table: dict[str, set[str]]) -> list[tuple[str, str]]:
-    """(importer, imported) for each import the table allows; `everything` as one (room, "*")."""
+def edges(rows: list[list[str]], table: dict[str, set[str]]) -> list[tuple[str, str]]:
+    """(importer, imported) for each room-to-room import; the top layer's as one (room, "*")."""
+    top = set(rows[-1])
     out = []
-    for room, imports in table.items():
-        out += [(room, EVERYTHING)] if everything(table, room) else [(room, d) for d in sorted(imports)]
+    for room in (r for rr in rows for r in rr):
+        out += [(room, EVERYTHING)] if room in top else [(room, d) for d in sorted(table.get(room, ()))]
     return out
 
 
-def draw(table: dict[str, set[str]]) -> str:
-    rows = arrange(table)
+def draw(layer_rows: list[list[str]], table: dict[str, set[str]]) -> str:
+    rows = arrange(layer_rows, table)
+    rooms = [r for rr in rows for r in rr]
     width = max(len(r) for r in rows) * (BOX_W + GAP_X) - GAP_X + MARGIN + LEFT
     height = len(rows) * ROW_H + 2 * MARGIN
     xy: dict[str, tuple[float, float]] = {}
@@ -66,14 +73,17 @@ def draw(table: dict[str, set[str]]) -> str:
         span = len(rr) * (BOX_W + GAP_X) - GAP_X
         for j, room in enumerate(rr):
             xy[room] = (LEFT + (width - LEFT - MARGIN - span) / 2 + j * (BOX_W + GAP_X), MARGIN + i * ROW_H)
-    bars = {room: MARGIN + 14 * k for k, room in enumerate(r for r in table if everything(table, r))}
+    bars = {room: MARGIN + 14 * k for k, room in enumerate(rows[-1])}
     out_of = {
         room: sorted(
-            (t for f, t in edges(table) if f == room), key=lambda t: xy[t][0] if t in xy else width / 2
+            (t for f, t in edges(rows, table) if f == room), key=lambda t: xy[t][0] if t in xy else width / 2
         )
-        for room in table
+        for room in rooms
     }
-    into = {room: sorted((f for f, t in edges(table) if t == room), key=lambda f: xy[f][0]) for room in table}
+    into = {
+        room: sorted((f for f, t in edges(rows, table) if t == room), key=lambda f: xy[f][0])
+        for room in rooms
+    }
 
     def port(room: str, others: list[str], other: str) -> float:
         k = others.index(other)
@@ -97,7 +107,7 @@ def draw(table: dict[str, set[str]]) -> str:
             f'<path d="M{x + 5} {MARGIN} H{x} V{xy[room][1] - ROW_H + BOX_H} H{x + 5}" fill="none" '
             f'stroke="#9e9e9e"><title>every room above {room}</title></path>'
         )
-    for room, target in edges(table):
+    for room, target in edges(rows, table):
         if target == EVERYTHING:  # left, to its bar
             x1, y1 = xy[room][0], xy[room][1] + BOX_H / 2
             x2 = bars[room]
@@ -117,7 +127,7 @@ def draw(table: dict[str, set[str]]) -> str:
             "</path>"
         )
     for room, (x, y) in xy.items():
-        package = (ARCHITECTURE_MD.parents[1] / "src" / "hookscope" / room).is_dir()
+        package = (ROOT / "src" / "hookscope" / room).is_dir()
         label = room + ("/" if package else ".py")
         parts.append(
             f'<g class="room" data-room="{room}"><rect x="{x:.1f}" y="{y:.1f}" width="{BOX_W}" '
@@ -130,8 +140,8 @@ def draw(table: dict[str, set[str]]) -> str:
 
 
 def current() -> str:
-    """The picture the table in docs/architecture.md draws now."""
-    return draw(read_table(ARCHITECTURE_MD.read_text()))
+    """The picture the contract and the code draw now."""
+    return draw(contract_layers(), room_imports())
 
 
 if __name__ == "__main__":

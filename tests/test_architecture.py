@@ -1,14 +1,18 @@
-"""The rooms import one way, as the table in docs/architecture.md says (the one copy of it): read
-every module's imports, lazy ones inside functions and type-checking ones included, and fail on a
-room missing from the table, an import against it, or a circle. How long a function may grow is
-ruff's complexity rules' business (pyproject.toml, tests/test_style.py), not a line count."""
+"""The rooms import one way: the contracts in pyproject.toml (`[tool.importlinter]`, their one copy)
+hold, checked by import-linter (lazy imports inside functions and those under TYPE_CHECKING count),
+and an import up the layers breaks them. No circle between modules; the picture in
+docs/img/architecture.svg draws the contract's layers and the imports the code makes. How long a
+function may grow is ruff's complexity rules' business (pyproject.toml, tests/test_style.py)."""
 
 from __future__ import annotations
 
 import ast
 import builtins
 import inspect
-import re
+import os
+import shutil
+import subprocess
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -17,7 +21,7 @@ import pytest
 import hookscope as hs
 
 SRC = Path(hs.__file__).resolve().parent
-ARCHITECTURE_MD = SRC.parents[1] / "docs" / "architecture.md"
+ROOT = SRC.parents[1]
 
 
 def room_of(module: str) -> str:
@@ -84,65 +88,36 @@ def imports_of(path: Path) -> list[Import]:
 
 
 GRAPH = {module_name(p): {i.target for i in imports_of(p)} for p in SRC.rglob("*.py")}
-ROOMS = sorted({room_of(m) for m in GRAPH})
 
 
-def read_table(text: str) -> dict[str, set[str]]:
-    """docs/architecture.md's table -> {room: the rooms it may import}, in the table's order.
-    A room names only rooms above it (`everything`: all of them), so the table has no circle."""
-    allowed: dict[str, set[str]] = {}
-    for row in text.splitlines():
-        cells = [c.strip() for c in row.split("|")]
-        if not row.startswith("| `") or len(cells) < 4:
-            continue
-        room = cells[1].strip("`").removesuffix("/").removesuffix(".py")
-        may = cells[-2]
-        names = set(allowed) if may == "everything" else {n.strip(" `") for n in may.split(",")} - {"none"}
-        above = names - set(allowed)
-        assert not above, f"{room} may import {sorted(above)}, which the table does not list above it"
-        allowed[room] = names
-    return allowed
-
-
-ALLOWED = read_table(ARCHITECTURE_MD.read_text())
-
-# Imports against the flow, each tolerated only while a branch that removes it is under way (empty:
-# every import follows the table). An entry that is not an import fails below, so that it is not
-# forgotten.
-KNOWN_AGAINST_THE_FLOW: set[tuple[str, str]] = set()
-
-
-def test_every_room_is_in_the_table_and_every_row_is_a_room():
-    missing, extra = sorted(set(ROOMS) - set(ALLOWED)), sorted(set(ALLOWED) - set(ROOMS))
-    assert not missing and not extra, (
-        f"rooms missing from docs/architecture.md: {missing}; rows for no room: {extra}"
+def lint_imports(src: Path) -> subprocess.CompletedProcess:
+    """import-linter's `lint-imports` on the package under `src`, with this tree's contracts."""
+    exe = shutil.which("lint-imports", path=str(Path(sys.executable).parent)) or shutil.which("lint-imports")
+    if exe is None:
+        pytest.fail(
+            "import-linter is not installed: it comes with the `test` extra (pip install -e '.[test]')"
+        )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    return subprocess.run(
+        [exe, "--no-cache", str(ROOT / "pyproject.toml")], cwd=ROOT, env=env, capture_output=True, text=True
     )
 
 
-@pytest.mark.parametrize("room", ROOMS)
-def test_every_room_imports_one_way(room):
-    bad = []
-    for path in sorted(SRC.rglob("*.py")):
-        module = module_name(path)
-        if room_of(module) != room:
-            continue
-        for imp in imports_of(path):
-            other = room_of(imp.target)
-            allowed = other == room or other in ALLOWED.get(room, set())
-            if allowed or (module, other) in KNOWN_AGAINST_THE_FLOW:
-                continue
-            how = "lazily, inside a function" if imp.lazy else "at module level"
-            bad.append(f"{module} imports {imp.target} ({how}, line {imp.line})")
-    assert not bad, "against the table in docs/architecture.md:\n" + "\n".join(bad)
+def test_the_import_contracts_hold():
+    done = lint_imports(SRC.parent)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "0 broken" in done.stdout
 
 
-def test_the_known_exceptions_are_still_needed():
-    stale = [
-        pair
-        for pair in KNOWN_AGAINST_THE_FLOW
-        if not any(room_of(t) == pair[1] for t in GRAPH.get(pair[0], ()))
-    ]
-    assert not stale, f"remove {stale} from KNOWN_AGAINST_THE_FLOW: the import is gone"
+def test_an_import_up_the_layers_breaks_the_contract(tmp_path):
+    """The contract is no formality: the capture core reaching lazily into the extraction (a
+    layer above it) is refused, named by module and line."""
+    shutil.copytree(SRC, tmp_path / "hookscope", ignore=shutil.ignore_patterns("__pycache__"))
+    capture = tmp_path / "hookscope" / "capture.py"
+    capture.write_text(capture.read_text() + "\n\ndef _upward():\n    from .extract import loop\n")
+    done = lint_imports(tmp_path)
+    assert done.returncode != 0
+    assert "hookscope.capture is not allowed to import hookscope.extract" in done.stdout, done.stdout[-3000:]
 
 
 def test_the_checker_sees_lazy_relative_and_package_imports():
@@ -165,17 +140,6 @@ def test_the_checker_sees_lazy_relative_and_package_imports():
         ("hookscope.capture", False),
         ("hookscope.models", False),
         ("hookscope.top", True),
-    }
-
-
-def test_the_table_reader_refuses_an_import_of_a_room_below():
-    table = "| `errors.py` | e | none |\n| `store/` | s | errors, top |\n| `top/` | t | store |\n"
-    with pytest.raises(AssertionError, match=r"store may import \['top'\]"):
-        read_table(table)
-    assert read_table("| `a.py` | x | none |\n| `b/` | y | a |\n| `cli/` | z | everything |\n") == {
-        "a": set(),
-        "b": {"a"},
-        "cli": {"a", "b"},
     }
 
 
@@ -351,44 +315,24 @@ def test_no_code_reads_a_room_through_the_verb_that_shadows_it():
     assert not bad, "reads a module through the function that shadows it:\n" + "\n".join(bad)
 
 
-def test_the_loading_room_imports_one_way():
-    """loading/'s files, in the order its row of docs/architecture.md lists them: each imports only
-    files listed before it (checkpoint reading -> a `points=` load -> `load` -> block streaming)."""
-    row = next(r for r in ARCHITECTURE_MD.read_text().splitlines() if r.startswith("| `loading/`"))
-    order = [f"hookscope.loading.{name}" for name in re.findall(r"`(\w+)\.py`", row.split("|")[2])]
-    files = {module_name(p) for p in (SRC / "loading").glob("*.py")} - {"hookscope.loading"}
-    assert sorted(order) == sorted(files), "list every file of loading/ in its row, once"
-    against = {
-        f"{module} imports {imp.target} (line {imp.line}), listed after it"
-        for i, module in enumerate(order)
-        for imp in imports_of(SRC / "loading" / f"{module[18:]}.py")
-        if imp.target.startswith("hookscope.loading.") and imp.target not in order[:i]
-    }
-    assert not against, "\n".join(sorted(against))
-
-
-def test_the_picture_draws_exactly_the_table():
+def test_the_picture_draws_the_contract_and_the_code():
     """docs/img/architecture.svg (drawn by tests/architecture_picture.py) has a box per room of the
-    table and an arrow per import the table allows, no more: `everything` is one arrow to "*"."""
+    layers contract and an arrow per room-to-room import the code makes, no more: the top layer's
+    (`cli/`) is one arrow to "*"."""
     import xml.etree.ElementTree as ET
 
-    svg = ET.parse(ARCHITECTURE_MD.parent / "img" / "architecture.svg").getroot()
+    from architecture_picture import contract_layers, edges, room_imports
+
+    svg = ET.parse(ROOT / "docs" / "img" / "architecture.svg").getroot()
     ns = "{http://www.w3.org/2000/svg}"
     drawn = {
         (e.get("data-from"), e.get("data-to")) for e in svg.iter(f"{ns}path") if e.get("class") == "edge"
     }
     rooms = {g.get("data-room") for g in svg.iter(f"{ns}g") if g.get("class") == "room"}
-    want: set[tuple[str, str]] = set()
-    for row in ARCHITECTURE_MD.read_text().splitlines():
-        cells = [c.strip() for c in row.split("|")]
-        if row.startswith("| `") and len(cells) >= 4:
-            room = cells[1].strip("`").removesuffix("/").removesuffix(".py")
-            want |= {(room, "*")} if cells[-2] == "everything" else {(room, n) for n in ALLOWED[room]}
-    assert rooms == set(ALLOWED), (
-        f"boxes for no room: {rooms - set(ALLOWED)}; rooms with no box: "
-        f"{set(ALLOWED) - rooms}: run `python tests/architecture_picture.py`"
-    )
+    layers = contract_layers()
+    want = set(edges(layers, room_imports()))
+    assert rooms == {r for layer in layers for r in layer}, "run `python tests/architecture_picture.py`"
     assert drawn == want, (
-        f"arrows the table does not allow: {sorted(drawn - want)}; imports not drawn: "
-        f"{sorted(want - drawn)}: run `python tests/architecture_picture.py`"
+        f"arrows the code does not make: {sorted(drawn - want)}; imports not drawn: {sorted(want - drawn)}: "
+        "run `python tests/architecture_picture.py`"
     )

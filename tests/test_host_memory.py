@@ -182,7 +182,7 @@ def allocator_settings():
 def test_pinned_memory_is_registered_inside_and_the_user_s_settings_come_back(
     allocator_settings, monkeypatch
 ):
-    monkeypatch.delenv(allocator.REGISTER_ENV, raising=False)
+    monkeypatch.setenv(allocator.REGISTER_ENV, "1")  # asked for (off by default)
     monkeypatch.setattr(allocator.os, "cpu_count", lambda: 6)
     allocator_settings("max_split_size_mb:512,garbage_collection_threshold:0.6")
     with allocator.registering_pinned_memory() as on:
@@ -206,7 +206,7 @@ def test_pinned_memory_is_registered_inside_and_the_user_s_settings_come_back(
     "user", ["pinned_use_cuda_host_register:False", "pinned_use_cuda_host_register:True"]
 )
 def test_a_user_s_choice_of_pinning_is_left_alone(allocator_settings, monkeypatch, user):
-    monkeypatch.delenv(allocator.REGISTER_ENV, raising=False)
+    monkeypatch.setenv(allocator.REGISTER_ENV, "1")  # asked for, yet the user's own setting wins
     allocator_settings(user)
     with allocator.registering_pinned_memory() as on:
         assert not on and torch._C._accelerator_getAllocatorSettings() == user
@@ -218,9 +218,13 @@ def test_pinned_memory_is_left_alone_when_not_asked(allocator_settings, monkeypa
     allocator_settings("max_split_size_mb:256")
     with allocator.registering_pinned_memory(enabled=False) as on:  # a run on the CPU
         assert not on and torch._C._accelerator_getAllocatorSettings() == "max_split_size_mb:256"
-    monkeypatch.setenv(allocator.REGISTER_ENV, "0")
-    with allocator.registering_pinned_memory() as on:
-        assert not on and torch._C._accelerator_getAllocatorSettings() == "max_split_size_mb:256"
+    for asked in (None, "0"):  # off by default, until an extraction on a GPU has measured it
+        if asked is None:
+            monkeypatch.delenv(allocator.REGISTER_ENV, raising=False)
+        else:
+            monkeypatch.setenv(allocator.REGISTER_ENV, asked)
+        with allocator.registering_pinned_memory() as on:
+            assert not on and torch._C._accelerator_getAllocatorSettings() == "max_split_size_mb:256"
 
 
 @settings_api

@@ -72,6 +72,12 @@ def _whole(value: object) -> bool:
 
 def validate_config(cfg: ExtractConfig) -> None:
     """Refuse bad arguments before anything is loaded or written."""
+    _check_numbers(cfg)
+    _check_points_and_out(cfg)
+
+
+def _check_numbers(cfg: ExtractConfig) -> None:
+    """The dtype, the non-finite policy and the sizes and counts."""
     if cfg.on_nonfinite not in ("warn", "error"):
         raise HookscopeError(f"on_nonfinite={cfg.on_nonfinite!r}: use 'warn' or 'error'")
     dtype = getattr(torch, cfg.dtype, None) if isinstance(cfg.dtype, str) else None
@@ -89,6 +95,10 @@ def validate_config(cfg: ExtractConfig) -> None:
         )
     if cfg.max_tokens is not None and not _whole(cfg.max_tokens):
         raise HookscopeError(f"--max-tokens {cfg.max_tokens!r}: must be a whole number >= 1 (or left out)")
+
+
+def _check_points_and_out(cfg: ExtractConfig) -> None:
+    """What is captured, where it goes, and how the model runs."""
     if not cfg.points:
         raise HookscopeError("no points given; name at least one, e.g. --points blocks.3.resid_post")
     if cfg.stack and not any(is_pattern(p) for p in cfg.points):

@@ -371,6 +371,11 @@ def _parse(sel: Any, what: str, help_text: str) -> Any:
         return sel
     if isinstance(sel, (list, tuple)) and sel and all(_is_int(v) for v in sel):
         return tuple(int(v) for v in sel)
+    return _parse_index(sel, what, help_text)
+
+
+def _parse_index(sel: Any, what: str, help_text: str) -> Tensor:
+    """A selection given as a tensor, an array or a nested list: a 1-D integer index."""
     try:
         idx = sel if isinstance(sel, Tensor) else torch.as_tensor(sel)  # numpy arrays, nested lists
     except (TypeError, ValueError, RuntimeError, OverflowError):

@@ -1,11 +1,11 @@
 """The generating executor (`--generate N`): the extraction loop's third executor, beside `InMemory`
-(see its docstring for the seam). Per batch it runs `hs.generate` (greedy, `source.new_tokens`
+(loop.py's `Executor` is the seam). Per batch it runs `hs.generate` (greedy, `source.new_tokens`
 after the source's prompt, every point captured at every step) and the source turns the
 `Generation` into rows; resume, signals and torchrun stay the loop's."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -13,6 +13,7 @@ from torch import Tensor, nn
 from ..extract_config import Run
 from ..generate import generate
 from ..sources import GeneratedSource, Rows
+from .lending import Lender
 
 Batches = Iterable[tuple[int, dict[str, Tensor]]]
 
@@ -29,7 +30,9 @@ class Generating:
         self.run_on = run
         self.pad_id = _pad_id(model)
 
-    def run(self, batches: Batches) -> Iterator[tuple[int, dict[str, Tensor], Rows]]:
+    def run(
+        self, batches: Batches, *, lender: Lender | None = None, on_stage: Callable[[str], None] | None = None
+    ) -> Iterator[tuple[int, dict[str, Tensor], Rows]]:
         for index, batch in batches:
             yield index, batch, self.forward(batch)
 

@@ -15,8 +15,9 @@ import functools
 import itertools
 import os
 import time
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -39,33 +40,47 @@ from .stages import Stages, ahead, writer_queue
 Batches = Iterable[tuple[int, dict[str, Tensor]]]
 
 
-class InMemory:
-    """The executor that holds the whole model and runs one batch at a time.
-
-    The executor seam: an executor is made with the opened source, the model, the points, the
+class Executor(Protocol):
+    """The executor seam: an executor is made with the opened source, the model, the points, the
     storage dtype and the run (rank, device), and `run(batches)` gets this rank's batches still to
     do, as (index, batch) in index order, and must yield (index, batch, rows) for every one of
-    them in the same order, writing nothing: the loop owns the rest (which batches are done, the writer,
-    the non-finite check, signals, progress), so any executor keeps the store's promises. A
-    block-streamed executor (layer-major over chunks of sequences, under `max_memory`) reads a
-    chunk of batches ahead, runs each block over all of them, and yields the chunk's rows with
-    `source.model_call` / `source.rows` around its own capture; it runs only sources whose
-    `streamable` is True. A generating executor (`generating.py`) runs the sources whose rows come
-    from a generation (`generates`). The executors own the extraction's forward: a source gives
-    the inputs and makes the rows. `lender`, set by the loop, lends the buffers a capture on
-    the CPU writes its kept rows into (copyout.py, lending.py)."""
+    them in the same order, writing nothing: the loop owns the rest (which batches are done, the
+    writer, the non-finite check, signals, progress), so any executor keeps the store's promises.
+    `lender` lends the host buffers a capture on the CPU may write its kept rows into (copyout.py,
+    lending.py); `on_stage` is told where a long step is (a streamed run's block), for the bar.
+
+    The executors own the extraction's forward: a source gives the inputs and makes the rows.
+    `InMemory` runs one batch at a time; a block-streamed executor (`streamed.py`, under
+    `max_memory`) reads a chunk of batches ahead and runs each block over all of them (only
+    sources whose `streamable` is True); a generating executor (`generating.py`) runs the sources
+    whose rows come from a generation (`generates`)."""
+
+    run_on: Run
+
+    def run(
+        self, batches: Batches, *, lender: Lender | None = None, on_stage: Callable[[str], None] | None = None
+    ) -> Iterator[tuple[int, dict[str, Tensor], Rows]]: ...
+
+
+class InMemory:
+    """The executor that holds the whole model and runs one batch at a time (see `Executor`)."""
 
     def __init__(
         self, source: Source, model: torch.nn.Module, points: Sequence[str], dtype: torch.dtype, run: Run
     ):
-        self.source, self.model, self.points, self.dtype, self.run_on = source, model, points, dtype, run
-        self.lender: Lender | None = None
+        self.source = source
+        self.model = model
+        self.points = points
+        self.dtype = dtype
+        self.run_on = run
 
-    def run(self, batches: Batches) -> Iterator[tuple[int, dict[str, Tensor], Rows]]:
+    def run(
+        self, batches: Batches, *, lender: Lender | None = None, on_stage: Callable[[str], None] | None = None
+    ) -> Iterator[tuple[int, dict[str, Tensor], Rows]]:
         for index, batch in batches:
-            yield index, batch, self.forward(batch)
+            yield index, batch, self.forward(batch, lender)
 
-    def forward(self, batch: dict[str, Tensor]) -> Rows:
+    def forward(self, batch: dict[str, Tensor], lender: Lender | None = None) -> Rows:
         """One capture of every point over the batch's model call; the source makes the rows."""
         device, points = self.run_on.device, self.points
         call = self.source.call_of(batch, device)
@@ -74,7 +89,7 @@ class InMemory:
         # mask stays on the CPU, where the capture finds the kept rows without waiting for the device
         with (
             LendingCapture(
-                self.model, list(points), lender=self.lender, token_mask=call.keep, dtype=self.dtype
+                self.model, list(points), lender=lender, token_mask=call.keep, dtype=self.dtype
             ) as cap,
             unpadded(call.unpadded),
         ):
@@ -89,9 +104,11 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
     Everything that can be checked is checked before the store is touched (arguments, the model,
     the points, the data source's first batch to do and its forward pass), so a refused run leaves
     no trace on disk. SIGINT / SIGTERM raise `ExtractInterrupted` after committing whole shards only.
-    While the batches run, glibc's malloc keeps freed memory for the next batch, process-wide, and
-    gets its defaults back at the end (`loading.allocator.keeping_freed_memory`; not under
-    `max_memory`, nor when a `MALLOC_*` variable is set).
+    Process-wide settings changed while it runs, and put back at the end (docs/architecture.md,
+    "Process-wide settings"): those `hs.load` changes; while the batches run, glibc's malloc keeps
+    freed memory for the next batch (`loading.allocator.keeping_freed_memory`; not under
+    `max_memory`, nor when a `MALLOC_*` variable is set); on CUDA with
+    `HOOKSCOPE_PIN_BY_REGISTER=1`, PyTorch's pinned allocator registers memory.
 
     Returns:
         ExtractSummary: rows in the store, rows this run wrote, batches done and skipped, time, bytes.
@@ -105,15 +122,16 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
         ExtractInterrupted: SIGINT / SIGTERM (Ctrl-C); the same call resumes where it stopped."""
     validate_config(cfg)
     kind = source_for(cfg)  # refuses options the source cannot honour, nothing loaded yet
-    opened: list[ShardWriter] = []  # the writer, once the store is open: how many rows it holds
     with signals_interrupt():
         try:
-            return _extract(cfg, kind, opened)
-        except KeyboardInterrupt:
-            raise ExtractInterrupted(opened[0].total_rows if opened else 0, str(cfg.out)) from None
+            return _extract(cfg, kind)
+        except ExtractInterrupted:
+            raise
+        except KeyboardInterrupt:  # before the store was opened: no row of this run is in it
+            raise ExtractInterrupted(0, str(cfg.out)) from None
 
 
-def _start(cfg: ExtractConfig, kind: type[Source]) -> tuple[Source, Any, list[str]]:
+def _start(cfg: ExtractConfig, kind: type[Source]) -> tuple[Source, Executor, list[str]]:
     """The opened source, the executor (the process's rank and device, the model) and the points
     resolved: nothing written."""
     rank, world_size = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
@@ -161,7 +179,7 @@ def _input_device(model: torch.nn.Module) -> torch.device:
     return next(embeddings.parameters()).device
 
 
-def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) -> ExtractSummary:
+def _extract(cfg: ExtractConfig, kind: type[Source]) -> ExtractSummary:
     # on CUDA the host memory a run page-locks (the out stage's ring, a streamed run's block slots)
     # is pinned faster by registering it (loading/allocator.py)
     on_cuda = cfg.device.startswith("cuda") or (cfg.device_map is not None and torch.cuda.is_available())
@@ -170,12 +188,58 @@ def _extract(cfg: ExtractConfig, kind: type[Source], opened: list[ShardWriter]) 
         # the model loaded: from here on each batch's fresh activations reuse the last batch's memory
         # (loading/allocator.py); not under --max-memory, whose freed block weights must leave the process
         with keeping_freed_memory(enabled=cfg.max_memory is None):
-            return _run(cfg, source, executor, points, opened)
+            return _run(cfg, source, executor, points)
 
 
-def _run(
-    cfg: ExtractConfig, source: Source, executor: Any, points: list[str], opened: list[ShardWriter]
-) -> ExtractSummary:
+@dataclass
+class _Tally:
+    """What one rank's run did, batch by batch."""
+
+    done: int = 0  # batches run and written
+    skipped: int = 0  # batches found committed by an earlier run
+    new_rows: int = 0  # rows this run wrote
+
+
+class _Progress:
+    """The bar of one rank's run: its rows, the source's estimate of the total, and a note of the
+    bytes written and the stages' busy shares (the writer's once the store is open)."""
+
+    def __init__(self, source: Source, stages: Stages, enabled: bool):
+        self.source = source
+        self.stages = stages
+        self.started = time.perf_counter()
+        self.bar = RowsBar("extract", enabled=enabled)
+        self.writer: ShardWriter | None = None
+
+    def note(self) -> str:
+        written = self.writer.bytes_written if self.writer else 0
+        wall = time.perf_counter() - self.started
+        self.stages.busy["writer"] = self.writer.busy_seconds if self.writer else 0.0
+        rate = written / wall / 1e6 if wall > 0 else 0
+        return f"{mib_written(written)}, {rate:,.0f} MB/s, " + self.stages.describe(written, wall)
+
+    def advance(self, rows: int, batch: dict[str, Tensor]) -> None:
+        if self.bar.enabled:
+            total = self.source.estimate(self.bar.count + rows, batch)
+            self.bar.update(rows, total=total, note=self.note())
+
+    def close(self) -> None:
+        self.bar.close(note=self.note(), complete=True)
+
+
+def _pending(
+    batches: Batches, done: set[int], source: Source, tally: _Tally, progress: _Progress
+) -> Iterator[tuple[int, dict[str, Tensor]]]:
+    """The batches still to do; those an earlier run committed are counted and shown, not run."""
+    for index, batch in batches:
+        if index in done:
+            tally.skipped += 1
+            progress.advance(source.rows_in(batch) or 0, batch)
+        else:
+            yield index, batch
+
+
+def _run(cfg: ExtractConfig, source: Source, executor: Executor, points: list[str]) -> ExtractSummary:
     """The batches through the executor into the store: everything after the model is loaded."""
     rank, world_size = executor.run_on.rank, executor.run_on.world_size
     groups = stack_groups(cfg.points, points) if cfg.stack else {}
@@ -184,107 +248,101 @@ def _run(
     # which batches this rank goes through and which it skips: the store read once, nothing written
     # yet (the writer opened below checks that nobody wrote since)
     view = StoreView.read(cfg.out, settings, world_size, rank)
-    found = view.plan
-    done = found.done(rank)
-    started = time.perf_counter()
+    done = view.plan.done(rank)
     # the stages are listed in stages.py: data -> model -> out -> writer
     stages = Stages(data_bound=source.bound_by_data)
-    device = executor.run_on.device
-    # the data stage's thread also makes each batch to do ready for the model (Source.prepare)
-    ours = ahead(
-        (
-            (i, b if i in done else source.prepare(b, device))
-            for i, b in enumerate(source.batches())
-            if found.deal.visits(i, rank)
-        ),
-        stages,
-    )
+    ours = _ours(source, view, rank, done, executor.run_on.device, stages)
     first = next(ours, None)
     if first is None and rank == 0:
         raise DataError(source.nothing_to_extract())
-    bar = RowsBar("extract", enabled=cfg.progress and rank == 0)
-    executor.on_stage = bar.stage  # a streamed run shows the block it is on
-    counts = {"done": 0, "skipped": 0, "new_rows": 0}
-
-    def note() -> str:
-        written = opened[0].bytes_written if opened else 0
-        wall = time.perf_counter() - started
-        stages.busy["writer"] = opened[0].busy_seconds if opened else 0.0
-        return (
-            f"{mib_written(written)}, {written / wall / 1e6 if wall > 0 else 0:,.0f} MB/s, "
-            + stages.describe(written, wall)
-        )
-
-    def advance(rows: int, batch: dict[str, Tensor]) -> None:
-        if bar.enabled:
-            bar.update(rows, total=source.estimate(bar.count + rows, batch), note=note())
-
-    def pending(batches: Batches) -> Iterator[tuple[int, dict[str, Tensor]]]:
-        for index, batch in batches:
-            if index in done:
-                counts["skipped"] += 1
-                advance(source.rows_in(batch) or 0, batch)
-            else:
-                yield index, batch
-
+    tally = _Tally()
+    progress = _Progress(source, stages, enabled=cfg.progress and rank == 0)
     copy_out = CopyOut(on_wait=functools.partial(stages.add, "device"), groups=groups)
-    executor.lender = copy_out
-    ran = _timed(
-        _checked(
-            executor.run(pending(itertools.chain([first] if first else [], ours))),
-            cfg.on_nonfinite,
-            stages,
-            copy_out,
-            groups,
-        ),
-        stages,
-    )
+    batches = _pending(itertools.chain([first] if first else [], ours), done, source, tally, progress)
+    ran = executor.run(batches, lender=copy_out, on_stage=progress.bar.stage)
+    ran = _timed(_checked(ran, cfg.on_nonfinite, stages, copy_out, groups), stages)
     try:
-        # The first batch to do is run before the store is opened (a streamed run runs its whole
-        # first chunk, so that no block's weights are read one extra time): an empty or bad data
-        # source, or a point the forward pass never reaches, is refused with nothing written.
-        head = next(ran, None)
-        writer = ShardWriter(
-            cfg.out,
-            settings,
-            shard_rows=cfg.shard_rows,
-            rank=rank,
-            world_size=world_size,
-            opened=view,  # refuses if another run wrote since the view was read
-            queue_size=writer_queue(head[2][0] if head else {}),
-        )
-        opened.append(writer)
+        writer = _write(cfg, settings, view, world_size, ran, tally, progress)
+    finally:
+        copy_out.close()
+        progress.close()
+    seconds = time.perf_counter() - progress.started
+    stages.busy["writer"] = writer.busy_seconds
+    if world_size > 1:
+        _merge_ranks(cfg.out, rank, world_size)
+    return ExtractSummary(
+        cfg.out,
+        writer.total_rows,
+        tally.new_rows,
+        tally.done,
+        tally.skipped,
+        seconds,
+        writer.bytes_written,
+        dict(writer.nonfinite),
+        stages.shares(seconds),
+        stages.bound(writer.bytes_written, seconds),
+    )
+
+
+def _ours(
+    source: Source, view: StoreView, rank: int, done: set[int], device: str, stages: Stages
+) -> Iterator[tuple[int, dict[str, Tensor]]]:
+    """This rank's batches, read ahead on the data stage's thread, which also makes each batch
+    to do ready for the model (`Source.prepare`)."""
+    dealt = (
+        (i, b if i in done else source.prepare(b, device))
+        for i, b in enumerate(source.batches())
+        if view.plan.deal.visits(i, rank)
+    )
+    return ahead(dealt, stages)
+
+
+def _write(
+    cfg: ExtractConfig,
+    settings: dict[str, Any],
+    view: StoreView,
+    world_size: int,
+    ran: Iterator[Done],
+    tally: _Tally,
+    progress: _Progress,
+) -> ShardWriter:
+    """The executor's batches into the store. The first batch to do is run before the store is
+    opened (a streamed run runs its whole first chunk, so that no block's weights are read one
+    extra time): an empty or bad data source, or a point the forward pass never reaches, is
+    refused with nothing written. Ctrl-C commits whole shards only, and says how many rows the
+    store holds."""
+    head = next(ran, None)
+    writer = ShardWriter(
+        cfg.out,
+        settings,
+        shard_rows=cfg.shard_rows,
+        rank=view.rank,
+        world_size=world_size,
+        opened=view,  # refuses if another run wrote since the view was read
+        queue_size=writer_queue(head[2][0] if head else {}),
+    )
+    progress.writer = writer
+    try:
         with writer:  # on an interrupt it commits whole shards only (see ShardWriter.__exit__)
             for index, batch, (acts, columns), handoff in itertools.chain([head] if head else [], ran):
                 writer.write(index, acts, columns, handoff=handoff)
                 rows = len(next(iter(columns.values())))
-                counts["done"], counts["new_rows"] = counts["done"] + 1, counts["new_rows"] + rows
-                advance(rows, batch)
-    finally:
-        copy_out.close()
-        bar.close(note=note(), complete=True)
-    total_rows, nonfinite, bytes_written = writer.total_rows, dict(writer.nonfinite), writer.bytes_written
-    seconds = time.perf_counter() - started
-    stages.busy["writer"] = writer.busy_seconds
-    if world_size > 1:
-        import torch.distributed as dist
+                tally.done += 1
+                tally.new_rows += rows
+                progress.advance(rows, batch)
+    except KeyboardInterrupt:
+        raise ExtractInterrupted(writer.total_rows, str(cfg.out)) from None
+    return writer
 
-        dist.barrier()
-        if rank == 0:
-            merge_rank_manifests(cfg.out, world_size)
-        dist.barrier()
-    return ExtractSummary(
-        cfg.out,
-        total_rows,
-        counts["new_rows"],
-        counts["done"],
-        counts["skipped"],
-        seconds,
-        bytes_written,
-        nonfinite,
-        stages.shares(seconds),
-        stages.bound(bytes_written, seconds),
-    )
+
+def _merge_ranks(out: str, rank: int, world_size: int) -> None:
+    """Every rank's shards written: rank 0 merges the ranks' manifests into the store's."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if rank == 0:
+        merge_rank_manifests(out, world_size)
+    dist.barrier()
 
 
 Done = tuple[int, dict[str, Tensor], Rows, Handoff | None]

@@ -1,5 +1,5 @@
 """The block-streamed executor (`--max-memory`): the extraction loop's second executor, beside
-`InMemory` (see its docstring for the seam). It reads a chunk of this rank's pending batches,
+`InMemory` (loop.py's `Executor` is the seam). It reads a chunk of this rank's pending batches,
 runs them layer-major through `stream.BlockStreamer` (each block's weights read once per chunk),
 and yields the chunk's rows in index order; the loop writes them, so the store, resume, signals
 and torchrun promises are the loop's, unchanged."""
@@ -7,7 +7,7 @@ and torchrun promises are the loop's, unchanged."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -16,6 +16,7 @@ from ..extract_config import ExtractConfig, Run
 from ..loading import Loaded, parse_size, streamer_for
 from ..model_inputs import unpadded
 from ..sources import Rows, Source
+from .lending import Lender
 
 Batches = Iterable[tuple[int, dict[str, Tensor]]]
 
@@ -33,7 +34,9 @@ class Streamed:
         run: Run,
         cfg: ExtractConfig,
     ):
-        self.source, self.run_on, self.on_stage = source, run, None
+        self.source = source
+        self.run_on = run
+        self.on_stage: Callable[[str], None] | None = None
         self.streamer = streamer_for(
             loaded,
             list(points),
@@ -50,7 +53,10 @@ class Streamed:
         if self.on_stage is not None:
             self.on_stage(f"block {block + 1}/{blocks}" if block < blocks else "after the blocks")
 
-    def run(self, batches: Batches) -> Iterator[tuple[int, dict[str, Tensor], Rows]]:
+    def run(
+        self, batches: Batches, *, lender: Lender | None = None, on_stage: Callable[[str], None] | None = None
+    ) -> Iterator[tuple[int, dict[str, Tensor], Rows]]:
+        self.on_stage = on_stage  # told by `_where` as the streamer reaches each block
         pending = iter(batches)
         try:
             while chunk := list(itertools.islice(pending, self.streamer.plan.chunk_batches)):

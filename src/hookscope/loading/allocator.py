@@ -23,13 +23,12 @@ the length of a run, to the policy the run needs; elsewhere (not glibc) nothing 
   process whose heap had to be continued elsewhere keeps its free top for later allocations).
 - `prefer_huge_pages`, for the `hookscope extract` process: PyTorch's own switch to put its large
   tensors on 2 MB pages, so a fresh one faults in 512 times fewer pages.
-- `registering_pinned_memory`, while an extraction runs on CUDA: PyTorch's pinned allocator makes
-  page-locked buffers by faulting ordinary memory in and registering it with the driver (its own
-  `pinned_use_cuda_host_register` setting) instead of by `cudaHostAlloc`. On an H100 machine
-  `cudaHostAlloc` pinned at 1.7-2.3 GB/s, and the 16-point Llama-1B extraction spent 7.4-8.0 s of
-  its run pinning its ring; faulting 2 GiB in and registering it took 0.14 s (bench/HISTORY.md,
-  "Eleventh session: the GPU suite on an H100" and the corrections to it). Not yet timed in an
-  extraction on a GPU.
+- `registering_pinned_memory`, while an extraction runs on CUDA and only where asked
+  (`HOOKSCOPE_PIN_BY_REGISTER=1`): PyTorch's pinned allocator makes page-locked buffers by faulting
+  ordinary memory in and registering it with the driver (its own `pinned_use_cuda_host_register`
+  setting) instead of by `cudaHostAlloc`, which pinned slowly in a probe on an H100 machine
+  (bench/HISTORY.md, "Eleventh session: the GPU suite on an H100"). Off by default: no extraction
+  on a GPU has run with it yet (`scripts/gpu-suite`'s `pin` step measures both ways).
 
 None of them changes a computed or stored bit: page-locked memory is page-locked memory either way.
 """
@@ -120,13 +119,13 @@ _HEAP_KEPT = SharedChange(_keep_freed, _stop_keeping)
 
 REGISTER_KEY = "pinned_use_cuda_host_register"  # PyTorch's allocator setting (PYTORCH_ALLOC_CONF)
 THREADS_KEY = "pinned_num_register_threads"  # threads faulting a new buffer in (a power of two)
-REGISTER_ENV = "HOOKSCOPE_PIN_BY_REGISTER"  # "0": PyTorch's pinned allocator left as it is
+REGISTER_ENV = "HOOKSCOPE_PIN_BY_REGISTER"  # "1": pin by registering (off until measured on a GPU)
 
 
 def registering_pinned_memory(enabled: bool = True) -> contextlib.AbstractContextManager[bool]:
     """While inside: the page-locked buffers PyTorch makes are registered ordinary memory (see the
     module docstring). Yields whether that is so: not where not `enabled`, with
-    `HOOKSCOPE_PIN_BY_REGISTER=0`, where the user's allocator settings choose either way, on ROCm,
+    unless `HOOKSCOPE_PIN_BY_REGISTER=1`, where the user's allocator settings choose either way, on ROCm,
     or where torch cannot read its allocator settings back (before 2.10), so that they could not be
     put back as they were. After: the settings string as it was, put back whole (PyTorch resets some
     keys to their defaults at every change), with registering off again; buffers registered
@@ -138,7 +137,7 @@ def _start_registering() -> str | None:
     """Registering turned on; the settings string it found (None: left as it is)."""
     get = getattr(torch._C, "_accelerator_getAllocatorSettings", None)
     put = getattr(torch._C, "_accelerator_setAllocatorSettings", None)
-    if os.environ.get(REGISTER_ENV, "").strip() == "0" or get is None or put is None or torch.version.hip:
+    if os.environ.get(REGISTER_ENV, "").strip() != "1" or get is None or put is None or torch.version.hip:
         return None
     try:
         before = get()

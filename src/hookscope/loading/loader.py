@@ -72,6 +72,10 @@ def load(
     does not know loads whole); a hook past them raises `PointNotLoadedError`. Give the device here:
     `.to(device)` cannot copy what stays on `meta`. `device="meta"`: no weight read, for streaming.
 
+    Process-wide settings changed while it runs, and put back before it returns (docs/architecture.md,
+    "Process-wide settings"): Python's full garbage collections wait (young ones go on); on `meta`
+    (`points=`, `device="meta"`), glibc's malloc maps large tensors on their own.
+
     Returns:
         Loaded: the model, its tokenizer and its point table; unpacks as `model, tok, arch`.
 

@@ -47,6 +47,8 @@ def open_store(
     against the manifest. A remote store is read with ranged GETs of only the columns and rows asked
     for, through a bounded in-memory cache, reading ahead on sequential scans; reading works as it
     does locally. `storage_options` go to the URL's fsspec filesystem.
+    Reading the manifest holds Python's garbage collector back (it makes no cycles), and lets it go
+    again before this returns (docs/architecture.md, "Process-wide settings").
 
     Returns:
         Store: a read-only view: `len(store)` rows, `store.manifest`, columns, `store.dataset(...)`.
