@@ -121,9 +121,9 @@ def test_an_extraction_keeps_freed_memory_but_not_under_max_memory(tiny_dirs, co
     def measured(cls, name, measure):
         real = cls.run
 
-        def run(self, batches):
+        def run(self, batches, **options):
             seen[name] = measure()  # inside the run, as its batches allocate
-            yield from real(self, batches)
+            yield from real(self, batches, **options)
 
         monkeypatch.setattr(cls, "run", run)
 

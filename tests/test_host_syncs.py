@@ -100,7 +100,7 @@ def counted_extract(monkeypatch, model_dir: Path, corpus: Path, out: Path) -> li
     per_batch: list[list[str]] = []
     forward = InMemory.forward
 
-    def counted(self, batch):
+    def counted(self, batch, lender=None):
         call = self.source.call_of(batch, self.run_on.device)
         host = {
             t.untyped_storage().data_ptr()
@@ -110,7 +110,7 @@ def counted_extract(monkeypatch, model_dir: Path, corpus: Path, out: Path) -> li
         on_device = type(batch)(batch)  # the inputs as the device gets them: copies
         on_device.call = dataclasses.replace(call, inputs={k: v.clone() for k, v in call.inputs.items()})
         with HostReads(host) as reads:
-            rows = forward(self, on_device)
+            rows = forward(self, on_device, lender)
         per_batch.append(reads.calls)
         return rows
 

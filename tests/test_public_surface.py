@@ -51,17 +51,30 @@ def test_every_error_class_is_exported():
     assert errors - {"HookscopeError"} <= raised_names()
 
 
-def test_routing_edits_return_exported_types():
-    """`ablate_expert` / `force_route` hand back `hs.AblateExperts` / `hs.ForceRoute`, annotated so,
-    and the returned edit does what it says on a router's dense routing tensor."""
+def test_every_edit_verb_returns_the_one_exported_edit_type():
+    """`ablate`, `patch`, `steer`, `ablate_expert`, `force_route` hand back an `hs.Edit` (each kind's
+    class stays in its module: one concept, `Edit`, exported once), annotated so, and the routing
+    edits do what they say on a router's dense routing tensor."""
     ablate, force = hs.ablate_expert(0, [1, 3]), hs.force_route(1, [0, 2], tokens=[1])
-    assert type(ablate) is hs.AblateExperts and type(force) is hs.ForceRoute
-    assert isinstance(ablate, hs.Edit) and isinstance(force, hs.Edit)
-    for verb, cls in ((hs.ablate_expert, hs.AblateExperts), (hs.force_route, hs.ForceRoute)):
-        assert eval(verb.__annotations__["return"], verb.__globals__) is cls
+    edits = [ablate, force, hs.ablate("blocks.0.mlp.out"), hs.steer("blocks.0.resid_post", torch.ones(4))]
+    assert all(isinstance(e, hs.Edit) for e in edits)
+    for verb in (hs.ablate_expert, hs.force_route, hs.ablate, hs.patch, hs.steer):
+        assert eval(verb.__annotations__["return"], verb.__globals__) is hs.Edit, verb.__name__
+        assert type(verb(*_args(verb))).__name__ not in hs.__all__  # the kind's class is not exported
     routing = torch.arange(1.0, 13.0).reshape(3, 4)  # 3 tokens, 4 experts
     assert ablate(routing, None)[:, [1, 3]].eq(0).all()
     assert torch.equal(ablate(routing, None)[:, [0, 2]], routing[:, [0, 2]])
     forced = force(routing, None)
     assert forced[1].tolist() == [0.5, 0.0, 0.5, 0.0]
     assert torch.equal(forced[[0, 2]], routing[[0, 2]])
+
+
+def _args(verb):
+    """Arguments that build an edit (nothing runs): the first point and its source."""
+    return {
+        "ablate_expert": (0, 1),
+        "force_route": (0, [0]),
+        "ablate": ("blocks.0.mlp.out",),
+        "patch": ("blocks.0.mlp.out", torch.zeros(1, 2, 4)),
+        "steer": ("blocks.0.resid_post", torch.ones(4)),
+    }[verb.__name__]

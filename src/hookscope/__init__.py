@@ -11,17 +11,21 @@
 
 This file is the public surface: the verbs, every type they hand back, and the errors, each
 imported here and listed in `__all__`, one name per concept. The extension API lives in its
-submodules and is documented there: the family tables (`hookscope.arch`: `arch_of`, `Arch`,
-`PointSpec`), raw hooks (`hookscope.hooks`: `Hook`, `add_hook`) and the compile layer's counters
-and caches (`hookscope.compiling`). Rooms and their one-way imports: docs/architecture.md.
+submodules and is documented there: the family tables (`hookscope.arch`: `arch_of`, `PointSpec`;
+`Arch`, a model's table, is public since `hs.load` hands it back), each edit's class
+(`hookscope.edit`, `hookscope.experts`: every edit verb returns an `Edit`), the selection a capture
+or an edit applies (`hookscope.selection.Selection`: the verbs take its options by keyword), raw
+hooks (`hookscope.hooks`: `Hook`, `add_hook`) and the compile layer's counters and caches
+(`hookscope.compiling`). Rooms and their one-way imports: docs/architecture.md.
 """
 
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
+from .arch import Arch
 from .capture import Capture, PointDict, PointInfo, capture, collect, grads, points
 from .compiling import compile_model
-from .edit import Ablate, Edit, Edits, Patch, Steer, ablate, edit, patch, steer
+from .edit import Edit, Edits, ablate, edit, patch, steer
 from .errors import (
     DataError,
     HookscopeError,
@@ -34,14 +38,13 @@ from .errors import (
     StoreError,
     UnknownPointError,
 )
-from .experts import AblateExperts, ForceRoute, ablate_expert, force_route
+from .experts import ablate_expert, force_route
 from .export import SaelensExport, export_hf, export_saelens
 from .extract import ExtractConfig, ExtractInterrupted, ExtractSummary, extract
 from .generate import Generation, generate
 from .hooks import Hooks, hooks
 from .loading import Loaded, load
 from .profiling import ProfileReport, profile
-from .selection import Selection
 from .store import ActivationDataset, Column, Manifest, PointStats, Store, open_store
 from .top import TopResult, top
 
@@ -54,6 +57,7 @@ __all__ = [
     # models and their points
     "load",
     "Loaded",
+    "Arch",
     "points",
     "PointInfo",
     # hooks (a `with hooks(model) as h` block; raw `Hook` / `add_hook` are in hookscope.hooks)
@@ -65,7 +69,6 @@ __all__ = [
     "Capture",
     "grads",
     "PointDict",
-    "Selection",
     # generation (captures and edits aligned to token positions)
     "generate",
     "Generation",
@@ -74,11 +77,8 @@ __all__ = [
     "Edits",
     "Edit",
     "ablate",
-    "Ablate",
     "patch",
-    "Patch",
     "steer",
-    "Steer",
     # extraction to a store, and the store read back
     "extract",
     "ExtractConfig",
@@ -113,8 +113,6 @@ __all__ = [
     "SAEError",
     # mixture-of-experts routing edits
     "ablate_expert",
-    "AblateExperts",
     "force_route",
-    "ForceRoute",
     "__version__",
 ]

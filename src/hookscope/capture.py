@@ -355,8 +355,14 @@ def collect(
         inputs: what the model is called with: a tensor of token ids, or a dict (a tokenizer's
             output: its `attention_mask` is read for `positions="last"`).
         points: a name, a glob (`blocks.*.resid_post`), a comma-separated string or a list.
-        positions, heads, token_mask, dtype, device, inference, attention_mask: as `capture`.
+        positions: which positions to keep (as `capture`); None keeps all.
+        heads: which heads of `attn.q|k|v|z` / `attn.pattern` to keep; None keeps all.
+        token_mask: a `[batch, pos]` bool tensor: the tokens kept, as rows `[n_tokens, ...]`.
+        dtype: the dtype kept (a cast on the model's device, before any copy); None keeps it.
+        device: where the kept copies go (`"cpu"`: to the host without waiting for the device).
         stop: False runs the whole model (e.g. to keep its key/value cache use as it is).
+        inference: run under `torch.inference_mode`.
+        attention_mask: the batch's mask for `positions="last"`; by default the one in `inputs`.
 
     Returns:
         PointDict: `{point: tensor}`, keyed by the names asked for (a glob: one key per point).

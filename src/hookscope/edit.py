@@ -218,11 +218,11 @@ def ablate(
     positions: Positions = None,
     heads: Heads = None,
     mean: Tensor | None = None,
-) -> Ablate:
+) -> Edit:
     """Zero or mean ablation of a point (or of chosen positions / heads).
 
     Returns:
-        Ablate: an edit, to give to `hs.edit` or `hs.generate`.
+        Edit: an edit, to give to `hs.edit` or `hs.generate`.
 
     Raises:
         SelectionError: `how` other than "zero" / "mean", or positions / heads that do not fit."""
@@ -233,11 +233,11 @@ def ablate(
 
 def patch(
     point: str, source: Tensor | Mapping[str, Tensor], *, positions: Positions = None, heads: Heads = None
-) -> Patch:
+) -> Edit:
     """Write activations from another run (a tensor, or the dict `hs.collect` returns).
 
     Returns:
-        Patch: an edit, to give to `hs.edit` or `hs.generate`.
+        Edit: an edit, to give to `hs.edit` or `hs.generate`.
 
     Raises:
         SelectionError: a dict without `point`; a source whose shape differs from the activation."""
@@ -249,11 +249,11 @@ def patch(
     return Patch(point, positions, heads, source=source)
 
 
-def steer(point: str, vector: Tensor, *, scale: float = 1.0, positions: Positions = None) -> Steer:
+def steer(point: str, vector: Tensor, *, scale: float = 1.0, positions: Positions = None) -> Edit:
     """Add `scale * vector` to a point (a steering vector on the residual stream, say).
 
     Returns:
-        Steer: an edit, to give to `hs.edit` or `hs.generate`.
+        Edit: an edit, to give to `hs.edit` or `hs.generate`.
 
     Raises:
         SelectionError: positions that do not fit the point."""

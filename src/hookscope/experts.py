@@ -89,11 +89,11 @@ class ForceRoute(Edit):
         return torch.where(_rows(act, self.tokens), forced, act)
 
 
-def ablate_expert(layer: int, experts: int | Sequence[int], *, tokens: Tokens = None) -> AblateExperts:
+def ablate_expert(layer: int, experts: int | Sequence[int], *, tokens: Tokens = None) -> Edit:
     """Switch experts of one MoE layer off (for all tokens, or the chosen rows).
 
     Returns:
-        AblateExperts: an edit of `blocks.{layer}.mlp.router.routing`, for `hs.edit` (zeroes those
+        Edit: an edit of `blocks.{layer}.mlp.router.routing`, for `hs.edit` (zeroes those
             experts' top-k weights: the same as zeroing their outputs).
 
     Raises:
@@ -104,11 +104,11 @@ def ablate_expert(layer: int, experts: int | Sequence[int], *, tokens: Tokens = 
 
 def force_route(
     layer: int, experts: Sequence[int], weights: Sequence[float] | None = None, *, tokens: Tokens = None
-) -> ForceRoute:
+) -> Edit:
     """Route tokens of one MoE layer to the given experts (at most the model's top-k of them).
 
     Returns:
-        ForceRoute: an edit of `blocks.{layer}.mlp.router.routing`, for `hs.edit` (equal weights
+        Edit: an edit of `blocks.{layer}.mlp.router.routing`, for `hs.edit` (equal weights
             unless given).
 
     Raises:
