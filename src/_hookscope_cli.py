@@ -6,7 +6,8 @@ need. A run of the command owns its process, so it asks for PASSIVE (idle thread
 value the user set is kept. This module lives outside the `hookscope` package on purpose: importing
 anything inside it runs `hookscope/__init__.py`, which loads torch. A lazy `__init__` would change what
 `import hookscope` does for every library user (and six verbs share a name with a submodule the
-import system would rebind over them); a re-exec would load torch twice (1.1 s here). Library users'
+import system would rebind over them); a re-exec would load torch twice (bench/HISTORY.md,
+Extraction, "A re-exec of the command"). Library users'
 threading is untouched: only the command sets the variable.
 """
 

@@ -48,7 +48,8 @@ def tiny() -> tuple[torch.nn.Module, torch.Tensor]:
 
 def capture_call(library, model, ids):
     """`with library.capture(...)` around a full forward, then the read (`library`: hookscope, or
-    another tree's copy of it that bench/probe_small_capture.py loads beside it)."""
+    another tree's copy of it, loaded beside it by bench/probe_small_capture.py, removed after cc6504e:
+    its findings are in bench/HISTORY.md, "Capture and hooks"; git keeps it)."""
 
     def capture():
         with library.capture(model, POINT) as cap:
@@ -60,7 +61,7 @@ def capture_call(library, model, ids):
 
 def configs(model=None, ids=None) -> dict:
     """The three calls compared ("plain", "capture", "raw_hook"), on `tiny()` unless given a model
-    and ids; bench/probe_small_capture.py times the same three."""
+    and ids; bench/before_after.py's small case times the same calls."""
     if model is None:
         model, ids = tiny()
     block = model.transformer.h[1]

@@ -8,9 +8,9 @@ nothing:
 - `paused()`: no collection at all, for work that makes no cycles (syntax trees, a manifest's
   entries);
 - `young_only()`: young collections go on (a cycle that dies young is freed as before), full ones
-  wait until the work ends, for importing a model's code and building it (`hs.load`): the first
-  load of a GPT-2-small shape spent 0.44 s of its 1.71 s in three full collections
-  (bench/HISTORY.md, "Full collections during a load"). Python 3.14 scans the old objects in
+  wait until the work ends, for importing a model's code and building it (`hs.load`), where full
+  collections took a large share of a model's first load (bench/HISTORY.md, Loading a model, "Full
+  collections during a load"). Python 3.14 scans the old objects in
   increments and has no third threshold to hold back: there it does nothing.
 """
 

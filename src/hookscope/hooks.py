@@ -283,7 +283,8 @@ class Hooks:
             hook: Hook = _OnOutput(spec, fn, "forward")
             if spec.needs_eager:
                 hook.hold(_eager_attention(self.model))
-            # (no keyword unless needed: torch's keyword handling costs ~10% of an attach)
+            # (no keyword unless needed: torch's keyword handling is a share of an attach worth saving;
+            # bench/HISTORY.md, Capture and hooks, "Keyword arguments to register_forward_hook")
             hook._handle = (
                 module.register_forward_hook(hook, prepend=True)
                 if prepend

@@ -2,8 +2,9 @@
 
 An extraction on the CPU keeps its cores busy with threads of its own (the forward, the writer, the
 data), so an op that splits itself over torch's intra-op threads only adds a fork and a join, and
-where torch uses OpenMP its idle threads spin: on 2 loaded cores a loop of 40 copies that each
-split took 119-312 ms of CPU where the same copies on one thread took 4 ms. OpenMP's thread count
+where torch uses OpenMP its idle threads spin, so that small copies split over them cost many
+times their CPU on one thread (bench/HISTORY.md, Writer, "The per-batch CPU of the statistics and
+the capture's copy"). OpenMP's thread count
 is a setting of each thread (unlike `torch.set_num_threads`, which is the process's), so it is set
 here for the calling thread only and put back after. Where torch does not use OpenMP, or its
 OpenMP library cannot be found, this does nothing: the ops give the same bits either way.

@@ -83,7 +83,8 @@ class Stop:
 def builds_kv_cache(model: nn.Module) -> bool:
     """Whether `model(...)` builds a key/value cache unless told `use_cache=False` (Hugging Face decoders
     do by default). A pass that stops early returns nothing, so that cache is pure waste: 2 x [batch,
-    heads, pos, d_head] per layer run, +58% peak memory capturing block 5 of GPT-2-small at 8 x 128."""
+    heads, pos, d_head] per layer run (what it adds to a stopped capture's peak memory: bench/HISTORY.md,
+    Capture and hooks, "Core (issue 2)")."""
     return bool(
         getattr(getattr(model, "config", None), "use_cache", False)
     ) and "use_cache" in forward_parameters(type(model))

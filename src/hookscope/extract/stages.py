@@ -123,10 +123,10 @@ class Stages:
 
 def writer_queue(acts: Mapping[str, Any]) -> int:
     """How many batches like `acts` (one batch's tensors, by point) wait for the writer. Each holds its
-    host buffers, which the ring makes once and keeps: with 12 points of a 768-wide model (600 MB a
-    batch) a queue of 4 kept 86-94 buffers of 54 MB, faulted in at the start, against 72 with 2, and
-    the main thread's system CPU over 1M tokens to a disk fell from 6.5-10.5 s to 2.4-2.6 s, for
-    1.07-1.20x the tokens/s (bench/HISTORY.md, "The writer's queue in bytes")."""
+    host buffers, which the ring makes once and keeps, faulted in at the start: with large batches
+    (12 points of a 768-wide model, 600 MB a batch) a queue of 2 holds fewer of them than 4 and
+    costs the main thread less system CPU, for no fewer tokens/s (bench/HISTORY.md, Writer, "The
+    writer's queue in bytes")."""
     batch_bytes = sum(a.nbytes for a in acts.values())
     return WRITER_QUEUE if WRITER_QUEUE * batch_bytes <= WRITER_QUEUE_BYTES else 2
 

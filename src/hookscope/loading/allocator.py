@@ -5,20 +5,21 @@ the length of a run, to the policy the run needs; elsewhere (not glibc) nothing 
   builds a model): freed memory leaves the process. A block's pass allocates and frees tensors of a
   few MB (activations, attention, MLP products). glibc's malloc serves such sizes from its heap once
   a larger chunk has been freed (its mmap threshold slides up to 32 MB), and keeps what is freed
-  there: measured on the bench_big Llama shape, 25-50 MB of freed heap beside the live tensors at
-  the peak of a `--max-memory` run. With a fixed threshold every allocation of 256 KiB or more gets
+  there, beside the live tensors at the peak of a `--max-memory` run (bench/HISTORY.md, Memory,
+  "Freed heap beside the live tensors"). With a fixed threshold every allocation of 256 KiB or more gets
   its own mapping, unmapped when freed, so the resident set follows the live tensors;
   `give_back_freed` after each pass returns the rest (the smaller tensors' pages, and free heap left
-  by earlier work, e.g. 260 MB after transformers' imports in some runs, which a pass would
-  otherwise fill and keep: 560 or 610 MB peaks from one run to the next without it).
+  by earlier work, e.g. after transformers' imports, which a pass would otherwise fill and keep,
+  so that peaks differed from one run to the next without it: bench/HISTORY.md, Memory,
+  "`--max-memory` caps the process, second pass").
 - `keeping_freed_memory`, while an extraction runs with its whole model in memory: freed memory
   stays for the next batch. Each batch's forward makes tensors of tens of MB (a 32 x 1024 x 768
   float32 embedding output is 100 MB) and frees them; above its mmap threshold (32 MB at most) glibc
   maps each afresh and unmaps it when freed, so every batch's activations were faulted in, zeroed by
   the kernel and unmapped again. With no mappings and the heap's top kept, the next batch reuses the
-  last one's pages. On the 2-core box one point's free-forward extraction to /dev/shm ran ~1.5x
-  faster without huge pages and ~1.1-1.2x with them, for 60-500 MB more peak memory (the heap's
-  fragments; not growing with the run's length) (bench/HISTORY.md, "The heap kept for reuse"). At
+  last one's pages: an extraction runs faster, for more peak memory (the heap's fragments, not
+  growing with the run's length; the figures: bench/HISTORY.md, Memory, "Fifteenth session: the
+  heap kept for reuse"). At
   the end `give_back_freed` returns the free heap, all of it where the heap could grow in place (a
   process whose heap had to be continued elsewhere keeps its free top for later allocations).
 - `prefer_huge_pages`, for the `hookscope extract` process: PyTorch's own switch to put its large
@@ -26,9 +27,10 @@ the length of a run, to the policy the run needs; elsewhere (not glibc) nothing 
 - `registering_pinned_memory`, while an extraction runs on CUDA and only where asked
   (`HOOKSCOPE_PIN_BY_REGISTER=1`): PyTorch's pinned allocator makes page-locked buffers by faulting
   ordinary memory in and registering it with the driver (its own `pinned_use_cuda_host_register`
-  setting) instead of by `cudaHostAlloc`, which pinned slowly in a probe on an H100 machine
-  (bench/HISTORY.md, "Eleventh session: the GPU suite on an H100"). Off by default: no extraction
-  on a GPU has run with it yet (`scripts/gpu-suite`'s `pin` step measures both ways).
+  setting) instead of by `cudaHostAlloc`, the slower way to page-lock a buffer in a probe on an
+  H100 machine (bench/HISTORY.md, GPU, "The same H100 after the pipe branch" and "The ring pinned
+  by registering memory"). Off by default: no extraction on a GPU has run with it yet
+  (`scripts/gpu-suite`'s `pin` step measures both ways).
 
 None of them changes a computed or stored bit: page-locked memory is page-locked memory either way.
 """
@@ -177,7 +179,7 @@ def _user_tuned() -> bool:
 def prefer_huge_pages() -> None:
     """Have PyTorch back its large CPU tensors (>= 2 MB) with transparent huge pages, unless the
     user set `THP_MEM_ALLOC_ENABLE` already. On 4 KB pages, faulting a fresh activation in costs
-    several times the copy (a fresh 32 x 1024 x 768 float32 -> bfloat16 cast measured 86-114 ms,
-    16-38 ms with huge pages, on a loaded 2-core machine). PyTorch reads the variable at its first
+    several times the copy (bench/HISTORY.md, Extraction, "The model stage of a free-forward
+    extraction"). PyTorch reads the variable at its first
     large allocation: set after that, it changes nothing. Linux only."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")

@@ -14,7 +14,8 @@ The next block is read ahead in a thread while this one computes: into the spare
 are two, else only into the page cache (`page_in`: the kernel's memory, not the process's), to
 be copied into the one slot when it starts. `slots_for` picks: two where a read is work worth
 overlapping (a conversion; a copy to a GPU, which needs pinned slots), one where it is a copy of
-cached bytes (~12 ms for 51 MB here, against seconds of a chunk's passes through the block).
+cached bytes (short against a chunk's passes through the block: bench/HISTORY.md, Memory, "A block
+read from the page cache").
 """
 
 from __future__ import annotations

@@ -174,7 +174,8 @@ def _weightless(auto: Any, config: Any, kwargs: dict, files: list[str] | None) -
     dtype = _auto_dtype(config, kwargs, files)
     # each parameter is made on the CPU (untouched) before it goes to meta: each its own mapping,
     # unmapped when freed, or glibc's heap keeps up to ~1 GB of free space, which a later streamed
-    # pass fills and keeps resident in place of its own mappings (measured: +26 MB at the peak)
+    # pass fills and keeps resident in place of its own mappings (bench/HISTORY.md, Memory,
+    # "`--max-memory` caps the process, third pass")
     with returning_freed_memory(), init_empty_weights(include_buffers=False):
         options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
         return auto.from_config(config, dtype=dtype, **options)

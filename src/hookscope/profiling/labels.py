@@ -2,8 +2,9 @@
 
 The eager profiler cannot name modules (`with_modules` does nothing in eager mode, `with_stack`
 names them only by class), so blocks get our own ranges, opened and closed by module hooks.
-Every hook first asks `torch._C._autograd._profiler_enabled()` (~0.2 us) and does nothing else
-when no profiler runs: a bare `record_function` costs ~6 us even then.
+Every hook first asks `torch._C._autograd._profiler_enabled()` and does nothing else when no
+profiler runs: the question costs a fraction of what a bare `record_function` costs even then
+(bench/HISTORY.md, Profiling).
 
 Backward ranges: a block's backward starts when the gradient of its output arrives and ends
 when the gradient of its input is complete; both are tensor-gradient hooks registered during the
