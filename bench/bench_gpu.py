@@ -354,7 +354,8 @@ def write_corpus(path: Path, lines: int, seq: int) -> None:
 
 def _host_reads(cfg, work: Path, args) -> dict:
     """The main thread's reads of a device tensor's value (host syncs) over 3 extraction batches,
-    per batch, and where the first few were made (`HostReads`; none expected: tests/test_host_syncs.py)."""
+    per batch, and where the first few were made (`HostReads`; none expected:
+    tests/extract/test_host_syncs.py)."""
     try:
         from hookscope.profiling.host_reads import HostReads
     except ImportError:  # a tree before it

@@ -2,7 +2,7 @@
 public name, its example from docs/reference/examples.md, as the docstring's "Examples" section.
 
 The examples live in that one Markdown file rather than in the docstrings so that the source stays
-short (modules under 400 lines) and each example is a runnable ```python block: tests/test_docs.py
+short (modules under 400 lines) and each example is a runnable ```python block: tests/docs/test_docs.py
 runs every section in a fresh namespace, as a reader copying one would.
 A section is `## hookscope.NAME` followed by its blocks; NAME is a name in `hookscope.__all__`.
 """

@@ -8,7 +8,7 @@ site's pages live under docs/, so this hook
   as a page, whose own links are followed the same way; a folder as a page listing its files),
 - rewrites each relative link to where its target landed on the site, so `mkdocs build --strict`
   checks every link of every page against the files it names,
-- drops the `notest` word of a ```python notest fence (tests/test_docs.py's marker, not a language).
+- drops the `notest` word of a ```python notest fence (tests/docs/test_docs.py's marker, not a language).
 """
 
 from __future__ import annotations

@@ -34,18 +34,30 @@ import torch  # noqa: E402
 import hookscope as hs  # noqa: E402
 from hookscope.arch import _BY_MODEL_TYPE, arch_of  # noqa: E402
 
-# the family's own tests (beside tests/test_relations.py), per table
+# the family's own tests (beside tests/families/test_relations.py), per table
 FAMILY_TESTS = {
-    "gpt2": ["tests/test_capture.py", "-k", "every_point_equals_plain_hooks and gpt2"],
-    "llama": ["tests/test_capture.py", "-k", "every_point_equals_plain_hooks and llama"],
-    "gpt_neox": ["tests/test_capture.py", "-k", "every_point_equals_plain_hooks and neox"],
-    "bert": ["tests/test_capture.py", "-k", "every_point_equals_plain_hooks and (bert or minilm)"],
-    "moe": ["tests/test_families_moe.py", "-k", "points_equal or expert_points_equal or router_equals"],
-    "vit": ["tests/test_families_vision.py", "-k", "every_point and vit"],
-    "clip": ["tests/test_families_vision.py", "-k", "every_point and (clip or siglip) or two_tower"],
-    "dinov2": ["tests/test_families_vision.py", "-k", "every_point and dinov2"],
-    "mamba": ["tests/test_families_ssm.py", "-k", "mamba and (every_point or hidden_states or mixer_out)"],
-    "rwkv": ["tests/test_families_ssm.py", "-k", "rwkv and (every_point or hidden_states or mixer_out)"],
+    "gpt2": ["tests/core/test_capture.py", "-k", "every_point_equals_plain_hooks and gpt2"],
+    "llama": ["tests/core/test_capture.py", "-k", "every_point_equals_plain_hooks and llama"],
+    "gpt_neox": ["tests/core/test_capture.py", "-k", "every_point_equals_plain_hooks and neox"],
+    "bert": ["tests/core/test_capture.py", "-k", "every_point_equals_plain_hooks and (bert or minilm)"],
+    "moe": [
+        "tests/families/test_families_moe.py",
+        "-k",
+        "points_equal or expert_points_equal or router_equals",
+    ],
+    "vit": ["tests/families/test_families_vision.py", "-k", "every_point and vit"],
+    "clip": ["tests/families/test_families_vision.py", "-k", "every_point and (clip or siglip) or two_tower"],
+    "dinov2": ["tests/families/test_families_vision.py", "-k", "every_point and dinov2"],
+    "mamba": [
+        "tests/families/test_families_ssm.py",
+        "-k",
+        "mamba and (every_point or hidden_states or mixer_out)",
+    ],
+    "rwkv": [
+        "tests/families/test_families_ssm.py",
+        "-k",
+        "rwkv and (every_point or hidden_states or mixer_out)",
+    ],
 }
 
 

@@ -3,6 +3,16 @@
 
 Models are session-scoped and shared, so a test that attaches hooks must remove them (most
 tests check exactly that). Tests that change a model's state (frozen weights) build their own.
+
+The tests sit in one folder per room (core, store, extract, sources, families, generate, top,
+faults, docs); the helpers they share sit in tests/kit/, on the path through pyproject.toml's
+`pythonpath` (`from helpers import token_ids`).
+
+Two markers say what a run leaves out:
+- `slow`: a test that takes long (a kill and resume, torchrun, a browser, the docs site, a big
+  sweep). The whole suite runs it; the day-to-day tier `pytest -m "not slow"` leaves it out.
+- `full`: a point of a fault sweep at full size, run only with `pytest --full` (and slow, so the
+  fast tier leaves it out with --full too).
 """
 
 from __future__ import annotations
@@ -33,11 +43,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--full", action="store_true", help="run the fault sweeps at full size (slow)")
 
 
+@pytest.hookimpl(tryfirst=True)  # before `-m` deselects: a `full` test is `slow` there too
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    if not config.getoption("--full"):
-        skip = pytest.mark.skip(reason="slow: run with --full")
-        for item in items:
-            if "slow" in item.keywords:
+    skip = pytest.mark.skip(reason="a full-size sweep: run with --full")
+    for item in items:
+        if item.get_closest_marker("full") is not None:
+            item.add_marker(pytest.mark.slow)
+            if not config.getoption("--full"):
                 item.add_marker(skip)
 
 

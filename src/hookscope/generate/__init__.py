@@ -25,7 +25,7 @@ Per generated token hs.generate adds what a hand-written hook would: a captured 
 a buffer allocated once for the whole sequence (every position kept, on the model's device), a
 steer's one add; no read of a tensor's value on the host (on a GPU, a wait for the device), no cast,
 no allocation, no per-pass hook unless an edit's decision varies by position
-(tests/test_generate_per_token.py pins this).
+(tests/generate/test_generate_per_token.py pins this).
 
 Rooms: `driver.py` (checks, then one generate with everything attached), `steps.py` (following
 the passes), `keep.py` (captured positions), `edits.py` (edits per step), `result.py`

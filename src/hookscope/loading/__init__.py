@@ -2,7 +2,7 @@
 by its bytes (`safetensors_reads`) -> the checkpoint read per tensor (`checkpoint`) -> what a
 `points=` load materializes (`partial_load`) -> the tokenizer (`tokenizer`) -> `load` (`loader`) ->
 block streaming on top (`block_buffers`, `stream_plan`, `streamer`). Each file imports only those
-before it: the order of this room's row in docs/architecture.md, which tests/test_architecture.py
+before it: the order of this room's row in docs/architecture.md, which tests/core/test_architecture.py
 checks. Here: the names the other rooms use.
 """
 

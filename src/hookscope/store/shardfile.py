@@ -2,7 +2,7 @@
 write (the header, then each tensor's data), taken straight from the tensors' memory (a column
 given as several batches is written batch after batch: no concatenated copy), checksummed while
 they are written (by a pool's threads, each piece at its offset, or around the page cache through
-direct.py's buffers), and fsynced. tests/test_store_shardfile.py holds it byte for byte to save_file.
+direct.py's buffers), and fsynced. tests/store/test_store_shardfile.py holds it byte for byte to save_file.
 
 Only the dtypes safetensors names are written here; `writable` says whether a set of columns is.
 """
