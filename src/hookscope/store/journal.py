@@ -231,7 +231,9 @@ class Commits:
     """One writer's commits to manifest `name`: a journal line each, the manifest compacted now and then."""
 
     def __init__(self, fs: FS, name: str, *, puts_card: bool = True):
-        self.fs, self.name, self.journal = fs, name, journal_name(name)
+        self.fs = fs
+        self.name = name
+        self.journal = journal_name(name)
         # in a local store one writer puts the card: two ranks' renames of one README.md.tmp collide
         self.puts_card = puts_card or fs.remote
         self.lines = 0  # journal records since the manifest was last written
@@ -294,7 +296,8 @@ class Commits:
     def compact(self, manifest: Manifest) -> None:
         """Write the whole manifest, then drop the journal, whose entries it now holds."""
         self.fs.put(self.name, manifest.to_bytes(self.texts))
-        self.lines, self.based = 0, len(manifest.shards)
+        self.lines = 0
+        self.based = len(manifest.shards)
         with contextlib.suppress(OSError):  # left behind, its entries are in the manifest: harmless
             self.fs.remove_tree(self.journal)
 

@@ -58,7 +58,8 @@ class Mapper:
     window's mappings go with it."""
 
     def __init__(self, store: ReadStore, names: list[str]):
-        self.store, self.names = store, names
+        self.store = store
+        self.names = names
         columns = {n: store.manifest.columns[n] for n in names}
         self.dtypes = {n: getattr(torch, c.dtype) for n, c in columns.items()}
         self.row_bytes = {n: c.row_bytes for n, c in columns.items()}
@@ -76,7 +77,9 @@ class Mapper:
             try:
                 return self._strided(shards)
             except OSError:  # no address space, or mmap refused: shard by shard from now on
-                self.strided, self.runs, self.placed = False, None, {}
+                self.strided = False
+                self.runs = None
+                self.placed = {}
         # on a URL the window's shards are fetched concurrently, not one after another
         self.store.read_ahead([i for i in shards if i not in self.mapped], self.names)
         sources = []

@@ -321,7 +321,10 @@ class ShardWriter:
     def _flush(self) -> None:
         started = time.perf_counter()
         self._write_shard(self._pending, self._pending_stats)
-        self._pending, self._pending_stats, self._pending_rows = [], {}, 0  # their buffers: back already
+        # their buffers are back already
+        self._pending = []
+        self._pending_stats = {}
+        self._pending_rows = 0
         self.busy_seconds += time.perf_counter() - started
 
     def _release(self, *more: Handoff | None) -> None:
