@@ -84,8 +84,7 @@ def store_names(fs: Any) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class LockedStore:
-    """A store opened for one writer (rank `rank` of `world_size`): what `open` found, and what it
-    made ready. Nobody else writes this writer's manifest while `commits` holds its lock."""
+    """A store opened for the writer of rank `rank`: what `open` found, and what it made ready. Nobody else writes this writer's manifest while `commits` holds its lock."""
 
     fs: FS
     plan: Plan
@@ -124,7 +123,7 @@ class LockedStore:
             ) from e
         # around the page cache on a disk's filesystem (direct.py); a URL's staged files are read back
         bounce = direct.Bounce() if not fs.remote and direct.wanted(staging) else None
-        name = manifest_name(rank, world_size, found.deal.generation)
+        name = manifest_name(rank, world_size, generation)
         manifest = _starting_manifest(found, settings, rank, world_size)
         commits = Commits(fs, name, puts_card=rank == 0)  # store/journal.py
         try:  # stamps the settings into the directory now, and proves it is writable before any compute

@@ -397,6 +397,7 @@ class ShardWriter:
 
 
 def _check_options(shard_rows: int, queue_size: int, rank: int, world_size: int, checksum: str) -> None:
+    """Refuse a writer's settings out of range, before the store is touched."""
     if shard_rows < 1 or queue_size < 1:
         raise StoreError(f"shard_rows ({shard_rows}) and queue_size ({queue_size}) must be >= 1")
     if not 0 <= rank < world_size:
