@@ -84,7 +84,8 @@ def store_names(fs: Any) -> list[str]:
 
 @dataclasses.dataclass(frozen=True)
 class LockedStore:
-    """A store opened for the writer of rank `rank`: what `open` found, and what it made ready. Nobody else writes this writer's manifest while `commits` holds its lock."""
+    """A store opened for the writer of rank `rank`: what `open` found, and what it made ready.
+    Nobody else writes this writer's manifest while `commits` holds its lock."""
 
     fs: FS
     plan: Plan
