@@ -89,7 +89,9 @@ def test_a_plain_loop_over_epochs_gets_each_epoch_whole(id_store, batch_size):
     kw = {"seed": 5, "buffer_rows": 60, "batch_size": batch_size}
     ds = id_store.dataset("x", **kw)
     got = [ids_of(ds) for _ in range(3)]
-    assert ds._ahead is not None and ds._ahead[0][0] == 3  # epoch 3's first window, read ahead
+    assert (
+        ds._prefetcher.ahead is not None and ds._prefetcher.ahead.plan.epoch == 3
+    )  # epoch 3's first window, read ahead
     assert got == [ids_of(id_store.dataset("x", epoch=e, **kw)) for e in range(3)]
     ds.load_state_dict({"epoch": 7, "position": 48})
     fresh = id_store.dataset("x", **kw)
@@ -166,7 +168,7 @@ def record_shard_reads(store, monkeypatch) -> list[int]:
 
 def test_the_next_window_is_read_while_the_current_one_is_consumed(id_store, monkeypatch):
     ds = id_store.dataset("x", seed=0, buffer_rows=50, batch_size=10)  # windows of 2 shards
-    windows = ds._windows(0)
+    windows = ds._planner.windows(0)
     requested = record_shard_reads(id_store, monkeypatch)
     it = iter(ds)
     next(it)  # one batch of the first window taken, the rest of it not yet consumed
@@ -224,7 +226,7 @@ def test_workers_forked_from_a_dataset_already_read_make_their_own_reader(id_sto
     kw = {"seed": 6, "buffer_rows": 50, "batch_size": 32}
     ds = id_store.dataset("x", **kw)
     first = list(ds)  # epoch 0 here; epoch 1's first window is now being read ahead
-    assert ds._reader is not None and ds._ahead is not None
+    assert ds._prefetcher._pool is not None and ds._prefetcher.ahead is not None
     ctx = "fork" if "fork" in torch.multiprocessing.get_all_start_methods() else None
     loader = torch.utils.data.DataLoader(
         ds, batch_size=None, num_workers=2, multiprocessing_context=ctx, timeout=60
@@ -439,16 +441,16 @@ def test_several_columns_reuse_memory_and_keep_their_bytes(mixed_store, monkeypa
 
 def test_store_dataset_passes_every_keyword_through_and_names_each(id_store):
     """`Store.dataset` is `ActivationDataset` without the store: each keyword reaches the dataset
-    (the rows are the ones the same keywords give `ActivationDataset` directly), its docstring names
-    every keyword the dataset takes, and a misspelt keyword is refused, not ignored."""
-    import inspect
+    (the rows are the ones the same keywords give `ActivationDataset` directly, or its options as
+    a `DatasetOptions`), its docstring names every keyword the dataset takes (each a field of
+    `DatasetOptions`), and a misspelt keyword is refused, not ignored."""
+    import dataclasses
     import re
 
+    from hookscope.store import DatasetOptions
     from hookscope.store.dataset import ActivationDataset
 
-    keywords = [
-        n for n, p in inspect.signature(ActivationDataset).parameters.items() if p.kind is p.KEYWORD_ONLY
-    ]
+    keywords = [f.name for f in dataclasses.fields(DatasetOptions)]
     documented = re.findall(r"`(\w+)`", id_store.dataset.__doc__)
     assert set(keywords) <= set(documented), set(keywords) - set(documented)
     kw = dict(
@@ -466,6 +468,8 @@ def test_store_dataset_passes_every_keyword_through_and_names_each(id_store):
     got = [b["x"][:, 0].long().tolist() for b in id_store.dataset(["x"], **kw)]
     want = [b["x"][:, 0].long().tolist() for b in ActivationDataset(id_store, ["x"], **kw)]
     assert got == want and got and all(len(b) == 4 for b in got)
+    options = DatasetOptions(**kw)
+    assert got == [b["x"][:, 0].long().tolist() for b in ActivationDataset(id_store, ["x"], options)]
     assert got != [b["x"][:, 0].long().tolist() for b in id_store.dataset(["x"], **{**kw, "seed": 4})]
     with pytest.raises(TypeError, match="buffer_row"):
         id_store.dataset("x", buffer_row=16)

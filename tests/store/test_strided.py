@@ -144,8 +144,8 @@ def test_a_windows_mappings_go_with_it_when_not_kept(tmp_path, monkeypatch):
     ds = store.dataset("x", seed=0, buffer_rows=20, batch_size=8)
 
     def settled_regions() -> int:  # once the next epoch's first window, read ahead, is mapped
-        if ds._ahead is not None:
-            ds._ahead[1].result()
+        if ds._prefetcher.ahead is not None:
+            ds._prefetcher.ahead.read.result()
         return mapped_regions()
 
     for _ in ds:  # warm up: imports, threads, allocator arenas

@@ -2,6 +2,7 @@
 
 from .dataset import ActivationDataset
 from .manifest import Column, Manifest, ShardEntry, settings_hash
+from .planning import DatasetOptions
 from .reader import Store, open_store
 from .resume import merge_rank_manifests
 from .stats import PointStats
@@ -10,6 +11,7 @@ from .writer import ShardWriter
 __all__ = [
     "ActivationDataset",
     "Column",
+    "DatasetOptions",
     "Manifest",
     "PointStats",
     "ShardEntry",

@@ -35,7 +35,9 @@ class StoreStats(Mapping[str, PointStats]):
     need no read: `store.manifest.stats`). `missing[point]`, when set, says why `mean` is None."""
 
     def __init__(self, manifest: Manifest, header: Callable[[int], Header], where: Callable[[int], str]):
-        self._manifest, self._header, self._where = manifest, header, where
+        self._manifest = manifest
+        self._header = header
+        self._where = where
         self._merged: dict[str, PointStats] | None = None
         self._missing: dict[str, str] = {}
         self._lock = threading.Lock()

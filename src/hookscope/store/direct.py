@@ -52,7 +52,8 @@ def on_a_disk(directory: Path, mountinfo: str | None = None) -> bool:
     file through the page cache. On overlay over ext4 here, 4 GB of shard-sized files took O_DIRECT
     at 2.3 GB/s against 0.40-0.78 GB/s through the page cache (bench/HISTORY.md, "Overlay")."""
     text = _mountinfo(mountinfo)
-    mount, seen = _mount_of(directory, text), set()
+    mount = _mount_of(directory, text)
+    seen = set()
     while mount is not None and mount.kind == "overlay" and mount.id not in seen:
         seen.add(mount.id)
         upper = mount.option("upperdir")

@@ -312,7 +312,9 @@ class RemoteFS(FS):
             raise StoreError(f"{url}: no filesystem for {scheme}:// is installed ({e}); {hint}") from e
         except ValueError as e:
             raise StoreError(f"{url}: not a store URL fsspec knows ({e})") from e
-        self.url, self.fs, self.root = url.rstrip("/"), fs, root.rstrip("/")
+        self.url = url.rstrip("/")
+        self.fs = fs
+        self.root = root.rstrip("/")
 
     def path(self, rel: str) -> str:
         return f"{self.root}/{rel}" if rel else self.root

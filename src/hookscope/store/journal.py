@@ -129,7 +129,7 @@ def applied(m: Manifest, records: list[tuple[str, ShardEntry]], manifest: str) -
     """Manifest `m` (file `manifest`) with its journal's `records` committed, each checked against it."""
     known = {s.file: s for s in m.shards}
     new = []
-    rank, prefix = _rank_of(manifest), None
+    prefix = f"{SHARDS_DIR}/{shard_prefix(_rank_of(manifest), m.generation)}"
     for at, e in records:
         seen = known.get(e.file)
         if seen is not None:
@@ -139,38 +139,50 @@ def applied(m: Manifest, records: list[tuple[str, ShardEntry]], manifest: str) -
                     "is damaged. Re-run the extraction into a new directory"
                 )
             continue  # already in the manifest (compacted, then a crash before the journal went)
-        prefix = prefix or f"{SHARDS_DIR}/{shard_prefix(rank, m.generation)}"
-        if (
-            m.version != VERSION
-            or e.rank != rank
-            or e.generation != m.generation
-            or not e.file.startswith(prefix)
-        ):
-            raise StoreError(
-                f"{at}: an entry for {e.file} (rank {e.rank}, attempt {e.generation}) cannot "
-                f"belong to {manifest} (rank {rank}, attempt {m.generation}); the store is "
-                "damaged"
-            )
-        if not m.columns:
-            raise StoreError(f"{at}: an entry, but {manifest} lists no columns yet; the store is damaged")
-        try:
-            check_fits(e, m.row_bytes, at)
-        except ValueError as err:
-            raise StoreError(str(err)) from None
-        if set(e.stats or {}) != set(m.points):
-            raise StoreError(
-                f"{at}: {e.file} has stats for {sorted(e.stats or {})}, the store's points "
-                f"are {sorted(m.points)}; the store is damaged"
-            )
-        try:
-            check_stats(e.stats or {}, m.points, f"{at}: stats")
-        except ValueError as err:
-            raise StoreError(f"{err}; the store is damaged") from None
+        _check_entry(m, e, at, manifest, prefix)
         known[e.file] = e
         new.append(e)
     if not new:
         return m
     shards = sorted([*m.shards, *new], key=lambda s: s.batch_start)
+    _check_each_batch_once(shards, manifest)
+    return dataclasses.replace(m, shards=shards, stats=summed_stats(shards))
+
+
+def _check_entry(m: Manifest, e: ShardEntry, at: str, manifest: str, prefix: str) -> None:
+    """A journal's new entry `e` (read `at`) can belong to manifest `m` (file `manifest`): this
+    writer's shard (file name starting with `prefix`), of the manifest's columns and points."""
+    rank = _rank_of(manifest)
+    if (
+        m.version != VERSION
+        or e.rank != rank
+        or e.generation != m.generation
+        or not e.file.startswith(prefix)
+    ):
+        raise StoreError(
+            f"{at}: an entry for {e.file} (rank {e.rank}, attempt {e.generation}) cannot "
+            f"belong to {manifest} (rank {rank}, attempt {m.generation}); the store is "
+            "damaged"
+        )
+    if not m.columns:
+        raise StoreError(f"{at}: an entry, but {manifest} lists no columns yet; the store is damaged")
+    try:
+        check_fits(e, m.row_bytes, at)
+    except ValueError as err:
+        raise StoreError(str(err)) from None
+    if set(e.stats or {}) != set(m.points):
+        raise StoreError(
+            f"{at}: {e.file} has stats for {sorted(e.stats or {})}, the store's points "
+            f"are {sorted(m.points)}; the store is damaged"
+        )
+    try:
+        check_stats(e.stats or {}, m.points, f"{at}: stats")
+    except ValueError as err:
+        raise StoreError(f"{err}; the store is damaged") from None
+
+
+def _check_each_batch_once(shards: list[ShardEntry], manifest: str) -> None:
+    """No batch is in two of a manifest's `shards` (its own and its journal's)."""
     holder: dict[int, str] = {}
     for s in shards:
         for b in s.batch_indices():
@@ -180,7 +192,6 @@ def applied(m: Manifest, records: list[tuple[str, ShardEntry]], manifest: str) -
                     f"and {s.file}; the store is damaged. Re-run the extraction into a new "
                     "directory"
                 )
-    return dataclasses.replace(m, shards=shards, stats=summed_stats(shards))
 
 
 def load_manifest(fs: FS, name: str) -> Manifest:
@@ -220,7 +231,9 @@ class Commits:
     """One writer's commits to manifest `name`: a journal line each, the manifest compacted now and then."""
 
     def __init__(self, fs: FS, name: str, *, puts_card: bool = True):
-        self.fs, self.name, self.journal = fs, name, journal_name(name)
+        self.fs = fs
+        self.name = name
+        self.journal = journal_name(name)
         # in a local store one writer puts the card: two ranks' renames of one README.md.tmp collide
         self.puts_card = puts_card or fs.remote
         self.lines = 0  # journal records since the manifest was last written
@@ -283,7 +296,8 @@ class Commits:
     def compact(self, manifest: Manifest) -> None:
         """Write the whole manifest, then drop the journal, whose entries it now holds."""
         self.fs.put(self.name, manifest.to_bytes(self.texts))
-        self.lines, self.based = 0, len(manifest.shards)
+        self.lines = 0
+        self.based = len(manifest.shards)
         with contextlib.suppress(OSError):  # left behind, its entries are in the manifest: harmless
             self.fs.remove_tree(self.journal)
 

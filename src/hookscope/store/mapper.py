@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -15,6 +16,16 @@ from .fs import FS
 from .manifest import Manifest
 from .strided import Runs
 from .window import Layout, located_rows, same_size_ints
+
+
+@dataclasses.dataclass(frozen=True)
+class Placed:
+    """Where a column of one shard is mapped: in run `run` of column `owner`'s runs (its own, or an
+    equal column's it lies a whole number of rows after in the file), from row `first`."""
+
+    owner: str
+    run: int
+    first: int
 
 
 class ReadStore(Protocol):
@@ -47,7 +58,8 @@ class Mapper:
     window's mappings go with it."""
 
     def __init__(self, store: ReadStore, names: list[str]):
-        self.store, self.names = store, names
+        self.store = store
+        self.names = names
         columns = {n: store.manifest.columns[n] for n in names}
         self.dtypes = {n: getattr(torch, c.dtype) for n, c in columns.items()}
         self.row_bytes = {n: c.row_bytes for n, c in columns.items()}
@@ -57,8 +69,7 @@ class Mapper:
         self.strided = Runs.supported() and not store.fs.remote
         self.mapped: dict[int, dict[str, torch.Tensor]] = {}  # shard by shard: the kept shards
         self.runs: dict[str, Runs] | None = None  # strided and kept: every shard's place, once mapped
-        # shard -> column -> (the column whose runs map it, run, first row)
-        self.placed: dict[int, dict[str, tuple[str, int, int]]] = {}
+        self.placed: dict[int, dict[str, Placed]] = {}  # shard -> column -> where it is mapped
 
     def layout(self, shards: list[int]) -> Layout:
         """The window of `shards`: mapped, in memory, and where each of its rows lies."""
@@ -66,7 +77,9 @@ class Mapper:
             try:
                 return self._strided(shards)
             except OSError:  # no address space, or mmap refused: shard by shard from now on
-                self.strided, self.runs, self.placed = False, None, {}
+                self.strided = False
+                self.runs = None
+                self.placed = {}
         # on a URL the window's shards are fetched concurrently, not one after another
         self.store.read_ahead([i for i in shards if i not in self.mapped], self.names)
         sources = []
@@ -96,10 +109,10 @@ class Mapper:
                 if located is None:  # a dtype it cannot check in the header: shard by shard
                     raise OSError("not mappable")
                 placed[i] = self._place(runs, *located)
-                for owner, run, first in placed[i].values():
-                    populate(runs[owner].tensor(run)[first : first + entries[i].rows])
+                for p in placed[i].values():
+                    populate(runs[p.owner].tensor(p.run)[p.first : p.first + entries[i].rows])
         # a part: one combination of runs (one per column); almost always a single one
-        keys = [tuple(placed[i][n][:2] for n in self.names) for i in shards]
+        keys = [tuple((placed[i][n].owner, placed[i][n].run) for n in self.names) for i in shards]
         distinct = list(dict.fromkeys(keys))
         sources = [
             {n: runs[owner].tensor(run) for n, (owner, run) in zip(self.names, key, strict=True)}
@@ -108,31 +121,30 @@ class Mapper:
         part = [distinct.index(k) for k in keys]
         sizes = [entries[i].rows for i in shards]
         if len(self.names) == 1:
-            firsts = [placed[i][self.names[0]][2] for i in shards]
+            firsts = [placed[i][self.names[0]].first for i in shards]
             return Layout(sources, self.dtypes, located_rows(part, firsts, sizes), hold=runs)
         rows = {
-            n: located_rows([0] * len(shards), [placed[i][n][2] for i in shards], sizes) for n in self.names
+            n: located_rows([0] * len(shards), [placed[i][n].first for i in shards], sizes)
+            for n in self.names
         }
         parts = np.repeat(np.array(part, dtype=np.int64), sizes)
         return Layout(sources, self.dtypes, np.arange(len(parts), dtype=np.int64), parts, rows, hold=runs)
 
-    def _place(
-        self, runs: dict[str, Runs], path: str, offsets: dict[str, int]
-    ) -> dict[str, tuple[str, int, int]]:
-        """Map one shard file: each column's (the column whose runs hold it, run, first row). The file
+    def _place(self, runs: dict[str, Runs], path: str, offsets: dict[str, int]) -> dict[str, Placed]:
+        """Map one shard file: where each column of it is (`Placed`). The file
         is mapped once for all the columns that lie a whole number of rows after an earlier column of
         the same row shape and element size (a writer's equal columns, side by side): they are rows
         of that column's run, so a stack of them is gathered in one `index_select` (window.py)."""
-        placed: dict[str, tuple[str, int, int]] = {}
+        placed: dict[str, Placed] = {}
         for n in sorted(self.names, key=offsets.__getitem__):  # file order: later columns borrow
             row_bytes = self.row_bytes[n]
-            for m, (owner, run, first) in placed.items():
+            for m, p in placed.items():
                 gap = offsets[n] - offsets[m]
                 if self.row_kind[m] == self.row_kind[n] and gap % row_bytes == 0:
-                    placed[n] = (owner, run, first + gap // row_bytes)
+                    placed[n] = Placed(p.owner, p.run, p.first + gap // row_bytes)
                     break
             else:
-                placed[n] = (n, *runs[n].add(path, offsets[n]))
+                placed[n] = Placed(n, *runs[n].add(path, offsets[n]))
         return placed
 
     def _new_runs(self, shards: Sequence[int]) -> dict[str, Runs]:

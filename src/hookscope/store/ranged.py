@@ -29,7 +29,8 @@ class RangedShards:
     when the store was opened."""
 
     def __init__(self, fs: FS, manifest: Manifest, sizes: dict[str, int]):
-        self.fs, self.manifest = fs, manifest
+        self.fs = fs
+        self.manifest = manifest
         self.blocks = BlockCache(fs, sizes)
         self._headers: dict[int, Header] = {}  # shard -> its checked header
         self._heads: dict[int, bytes] = {}  # shard -> first bytes, fetched with another's, unchecked

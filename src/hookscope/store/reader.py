@@ -341,10 +341,11 @@ class Store:
 
     def dataset(self, point: str | Sequence[str], **options: Any) -> ActivationDataset:
         """A shuffled `IterableDataset` over column(s) `point` (names or globs). `options` are
-        `ActivationDataset`'s keywords, which say what each does: `shuffle`, `seed`, `buffer_rows`,
-        `split`, `val_fraction`, `rank`, `world_size`, `epoch`, `batch_size`, `drop_last`, `repeat`
-        (one `iter()` runs through epoch after epoch, for trainers that call `next()`), `prefetch`,
-        `stack` (each pattern's columns as one `[batch, layers, ...]` tensor, in block order)."""
+        `ActivationDataset`'s keywords, the fields of `DatasetOptions`, and it says what each does:
+        `shuffle`, `seed`, `buffer_rows`, `split`, `val_fraction`, `rank`, `world_size`, `epoch`,
+        `batch_size`, `drop_last`, `repeat` (one `iter()` runs through epoch after epoch, for
+        trainers that call `next()`), `prefetch`, `stack` (each pattern's columns as one
+        `[batch, layers, ...]` tensor, in block order)."""
         from .dataset import ActivationDataset
 
         return ActivationDataset(self, point, **options)

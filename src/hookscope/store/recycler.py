@@ -52,7 +52,8 @@ class Recycler:
         self.__init__(state["keep"])
 
     def __call__(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        ints, shape = SAME_SIZE_NP[dtype.itemsize], tuple(shape)
+        ints = SAME_SIZE_NP[dtype.itemsize]
+        shape = tuple(shape)
         with self.lock:
             unheld = None  # a free buffer of another shape, which a new one may replace
             for i in range(len(self.kept)):  # by index: a loop variable would hold a reference too

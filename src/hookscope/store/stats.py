@@ -214,7 +214,8 @@ def _in_chunks(flat: torch.Tensor, chunk: torch.Tensor) -> PointStats | None:
     cache; the per-dimension sums of each chunk's deviations from the shift added up in float64.
     The norms are the same floats as over the whole batch at once (a row's norm is its own). None
     when a row's norm is not finite: the caller takes the batch value by value."""
-    n, step = flat.shape[0], chunk.shape[0]
+    n = flat.shape[0]
+    step = chunk.shape[0]
     shift = flat[:_SHIFT_ROWS].float().mean(0)  # the values of the first rows, as `of` takes them
     norms = torch.empty(n)
     s1 = torch.zeros(flat.shape[1], dtype=torch.float64)

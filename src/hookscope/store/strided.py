@@ -61,7 +61,8 @@ class _Run:
     integers of the element size, any dtype's bytes) views every row of the range."""
 
     def __init__(self, capacity: int, row_shape: tuple[int, ...], element_size: int):
-        self.row_shape, self.element_size = row_shape, element_size
+        self.row_shape = row_shape
+        self.element_size = element_size
         self.row_bytes = math.prod(row_shape) * element_size
         size = capacity + _HUGE
         raw = _c().mmap(None, size, _PROT_NONE, _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE, -1, 0)

@@ -41,8 +41,12 @@ class Layout:
         rows: dict[str, np.ndarray] | None = None,
         hold: object = None,
     ):
-        self.sources, self.dtypes, self.located = sources, dtypes, located
-        self.parts, self.rows, self.hold = parts, rows, hold
+        self.sources = sources
+        self.dtypes = dtypes
+        self.located = located
+        self.parts = parts
+        self.rows = rows
+        self.hold = hold
 
     def decode(self, located: np.ndarray) -> tuple[np.ndarray | None, dict[str, np.ndarray]]:
         """(the part of each of `located`, None if there is one part; its row in each column)."""
@@ -72,7 +76,9 @@ class MappedWindow:
     ):
         """`located`: the window's rows for this rank, in order (see Layout); `ordered`: sequential;
         `stacks`: output key -> the columns gathered into it as one `[rows, columns, ...]` tensor."""
-        self.sources, self.dtypes, self.hold = layout.sources, layout.dtypes, layout
+        self.sources = layout.sources
+        self.dtypes = layout.dtypes
+        self.hold = layout
         self.stacks = stacks or {}
         # stacks of one row kind (a CLT's mlp.in and mlp.out) share one layer-major buffer: the
         # columns of all of them, stack after stack
@@ -111,7 +117,9 @@ class MappedWindow:
         slower in torch) and handed out as its `[rows, columns, ...]` view; stacks of one row kind share
         one such buffer (so a batch keeps the memory of all of them while one is held)."""
         shapes = {k: v.shape[1:] for k, v in self.sources[0].items()}
-        out, rows, whole = {}, {}, []
+        out = {}
+        rows = {}
+        whole = []
         for keys in self.buffers:
             names = [name for key in keys for name in self.stacks[key]]
             buffer = empty((len(names), n, *shapes[names[0]]), self.dtypes[names[0]])
@@ -194,7 +202,10 @@ class Batch:
         rows: dict[str, torch.Tensor],
         whole: list[tuple[list[str], torch.Tensor]],
     ):
-        self.n, self.out, self.rows, self.whole = n, out, rows, whole
+        self.n = n
+        self.out = out
+        self.rows = rows
+        self.whole = whole
 
     def first(self, rows: int) -> dict[str, torch.Tensor]:
         """The outputs, cut to their first `rows` rows when the batch was not filled."""

@@ -13,7 +13,7 @@ shard for shard. A resume with another number of ranks re-deals the batches not 
 
 from __future__ import annotations
 
-import errno
+import dataclasses
 import os
 import queue
 import threading
@@ -26,30 +26,27 @@ from typing import Any, Self
 import torch
 
 from ..errors import StoreError
-from . import direct
-from .card import CARD
 from .checksum import ALGORITHMS, WRITTEN
-from .fs import open_fs
+from .committer import Committer
 from .handoff import Handoff
-from .journal import Commits
-from .manifest import (
-    SHARDS_DIR,
-    Column,
-    Manifest,
-    ShardEntry,
-    manifest_name,
-    runs_of,
-    shard_identity,
-    shard_number,
-    shard_prefix,
-    summed_stats,
-)
-from .opening import StoreView
-from .orphans import remove_orphans
+from .manifest import SHARDS_DIR, Column, Manifest, ShardEntry, runs_of, shard_identity
+from .opening import LockedStore, StoreView
 from .shardfile import default_copiers, save_columns, shared_mode, sync_file
 from .stats import HEADER_KEY, PointStats, Workspace, header_text
 
 _STOP = object()
+
+
+@dataclasses.dataclass(frozen=True)
+class QueuedBatch:
+    """A batch `write` queued for the writer thread."""
+
+    index: int
+    columns: dict[str, torch.Tensor]  # activations and meta columns, on the host (or being copied there)
+    points: tuple[str, ...]  # the activations among them, in the order the manifest's stats follow
+    given: dict[str, PointStats]  # the points' statistics the caller computed
+    measured: Future | None  # the others', being measured on the stats thread (or None: measured later)
+    handoff: Handoff | None  # the copy still filling `columns`, and their memory's release
 
 
 class ShardWriter:
@@ -78,103 +75,60 @@ class ShardWriter:
         writers: int | None = None,
         opened: StoreView | None = None,
     ):
-        if shard_rows < 1 or queue_size < 1:
-            raise StoreError(f"shard_rows ({shard_rows}) and queue_size ({queue_size}) must be >= 1")
-        if not 0 <= rank < world_size:
-            raise StoreError(f"rank {rank} is outside world_size {world_size}")
-        if checksum not in ALGORITHMS:
-            raise StoreError(f"checksum={checksum!r}: use one of {', '.join(ALGORITHMS)}")
-        self.fs = open_fs(out_dir)
-        self.out = self.fs.url
-        self.rank, self.world_size, self.shard_rows = rank, world_size, shard_rows
+        _check_options(shard_rows, queue_size, rank, world_size, checksum)
+        store = LockedStore.open(out_dir, settings, rank, world_size, opened)  # store/opening.py
+        self.fs = store.fs
+        self.out = store.fs.url
+        self.rank = rank
+        self.world_size = world_size
+        self.shard_rows = shard_rows
         self.checksum = checksum
+        self.deal = store.plan.deal
+        self.generation = store.plan.deal.generation
+        self._prefix = store.prefix
+        self._staging = store.staging
+        self._bounce = store.bounce
+        self._manifest_name = store.manifest_name
         self._file_mode = shared_mode()  # safetensors creates 0600 files; a store is meant to be shared
-        if opened is None:
-            opened = StoreView.read(self.fs, settings, world_size, rank)
-        elif opened.changed(self.fs):  # read by the caller before its first batch: nobody may write since
-            raise StoreError(
-                f"{self.out} changed while this run started: is another run writing to it? Stop "
-                "every other run on this store and re-run the command"
-            )
-        found_at_open, found = opened.names, opened.plan
-        self.deal = found.deal
-        self.generation = found.deal.generation
-        self._prefix = shard_prefix(rank, self.generation)
-        try:  # where a shard is written before it counts: a directory of this writer's own, named
-            # with its shard prefix, inside shards/ (or a local one for a URL); see orphans.py
-            self._staging = self.fs.staging(SHARDS_DIR, f"{self._prefix}writing")
-        except OSError as e:
-            raise StoreError(
-                f"cannot create the store directory {self.out}: {e}; choose a writable --out"
-            ) from e
-        # around the page cache on a disk's filesystem (direct.py); a URL's staged files are read back
-        self._bounce = direct.Bounce() if not self.fs.remote and direct.wanted(self._staging) else None
-        self._manifest_name = manifest_name(rank, world_size, self.generation)
-        self._listed = {Path(s.file).name for s in found.shards}  # by any manifest: not debris
-        own = found.own(rank)
-        # one process keeps the whole store's manifest.json (earlier attempts' shards too); a rank
-        # of several keeps its own shards only, and the merge unites them
-        shards = sorted([*found.inherited(), *own], key=lambda s: s.batch_start) if world_size == 1 else own
-        self.manifest = Manifest(
-            settings=settings,
-            world_size=world_size,
-            generation=self.generation,
-            points=found.points if shards else {},
-            meta=found.meta if shards else {},
-            shards=shards,
-            stats=summed_stats(shards),
-        )
-        try:  # stamps the settings into the directory now, and proves it is writable before any compute
-            self._commits = Commits(self.fs, self._manifest_name, puts_card=rank == 0)  # store/journal.py
-            self._commits.lock()  # before anything is touched: a second run on the store is refused
-            remove_orphans(
-                self.fs,
-                self.rank,
-                self.generation,
-                self._prefix,
-                self._listed,
-                self._manifest_name,
-                found_at_open,
-            )
-            self._commits.open(self.manifest, found.manifests.get(self._manifest_name))
-            # README.md: datasets.load_dataset(DIR) fails clearly rather than misreading the store
-            if self.fs.size(CARD) is None:
-                self._commits.put_card()
-        except OSError as e:
-            self._commits.unlock()  # refused: the next try, in this process too, may take the store
-            raise StoreError(
-                f"cannot write to the store directory {self.out}: {e}; make it writable (or "
-                "free space) or choose another --out, and re-run"
-            ) from e
-        # to skip: what earlier attempts committed, and this rank's own shards of this attempt
-        self.done_batches: set[int] = set(found.done(rank))  # grown in place by the writer thread
-        self.bytes_written = 0  # this session, for a progress bar
-        self._layout = {**found.points, **found.meta}  # every rank's batches must match the store's columns
-        self._next_shard = 1 + max((shard_number(s.file) for s in own), default=-1)
+        self._layout = store.layout  # every rank's batches must match the store's columns
+        self._next_shard = store.next_shard
         self._last_batch: int | None = None
         self._error: BaseException | None = None
-        self._error_reported = self._closed = False
+        self._error_reported = False
+        self._closed = False
         self._discard_partial = False  # set on an interrupt: the final, partial shard is not written
         # the batches waiting to become the next shard; only the writer thread touches them
         self._pending: list[tuple[int, dict[str, torch.Tensor]]] = []
         self._handoffs: list[Handoff] = []  # of the pending batches: released once written
         self._pending_stats: dict[str, PointStats] = {}
         self._pending_rows = 0
+        self.busy_seconds = 0.0  # the writer thread's time spent writing shards, for a run's report
         self._work = Workspace()  # the statistics' float32 chunk of rows, reused (by `_measure`)
         self._measurer = ThreadPoolExecutor(1, thread_name_prefix="hookscope-shard-stats")
         # copies a shard's bytes into its file while the writer thread checksums them (shardfile.py)
         self._copiers = ThreadPoolExecutor(writers or default_copiers(), "hookscope-shard-copy")
-        # a shard's fsync, rename and commit, in shard order, while the next shard is written: the
-        # disk flushes one shard as the next one's bytes are copied (one in flight at most)
-        self._committer = ThreadPoolExecutor(1, thread_name_prefix="hookscope-shard-commit")
-        self._committing: Future | None = None
-        self._stalled: tuple[ShardEntry, dict[str, PointStats]] | None = None  # see _settle_commit
-        self.busy_seconds = 0.0  # the writer thread's time spent writing shards, for a run's report
+        # a shard's fsync, rename and commit, while the next shard is written (store/committer.py)
+        self._committer = Committer(store.fs, store.commits, store.manifest, store.done)
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._thread = threading.Thread(target=self._run, name="hookscope-shard-writer", daemon=True)
         self._thread.start()
 
     # -- the caller's side ------------------------------------------------------------------------
+
+    @property
+    def manifest(self) -> Manifest:
+        """This writer's manifest as last committed."""
+        return self._committer.manifest
+
+    @property
+    def done_batches(self) -> set[int]:
+        """The batches to skip: committed by earlier attempts, by this rank before, or by this writer."""
+        return self._committer.done_batches
+
+    @property
+    def bytes_written(self) -> int:
+        """Bytes of the shards this writer committed, for a progress bar."""
+        return self._committer.bytes_written
 
     @property
     def total_rows(self) -> int:
@@ -228,7 +182,7 @@ class ShardWriter:
         ready = handoff is None or handoff.ready  # else measured once its copy is done
         measured = self._measure(todo) if todo and ready else None
         # a tuple, not a set: the manifest's stats follow this order, the same in every process
-        self._queue.put((batch_index, batch, tuple(tensors), given, measured, handoff))
+        self._queue.put(QueuedBatch(batch_index, batch, tuple(tensors), given, measured, handoff))
 
     def _measure(self, tensors: dict[str, torch.Tensor]) -> Future:
         """Each tensor's `PointStats` on the stats thread: beside the shard before's copy, not after it."""
@@ -308,25 +262,30 @@ class ShardWriter:
         while True:
             item = self._queue.get()
             if item is _STOP:
-                if self._pending and self._error is None and not self._discard_partial:
-                    self._guard(self._flush)
-                self._release()  # a partial shard dropped, or a failed one: nothing reads them now
-                started = time.perf_counter()
-                self._guard(self._settle_commit)  # the last shard's commit, before the staging goes
-                self.busy_seconds += time.perf_counter() - started
-                self._copiers.shutdown()
-                self._committer.shutdown()
-                self._measurer.shutdown(cancel_futures=True)
-                if self._error is None:
-                    self._guard(self._commits.finish, self.manifest)
-                self._commits.unlock()
-                self.fs.done_staging(self._staging)
-                self._work = Workspace()  # its memory back
+                self._finish()
                 return
             if self._error is None:  # after an error, keep draining so that write() never blocks
-                self._guard(self._take, *item)
+                self._guard(self._take, item)
             if self._error is not None:
-                self._release(item[-1])
+                self._release(item.handoff)
+
+    def _finish(self) -> None:
+        """At close: the last shard written and committed (unless dropped or failed), the threads
+        stopped, the manifest compacted, the store unlocked and the staging directory gone."""
+        if self._pending and self._error is None and not self._discard_partial:
+            self._guard(self._flush)
+        self._release()  # a partial shard dropped, or a failed one: nothing reads them now
+        started = time.perf_counter()
+        self._guard(self._committer.settle)  # the last shard's commit, before the staging goes
+        self.busy_seconds += time.perf_counter() - started
+        self._copiers.shutdown()
+        self._committer.shutdown()
+        self._measurer.shutdown(cancel_futures=True)
+        if self._error is None:
+            self._guard(self._committer.finish)
+        self._committer.unlock()
+        self.fs.done_staging(self._staging)
+        self._work = Workspace()  # its memory back
 
     def _guard(self, fn, *args) -> None:
         try:
@@ -334,28 +293,26 @@ class ShardWriter:
         except Exception as e:  # noqa: BLE001 - any failure is handed to the caller at its next write() / close()
             self._error = self._error or e  # the first failure is the one reported
 
-    def _take(
-        self,
-        index: int,
-        batch: dict[str, torch.Tensor],
-        points: tuple[str, ...],
-        given: dict[str, PointStats],
-        measured: Future | None,
-        handoff: Handoff | None,
-    ) -> None:
+    def _take(self, queued: QueuedBatch) -> None:
+        """Add a queued batch to the pending shard (its statistics too), and write the shard once it
+        holds `shard_rows` rows."""
         if self._pending and (
-            self.deal.position(index) != self.deal.position(self._pending[-1][0]) + self.world_size
+            self.deal.position(queued.index) != self.deal.position(self._pending[-1][0]) + self.world_size
         ):
             self._flush()  # a batch of this rank was left out: a shard holds an unbroken run of them
-        if handoff is not None:
-            self._handoffs.append(handoff)
-            given = {**given, **handoff.wait()}  # the batch's bytes are on the host from here
-        if measured is not None:
-            given = {**given, **measured.result()}
-        if missing := {name: batch[name] for name in points if name not in given}:  # copied from a device
+        batch = queued.columns
+        given = queued.given
+        if queued.handoff is not None:
+            self._handoffs.append(queued.handoff)
+            given = {**given, **queued.handoff.wait()}  # the batch's bytes are on the host from here
+        if queued.measured is not None:
+            given = {**given, **queued.measured.result()}
+        if missing := {
+            name: batch[name] for name in queued.points if name not in given
+        }:  # copied from a device
             given = {**given, **self._measure(missing).result()}
-        self._pending.append((index, batch))
-        for name in points:
+        self._pending.append((queued.index, batch))
+        for name in queued.points:
             self._pending_stats[name] = self._pending_stats.get(name, PointStats()).merge(given[name])
         self._pending_rows += next(iter(batch.values())).shape[0]
         if self._pending_rows >= self.shard_rows:
@@ -364,26 +321,11 @@ class ShardWriter:
     def _flush(self) -> None:
         started = time.perf_counter()
         self._write_shard(self._pending, self._pending_stats)
-        self._pending, self._pending_stats, self._pending_rows = [], {}, 0  # their buffers: back already
+        # their buffers are back already
+        self._pending = []
+        self._pending_stats = {}
+        self._pending_rows = 0
         self.busy_seconds += time.perf_counter() - started
-
-    def _wait_commit(self) -> None:
-        """Wait for the shard in flight to be committed; raise its error (it is not committed)."""
-        if self._committing is not None:
-            committing, self._committing = self._committing, None
-            committing.result()
-
-    def _settle_commit(self) -> None:
-        """`_wait_commit`, at close, and a commit that found the disk full tried once more: the next
-        shard's bytes, written meanwhile, may have taken the space it needed; they are deleted by now."""
-        try:
-            self._wait_commit()
-        except OSError:
-            if self._stalled is None:
-                raise
-        stalled, self._stalled = self._stalled, None
-        if stalled is not None:
-            self._commit(*stalled)  # still no space: raises, and its shard is deleted
 
     def _release(self, *more: Handoff | None) -> None:
         """Hand back the memory of the pending batches (and `more`): nothing reads it any more."""
@@ -422,7 +364,7 @@ class ShardWriter:
             # the batches' bytes are in the file: their buffers go back now, not after the wait below,
             # so that the next batches' copies reuse them instead of pinning new ones meanwhile
             self._release()
-            self._wait_commit()  # the shard before: committed first (or failed, and this one goes too)
+            self._committer.wait()  # the shard before: committed first (or failed, and this one goes too)
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
@@ -439,7 +381,7 @@ class ShardWriter:
             scalars,
             algorithm=self.checksum,
         )
-        self._committing = self._committer.submit(self._put_and_commit, tmp, entry, scalars)
+        self._committer.start(self._put_and_commit, tmp, entry, scalars)
 
     def _put_and_commit(self, tmp: Path, entry: ShardEntry, stats: dict[str, PointStats]) -> None:
         """On the commit thread: shard file `tmp`, written, becomes durable, takes its place, and is
@@ -451,17 +393,14 @@ class ShardWriter:
         except BaseException:
             tmp.unlink(missing_ok=True)
             raise
-        self._commit(entry, stats, last_try=False)
+        self._committer.commit(entry, self._layout, stats, last_try=False)
 
-    def _commit(self, entry: ShardEntry, stats: dict[str, PointStats], last_try: bool = True) -> None:
-        """Shard `entry`, in its final place, becomes part of the store (its batches count as done)."""
-        try:  # rebinding, so the caller's thread always sees a whole manifest
-            self.manifest = self._commits.commit(self.manifest, entry, self._layout, stats)
-        except BaseException as e:
-            if not last_try and isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
-                self._stalled = (entry, stats)  # whole and in place: _settle_commit tries it again
-            else:  # not committed: free its space; a resume would delete it anyway
-                self.fs.remove(entry.file)
-            raise
-        self.done_batches.update(entry.batch_indices())  # in place: O(1) per shard, read by `in` only
-        self.bytes_written += entry.bytes
+
+def _check_options(shard_rows: int, queue_size: int, rank: int, world_size: int, checksum: str) -> None:
+    """Refuse a writer's settings out of range, before the store is touched."""
+    if shard_rows < 1 or queue_size < 1:
+        raise StoreError(f"shard_rows ({shard_rows}) and queue_size ({queue_size}) must be >= 1")
+    if not 0 <= rank < world_size:
+        raise StoreError(f"rank {rank} is outside world_size {world_size}")
+    if checksum not in ALGORITHMS:
+        raise StoreError(f"checksum={checksum!r}: use one of {', '.join(ALGORITHMS)}")
