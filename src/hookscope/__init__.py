@@ -22,6 +22,7 @@ from importlib.metadata import version as _version
 from .capture import Capture, PointDict, PointInfo, capture, collect, grads, points
 from .compiling import compile_model
 from .edit import Ablate, Edit, Edits, Patch, Steer, ablate, edit, patch, steer
+from .engines import tensor_parallel  # registers its table change: a sharded point is gathered
 from .errors import (
     DataError,
     HookscopeError,
@@ -32,6 +33,7 @@ from .errors import (
     SelectionError,
     StaleIndexError,
     StoreError,
+    TensorParallelError,
     UnknownPointError,
 )
 from .experts import AblateExperts, ForceRoute, ablate_expert, force_route
@@ -111,10 +113,13 @@ __all__ = [
     "StaleIndexError",
     "DataError",
     "SAEError",
+    "TensorParallelError",
     # mixture-of-experts routing edits
     "ablate_expert",
     "AblateExperts",
     "force_route",
     "ForceRoute",
+    # tensor-parallel models (`load(tp=N)` under torchrun): `tensor_parallel.layout`, `gather=False`
+    "tensor_parallel",
     "__version__",
 ]
