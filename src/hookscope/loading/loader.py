@@ -193,6 +193,13 @@ def _tensor_parallel(config: Any, tp: int, device: Any, device_map: Any, points:
             f"transformers has no tensor-parallel plan for {text.model_type!r} models; load it without "
             "tp= (device_map='auto', points= or --max-memory run a model bigger than one device)"
         )
+    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        size = getattr(text, what, None)
+        if isinstance(size, int) and size % tp:
+            raise TensorParallelError(
+                f"tp={tp} does not divide the model's {what} ({size}): each rank must hold whole heads "
+                f"and equal slices; give a tp that divides {size}"
+            )
     if not dist.is_initialized():
         if "WORLD_SIZE" not in os.environ:
             raise TensorParallelError(
@@ -210,13 +217,6 @@ def _tensor_parallel(config: Any, tp: int, device: Any, device_map: Any, points:
             f"tp={tp} with {world} processes: a tensor-parallel group per {tp} ranks (TP x DP) is not "
             f"supported by hs.load yet; run {tp} processes"
         )
-    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
-        size = getattr(text, what, None)
-        if isinstance(size, int) and size % tp:
-            raise TensorParallelError(
-                f"tp={tp} does not divide the model's {what} ({size}): each rank must hold whole heads "
-                f"and equal slices; give a tp that divides {size}"
-            )
     return DistributedConfig(tp_size=tp)
 
 
