@@ -22,7 +22,10 @@ from importlib.metadata import version as _version
 from .capture import Capture, PointDict, PointInfo, capture, collect, grads, points
 from .compiling import compile_model
 from .edit import Ablate, Edit, Edits, Patch, Steer, ablate, edit, patch, steer
-from .engines import tensor_parallel  # registers its table change: a sharded point is gathered
+
+# registers its table change (arch.TABLE_CHANGES): a tensor-parallel model's sharded points gathered;
+# extension API: `from hookscope.engines import tensor_parallel` (layout, gather=False)
+from .engines import tensor_parallel as _tensor_parallel  # noqa: F401
 from .errors import (
     DataError,
     HookscopeError,
@@ -119,7 +122,5 @@ __all__ = [
     "AblateExperts",
     "force_route",
     "ForceRoute",
-    # tensor-parallel models (`load(tp=N)` under torchrun): `tensor_parallel.layout`, `gather=False`
-    "tensor_parallel",
     "__version__",
 ]
