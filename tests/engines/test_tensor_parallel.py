@@ -28,6 +28,9 @@ from hookscope.engines import tensor_parallel
 
 HERE = Path(__file__).parent
 CASES = ("llama", "qwen3", "gemma3_text", "olmo2")
+# every point only: GPT-NeoX (its fused q|k|v, interleaved per head, split by View.split) and an MoE
+# decoder (Mixtral: attention sharded, experts whole on each rank under TP alone)
+POINTS_ONLY = ("neox_sequential", "mixtral")
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 N_HEADS = 4  # family_models' tiny decoders: 4 heads of 8, 2 kv heads, d_mlp 64
 
@@ -39,9 +42,9 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, dict, dict]]:
 
     root = tmp_path_factory.mktemp("tp")
     dirs = []
-    for case in CASES:
+    for case in CASES + POINTS_ONLY:
         family_models.build(case).float().save_pretrained(root / case)
-        dirs.append(str(root / case))
+        dirs.append(("points:" if case in POINTS_ONLY else "") + str(root / case))
     out = root / "out"
     out.mkdir()
     done = subprocess.run(
@@ -52,7 +55,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, dict, dict]]:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     load = lambda case, rank: torch.load(out / f"{case}.rank{rank}.pt", weights_only=False)  # noqa: E731
-    return {case: (root / case, load(case, 0), load(case, 1)) for case in CASES}
+    return {case: (root / case, load(case, 0), load(case, 1)) for case in CASES + POINTS_ONLY}
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +103,7 @@ def plain_hooks(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Te
     return seen
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + POINTS_ONLY)
 def test_every_point_equals_the_unsharded_model(case, runs, unsharded):
     _, rank0, rank1 = runs[case]
     model = unsharded[case]
@@ -182,6 +185,33 @@ def test_steer_ablate_patch_give_the_unsharded_logits(case, runs, unsharded):
         assert (want - plain).abs().max() > 1e-2, name  # the edit changes the logits
         torch.testing.assert_close(rank0["edited"][name], want, **TOL)
         torch.testing.assert_close(rank1["edited"][name], want, **TOL)
+
+
+@pytest.mark.parametrize("case", ["llama", "gemma3_text"])
+def test_generate_captures_and_ablates_as_unsharded(case, runs, unsharded):
+    got = runs[case][1]["generated"]
+    model = unsharded[case]
+    # the reference: greedy steps by hand, heads 1 and 2 of block 0's attn.z zeroed by a plain hook
+    # on o_proj's input (the model's own generate would pad the batch the same way: none here)
+    o_proj = model.model.layers[0].self_attn.o_proj
+
+    def ablate(module, args):
+        z = args[0].unflatten(-1, (N_HEADS, -1)).clone()
+        z[..., [1, 2], :] = 0
+        return (z.flatten(-2),)
+
+    handle = o_proj.register_forward_pre_hook(ablate)
+    try:
+        ids = worker.inputs(3)
+        with torch.inference_mode():
+            for _ in range(4):
+                ids = torch.cat([ids, model(ids).logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert torch.equal(got["sequences"], ids)
+        ref = plain_hooks(model, ids)  # (hs.generate runs a pass on the last token too)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(got["blocks.1.attn.z"], ref["attn.z"], **TOL)
+    torch.testing.assert_close(got["blocks.1.mlp.post"], ref["mlp.post"], **TOL)
 
 
 def test_heads_with_gather_false_refused(runs):

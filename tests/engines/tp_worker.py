@@ -68,6 +68,8 @@ def run(directory: str) -> dict:
     for name, edit in edits.items():
         with hs.edit(model, edit), torch.inference_mode():
             out["edited"][name] = model(ids).logits
+    # generation: greedy steps with a capture at a sharded point and a head ablation at every step
+    out["generated"] = generate(model)
     try:
         tp.collect(model, ids, "blocks.1.attn.z", gather=False, heads=[0])
     except hs.TensorParallelError as exc:
@@ -75,6 +77,24 @@ def run(directory: str) -> dict:
     out["vmhwm_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out["user_loaded"] = user_loaded(directory, ids)
     return out
+
+
+def generate(model) -> dict:
+    gen = hs.generate(
+        model,
+        inputs(3),
+        ["blocks.1.attn.z", "blocks.1.mlp.post"],
+        edits=[hs.ablate("blocks.0.attn.z", heads=[1, 2])],
+        max_new_tokens=4,
+        do_sample=False,
+    )
+    return {"sequences": gen.sequences, **{k: gen[k] for k in gen.activations}}
+
+
+def every_point(directory: str) -> dict:
+    """Only every point collected, for the families whose other verbs the full run covers."""
+    loaded = hs.load(directory, tp=2, tokenizer=False, attn_implementation="eager", dtype=torch.float32)
+    return {"acts": dict(hs.collect(loaded.model, inputs(0), loaded.arch.names))}
 
 
 def user_loaded(directory: str, ids: torch.Tensor) -> dict:
@@ -88,8 +108,14 @@ def user_loaded(directory: str, ids: torch.Tensor) -> dict:
 
 
 def main(out_dir: str, *directories: str) -> None:
+    """Each directory gets the full run; one given as `points:DIR` only every point collected."""
     for directory in directories:
-        result = run(directory)
+        result = (
+            every_point(directory.removeprefix("points:"))
+            if directory.startswith("points:")
+            else run(directory)
+        )
+        directory = directory.removeprefix("points:")
         torch.save(result, Path(out_dir) / f"{Path(directory).name}.rank{dist.get_rank()}.pt")
     dist.barrier()
     dist.destroy_process_group()
