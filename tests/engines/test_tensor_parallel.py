@@ -163,6 +163,16 @@ def test_grads_at_three_points(case, runs, unsharded):
         assert want[name].abs().max() > 1e-2, name  # a gradient that is there to get wrong
         for got in (rank0, rank1):
             torch.testing.assert_close(got["grads"][name], want[name], **TOL)
+        # gather=False: each rank's slice of the gradient (its heads of attn.z, its columns of mlp.post)
+        if rank0["layout"][name] is None:
+            torch.testing.assert_close(rank0["kept_grads"][name], want[name], **TOL)
+            continue
+        dim = -2 if name.endswith("attn.z") else -1
+        half = want[name].shape[dim] // 2
+        for rank, got in enumerate((rank0, rank1)):
+            torch.testing.assert_close(
+                got["kept_grads"][name], want[name].narrow(dim, rank * half, half), **TOL
+            )
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -57,6 +57,7 @@ def run(directory: str) -> dict:
     out["captured"] = {k: cap[k] for k in cap}
 
     out["grads"] = dict(hs.grads(model, ids, GRAD_POINTS, loss))
+    out["kept_grads"] = dict(tp.grads(model, ids, GRAD_POINTS, loss, gather=False))
     clean = hs.collect(model, other, ["blocks.0.mlp.post", "blocks.1.attn.z"])
     edits = {
         "steer": hs.steer("blocks.1.resid_post", steering_vector(arch.d_model), scale=3.0),

@@ -34,9 +34,10 @@ from ..arch import TABLE_CHANGES, Arch, PointSpec, View, arch_of
 from ..capture import Capture, PointDict
 from ..capture import capture as capture_whole
 from ..capture import collect as collect_whole
+from ..capture import grads as grads_whole
 from ..errors import TensorParallelError
 
-__all__ = ["Shard", "is_tensor_parallel", "layout", "plan", "sharded", "collect", "capture"]
+__all__ = ["Shard", "is_tensor_parallel", "layout", "plan", "sharded", "collect", "capture", "grads"]
 
 
 @dataclass(frozen=True)
@@ -380,3 +381,10 @@ def collect(
 def capture(model: nn.Module, points: str | Sequence[str], *, gather: bool = True, **options: Any) -> Capture:
     """`hs.capture` with `gather=False`: each sharded point as this rank's slice."""
     return capture_whole(model, points, **_options(model, gather, options))
+
+
+def grads(
+    model: nn.Module, inputs: Any, points: str | Sequence[str], loss_fn: Any, *, gather: bool = True
+) -> PointDict:
+    """`hs.grads` with `gather=False`: at each sharded point, the gradient of this rank's slice."""
+    return grads_whole(model, inputs, points, loss_fn, **_options(model, gather, {}))
