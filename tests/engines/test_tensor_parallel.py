@@ -128,6 +128,10 @@ def test_sharded_points_gathered_and_kept_against_plain_hooks(case, runs, unshar
         half = ref[suffix].shape[dim] // 2
         torch.testing.assert_close(rank0["kept"][name], ref[suffix].narrow(dim, 0, half), **TOL)
         torch.testing.assert_close(rank1["kept"][name], ref[suffix].narrow(dim, half, half), **TOL)
+    # a raw module point on a split side is gathered too
+    mlp_post, attn_z = worker.RAW_POINTS
+    torch.testing.assert_close(rank1["raw"][mlp_post], ref["mlp.post"], **TOL)
+    torch.testing.assert_close(rank1["raw"][attn_z], ref["attn.z"].flatten(-2), **TOL)
     # the heads asked for are global heads: 1 on rank 0, 2 on rank 1
     torch.testing.assert_close(rank0["heads"]["blocks.1.attn.z"], ref["attn.z"][:, :, [1, 2]], **TOL)
     # a model the user sharded with transformers' own tp_plan is read the same way

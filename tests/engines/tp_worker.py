@@ -19,6 +19,7 @@ from hookscope.engines import tensor_parallel as tp
 # shared with the parent test (imported there from this file)
 GRAD_POINTS = ["blocks.0.resid_post", "blocks.1.attn.z", "blocks.1.mlp.post"]
 VOCAB = 300
+RAW_POINTS = ["module:model.layers.1.mlp.down_proj:input", "module:model.layers.1.self_attn.o_proj:input"]
 
 
 def inputs(seed: int) -> torch.Tensor:
@@ -49,6 +50,7 @@ def run(directory: str) -> dict:
     start = time.perf_counter()
     out["acts"] = dict(hs.collect(model, ids, arch.names))
     out["collect_s"] = time.perf_counter() - start
+    out["raw"] = dict(hs.collect(model, ids, RAW_POINTS))  # raw module points: the same rule
     out["heads"] = dict(hs.collect(model, ids, "blocks.1.attn.z", heads=[1, 2]))
     out["kept"] = dict(tp.collect(model, ids, sharded, gather=False))
     with hs.capture(model, ["blocks.1.attn.q", "blocks.1.mlp.out"]) as cap:

@@ -36,6 +36,7 @@ from ..capture import capture as capture_whole
 from ..capture import collect as collect_whole
 from ..capture import grads as grads_whole
 from ..errors import TensorParallelError
+from ..names import MODULE_PREFIX
 
 __all__ = ["Shard", "is_tensor_parallel", "layout", "plan", "sharded", "collect", "capture", "grads"]
 
@@ -126,34 +127,48 @@ def _sharded_side(style_name: str, io: str) -> bool | None:
 _UNREAD = object()  # a point on a module whose style hookscope does not read
 
 
-def _layouts(model: nn.Module, arch: Arch) -> dict[str, Shard | object]:
-    """Point name -> its Shard, for the sharded points (and _UNREAD for the unknown ones)."""
-    styles, group = plan(model), _group(model)
-    rank, size = dist.get_rank(group), dist.get_world_size(group)
-    modules = dict(model.named_modules())
-    out: dict[str, Shard | object] = {}
-    for name, spec in arch.specs.items():
-        style = styles.get(spec.module)
+class _Sides:
+    """Which side of which module is split, read once per model: transformers' plan, the modules,
+    this rank's place in the tensor-parallel group."""
+
+    def __init__(self, model: nn.Module):
+        self.styles, self.group = plan(model), _group(model)
+        self.rank, self.size = dist.get_rank(self.group), dist.get_world_size(self.group)
+        self.modules = dict(model.named_modules())
+
+    def of(self, spec: PointSpec) -> Shard | object | None:
+        """The point's Shard, _UNREAD, or None where it is whole on every rank."""
+        style = self.styles.get(spec.module)
         if style is None:
-            continue
+            return None
         side = _sharded_side(style, spec.io)
         if side is None:
-            out[name] = _UNREAD
-        elif side:
-            module = modules[spec.module]
-            width = module.out_features if spec.io == "output" else module.in_features
-            if width % size:
-                raise TensorParallelError(
-                    f"{name}: {spec.module} is split over {size} ranks but its width {width} is not a "
-                    f"multiple of {size}; load with a tp that divides {width}"
-                )
-            out[name] = Shard(-1, rank, size, width, group)
+            return _UNREAD
+        if not side:
+            return None
+        module = self.modules[spec.module]
+        width = module.out_features if spec.io == "output" else module.in_features
+        if width % self.size:
+            raise TensorParallelError(
+                f"{spec.name}: {spec.module} is split over {self.size} ranks but its width {width} is not a "
+                f"multiple of {self.size}; load with a tp that divides {width}"
+            )
+        return Shard(-1, self.rank, self.size, width, self.group)
+
+
+def _layouts(sides: _Sides, arch: Arch) -> dict[str, Shard | object]:
+    """Point name -> its Shard, for the sharded points (and _UNREAD for the unknown ones)."""
+    out: dict[str, Shard | object] = {}
+    for name, spec in arch.specs.items():
+        found = sides.of(spec)
+        if found is not None:
+            out[name] = found
     for name, spec in arch.specs.items():  # attention weights: the heads of the rank's queries
         if spec.needs_eager and spec.layer is not None:
             q = out.get(f"blocks.{spec.layer}.attn.q")
             if isinstance(q, Shard):
-                heads = arch.n_heads or size
-                out[name] = Shard(spec.head_dim, rank, size, heads, group)
+                heads = arch.n_heads or sides.size
+                out[name] = Shard(spec.head_dim, sides.rank, sides.size, heads, sides.group)
     return out
 
 
@@ -279,10 +294,6 @@ def _kept_sharded(spec: PointSpec, arch: Arch, shard: Shard) -> View:
     return View(part.get, part.put, f"{part.label}; {named}", head_dim=part.head_dim, split=part.split)
 
 
-def _size(model: nn.Module) -> int:
-    return dist.get_world_size(_group(model))
-
-
 def _whole(spec: PointSpec, size: int) -> View | None:
     """A whole point's view, unchanged but for its label (what `hs.points` says of it)."""
     view, said = spec.view, f"whole on each of the {size} ranks"
@@ -303,19 +314,35 @@ def _unread(spec: PointSpec, style: str) -> View:
     return View(refuse, refuse, f"sharded by the {style!r} style (not readable)")
 
 
+@dataclass
+class _Table(Arch):
+    """A tensor-parallel model's table: its points' views as `_table` made them, and a raw module
+    point (`module:<path>:<io>`, made on demand by `Arch.spec`) on a split side given the same view."""
+
+    change: Any = None  # PointSpec -> PointSpec, for the raw module points
+
+    def spec(self, name: str) -> PointSpec:
+        found = super().spec(name)
+        if self.change is not None and found.name.startswith(MODULE_PREFIX) and found.name not in self.specs:
+            return self.change(found)
+        return found
+
+
 def _table(model: nn.Module, arch: Arch, *, gather_points: bool) -> Arch:
-    layouts, styles, size = _layouts(model, arch), plan(model), _size(model)
-    specs = {}
-    for name, spec in arch.specs.items():
-        shard = layouts.get(name)
+    sides = _Sides(model)
+    layouts = _layouts(sides, arch)
+
+    def change(spec: PointSpec, shard: Shard | object | None) -> PointSpec:
         if shard is None:
-            specs[name] = dataclasses.replace(spec, view=_whole(spec, size))
-        elif shard is _UNREAD:
-            specs[name] = dataclasses.replace(spec, view=_unread(spec, styles[spec.module]))
-        else:
-            make = _gathered if gather_points else _kept_sharded
-            specs[name] = dataclasses.replace(spec, view=make(spec, arch, shard))
-    return dataclasses.replace(arch, specs=specs)
+            return dataclasses.replace(spec, view=_whole(spec, sides.size))
+        if shard is _UNREAD:
+            return dataclasses.replace(spec, view=_unread(spec, sides.styles[spec.module]))
+        make = _gathered if gather_points else _kept_sharded
+        return dataclasses.replace(spec, view=make(spec, arch, shard))
+
+    specs = {name: change(spec, layouts.get(name)) for name, spec in arch.specs.items()}
+    fields = {f.name: getattr(arch, f.name) for f in dataclasses.fields(arch)}
+    return _Table(**{**fields, "specs": specs}, change=lambda spec: change(spec, sides.of(spec)))
 
 
 def _gathering_table(model: nn.Module, arch: Arch) -> Arch | None:
@@ -354,7 +381,7 @@ def layout(model: nn.Module) -> dict[str, Shard | None]:
     if not is_tensor_parallel(model):
         return dict.fromkeys(arch_of(model).specs)
     arch = arch_of(model)
-    found = _layouts(model, arch)
+    found = _layouts(_Sides(model), arch)
     return {
         name: (s if isinstance(s, Shard) else None) for name, s in ((n, found.get(n)) for n in arch.specs)
     }
