@@ -213,6 +213,8 @@ def _tensor_parallel(config: Any, tp: int, device: Any, device_map: Any, points:
             f"tp={tp} does not divide the {world} processes: give a tp that divides {world}"
         )
     if world != tp:
+        # transformers 5.25 makes the data-parallel copies FSDP replicas (dp_replicate_size), whose
+        # forward fails under inference_mode, where every capture runs: refused until that is solved
         raise TensorParallelError(
             f"tp={tp} with {world} processes: a tensor-parallel group per {tp} ranks (TP x DP) is not "
             f"supported by hs.load yet; run {tp} processes"
