@@ -26,6 +26,10 @@ from .arch import Arch
 from .capture import Capture, PointDict, PointInfo, capture, collect, grads, points
 from .compiling import compile_model
 from .edit import Edit, Edits, ablate, edit, patch, steer
+
+# registers its table change (arch.TABLE_CHANGES): a tensor-parallel model's sharded points gathered;
+# extension API: `from hookscope.engines import tensor_parallel` (layout, gather=False)
+from .engines import tensor_parallel as _tensor_parallel  # noqa: F401
 from .errors import (
     DataError,
     HookscopeError,
@@ -36,6 +40,7 @@ from .errors import (
     SelectionError,
     StaleIndexError,
     StoreError,
+    TensorParallelError,
     UnknownPointError,
 )
 from .experts import ablate_expert, force_route
@@ -111,6 +116,7 @@ __all__ = [
     "StaleIndexError",
     "DataError",
     "SAEError",
+    "TensorParallelError",
     # mixture-of-experts routing edits
     "ablate_expert",
     "force_route",

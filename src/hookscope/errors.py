@@ -45,3 +45,9 @@ class PointNotLoadedError(HookscopeError):
 class SAEError(HookscopeError):
     """An SAE directory or encoder file (`hs.top(..., sae=)`) that is missing, malformed or of an
     unsupported kind."""
+
+
+class TensorParallelError(HookscopeError):
+    """A tensor-parallel load or verb that cannot run as asked: no torchrun / process group, a `tp`
+    that does not divide the heads or the processes, a family transformers has no plan for, a
+    point kept sharded where the verb needs it whole."""

@@ -13,6 +13,7 @@ views or block paths; a new family is one file here (docs/architecture.md, "Wher
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -86,10 +87,19 @@ def _forget(key: int, ref: weakref.ref) -> None:
         del _STATE[key]
 
 
+# Functions a room on top registers to change a model's table once it is detected (the
+# tensor-parallel engine: a sharded point's view gathers the ranks' slices first). Each returns a
+# new table for a model it handles, else None; the core calls them and never imports their room.
+TABLE_CHANGES: list[Callable[[nn.Module, Arch], Arch | None]] = []
+
+
 def arch_of(model: nn.Module) -> Arch:
     state = state_of(model)
     if state.arch is None:
-        state.arch = _detect(model)
+        arch = _detect(model)
+        for change in TABLE_CHANGES:
+            arch = change(model, arch) or arch
+        state.arch = arch
     return state.arch
 
 

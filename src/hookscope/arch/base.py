@@ -25,6 +25,9 @@ class View:
     put: Callable[[Tensor, Tensor], Tensor]
     label: str
     head_dim: int | None = None  # set when the view splits heads out
+    # the same view on a contiguous 1/n of the raw tensor's last dim (a tensor-parallel rank's
+    # columns of a column-parallel projection), given n; None where a slice has no such meaning
+    split: Callable[[int], View] | None = field(default=None, compare=False)
 
 
 def heads(n_heads: int) -> View:
@@ -34,6 +37,7 @@ def heads(n_heads: int) -> View:
         put=lambda raw, new: new.flatten(-2),
         label=f"split into {n_heads} heads",
         head_dim=-2,
+        split=lambda n: heads(n_heads // n),
     )
 
 
@@ -62,7 +66,9 @@ def fused_heads(part: int, n_parts: int, n_heads: int, interleaved: bool = False
             parts[part] = new.to(raw.dtype).flatten(-2)
             return torch.cat(parts, dim=-1)
 
-    return View(get, put, f"part {part} of {n_parts} fused, {n_heads} heads", head_dim=-2)
+    # interleaved, a slice of whole heads is the same layout with fewer heads; concatenated, it is not
+    split = (lambda n: fused_heads(part, n_parts, n_heads // n, interleaved=True)) if interleaved else None
+    return View(get, put, f"part {part} of {n_parts} fused, {n_heads} heads", head_dim=-2, split=split)
 
 
 class Call(NamedTuple):

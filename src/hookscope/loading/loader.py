@@ -20,7 +20,7 @@ from torch import nn
 from .. import collector
 from ..arch import Arch, arch_of
 from ..compiling import compile_model
-from ..errors import ModelLoadError
+from ..errors import ModelLoadError, TensorParallelError
 from ..hub import OFFLINE_HELP, unreachable_reason
 from .allocator import returning_freed_memory
 from .checkpoint import Checkpoint, no_progress_bars, stored_dtype
@@ -63,6 +63,7 @@ def load(
     compile_policy: str | None = None,
     tokenizer: bool = True,
     points: str | list[str] | None = None,
+    tp: int | None = None,
 ) -> Loaded:
     """Load a Hugging Face model (causal LM head when it has one) in eval mode.
 
@@ -71,6 +72,9 @@ def load(
     those points need, the embeddings and blocks up to the last point (a model whose blocks hookscope
     does not know loads whole); a hook past them raises `PointNotLoadedError`. Give the device here:
     `.to(device)` cannot copy what stays on `meta`. `device="meta"`: no weight read, for streaming.
+    `tp=N` (under torchrun, N dividing the processes): transformers' tensor-parallel plan shards
+    each block's projections over N ranks (`DistributedConfig(tp_size=N)`); every verb then gives
+    what the unsharded model gives (hookscope.engines.tensor_parallel gathers the sharded points).
 
     Process-wide settings changed while it runs, and put back before it returns (docs/architecture.md,
     "Process-wide settings"): Python's full garbage collections wait (young ones go on); on `meta`
@@ -81,7 +85,9 @@ def load(
 
     Raises:
         ModelLoadError: a model, its weights or tokenizer not found or unreadable (a hub id offline).
-        UnknownPointError: a name in `points=` the model does not have."""
+        UnknownPointError: a name in `points=` the model does not have.
+        TensorParallelError: `tp=` not under torchrun, not dividing the processes or the model's
+            heads, or a family transformers has no tensor-parallel plan for."""
     # importing a model's code and building it makes ~200,000 objects that live on, which full
     # collections would walk again and again: a quarter of a first load (collector.py)
     with collector.young_only():
@@ -95,7 +101,24 @@ def load(
             compile_policy=compile_policy,
             tokenizer=tokenizer,
             points=points,
+            tp=tp,
         )
+
+
+def _config(auto_config: Any, source: str, name_or_path: str | None, common: dict, unreachable: str | None):
+    """The model's config, or an error saying where it was looked for and what to give instead."""
+    try:
+        return auto_config.from_pretrained(source, **common)
+    except OSError as exc:
+        if unreachable is not None:
+            raise ModelLoadError(
+                f"{name_or_path!r} is not a local directory and not in the Hugging Face cache, and the hub "
+                f"cannot be reached from this machine ({unreachable}): {OFFLINE_HELP}"
+            ) from exc
+        raise ModelLoadError(
+            f"could not load a model config from {name_or_path!r}: {exc}. Give a local directory "
+            "saved with save_pretrained, or a Hugging Face id reachable from this machine"
+        ) from exc
 
 
 def _load(
@@ -109,6 +132,7 @@ def _load(
     compile_policy: str | None,
     tokenizer: bool,
     points: str | list[str] | None,
+    tp: int | None = None,
 ) -> Loaded:
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
 
@@ -117,18 +141,7 @@ def _load(
     # when the model is not in it (transformers would retry the network for ~20 s first)
     unreachable = None if local else unreachable_reason()
     common: dict[str, Any] = {"revision": revision, "local_files_only": local or unreachable is not None}
-    try:
-        config = AutoConfig.from_pretrained(source, **common)
-    except OSError as exc:
-        if unreachable is not None:
-            raise ModelLoadError(
-                f"{name_or_path!r} is not a local directory and not in the Hugging Face cache, and the hub "
-                f"cannot be reached from this machine ({unreachable}): {OFFLINE_HELP}"
-            ) from exc
-        raise ModelLoadError(
-            f"could not load a model config from {name_or_path!r}: {exc}. Give a local directory "
-            "saved with save_pretrained, or a Hugging Face id reachable from this machine"
-        ) from exc
+    config = _config(AutoConfig, source, name_or_path, common, unreachable)
     is_causal = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in (config.architectures or []))
     auto = AutoModelForCausalLM if is_causal else AutoModel
     kwargs: dict[str, Any] = dict(common)
@@ -138,6 +151,8 @@ def _load(
         kwargs["attn_implementation"] = attn_implementation
     if local and any(Path(source).glob("*.safetensors")):
         kwargs["use_safetensors"] = True
+    if tp is not None and tp > 1:
+        kwargs["distributed_config"] = _tensor_parallel(config, tp, device, device_map, points)
     partial = None
     try:
         with no_progress_bars():  # transformers 5 draws a bar while it loads the weights
@@ -151,7 +166,7 @@ def _load(
             else:  # the whole model (a checkpoint without weight files fails here, in from_pretrained)
                 placed = {"device_map": device_map} if device_map is not None else {}
                 model = auto.from_pretrained(source, **kwargs, **placed)
-                if device_map is None:
+                if device_map is None and "distributed_config" not in kwargs:  # TP: placed per rank
                     model.to(device)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"could not load model weights from {name_or_path!r}: {exc}") from exc
@@ -165,6 +180,55 @@ def _load(
             raise ModelLoadError(f"{name_or_path!r} has no usable tokenizer: {exc}") from exc
     label = DEFAULT_MODEL if name_or_path in (None, "", "default") else name_or_path
     return Loaded(model, tok, arch_of(model), label, partial)
+
+
+def _tensor_parallel(config: Any, tp: int, device: Any, device_map: Any, points: Any) -> Any:
+    """transformers' `DistributedConfig(tp_size=tp)`, after every check that needs no weights; the
+    process group started here if torchrun's environment is set and nobody started one (gloo on
+    the CPU: transformers would pick nothing there)."""
+    import os
+
+    import torch.distributed as dist
+    from transformers.distributed import DistributedConfig
+
+    if device_map is not None or points is not None or str(device) == "meta":
+        raise TensorParallelError(
+            "tp= shards the whole model over the ranks: it does not combine with device_map=, points= "
+            "or device='meta'; drop one of them"
+        )
+    text = config.get_text_config()
+    if not getattr(text, "base_model_tp_plan", None):
+        raise TensorParallelError(
+            f"transformers has no tensor-parallel plan for {text.model_type!r} models; load it without "
+            "tp= (device_map='auto', points= or --max-memory run a model bigger than one device)"
+        )
+    for what in ("num_attention_heads", "num_key_value_heads", "intermediate_size"):
+        size = getattr(text, what, None)
+        if isinstance(size, int) and size % tp:
+            raise TensorParallelError(
+                f"tp={tp} does not divide the model's {what} ({size}): each rank must hold whole heads "
+                f"and equal slices; give a tp that divides {size}"
+            )
+    if not dist.is_initialized():
+        if "WORLD_SIZE" not in os.environ:
+            raise TensorParallelError(
+                f"tp={tp} needs one process per rank: run under `torchrun --nproc_per_node {tp} ...` "
+                "(or start torch.distributed's process group yourself)"
+            )
+        dist.init_process_group("nccl" if torch.device(device).type == "cuda" else "gloo")
+    world = dist.get_world_size()
+    if world % tp:
+        raise TensorParallelError(
+            f"tp={tp} does not divide the {world} processes: give a tp that divides {world}"
+        )
+    if world != tp:
+        # transformers 5.25 makes the data-parallel copies FSDP replicas (dp_replicate_size), whose
+        # forward fails under inference_mode, where every capture runs: refused until that is solved
+        raise TensorParallelError(
+            f"tp={tp} with {world} processes: a tensor-parallel group per {tp} ranks (TP x DP) is not "
+            f"supported by hs.load yet; run {tp} processes"
+        )
+    return DistributedConfig(tp_size=tp)
 
 
 def _weightless(auto: Any, config: Any, kwargs: dict, files: list[str] | None) -> nn.Module:

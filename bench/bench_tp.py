@@ -1,0 +1,157 @@
+"""Tensor parallelism on the CPU (issue 49): a capture on a TP=2 model (two torchrun ranks, gloo)
+beside the TP=2 forward alone in the same processes, and each rank's peak memory beside one
+unsharded process's.
+
+    .venv/bin/python bench/bench_tp.py            # ~2 min on 2 cores: builds bench/out/tp-llama once
+
+The model: a random Llama (d_model 1024, 8 layers, 16 heads, 8 kv heads, d_mlp 4096, vocab 8192,
+~150 M parameters, float32, ~600 MB). Inputs: 4 x 128 tokens. The capture keeps every block's
+`attn.z` and `mlp.post` (sharded: gathered) and `resid_post` (whole), and runs the model to the end,
+like the forward it is compared with. One process runs with 2 threads; each TP rank with 1 (2
+cores either way). Peak memory is VmHWM from /proc/self/status, after the imports and at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parent
+MODEL = BENCH / "out" / "tp-llama"
+POINTS = ["blocks.*.attn.z", "blocks.*.mlp.post", "blocks.*.resid_post"]
+REPEATS = 5
+
+
+def build() -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=8192,
+        hidden_size=1024,
+        intermediate_size=4096,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=8,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(MODEL)
+
+
+def status_mib(key: str = "VmHWM") -> float:
+    text = Path("/proc/self/status").read_text()
+    return int(next(line.split()[1] for line in text.splitlines() if line.startswith(key + ":"))) / 1024
+
+
+def pss_mib() -> float:
+    """Proportional set size now: a page shared by k processes counts 1/k (the checkpoint's page-cache
+    pages both ranks map, which each rank's RSS counts whole)."""
+    text = Path("/proc/self/smaps_rollup").read_text()
+    return int(next(line.split()[1] for line in text.splitlines() if line.startswith("Pss:"))) / 1024
+
+
+def vmhwm_mib() -> float:
+    return status_mib("VmHWM")
+
+
+def worker(tp: int) -> None:
+    import torch
+
+    import hookscope as hs
+
+    torch.set_num_threads(2 // tp)
+    after_imports, after_imports_pss = vmhwm_mib(), pss_mib()
+    loaded = hs.load(str(MODEL), tokenizer=False, dtype=torch.float32, **({"tp": tp} if tp > 1 else {}))
+    model = loaded.model
+    ids = torch.randint(0, 8192, (4, 128), generator=torch.Generator().manual_seed(0))
+
+    def forward() -> None:
+        with torch.inference_mode():
+            model(ids)
+
+    def capture() -> None:
+        with hs.capture(model, POINTS) as cap, torch.inference_mode():
+            model(ids)
+        assert cap["blocks.7.attn.z"].shape == (4, 128, 16, 64)
+
+    times: dict[str, list[float]] = {"forward": [], "capture": []}
+    forward(), capture()  # warm-up
+    for _ in range(REPEATS):  # interleaved: a slow moment of the machine hits both
+        for name, fn in (("forward", forward), ("capture", capture)):
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    result = {
+        "tp": tp,
+        "rank": int(os.environ.get("RANK", 0)),
+        "forward_s": statistics.median(times["forward"]),
+        "capture_s": statistics.median(times["capture"]),
+        "vmhwm_after_imports_mib": after_imports,
+        "vmhwm_mib": vmhwm_mib(),
+        # the weights: an unsharded load maps the checkpoint (file pages, shared with the page cache);
+        # a TP rank copies its shards into private memory, and the pages it read stay mapped
+        "rss_anon_mib": status_mib("RssAnon"),
+        "rss_file_mib": status_mib("RssFile"),
+        "pss_mib": pss_mib(),
+        "pss_after_imports_mib": after_imports_pss,
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def run(tp: int) -> list[dict]:
+    script = [str(Path(__file__).resolve()), "--worker", str(tp)]
+    if tp == 1:
+        command = [sys.executable, *script]
+    else:
+        command = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(tp), *script]
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    found = [json.loads(line[7:]) for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+    if done.returncode or not found:
+        raise SystemExit(done.stdout[-2000:] + done.stderr[-4000:])
+    return found
+
+
+def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        worker(int(sys.argv[2]))
+        return
+    if not (MODEL / "config.json").exists():
+        build()
+    rows = run(1) + run(2)
+    one = rows[0]
+    print(
+        f"{'run':<14}{'forward s':>10}{'capture s':>11}{'capture/fwd':>12}{'VmHWM MiB':>11}"
+        f"{'imports MiB':>12}{'anon MiB':>10}{'file MiB':>10}{'PSS MiB':>9}"
+    )
+    for row in rows:
+        label = "unsharded" if row["tp"] == 1 else f"TP=2 rank {row['rank']}"
+        print(
+            f"{label:<14}{row['forward_s']:>10.3f}{row['capture_s']:>11.3f}"
+            f"{row['capture_s'] / row['forward_s']:>12.2f}{row['vmhwm_mib']:>11.0f}"
+            f"{row['vmhwm_after_imports_mib']:>12.0f}{row['rss_anon_mib']:>10.0f}{row['rss_file_mib']:>10.0f}"
+            f"{row['pss_mib']:>9.0f}"
+        )
+    for row in rows[1:]:
+        pss_share = (row["pss_mib"] - row["pss_after_imports_mib"]) / (
+            one["pss_mib"] - one["pss_after_imports_mib"]
+        )
+        model_share = (row["vmhwm_mib"] - row["vmhwm_after_imports_mib"]) / (
+            one["vmhwm_mib"] - one["vmhwm_after_imports_mib"]
+        )
+        print(
+            f"rank {row['rank']}: peak {row['vmhwm_mib'] / one['vmhwm_mib']:.2f}x the unsharded process's "
+            f"({model_share:.2f}x above the imports); PSS at the end {row['pss_mib'] / one['pss_mib']:.2f}x "
+            f"({pss_share:.2f}x above the imports); TP forward {one['forward_s'] / row['forward_s']:.2f}x "
+            "the unsharded forward's speed"
+        )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,128 @@
+"""One torchrun rank of tests/engines/test_tensor_parallel.py: each model directory given loaded
+with `hs.load(dir, tp=2)`, every verb run on it, and what it gave saved to OUT/<dir name>.rank<R>.pt
+for the parent test to compare with the unsharded model. Nothing is compared here: the reference
+is computed in the parent, with plain module hooks, from the same directory."""
+
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+import hookscope as hs
+from hookscope.engines import tensor_parallel as tp
+
+# shared with the parent test (imported there from this file)
+GRAD_POINTS = ["blocks.0.resid_post", "blocks.1.attn.z", "blocks.1.mlp.post"]
+VOCAB = 300
+RAW_POINTS = ["module:model.layers.1.mlp.down_proj:input", "module:model.layers.1.self_attn.o_proj:input"]
+
+
+def inputs(seed: int) -> torch.Tensor:
+    return torch.randint(3, VOCAB, (2, 7), generator=torch.Generator().manual_seed(seed))
+
+
+def loss(output) -> torch.Tensor:
+    return output.logits.log_softmax(-1)[:, -1, 5].sum() + output.logits.pow(2).mean()
+
+
+def steering_vector(d_model: int) -> torch.Tensor:
+    return torch.randn(d_model, generator=torch.Generator().manual_seed(2))
+
+
+def run(directory: str) -> dict:
+    loaded = hs.load(directory, tp=2, tokenizer=False, attn_implementation="eager", dtype=torch.float32)
+    model, arch = loaded.model, loaded.arch
+    ids, other = inputs(0), inputs(1)
+    out: dict = {"points": [(p.name, p.view) for p in hs.points(model)]}
+    out["layout"] = {n: (s.describe() if s is not None else None) for n, s in tp.layout(model).items()}
+    sharded = [n for n, s in out["layout"].items() if s is not None]
+
+    with torch.inference_mode():
+        model(ids)  # warm-up: the first pass builds caches
+        start = time.perf_counter()
+        model(ids)
+        out["forward_s"] = time.perf_counter() - start
+    start = time.perf_counter()
+    out["acts"] = dict(hs.collect(model, ids, arch.names))
+    out["collect_s"] = time.perf_counter() - start
+    out["raw"] = dict(hs.collect(model, ids, RAW_POINTS))  # raw module points: the same rule
+    out["heads"] = dict(hs.collect(model, ids, "blocks.1.attn.z", heads=[1, 2]))
+    out["kept"] = dict(tp.collect(model, ids, sharded, gather=False))
+    with hs.capture(model, ["blocks.1.attn.q", "blocks.1.mlp.out"]) as cap:
+        with torch.inference_mode():
+            model(ids)
+    out["captured"] = {k: cap[k] for k in cap}
+
+    out["grads"] = dict(hs.grads(model, ids, GRAD_POINTS, loss))
+    out["kept_grads"] = dict(tp.grads(model, ids, GRAD_POINTS, loss, gather=False))
+    clean = hs.collect(model, other, ["blocks.0.mlp.post", "blocks.1.attn.z"])
+    edits = {
+        "steer": hs.steer("blocks.1.resid_post", steering_vector(arch.d_model), scale=3.0),
+        "ablate": hs.ablate("blocks.1.attn.z", heads=[0, 3]),
+        "patch_mlp": hs.patch("blocks.0.mlp.post", clean),
+        "patch_heads": hs.patch("blocks.1.attn.z", clean, heads=[1, 2], positions=[2, 3]),
+    }
+    out["edited"] = {}
+    for name, edit in edits.items():
+        with hs.edit(model, edit), torch.inference_mode():
+            out["edited"][name] = model(ids).logits
+    # generation: greedy steps with a capture at a sharded point and a head ablation at every step
+    out["generated"] = generate(model)
+    try:
+        tp.collect(model, ids, "blocks.1.attn.z", gather=False, heads=[0])
+    except hs.TensorParallelError as exc:
+        out["refused_heads_kept"] = str(exc)
+    out["vmhwm_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    out["user_loaded"] = user_loaded(directory, ids)
+    return out
+
+
+def generate(model) -> dict:
+    gen = hs.generate(
+        model,
+        inputs(3),
+        ["blocks.1.attn.z", "blocks.1.mlp.post"],
+        edits=[hs.ablate("blocks.0.attn.z", heads=[1, 2])],
+        max_new_tokens=4,
+        do_sample=False,
+    )
+    return {"sequences": gen.sequences, **{k: gen[k] for k in gen.activations}}
+
+
+def every_point(directory: str) -> dict:
+    """Only every point collected, for the families whose other verbs the full run covers."""
+    loaded = hs.load(directory, tp=2, tokenizer=False, attn_implementation="eager", dtype=torch.float32)
+    return {"acts": dict(hs.collect(loaded.model, inputs(0), loaded.arch.names))}
+
+
+def user_loaded(directory: str, ids: torch.Tensor) -> dict:
+    """A model the user sharded with transformers' own `tp_plan`, not through hs.load."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(
+        directory, tp_plan="auto", attn_implementation="eager", dtype=torch.float32
+    ).eval()
+    return dict(hs.collect(model, ids, ["blocks.1.attn.z", "blocks.1.mlp.post", "blocks.1.resid_post"]))
+
+
+def main(out_dir: str, *directories: str) -> None:
+    """Each directory gets the full run; one given as `points:DIR` only every point collected."""
+    for directory in directories:
+        result = (
+            every_point(directory.removeprefix("points:"))
+            if directory.startswith("points:")
+            else run(directory)
+        )
+        directory = directory.removeprefix("points:")
+        torch.save(result, Path(out_dir) / f"{Path(directory).name}.rank{dist.get_rank()}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])
