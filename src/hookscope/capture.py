@@ -292,6 +292,7 @@ def capture(
     inference: bool = True,
     accumulate: bool = False,
     attention_mask: Tensor | None = None,
+    arch: Arch | None = None,
 ) -> Capture:
     """Hooks that keep copies of `points` while the `with` block runs; see `Capture`.
 
@@ -311,6 +312,8 @@ def capture(
         accumulate: keep every pass's values, concatenated along the batch on read.
         attention_mask: the batch's mask for `positions="last"`; by default the `attention_mask=`
             each pass is called with.
+        arch: the table the names are read in; by default the model's own (another: a
+            tensor-parallel model's table of its ranks' slices, `engines.tensor_parallel.sharded`).
 
     Returns:
         Capture: a `with` block; inside it and after, `cap[point]` is the kept copy.
@@ -330,6 +333,7 @@ def capture(
         inference=inference,
         accumulate=accumulate,
         attention_mask=attention_mask,
+        arch=arch,
     )
 
 
@@ -346,6 +350,7 @@ def collect(
     stop: bool = True,
     inference: bool = True,
     attention_mask: Tensor | None = None,
+    arch: Arch | None = None,
 ) -> PointDict:
     """Run the model on `inputs` and return `{point: activation}`; no layer after the last
     needed point runs.
@@ -363,6 +368,7 @@ def collect(
         stop: False runs the whole model (e.g. to keep its key/value cache use as it is).
         inference: run under `torch.inference_mode`.
         attention_mask: the batch's mask for `positions="last"`; by default the one in `inputs`.
+        arch: the table the names are read in; by default the model's own (as `capture`).
 
     Returns:
         PointDict: `{point: tensor}`, keyed by the names asked for (a glob: one key per point).
@@ -375,7 +381,7 @@ def collect(
     # stop=None: only `run`'s pass stops (no root hook to end a `with` block's passes)
     stops = None if stop else False
     with Capture(
-        model, points, **options, stop=stops, inference=inference, attention_mask=attention_mask
+        model, points, **options, stop=stops, inference=inference, attention_mask=attention_mask, arch=arch
     ) as cap:
         cap.run(inputs)
     return PointDict(((key, cap[key]) for key in cap), arch=cap.arch)
