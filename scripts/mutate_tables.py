@@ -24,7 +24,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests")]
+# the tests' shared helpers (tests/kit) and the family tests' room (test_relations is called directly)
+sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests" / "kit"), str(ROOT / "tests" / "families")]
 
 import family_models  # noqa: E402
 import pytest  # noqa: E402

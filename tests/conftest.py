@@ -6,7 +6,8 @@ tests check exactly that). Tests that change a model's state (frozen weights) bu
 
 The tests sit in one folder per room (core, store, extract, sources, families, generate, top,
 faults, docs); the helpers they share sit in tests/kit/, on the path through pyproject.toml's
-`pythonpath` (`from helpers import token_ids`).
+`pythonpath` (`from helpers import token_ids`). The folders are no packages: pytest imports each
+test file by its base name, so a file's name must be unique across the folders.
 
 Two markers say what a run leaves out:
 - `slow`: a test that takes long (a kill and resume, torchrun, a browser, the docs site, a big

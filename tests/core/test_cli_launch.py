@@ -52,6 +52,7 @@ def spin_count(stderr: str) -> int:
     return int(found[0])
 
 
+@pytest.mark.slow
 def test_an_extract_runs_with_passive_waits_from_torchs_load(tiny_dirs, tmp_path):
     corpus = write_corpus(tmp_path / "corpus.txt", docs=8)
     run = run_command(*extract_cli_args(tiny_dirs["gpt2"], corpus, tmp_path / "store"))
@@ -60,6 +61,7 @@ def test_an_extract_runs_with_passive_waits_from_torchs_load(tiny_dirs, tmp_path
     assert hs.open_store(tmp_path / "store", verify=True).manifest.shards
 
 
+@pytest.mark.slow
 def test_the_command_keeps_a_policy_the_user_set(tmp_path):
     run = run_command("inspect", str(tmp_path / "missing"), OMP_WAIT_POLICY="ACTIVE")
     assert run.returncode == 2 and "hookscope: error:" in run.stderr, run.stderr[-3000:]
@@ -67,6 +69,7 @@ def test_the_command_keeps_a_policy_the_user_set(tmp_path):
     assert "OMP_WAIT_POLICY = 'ACTIVE'" in run.stderr
 
 
+@pytest.mark.slow
 def test_importing_hookscope_and_its_cli_leaves_the_policy_alone():
     code = (
         "import os, hookscope, hookscope.cli; hookscope.load; print(repr(os.environ.get('OMP_WAIT_POLICY')))"

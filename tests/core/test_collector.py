@@ -43,6 +43,7 @@ def long_lived_objects(n: int) -> list:
 
 
 @needs_third_threshold
+@pytest.mark.slow
 def test_full_collections_wait_and_young_ones_go_on():
     gc.collect()
     with Collections() as outside:  # the control: the same work sets off full collections

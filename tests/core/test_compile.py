@@ -21,6 +21,8 @@ from hookscope import compiling as hc
 from hookscope.hooks import hook_count
 from hookscope.testing import build_tiny
 
+pytestmark = pytest.mark.slow  # most tests here compile a model (dynamo, inductor): 60 s of the suite
+
 FAST = "eager"  # dynamo without code generation
 
 

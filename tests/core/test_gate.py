@@ -74,6 +74,7 @@ def folder(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.mark.slow
 def test_without_require_a_missing_package_skips_naming_its_environment(folder):
     code, out = run_pytest(folder, "")
     # missing module-level, missing inside a test, the wrong version, and one mark: skipped; json: passes
@@ -83,6 +84,7 @@ def test_without_require_a_missing_package_skips_naming_its_environment(folder):
     assert "pytest is " in out and "not 0.x" in out
 
 
+@pytest.mark.slow
 def test_a_required_package_that_is_missing_is_an_error(folder):
     code, out = run_pytest(folder, "fake_missing,fake_there,fake_old")
     assert code != 0, out

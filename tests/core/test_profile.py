@@ -21,6 +21,8 @@ from hookscope.profiling.events import relative_spread
 from hookscope.profiling.labels import BlockLabels, profiler_enabled
 from hookscope.testing import build_tiny
 
+pytestmark = pytest.mark.slow  # real passes under torch.profiler, traces written and parsed: 40 s
+
 N_BLOCKS = 4
 
 

@@ -187,6 +187,7 @@ def run_page(blocks: list[Block]) -> list[str]:
 
 
 @pytest.mark.parametrize("path", doc_files(), ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.slow
 def test_python_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     blocks = python_blocks(path)
     if not any(not b.notest for b in blocks):
@@ -267,6 +268,7 @@ def reference_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.mark.parametrize("name", hookscope.__all__)
+@pytest.mark.slow
 def test_every_public_name_has_a_reference_example_that_runs(
     name: str, reference_dir: Path, monkeypatch: pytest.MonkeyPatch
 ):

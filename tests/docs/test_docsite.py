@@ -28,6 +28,8 @@ from gate import need
 import hookscope as hs
 
 need("docs")
+pytestmark = pytest.mark.slow  # mkdocs builds the whole site, then a headless Chromium reads it
+
 ROOT = Path(__file__).resolve().parents[2]
 CLOSED_PORT = "http://127.0.0.1:9"  # the discard port: nothing listens, every download fails at once
 PROXIES = ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy", "all_proxy")

@@ -143,6 +143,7 @@ def test_gradient_x_activation_matches_the_loss_change(gpt2_dir, tmp_path):
     assert_png(r["picture"])
 
 
+@pytest.mark.slow
 def test_linear_probe_beats_chance(gpt2_dir, tmp_path):
     r = example("linear_probe").main(["--model", gpt2_dir, "--out", str(tmp_path)])
     labels = r["labels"]
@@ -173,6 +174,7 @@ def test_linear_probe_beats_chance(gpt2_dir, tmp_path):
     assert_png(r["picture"])
 
 
+@pytest.mark.slow
 def test_saelens_sae_learns_and_resumes_exactly(gpt2_dir, tmp_path):
     need("sae_lens")
     lines = list(dict.fromkeys(_CORPUS))
@@ -258,6 +260,7 @@ def test_profile_model_before_and_after_a_dtype_change(gpt2_dir, tmp_path):
     assert_png(r["picture"])
 
 
+@pytest.mark.slow
 def test_hooks_attach_without_repr(gpt2_dir, tmp_path):
     r = example("hooks_without_hidden_cost").main(
         ["--model", gpt2_dir, "--tensors", "20", "--rows", "8", "--out", str(tmp_path)]

@@ -143,6 +143,7 @@ def _for_every_source(cases: list, every_source: set) -> list:
 @pytest.mark.parametrize(
     ("source", "kill_at"), _for_every_source([(k,) for k in KILL_POINTS], {(k,) for k in EVERY_SOURCE_KILLS})
 )
+@pytest.mark.slow
 def test_resume_after_sigkill_equals_uninterrupted(cases, references, tmp_path, source, kill_at):
     reference_store = references[source]
     out = tmp_path / "store"
@@ -211,6 +212,7 @@ def test_nonfinite_counted_or_refused(tiny_dirs, corpus, tmp_path):
         )
 
 
+@pytest.mark.slow
 def test_torchrun_two_processes_same_rows(tiny_dirs, corpus, reference_store, tmp_path):
     out = tmp_path / "store"
     with socket.socket() as sock:  # a free port: a fixed one collides with other test runs on the machine
@@ -262,6 +264,7 @@ def test_torchrun_two_processes_same_rows(tiny_dirs, corpus, reference_store, tm
 
 # the other sources resume elastically through the same writer and deal as text: with --full (time)
 @pytest.mark.parametrize(("source", "first", "then"), _for_every_source([(2, 1), (1, 2)], set()))
+@pytest.mark.slow
 def test_elastic_resume_with_another_number_of_processes(cases, references, tmp_path, source, first, then):
     """Started by `first` processes, killed, finished by `then`: the rows of an uninterrupted run
     (before, image extraction refused torchrun)."""
@@ -270,6 +273,7 @@ def test_elastic_resume_with_another_number_of_processes(cases, references, tmp_
     assert_same_rows_as(out, references[source], first, then)
 
 
+@pytest.mark.slow
 def test_cli_extract_and_inspect(tiny_dirs, corpus, tmp_path, capsys):
     from hookscope.cli import main
 

@@ -108,6 +108,7 @@ def test_statistics_in_a_reused_workspace_equal_fresh_ones_and_a_float64_recompu
     assert 500 * 8 <= work.buffer.numel() < 2 * 500 * 8  # grown once, to the largest batch and a little
 
 
+@pytest.mark.slow
 def test_rows_written_from_reused_buffers_equal_plain_hooks(tiny_dirs, corpus, tmp_path, monkeypatch):
     """Many more batches than the ring's buffers, shards of several batches: a buffer handed back
     before its batch's bytes were written, or written into while the writer reads it, would store
@@ -164,6 +165,7 @@ def test_rows_written_from_reused_buffers_equal_plain_hooks(tiny_dirs, corpus, t
     assert ring.out == 0  # every one handed back
 
 
+@pytest.mark.slow
 def test_wide_batches_wait_two_at_a_time_for_the_writer(tiny_dirs, corpus, tmp_path, monkeypatch):
     """Batches wider than a quarter of `WRITER_QUEUE_BYTES` wait for the writer two at a time, not
     four, so the ring makes and holds fewer buffers (a slowed writer keeps the queue full); the

@@ -230,6 +230,7 @@ def test_a_stacked_column_is_not_exported_as_one_saelens_hook(stores, tmp_path):
     assert not (tmp_path / "cache").exists()
 
 
+@pytest.mark.slow
 def test_two_torchrun_ranks_write_the_same_stacked_rows(stores, model_dir, corpus, tmp_path):
     stacked, _ = stores
     with socket.socket() as sock:  # a free port

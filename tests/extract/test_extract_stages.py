@@ -82,6 +82,7 @@ def reference(tiny_dirs, corpus, tmp_path_factory):
         (slow_disk, "writer", "bound by the disk at"),
     ],
 )
+@pytest.mark.slow
 def test_the_summary_names_the_slow_stage(
     slow, stage, says, tiny_dirs, corpus, reference, tmp_path, monkeypatch
 ):

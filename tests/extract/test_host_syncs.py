@@ -144,6 +144,7 @@ def reference_rows(model_dir: Path, corpus: Path, family: str) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("family", list(BLOCK_1))
+@pytest.mark.slow
 def test_the_model_stage_reads_nothing_on_the_host_and_rows_stay_bit_identical(
     monkeypatch, model_dirs, corpus, tmp_path, family
 ):
@@ -246,6 +247,7 @@ def test_unpadded_changes_no_bit_and_a_padded_mask_still_masks(model_dirs, famil
     assert not torch.allclose(masked[1, 9:], plain[1, 9:])
 
 
+@pytest.mark.slow
 def test_a_fully_compiled_model_traces_through_the_wrapped_mask_builders(model_dirs):
     """Once `unpadded` has wrapped transformers' mask builders (process-wide), a user's model
     compiled whole (`fullgraph=True`: a graph break is an error) still compiles and still masks

@@ -249,6 +249,7 @@ KILLS = {
 
 
 @pytest.mark.parametrize("moment", list(KILLS))
+@pytest.mark.slow
 def test_a_kill_at_any_moment_resumes_byte_identically(moment, tiny_dirs, corpus, server, tmp_path):
     config = extract_config(tiny_dirs["gpt2"], corpus, tmp_path / "ref", max_memory=LIMIT)
     reference = server.call(RUN, config=config, kill_at="count")

@@ -179,6 +179,7 @@ else:
     platform.libc_ver()[0] != "glibc" or not Path("/proc/self/status").exists(),
     reason="glibc's allocator and Linux's /proc",
 )
+@pytest.mark.slow
 def test_inside_a_streamed_block_freed_tensors_go_back_to_the_system(tiny_dirs):
     """In a fresh process whose heap would keep them (glibc's threshold slid up by a freed 16 MiB
     tensor), 16 MiB of tensors made and freed inside a streamed block's forward leave the resident
@@ -275,6 +276,7 @@ print(streamer.plan.read_ahead, (max(inside) - before) / block)
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux's /proc")
 @pytest.mark.parametrize("convert", [False, True], ids=["float32", "float32 computed in bfloat16"])
+@pytest.mark.slow
 def test_reading_ahead_holds_a_second_block_only_where_the_read_converts(tmp_path, convert):
     """Fresh processes: the anonymous memory (RssAnon, read from /proc) inside every streamed
     block's forward, above the process after its `meta` load, in blocks, with room for one block

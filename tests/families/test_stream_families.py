@@ -130,6 +130,7 @@ def limit_for(config: dict[str, Any], batches_per_chunk: int = 2) -> int:
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_a_streamed_store_is_the_in_memory_store_byte_for_byte(case, saved, data, tmp_path):
     """Every family, on CPU (each batch goes through each block with the shapes of a whole forward
     pass, so the bits are the same): the shard files and the manifest, byte for byte."""
@@ -155,6 +156,7 @@ REFERENCE = {
 
 
 @pytest.mark.parametrize("case", list(REFERENCE))
+@pytest.mark.slow
 def test_streamed_rows_are_plain_forward_hooks_on_the_whole_model(case, saved, data, tmp_path):
     """blocks.1.resid_post of a streamed store against a forward hook on block 1 of the model
     `from_pretrained` loads whole, run on the same batches (token ids read back from the store;
@@ -280,6 +282,7 @@ def killed_references(saved, data, server, tmp_path_factory):
 
 @pytest.mark.parametrize("moment", list(MOMENTS))
 @pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.slow
 def test_a_kill_at_three_moments_resumes_byte_identically(kind, moment, killed_references, server, tmp_path):
     config, reference, counts = killed_references(kind)
     site, at = MOMENTS[moment].split(":")
@@ -294,6 +297,7 @@ def test_a_kill_at_three_moments_resumes_byte_identically(kind, moment, killed_r
     assert diff == {**diff, **SAME}
 
 
+@pytest.mark.slow
 def test_two_torchrun_ranks_stream_the_shards_two_in_memory_ranks_write(tiny_dirs, data, tmp_path):
     """The same two ranks, once streamed: each rank's shards and the merged manifest, byte for byte."""
 

@@ -132,6 +132,7 @@ def inject_enospc(monkeypatch, site: str, n: int) -> None:
 
 
 @pytest.mark.parametrize("site, n", list(ENOSPC_SITES), ids=list(ENOSPC_SITES.values()))
+@pytest.mark.slow
 def test_a_full_disk_is_a_clear_error_and_the_same_command_resumes(site, n, setup, tmp_path, monkeypatch):
     config, ref = setup
     out = tmp_path / "store"
@@ -243,6 +244,7 @@ def test_a_reader_sees_only_complete_shards_while_a_shard_is_half_written(setup,
     assert compare_stores(out, ref)["same_files"]
 
 
+@pytest.mark.slow
 def test_a_reader_polling_a_live_extraction_sees_only_complete_prefixes(setup, tmp_path):
     """An extraction runs in another process while this one opens, verifies and reads the store as
     fast as it can: every snapshot is a verified prefix of the finished store."""
@@ -332,6 +334,7 @@ def tiny_tmpfs(config: dict, mount_at: str, size_kb: int, copy_to: str) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_a_real_full_disk_and_a_read_only_filesystem(setup, tmp_path):
     if os.geteuid() != 0:
         pytest.skip("mounting a tmpfs needs root (CAP_SYS_ADMIN)")
@@ -417,6 +420,7 @@ def full_beside_a_held_commit(config: dict, mount_at: str, size_kb: int, copy_to
     }
 
 
+@pytest.mark.slow
 def test_a_full_disk_while_the_shard_before_commits_keeps_that_shard(setup, tmp_path):
     """The second shard's bytes fill the disk while the first shard's commit waits its turn (the
     commit thread starved): the commit finds no room for the manifest. That shard is whole and in

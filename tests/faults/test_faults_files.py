@@ -264,6 +264,7 @@ def stores(tmp_path_factory) -> tuple[Path, Path]:
     return write_store(root / "good", seed=0), write_store(root / "other", seed=1)
 
 
+@pytest.mark.slow
 def test_the_intact_store_reads_cleanly(stores, server):
     reply = server.call("faultkit:probe_store", path=str(stores[0]))
     assert reply.status == 0, reply.log[-3000:]
@@ -272,6 +273,7 @@ def test_the_intact_store_reads_cleanly(stores, server):
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_a_hostile_store_is_a_clear_error(case, stores, server, tmp_path):
     damage, reader_refuses = CASES[case]
     store = tmp_path / "store"

@@ -160,6 +160,7 @@ def test_the_sweep_covers_every_site_and_the_run():
 
 
 @pytest.mark.parametrize(("source", "kills"), _for_every_source(POINTS))
+@pytest.mark.slow
 def test_sigkill_then_resume_equals_an_uninterrupted_run(source, kills, references, server, tmp_path):
     reference = references[source]
     out = tmp_path / "store"

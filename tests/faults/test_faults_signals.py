@@ -101,6 +101,7 @@ def _rejected(source: str) -> list[str]:
 @pytest.mark.parametrize(
     ("source", "bad"), [(s, bad) for s in SOURCES for bad in [*_rejected(s), "a model that cannot be loaded"]]
 )
+@pytest.mark.slow
 def test_rejected_run_leaves_no_trace_and_the_corrected_command_runs(cases, tmp_path, capsys, source, bad):
     """Before: a 0-row manifest.json locked in the bad settings and the corrected command was
     refused (`batch_size: stored 0, given 8`)."""
@@ -189,6 +190,7 @@ def _interrupts() -> list:
 
 
 @pytest.mark.parametrize(("source", "sig", "at", "what"), _interrupts())
+@pytest.mark.slow
 def test_interrupt_then_resume_equals_uninterrupted(cases, references, tmp_path, source, sig, at, what):
     """Before: ~40 lines of KeyboardInterrupt traceback, and the resumed store had 5 shards instead
     of 4 (the interrupted run flushed a partial shard); image extraction died by the signal with a

@@ -109,6 +109,7 @@ def outcomes():
         o.record()
 
 
+@pytest.mark.slow
 def test_point_names(tiny, make_ids, outcomes):
     model, arch = tiny["gpt2"].model, tiny["gpt2"].arch
     ids = make_ids(model, batch=2, length=5)
@@ -308,6 +309,7 @@ def hook_dicts(model: torch.nn.Module) -> dict:
     }
 
 
+@pytest.mark.slow
 def test_a_hook_that_raises_mid_forward_leaves_no_hook_of_ours(tiny, make_ids, outcomes):
     out = outcomes("a hook raising mid-forward (hooks, capture, edit, grad)")
 

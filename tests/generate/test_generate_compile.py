@@ -31,6 +31,7 @@ def fresh_dynamo():
     torch._dynamo.reset()
 
 
+@pytest.mark.slow
 def test_generate_under_blocks_equals_eager(fresh_dynamo):
     eager = build_tiny("gpt2", n_layers=2, d_model=32, n_heads=4, seed=5)
     compiled = compile_model(copy.deepcopy(eager), "blocks", backend="eager")
@@ -77,6 +78,7 @@ def test_generate_under_blocks_equals_eager(fresh_dynamo):
     assert lengths == [5, 1, 1, 1, 1]
 
 
+@pytest.mark.slow
 def test_patch_under_blocks_equals_eager(fresh_dynamo):
     """A patch during generation reads its source at the positions each pass covers (a new slice
     every step): under `blocks` it gives the tokens and captures of the same patch run eagerly, on

@@ -118,6 +118,7 @@ def runs(gpt2, case):
 
 
 @pytest.mark.parametrize("case", ["capture", "steer", "steer_generated", "capture_and_steer"])
+@pytest.mark.slow
 def test_a_generated_token_costs_no_host_read_and_no_extra_allocation(gpt2, case, monkeypatch):
     plain_ops, ours_ops = against_plain(gpt2, runs(gpt2, case), NOT_PER_TOKEN, monkeypatch)
     # what is left per token: a steer's add, a capture's copy into its buffer (and its view ops)
@@ -125,6 +126,7 @@ def test_a_generated_token_costs_no_host_read_and_no_extra_allocation(gpt2, case
     assert extra <= {"capture": 4, "steer": 1, "steer_generated": 1, "capture_and_steer": 9}[case]
 
 
+@pytest.mark.slow
 def test_a_buffer_grown_step_by_step_keeps_what_a_teacher_forced_pass_computes(gpt2, monkeypatch):
     """Without a length known ahead the buffer starts at the prompt's length and doubles."""
     driver = importlib.import_module("hookscope.generate.driver")  # (hs.generate is the function)
@@ -246,6 +248,7 @@ def heads_runs(gpt2, case):
 
 
 @pytest.mark.parametrize("case", ["capture_heads", "ablate_heads", "ablate_heads_generated"])
+@pytest.mark.slow
 def test_a_heads_selection_is_made_once_per_call_not_per_token(gpt2, case, monkeypatch):
     against_plain(gpt2, heads_runs(gpt2, case), HEADS_MADE_ONCE, monkeypatch)
 

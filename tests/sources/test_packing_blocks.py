@@ -141,6 +141,7 @@ CASES = [  # context, batch size, keyword arguments
 
 
 @pytest.mark.parametrize("context, batch_size, kwargs", CASES)
+@pytest.mark.slow
 def test_the_same_batches_as_packing_token_by_token(tokenizer, context, batch_size, kwargs):
     docs = corpus(300, seed=context)
     want = reference_batches(docs, tokenizer, context, batch_size, **kwargs)
@@ -210,6 +211,7 @@ def store_files(out: Path) -> dict[str, bytes]:
 
 
 @pytest.mark.parametrize("keep_bos, max_tokens", [(False, None), (True, 32 * 4 * 5 + 40)])
+@pytest.mark.slow
 def test_a_store_is_the_bytes_the_per_token_packing_wrote(
     tiny_dirs, corpus_file, tmp_path, monkeypatch, keep_bos, max_tokens
 ):

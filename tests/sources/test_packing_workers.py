@@ -126,6 +126,7 @@ ENDLESS = textwrap.dedent("""
 
 
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
+@pytest.mark.slow
 def test_ctrl_c_or_a_kill_leaves_no_worker(how, tmp_path: Path):
     script = tmp_path / "endless.py"
     script.write_text(ENDLESS.format(tests=str(Path(__file__).parent)))
@@ -175,6 +176,7 @@ def test_the_cli_takes_workers_and_refuses_a_negative_count(tiny_dirs, corpus, t
     assert "--workers" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_chunks_larger_than_a_pipe_do_not_deadlock():
     """The parent sends the next chunk while the worker sends back a result of megabytes."""
     # ~8,000 tokens each, each its own object (pickle would send one shared string once):

@@ -262,6 +262,7 @@ def irregular_store(path, shard_rows: int, first_batch: int = 0):
 @pytest.mark.parametrize("shard_rows, first_batch", [(1, 0), (9, 0), (20, 1000), (64, 0), (500, 0)])
 @pytest.mark.parametrize("shuffle", [True, False])
 @pytest.mark.parametrize("mapping", ["strided", "shard by shard"])
+@pytest.mark.slow
 def test_stacks_equal_the_written_points_across_shard_boundaries(
     tmp_path, monkeypatch, shard_rows, first_batch, shuffle, mapping
 ):

@@ -69,6 +69,7 @@ def test_the_pair_is_the_mlps_input_and_output(tiny_store):
     torch.testing.assert_close(rows[OUT][first], seen["out"][0, 1:], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_sparsify_trains_a_transcoder_from_the_store(tiny_store, tmp_path):
     _, store = tiny_store
     x, y = store.tensor(IN), store.tensor(OUT)

@@ -229,6 +229,7 @@ def committed_manifest(out: Path) -> Manifest:
 
 
 @pytest.mark.parametrize("mode", ["after_tmp", "after_rename", "inside_library", "poll"])
+@pytest.mark.slow
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path: Path, store_dir: Path, mode: str):
     out = tmp_path / "crashed"
     child = subprocess.Popen(

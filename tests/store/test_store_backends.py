@@ -107,6 +107,7 @@ WRITTEN_BY_B05E947 = {
 }
 
 
+@pytest.mark.slow
 def test_the_files_are_those_the_earlier_writer_wrote(store, location):
     fs = open_fs(location)
     assert fs.list("shards") == sorted(
@@ -247,6 +248,7 @@ def test_the_per_dimension_stats_come_from_every_shard_header(store):
     assert torch.allclose(st.var, var, rtol=1e-5, atol=0)
 
 
+@pytest.mark.slow
 def test_an_interrupted_store_resumes_to_the_rows_written(location, tmp_path):
     write(location, range(5), interrupt=True)  # Ctrl-C after batch 4: the unfinished shard is dropped
     partial = open_store(location)

@@ -257,6 +257,7 @@ def test_a_lying_checksum_passes_ranged_reads_and_fails_verify(pair):
 
 
 @needs_s3
+@pytest.mark.slow
 def test_s3_ranged_reads_equal_the_local_store(s3, bucket, tmp_path, blocks):  # noqa: F811
     url = f"s3://{bucket}/store"
     write(url)
@@ -290,6 +291,7 @@ def test_s3_ranged_reads_equal_the_local_store(s3, bucket, tmp_path, blocks):  #
     "fault",
     ["truncated", "two shards exchanged", "shard from another store", "manifest lies about a shard's rows"],
 )
+@pytest.mark.slow
 def test_s3_ranged_reads_refuse_hostile_objects(s3, bucket, blocks, fault):  # noqa: F811
     url = f"s3://{bucket}/store"
     write(url)

@@ -132,6 +132,7 @@ def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
+@pytest.mark.slow
 def test_extract_to_s3_equals_the_local_store(s3, bucket, tiny_dirs, corpus, reference, capsys):
     url = f"s3://{bucket}/run/store"
     assert main(cli_args(tiny_dirs["gpt2"], corpus, url)) == 0
@@ -167,6 +168,7 @@ LOCAL_TOO = pytest.mark.full
         pytest.param("TERM", "batch:6", marks=LOCAL_TOO),
     ],
 )
+@pytest.mark.slow
 def test_killed_then_resumed_equals_uninterrupted(s3, bucket, tiny_dirs, corpus, reference, sig, at):
     """A kill at any moment, including between a shard's upload and the manifest PUT that commits
     it: readers see only listed shards, the resume deletes the orphan, and the finished store
@@ -205,6 +207,7 @@ def open_uploads(s3, bucket: str) -> list[str]:
     return [u["Key"] for u in s3.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads") or []]
 
 
+@pytest.mark.slow
 def test_killed_mid_multipart_upload_resumes_identical(s3, bucket, tiny_dirs, corpus, reference, monkeypatch):
     """SIGKILL between two parts of a shard's multipart upload: no object of that shard exists, its
     upload stays open on S3; the resume aborts it, uploads the shard again, and ends with the
@@ -239,6 +242,7 @@ HOSTILE = [
 
 
 @pytest.mark.parametrize("fault", HOSTILE)
+@pytest.mark.slow
 def test_hostile_objects_are_refused(s3, bucket, tiny_dirs, corpus, capsys, fault):
     url = f"s3://{bucket}/store"
     args = cli_args(tiny_dirs["gpt2"], corpus, url, **{"--max-tokens": "800"})
@@ -265,6 +269,7 @@ def test_hostile_objects_are_refused(s3, bucket, tiny_dirs, corpus, capsys, faul
     assert "shard-r000-00000" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_torchrun_two_ranks_write_to_one_url(s3, bucket, tiny_dirs, corpus, reference):
     url = f"s3://{bucket}/store"
     cmd = [
@@ -298,6 +303,7 @@ def test_torchrun_two_ranks_write_to_one_url(s3, bucket, tiny_dirs, corpus, refe
 
 
 @pytest.mark.parametrize(("first", "then"), [(2, 1), pytest.param(1, 2, marks=pytest.mark.full)])
+@pytest.mark.slow
 def test_elastic_resume_on_a_url(s3, bucket, tiny_dirs, corpus, reference, first, then):
     """Started by `first` processes writing to the URL, killed, finished by `then`: the rows of an
     uninterrupted run, and no object that no manifest lists."""

@@ -74,6 +74,7 @@ def url(bucket) -> str:  # noqa: F811
     return f"s3://{bucket}/store"
 
 
+@pytest.mark.slow
 def test_shards_go_up_in_parts_that_cover_them_exactly(s3, bucket, url, local, monkeypatch):  # noqa: F811
     parts, real = [], upload_module.put_part
 
@@ -130,6 +131,7 @@ def test_the_next_shard_is_cut_while_one_uploads_and_commits_follow_their_upload
     assert s3_objects(s3, url) == local_objects(local)
 
 
+@pytest.mark.slow
 def test_one_shard_uploads_at_a_time_and_the_caller_is_held_back(
     s3,  # noqa: F811
     url,
@@ -189,6 +191,7 @@ def test_a_failed_part_is_retried(s3, bucket, url, local, monkeypatch):  # noqa:
     assert open_uploads(s3, bucket) == []
 
 
+@pytest.mark.slow
 def test_a_part_that_keeps_failing_commits_nothing_after_it_and_the_rerun_resumes(
     s3,  # noqa: F811
     bucket,  # noqa: F811

@@ -19,6 +19,8 @@ from top_fixtures import PLANTED, POINT, TIED, UNITS, make_store
 from hookscope.store import open_store
 from hookscope.top import build_index, neurons, page_data, top, write_page
 
+pytestmark = pytest.mark.slow  # a headless Chromium
+
 
 @pytest.fixture(scope="module")
 def driver():
