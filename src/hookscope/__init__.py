@@ -19,11 +19,12 @@ and caches (`hookscope.compiling`). Rooms and their one-way imports: docs/archit
 from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
-from .capture import Capture, PointDict, PointInfo, capture, collect, grads, points
+from .capture import Capture, PointDict, PointInfo, capture, grads
 from .compiling import compile_model
 from .edit import Ablate, Edit, Edits, Patch, Steer, ablate, edit, patch, steer
 from .errors import (
     DataError,
+    EngineError,
     HookscopeError,
     ModelLoadError,
     PointNotLoadedError,
@@ -44,6 +45,7 @@ from .profiling import ProfileReport, profile
 from .selection import Selection
 from .store import ActivationDataset, Column, Manifest, PointStats, Store, open_store
 from .top import TopResult, top
+from .verbs import collect, points
 
 try:
     __version__ = _version("hookscope")
@@ -110,6 +112,7 @@ __all__ = [
     "StoreError",
     "StaleIndexError",
     "DataError",
+    "EngineError",
     "SAEError",
     # mixture-of-experts routing edits
     "ablate_expert",

@@ -45,3 +45,8 @@ class PointNotLoadedError(HookscopeError):
 class SAEError(HookscopeError):
     """An SAE directory or encoder file (`hs.top(..., sae=)`) that is missing, malformed or of an
     unsupported kind."""
+
+
+class EngineError(HookscopeError):
+    """A serving engine (vLLM) or a request to one that hookscope cannot read exactly: an unsupported
+    version, model class or setting, or a point its kernels never expose; the message names the fix."""

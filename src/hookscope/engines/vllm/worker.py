@@ -1,0 +1,163 @@
+"""What runs inside vLLM's workers: hooks on the model, rows attributed to their requests.
+
+`Extension` is vLLM's `worker_extension_cls`: vLLM mixes it into its worker class in every worker
+process, and the caller reaches its methods by name with `LLM.collective_rpc("hookscope_...")`, whose
+arguments and results are plain data (names, tags, tensors): nothing executable crosses processes,
+so vLLM's default layout (the engine core and its workers in their own processes) works as is.
+
+A forward holds the flattened tokens of many requests (`[num_tokens, ...]`, chunked prefill and
+decode mixed). The model's root pre-hook reads, once per forward, which requests are in it (the
+model runner's batch: request order, `query_start_loc`) and the `positions` the model is called
+with; each point's hook then copies the token rows of the requests this capture tagged (their
+`SamplingParams.extra_args`) and files them under (request, point) with their positions.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ...arch.base import ROOT
+from ...errors import EngineError
+from ...hooks import Hook, Hooks
+from . import tables
+
+TAG = "hookscope"  # the key of a captured request's SamplingParams.extra_args
+
+
+@dataclass
+class _Slot:
+    """One tagged request's tokens in this forward: rows [start, end) of every activation, of which
+    `keep` (prefill tokens only) are kept, at `positions`."""
+
+    index: int
+    start: int
+    end: int
+    keep: Tensor | None  # None: all of them
+    positions: Tensor
+
+
+class Session:
+    """One capture's hooks in one worker, and the rows they filed: (request index, point) -> parts."""
+
+    def __init__(self, runner, model: nn.Module, arch, names: list[str], run: str, prefill_only: bool):
+        self.runner, self.run, self.prefill_only = runner, run, prefill_only
+        self.slots: list[_Slot] = []
+        self.parts: dict[tuple[int, str], list[tuple[Tensor, Tensor]]] = defaultdict(list)
+        self.hooks = Hooks(model, arch)
+        self.hooks.module_pre_forward(ROOT, self._pass_start)
+        for name in names:
+            self.hooks.forward(arch.spec(name), self._keep)
+
+    def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        batch = self.runner.input_batch
+        n = batch.num_reqs
+        starts = self.runner.query_start_loc.cpu[: n + 1].tolist()
+        self.slots = []
+        for i, req_id in enumerate(batch.req_ids[:n]):
+            state = self.runner.requests[req_id]
+            extra = (state.sampling_params.extra_args or {}) if state.sampling_params is not None else {}
+            tag = extra.get(TAG)
+            if not isinstance(tag, dict) or tag.get("run") != self.run:
+                continue  # another request (or another capture's): not ours to keep
+            start, end = starts[i], starts[i + 1]
+            pos = positions[start:end].cpu()
+            keep = None
+            if self.prefill_only:
+                prompt = len(state.prompt_token_ids or ())
+                if int(pos[-1]) >= prompt:  # decode tokens in this chunk: keep the prompt's only
+                    keep = (pos < prompt).nonzero().flatten()
+                    pos = pos[keep]
+            if pos.numel():
+                self.slots.append(_Slot(int(tag["index"]), start, end, keep, pos))
+
+    def _keep(self, act: Tensor, hook: Hook) -> None:
+        name = hook.spec.name
+        for slot in self.slots:
+            rows = act[slot.start : slot.end]
+            # a copy: vLLM's fused norms write their inputs in place later in the same forward
+            rows = rows.index_select(0, slot.keep.to(rows.device)) if slot.keep is not None else rows.clone()
+            self.parts[(slot.index, name)].append((slot.positions, rows.detach().cpu()))
+
+    def take(self, expected: dict[int, int]) -> dict[int, dict[str, Tensor]]:
+        """Every request's rows per point, in position order, checked whole: positions 0..n-1 each
+        exactly once (`expected`: request index -> n), never silently short."""
+        out: dict[int, dict[str, Tensor]] = defaultdict(dict)
+        for (index, name), parts in self.parts.items():
+            positions = torch.cat([p for p, _ in parts])
+            rows = torch.cat([r for _, r in parts])
+            order = positions.argsort(stable=True)
+            positions, rows = positions[order], rows[order]
+            n = expected.get(index)
+            if n is None or not torch.equal(positions, torch.arange(n, dtype=positions.dtype)):
+                got = positions.tolist()
+                raise EngineError(
+                    f"request {index}, {name}: rows for positions {got[:8]}{'...' if len(got) > 8 else ''} "
+                    f"({len(got)} rows), not 0..{(n or 0) - 1} once each: vLLM skipped or repeated tokens' "
+                    "forward (prefix caching, preemption); capture with enable_prefix_caching=False"
+                )
+            out[index][name] = rows
+        return dict(out)
+
+    def close(self) -> None:
+        self.hooks.remove()
+
+
+def pack(t: Tensor) -> list:
+    """A tensor as plain data for vLLM's RPC (msgpack: a utility call's result loses tensor types):
+    [dtype, shape, bytes]."""
+    t = t.contiguous()
+    return [str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes()]
+
+
+def unpack(packed: list) -> Tensor:
+    dtype, shape, data = packed
+    return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
+
+
+class Extension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); the caller calls these by name."""
+
+    def _hookscope_model(self) -> nn.Module:
+        return (
+            self.model_runner.get_model()
+            if hasattr(self.model_runner, "get_model")
+            else self.model_runner.model
+        )
+
+    def hookscope_start(
+        self, architecture: str, names: list[str], run: str, prefill_only: bool = True
+    ) -> str:
+        """Attach a capture of `names` for the requests tagged `run`; returns the model class."""
+        model = self._hookscope_model()
+        expected = tables.model_class(architecture)
+        if type(model).__name__ != expected:
+            raise EngineError(
+                f"vLLM built {type(model).__name__} for {architecture}, not {expected}: hookscope's table "
+                "describes the latter's modules"
+            )
+        sessions = self.__dict__.setdefault("_hookscope_sessions", {})
+        arch = tables.table(architecture, self.model_runner.model_config.hf_config)
+        sessions[run] = Session(self.model_runner, model, arch, names, run, prefill_only)
+        return type(model).__name__
+
+    def hookscope_take(self, run: str, expected: dict) -> dict[str, dict[str, list]]:
+        """The capture's rows per request (`packed`), its hooks removed."""
+        session = self.__dict__.get("_hookscope_sessions", {}).pop(run, None)
+        if session is None:
+            raise EngineError(f"no hookscope capture {run!r} in this worker")
+        try:
+            rows = session.take({int(k): int(v) for k, v in expected.items()})
+        finally:
+            session.close()
+        return {str(i): {name: pack(t) for name, t in points.items()} for i, points in rows.items()}
+
+    def hookscope_stop(self, run: str) -> None:
+        """Remove a capture's hooks (after an error)."""
+        session = self.__dict__.get("_hookscope_sessions", {}).pop(run, None)
+        if session is not None:
+            session.close()
