@@ -192,7 +192,9 @@ def _decoder(config, per_layer: dict) -> Arch:
         "model.",
         config.num_hidden_layers,
         "layers.{L}",
-        # the stream into layer 0: the embedding, scaled where the family scales it (Gemma)
+        # the stream into layer 0: the embedding, scaled where the family scales it (Gemma's
+        # embed_input_ids multiplies embed_tokens' output by sqrt(d_model), as Hugging Face's
+        # scaled embedding module does inside: the same meaning)
         top={"embed": ("layers.0", "input", stream_in(1), CALL)},
         per_layer=per_layer,
         final={

@@ -22,7 +22,7 @@ from torch import Tensor, nn
 
 from ...arch.base import ROOT
 from ...errors import EngineError
-from ...hooks import Hook, Hooks
+from ...hooks import Hook, Hooks, hook_count
 from . import tables
 
 TAG = "hookscope"  # the key of a captured request's SamplingParams.extra_args
@@ -155,6 +155,10 @@ class Extension:
         finally:
             session.close()
         return {str(i): {name: pack(t) for name, t in points.items()} for i, points in rows.items()}
+
+    def hookscope_hook_count(self) -> int:
+        """Hooks on the model's modules now (tests: none is left after a capture)."""
+        return hook_count(self._hookscope_model())
 
     def hookscope_stop(self, run: str) -> None:
         """Remove a capture's hooks (after an error)."""
