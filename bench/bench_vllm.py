@@ -38,7 +38,7 @@ def main() -> None:
 
     g = torch.Generator().manual_seed(0)
     prompts = [
-        {"prompt_token_ids": torch.randint(1, 500, (args.tokens,), generator=g).tolist()}
+        {"prompt_token_ids": torch.randint(1, 250, (args.tokens,), generator=g).tolist()}
         for _ in range(args.prompts)
     ]
     with tempfile.TemporaryDirectory() as tmp:

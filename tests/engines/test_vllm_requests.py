@@ -31,7 +31,7 @@ POINTS = [
 
 def prompts() -> list[list[int]]:
     g = torch.Generator().manual_seed(2)
-    return [torch.randint(1, 500, (n,), generator=g).tolist() for n in LENGTHS]
+    return [torch.randint(1, 250, (n,), generator=g).tolist() for n in LENGTHS]
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,8 @@ class Session:
             if not isinstance(tag, dict) or tag.get("run") != self.run:
                 continue  # another request (or another capture's): not ours to keep
             start, end = starts[i], starts[i + 1]
-            pos = positions[start:end].cpu()
+            # a copy: `positions` is a view of the runner's buffer, which the next forward overwrites
+            pos = positions[start:end].to("cpu", copy=True)
             keep = None
             if self.prefill_only:
                 prompt = len(state.prompt_token_ids or ())
