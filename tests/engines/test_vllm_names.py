@@ -3,8 +3,10 @@ Face capture of the same saved checkpoint (float32, to 1e-5 of the reference's l
 residual stream with vLLM's deferred add put back, q / k / v split from the fused qkv_proj, the
 gate / up halves of gate_up_proj, the norms' normalized inputs computed on the fused sum.
 
-One engine per family (module-scoped), in vLLM's default layout: the engine core and the worker in
-their own processes, reached through LLM.collective_rpc.
+One engine per family (module-scoped) with the engine core in this process
+(VLLM_ENABLE_V1_MULTIPROCESSING=0: an engine starts in ~3 s instead of ~15 s, which keeps the vllm
+environment's run short); the worker is still reached by name through LLM.collective_rpc, as in
+vLLM's default layout, which test_vllm_requests.py runs.
 """
 
 from __future__ import annotations
@@ -24,8 +26,15 @@ from hookscope.engines import vllm as hv  # noqa: E402
 PROMPTS = [[3, 17, 250, 9, 41], list(range(20, 57))]
 
 
+@pytest.fixture(scope="module")
+def in_process():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        yield
+
+
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory):
+def family(request, tmp_path_factory, in_process):
     directory = save(request.param, tmp_path_factory.mktemp(request.param))
     llm = engine(directory)
     yield request.param, directory, llm
