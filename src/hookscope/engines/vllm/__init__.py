@@ -19,6 +19,7 @@ from typing import Any
 from ...arch.base import Arch
 from ...errors import EngineError, UnknownPointError
 from ...names import canonical, is_pattern, layer_of
+from ...optional_imports import require
 from . import tables
 from .worker import TAG, unpack
 
@@ -34,8 +35,7 @@ def is_llm(obj: Any) -> bool:
 
 
 def check_version() -> str:
-    import vllm
-
+    vllm = require("vllm", extra="vllm", needed_for="hookscope's verbs on a vLLM engine", error=EngineError)
     version = vllm.__version__
     parts = tuple(int(p) for p in version.split("+")[0].split(".")[:2] if p.isdigit())
     if parts not in SUPPORTED:
