@@ -21,7 +21,7 @@ from ...errors import EngineError, UnknownPointError
 from ...names import canonical, is_pattern, layer_of
 from ...optional_imports import require
 from . import tables
-from .worker import TAG, unpack
+from .worker import TAG, take_over
 
 # the worker extension vLLM mixes into its workers (`LLM(..., worker_extension_cls=EXTENSION)`)
 EXTENSION = "hookscope.engines.vllm.worker.Extension"
@@ -181,7 +181,7 @@ def collect(engine, prompts: Any, points: str | Sequence[str]) -> list:
     except BaseException:
         engine.collective_rpc("hookscope_stop", args=(run,))
         raise
-    rows = {int(i): {name: unpack(t) for name, t in got.items()} for i, got in rows.items()}
+    rows = take_over(rows)
     return [
         PointDict(((key, rows[i][name]) for key, name in keys.items()), arch=arch)
         for i in range(len(requests))

@@ -14,6 +14,9 @@ with; each point's hook then copies the token rows of the requests this capture 
 
 from __future__ import annotations
 
+import math
+import os
+import tempfile
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -108,16 +111,46 @@ class Session:
         self.hooks.remove()
 
 
-def pack(t: Tensor) -> list:
-    """A tensor as plain data for vLLM's RPC (msgpack: a utility call's result loses tensor types):
-    [dtype, shape, bytes]."""
-    t = t.contiguous()
-    return [str(t.dtype).removeprefix("torch."), list(t.shape), t.view(torch.uint8).numpy().tobytes()]
+# where the worker hands its rows to the caller: shared memory where the system has it (the engine's
+# workers and the caller of an offline LLM share one machine)
+HANDOFF_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+ALIGN = 64  # every tensor's offset in the handoff file, so that any dtype can view its bytes
 
 
-def unpack(packed: list) -> Tensor:
-    dtype, shape, data = packed
-    return torch.frombuffer(bytearray(data), dtype=getattr(torch, dtype)).reshape(shape)
+def hand_off(rows: dict[int, dict[str, Tensor]], run: str) -> list:
+    """Write every request's rows into one file in shared memory; return where each lies:
+    [path, [[request, point, dtype, shape, offset], ...]]. Only this small index crosses vLLM's RPC
+    (msgpack through the engine core): the rows themselves are never serialized."""
+    path = os.path.join(HANDOFF_DIR, f"hookscope-{run}")
+    index, offset = [], 0
+    with open(path, "wb") as f:
+        for i, points in rows.items():
+            for name, t in points.items():
+                t = t.contiguous()
+                pad = -offset % ALIGN
+                f.write(b"\0" * pad)
+                offset += pad
+                index.append([i, name, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
+                data = memoryview(t.view(torch.uint8).flatten().numpy())
+                f.write(data)
+                offset += len(data)
+    return [path, index]
+
+
+def take_over(handoff: list) -> dict[int, dict[str, Tensor]]:
+    """The caller's side: the rows read from the handoff file (one read), which is then removed."""
+    path, index = handoff
+    try:
+        size = os.path.getsize(path)
+        buf = torch.from_file(path, shared=False, size=size, dtype=torch.uint8) if size else torch.empty(0)
+    finally:
+        os.unlink(path)
+    out: dict[int, dict[str, Tensor]] = defaultdict(dict)
+    for i, name, dtype, shape, offset in index:
+        dt = getattr(torch, dtype)
+        n = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+        out[int(i)][name] = buf[offset : offset + n].view(dt).reshape(shape)
+    return dict(out)
 
 
 class Extension:
@@ -146,8 +179,8 @@ class Extension:
         sessions[run] = Session(self.model_runner, model, arch, names, run, prefill_only)
         return type(model).__name__
 
-    def hookscope_take(self, run: str, expected: dict) -> dict[str, dict[str, list]]:
-        """The capture's rows per request (`packed`), its hooks removed."""
+    def hookscope_take(self, run: str, expected: dict) -> list:
+        """The capture's rows per request, handed off in shared memory (`hand_off`), its hooks removed."""
         session = self.__dict__.get("_hookscope_sessions", {}).pop(run, None)
         if session is None:
             raise EngineError(f"no hookscope capture {run!r} in this worker")
@@ -155,7 +188,7 @@ class Extension:
             rows = session.take({int(k): int(v) for k, v in expected.items()})
         finally:
             session.close()
-        return {str(i): {name: pack(t) for name, t in points.items()} for i, points in rows.items()}
+        return hand_off(rows, run)
 
     def hookscope_hook_count(self) -> int:
         """Hooks on the model's modules now (tests: none is left after a capture)."""
