@@ -33,22 +33,23 @@ TAG = "hookscope"  # the key of a captured request's SamplingParams.extra_args
 
 @dataclass
 class _Slot:
-    """One tagged request's tokens in this forward: rows [start, end) of every activation, of which
-    `keep` (prefill tokens only) are kept, at `positions`."""
+    """One tagged request's tokens in this forward: rows [lo, hi) of the forward's kept rows (the
+    tagged requests' rows, gathered once per point), at `positions`."""
 
     index: int
-    start: int
-    end: int
-    keep: Tensor | None  # None: all of them
+    lo: int
+    hi: int
     positions: Tensor
 
 
 class Session:
-    """One capture's hooks in one worker, and the rows they filed: (request index, point) -> parts."""
+    """One capture's hooks in one worker, and the rows they filed: (request index, point) -> parts,
+    one per forward that held the request, in the order they ran."""
 
     def __init__(self, runner, model: nn.Module, arch, names: list[str], run: str, prefill_only: bool):
         self.runner, self.run, self.prefill_only = runner, run, prefill_only
         self.slots: list[_Slot] = []
+        self.rows: Tensor | None = None  # this forward's kept token rows, for one index_select per point
         self.parts: dict[tuple[int, str], list[tuple[Tensor, Tensor]]] = defaultdict(list)
         self.hooks = Hooks(model, arch)
         self.hooks.module_pre_forward(ROOT, self._pass_start)
@@ -60,7 +61,7 @@ class Session:
         batch = self.runner.input_batch
         n = batch.num_reqs
         starts = self.runner.query_start_loc.cpu[: n + 1].tolist()
-        self.slots = []
+        self.slots, rows, kept = [], [], 0
         for i, req_id in enumerate(batch.req_ids[:n]):
             state = self.runner.requests[req_id]
             extra = (state.sampling_params.extra_args or {}) if state.sampling_params is not None else {}
@@ -70,41 +71,43 @@ class Session:
             start, end = starts[i], starts[i + 1]
             # a copy: `positions` is a view of the runner's buffer, which the next forward overwrites
             pos = positions[start:end].to("cpu", copy=True)
-            keep = None
+            index = torch.arange(start, end)
             if self.prefill_only:
                 prompt = len(state.prompt_token_ids or ())
                 if int(pos[-1]) >= prompt:  # decode tokens in this chunk: keep the prompt's only
-                    keep = (pos < prompt).nonzero().flatten()
-                    pos = pos[keep]
+                    index, pos = index[pos < prompt], pos[pos < prompt]
             if pos.numel():
-                self.slots.append(_Slot(int(tag["index"]), start, end, keep, pos))
+                self.slots.append(_Slot(int(tag["index"]), kept, kept + pos.numel(), pos))
+                rows.append(index)
+                kept += pos.numel()
+        self.rows = torch.cat(rows) if rows else None
 
     def _keep(self, act: Tensor, hook: Hook) -> None:
+        if self.rows is None:
+            return
+        # one gather per point and forward (a copy: vLLM's fused norms write their inputs in place
+        # later in the same forward); each request's part is a slice of it
+        kept = act.detach().index_select(0, self.rows.to(act.device)).cpu()
         name = hook.spec.name
         for slot in self.slots:
-            rows = act[slot.start : slot.end]
-            # a copy: vLLM's fused norms write their inputs in place later in the same forward
-            rows = rows.index_select(0, slot.keep.to(rows.device)) if slot.keep is not None else rows.clone()
-            self.parts[(slot.index, name)].append((slot.positions, rows.detach().cpu()))
+            self.parts[(slot.index, name)].append((slot.positions, kept[slot.lo : slot.hi]))
 
-    def take(self, expected: dict[int, int]) -> dict[int, dict[str, Tensor]]:
-        """Every request's rows per point, in position order, checked whole: positions 0..n-1 each
-        exactly once (`expected`: request index -> n), never silently short."""
-        out: dict[int, dict[str, Tensor]] = defaultdict(dict)
+    def take(self, expected: dict[int, int]) -> dict[int, dict[str, list[Tensor]]]:
+        """Every request's parts per point, checked whole and in order: positions 0..n-1 each exactly
+        once (`expected`: request index -> n), never silently short."""
+        out: dict[int, dict[str, list[Tensor]]] = defaultdict(dict)
         for (index, name), parts in self.parts.items():
             positions = torch.cat([p for p, _ in parts])
-            rows = torch.cat([r for _, r in parts])
-            order = positions.argsort(stable=True)
-            positions, rows = positions[order], rows[order]
             n = expected.get(index)
             if n is None or not torch.equal(positions, torch.arange(n, dtype=positions.dtype)):
                 got = positions.tolist()
                 raise EngineError(
                     f"request {index}, {name}: rows for positions {got[:8]}{'...' if len(got) > 8 else ''} "
-                    f"({len(got)} rows), not 0..{(n or 0) - 1} once each: vLLM skipped or repeated tokens' "
-                    "forward (prefix caching, preemption); capture with enable_prefix_caching=False"
+                    f"({len(got)} rows), not 0..{(n or 0) - 1} once each in order: vLLM skipped, repeated "
+                    "or reordered tokens' forward (prefix caching, preemption); capture with "
+                    "enable_prefix_caching=False"
                 )
-            out[index][name] = rows
+            out[index][name] = [rows for _, rows in parts]
         return dict(out)
 
     def close(self) -> None:
@@ -117,23 +120,25 @@ HANDOFF_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 ALIGN = 64  # every tensor's offset in the handoff file, so that any dtype can view its bytes
 
 
-def hand_off(rows: dict[int, dict[str, Tensor]], run: str) -> list:
-    """Write every request's rows into one file in shared memory; return where each lies:
-    [path, [[request, point, dtype, shape, offset], ...]]. Only this small index crosses vLLM's RPC
-    (msgpack through the engine core): the rows themselves are never serialized."""
+def hand_off(rows: dict[int, dict[str, list[Tensor]]], run: str) -> list:
+    """Write every request's rows (its parts, one after another) into one file in shared memory;
+    return where each lies: [path, [[request, point, dtype, shape, offset], ...]]. Only this small
+    index crosses vLLM's RPC (msgpack through the engine core): the rows are never serialized."""
     path = os.path.join(HANDOFF_DIR, f"hookscope-{run}")
     index, offset = [], 0
     with open(path, "wb") as f:
         for i, points in rows.items():
-            for name, t in points.items():
-                t = t.contiguous()
+            for name, parts in points.items():
                 pad = -offset % ALIGN
                 f.write(b"\0" * pad)
                 offset += pad
-                index.append([i, name, str(t.dtype).removeprefix("torch."), list(t.shape), offset])
-                data = memoryview(t.view(torch.uint8).flatten().numpy())
-                f.write(data)
-                offset += len(data)
+                first = parts[0]
+                shape = [sum(p.shape[0] for p in parts), *first.shape[1:]]
+                index.append([i, name, str(first.dtype).removeprefix("torch."), shape, offset])
+                for part in parts:
+                    data = memoryview(part.contiguous().view(torch.uint8).flatten().numpy())
+                    f.write(data)
+                    offset += len(data)
     return [path, index]
 
 
