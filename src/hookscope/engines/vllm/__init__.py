@@ -186,3 +186,33 @@ def collect(engine, prompts: Any, points: str | Sequence[str]) -> list:
         PointDict(((key, rows[i][name]) for key, name in keys.items()), arch=arch)
         for i in range(len(requests))
     ]
+
+
+def register_vector(engine, name: str, point: str, vector) -> None:
+    """Register a steering vector by name in the engine's workers: a request asks for it with
+    `SamplingParams(extra_args=steering((name, scale), ...))` and gets `scale * vector` added at
+    `point` on every one of its tokens, prefill and decode; other requests of the same batch do not.
+
+    Raises:
+        EngineError: see `check_engine`; prefix caching on; a vector whose size is not d_model.
+        UnknownPointError: a point the model lacks or vLLM never exposes."""
+    if is_llm(engine) and _config(engine).cache_config.enable_prefix_caching:
+        # a steered request's KV blocks would enter the prefix cache and serve later requests of the
+        # same prompt, steered or not
+        raise EngineError(
+            "steering on an engine with prefix caching on would let a steered request's cached blocks "
+            "serve other requests: make the LLM with enable_prefix_caching=False"
+        )
+    architecture, arch = check_engine(engine)
+    (point,) = resolve(arch, point).values()
+    values = vector.detach().to("cpu").flatten().tolist() if hasattr(vector, "detach") else list(vector)
+    if arch.d_model and "resid" in point and len(values) != arch.d_model:
+        raise EngineError(
+            f"a vector of {len(values)} values for {point}: it is d_model = {arch.d_model} wide"
+        )
+    engine.collective_rpc("hookscope_steer", args=(architecture, name, point, values))
+
+
+def steering(*vectors: tuple[str, float]) -> dict:
+    """The `SamplingParams.extra_args` that ask for registered vectors by name and scale."""
+    return {TAG: {"steer": [[name, float(scale)] for name, scale in vectors]}}

@@ -158,6 +158,54 @@ def take_over(handoff: list) -> dict[int, dict[str, Tensor]]:
     return dict(out)
 
 
+class Steering:
+    """Named steering vectors registered in one worker, applied per request: a request whose
+    `extra_args["hookscope"]["steer"]` lists `[name, scale]` pairs gets `scale * vector` added at the
+    vector's point on every one of its tokens (prefill and decode), and no other request does."""
+
+    def __init__(self, runner, model: nn.Module, arch):
+        self.runner, self.arch = runner, arch
+        self.vectors: dict[str, tuple[str, Tensor]] = {}  # name -> (point, vector)
+        self.rows: dict[str, tuple[Tensor, Tensor]] = {}  # name -> (token rows, scales) this forward
+        self.hooks = Hooks(model, arch)
+        self.hooks.module_pre_forward(ROOT, self._pass_start)
+        self.attached: set[str] = set()
+
+    def register(self, name: str, point: str, vector: Tensor) -> None:
+        spec = self.arch.spec(point)
+        spec.require_writable("steering")
+        self.vectors[name] = (spec.name, vector)
+        if spec.name not in self.attached:  # one hook per point, for every vector there
+            self.hooks.forward(spec, self._steer)
+            self.attached.add(spec.name)
+
+    def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        batch = self.runner.input_batch
+        n = batch.num_reqs
+        starts = self.runner.query_start_loc.cpu[: n + 1].tolist()
+        found: dict[str, tuple[list, list]] = {}
+        for i, req_id in enumerate(batch.req_ids[:n]):
+            state = self.runner.requests[req_id]
+            extra = (state.sampling_params.extra_args or {}) if state.sampling_params is not None else {}
+            tag = extra.get(TAG)
+            for name, scale in tag.get("steer", ()) if isinstance(tag, dict) else ():
+                rows, scales = found.setdefault(name, ([], []))
+                rows.append(torch.arange(starts[i], starts[i + 1]))
+                scales.append(torch.full((starts[i + 1] - starts[i],), float(scale)))
+        self.rows = {name: (torch.cat(r), torch.cat(s)) for name, (r, s) in found.items()}
+
+    def _steer(self, act: Tensor, hook: Hook) -> Tensor | None:
+        out = None
+        for name, (rows, scales) in self.rows.items():
+            point, vector = self.vectors[name]
+            if point != hook.spec.name:
+                continue
+            out = act.clone() if out is None else out
+            add = scales.to(act.device, act.dtype)[:, None] * vector.to(act.device, act.dtype)
+            out.index_add_(0, rows.to(act.device), add.reshape(len(rows), *act.shape[1:]))
+        return out
+
+
 class Extension:
     """Mixed into vLLM's worker class (`worker_extension_cls`); the caller calls these by name."""
 
@@ -198,6 +246,15 @@ class Extension:
     def hookscope_hook_count(self) -> int:
         """Hooks on the model's modules now (tests: none is left after a capture)."""
         return hook_count(self._hookscope_model())
+
+    def hookscope_steer(self, architecture: str, name: str, point: str, vector: list) -> None:
+        """Register steering vector `name` at `point` (requests choose it by name in extra_args)."""
+        steering = self.__dict__.get("_hookscope_steering")
+        if steering is None:
+            model = self._hookscope_model()
+            arch = tables.table(architecture, self.model_runner.model_config.hf_config)
+            steering = self.__dict__["_hookscope_steering"] = Steering(self.model_runner, model, arch)
+        steering.register(name, point, torch.tensor(vector))
 
     def hookscope_stop(self, run: str) -> None:
         """Remove a capture's hooks (after an error)."""
