@@ -35,12 +35,14 @@ def test_two_steered_requests_change_alone(llama):
 
     directory, llm = llama
     vector = torch.randn(256, generator=torch.Generator().manual_seed(5))
-    hv.register_vector(llm, "v", POINT, vector)
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(1, 250, (n,), generator=g).tolist() for n in (5, 17, 33, 64, 9, 40, 70, 12)]
     greedy = {"max_tokens": 4, "temperature": 0.0, "logprobs": 0, "detokenize": False}
     requests = [{"prompt_token_ids": p} for p in prompts]
+    # the baseline before any vector is registered: a steering hook that reached every request
+    # would otherwise move the baseline too
     plain = llm.generate(requests, SamplingParams(**greedy), use_tqdm=False)
+    hv.register_vector(llm, "v", POINT, vector)
     params = [
         SamplingParams(**greedy, extra_args=hv.steering(("v", SCALE)) if i in STEERED else None)
         for i in range(len(prompts))
@@ -50,16 +52,20 @@ def test_two_steered_requests_change_alone(llama):
     for i, (prompt, before, after) in enumerate(zip(prompts, plain, mixed, strict=True)):
         tokens = list(after.outputs[0].token_ids)
         got = torch.tensor([next(iter(step.values())).logprob for step in after.outputs[0].logprobs])
+        ids = torch.tensor([prompt + tokens[:-1]])
+        n = len(prompt)
         if i not in STEERED:
             assert tokens == list(before.outputs[0].token_ids), i
             want = torch.tensor([next(iter(s.values())).logprob for s in before.outputs[0].logprobs])
-            assert_close(got, want, f"request {i}, unsteered")
+            assert_close(got, want, f"request {i}, unsteered, vs before")
+            with torch.no_grad():  # and against Hugging Face, unsteered (teacher forcing)
+                logprobs = hf(ids).logits[0].log_softmax(-1)
+            want = torch.stack([logprobs[n - 1 + k, t] for k, t in enumerate(tokens)])
+            assert_close(got, want, f"request {i}, unsteered, vs Hugging Face", rel=1e-4)
             continue
         # Hugging Face, steered on every position, fed the tokens vLLM generated (teacher forcing)
-        ids = torch.tensor([prompt + tokens[:-1]])
         with torch.no_grad(), hs.edit(hf, hs.steer(POINT, vector, scale=SCALE)):
             logprobs = hf(ids).logits[0].log_softmax(-1)
-        n = len(prompt)
         want = torch.stack([logprobs[n - 1 + k, t] for k, t in enumerate(tokens)])
         assert_close(got, want, f"request {i}, steered", rel=1e-4)
         with torch.no_grad():
