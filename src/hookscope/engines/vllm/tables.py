@@ -1,0 +1,284 @@
+"""Point tables on vLLM's own model classes: TransformerLens's names with TransformerLens's meaning.
+
+vLLM's decoder layers (Llama, Qwen2/3, Gemma 2/3) take `(positions, hidden, residual)` and return
+`(hidden, residual)`: the residual add is deferred into the next fused norm (`norm(hidden, residual)`
+adds, then normalises), and layer 0 gets `residual=None`. So the residual stream is never one
+tensor at a module boundary: `resid_pre` / `resid_mid` / `resid_post` are read as `hidden + residual`
+from the layer's input, the fused norm's input and the layer's output. An edit writes the new stream
+as `hidden` with a zero residual, which the next fused add turns back into the stream.
+
+q / k / v come out of one fused `qkv_proj` (split by sizes: grouped-query k / v are narrower), the
+gate and up projections out of one `gate_up_proj` (split in halves). Activations are
+`[tokens, ...]`: the tokens of every request in the forward, flattened (`POS_DIM`).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ...arch.base import Arch, Call, View, build, fused_heads, heads
+from ...errors import EngineError
+
+POS_DIM = 0  # vLLM's activations have no batch dim: [num_tokens, ...]
+
+
+# --- the residual stream put back ---------------------------------------------------------------
+
+
+def _stream_in(call: Call, first: int) -> Tensor:
+    """`hidden + residual` from a call whose hidden states are argument `first` and the residual
+    the one after it (None or absent at layer 0 / a plain norm)."""
+    hidden = call.args[first]
+    residual = call.args[first + 1] if len(call.args) > first + 1 else call.kwargs.get("residual")
+    return hidden if residual is None else hidden + residual
+
+
+def _stream_in_put(first: int):
+    def put(call: Call, new: Tensor) -> Call:
+        args = list(call.args)
+        args[first] = new.to(args[first].dtype)
+        if len(args) > first + 1:
+            args[first + 1] = torch.zeros_like(args[first])
+        kwargs = (
+            {**call.kwargs, "residual": torch.zeros_like(args[first])}
+            if "residual" in call.kwargs
+            else call.kwargs
+        )
+        return Call(call.module, tuple(args), kwargs)
+
+    return put
+
+
+def stream_in(first: int) -> View:
+    """The residual stream entering a module called `(..., hidden, residual)`."""
+    return View(lambda call: _stream_in(call, first), _stream_in_put(first), "hidden + residual (fused add)")
+
+
+STREAM_OUT = View(
+    get=lambda out: out[0] + out[1],
+    put=lambda out, new: (new.to(out[0].dtype), torch.zeros_like(out[1])),
+    label="hidden + residual (fused add)",
+)
+
+
+def _read_only(raw, new: Tensor):
+    raise EngineError(
+        "ln1.normalized / ln2.normalized / ln_final.normalized are computed from the norm's input and "
+        "cannot be written: edit attn.in / mlp.in or the residual stream (resid_pre / resid_mid) instead"
+    )
+
+
+def _normalized(call: Call, centred: bool) -> Tensor:
+    """TransformerLens's `lnX.normalized`: the norm's input (the fused sum) over its scale, before
+    the norm's weight, computed in float32 as TransformerLens does."""
+    x = _stream_in(call, 0)
+    dtype = x.dtype
+    x = x.float() if dtype not in (torch.float32, torch.float64) else x
+    if centred:
+        x = x - x.mean(-1, keepdim=True)
+    eps = getattr(call.module, "variance_epsilon", None) or call.module.eps
+    return (x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()).to(dtype)
+
+
+RMS_NORMALIZED = View(
+    lambda call: _normalized(call, False), _read_only, "computed: (hidden + residual) / scale"
+)
+LN_NORMALIZED = View(lambda call: _normalized(call, True), _read_only, "computed: centred input / scale")
+CALL = {"item": None}  # the spec reads the module's whole call (a `Call`) or whole output
+
+
+def split_heads(part: int, sizes: tuple[int, int, int], n_heads: int) -> View:
+    """One of q / k / v from a fused `qkv_proj` output of widths `sizes` (k / v narrower with
+    grouped-query attention), split into heads."""
+
+    def get(raw: Tensor) -> Tensor:
+        return raw.split(sizes, dim=-1)[part].unflatten(-1, (n_heads, -1))
+
+    def put(raw: Tensor, new: Tensor) -> Tensor:
+        parts = list(raw.split(sizes, dim=-1))
+        parts[part] = new.to(raw.dtype).flatten(-2)
+        return torch.cat(parts, dim=-1)
+
+    return View(get, put, f"part {part} of fused qkv {sizes}, {n_heads} heads", head_dim=-2)
+
+
+def half(part: int) -> View:
+    """The gate (0) or up (1) half of a fused `gate_up_proj` output."""
+
+    def put(raw: Tensor, new: Tensor) -> Tensor:
+        parts = list(raw.chunk(2, dim=-1))
+        parts[part] = new.to(raw.dtype)
+        return torch.cat(parts, dim=-1)
+
+    return View(
+        lambda raw: raw.chunk(2, dim=-1)[part], put, f"{'gate' if part == 0 else 'up'} half of gate_up"
+    )
+
+
+# --- points vLLM's kernels do not expose ----------------------------------------------------------
+
+# suffix -> why not, and what to use instead: refused by name (`Refused` in vllm/__init__.py)
+REFUSED = {
+    "attn.pattern": "vLLM's attention kernels (paged / flash) never materialise the attention weights; "
+    "read attn.q and attn.k (and compute softmax(q k^T / sqrt(d_head)) for one request) or attn.z",
+    "logits": "vLLM computes logits only for the tokens it samples, outside the model's forward; read "
+    "ln_final (what the unembedding reads) or ask vLLM for logprobs in SamplingParams",
+    "attn.in_pre_norm": "the residual stream before ln1 is resid_pre on vLLM (no separate copy exists)",
+    "mlp.in_pre_norm": "the residual stream before ln2 is resid_mid on vLLM (no separate copy exists)",
+}
+
+
+# --- the families ----------------------------------------------------------------------------------
+
+
+def _attention(config, *, post_norm: bool) -> dict:
+    H = config.num_attention_heads
+    KV = getattr(config, "num_key_value_heads", None) or H
+    d_head = getattr(config, "head_dim", None) or config.hidden_size // H
+    sizes = (H * d_head, KV * d_head, KV * d_head)
+    attn = "layers.{L}.self_attn"
+    out = (
+        {
+            "attn.out_pre_norm": (attn, "output", None),
+            "attn.out": ("layers.{L}.post_attention_layernorm", "output", None),
+        }
+        if post_norm
+        else {"attn.out": (attn, "output", None)}
+    )
+    return {
+        # the layer is called (positions, hidden, residual)
+        "resid_pre": ("layers.{L}", "input", stream_in(1), CALL),
+        "ln1.normalized": ("layers.{L}.input_layernorm", "input", RMS_NORMALIZED, CALL),
+        "attn.in": (attn, "input", None),
+        "attn.q": (f"{attn}.qkv_proj", "output", split_heads(0, sizes, H)),
+        "attn.k": (f"{attn}.qkv_proj", "output", split_heads(1, sizes, KV)),
+        "attn.v": (f"{attn}.qkv_proj", "output", split_heads(2, sizes, KV)),
+        "attn.z": (f"{attn}.o_proj", "input", heads(H)),
+        **out,
+    }
+
+
+def llama_like(config, *, post_norm: bool = False) -> dict:
+    """Llama, Mistral, Qwen2, Qwen3 (`post_norm`: Gemma 2 / 3's sandwich norms, where attn.out /
+    mlp.out are the post-norm outputs, as in arch/llama.py)."""
+    ln2 = "pre_feedforward_layernorm" if post_norm else "post_attention_layernorm"
+    mlp = "layers.{L}.mlp"
+    out = (
+        {
+            "mlp.out_pre_norm": (mlp, "output", None),
+            "mlp.out": ("layers.{L}.post_feedforward_layernorm", "output", None),
+        }
+        if post_norm
+        else {"mlp.out": (mlp, "output", None)}
+    )
+    return {
+        **_attention(config, post_norm=post_norm),
+        # ln2 is the fused norm called (hidden = attn.out, residual = resid_pre): its input sum
+        "resid_mid": (f"layers.{{L}}.{ln2}", "input", stream_in(0), CALL),
+        "ln2.normalized": (f"layers.{{L}}.{ln2}", "input", RMS_NORMALIZED, CALL),
+        "mlp.in": (mlp, "input", None),
+        "mlp.pre": (f"{mlp}.gate_up_proj", "output", half(0)),
+        "mlp.pre_linear": (f"{mlp}.gate_up_proj", "output", half(1)),
+        "mlp.post": (f"{mlp}.down_proj", "input", None),
+        **out,
+        "resid_post": ("layers.{L}", "output", STREAM_OUT, CALL),
+    }
+
+
+def _decoder(config, per_layer: dict) -> Arch:
+    return build(
+        config.model_type,
+        "model.",
+        config.num_hidden_layers,
+        "layers.{L}",
+        # the stream into layer 0: the embedding, scaled where the family scales it (Gemma's
+        # embed_input_ids multiplies embed_tokens' output by sqrt(d_model), as Hugging Face's
+        # scaled embedding module does inside: the same meaning)
+        top={"embed": ("layers.0", "input", stream_in(1), CALL)},
+        per_layer=per_layer,
+        final={
+            "ln_final.normalized": ("norm", "input", RMS_NORMALIZED, CALL),
+            "ln_final": ("norm", "output", None),
+        },
+        n_heads=config.num_attention_heads,
+        d_model=config.hidden_size,
+    )
+
+
+def _gpt2(config) -> Arch:
+    H = config.n_head
+    return build(
+        "gpt2",
+        "transformer.",
+        config.n_layer,
+        "h.{L}",
+        top={"embed": ("wte", "output", None), "pos_embed": ("wpe", "output", None)},
+        per_layer={
+            "resid_pre": ("h.{L}", "input", None),
+            "ln1.normalized": ("h.{L}.ln_1", "input", LN_NORMALIZED, CALL),
+            "attn.in": ("h.{L}.attn", "input", None),
+            "attn.q": ("h.{L}.attn.c_attn", "output", fused_heads(0, 3, H)),
+            "attn.k": ("h.{L}.attn.c_attn", "output", fused_heads(1, 3, H)),
+            "attn.v": ("h.{L}.attn.c_attn", "output", fused_heads(2, 3, H)),
+            "attn.z": ("h.{L}.attn.c_proj", "input", heads(H)),
+            "attn.out": ("h.{L}.attn", "output", None),
+            "resid_mid": ("h.{L}.ln_2", "input", None),
+            "ln2.normalized": ("h.{L}.ln_2", "input", LN_NORMALIZED, CALL),
+            "mlp.in": ("h.{L}.mlp", "input", None),
+            "mlp.pre": ("h.{L}.mlp.c_fc", "output", None),
+            "mlp.post": ("h.{L}.mlp.c_proj", "input", None),
+            "mlp.out": ("h.{L}.mlp", "output", None),
+            "resid_post": ("h.{L}", "output", None),
+        },
+        final={
+            "ln_final.normalized": ("ln_f", "input", LN_NORMALIZED, CALL),
+            "ln_final": ("ln_f", "output", None),
+        },
+        n_heads=H,
+        d_model=config.n_embd,
+    )
+
+
+# Hugging Face architecture (config.architectures[0]) -> (vLLM's model class, table builder). The
+# class is checked in the worker: vLLM runs some architectures through its Transformers backend
+# (GPT-NeoX, OLMo 2 in 0.32), whose module tree these tables do not describe.
+FAMILIES = {
+    "LlamaForCausalLM": ("LlamaForCausalLM", lambda c: _decoder(c, llama_like(c))),
+    "MistralForCausalLM": ("MistralForCausalLM", lambda c: _decoder(c, llama_like(c))),
+    "Qwen2ForCausalLM": ("Qwen2ForCausalLM", lambda c: _decoder(c, llama_like(c))),
+    "Qwen3ForCausalLM": ("Qwen3ForCausalLM", lambda c: _decoder(c, llama_like(c))),
+    "Gemma2ForCausalLM": ("Gemma2ForCausalLM", lambda c: _decoder(c, llama_like(c, post_norm=True))),
+    "Gemma3ForCausalLM": ("Gemma3ForCausalLM", lambda c: _decoder(c, llama_like(c, post_norm=True))),
+    "GPT2LMHeadModel": ("GPT2LMHeadModel", _gpt2),
+}
+
+# architectures vLLM 0.32 serves through its Transformers backend (`TransformersForCausalLM`): the
+# module tree is Hugging Face's with vLLM's attention swapped in; not described here yet
+TRANSFORMERS_BACKEND = ("GPTNeoXForCausalLM", "Olmo2ForCausalLM")
+
+
+def table(architecture: str, config) -> Arch:
+    """The point table of a vLLM model of Hugging Face `architecture`, without the points vLLM's
+    kernels do not expose (REFUSED)."""
+    if architecture not in FAMILIES:
+        why = (
+            "vLLM 0.32 runs it through its Transformers backend, whose module tree hookscope's vLLM "
+            "tables do not describe yet"
+            if architecture in TRANSFORMERS_BACKEND
+            else "no vLLM point table for it"
+        )
+        raise EngineError(
+            f"{architecture}: {why}; supported on vLLM: {', '.join(FAMILIES)}. Load the checkpoint with "
+            "hs.load(path) (Hugging Face) to read its points"
+        )
+    arch = FAMILIES[architecture][1](config)
+    for name in [n for n in arch.specs if n.endswith(".attn.pattern")]:
+        del arch.specs[name]  # build() adds it for Hugging Face attention; vLLM's never returns it
+    arch.family = f"vllm:{arch.family}"
+    return arch
+
+
+def model_class(architecture: str) -> str:
+    """The vLLM class name this table describes."""
+    return FAMILIES[architecture][0]

@@ -1,0 +1,263 @@
+"""What runs inside vLLM's workers: hooks on the model, rows attributed to their requests.
+
+`Extension` is vLLM's `worker_extension_cls`: vLLM mixes it into its worker class in every worker
+process, and the caller reaches its methods by name with `LLM.collective_rpc("hookscope_...")`, whose
+arguments and results are plain data (names, tags, tensors): nothing executable crosses processes,
+so vLLM's default layout (the engine core and its workers in their own processes) works as is.
+
+A forward holds the flattened tokens of many requests (`[num_tokens, ...]`, chunked prefill and
+decode mixed). The model's root pre-hook reads, once per forward, which requests are in it (the
+model runner's batch: request order, `query_start_loc`) and the `positions` the model is called
+with; each point's hook then copies the token rows of the requests this capture tagged (their
+`SamplingParams.extra_args`) and files them under (request, point) with their positions.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+from ...arch.base import ROOT
+from ...errors import EngineError
+from ...hooks import Hook, Hooks, hook_count
+from . import tables
+
+TAG = "hookscope"  # the key of a captured request's SamplingParams.extra_args
+
+
+@dataclass
+class _Slot:
+    """One tagged request's tokens in this forward: rows [lo, hi) of the forward's kept rows (the
+    tagged requests' rows, gathered once per point), at `positions`."""
+
+    index: int
+    lo: int
+    hi: int
+    positions: Tensor
+
+
+class Session:
+    """One capture's hooks in one worker, and the rows they filed: (request index, point) -> parts,
+    one per forward that held the request, in the order they ran."""
+
+    def __init__(self, runner, model: nn.Module, arch, names: list[str], run: str, prefill_only: bool):
+        self.runner, self.run, self.prefill_only = runner, run, prefill_only
+        self.slots: list[_Slot] = []
+        self.rows: Tensor | None = None  # this forward's kept token rows, for one index_select per point
+        self.parts: dict[tuple[int, str], list[tuple[Tensor, Tensor]]] = defaultdict(list)
+        self.hooks = Hooks(model, arch)
+        self.hooks.module_pre_forward(ROOT, self._pass_start)
+        for name in names:
+            self.hooks.forward(arch.spec(name), self._keep)
+
+    def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+        batch = self.runner.input_batch
+        n = batch.num_reqs
+        starts = self.runner.query_start_loc.cpu[: n + 1].tolist()
+        self.slots, rows, kept = [], [], 0
+        for i, req_id in enumerate(batch.req_ids[:n]):
+            state = self.runner.requests[req_id]
+            extra = (state.sampling_params.extra_args or {}) if state.sampling_params is not None else {}
+            tag = extra.get(TAG)
+            if not isinstance(tag, dict) or tag.get("run") != self.run:
+                continue  # another request (or another capture's): not ours to keep
+            start, end = starts[i], starts[i + 1]
+            # a copy: `positions` is a view of the runner's buffer, which the next forward overwrites
+            pos = positions[start:end].to("cpu", copy=True)
+            index = torch.arange(start, end)
+            if self.prefill_only:
+                prompt = len(state.prompt_token_ids or ())
+                if int(pos[-1]) >= prompt:  # decode tokens in this chunk: keep the prompt's only
+                    index, pos = index[pos < prompt], pos[pos < prompt]
+            if pos.numel():
+                self.slots.append(_Slot(int(tag["index"]), kept, kept + pos.numel(), pos))
+                rows.append(index)
+                kept += pos.numel()
+        self.rows = torch.cat(rows) if rows else None
+
+    def _keep(self, act: Tensor, hook: Hook) -> None:
+        if self.rows is None:
+            return
+        # one gather per point and forward (a copy: vLLM's fused norms write their inputs in place
+        # later in the same forward); each request's part is a slice of it
+        kept = act.detach().index_select(0, self.rows.to(act.device)).cpu()
+        name = hook.spec.name
+        for slot in self.slots:
+            self.parts[(slot.index, name)].append((slot.positions, kept[slot.lo : slot.hi]))
+
+    def take(self, expected: dict[int, int]) -> dict[int, dict[str, list[Tensor]]]:
+        """Every request's parts per point, checked whole and in order: positions 0..n-1 each exactly
+        once (`expected`: request index -> n), never silently short."""
+        out: dict[int, dict[str, list[Tensor]]] = defaultdict(dict)
+        for (index, name), parts in self.parts.items():
+            positions = torch.cat([p for p, _ in parts])
+            n = expected.get(index)
+            if n is None or not torch.equal(positions, torch.arange(n, dtype=positions.dtype)):
+                got = positions.tolist()
+                raise EngineError(
+                    f"request {index}, {name}: rows for positions {got[:8]}{'...' if len(got) > 8 else ''} "
+                    f"({len(got)} rows), not 0..{(n or 0) - 1} once each in order: vLLM skipped, repeated "
+                    "or reordered tokens' forward (prefix caching, preemption); capture with "
+                    "enable_prefix_caching=False"
+                )
+            out[index][name] = [rows for _, rows in parts]
+        return dict(out)
+
+    def close(self) -> None:
+        self.hooks.remove()
+
+
+# where the worker hands its rows to the caller: shared memory where the system has it (the engine's
+# workers and the caller of an offline LLM share one machine)
+HANDOFF_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+ALIGN = 64  # every tensor's offset in the handoff file, so that any dtype can view its bytes
+
+
+def hand_off(rows: dict[int, dict[str, list[Tensor]]], run: str) -> list:
+    """Write every request's rows (its parts, one after another) into one file in shared memory;
+    return where each lies: [path, [[request, point, dtype, shape, offset], ...]]. Only this small
+    index crosses vLLM's RPC (msgpack through the engine core): the rows are never serialized."""
+    path = os.path.join(HANDOFF_DIR, f"hookscope-{run}")
+    index, offset = [], 0
+    with open(path, "wb") as f:
+        for i, points in rows.items():
+            for name, parts in points.items():
+                pad = -offset % ALIGN
+                f.write(b"\0" * pad)
+                offset += pad
+                first = parts[0]
+                shape = [sum(p.shape[0] for p in parts), *first.shape[1:]]
+                index.append([i, name, str(first.dtype).removeprefix("torch."), shape, offset])
+                for part in parts:
+                    data = memoryview(part.contiguous().view(torch.uint8).flatten().numpy())
+                    f.write(data)
+                    offset += len(data)
+    return [path, index]
+
+
+def take_over(handoff: list) -> dict[int, dict[str, Tensor]]:
+    """The caller's side: the rows read from the handoff file (one read), which is then removed."""
+    path, index = handoff
+    try:
+        size = os.path.getsize(path)
+        buf = torch.from_file(path, shared=False, size=size, dtype=torch.uint8) if size else torch.empty(0)
+    finally:
+        os.unlink(path)
+    out: dict[int, dict[str, Tensor]] = defaultdict(dict)
+    for i, name, dtype, shape, offset in index:
+        dt = getattr(torch, dtype)
+        n = math.prod(shape) * torch.empty(0, dtype=dt).element_size()
+        out[int(i)][name] = buf[offset : offset + n].view(dt).reshape(shape)
+    return dict(out)
+
+
+class Steering:
+    """Named steering vectors registered in one worker, applied per request: a request whose
+    `extra_args["hookscope"]["steer"]` lists `[name, scale]` pairs gets `scale * vector` added at the
+    vector's point on every one of its tokens (prefill and decode), and no other request does."""
+
+    def __init__(self, runner, model: nn.Module, arch):
+        self.runner, self.arch = runner, arch
+        self.vectors: dict[str, tuple[str, Tensor]] = {}  # name -> (point, vector)
+        self.rows: dict[str, tuple[Tensor, Tensor]] = {}  # name -> (token rows, scales) this forward
+        self.hooks = Hooks(model, arch)
+        self.hooks.module_pre_forward(ROOT, self._pass_start)
+        self.attached: set[str] = set()
+
+    def register(self, name: str, point: str, vector: Tensor) -> None:
+        spec = self.arch.spec(point)
+        spec.require_writable("steering")
+        self.vectors[name] = (spec.name, vector)
+        if spec.name not in self.attached:  # one hook per point, for every vector there
+            self.hooks.forward(spec, self._steer)
+            self.attached.add(spec.name)
+
+    def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        batch = self.runner.input_batch
+        n = batch.num_reqs
+        starts = self.runner.query_start_loc.cpu[: n + 1].tolist()
+        found: dict[str, tuple[list, list]] = {}
+        for i, req_id in enumerate(batch.req_ids[:n]):
+            state = self.runner.requests[req_id]
+            extra = (state.sampling_params.extra_args or {}) if state.sampling_params is not None else {}
+            tag = extra.get(TAG)
+            for name, scale in tag.get("steer", ()) if isinstance(tag, dict) else ():
+                rows, scales = found.setdefault(name, ([], []))
+                rows.append(torch.arange(starts[i], starts[i + 1]))
+                scales.append(torch.full((starts[i + 1] - starts[i],), float(scale)))
+        self.rows = {name: (torch.cat(r), torch.cat(s)) for name, (r, s) in found.items()}
+
+    def _steer(self, act: Tensor, hook: Hook) -> Tensor | None:
+        out = None
+        for name, (rows, scales) in self.rows.items():
+            point, vector = self.vectors[name]
+            if point != hook.spec.name:
+                continue
+            out = act.clone() if out is None else out
+            add = scales.to(act.device, act.dtype)[:, None] * vector.to(act.device, act.dtype)
+            out.index_add_(0, rows.to(act.device), add.reshape(len(rows), *act.shape[1:]))
+        return out
+
+
+class Extension:
+    """Mixed into vLLM's worker class (`worker_extension_cls`); the caller calls these by name."""
+
+    def _hookscope_model(self) -> nn.Module:
+        return (
+            self.model_runner.get_model()
+            if hasattr(self.model_runner, "get_model")
+            else self.model_runner.model
+        )
+
+    def hookscope_start(
+        self, architecture: str, names: list[str], run: str, prefill_only: bool = True
+    ) -> str:
+        """Attach a capture of `names` for the requests tagged `run`; returns the model class."""
+        model = self._hookscope_model()
+        expected = tables.model_class(architecture)
+        if type(model).__name__ != expected:
+            raise EngineError(
+                f"vLLM built {type(model).__name__} for {architecture}, not {expected}: hookscope's table "
+                "describes the latter's modules"
+            )
+        sessions = self.__dict__.setdefault("_hookscope_sessions", {})
+        arch = tables.table(architecture, self.model_runner.model_config.hf_config)
+        sessions[run] = Session(self.model_runner, model, arch, names, run, prefill_only)
+        return type(model).__name__
+
+    def hookscope_take(self, run: str, expected: dict) -> list:
+        """The capture's rows per request, handed off in shared memory (`hand_off`), its hooks removed."""
+        session = self.__dict__.get("_hookscope_sessions", {}).pop(run, None)
+        if session is None:
+            raise EngineError(f"no hookscope capture {run!r} in this worker")
+        try:
+            rows = session.take({int(k): int(v) for k, v in expected.items()})
+        finally:
+            session.close()
+        return hand_off(rows, run)
+
+    def hookscope_hook_count(self) -> int:
+        """Hooks on the model's modules now (tests: none is left after a capture)."""
+        return hook_count(self._hookscope_model())
+
+    def hookscope_steer(self, architecture: str, name: str, point: str, vector: list) -> None:
+        """Register steering vector `name` at `point` (requests choose it by name in extra_args)."""
+        steering = self.__dict__.get("_hookscope_steering")
+        if steering is None:
+            model = self._hookscope_model()
+            arch = tables.table(architecture, self.model_runner.model_config.hf_config)
+            steering = self.__dict__["_hookscope_steering"] = Steering(self.model_runner, model, arch)
+        steering.register(name, point, torch.tensor(vector))
+
+    def hookscope_stop(self, run: str) -> None:
+        """Remove a capture's hooks (after an error)."""
+        session = self.__dict__.get("_hookscope_sessions", {}).pop(run, None)
+        if session is not None:
+            session.close()

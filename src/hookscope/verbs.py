@@ -1,0 +1,110 @@
+"""`hs.collect` and `hs.points` on any model: a served engine (a vLLM `LLM`) goes to its engine
+module, anything else to the core (`capture.py`) unchanged.
+
+The core sits below the engines in the layers and never imports them; this front sits above both,
+so the one verb users know reaches either. An `nn.Module` pays one type check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .arch import Arch
+from .capture import PointDict, PointInfo
+from .capture import collect as core_collect
+from .capture import points as core_points
+from .engines import vllm
+from .errors import EngineError
+from .selection import Heads, Positions
+
+
+def collect(
+    model: Any,
+    inputs: Any,
+    points: str | Sequence[str],
+    *,
+    positions: Positions = None,
+    heads: Heads = None,
+    token_mask: Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    stop: bool = True,
+    inference: bool = True,
+    attention_mask: Tensor | None = None,
+    arch: Arch | None = None,
+) -> PointDict | list[PointDict]:
+    """Run the model on `inputs` and return `{point: activation}`; no layer after the last
+    needed point runs. On a vLLM engine (`vllm.LLM`), `inputs` are prompts (strings or token id
+    lists) and the result is one `PointDict` per prompt, each point `[n_tokens, ...]`: every token of
+    the prompt, attributed to its request (the options below are for `nn.Module`s).
+
+    Args:
+        model: a Hugging Face or TransformerLens model, any `nn.Module`, or a vLLM `LLM`.
+        inputs: what the model is called with: a tensor of token ids, or a dict (a tokenizer's
+            output: its `attention_mask` is read for `positions="last"`); prompts for an engine.
+        points: a name, a glob (`blocks.*.resid_post`), a comma-separated string or a list.
+        positions: which positions to keep (as `capture`); None keeps all.
+        heads: which heads of `attn.q|k|v|z` / `attn.pattern` to keep; None keeps all.
+        token_mask: a `[batch, pos]` bool tensor: the tokens kept, as rows `[n_tokens, ...]`.
+        dtype: the dtype kept (a cast on the model's device, before any copy); None keeps it.
+        device: where the kept copies go (`"cpu"`: to the host without waiting for the device).
+        stop: False runs the whole model (e.g. to keep its key/value cache use as it is).
+        inference: run under `torch.inference_mode`.
+        attention_mask: the batch's mask for `positions="last"`; by default the one in `inputs`.
+        arch: the table the names are read in; by default the model's own (as `capture`).
+
+    Returns:
+        PointDict: `{point: tensor}`, keyed by the names asked for (a glob: one key per point); on
+        a vLLM engine, a list of them, one per prompt.
+
+    Raises:
+        UnknownPointError: a point name the model does not have (the message lists close names).
+        SelectionError: positions, heads or a token mask that do not fit the point.
+        PointNotReachedError: a point that never ran in the forward pass (an encoder's `logits`).
+        EngineError: an engine hookscope cannot read exactly, or an option it does not take yet."""
+    selections = dict(positions=positions, heads=heads, token_mask=token_mask, dtype=dtype, device=device)
+    if vllm.is_llm(model):
+        given = [name for name, value in selections.items() if value is not None]
+        given += ["arch"] if arch is not None else []
+        if given:
+            raise EngineError(
+                f"hs.collect on a vLLM engine takes no {', '.join(given)} yet: it keeps every token of "
+                "every prompt; select rows from what it returns"
+            )
+        return vllm.collect(model, inputs, points)
+    return core_collect(
+        model,
+        inputs,
+        points,
+        **selections,
+        stop=stop,
+        inference=inference,
+        attention_mask=attention_mask,
+        arch=arch,
+    )
+
+
+def points(model: Any, example: Any = None, *, pattern: str | None = None) -> list[PointInfo]:
+    """The model's hook points in execution order; with an example input, their shapes too
+    (measured by one forward pass under inference_mode). On a model loaded with `points=`, the
+    shapes of the points its weights reach (the pass stops there); the others have none. On a vLLM
+    engine, the points its model class has, from hookscope's table of that class.
+
+    Returns:
+        list[PointInfo]: one per point, in execution order.
+
+    Raises:
+        UnknownPointError: a pattern that matches no point of the model."""
+    if vllm.is_llm(model):
+        infos = vllm.points(model)
+        if pattern is not None:
+            from .names import expand
+
+            keep = set(expand(pattern, [p.name for p in infos]))
+            infos = [p for p in infos if p.name in keep]
+        return infos
+    return core_points(model, example, pattern=pattern)
