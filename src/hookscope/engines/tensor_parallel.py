@@ -226,7 +226,7 @@ def local(whole: Tensor, shard: Shard, dim: int | None = None) -> Tensor:
 # -- the views -------------------------------------------------------------------------------------
 
 
-def _units(spec: PointSpec, arch: Arch, shard: Shard) -> int | None:
+def _units(spec: PointSpec, shard: Shard) -> int | None:
     """How many heads a per-head point has (the rank's slice is named in heads), else None."""
     if spec.view is None or spec.view.head_dim is None:
         return shard.width if spec.head_dim is not None and spec.view is None else None
@@ -253,10 +253,10 @@ def _local_view(spec: PointSpec, shard: Shard, units: int | None) -> View | None
     return part
 
 
-def _gathered(spec: PointSpec, arch: Arch, shard: Shard) -> View:
+def _gathered(spec: PointSpec, shard: Shard) -> View:
     """The whole tensor's view on a sharded point: gather, then the family's view; `put` writes the
     rank's slice of the edited whole back through the view on the slice."""
-    units = _units(spec, arch, shard)
+    units = _units(spec, shard)
     whole, part = spec.view, _local_view(spec, shard, units)
     head_dim = whole.head_dim if whole is not None else spec.head_dim
 
@@ -284,9 +284,9 @@ def _gathered(spec: PointSpec, arch: Arch, shard: Shard) -> View:
     )
 
 
-def _kept_sharded(spec: PointSpec, arch: Arch, shard: Shard) -> View:
+def _kept_sharded(spec: PointSpec, shard: Shard) -> View:
     """The view on the rank's slice alone (`gather=False`), its label naming the slice."""
-    units = _units(spec, arch, shard)
+    units = _units(spec, shard)
     part = _local_view(spec, shard, units)
     named = f"rank {shard.rank}'s slice: {shard.describe(units)}"
     if part is None:
@@ -338,7 +338,7 @@ def _table(model: nn.Module, arch: Arch, *, gather_points: bool) -> Arch:
         if shard is _UNREAD:
             return dataclasses.replace(spec, view=_unread(spec, sides.styles[spec.module]))
         make = _gathered if gather_points else _kept_sharded
-        return dataclasses.replace(spec, view=make(spec, arch, shard))
+        return dataclasses.replace(spec, view=make(spec, shard))
 
     specs = {name: change(spec, layouts.get(name)) for name, spec in arch.specs.items()}
     fields = {f.name: getattr(arch, f.name) for f in dataclasses.fields(arch)}
