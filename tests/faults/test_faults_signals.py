@@ -127,6 +127,7 @@ def test_rejected_run_leaves_no_trace_and_the_corrected_command_runs(cases, tmp_
 
 
 @pytest.mark.parametrize("source", SOURCES)
+@pytest.mark.slow
 def test_rejected_run_leaves_an_existing_store_untouched(cases, tmp_path, capsys, source):
     case, out = cases[source], tmp_path / "store"
     assert main(case.cli(out, **{"--max-tokens": MAX_TOKENS})) == 0

@@ -134,6 +134,7 @@ def warned(poisoned, tmp_path_factory) -> dict[str, tuple[Path, str]]:
 
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.slow
 def test_nonfinite_values_are_counted_per_point_and_reported(dtype, poisoned, warned):
     out, printed = warned[dtype]
     store = open_store(out, verify=True)

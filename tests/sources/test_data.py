@@ -208,6 +208,7 @@ def test_missing_sources_raise_data_error(tmp_path: Path):
         iter_documents("builtin:nope")
 
 
+@pytest.mark.slow
 def test_the_stdlib_corpus_is_sizeable_and_identical_every_time():
     docs = list(iter_documents(BUILTIN_STDLIB))
     assert len(docs) > 3000 and 900_000 < sum(map(len, docs)) < 2_000_000
@@ -415,6 +416,7 @@ def test_datasets_and_builtin_fingerprints(tmp_path: Path):
 
 
 @pytest.mark.parametrize("layout", ["file", "directory"])
+@pytest.mark.slow
 def test_resuming_on_changed_data_is_refused_naming_what_changed(tiny_dirs, tmp_path: Path, layout: str):
     from hookscope.extract import ExtractConfig, extract
 

@@ -202,6 +202,7 @@ def test_an_abandoned_iterator_leaves_no_reading_thread(id_store):
 
 
 @pytest.mark.parametrize("workers", [1, 2, 3])
+@pytest.mark.slow
 def test_dataloader_workers_make_the_single_process_stream(id_store, workers: int):
     """`batch_size=None` in the DataLoader, the dataset's own batches: batch b is made by worker
     b % workers, so the loader's in-order output is exactly the batches one process makes."""

@@ -92,6 +92,7 @@ FINISH = {
 
 @pytest.mark.parametrize("history", list(HISTORIES))
 @pytest.mark.parametrize("where", ["local", "memory"])
+@pytest.mark.slow
 def test_finished_by_another_world_size_holds_the_same_rows(tmp_path, reference, history, where):
     out = str(tmp_path / "store") if where == "local" else f"memory://elastic/{tmp_path.name}"
     for world_size, stops in HISTORIES[history]:

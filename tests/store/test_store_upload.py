@@ -99,6 +99,7 @@ def staged(tmp_path, i: int) -> bool:
     return any(tmp_path.glob(f"hookscope-stage-*/{SHARD.format(i).removeprefix('shards/')}.tmp"))
 
 
+@pytest.mark.slow
 def test_the_next_shard_is_cut_while_one_uploads_and_commits_follow_their_uploads(
     s3,  # noqa: F811
     url,
@@ -170,6 +171,7 @@ def test_one_shard_uploads_at_a_time_and_the_caller_is_held_back(
     assert s3_objects(s3, url) == local_objects(local)
 
 
+@pytest.mark.slow
 def test_a_failed_part_is_retried(s3, bucket, url, local, monkeypatch):  # noqa: F811
     fails, real = [], s3fs.S3FileSystem.call_s3
 

@@ -101,6 +101,7 @@ def gappy_store(path):
     ],
 )
 @pytest.mark.parametrize("keep", [True, False])
+@pytest.mark.slow
 def test_a_dataset_over_several_runs_yields_what_shard_by_shard_mapping_yields(
     tmp_path, monkeypatch, kw, keep
 ):
