@@ -30,3 +30,10 @@ def test_the_tree_is_formatted_by_ruff():
 def test_the_tree_passes_ruffs_rules():
     done = ruff("check", "--output-format", "concise")
     assert done.returncode == 0, f"ruff check {' '.join(TREES)}:\n{done.stdout}{done.stderr}"
+
+
+def test_every_test_file_sits_in_a_room_folder():
+    """tests/ holds rooms (core, store, extract, ...) and kit/; a test file dropped at the top is
+    in no room and out of the tiers that name folders."""
+    stray = sorted(p.name for p in (ROOT / "tests").glob("test_*.py"))
+    assert not stray, f"move {stray} into the folder of the room they test (tests/<room>/)"
