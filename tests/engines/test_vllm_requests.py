@@ -77,7 +77,9 @@ def test_strings_are_tokenized_by_the_engine(llama):
     (rows,) = hs.collect(llm, text, "blocks.0.resid_post")
     ids = llm.get_tokenizer()(text)["input_ids"]
     (by_ids,) = hs.collect(llm, [ids], "blocks.0.resid_post")
+    (by_tensor,) = hs.collect(llm, torch.tensor(ids), "blocks.0.resid_post")  # a 1-D tensor: one prompt
     assert torch.equal(rows["blocks.0.resid_post"], by_ids["blocks.0.resid_post"])
+    assert torch.equal(by_tensor["blocks.0.resid_post"], by_ids["blocks.0.resid_post"])
 
 
 def test_hooks_are_gone_after_a_capture(llama):

@@ -19,6 +19,7 @@ D_MODEL, N_HEADS, N_LAYERS = 256, 4, 2
 # case -> (model type, config overrides)
 FAMILIES = {
     "llama": ("llama", {}),
+    "mistral": ("mistral", {}),
     "qwen2": ("qwen2", {}),
     "qwen3": ("qwen3", {}),
     # vLLM's Gemma 2 has no lm_head of its own: it always ties it to the embedding. Its CPU attention

@@ -127,12 +127,12 @@ def points(engine) -> list:
 
 def _prompts(prompts: Any) -> list:
     """vLLM prompts: a string, a list of token ids, or a list of either."""
+    if hasattr(prompts, "tolist"):  # a tensor of ids: [tokens] or [batch, tokens]
+        prompts = prompts.tolist()
     if isinstance(prompts, str) or (
         isinstance(prompts, Sequence) and prompts and isinstance(prompts[0], int)
     ):
         prompts = [prompts]
-    if hasattr(prompts, "tolist"):  # a [batch, tokens] tensor of ids
-        prompts = prompts.tolist()
     out = []
     for p in prompts:
         if isinstance(p, str):
