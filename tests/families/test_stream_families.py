@@ -234,11 +234,12 @@ def test_a_chunk_of_pictures_holds_what_the_limit_leaves(saved, data, tmp_path):
     cfg = ExtractConfig(**{**fields(case, saved(case), data, tmp_path / "s"), "max_memory": weights + room})
     executor = Streamed(source, loaded, POINTS, torch.float32, run, cfg)
     chunks: list[list[int]] = []  # per chunk, the bytes of each output of block 0
-    executor.on_stage = lambda where: chunks.append([]) if where.startswith("block 1/") else None
+    on_stage = lambda where: chunks.append([]) if where.startswith("block 1/") else None
     loaded.model.get_submodule("encoder.layer.0").register_forward_hook(
         lambda m, a, out: chunks[-1].append((out[0] if isinstance(out, tuple) else out).nbytes)
     )
-    rows = sum(len(r[1]["doc_ids"]) for *_, r in executor.run(enumerate(source.batches())))
+    ran = executor.run(enumerate(source.batches()), on_stage=on_stage)
+    rows = sum(len(r[1]["doc_ids"]) for *_, r in ran)
     assert rows == PICTURES * tokens and len(chunks) > 1
     assert max(2 * sum(chunk) for chunk in chunks) <= room
 
