@@ -216,3 +216,14 @@ def register_vector(engine, name: str, point: str, vector) -> None:
 def steering(*vectors: tuple[str, float]) -> dict:
     """The `SamplingParams.extra_args` that ask for registered vectors by name and scale."""
     return {TAG: {"steer": [[name, float(scale)] for name, scale in vectors]}}
+
+
+def sampling_params(*, steer: tuple[tuple[str, float], ...] = (), **kwargs: Any):
+    """A `vllm.SamplingParams(**kwargs)`, asking for the registered vectors `steer` ((name, scale)
+    pairs) on its request; an error naming the extra to install where vLLM is missing."""
+    check_version()
+    from vllm import SamplingParams
+
+    if steer:
+        kwargs["extra_args"] = {**kwargs.get("extra_args", {}), **steering(*steer)}
+    return SamplingParams(**kwargs)
