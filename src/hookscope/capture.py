@@ -353,22 +353,8 @@ def collect(
     arch: Arch | None = None,
 ) -> PointDict:
     """Run the model on `inputs` and return `{point: activation}`; no layer after the last
-    needed point runs.
-
-    Args:
-        model: a Hugging Face or TransformerLens model, or any `nn.Module` (raw `module:` names).
-        inputs: what the model is called with: a tensor of token ids, or a dict (a tokenizer's
-            output: its `attention_mask` is read for `positions="last"`).
-        points: a name, a glob (`blocks.*.resid_post`), a comma-separated string or a list.
-        positions: which positions to keep (as `capture`); None keeps all.
-        heads: which heads of `attn.q|k|v|z` / `attn.pattern` to keep; None keeps all.
-        token_mask: a `[batch, pos]` bool tensor: the tokens kept, as rows `[n_tokens, ...]`.
-        dtype: the dtype kept (a cast on the model's device, before any copy); None keeps it.
-        device: where the kept copies go (`"cpu"`: to the host without waiting for the device).
-        stop: False runs the whole model (e.g. to keep its key/value cache use as it is).
-        inference: run under `torch.inference_mode`.
-        attention_mask: the batch's mask for `positions="last"`; by default the one in `inputs`.
-        arch: the table the names are read in; by default the model's own (as `capture`).
+    needed point runs. The core of `hs.collect` (`hookscope.verbs.collect`, whose docstring says
+    what each option means), for an `nn.Module`.
 
     Returns:
         PointDict: `{point: tensor}`, keyed by the names asked for (a glob: one key per point).
