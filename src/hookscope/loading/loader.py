@@ -75,6 +75,8 @@ def load(
     `tp=N` (under torchrun, N dividing the processes): transformers' tensor-parallel plan shards
     each block's projections over N ranks (`DistributedConfig(tp_size=N)`); every verb then gives
     what the unsharded model gives (hookscope.engines.tensor_parallel gathers the sharded points).
+    With more processes than N, each N consecutive ranks (0..N-1, N..2N-1, ...) hold their own
+    sharded copy and run their own inputs (TP x DP: `hs.extract` with `tp=`).
 
     Process-wide settings changed while it runs, and put back before it returns (docs/architecture.md,
     "Process-wide settings"): Python's full garbage collections wait (young ones go on); on `meta`
@@ -221,14 +223,25 @@ def _tensor_parallel(config: Any, tp: int, device: Any, device_map: Any, points:
         raise TensorParallelError(
             f"tp={tp} does not divide the {world} processes: give a tp that divides {world}"
         )
-    if world != tp:
-        # transformers 5.25 makes the data-parallel copies FSDP replicas (dp_replicate_size), whose
-        # forward fails under inference_mode, where every capture runs: refused until that is solved
-        raise TensorParallelError(
-            f"tp={tp} with {world} processes: a tensor-parallel group per {tp} ranks (TP x DP) is not "
-            f"supported by hs.load yet; run {tp} processes"
-        )
-    return DistributedConfig(tp_size=tp)
+    if world == tp:
+        return DistributedConfig(tp_size=tp)
+    return _side_by_side(DistributedConfig, tp, world // tp)
+
+
+def _side_by_side(config_class: type, tp: int, groups: int) -> Any:
+    """`groups` tensor-parallel groups of `tp` ranks each, for TP x DP: ranks g*tp .. g*tp+tp-1 form
+    group g (transformers' mesh is (pp, dp_replicate, fsdp, tp), laid out rank by rank), and each
+    group holds a whole sharded copy of the model. The mesh gets the groups as its replica axis, but
+    nothing is sharded or synchronised along it: transformers would make the replicas FSDP's (for
+    training: their forward fails under inference_mode, where every capture runs), and here each
+    group runs batches of its own (hookscope.extract deals them)."""
+
+    class SideBySide(config_class):
+        @property
+        def dp_size(self) -> int:  # no FSDP: the replicas never talk to each other
+            return 1
+
+    return SideBySide(tp_size=tp, dp_replicate_size=groups)
 
 
 def _weightless(auto: Any, config: Any, kwargs: dict, files: list[str] | None) -> nn.Module:
