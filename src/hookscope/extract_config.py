@@ -25,8 +25,8 @@ class ExtractConfig:
     `images:DIR`; default: Python's own docstrings, built offline), `context` tokens per sequence,
     `batch_size`, `dtype` of the stored rows, `max_tokens`, `shard_rows` per shard, `max_memory`
     to stream blocks under a weight budget, `workers` processes that tokenize text, `stack` (each
-    glob of `points` stored as one `[rows, blocks, ...]` column). Checked by `hs.extract` before
-    anything is loaded."""
+    glob of `points` stored as one `[rows, blocks, ...]` column), `tp` ranks per tensor-parallel
+    copy of the model under torchrun (TP x DP). Checked by `hs.extract` before anything is loaded."""
 
     out: str
     model: str | None = None
@@ -55,15 +55,29 @@ class ExtractConfig:
     # shape], its blocks in order (extract/stacking.py): a crosscoder's or CLT's read gathers each
     # row's layers in one piece
     stack: bool = False
+    # --tp N: under torchrun, each N consecutive ranks hold one tensor-parallel copy of the model
+    # (hs.load(tp=N)) and run the same batches; its first rank writes them. Not a setting of the
+    # store: a resume may use another N (the rows differ only by the all-reduce's float rounding)
+    tp: int = 1
 
 
 @dataclass(frozen=True)
 class Run:
-    """Where this process runs: its torchrun rank, how many processes, the device inputs go to."""
+    """Where this process runs: its data-parallel rank and how many there are (the torchrun rank
+    and world size; under `tp`, its tensor-parallel group's and the number of groups: the batches
+    are dealt among groups), the device inputs go to, and whether it writes its rows (one rank per
+    group does; the others compute with it, for the collectives of the sharded forward)."""
 
     rank: int
     world_size: int
     device: str
+    writes: bool = True
+
+    @classmethod
+    def of_process(cls, rank: int, world_size: int, device: str, tp: int = 1) -> Run:
+        """The Run of torchrun's `rank` of `world_size` under `tp`: the groups are consecutive
+        ranks, as `hs.load(tp=)` lays them out (loading/loader.py)."""
+        return cls(rank // tp, world_size // tp, device, writes=rank % tp == 0)
 
 
 def _whole(value: object) -> bool:
@@ -83,7 +97,7 @@ def _check_numbers(cfg: ExtractConfig) -> None:
     dtype = getattr(torch, cfg.dtype, None) if isinstance(cfg.dtype, str) else None
     if cfg.dtype not in ("float32", "float16", "bfloat16") or not isinstance(dtype, torch.dtype):
         raise HookscopeError(f"unknown dtype {cfg.dtype!r}: use float32, float16 or bfloat16")
-    for name in ("batch_size", "context", "shard_rows"):
+    for name in ("batch_size", "context", "shard_rows", "tp"):
         value = getattr(cfg, name)
         if not (_whole(value) or (name == "context" and value is None)):
             flag = "--" + name.replace("_", "-")
@@ -112,7 +126,11 @@ def _check_points_and_out(cfg: ExtractConfig) -> None:
         from .loading import parse_size
 
         parse_size(cfg.max_memory)
-        for flag, value in (("--generate", cfg.generate), ("--device-map", cfg.device_map)):
+        for flag, value in (
+            ("--generate", cfg.generate),
+            ("--device-map", cfg.device_map),
+            ("--tp", cfg.tp > 1),
+        ):
             if value:
                 raise HookscopeError(
                     f"--max-memory streams blocks through one device; it does not combine "

@@ -75,6 +75,14 @@ def add_parser(sub) -> None:
         "for a model whose needed weights do not fit",
     )
     p.add_argument(
+        "--tp",
+        type=at_least(1),
+        default=default.tp,
+        metavar="N",
+        help="under torchrun: each N ranks shard one copy of the model (tensor parallelism) and the "
+        "copies split the batches (TP x DP; N divides --nproc_per_node)",
+    )
+    p.add_argument(
         "--workers",
         type=at_least(0),
         default=default.workers,
@@ -130,6 +138,7 @@ def run(args) -> int:
         max_memory=args.max_memory,
         workers=args.workers,
         stack=args.stack,
+        tp=args.tp,
     )
     try:
         print(extract(cfg))

@@ -6,7 +6,9 @@ turns captures into shards while the next batch computes. Re-running the same co
 batches already committed to the manifest are skipped, exactly once. Under `torchrun`, batch i
 goes to rank i % world_size; each rank writes its own shards and rank 0 merges the manifests. A
 resume may use another number of processes: the batches not yet committed are dealt among them
-(store/resume.py), and the finished store holds the same rows.
+(store/resume.py), and the finished store holds the same rows. Under `--tp N` each N consecutive
+ranks share one tensor-parallel model (TP x DP): the groups take the ranks' places in the deal, and
+each group's first rank writes its rows (`Run`).
 """
 
 from __future__ import annotations
@@ -152,12 +154,14 @@ def _start(cfg: ExtractConfig, kind: type[Source]) -> tuple[Source, Executor, li
         revision=cfg.revision,
         device_map=cfg.device_map,
         tokenizer=kind.needs_tokenizer,
-        # only the weights the points need (a generating source runs the whole model)
-        points=cfg.points if kind.streamable and not streamed else None,
+        # only the weights the points need (a generating source, and a tensor-parallel model, whose
+        # plan shards every block, load the whole model)
+        points=cfg.points if kind.streamable and not streamed and cfg.tp == 1 else None,
+        tp=cfg.tp,
     )
     if cfg.device_map is not None:  # inputs go where the embeddings live
         device = str(_input_device(loaded.model))
-    run = Run(rank, world_size, device)
+    run = Run.of_process(rank, world_size, device, cfg.tp)
     points = [s.name for s in loaded.arch.resolve(cfg.points)]  # unknown names fail before any work
     source = kind.open(cfg, loaded, points, run)
     if streamed:
@@ -240,8 +244,10 @@ def _pending(
 
 
 def _run(cfg: ExtractConfig, source: Source, executor: Executor, points: list[str]) -> ExtractSummary:
-    """The batches through the executor into the store: everything after the model is loaded."""
-    rank, world_size = executor.run_on.rank, executor.run_on.world_size
+    """The batches through the executor into the store: everything after the model is loaded. A
+    rank that does not write (a tensor-parallel group's other ranks) runs the same batches and
+    passes its rows by."""
+    rank, world_size, writes = executor.run_on.rank, executor.run_on.world_size, executor.run_on.writes
     groups = stack_groups(cfg.points, points) if cfg.stack else {}
     # the stacking is a setting only when asked for: every other store's settings stay as they were
     settings = {**source.settings(), **({"stacked": groups} if groups else {})}
@@ -256,20 +262,24 @@ def _run(cfg: ExtractConfig, source: Source, executor: Executor, points: list[st
     if first is None and rank == 0:
         raise DataError(source.nothing_to_extract())
     tally = _Tally()
-    progress = _Progress(source, stages, enabled=cfg.progress and rank == 0)
+    progress = _Progress(source, stages, enabled=cfg.progress and rank == 0 and writes)
     copy_out = CopyOut(on_wait=functools.partial(stages.add, "device"), groups=groups)
     batches = _pending(itertools.chain([first] if first else [], ours), done, source, tally, progress)
     ran = executor.run(batches, lender=copy_out, on_stage=progress.bar.stage)
     ran = _timed(_checked(ran, cfg.on_nonfinite, stages, copy_out, groups), stages)
     try:
-        writer = _write(cfg, settings, view, world_size, ran, tally, progress)
+        writer = _write(cfg, settings, view, world_size, ran, tally, progress) if writes else None
+        if writer is None:
+            _pass_by(cfg, ran, tally)
     finally:
         copy_out.close()
         progress.close()
     seconds = time.perf_counter() - progress.started
+    if world_size > 1 or cfg.tp > 1:  # every process of the launch waits for the merge
+        _merge_ranks(cfg.out, rank == 0 and writes, world_size)
+    if writer is None:
+        return ExtractSummary(cfg.out, 0, 0, tally.done, tally.skipped, seconds, 0, {}, wrote=False)
     stages.busy["writer"] = writer.busy_seconds
-    if world_size > 1:
-        _merge_ranks(cfg.out, rank, world_size)
     return ExtractSummary(
         cfg.out,
         writer.total_rows,
@@ -335,12 +345,22 @@ def _write(
     return writer
 
 
-def _merge_ranks(out: str, rank: int, world_size: int) -> None:
-    """Every rank's shards written: rank 0 merges the ranks' manifests into the store's."""
+def _pass_by(cfg: ExtractConfig, ran: Iterator[Done], tally: _Tally) -> None:
+    """A rank that writes nothing: its batches run (its group's collectives need them), and go."""
+    try:
+        for _ in ran:
+            tally.done += 1
+    except KeyboardInterrupt:
+        raise ExtractInterrupted(0, str(cfg.out)) from None
+
+
+def _merge_ranks(out: str, merges: bool, world_size: int) -> None:
+    """Every rank's shards written: one process (the first data-parallel rank's writer) merges the
+    ranks' manifests into the store's (one rank: it has its manifest already), while all wait."""
     import torch.distributed as dist
 
     dist.barrier()
-    if rank == 0:
+    if merges and world_size > 1:
         merge_rank_manifests(out, world_size)
     dist.barrier()
 

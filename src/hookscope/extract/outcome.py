@@ -33,8 +33,12 @@ class ExtractSummary:
     nonfinite: dict[str, int]
     busy: dict[str, float] = field(default_factory=dict)  # each stage's busy share (extract/stages.py)
     bound: str = ""  # the stage that set the pace, in words
+    # False on a tensor-parallel group's other ranks (`--tp`): they compute, their group's first writes
+    wrote: bool = True
 
     def __str__(self) -> str:
+        if not self.wrote:
+            return f"ran {self.batches_done} batches with its tensor-parallel group; its first rank wrote them"
         rate = self.new_rows / self.seconds if self.seconds > 0 else 0.0
         mb_s = self.bytes_written / self.seconds / 1e6 if self.seconds > 0 else 0.0
         lines = [
