@@ -1,6 +1,7 @@
 """Tensor parallelism on the CPU (issue 49): a capture on a TP=2 model (two torchrun ranks, gloo)
 beside the TP=2 forward alone in the same processes, and each rank's peak memory beside one
-unsharded process's.
+unsharded process's; then, in the same TP=2 processes, `hs.extract(tp=2)` of the builtin corpus
+(EXTRACT_POINTS, 4 x 128-token batches, float16 rows) beside the TP=2 forward alone, in tokens/s.
 
     .venv/bin/python bench/bench_tp.py            # ~2 min on 2 cores: builds bench/out/tp-llama once
 
@@ -8,7 +9,10 @@ The model: a random Llama (d_model 1024, 8 layers, 16 heads, 8 kv heads, d_mlp 4
 ~150 M parameters, float32, ~600 MB). Inputs: 4 x 128 tokens. The capture keeps every block's
 `attn.z` and `mlp.post` (sharded: gathered) and `resid_post` (whole), and runs the model to the end,
 like the forward it is compared with. One process runs with 2 threads; each TP rank with 1 (2
-cores either way). Peak memory is VmHWM from /proc/self/status, after the imports and at the end.
+cores either way). Peak memory is VmHWM from /proc/self/status, after the imports and at the end
+(before the extraction, which loads a model of its own). The extraction's rate is its rows (tokens)
+over its own time (first batch to last commit); the forward's, 512 tokens over its median time,
+taken before and after the extraction.
 """
 
 from __future__ import annotations
@@ -25,6 +29,9 @@ BENCH = Path(__file__).resolve().parent
 MODEL = BENCH / "out" / "tp-llama"
 POINTS = ["blocks.*.attn.z", "blocks.*.mlp.post", "blocks.*.resid_post"]
 REPEATS = 5
+# the extraction: one attention and one MLP point, and the last block's output (the whole model runs)
+EXTRACT_POINTS = ["blocks.3.attn.z", "blocks.3.mlp.post", "blocks.7.resid_post"]
+EXTRACT_TOKENS = 16 * 512
 
 
 def build() -> None:
@@ -43,6 +50,13 @@ def build() -> None:
     )
     torch.manual_seed(0)
     LlamaForCausalLM(config).save_pretrained(MODEL)
+
+
+def add_tokenizer() -> None:
+    """The extraction reads text: a small trained tokenizer (ids below the model's vocabulary)."""
+    from hookscope.testing import train_tokenizer
+
+    train_tokenizer(4096).save_pretrained(MODEL)
 
 
 def status_mib(key: str = "VmHWM") -> float:
@@ -102,7 +116,49 @@ def worker(tp: int) -> None:
         "pss_mib": pss_mib(),
         "pss_after_imports_mib": after_imports_pss,
     }
+    if tp > 1:
+        result.update(extraction(tp, forward))
     print("RESULT " + json.dumps(result), flush=True)
+
+
+def extraction(tp: int, forward) -> dict:
+    """`hs.extract(tp=tp)` of EXTRACT_TOKENS tokens, and the forward alone before and after it."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from hookscope.extract import ExtractConfig, extract
+
+    def forward_s() -> list[float]:
+        times = []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            forward()
+            times.append(time.perf_counter() - start)
+        return times
+
+    before = forward_s()
+    out = BENCH / "out" / f"tp-extract-{os.environ['MASTER_PORT']}"  # the same on every rank
+    cfg = ExtractConfig(
+        out=str(out),
+        model=str(MODEL),
+        points=EXTRACT_POINTS,
+        context=128,
+        batch_size=4,
+        max_tokens=EXTRACT_TOKENS,
+        progress=False,
+        tp=tp,
+    )
+    summary = extract(cfg)
+    after = forward_s()
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(out)
+    return {
+        "forward_tokens_s": 4 * 128 / statistics.median(before + after),
+        "extract_tokens_s": summary.new_rows / summary.seconds if summary.wrote else None,
+        "extract_rows": summary.new_rows,
+    }
 
 
 def run(tp: int) -> list[dict]:
@@ -124,6 +180,8 @@ def main() -> None:
         return
     if not (MODEL / "config.json").exists():
         build()
+    if not (MODEL / "tokenizer.json").exists():
+        add_tokenizer()
     rows = run(1) + run(2)
     one = rows[0]
     print(
@@ -151,6 +209,13 @@ def main() -> None:
             f"({pss_share:.2f}x above the imports); TP forward {one['forward_s'] / row['forward_s']:.2f}x "
             "the unsharded forward's speed"
         )
+    for row in rows[1:]:
+        if row.get("extract_tokens_s"):
+            print(
+                f"rank {row['rank']}: extract --tp 2 {row['extract_tokens_s']:,.0f} tokens/s "
+                f"({row['extract_rows']:,} rows), the TP=2 forward alone {row['forward_tokens_s']:,.0f} "
+                f"tokens/s: {row['extract_tokens_s'] / row['forward_tokens_s']:.2f}x (target >= 0.9)"
+            )
 
 
 if __name__ == "__main__":
