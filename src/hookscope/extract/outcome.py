@@ -38,7 +38,9 @@ class ExtractSummary:
 
     def __str__(self) -> str:
         if not self.wrote:
-            return f"ran {self.batches_done} batches with its tensor-parallel group; its first rank wrote them"
+            return (
+                f"ran {self.batches_done} batches with its tensor-parallel group; its first rank wrote them"
+            )
         rate = self.new_rows / self.seconds if self.seconds > 0 else 0.0
         mb_s = self.bytes_written / self.seconds / 1e6 if self.seconds > 0 else 0.0
         lines = [
