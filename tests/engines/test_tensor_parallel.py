@@ -34,6 +34,7 @@ CASES = ("llama", "qwen3", "gemma3_text", "olmo2")
 POINTS_ONLY = ("neox_sequential", "mixtral")
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 N_HEADS = 4  # family_models' tiny decoders: 4 heads of 8, 2 kv heads, d_mlp 64
+GENERATION_MAX_LENGTH = 33  # not transformers' default (20)
 
 
 @pytest.fixture(scope="module")
@@ -44,7 +45,9 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, dict, dict]]:
     root = tmp_path_factory.mktemp("tp")
     dirs = []
     for case in CASES + POINTS_ONLY:
-        family_models.build(case).float().save_pretrained(root / case)
+        model = family_models.build(case).float()
+        model.generation_config.max_length = GENERATION_MAX_LENGTH  # held by generation_config.json alone
+        model.save_pretrained(root / case)
         dirs.append(("points:" if case in POINTS_ONLY else "") + str(root / case))
     out = root / "out"
     out.mkdir()
@@ -237,6 +240,18 @@ def test_gather_false_beside_heads_or_arch_refused(runs):
     refused = runs["llama"][1]["refused"]
     assert "heads are global indices" in refused["heads"]
     assert "give one of them" in refused["arch"]
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen3"])
+def test_only_the_split_points_asked_for_are_gathered(case, runs):
+    for rank in runs[case][1:]:
+        assert rank["gathers"] == {name: n for name, (_, n) in worker.GATHER_ASKS.items()}
+
+
+def test_the_checkpoints_generation_settings_are_read(runs):
+    """A tensor-parallel load reads the weights through a state dict, not the directory: the
+    directory's generation_config.json is read beside it, as from_pretrained reads it."""
+    assert runs["llama"][1]["generation_max_length"] == GENERATION_MAX_LENGTH
 
 
 @pytest.mark.parametrize("case", CASES)

@@ -41,6 +41,7 @@ def run(directory: str) -> dict:
     ids, other = inputs(0), inputs(1)
     out: dict = {"points": [(p.name, p.view) for p in hs.points(model)], "mapped": out_mapped}
     out["local_bytes"] = sum(local_tensor(p).nbytes for p in model.parameters())
+    out["generation_max_length"] = model.generation_config.max_length
     out["layout"] = {n: (s.describe() if s is not None else None) for n, s in tp.layout(model).items()}
     sharded = [n for n, s in out["layout"].items() if s is not None]
 
@@ -80,6 +81,7 @@ def run(directory: str) -> dict:
     # generation: greedy steps with a capture at a sharded point and a head ablation at every step
     out["generated"] = generate(model)
     out["refused"] = refusals(model, ids)
+    out["gathers"] = gathers_per_collect(model, ids)
     out["vmhwm_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out["user_loaded"] = user_loaded(directory, ids)
     return out
@@ -98,6 +100,35 @@ def refusals(model, ids) -> dict[str, str]:
         except hs.TensorParallelError as exc:
             said[name] = str(exc)
     return said
+
+
+GATHER_ASKS = {  # points asked -> how many of them are split over the ranks
+    "whole": (["blocks.0.resid_post", "blocks.1.attn.out", "blocks.1.mlp.out"], 0),
+    "one split": (["blocks.1.attn.z", "blocks.1.resid_post"], 1),
+    "every block's mlp.post": (["blocks.*.mlp.post"], 2),
+}
+
+
+def gathers_per_collect(model, ids) -> dict[str, int]:
+    """How many all-gathers one `hs.collect` of each GATHER_ASKS entry ran (the model's own
+    collectives are DTensor's functional ones, not `dist.all_gather`)."""
+    counted = []
+    real = dist.all_gather
+
+    def counting(*args, **kwargs):
+        counted.append(1)
+        return real(*args, **kwargs)
+
+    found = {}
+    dist.all_gather = counting
+    try:
+        for name, (points, _) in GATHER_ASKS.items():
+            counted.clear()
+            hs.collect(model, ids, points)
+            found[name] = len(counted)
+    finally:
+        dist.all_gather = real
+    return found
 
 
 def local_tensor(param: torch.Tensor) -> torch.Tensor:

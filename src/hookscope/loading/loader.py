@@ -165,7 +165,7 @@ def _load(
                     auto, source, config, kwargs, files, points, device, device_map
                 )
             elif "distributed_config" in kwargs and files and all(f.endswith(".safetensors") for f in files):
-                model = _load_sharded(auto, config, kwargs, files)
+                model = _load_sharded(auto, source, config, kwargs, files)
             else:  # the whole model (a checkpoint without weight files fails here, in from_pretrained)
                 placed = {"device_map": device_map} if device_map is not None else {}
                 model = auto.from_pretrained(source, **kwargs, **placed)
@@ -234,22 +234,28 @@ def _tensor_parallel(config: Any, tp: int, device: Any, device_map: Any, points:
     return DistributedConfig(tp_size=tp)
 
 
-def _load_sharded(auto: Any, config: Any, kwargs: dict, files: list[str]) -> nn.Module:
+def _load_sharded(auto: Any, source: str, config: Any, kwargs: dict, files: list[str]) -> nn.Module:
     """`tp=`: transformers shards each weight as it reads it (its `DtensorShardOperation`), given
     the files opened for `pread`: each rank reads its own slices alone. Through the memory map
     `from_pretrained` opens, every page a column slice touched (all the rows of a row-parallel
     weight) and every row slice (a view of the map) stayed resident in each rank's process, the
     pages of ~1.5x its share of the weights (bench/HISTORY.md, Tensor parallelism)."""
-    hub_only = ("revision", "local_files_only", "use_safetensors")  # for a path or id: none given here
-    options = {k: v for k, v in kwargs.items() if k not in hub_only}
-    options["dtype"] = _auto_dtype(config, kwargs, files)
+    from transformers import GenerationConfig
     from transformers.models.auto.auto_factory import _get_model_class
 
-    # the model class itself: the auto class wants a path, and a path with a state dict is refused
+    hub = {k: kwargs[k] for k in ("revision", "local_files_only") if k in kwargs}
+    options = {k: v for k, v in kwargs.items() if k not in (*hub, "use_safetensors")}
+    options["dtype"] = _auto_dtype(config, kwargs, files)
+    # the model class itself: the auto class wants a path, and a path beside a state dict is refused
     model_class = _get_model_class(config, auto._model_mapping)
+    # (the slices' reading buffers are freed as they go: returned to the system, not kept in the heap)
     with returning_freed_memory(), contextlib.ExitStack() as files_open:
         handles = [files_open.enter_context(open_safetensors(f, backend="pread")) for f in files]
-        return model_class.from_pretrained(None, config=config, state_dict=slices_of(handles), **options)
+        model = model_class.from_pretrained(None, config=config, state_dict=slices_of(handles), **options)
+    if model.can_generate():  # what from_pretrained reads from a path: the checkpoint's generation settings
+        with contextlib.suppress(OSError):
+            model.generation_config = GenerationConfig.from_pretrained(source, **hub)
+    return model
 
 
 def _weightless(auto: Any, config: Any, kwargs: dict, files: list[str] | None) -> nn.Module:
