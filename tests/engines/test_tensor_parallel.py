@@ -34,7 +34,7 @@ CASES = ("llama", "qwen3", "gemma3_text", "olmo2")
 POINTS_ONLY = ("neox_sequential", "mixtral")
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 N_HEADS = 4  # family_models' tiny decoders: 4 heads of 8, 2 kv heads, d_mlp 64
-GENERATION_MAX_LENGTH = 33  # not transformers' default (20)
+GENERATION_MAX_LENGTH = 33  # a config without the file gives None
 
 
 @pytest.fixture(scope="module")
