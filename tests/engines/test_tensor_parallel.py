@@ -248,10 +248,13 @@ def test_only_the_split_points_asked_for_are_gathered(case, runs):
         assert rank["gathers"] == {name: n for name, (_, n) in worker.GATHER_ASKS.items()}
 
 
-def test_the_checkpoints_generation_settings_are_read(runs):
+def test_what_the_directory_says_besides_the_weights_is_kept(runs):
     """A tensor-parallel load reads the weights through a state dict, not the directory: the
-    directory's generation_config.json is read beside it, as from_pretrained reads it."""
-    assert runs["llama"][1]["generation_max_length"] == GENERATION_MAX_LENGTH
+    directory's generation_config.json is read beside it, and the model says where it came from,
+    as from_pretrained on the directory does."""
+    directory, rank0, _ = runs["llama"]
+    assert rank0["generation_max_length"] == GENERATION_MAX_LENGTH
+    assert rank0["name_or_path"] == str(directory)
 
 
 @pytest.mark.parametrize("case", CASES)

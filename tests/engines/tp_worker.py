@@ -42,6 +42,7 @@ def run(directory: str) -> dict:
     out: dict = {"points": [(p.name, p.view) for p in hs.points(model)], "mapped": out_mapped}
     out["local_bytes"] = sum(local_tensor(p).nbytes for p in model.parameters())
     out["generation_max_length"] = model.generation_config.max_length
+    out["name_or_path"] = model.config.name_or_path
     out["layout"] = {n: (s.describe() if s is not None else None) for n, s in tp.layout(model).items()}
     sharded = [n for n, s in out["layout"].items() if s is not None]
 

@@ -252,7 +252,10 @@ def _load_sharded(auto: Any, source: str, config: Any, kwargs: dict, files: list
     with returning_freed_memory(), contextlib.ExitStack() as files_open:
         handles = [files_open.enter_context(open_safetensors(f, backend="pread")) for f in files]
         model = model_class.from_pretrained(None, config=config, state_dict=slices_of(handles), **options)
-    if model.can_generate():  # what from_pretrained reads from a path: the checkpoint's generation settings
+    # what from_pretrained takes from a path: where the model came from (None recorded here), and
+    # the checkpoint's generation settings
+    model.config.name_or_path = model.name_or_path = source
+    if model.can_generate():
         with contextlib.suppress(OSError):
             model.generation_config = GenerationConfig.from_pretrained(source, **hub)
     return model
