@@ -4,6 +4,7 @@ unsharded process's; then, in the same TP=2 processes, `hs.extract(tp=2)` of the
 (EXTRACT_POINTS, 4 x 128-token batches, float16 rows) beside the TP=2 forward alone, in tokens/s.
 
     .venv/bin/python bench/bench_tp.py            # ~2 min on 2 cores: builds bench/out/tp-llama once
+    .venv/bin/python bench/bench_tp.py --memory [BLOCKS]   # peak memory alone, weights dominating
 
 The model: a random Llama (d_model 1024, 8 layers, 16 heads, 8 kv heads, d_mlp 4096, vocab 8192,
 ~150 M parameters, float32, ~600 MB). Inputs: 4 x 128 tokens. The capture keeps every block's
@@ -13,6 +14,12 @@ cores either way). Peak memory is VmHWM from /proc/self/status, after the import
 (before the extraction, which loads a model of its own). The extraction's rate is its rows (tokens)
 over its own time (first batch to last commit); the forward's, 512 tokens over its median time,
 taken before and after the extraction.
+
+`--memory`: where the weights dominate (the bench_big.py shape with BLOCKS blocks, 32 by default:
+d_model 1024, d_mlp 2816, 16 heads, vocab 32000, float32, 1.9 GB at 32 blocks, 2.7 GB at 48,
+built once in bench/out/tp-llama-<BLOCKS>b), each
+process loads the model and runs one forward of 1 x 32 tokens: one unsharded `hs.load`, `hs.load(
+tp=2)`, and transformers' own `from_pretrained(tp_plan="auto")` (its memory map) beside them.
 """
 
 from __future__ import annotations
@@ -161,8 +168,8 @@ def extraction(tp: int, forward) -> dict:
     }
 
 
-def run(tp: int) -> list[dict]:
-    script = [str(Path(__file__).resolve()), "--worker", str(tp)]
+def run(tp: int, args: list[str] | None = None) -> list[dict]:
+    script = [str(Path(__file__).resolve()), *(args or ["--worker", str(tp)])]
     if tp == 1:
         command = [sys.executable, *script]
     else:
@@ -174,9 +181,81 @@ def run(tp: int) -> list[dict]:
     return found
 
 
+def big(blocks: int) -> Path:
+    return BENCH / "out" / f"tp-llama-{blocks}b"
+
+
+LOADS = {"unsharded": 1, "hs-tp": 2, "transformers-tp": 2}  # how each process loads, its ranks
+
+
+def build_big(blocks: int) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    shape = dict(hidden_size=1024, intermediate_size=2816, num_attention_heads=16, num_key_value_heads=16)
+    config = LlamaConfig(
+        **shape,
+        num_hidden_layers=blocks,
+        vocab_size=32000,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    with torch.no_grad():
+        LlamaForCausalLM(config).save_pretrained(big(blocks))
+
+
+def memory_worker(how: str, blocks: int) -> None:
+    import torch
+
+    import hookscope as hs
+
+    torch.set_num_threads(1)
+    after_imports = vmhwm_mib()
+    if how == "transformers-tp":
+        from transformers import AutoModelForCausalLM
+
+        model = AutoModelForCausalLM.from_pretrained(big(blocks), tp_plan="auto", dtype=torch.float32)
+    else:
+        model = hs.load(
+            str(big(blocks)), tokenizer=False, dtype=torch.float32, **({"tp": 2} if how == "hs-tp" else {})
+        ).model
+    loaded = vmhwm_mib()
+    with torch.inference_mode():  # an unsharded load maps the file: a forward reads every page
+        model(torch.randint(0, 32000, (1, 32), generator=torch.Generator().manual_seed(0)))
+    local = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())
+    row = {"how": how, "rank": int(os.environ.get("RANK", 0)), "imports_mib": after_imports}
+    row |= {"loaded_mib": loaded, "vmhwm_mib": vmhwm_mib(), "weights_mib": local / 2**20}
+    row |= {"rss_anon_mib": status_mib("RssAnon"), "rss_file_mib": status_mib("RssFile")}
+    print("RESULT " + json.dumps(row), flush=True)
+
+
+def memory(blocks: int) -> None:
+    if not (big(blocks) / "config.json").exists():
+        build_big(blocks)
+    rows = []
+    for how, ranks in LOADS.items():
+        rows += run(ranks, ["--memory-worker", how, str(blocks)])
+    one = rows[0]
+    columns = ["weights_mib", "imports_mib", "loaded_mib", "vmhwm_mib", "rss_anon_mib", "rss_file_mib"]
+    print(
+        f"{'load':<22}" + "".join(f"{c.removesuffix('_mib'):>10}" for c in columns) + f"{'/ unsharded':>12}"
+    )
+    for row in rows:
+        label = f"{row['how']} rank {row['rank']}"
+        figures = "".join(f"{row[c]:>10.0f}" for c in columns)
+        print(f"{label:<22}{figures}{row['vmhwm_mib'] / one['vmhwm_mib']:>12.2f}")
+
+
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--worker":
         worker(int(sys.argv[2]))
+        return
+    if len(sys.argv) == 4 and sys.argv[1] == "--memory-worker":
+        memory_worker(sys.argv[2], int(sys.argv[3]))
+        return
+    if sys.argv[1:2] == ["--memory"]:
+        memory(int(sys.argv[2]) if len(sys.argv) > 2 else 32)
         return
     if not (MODEL / "config.json").exists():
         build()

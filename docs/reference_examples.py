@@ -31,7 +31,9 @@ class ReferenceExamples(griffe.Extension):
         if pkg.name != "hookscope":
             return
         for name, example in sections(EXAMPLES.read_text(encoding="utf-8")).items():
-            obj = pkg[name]
+            # what `import hookscope` binds: a verb imported over its submodule's name (`hs.capture`
+            # from verbs.py, not the `hookscope.capture` module) is the import, not the module
+            obj = pkg.modules_collection[pkg.imports[name]] if name in pkg.imports else pkg[name]
             obj = obj.final_target if isinstance(obj, griffe.Alias) else obj
             while isinstance(obj, griffe.Module) and name in obj.members:  # a verb named like its module
                 obj = obj[name]

@@ -23,12 +23,12 @@ from importlib.metadata import PackageNotFoundError
 from importlib.metadata import version as _version
 
 from .arch import Arch
-from .capture import Capture, PointDict, PointInfo, capture, grads
+from .capture import Capture, PointDict, PointInfo
 from .compiling import compile_model
 from .edit import Edit, Edits, ablate, edit, patch, steer
 
 # registers its table change (arch.TABLE_CHANGES): a tensor-parallel model's sharded points gathered;
-# extension API: `from hookscope.engines import tensor_parallel` (layout, gather=False)
+# extension API: `from hookscope.engines import tensor_parallel` (layout, sharded)
 from .engines import tensor_parallel as _tensor_parallel  # noqa: F401
 from .errors import (
     DataError,
@@ -53,7 +53,7 @@ from .loading import Loaded, load
 from .profiling import ProfileReport, profile
 from .store import ActivationDataset, Column, Manifest, PointStats, Store, open_store
 from .top import TopResult, top
-from .verbs import collect, points
+from .verbs import capture, collect, grads, points
 
 try:
     __version__ = _version("hookscope")

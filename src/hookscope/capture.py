@@ -294,26 +294,8 @@ def capture(
     attention_mask: Tensor | None = None,
     arch: Arch | None = None,
 ) -> Capture:
-    """Hooks that keep copies of `points` while the `with` block runs; see `Capture`.
-
-    Args:
-        model: a Hugging Face or TransformerLens model, or any `nn.Module` (raw `module:` names).
-        points: a name, a glob (`blocks.*.resid_post`), a comma-separated string or a list.
-        positions: which positions to keep: an int, a slice, a list or 1-D tensor of ints, or
-            `"last"` (each row's last real token under the attention mask); None keeps all.
-        heads: which heads of `attn.q|k|v|z` / `attn.pattern` to keep (ints); None keeps all.
-        token_mask: a `[batch, pos]` bool tensor: the tokens kept, as rows `[n_tokens, ...]`.
-        dtype: the dtype kept (a cast on the model's device, before any copy); None keeps it.
-        device: where the kept copies go (`"cpu"`: to the host without waiting for the device).
-        stop: True ends every forward pass once the last point has been kept (the rest of the
-            model never runs; the block's body sees the pass end quietly); None (the default)
-            lets the block's passes run whole and stops only `cap.run(inputs)`; False stops none.
-        inference: run under `torch.inference_mode` while the block is open.
-        accumulate: keep every pass's values, concatenated along the batch on read.
-        attention_mask: the batch's mask for `positions="last"`; by default the `attention_mask=`
-            each pass is called with.
-        arch: the table the names are read in; by default the model's own (another: a
-            tensor-parallel model's table of its ranks' slices, `engines.tensor_parallel.sharded`).
+    """Hooks that keep copies of `points` while the `with` block runs; see `Capture`. The core of
+    `hs.capture` (`hookscope.verbs.capture`, whose docstring says what each option means).
 
     Returns:
         Capture: a `with` block; inside it and after, `cap[point]` is the kept copy.
@@ -382,7 +364,8 @@ def grads(
     arch: Arch | None = None,
 ) -> PointDict:
     """d loss / d activation at each point, where `loss = loss_fn(model_output)` is a scalar.
-    Keyed like `collect`: by the names asked for.
+    Keyed like `collect`: by the names asked for. The core of `hs.grads` (`hookscope.verbs.grads`,
+    whose docstring says what each option means).
 
     Returns:
         PointDict: `{point: gradient}`, shaped like the activations (zeros where the loss ignores it).

@@ -1,5 +1,6 @@
-"""`hs.collect` and `hs.points` on any model: a served engine (a vLLM `LLM`) goes to its engine
-module, anything else to the core (`capture.py`) unchanged.
+"""`hs.collect`, `hs.capture`, `hs.grads` and `hs.points` on any model: a served engine (a vLLM
+`LLM`) goes to its engine module, anything else to the core (`capture.py`); `gather=False` on a
+tensor-parallel model reads the names in the table of each rank's slices (`engines.tensor_parallel`).
 
 The core sits below the engines in the layers and never imports them; this front sits above both,
 so the one verb users know reaches either. An `nn.Module` pays one type check.
@@ -7,22 +8,25 @@ so the one verb users know reaches either. An `nn.Module` pays one type check.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from .arch import Arch
-from .capture import PointDict, PointInfo
+from .capture import Capture, PointDict, PointInfo
+from .capture import capture as core_capture
 from .capture import collect as core_collect
+from .capture import grads as core_grads
 from .capture import points as core_points
-from .engines import vllm
+from .engines import tensor_parallel, vllm
 from .errors import EngineError
 from .selection import Heads, Positions
 
 
-def collect(
+# one argument past the rule's 12: each option of the verb named in its signature (pyproject.toml)
+def collect(  # noqa: PLR0913
     model: Any,
     inputs: Any,
     points: str | Sequence[str],
@@ -36,6 +40,7 @@ def collect(
     inference: bool = True,
     attention_mask: Tensor | None = None,
     arch: Arch | None = None,
+    gather: bool = True,
 ) -> PointDict | list[PointDict]:
     """Run the model on `inputs` and return `{point: activation}`; no layer after the last
     needed point runs. On a vLLM engine (`vllm.LLM`), `inputs` are prompts (strings or token id
@@ -56,6 +61,9 @@ def collect(
         inference: run under `torch.inference_mode`.
         attention_mask: the batch's mask for `positions="last"`; by default the one in `inputs`.
         arch: the table the names are read in; by default the model's own (as `capture`).
+        gather: on a tensor-parallel model (`hs.load(..., tp=N)`), False keeps each point sharded
+            across the ranks as this rank's slice (its `hs.points` label names the slice) instead
+            of gathering the whole tensor; whole points (the residual stream) are whole either way.
 
     Returns:
         PointDict: `{point: tensor}`, keyed by the names asked for (a glob: one key per point); on
@@ -65,11 +73,14 @@ def collect(
         UnknownPointError: a point name the model does not have (the message lists close names).
         SelectionError: positions, heads or a token mask that do not fit the point.
         PointNotReachedError: a point that never ran in the forward pass (an encoder's `logits`).
-        EngineError: an engine hookscope cannot read exactly, or an option it does not take yet."""
+        EngineError: an engine hookscope cannot read exactly, or an option it does not take yet.
+        TensorParallelError: `gather=False` on a model that is not tensor-parallel, or beside
+            `heads=` or `arch=`."""
     selections = dict(positions=positions, heads=heads, token_mask=token_mask, dtype=dtype, device=device)
     if vllm.is_llm(model):
         given = [name for name, value in selections.items() if value is not None]
         given += ["arch"] if arch is not None else []
+        given += ["gather"] if not gather else []
         if given:
             raise EngineError(
                 f"hs.collect on a vLLM engine takes no {', '.join(given)} yet: it keeps every token of "
@@ -84,8 +95,112 @@ def collect(
         stop=stop,
         inference=inference,
         attention_mask=attention_mask,
-        arch=arch,
+        arch=_table(model, arch, gather, heads),
     )
+
+
+# one argument past the rule's 12: each option of the verb named in its signature (pyproject.toml)
+def capture(  # noqa: PLR0913
+    model: nn.Module,
+    points: str | Sequence[str],
+    *,
+    positions: Positions = None,
+    heads: Heads = None,
+    token_mask: Tensor | None = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    stop: bool | None = None,
+    inference: bool = True,
+    accumulate: bool = False,
+    attention_mask: Tensor | None = None,
+    arch: Arch | None = None,
+    gather: bool = True,
+) -> Capture:
+    """Hooks that keep copies of `points` while the `with` block runs; see `Capture`.
+
+    Args:
+        model: a Hugging Face or TransformerLens model, or any `nn.Module` (raw `module:` names).
+        points: a name, a glob (`blocks.*.resid_post`), a comma-separated string or a list.
+        positions: which positions to keep: an int, a slice, a list or 1-D tensor of ints, or
+            `"last"` (each row's last real token under the attention mask); None keeps all.
+        heads: which heads of `attn.q|k|v|z` / `attn.pattern` to keep (ints); None keeps all.
+        token_mask: a `[batch, pos]` bool tensor: the tokens kept, as rows `[n_tokens, ...]`.
+        dtype: the dtype kept (a cast on the model's device, before any copy); None keeps it.
+        device: where the kept copies go (`"cpu"`: to the host without waiting for the device).
+        stop: True ends every forward pass once the last point has been kept (the rest of the
+            model never runs; the block's body sees the pass end quietly); None (the default)
+            lets the block's passes run whole and stops only `cap.run(inputs)`; False stops none.
+        inference: run under `torch.inference_mode` while the block is open.
+        accumulate: keep every pass's values, concatenated along the batch on read.
+        attention_mask: the batch's mask for `positions="last"`; by default the `attention_mask=`
+            each pass is called with.
+        arch: the table the names are read in; by default the model's own.
+        gather: on a tensor-parallel model, False keeps each sharded point as this rank's slice
+            (as `collect`).
+
+    Returns:
+        Capture: a `with` block; inside it and after, `cap[point]` is the kept copy.
+
+    Raises:
+        UnknownPointError: a point name the model does not have.
+        SelectionError: an option that does not fit (checked when it is built) or the activation.
+        TensorParallelError: `gather=False` on a model that is not tensor-parallel, or beside
+            `heads=` or `arch=`."""
+    return core_capture(
+        model,
+        points,
+        positions=positions,
+        heads=heads,
+        token_mask=token_mask,
+        dtype=dtype,
+        device=device,
+        stop=stop,
+        inference=inference,
+        accumulate=accumulate,
+        attention_mask=attention_mask,
+        arch=_table(model, arch, gather, heads),
+    )
+
+
+def grads(
+    model: nn.Module,
+    inputs: Any,
+    points: str | Sequence[str],
+    loss_fn: Callable[[Any], Tensor],
+    *,
+    arch: Arch | None = None,
+    gather: bool = True,
+) -> PointDict:
+    """d loss / d activation at each point, where `loss = loss_fn(model_output)` is a scalar.
+    Keyed like `collect`: by the names asked for.
+
+    Args:
+        model: a Hugging Face or TransformerLens model, or any `nn.Module`.
+        inputs: what the model is called with (as `collect`).
+        points: a name, a glob, a comma-separated string or a list.
+        loss_fn: the model's output -> a scalar tensor.
+        arch: the table the names are read in; by default the model's own.
+        gather: on a tensor-parallel model, the gradient at a sharded point is whole (equal to
+            the unsharded model's); False gives the gradient of this rank's slice.
+
+    Returns:
+        PointDict: `{point: gradient}`, shaped like the activations (zeros where the loss ignores it).
+
+    Raises:
+        UnknownPointError: a point name the model does not have.
+        PointNotReachedError: a point that never ran in the forward pass.
+        SelectionError: `loss_fn` returned something other than a scalar tensor.
+        TensorParallelError: `gather=False` on a model that is not tensor-parallel, or beside
+            `arch=`."""
+    return core_grads(model, inputs, points, loss_fn, arch=_table(model, arch, gather, None))
+
+
+def _table(model: nn.Module, arch: Arch | None, gather: bool, heads: Heads) -> Arch | None:
+    """The table a verb reads the names in: `arch` (None: the model's own), or with
+    `gather=False` the tensor-parallel table of this rank's slices, checked before any work."""
+    if gather:
+        return arch
+    return tensor_parallel.kept_shards(model, arch=arch, heads=heads)
 
 
 def points(model: Any, example: Any = None, *, pattern: str | None = None) -> list[PointInfo]:

@@ -5,7 +5,8 @@ One torchrun launch (two ranks) runs every verb on every family's model (tp_work
 what each rank got; each test here compares that with the unsharded model loaded in this process:
 every point (hookscope's own unsharded table), the sharded ones also against a plain
 `register_forward_hook` on a module path written here, kept shards as the rank's slice, grads at
-three points (one whole, two sharded), and the logits under steer / head ablation / patch.
+three points (one whole, two sharded), and the logits under steer / head ablation / patch; each
+rank's weights read as its slices alone.
 Families: Llama, Qwen3 (q/k norms replicated), Gemma 3 (sandwich norms) and OLMo 2, whose plan
 gathers q/k/v itself (`colwise_gather_output`): there q/k/v/z must come out whole, not gathered.
 
@@ -33,6 +34,7 @@ CASES = ("llama", "qwen3", "gemma3_text", "olmo2")
 POINTS_ONLY = ("neox_sequential", "mixtral")
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 N_HEADS = 4  # family_models' tiny decoders: 4 heads of 8, 2 kv heads, d_mlp 64
+GENERATION_MAX_LENGTH = 33  # a config without the file gives None
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +45,9 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, dict, dict]]:
     root = tmp_path_factory.mktemp("tp")
     dirs = []
     for case in CASES + POINTS_ONLY:
-        family_models.build(case).float().save_pretrained(root / case)
+        model = family_models.build(case).float()
+        model.generation_config.max_length = GENERATION_MAX_LENGTH  # held by generation_config.json alone
+        model.save_pretrained(root / case)
         dirs.append(("points:" if case in POINTS_ONLY else "") + str(root / case))
     out = root / "out"
     out.mkdir()
@@ -128,6 +132,10 @@ def test_sharded_points_gathered_and_kept_against_plain_hooks(case, runs, unshar
         half = ref[suffix].shape[dim] // 2
         torch.testing.assert_close(rank0["kept"][name], ref[suffix].narrow(dim, 0, half), **TOL)
         torch.testing.assert_close(rank1["kept"][name], ref[suffix].narrow(dim, half, half), **TOL)
+        if name in rank0["captured_kept"]:  # hs.capture(..., gather=False): the same slices
+            for rank, got in enumerate((rank0, rank1)):
+                want = ref[suffix].narrow(dim, rank * half, half)
+                torch.testing.assert_close(got["captured_kept"][name], want, **TOL)
     # a raw module point on a split side is gathered too
     mlp_post, attn_z = worker.RAW_POINTS
     torch.testing.assert_close(rank1["raw"][mlp_post], ref["mlp.post"], **TOL)
@@ -228,8 +236,37 @@ def test_generate_captures_and_ablates_as_unsharded(case, runs, unsharded):
     torch.testing.assert_close(got["blocks.1.mlp.post"], ref["mlp.post"], **TOL)
 
 
-def test_heads_with_gather_false_refused(runs):
-    assert "gather" in runs["llama"][1]["refused_heads_kept"]
+def test_gather_false_beside_heads_or_arch_refused(runs):
+    refused = runs["llama"][1]["refused"]
+    assert "heads are global indices" in refused["heads"]
+    assert "give one of them" in refused["arch"]
+
+
+@pytest.mark.parametrize("case", ["llama", "qwen3"])
+def test_only_the_split_points_asked_for_are_gathered(case, runs):
+    for rank in runs[case][1:]:
+        assert rank["gathers"] == {name: n for name, (_, n) in worker.GATHER_ASKS.items()}
+
+
+def test_what_the_directory_says_besides_the_weights_is_kept(runs):
+    """A tensor-parallel load reads the weights through a state dict, not the directory: the
+    directory's generation_config.json is read beside it, and the model says where it came from,
+    as from_pretrained on the directory does."""
+    directory, rank0, _ = runs["llama"]
+    assert rank0["generation_max_length"] == GENERATION_MAX_LENGTH
+    assert rank0["name_or_path"] == str(directory)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_each_rank_reads_only_its_slices(case, runs, unsharded):
+    """No page of the checkpoint stays mapped in a rank (a memory map keeps every page a slice
+    read resident), and each rank holds about half the weights (norms and, in some plans, the
+    embeddings are whole on each rank)."""
+    whole = sum(p.nbytes for p in unsharded[case].parameters())
+    for rank in runs[case][1:]:
+        assert rank["mapped"] == []
+        assert rank["local_bytes"] < 0.75 * whole, (rank["local_bytes"], whole)
+    assert runs[case][1]["local_bytes"] + runs[case][2]["local_bytes"] >= whole
 
 
 # -- bad input, refused before any weight is read (no torchrun needed) -----------------------------
@@ -266,7 +303,19 @@ def test_tp_with_points_refused(runs):
 
 
 def test_an_unsharded_model_has_no_kept_slices(unsharded):
-    model = unsharded["llama"]
+    model, ids = unsharded["llama"], worker.inputs(0)
     assert set(tensor_parallel.layout(model).values()) == {None}
-    with pytest.raises(hs.TensorParallelError, match="not sharded"):
-        tensor_parallel.collect(model, worker.inputs(0), "blocks.0.attn.z", gather=False)
+    asks = {
+        "collect": lambda: hs.collect(model, ids, "blocks.0.attn.z", gather=False),
+        "capture": lambda: hs.capture(model, "blocks.0.attn.z", gather=False),
+        "grads": lambda: hs.grads(model, ids, "blocks.0.attn.z", worker.loss, gather=False),
+    }
+    calls = []
+    handle = model.register_forward_pre_hook(lambda module, args: calls.append(1))
+    try:
+        for verb, ask in asks.items():
+            with pytest.raises(hs.TensorParallelError, match="is not sharded: every point is whole"):
+                ask()
+            assert not calls, f"{verb} ran the model before refusing"
+    finally:
+        handle.remove()

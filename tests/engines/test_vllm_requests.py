@@ -95,6 +95,8 @@ def test_options_the_engine_cannot_take_are_refused(llama):
         hs.collect(llm, prompts()[:1], "blocks.0.resid_post", positions=[0])
     with pytest.raises(hs.EngineError, match="takes no heads, dtype yet"):
         hs.collect(llm, prompts()[:1], "blocks.0.attn.z", heads=[1], dtype=torch.bfloat16)
+    with pytest.raises(hs.EngineError, match="takes no gather yet"):
+        hs.collect(llm, prompts()[:1], "blocks.0.attn.z", gather=False)
 
 
 def fake_llm(**settings):

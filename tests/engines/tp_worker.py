@@ -37,8 +37,12 @@ def steering_vector(d_model: int) -> torch.Tensor:
 def run(directory: str) -> dict:
     loaded = hs.load(directory, tp=2, tokenizer=False, attn_implementation="eager", dtype=torch.float32)
     model, arch = loaded.model, loaded.arch
+    out_mapped = mapped_weight_files(directory)
     ids, other = inputs(0), inputs(1)
-    out: dict = {"points": [(p.name, p.view) for p in hs.points(model)]}
+    out: dict = {"points": [(p.name, p.view) for p in hs.points(model)], "mapped": out_mapped}
+    out["local_bytes"] = sum(local_tensor(p).nbytes for p in model.parameters())
+    out["generation_max_length"] = model.generation_config.max_length
+    out["name_or_path"] = model.config.name_or_path
     out["layout"] = {n: (s.describe() if s is not None else None) for n, s in tp.layout(model).items()}
     sharded = [n for n, s in out["layout"].items() if s is not None]
 
@@ -52,14 +56,18 @@ def run(directory: str) -> dict:
     out["collect_s"] = time.perf_counter() - start
     out["raw"] = dict(hs.collect(model, ids, RAW_POINTS))  # raw module points: the same rule
     out["heads"] = dict(hs.collect(model, ids, "blocks.1.attn.z", heads=[1, 2]))
-    out["kept"] = dict(tp.collect(model, ids, sharded, gather=False))
+    out["kept"] = dict(hs.collect(model, ids, sharded, gather=False))
     with hs.capture(model, ["blocks.1.attn.q", "blocks.1.mlp.out"]) as cap:
         with torch.inference_mode():
             model(ids)
     out["captured"] = {k: cap[k] for k in cap}
+    with hs.capture(model, ["blocks.1.attn.q", "blocks.1.mlp.post"], gather=False) as kept:
+        with torch.inference_mode():
+            model(ids)
+    out["captured_kept"] = {k: kept[k] for k in kept}
 
     out["grads"] = dict(hs.grads(model, ids, GRAD_POINTS, loss))
-    out["kept_grads"] = dict(tp.grads(model, ids, GRAD_POINTS, loss, gather=False))
+    out["kept_grads"] = dict(hs.grads(model, ids, GRAD_POINTS, loss, gather=False))
     clean = hs.collect(model, other, ["blocks.0.mlp.post", "blocks.1.attn.z"])
     edits = {
         "steer": hs.steer("blocks.1.resid_post", steering_vector(arch.d_model), scale=3.0),
@@ -73,13 +81,66 @@ def run(directory: str) -> dict:
             out["edited"][name] = model(ids).logits
     # generation: greedy steps with a capture at a sharded point and a head ablation at every step
     out["generated"] = generate(model)
-    try:
-        tp.collect(model, ids, "blocks.1.attn.z", gather=False, heads=[0])
-    except hs.TensorParallelError as exc:
-        out["refused_heads_kept"] = str(exc)
+    out["refused"] = refusals(model, ids)
+    out["gathers"] = gathers_per_collect(model, ids)
     out["vmhwm_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out["user_loaded"] = user_loaded(directory, ids)
     return out
+
+
+def refusals(model, ids) -> dict[str, str]:
+    """What gather=False beside an option it cannot serve says, each refused before any pass."""
+    said = {}
+    asks = {
+        "heads": lambda: hs.collect(model, ids, "blocks.1.attn.z", gather=False, heads=[0]),
+        "arch": lambda: hs.capture(model, "blocks.1.attn.z", gather=False, arch=tp.sharded(model)),
+    }
+    for name, ask in asks.items():
+        try:
+            ask()
+        except hs.TensorParallelError as exc:
+            said[name] = str(exc)
+    return said
+
+
+GATHER_ASKS = {  # points asked -> how many of them are split over the ranks
+    "whole": (["blocks.0.resid_post", "blocks.1.attn.out", "blocks.1.mlp.out"], 0),
+    "one split": (["blocks.1.attn.z", "blocks.1.resid_post"], 1),
+    "every block's mlp.post": (["blocks.*.mlp.post"], 2),
+}
+
+
+def gathers_per_collect(model, ids) -> dict[str, int]:
+    """How many all-gathers one `hs.collect` of each GATHER_ASKS entry ran (the model's own
+    collectives are DTensor's functional ones, not `dist.all_gather`)."""
+    counted = []
+    real = dist.all_gather
+
+    def counting(*args, **kwargs):
+        counted.append(1)
+        return real(*args, **kwargs)
+
+    found = {}
+    dist.all_gather = counting
+    try:
+        for name, (points, _) in GATHER_ASKS.items():
+            counted.clear()
+            hs.collect(model, ids, points)
+            found[name] = len(counted)
+    finally:
+        dist.all_gather = real
+    return found
+
+
+def local_tensor(param: torch.Tensor) -> torch.Tensor:
+    return param.to_local() if hasattr(param, "to_local") else param
+
+
+def mapped_weight_files(directory: str) -> list[str]:
+    """The lines of /proc/self/maps that map one of the directory's weight files: the pages a
+    memory map read stay resident in the process while it lives."""
+    lines = Path("/proc/self/maps").read_text().splitlines()
+    return [line for line in lines if str(Path(directory).resolve()) in line]
 
 
 def generate(model) -> dict:

@@ -13,8 +13,9 @@ all-gathers the ranks' slices before the family's own view (so `attn.z` splits i
 and a heads selection means global heads), and its `put` hands each rank its own slice of an edited
 whole tensor. With autograd on, the gather's backward keeps the rank's slice and the slice's
 backward gathers, so `hs.grads` at a sharded point is the whole gradient. Whole points are left as
-they are: one capture, no collective. `sharded(model)` is the table that keeps each rank's slice
-(`gather=False`), its label naming the slice.
+they are: one capture, no collective. `sharded(model)` is the table that keeps each rank's slice,
+its label naming the slice: what `hs.collect` / `hs.capture` / `hs.grads` read the names in with
+`gather=False` (`kept_shards`, called by verbs.py: the core below never imports an engine).
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ from __future__ import annotations
 import dataclasses
 import re
 import weakref
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,14 +31,10 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from ..arch import TABLE_CHANGES, Arch, PointSpec, View, arch_of
-from ..capture import Capture, PointDict
-from ..capture import capture as capture_whole
-from ..capture import collect as collect_whole
-from ..capture import grads as grads_whole
 from ..errors import TensorParallelError
 from ..names import MODULE_PREFIX
 
-__all__ = ["Shard", "is_tensor_parallel", "layout", "plan", "sharded", "collect", "capture", "grads"]
+__all__ = ["Shard", "is_tensor_parallel", "kept_shards", "layout", "plan", "sharded"]
 
 
 @dataclass(frozen=True)
@@ -366,13 +362,33 @@ _SHARDED: weakref.WeakKeyDictionary[nn.Module, Arch] = weakref.WeakKeyDictionary
 
 
 def sharded(model: nn.Module) -> Arch:
-    """`model`'s table with every sharded point kept as this rank's slice (`gather=False`): pass
-    it as `arch=` to `hs.capture` / `hs.collect` / `hs.grads` / `hs.hooks`."""
+    """`model`'s table with every sharded point kept as this rank's slice (what `gather=False`
+    reads the names in): pass it as `arch=` to `hs.hooks` or `hs.edit`'s verbs."""
     arch_of(model)
     table = _SHARDED.get(model)
     if table is None:
-        raise TensorParallelError("gather=False is for a tensor-parallel model; this one is not sharded")
+        raise TensorParallelError(
+            f"gather=False keeps each rank's slice of a point sharded by tensor parallelism, and this "
+            f"{type(model).__name__} is not sharded: every point is whole already. Drop gather=False, or "
+            "load the model with hs.load(..., tp=N) under torchrun"
+        )
     return table
+
+
+def kept_shards(model: nn.Module, *, arch: Arch | None = None, heads: Any = None) -> Arch:
+    """The table `hs.collect` / `hs.capture` / `hs.grads` read the names in with `gather=False`,
+    after refusing what one rank's slice cannot give."""
+    if arch is not None:
+        raise TensorParallelError(
+            "gather=False picks the table the names are read in (each rank's slices), and arch= gives "
+            "another: give one of them (the slices' table is engines.tensor_parallel.sharded(model))"
+        )
+    if heads is not None:
+        raise TensorParallelError(
+            "heads= with gather=False: heads are global indices, and each rank holds only its own; "
+            "gather (the default), or select the heads of the slice after the capture"
+        )
+    return sharded(model)
 
 
 def layout(model: nn.Module) -> dict[str, Shard | None]:
@@ -385,33 +401,3 @@ def layout(model: nn.Module) -> dict[str, Shard | None]:
     return {
         name: (s if isinstance(s, Shard) else None) for name, s in ((n, found.get(n)) for n in arch.specs)
     }
-
-
-def _options(model: nn.Module, gather: bool, options: dict) -> dict:
-    if gather:
-        return options
-    if options.get("heads") is not None:
-        raise TensorParallelError(
-            "heads= with gather=False: heads are global indices, and each rank holds only its own; "
-            "gather (the default), or select the heads of the slice after the capture"
-        )
-    return {**options, "arch": sharded(model)}
-
-
-def collect(
-    model: nn.Module, inputs: Any, points: str | Sequence[str], *, gather: bool = True, **options: Any
-) -> PointDict:
-    """`hs.collect` with `gather=False`: each sharded point as this rank's slice."""
-    return collect_whole(model, inputs, points, **_options(model, gather, options))
-
-
-def capture(model: nn.Module, points: str | Sequence[str], *, gather: bool = True, **options: Any) -> Capture:
-    """`hs.capture` with `gather=False`: each sharded point as this rank's slice."""
-    return capture_whole(model, points, **_options(model, gather, options))
-
-
-def grads(
-    model: nn.Module, inputs: Any, points: str | Sequence[str], loss_fn: Any, *, gather: bool = True
-) -> PointDict:
-    """`hs.grads` with `gather=False`: at each sharded point, the gradient of this rank's slice."""
-    return grads_whole(model, inputs, points, loss_fn, **_options(model, gather, {}))

@@ -40,13 +40,27 @@ def stored_dtype(files: list[str]) -> torch.dtype:
     return torch.float32
 
 
+def open_safetensors(file: str, backend: str = "mmap") -> Any:
+    """A safetensors file open for reading per tensor: memory-mapped (`"mmap"`), or read with
+    `pread` (`"pread"`): a slice then reads its own bytes alone, and no page of the file stays
+    mapped in the process (a column slice of a memory map touches every row's pages, and a row
+    slice is a view that keeps the whole map, with all the pages read through it, alive)."""
+    from safetensors import safe_open
+
+    return safe_open(file, framework="pt", device="cpu", backend=backend)
+
+
+def slices_of(handles: list[Any]) -> dict[str, Any]:
+    """Stored name -> its safetensors slice (read when indexed), over the open files."""
+    return {key: handle.get_slice(key) for handle in handles for key in handle.keys()}
+
+
 class Checkpoint:
     """A model's weight files, open (memory-mapped), with each key's target parameter name. A
     key's piece is a safetensors slice (read when indexed) or, from a `.bin` file, a tensor on
     torch.load's memory map (its pages read when touched)."""
 
     def __init__(self, model: nn.Module, files: list[str], dtype: torch.dtype | None):
-        from safetensors import safe_open
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
         from transformers.modeling_utils import load_state_dict
@@ -54,8 +68,8 @@ class Checkpoint:
         self.dtype = dtype
         self.mapping = get_model_conversion_mapping(model)
         safetensors = [f for f in files if f.endswith(".safetensors")]
-        self._handles = [safe_open(f, framework="pt", device="cpu") for f in safetensors]
-        self._slices: dict[str, Any] = {key: h.get_slice(key) for h in self._handles for key in h.keys()}
+        self._handles = [open_safetensors(f) for f in safetensors]
+        self._slices: dict[str, Any] = slices_of(self._handles)
         for pickled in (f for f in files if not f.endswith(".safetensors")):
             self._slices.update(load_state_dict(pickled))  # torch.load(mmap=True, weights_only=True)
         renamings = [m for m in self.mapping if isinstance(m, WeightRenaming)]

@@ -23,7 +23,7 @@ from ..compiling import compile_model
 from ..errors import ModelLoadError, TensorParallelError
 from ..hub import OFFLINE_HELP, unreachable_reason
 from .allocator import returning_freed_memory
-from .checkpoint import Checkpoint, no_progress_bars, stored_dtype
+from .checkpoint import Checkpoint, no_progress_bars, open_safetensors, slices_of, stored_dtype
 from .partial_load import PartialLoad, plan, prologue_modules
 from .weight_files import DEFAULT_MODEL, checkpoint_files, resolve_source
 
@@ -158,13 +158,16 @@ def _load(
     partial = None
     try:
         with no_progress_bars():  # transformers 5 draws a bar while it loads the weights
-            files = _weight_files(source, common) if str(device) == "meta" or points is not None else None
+            reads_files = str(device) == "meta" or points is not None or "distributed_config" in kwargs
+            files = _weight_files(source, common) if reads_files else None
             if str(device) == "meta":
                 model = _weightless(auto, config, kwargs, files)
             elif points is not None and files:
                 model, partial = _load_partial(
                     auto, source, config, kwargs, files, points, device, device_map
                 )
+            elif "distributed_config" in kwargs and files and all(f.endswith(".safetensors") for f in files):
+                model = _load_sharded(auto, source, config, kwargs, files)
             else:  # the whole model (a checkpoint without weight files fails here, in from_pretrained)
                 placed = {"device_map": device_map} if device_map is not None else {}
                 model = auto.from_pretrained(source, **kwargs, **placed)
@@ -242,6 +245,33 @@ def _side_by_side(config_class: type, tp: int, groups: int) -> Any:
             return 1
 
     return SideBySide(tp_size=tp, dp_replicate_size=groups)
+
+
+def _load_sharded(auto: Any, source: str, config: Any, kwargs: dict, files: list[str]) -> nn.Module:
+    """`tp=`: transformers shards each weight as it reads it (its `DtensorShardOperation`), given
+    the files opened for `pread`: each rank reads its own slices alone. Through the memory map
+    `from_pretrained` opens, every page a column slice touched (all the rows of a row-parallel
+    weight) and every row slice (a view of the map) stayed resident in each rank's process, the
+    pages of ~1.5x its share of the weights (bench/HISTORY.md, Tensor parallelism)."""
+    from transformers import GenerationConfig
+    from transformers.models.auto.auto_factory import _get_model_class
+
+    hub = {k: kwargs[k] for k in ("revision", "local_files_only") if k in kwargs}
+    options = {k: v for k, v in kwargs.items() if k not in (*hub, "use_safetensors")}
+    options["dtype"] = _auto_dtype(config, kwargs, files)
+    # the model class itself: the auto class wants a path, and a path beside a state dict is refused
+    model_class = _get_model_class(config, auto._model_mapping)
+    # (the slices' reading buffers are freed as they go: returned to the system, not kept in the heap)
+    with returning_freed_memory(), contextlib.ExitStack() as files_open:
+        handles = [files_open.enter_context(open_safetensors(f, backend="pread")) for f in files]
+        model = model_class.from_pretrained(None, config=config, state_dict=slices_of(handles), **options)
+    # what from_pretrained takes from a path: where the model came from (None recorded here), and
+    # the checkpoint's generation settings
+    model.config.name_or_path = model.name_or_path = source
+    if model.can_generate():
+        with contextlib.suppress(OSError):
+            model.generation_config = GenerationConfig.from_pretrained(source, **hub)
+    return model
 
 
 def _weightless(auto: Any, config: Any, kwargs: dict, files: list[str] | None) -> nn.Module:
