@@ -140,6 +140,36 @@ def test_options_the_engine_path_cannot_take_are_refused(llama, options, match):
         hs.generate(llm, prompts()[:1], POINTS, max_new_tokens=2, **options)
 
 
+def test_edits_the_engine_cannot_apply_are_refused(llama):
+    llm, _ = llama
+    with pytest.raises(hs.EngineError, match="d_model = 256 wide"):
+        hs.generate(llm, prompts()[:1], edits=[hs.steer("blocks.0.resid_post", torch.ones(8))])
+    with pytest.raises(hs.EngineError, match="position 7 is to be patched"):
+        hs.generate(
+            llm, prompts()[:1], edits=[hs.patch("blocks.0.mlp.out", torch.ones(5, 256), positions=[2, 7])]
+        )
+    with pytest.raises(hs.EngineError, match="cannot be written"):
+        hs.generate(llm, prompts()[:1], edits=[hs.ablate("blocks.0.ln2.normalized")])
+    with pytest.raises(hs.SelectionError, match="counts from the end"):
+        hs.generate(llm, prompts()[:1], edits=[hs.ablate("blocks.0.mlp.out", positions="last")])
+    assert llm.collective_rpc("hookscope_hook_count") == [0]  # nothing was attached
+
+
+def test_collect_with_edits_per_prompt(llama):
+    """The engine's prefill capture takes edits too: an ablation on one prompt of two."""
+    from hookscope.engines import vllm as hv
+
+    llm, hf = llama
+    ps = prompts()[1:3]
+    ablate = hs.ablate("blocks.0.attn.z", heads=[0, 3])
+    got = hv.collect(llm, ps, "blocks.1.resid_post", edits=[[], [ablate]])
+    plain = hs.collect(hf, torch.tensor([ps[0]]), "blocks.1.resid_post")["blocks.1.resid_post"][0]
+    with hs.edit(hf, ablate):
+        edited = hs.collect(hf, torch.tensor([ps[1]]), "blocks.1.resid_post")["blocks.1.resid_post"][0]
+    assert_close(got[0]["blocks.1.resid_post"], plain, "unedited prompt")
+    assert_close(got[1]["blocks.1.resid_post"], edited, "ablated prompt")
+
+
 def test_edits_are_refused_under_prefix_caching():
     from test_vllm_requests import fake_llm
 

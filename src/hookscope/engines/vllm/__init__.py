@@ -23,7 +23,7 @@ from ...names import canonical, is_pattern, layer_of
 from ...optional_imports import require
 from . import tables
 from .batch import TAG
-from .edits import describe
+from .edits import check_width, describe
 from .worker import take_over
 
 # the worker extension vLLM mixes into its workers (`LLM(..., worker_extension_cls=EXTENSION)`)
@@ -264,10 +264,7 @@ def register_vector(engine, name: str, point: str, vector) -> None:
     architecture, arch = check_engine(engine)
     (point,) = resolve(arch, point).values()
     values = vector.detach().to("cpu").flatten().tolist() if hasattr(vector, "detach") else list(vector)
-    if arch.d_model and "resid" in point and len(values) != arch.d_model:
-        raise EngineError(
-            f"a vector of {len(values)} values for {point}: it is d_model = {arch.d_model} wide"
-        )
+    check_width(arch, point, len(values))
     engine.collective_rpc("hookscope_steer", args=(architecture, name, point, values))
 
 

@@ -64,11 +64,37 @@ def describe(edit: Any, arch: Arch) -> dict:
         )
     if tables.read_only(spec):
         raise EngineError(f"{spec.name} is computed from its module's input on vLLM and cannot be written")
+    if isinstance(edit, Steer):
+        check_width(arch, spec.name, edit.vector.numel())
+    if isinstance(edit, Patch):
+        _check_covers(edit)
     fields = {f.name: getattr(edit, f.name) for f in dataclasses.fields(edit) if f.init}
     if isinstance(edit, Patch):
         fields["source"] = edit.source.unsqueeze(0)  # the batch of one the worker edits
     fields["point"] = spec.name
     return {"kind": kind, "fields": {name: _plain(v) for name, v in fields.items()}}
+
+
+def check_width(arch: Arch, point: str, n: int) -> None:
+    """A residual-stream vector must be d_model wide (a wrong one would fail inside the engine's forward)."""
+    if arch.d_model and "resid" in point and n != arch.d_model:
+        raise EngineError(f"a vector of {n} values for {point}: it is d_model = {arch.d_model} wide")
+
+
+def _check_covers(patch: Patch) -> None:
+    """The positions a patch names lie within its source (`[n_tokens, ...]`), checked before the engine
+    runs: a patch past its source's end would fail inside the engine's forward."""
+    p = patch.selection.positions
+    if isinstance(p, slice):
+        named = [] if p.stop is None else [p.stop - 1]
+    else:
+        named = [] if p is None else torch.as_tensor(p).flatten().tolist()
+    have = patch.source.shape[0]
+    if named and max(named) >= have:
+        raise EngineError(
+            f"patch {patch.point}: its source holds {have} tokens ([n_tokens, ...], a request's own rows) "
+            f"but position {max(named)} is to be patched: give a longer source or fewer positions"
+        )
 
 
 def rebuild(plain: dict) -> Edit:
