@@ -150,6 +150,8 @@ def test_edits_the_engine_cannot_apply_are_refused(llama):
         )
     with pytest.raises(hs.EngineError, match="cannot be written"):
         hs.generate(llm, prompts()[:1], edits=[hs.ablate("blocks.0.ln2.normalized")])
+    with pytest.raises(hs.EngineError, match="give the mean to write"):
+        hs.generate(llm, prompts()[:1], edits=[hs.ablate("blocks.0.mlp.out", "mean")])
     with pytest.raises(hs.SelectionError, match="counts from the end"):
         hs.generate(llm, prompts()[:1], edits=[hs.ablate("blocks.0.mlp.out", positions="last")])
     assert llm.collective_rpc("hookscope_hook_count") == [0]  # nothing was attached

@@ -68,6 +68,12 @@ def describe(edit: Any, arch: Arch) -> dict:
         check_width(arch, spec.name, edit.vector.numel())
     if isinstance(edit, Patch):
         _check_covers(edit)
+    if isinstance(edit, Ablate) and edit.how == "mean" and edit.mean is None:
+        raise EngineError(
+            f"ablate {spec.name} how='mean' takes the mean over the forward's own tokens, and vLLM runs a "
+            "prompt in chunks shared with other requests: give the mean to write (mean=, e.g. over a "
+            "reference set from hs.collect)"
+        )
     fields = {f.name: getattr(edit, f.name) for f in dataclasses.fields(edit) if f.init}
     if isinstance(edit, Patch):
         fields["source"] = edit.source.unsqueeze(0)  # the batch of one the worker edits
