@@ -47,13 +47,13 @@ from .errors import (
 from .experts import ablate_expert, force_route
 from .export import SaelensExport, export_hf, export_saelens
 from .extract import ExtractConfig, ExtractInterrupted, ExtractSummary, extract
-from .generate import Generation, generate
+from .generate import Generation
 from .hooks import Hooks, hooks
 from .loading import Loaded, load
 from .profiling import ProfileReport, profile
 from .store import ActivationDataset, Column, Manifest, PointStats, Store, open_store
 from .top import TopResult, top
-from .verbs import capture, collect, grads, points
+from .verbs import capture, collect, generate, grads, points
 
 try:
     __version__ = _version("hookscope")

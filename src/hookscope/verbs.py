@@ -1,6 +1,7 @@
-"""`hs.collect`, `hs.capture`, `hs.grads` and `hs.points` on any model: a served engine (a vLLM
-`LLM`) goes to its engine module, anything else to the core (`capture.py`); `gather=False` on a
-tensor-parallel model reads the names in the table of each rank's slices (`engines.tensor_parallel`).
+"""`hs.collect`, `hs.capture`, `hs.grads`, `hs.points` and `hs.generate` on any model: a served
+engine (a vLLM `LLM`) goes to its engine module, anything else to the core (`capture.py`,
+`generate/`); `gather=False` on a tensor-parallel model reads the names in the table of each
+rank's slices (`engines.tensor_parallel`).
 
 The core sits below the engines in the layers and never imports them; this front sits above both,
 so the one verb users know reaches either. An `nn.Module` pays one type check.
@@ -21,7 +22,10 @@ from .capture import collect as core_collect
 from .capture import grads as core_grads
 from .capture import points as core_points
 from .engines import tensor_parallel, vllm
+from .engines.vllm import generating
 from .errors import EngineError
+from .generate import Generation
+from .generate import generate as core_generate
 from .selection import Heads, Positions
 
 
@@ -223,3 +227,38 @@ def points(model: Any, example: Any = None, *, pattern: str | None = None) -> li
             infos = [p for p in infos if p.name in keep]
         return infos
     return core_points(model, example, pattern=pattern)
+
+
+def generate(
+    model: Any,
+    inputs: Any,
+    points: str | Sequence[str] = (),
+    *,
+    edits: Sequence[Any] = (),
+    edit_on: str = "both",
+    positions: Positions = None,
+    heads: Heads = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    **generate_kwargs: Any,
+) -> Generation | list[Generation]:
+    """Generate, capturing `points` and applying `edits` at every step: on a Hugging Face or
+    TransformerLens model, `hookscope.generate.generate` (its docstring says what each option
+    means); on a vLLM engine (`vllm.LLM`), `inputs` are prompts and the result is one `Generation`
+    per prompt, each as that prompt alone gives (`hookscope.engines.vllm.generating.generate`:
+    `max_new_tokens`, `edits` for every prompt or one list per prompt, `edit_on`, and
+    vllm.SamplingParams options; greedy unless a temperature is given).
+
+    Raises:
+        EngineError: on an engine, a selection (positions, heads, dtype, device), n > 1, beam
+            search, or an option vLLM's SamplingParams lacks; see the two functions above."""
+    selections = dict(positions=positions, heads=heads, dtype=dtype, device=device)
+    if vllm.is_llm(model):
+        given = [name for name, value in selections.items() if value is not None]
+        if given:
+            raise EngineError(
+                f"hs.generate on a vLLM engine takes no {', '.join(given)} yet: it keeps every token of "
+                "every request; select rows from what it returns"
+            )
+        return generating.generate(model, inputs, points, edits=edits, edit_on=edit_on, **generate_kwargs)
+    return core_generate(model, inputs, points, edits=edits, edit_on=edit_on, **selections, **generate_kwargs)

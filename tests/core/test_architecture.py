@@ -247,7 +247,8 @@ def test_the_public_verbs_say_what_they_return():
         "capture": hs.Capture,
         "load": hs.Loaded,
         "extract": hs.ExtractSummary,
-        "generate": hs.Generation,
+        # a vLLM engine's generate: one Generation per prompt (verbs.py)
+        "generate": hs.Generation | list[hs.Generation],
         "open_store": hs.Store,
         "top": hs.TopResult,
         "export_saelens": hs.SaelensExport,

@@ -47,17 +47,7 @@ class StepEdit:
     ) -> StepEdit:
         """A step edit, once `edit` is known to follow sequence positions (refused before generating),
         its data on the device of the point's module."""
-        if not isinstance(edit, Edit):
-            raise HookscopeError(
-                f"edits= takes hs.steer / hs.ablate / hs.patch values, got {type(edit).__name__}"
-            )
-        spec = arch.spec(edit.point)
-        if spec.pos_dim != 1:
-            raise SelectionError(
-                f"edit on {spec.name}: the point has no [batch, pos, ...] layout to follow "
-                "during generation; use a canonical point name (hs.points(model))"
-            )
-        edit.selection.from_start(f"edit on {spec.name} (or use edit_on='prompt' / 'generated')")
+        spec = check(edit, arch)
         weight = _weight(arch.module(model, spec), model)
         if weight is not None and weight.device.type != "meta":
             edit = _placed(edit, weight.device, None)
@@ -88,6 +78,24 @@ class StepEdit:
         self.dtype, self.edit = act.dtype, _placed(self.edit, act.device, act.dtype)
         self.current = dataclasses.replace(step, edit=self.edit)
         return self.current
+
+
+def check(edit: object, arch: Arch) -> PointSpec:
+    """The point `edit` writes, once the edit is known to follow sequence positions (else an error
+    naming the fix): what every generation checks before it starts, with or without the model."""
+    if not isinstance(edit, Edit):
+        raise HookscopeError(
+            f"edits= takes hs.steer / hs.ablate / hs.patch values, got {type(edit).__name__}"
+        )
+    spec = arch.spec(edit.point)
+    spec.require_writable("an edit")
+    if spec.pos_dim != 1:
+        raise SelectionError(
+            f"edit on {spec.name}: the point has no [batch, pos, ...] layout to follow "
+            "during generation; use a canonical point name (hs.points(model))"
+        )
+    edit.selection.from_start(f"edit on {spec.name} (or use edit_on='prompt' / 'generated')")
+    return spec
 
 
 def _weight(module: nn.Module, model: nn.Module) -> Tensor | None:

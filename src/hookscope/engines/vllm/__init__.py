@@ -1,4 +1,5 @@
-"""hookscope's verbs on a vLLM engine (`vllm.LLM`): `points`, `collect` (prefill captures, per request).
+"""hookscope's verbs on a vLLM engine (`vllm.LLM`): `points`, `collect` (prefill captures, per
+request, with edits); `generate` (generating.py) captures and edits while the engine generates.
 
     llm = hookscope.engines.vllm.llm(model_dir)       # an LLM with hookscope's worker extension
     rows = hs.collect(llm, prompts, "blocks.*.resid_post")   # one dict per prompt: [tokens, ...]
@@ -21,7 +22,9 @@ from ...errors import EngineError, UnknownPointError
 from ...names import canonical, is_pattern, layer_of
 from ...optional_imports import require
 from . import tables
-from .worker import TAG, take_over
+from .batch import TAG
+from .edits import check_width, describe
+from .worker import take_over
 
 # the worker extension vLLM mixes into its workers (`LLM(..., worker_extension_cls=EXTENSION)`)
 EXTENSION = "hookscope.engines.vllm.worker.Extension"
@@ -146,46 +149,107 @@ def _prompts(prompts: Any) -> list:
     return out
 
 
-def collect(engine, prompts: Any, points: str | Sequence[str]) -> list:
+def collect(engine, prompts: Any, points: str | Sequence[str], *, edits: Sequence[Any] = ()) -> list:
     """Each prompt's prefill activations, run together through the engine as vLLM batches them
     (continuous batching, chunked prefill): one `PointDict` per prompt, `{point: [n_tokens, ...]}`,
     equal to that prompt run alone. Prefix caching is bypassed for these requests
-    (`skip_reading_prefix_cache`), so every token's forward runs and is kept.
+    (`skip_reading_prefix_cache`), so every token's forward runs and is kept. `edits`: hs.steer /
+    hs.ablate / hs.patch values applied to every prompt, or one list of them per prompt.
 
     Raises:
         EngineError: not a vLLM LLM, another vLLM release, no hookscope worker extension, compiled
-            mode, tensor parallelism; rows that came back short.
+            mode, tensor parallelism; edits under prefix caching; rows that came back short.
         UnknownPointError: a name the model lacks (close names listed) or one vLLM never exposes."""
-    from vllm import SamplingParams
-
     from ...capture import PointDict
 
     architecture, arch = check_engine(engine)
     keys = resolve(arch, points)
     requests = _prompts(prompts)
-    run = uuid.uuid4().hex
-    params = [
-        SamplingParams(
-            max_tokens=1,
-            skip_reading_prefix_cache=True,
-            detokenize=False,
-            extra_args={TAG: {"run": run, "index": i}},
-        )
-        for i in range(len(requests))
-    ]
-    engine.collective_rpc("hookscope_start", args=(architecture, list(dict.fromkeys(keys.values())), run))
-    try:
-        outputs = engine.generate(requests, params, use_tqdm=False)
-        expected = {str(i): len(out.prompt_token_ids) for i, out in enumerate(outputs)}
-        (rows, *_) = engine.collective_rpc("hookscope_take", args=(run, expected))
-    except BaseException:
-        engine.collective_rpc("hookscope_stop", args=(run,))
-        raise
-    rows = take_over(rows)
+    described = describe_edits(engine, arch, edits, len(requests))
+    outputs, rows = serve(
+        engine, architecture, requests, [{"max_tokens": 1}] * len(requests), list(keys.values()), described
+    )
     return [
         PointDict(((key, rows[i][name]) for key, name in keys.items()), arch=arch)
         for i in range(len(requests))
     ]
+
+
+def describe_edits(engine, arch: Arch, edits: Sequence[Any], n_prompts: int) -> dict[int, list[dict]]:
+    """Request index -> its edits as plain data (edits.py): `edits` for every prompt, or one list per
+    prompt; checked before any work."""
+    if not edits:
+        return {}
+    refuse_prefix_caching(engine, "edits")
+    per_prompt = all(isinstance(e, (list, tuple)) for e in edits)
+    if per_prompt and len(edits) != n_prompts:
+        raise EngineError(
+            f"edits= holds {len(edits)} lists for {n_prompts} prompts: give one list of edits per prompt "
+            "(an empty one for a prompt left as it is), or one flat list for every prompt"
+        )
+    lists = list(edits) if per_prompt else [edits] * n_prompts
+    seen: dict[int, dict] = {}  # an edit given to several prompts is described once
+    for edit in (e for one in lists for e in one):
+        if id(edit) not in seen:
+            seen[id(edit)] = describe(edit, arch)
+    return {i: [seen[id(e)] for e in one] for i, one in enumerate(lists) if one}
+
+
+def serve(
+    engine,
+    architecture: str,
+    requests: list,
+    options: list[dict],
+    names: list[str],
+    edits: dict[int, list[dict]],
+    *,
+    prefill_only: bool = True,
+    edit_on: str = "both",
+    tags: list[dict] | None = None,
+) -> tuple[list, dict[int, dict[str, Any]]]:
+    """Run `requests` (with `SamplingParams(**options[i])`), capturing `names` on every token the
+    engine runs of each (the prompt only with `prefill_only`) and applying each request's `edits`;
+    vLLM's outputs and the rows, request index -> point -> `[tokens run, ...]`. `tags`: more of each
+    request's tag for the workers."""
+    from vllm import SamplingParams
+
+    run = uuid.uuid4().hex
+    params = []
+    for i, opts in enumerate(options):
+        extra = dict(opts.get("extra_args") or {})
+        extra[TAG] = {**extra.get(TAG, {}), **(tags[i] if tags else {}), "run": run, "index": i}
+        params.append(
+            SamplingParams(
+                **{"detokenize": False, **opts, "extra_args": extra}, skip_reading_prefix_cache=True
+            )
+        )
+    described = {str(i): e for i, e in edits.items()}
+    names = list(dict.fromkeys(names))
+    engine.collective_rpc(
+        "hookscope_start", args=(architecture, names, run, prefill_only, described, edit_on)
+    )
+    try:
+        outputs = engine.generate(requests, params, use_tqdm=False)
+        # every token but the last sampled one (the engine never runs it)
+        expected = {
+            str(i): len(out.prompt_token_ids) + (0 if prefill_only else len(out.outputs[0].token_ids) - 1)
+            for i, out in enumerate(outputs)
+        }
+        (rows, *_) = engine.collective_rpc("hookscope_take", args=(run, expected))
+    except BaseException:
+        engine.collective_rpc("hookscope_stop", args=(run,))
+        raise
+    return outputs, take_over(rows)
+
+
+def refuse_prefix_caching(engine, what: str) -> None:
+    if is_llm(engine) and _config(engine).cache_config.enable_prefix_caching:
+        # an edited request's KV blocks would enter the prefix cache and serve later requests of the
+        # same prompt, edited or not
+        raise EngineError(
+            f"{what} on an engine with prefix caching on would let an edited request's cached blocks "
+            "serve other requests: make the LLM with enable_prefix_caching=False"
+        )
 
 
 def register_vector(engine, name: str, point: str, vector) -> None:
@@ -196,20 +260,11 @@ def register_vector(engine, name: str, point: str, vector) -> None:
     Raises:
         EngineError: see `check_engine`; prefix caching on; a vector whose size is not d_model.
         UnknownPointError: a point the model lacks or vLLM never exposes."""
-    if is_llm(engine) and _config(engine).cache_config.enable_prefix_caching:
-        # a steered request's KV blocks would enter the prefix cache and serve later requests of the
-        # same prompt, steered or not
-        raise EngineError(
-            "steering on an engine with prefix caching on would let a steered request's cached blocks "
-            "serve other requests: make the LLM with enable_prefix_caching=False"
-        )
+    refuse_prefix_caching(engine, "steering")
     architecture, arch = check_engine(engine)
     (point,) = resolve(arch, point).values()
     values = vector.detach().to("cpu").flatten().tolist() if hasattr(vector, "detach") else list(vector)
-    if arch.d_model and "resid" in point and len(values) != arch.d_model:
-        raise EngineError(
-            f"a vector of {len(values)} values for {point}: it is d_model = {arch.d_model} wide"
-        )
+    check_width(arch, point, len(values))
     engine.collective_rpc("hookscope_steer", args=(architecture, name, point, values))
 
 

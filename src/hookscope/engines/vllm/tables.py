@@ -81,6 +81,11 @@ def _normalized(call: Call, centred: bool) -> Tensor:
     return (x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()).to(dtype)
 
 
+def read_only(spec) -> bool:
+    """Whether the point is computed from its module's input and cannot be written (`lnX.normalized`)."""
+    return spec.view is not None and spec.view.put is _read_only
+
+
 RMS_NORMALIZED = View(
     lambda call: _normalized(call, False), _read_only, "computed: (hidden + residual) / scale"
 )

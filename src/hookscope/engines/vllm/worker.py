@@ -6,10 +6,11 @@ arguments and results are plain data (names, tags, tensors): nothing executable 
 so vLLM's default layout (the engine core and its workers in their own processes) works as is.
 
 A forward holds the flattened tokens of many requests (`[num_tokens, ...]`, chunked prefill and
-decode mixed). The model's root pre-hook reads, once per forward, which requests are in it (the
-model runner's batch: request order, `query_start_loc`) and the `positions` the model is called
-with; each point's hook then copies the token rows of the requests this capture tagged (their
-`SamplingParams.extra_args`) and files them under (request, point) with their positions.
+decode mixed). The model's root pre-hook reads, once per forward, which requests are in it
+(batch.py) and the `positions` the model is called with; each point's hook then copies the token
+rows of the requests this capture tagged (their `SamplingParams.extra_args`) and files them under
+(request, point) with their positions. A capture's edits (edits.py) are attached before its
+hooks, so a captured point that is also edited is kept as edited.
 """
 
 from __future__ import annotations
@@ -27,8 +28,8 @@ from ...arch.base import ROOT
 from ...errors import EngineError
 from ...hooks import Hook, Hooks, hook_count
 from . import tables
-
-TAG = "hookscope"  # the key of a captured request's SamplingParams.extra_args
+from .batch import requests_in_pass
+from .edits import RequestEdits
 
 
 @dataclass
@@ -44,36 +45,44 @@ class _Slot:
 
 class Session:
     """One capture's hooks in one worker, and the rows they filed: (request index, point) -> parts,
-    one per forward that held the request, in the order they ran."""
+    one per forward that held the request, in the order they ran; and its requests' edits
+    (`edits`: request index -> described edits, see edits.py), applied on every forward before any
+    point is kept."""
 
-    def __init__(self, runner, model: nn.Module, arch, names: list[str], run: str, prefill_only: bool):
+    def __init__(
+        self,
+        runner,
+        model: nn.Module,
+        arch,
+        names: list[str],
+        run: str,
+        prefill_only: bool,
+        edits: dict | None = None,
+        edit_on: str = "both",
+    ):
         self.runner, self.run, self.prefill_only = runner, run, prefill_only
         self.slots: list[_Slot] = []
         self.rows: Tensor | None = None  # this forward's kept token rows, for one index_select per point
         self.parts: dict[tuple[int, str], list[tuple[Tensor, Tensor]]] = defaultdict(list)
         self.hooks = Hooks(model, arch)
+        if edits:
+            RequestEdits(runner, model, arch, self.hooks, run, edits, edit_on)
         self.hooks.module_pre_forward(ROOT, self._pass_start)
         for name in names:
             self.hooks.forward(arch.spec(name), self._keep)
 
     def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
-        batch = self.runner.input_batch
-        n = batch.num_reqs
-        starts = self.runner.query_start_loc.cpu[: n + 1].tolist()
         self.slots, rows, kept = [], [], 0
-        for i, req_id in enumerate(batch.req_ids[:n]):
-            state = self.runner.requests[req_id]
-            extra = (state.sampling_params.extra_args or {}) if state.sampling_params is not None else {}
-            tag = extra.get(TAG)
-            if not isinstance(tag, dict) or tag.get("run") != self.run:
+        for req in requests_in_pass(self.runner):
+            tag = req.tag
+            if tag.get("run") != self.run:
                 continue  # another request (or another capture's): not ours to keep
-            start, end = starts[i], starts[i + 1]
             # a copy: `positions` is a view of the runner's buffer, which the next forward overwrites
-            pos = positions[start:end].to("cpu", copy=True)
-            index = torch.arange(start, end)
+            pos = positions[req.start : req.end].to("cpu", copy=True)
+            index = torch.arange(req.start, req.end)
             if self.prefill_only:
-                prompt = len(state.prompt_token_ids or ())
+                prompt = len(req.state.prompt_token_ids or ())
                 if int(pos[-1]) >= prompt:  # decode tokens in this chunk: keep the prompt's only
                     index, pos = index[pos < prompt], pos[pos < prompt]
             if pos.numel():
@@ -180,18 +189,12 @@ class Steering:
             self.attached.add(spec.name)
 
     def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        batch = self.runner.input_batch
-        n = batch.num_reqs
-        starts = self.runner.query_start_loc.cpu[: n + 1].tolist()
         found: dict[str, tuple[list, list]] = {}
-        for i, req_id in enumerate(batch.req_ids[:n]):
-            state = self.runner.requests[req_id]
-            extra = (state.sampling_params.extra_args or {}) if state.sampling_params is not None else {}
-            tag = extra.get(TAG)
-            for name, scale in tag.get("steer", ()) if isinstance(tag, dict) else ():
+        for req in requests_in_pass(self.runner):
+            for name, scale in req.tag.get("steer", ()):
                 rows, scales = found.setdefault(name, ([], []))
-                rows.append(torch.arange(starts[i], starts[i + 1]))
-                scales.append(torch.full((starts[i + 1] - starts[i],), float(scale)))
+                rows.append(torch.arange(req.start, req.end))
+                scales.append(torch.full((req.end - req.start,), float(scale)))
         self.rows = {name: (torch.cat(r), torch.cat(s)) for name, (r, s) in found.items()}
 
     def _steer(self, act: Tensor, hook: Hook) -> Tensor | None:
@@ -217,9 +220,16 @@ class Extension:
         )
 
     def hookscope_start(
-        self, architecture: str, names: list[str], run: str, prefill_only: bool = True
+        self,
+        architecture: str,
+        names: list[str],
+        run: str,
+        prefill_only: bool = True,
+        edits: dict | None = None,
+        edit_on: str = "both",
     ) -> str:
-        """Attach a capture of `names` for the requests tagged `run`; returns the model class."""
+        """Attach a capture of `names` for the requests tagged `run`, and their `edits` (request
+        index -> edits described as plain data, edits.py); returns the model class."""
         model = self._hookscope_model()
         expected = tables.model_class(architecture)
         if type(model).__name__ != expected:
@@ -229,7 +239,7 @@ class Extension:
             )
         sessions = self.__dict__.setdefault("_hookscope_sessions", {})
         arch = tables.table(architecture, self.model_runner.model_config.hf_config)
-        sessions[run] = Session(self.model_runner, model, arch, names, run, prefill_only)
+        sessions[run] = Session(self.model_runner, model, arch, names, run, prefill_only, edits, edit_on)
         return type(model).__name__
 
     def hookscope_take(self, run: str, expected: dict) -> list:

@@ -1,0 +1,41 @@
+"""Which requests one forward of a vLLM worker holds, and where their tokens lie in it.
+
+A forward holds the flattened tokens of many requests (`[num_tokens, ...]`, chunked prefill and
+decode mixed). Before the model runs, the model runner's batch says which requests are in it (in
+order), where each one's tokens start (`query_start_loc`) and how many of its tokens earlier
+forwards computed (its first position here); a request's `SamplingParams.extra_args["hookscope"]`
+says what hookscope is to do with it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+TAG = "hookscope"  # the key of a request's SamplingParams.extra_args that hookscope reads
+
+
+@dataclass(frozen=True)
+class InPass:
+    """One request's tokens in this forward: rows [start, end), at positions from `offset` on."""
+
+    tag: dict
+    start: int
+    end: int
+    offset: int
+    state: Any  # the model runner's state of the request (its prompt's token ids)
+
+
+def requests_in_pass(runner) -> Iterator[InPass]:
+    """The requests of the forward about to run that carry a hookscope tag, in the forward's order."""
+    batch = runner.input_batch
+    n = batch.num_reqs
+    starts = runner.query_start_loc.cpu[: n + 1].tolist()
+    for i, req_id in enumerate(batch.req_ids[:n]):
+        state = runner.requests[req_id]
+        extra = (state.sampling_params.extra_args or {}) if state.sampling_params is not None else {}
+        tag = extra.get(TAG)
+        if isinstance(tag, dict):
+            offset = int(batch.num_computed_tokens_cpu[i])
+            yield InPass(tag, starts[i], starts[i + 1], offset, state)
