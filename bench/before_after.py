@@ -50,6 +50,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
+from bench_core import merge
 from probe_store_diff import files_apart, json_differences
 
 BEFORE = "bc88304"  # main when issue 47 was filed (the commit before the formatter, 4b14ea1)
@@ -295,7 +296,7 @@ def run_rounds(args: argparse.Namespace, trees: dict, cases: list, read_store: P
                     r = run_read(args.python, trees[label], read_store)
                 else:
                     r = run_case(args.python, trees[label], case, runs, budget)
-                pool(results[label].setdefault(case, {}), r)
+                merge(results[label].setdefault(case, {}), r)
                 print(
                     f"round {rnd} {label:<6} {case:<22} {time.perf_counter() - start:6.1f} s  load "
                     f"{r['load']:.1f}  {r.get('error', '')[:200]}",
@@ -307,17 +308,6 @@ def run_rounds(args: argparse.Namespace, trees: dict, cases: list, read_store: P
                 print(f"round {rnd} bytes  {case:<22} {describe(compared[case][-1])}", flush=True)
                 save({"results": results, "bytes": compared})
     return results, compared
-
-
-def pool(pooled: dict, result: dict) -> None:
-    """One process's result into its case's: lists extended, the load appended, the rest replaced."""
-    for key, value in result.items():
-        if isinstance(value, list):
-            pooled.setdefault(key, []).extend(value)
-        elif key == "load":
-            pooled.setdefault("loads", []).append(value)
-        else:
-            pooled[key] = value
 
 
 def write_json(out: Path, meta: dict, saved: dict) -> None:
