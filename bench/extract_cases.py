@@ -231,7 +231,9 @@ def main() -> None:
     parser.add_argument("case")
     parser.add_argument("--tokens", type=int, default=16384, help="--max-tokens of the run")
     parser.add_argument("--shard-rows", type=int, default=8192)
-    parser.add_argument("--out", type=Path, help="scratch directory for the files written (deleted after)")
+    parser.add_argument(
+        "--out", type=Path, help="scratch directory for the files written (deleted after unless --keep)"
+    )
     parser.add_argument("--points", default=POINT, help="minilm: the points extracted")
     parser.add_argument(
         "--keep", action="store_true", help="keep --out (the store), e.g. to compare its bytes"
