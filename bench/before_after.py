@@ -254,7 +254,8 @@ def main() -> None:
     skip_compile = args.skip_compile or bool(only and "compile" not in only)
     print(f"load before: {os.getloadavg()}  rounds: {args.rounds}  (bench_core.py's full run uses 4)")
     out = common.OUT_DIR / "before-after-latest.json"
-    meta = {"trees": {k: str(v) for k, v in trees.items()}, "rounds": args.rounds, "started": time.time()}
+    meta = {"trees": {k: str(v) for k, v in trees.items()}, "rounds": args.rounds, "only": args.only}
+    meta["started"] = time.time()
     results, compared = run_rounds(args, trees, cases, read_store, lambda saved: write_json(out, meta, saved))
     meta["ended"] = time.time()
     if core:
@@ -446,7 +447,8 @@ def print_results_rows(rows: dict, meta: dict) -> None:
     when = " - ".join(
         time.strftime("%Y-%m-%d %H:%M", time.gmtime(meta[k])) for k in ("started", "ended") if k in meta
     )
-    command = f"`before_after.py --before {before} --rounds {meta['rounds']} --only extract,read`"
+    only = f" --only {meta['only']}" if meta.get("only") else ""
+    command = f"`before_after.py --before {before} --rounds {meta['rounds']}{only}`"
     print(
         "\n== for bench/RESULTS.md (rows/s: medians over the rounds; load: the 1-minute load at each process)"
     )
