@@ -309,6 +309,8 @@ def run_rounds(args: argparse.Namespace, trees: dict, cases: list, read_store: P
                 compared.setdefault(case, []).append(compare_round(stores))
                 print(f"round {rnd} bytes  {case:<22} {describe(compared[case][-1])}", flush=True)
                 save({"results": results, "bytes": compared})
+    if scratch.is_dir() and not any(scratch.iterdir()):  # every pair was identical, and removed
+        scratch.rmdir()
     return results, compared
 
 
