@@ -1,8 +1,9 @@
-"""Issue 15's before / after: the same benchmark cases on two source trees, side by side.
+"""Issues 15 and 47's before / after: the same benchmark cases on two source trees, side by side.
 
-    .venv/bin/python bench/before_after.py                   # before = d1912b2, after = this checkout
+    .venv/bin/python bench/before_after.py                   # before = bc88304, after = this checkout
     .venv/bin/python bench/before_after.py --before REV --after REV_OR_DIR --rounds 2
     .venv/bin/python bench/before_after.py --before REV --rounds 4 --only small   # the per-call figure
+    .venv/bin/python bench/before_after.py --before bc88304 --rounds 4 --only extract,read
 
 Runs, for each tree, in fresh processes whose `PYTHONPATH` puts that tree's `src/` first (each
 child reports the hookscope file it imported, and the driver refuses a mix-up):
@@ -15,10 +16,21 @@ child reports the hookscope file it imported, and the driver refuses a mix-up):
   b      capture blocks.5.resid_post of the GPT-2-small shape, 8 x 128: floor vs `hs.collect`
   c      12 no-op hooks vs none, full forward 8 x 128, paired in one process
   compile  bench_compile.py's steady state (off / blocks / full taking turns in one process)
+  extract  `hookscope extract` of the bundled MiniLM, 32,768 tokens of the built-in corpus to
+         float16 shards in /dev/shm, at one point (extract.one) and at four (extract.four):
+         rows/s of the steady state (extract_cases.py's `minilm` case, from the end of the first
+         batch to the end of the writer's close). After each round the two trees' stores are
+         compared byte for byte, every file (shards, manifest.json, README.md); a store that
+         differs is kept for `bench/probe_store_diff.py`
+  read   shuffled reading (`store.dataset(point, batch_size=4096)`, 24 epochs, page cache warm)
+         of one store, bench_read.py's 768 float16 store (262,144 rows), written once by the
+         "before" tree so that both read the same bytes: rows/s (bench_read.py's `after` case)
 
 Rounds alternate the trees (before, after, then after, before, ...) so a change in the machine's
-load falls on both alike. Fewer repetitions than `bench_core.py`'s full run (25 min): about 10
-minutes on a quiet 2-core machine at the defaults. What to read is the within-tree ratio (hookscope
+load falls on both alike; extract and read print each round's after / before ratio, their median
+and spread (the range over the rounds), and rows to paste into RESULTS.md. Fewer repetitions than
+`bench_core.py`'s full run (25 min): about 10 minutes on a quiet 2-core machine at the defaults
+for the capture cases. What to read is the within-tree ratio (hookscope
 over its own reference, timed in the same round) and how it moved; absolute times drift with load.
 The "before" tree is exported with `git archive` into bench/out/trees/<rev>/ (nothing is checked out).
 """
@@ -27,7 +39,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -36,8 +50,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import common
+from bench_core import merge
+from probe_store_diff import files_apart, json_differences
 
-BEFORE = "d1912b2"  # the tree before issue 15's work
+BEFORE = "bc88304"  # main when issue 47 was filed (the commit before the formatter, 4b14ea1)
 CASES = [  # (case of core_cases.py, timed runs per process, seconds per timed batch)
     ("a.torch.function", 7, 0.2),
     ("a.hookscope.function", 7, 0.2),
@@ -55,6 +71,14 @@ RATIOS = [  # (what, numerator case, denominator case, target for "after")
     ("c: 12 hooks / none (paired)", "c.paired", None, 1.03),
 ]
 COMPILE_ROUNDS = 3
+EXTRACT_POINTS = {  # case -> --points; every point of the four-point set has its own hooks and layout
+    "extract.one": "blocks.1.resid_post",
+    "extract.four": "blocks.1.resid_post,blocks.3.attn.out,blocks.3.mlp.post,blocks.5.resid_post",
+}
+EXTRACT_TOKENS, EXTRACT_SHARD_ROWS = 32_768, 8_192
+READ_CASE, READ_D, READ_DTYPE, READ_EPOCHS = "read.shuffled", 768, "float16", 24
+STORE_CASES = [*EXTRACT_POINTS, READ_CASE]
+SCRATCH = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path("/tmp")
 
 
 def tree_of(spec: str, out: Path) -> Path:
@@ -106,6 +130,69 @@ def run_compile(python: str, tree: Path, cache: Path) -> dict:
     return json.loads(out.read_text())
 
 
+def run_extract(python: str, tree: Path, case: str, store: Path) -> dict:
+    """`hookscope extract` on `tree` into `store`, which is kept for the byte comparison: rows/s of
+    the steady state (NaN when the process failed, so that the rounds stay aligned)."""
+    shutil.rmtree(store, ignore_errors=True)
+    args = ["minilm", "--points", EXTRACT_POINTS[case], "--tokens", str(EXTRACT_TOKENS)]
+    args += ["--shard-rows", str(EXTRACT_SHARD_ROWS), "--out", str(store), "--keep"]
+    found = common.run_fresh(python, common.BENCH_DIR / "extract_cases.py", args, env=common.source_env(tree))
+    rate = found["steady_tokens"] / found["steady_s"] if "error" not in found else math.nan
+    return {
+        "rows_per_s": [rate],
+        "load": os.getloadavg()[0],
+        **({"error": found["error"]} if "error" in found else {}),
+    }
+
+
+def build_read_store(python: str, tree: Path) -> Path:
+    """bench_read.py's 768 float16 store, written (once) by `tree`: a store both trees can read."""
+    built = common.run_fresh(
+        python,
+        common.BENCH_DIR / "bench_read.py",
+        ["--one", "build", str(READ_D), READ_DTYPE],
+        env=common.source_env(tree),
+    )
+    if "error" in built:
+        raise SystemExit(f"could not write the reading case's store: {built['error']}")
+    return Path(built["path"])
+
+
+def run_read(python: str, tree: Path, store: Path) -> dict:
+    """Shuffled reading of `store` by `tree`'s hookscope, page cache warm (bench_read.py's measure)."""
+    args = ["--one", "read", "after", str(READ_D), READ_DTYPE, "warm", str(store), "point", str(READ_EPOCHS)]
+    found = common.run_fresh(
+        python, common.BENCH_DIR / "bench_read.py", [*args, "0", "wall"], env=common.source_env(tree)
+    )
+    if "error" not in found and not Path(found["hookscope"]).resolve().is_relative_to(tree / "src"):
+        found = {"error": f"the reading child imported hookscope from {found['hookscope']}"}
+    rate = found.get("rows_per_s", math.nan)
+    return {
+        "rows_per_s": [rate],
+        "load": os.getloadavg()[0],
+        **({"error": found["error"]} if "error" in found else {}),
+    }
+
+
+def compare_round(stores: dict[str, Path]) -> dict:
+    """The two trees' stores of one extraction case, byte for byte: every file, and for a file that
+    differs (manifest.json: the fields that differ). Identical stores are removed, others kept."""
+    names, differing = files_apart(stores["before"], stores["after"])
+    found: dict = {"files": len(names), "differing": []}
+    for rel in differing:
+        x, y = (stores[t] / rel for t in ("before", "after"))
+        fields = []
+        if rel.suffix == ".json" and x.is_file() and y.is_file():
+            fields = json_differences(json.loads(x.read_bytes()), json.loads(y.read_bytes()))
+        found["differing"].append(f"{rel}" + (f" ({', '.join(fields)})" if fields else ""))
+    if found["differing"] or not names:
+        found["kept"] = {t: str(path) for t, path in stores.items()}
+    else:
+        for path in stores.values():
+            shutil.rmtree(path)
+    return found
+
+
 def check_tree(python: str, tree: Path) -> str:
     """The hookscope file a child on `tree` imports; it must lie inside that tree."""
     found = common.run_fresh(
@@ -136,47 +223,44 @@ def main() -> None:
     args = parser.parse_args()
     if args.report:
         saved = json.loads((common.OUT_DIR / "before-after-latest.json").read_text())
-        report(saved["results"])
+        if any(case not in STORE_CASES for case in saved["results"]["before"]):
+            report(saved["results"])
+        report_stores(saved["results"], saved.get("bytes", {}), saved)
         report_compile(saved.get("compile", {}))
         return
     started = time.time()
     trees = {"before": tree_of(args.before, common.OUT_DIR), "after": tree_of(args.after, common.OUT_DIR)}
     for label, tree in trees.items():
         print(f"{label}: {tree} -> {check_tree(args.python, tree)}")
-    prepared = common.run_fresh(
-        args.python, common.BENCH_DIR / "core_cases.py", ["prepare"], env=common.source_env(trees["after"])
-    )
-    if "error" in prepared:
-        raise SystemExit(f"could not build the benchmark models: {prepared['error']}")
     only = [p for p in args.only.split(",") if p]
-    cases = [c for c in CASES if not only or any(c[0].startswith(p) for p in only)]
+    cases = [
+        c
+        for c in CASES + [(c, 1, None) for c in STORE_CASES]
+        if not only or any(c[0].startswith(p) for p in only)
+    ]
+    core = [c for c in cases if c[0] not in STORE_CASES]
+    if core:
+        prepared = common.run_fresh(
+            args.python,
+            common.BENCH_DIR / "core_cases.py",
+            ["prepare"],
+            env=common.source_env(trees["after"]),
+        )
+        if "error" in prepared:
+            raise SystemExit(f"could not build the benchmark models: {prepared['error']}")
+    read_store = (
+        build_read_store(args.python, trees["before"]) if any(c[0] == READ_CASE for c in cases) else None
+    )
     skip_compile = args.skip_compile or bool(only and "compile" not in only)
     print(f"load before: {os.getloadavg()}  rounds: {args.rounds}  (bench_core.py's full run uses 4)")
-    results: dict = {label: {} for label in trees}
     out = common.OUT_DIR / "before-after-latest.json"
-    meta = {"trees": {k: str(v) for k, v in trees.items()}, "rounds": args.rounds}
-    for rnd in range(args.rounds):
-        order = ["before", "after"] if rnd % 2 == 0 else ["after", "before"]
-        for case, runs, budget in cases:
-            for label in order:
-                start = time.perf_counter()
-                r = run_case(args.python, trees[label], case, runs, budget)
-                pooled = results[label].setdefault(case, {})
-                for key, value in r.items():
-                    if isinstance(value, list):
-                        pooled.setdefault(key, []).extend(value)
-                    elif key == "load":
-                        pooled.setdefault("loads", []).append(value)
-                    else:
-                        pooled[key] = value
-                print(
-                    f"round {rnd} {label:<6} {case:<22} {time.perf_counter() - start:6.1f} s  load "
-                    f"{r['load']:.1f}  {r.get('error', '')[:200]}",
-                    flush=True,
-                )
-                # after every process, so that a run cut short still reports (--report)
-                out.write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
-    report(results)  # before the compile step, which takes minutes more
+    meta = {"trees": {k: str(v) for k, v in trees.items()}, "rounds": args.rounds, "only": args.only}
+    meta["started"] = time.time()
+    results, compared = run_rounds(args, trees, cases, read_store, lambda saved: write_json(out, meta, saved))
+    meta["ended"] = time.time()
+    if core:
+        report(results)  # before the compile step, which takes minutes more
+    report_stores(results, compared, meta)
     compiled: dict = {}
     if not skip_compile:
         cache = common.OUT_DIR / "inductor-before-after"  # warm after the first process: one cache for both
@@ -189,11 +273,58 @@ def main() -> None:
                 flush=True,
             )
         report_compile(compiled)
-    out.write_text(
-        json.dumps({**meta, "results": results, "compile": compiled, "load_after": os.getloadavg()}, indent=1)
-        + "\n"
+    write_json(
+        out, meta, {"results": results, "bytes": compared, "compile": compiled, "load_after": os.getloadavg()}
     )
     print(f"\nwrote {out}; took {(time.time() - started) / 60:.1f} min; load now {os.getloadavg()}")
+
+
+def run_rounds(args: argparse.Namespace, trees: dict, cases: list, read_store: Path | None, save) -> tuple:
+    """Every case in every round, each tree in a fresh process, the trees' order alternating; the
+    extraction cases' stores compared after each round. Saved after every process (`save`), so
+    that a run cut short still reports (--report)."""
+    results: dict = {label: {} for label in trees}
+    compared: dict = {}
+    scratch = SCRATCH / f"hookscope-before-after-{os.getpid()}"
+    for rnd in range(args.rounds):
+        order = ["before", "after"] if rnd % 2 == 0 else ["after", "before"]
+        for case, runs, budget in cases:
+            stores = {label: scratch / f"{label}-{case}" for label in order}
+            for label in order:
+                start = time.perf_counter()
+                if case in EXTRACT_POINTS:
+                    r = run_extract(args.python, trees[label], case, stores[label])
+                elif case == READ_CASE:
+                    r = run_read(args.python, trees[label], read_store)
+                else:
+                    r = run_case(args.python, trees[label], case, runs, budget)
+                merge(results[label].setdefault(case, {}), r)
+                print(
+                    f"round {rnd} {label:<6} {case:<22} {time.perf_counter() - start:6.1f} s  load "
+                    f"{r['load']:.1f}  {r.get('error', '')[:200]}",
+                    flush=True,
+                )
+                save({"results": results, "bytes": compared})
+            if case in EXTRACT_POINTS:
+                compared.setdefault(case, []).append(compare_round(stores))
+                print(f"round {rnd} bytes  {case:<22} {describe(compared[case][-1])}", flush=True)
+                save({"results": results, "bytes": compared})
+    if scratch.is_dir() and not any(scratch.iterdir()):  # every pair was identical, and removed
+        scratch.rmdir()
+    return results, compared
+
+
+def write_json(out: Path, meta: dict, saved: dict) -> None:
+    out.write_text(json.dumps({**meta, **saved}, indent=1) + "\n")
+
+
+def describe(comparison: dict) -> str:
+    if not comparison["files"]:
+        return "no store to compare (a process failed)"
+    if not comparison["differing"]:
+        return f"byte-identical ({comparison['files']} files)"
+    kept = ", ".join(comparison["kept"].values())
+    return f"DIFFER: {'; '.join(comparison['differing'])} (kept: {kept}; bench/probe_store_diff.py A B)"
 
 
 def median_of(result: dict, key: str | None = None) -> float | None:
@@ -248,6 +379,103 @@ def report(results: dict) -> None:
                 for name in ("hook", "capture", "collect")
             )
             + f"  (load {loads})"
+        )
+
+
+STORE_MEASURES = {  # case -> what RESULTS.md's row measures
+    "extract.one": f"extraction, bundled MiniLM `{EXTRACT_POINTS['extract.one']}`",
+    "extract.four": f"extraction, bundled MiniLM, 4 points (`{EXTRACT_POINTS['extract.four']}`)",
+    READ_CASE: f"shuffled reading, {READ_D} {READ_DTYPE}, 262,144 rows, {READ_EPOCHS} epochs, warm",
+}
+HISTORY_ENTRY = (
+    "Twentieth session: the house (issue 47), before / after: extraction, reading, the stores' bytes"
+)
+
+
+def store_verdict(ratios: list[float]) -> str:
+    """A regression outside the rounds' spread: every round's after / before below 1."""
+    if len(ratios) < 2:
+        return "one round: no spread to judge by"
+    if max(ratios) < 1:
+        return f"REGRESSION: after slower in every round (at best {max(ratios):.3f})"
+    return "no regression outside the spread"
+
+
+def store_rows(results: dict, compared: dict, case: str) -> dict | None:
+    """One case's figures: each tree's rows/s per round, the per-round ratios, median and spread."""
+    before, after = (results[t].get(case, {}).get("rows_per_s", []) for t in ("before", "after"))
+    if not before or not after:
+        return None
+    ratios = [a / b for a, b in zip(after, before, strict=False) if not (math.isnan(a) or math.isnan(b))]
+    checks = compared.get(case, [])
+    loads = results["before"][case].get("loads", []) + results["after"][case].get("loads", [])
+    return {
+        "before": before,
+        "after": after,
+        "ratios": ratios,
+        "identical": sum(bool(c["files"]) and not c["differing"] for c in checks),
+        "checked": len(checks),
+        "loads": loads,
+    }
+
+
+def report_stores(results: dict, compared: dict, meta: dict) -> None:
+    rows = {case: store_rows(results, compared, case) for case in STORE_CASES}
+    rows = {case: row for case, row in rows.items() if row}
+    if not rows:
+        return
+    print("\n== extraction and reading: rows/s per round (before | after), after / before in the same round")
+    for case, row in rows.items():
+        ratios = row["ratios"]
+        spread = f"{min(ratios):.3f}-{max(ratios):.3f}" if ratios else "-"
+        middle = fmt(common.median(ratios) if ratios else None, ".3f")
+        print(
+            f"{case:<14} before {' '.join(fmt(x, ',.0f') for x in row['before'])} | after "
+            f"{' '.join(fmt(x, ',.0f') for x in row['after'])}\n{'':<14} ratios "
+            f"{' '.join(f'{x:.3f}' for x in ratios)}; median {middle}, spread {spread}: "
+            f"{store_verdict(ratios)}"
+        )
+        if case in compared:
+            print(f"{'':<14} stores byte-identical in {row['identical']} of {row['checked']} rounds")
+            for rnd, check in enumerate(compared[case]):
+                if check["differing"] or not check["files"]:
+                    print(f"{'':<14} round {rnd}: {describe(check)}")
+    print_results_rows(rows, meta)
+
+
+def print_results_rows(rows: dict, meta: dict) -> None:
+    """The rows for bench/RESULTS.md's table, as they stand."""
+    before = Path(meta["trees"]["before"]).name
+    when = " - ".join(
+        time.strftime("%Y-%m-%d %H:%M", time.gmtime(meta[k])) for k in ("started", "ended") if k in meta
+    )
+    only = f" --only {meta['only']}" if meta.get("only") else ""
+    command = f"`before_after.py --before {before} --rounds {meta['rounds']}{only}`"
+    print(
+        "\n== for bench/RESULTS.md (rows/s: medians over the rounds; load: the 1-minute load at each process)"
+    )
+    for case, row in rows.items():
+        after, prior = (
+            common.median([x for x in row[t] if not math.isnan(x)] or [math.nan]) for t in ("after", "before")
+        )
+        ratios = row["ratios"]
+        ratio = (
+            f"{common.median(ratios):.3f} after / before (rounds {min(ratios):.3f}-{max(ratios):.3f}: "
+            f"{store_verdict(ratios)})"
+            if ratios
+            else "-"
+        )
+        if case in EXTRACT_POINTS:
+            size = f", {EXTRACT_TOKENS:,} tokens to float16 in {SCRATCH}"
+            ratio += f"; stores byte-identical in {row['identical']} of {row['checked']} rounds"
+        else:
+            size = ""
+        loads = row["loads"]
+        quiet = "quiet" if max(loads) <= common.THREADS else "**loaded**"
+        print(
+            f"| {STORE_MEASURES[case]}{size} ({command}) | {after:,.0f} rows/s | {before} in the same "
+            f"rounds: {prior:,.0f} rows/s | {ratio} | {when} | {quiet} ({min(loads):.1f}-{max(loads):.1f}) | "
+            f"{HISTORY_ENTRY} |"
         )
 
 

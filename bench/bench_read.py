@@ -412,6 +412,9 @@ def main() -> None:
                     measure(case, int(d), dtype, cache, Path(path), layout, int(epochs), int(threads), clock)
                 )
             )
+        elif kind == "build":  # the store alone, written by this process's hookscope (before_after.py)
+            d, dtype = rest
+            print(json.dumps({"path": str(build_store(int(d), dtype, quick=False))}))
         else:
             print(json.dumps(measure_saelens(rest[0], int(rest[1]), rest[2] == "train")))
         return

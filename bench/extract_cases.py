@@ -14,6 +14,9 @@ steady state alone. Cases:
             activation, per batch, over the same packed batches
   tl3_stop  the same with `stop_at_layer=7` (what a user who knows the option writes)
   check     the three ways give the same activations (run once, before timing)
+  minilm    `hookscope extract` of the bundled MiniLM at `--points` (before_after.py's extraction
+            case; its clock counts rows stored, not tokens; `--keep` leaves the store for a byte
+            comparison)
 bench_extract.py runs them side by side; this file only knows how to run one.
 """
 
@@ -23,7 +26,9 @@ import argparse
 import shutil
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
@@ -127,6 +132,28 @@ def run_floor(clock: Clock, tokens: int) -> None:
 
 
 def run_extract(clock: Clock, tokens: int, shard_rows: int, out: Path) -> None:
+    def tokens_of(tensors, meta) -> int:
+        return int(meta["seq_ids"].unique().numel()) * CONTEXT
+
+    timed_extract(clock, extract_argv(tokens, shard_rows, out), tokens_of)
+
+
+def run_minilm(clock: Clock, points: str, tokens: int, shard_rows: int, out: Path) -> None:
+    """The bundled MiniLM's `points` to float16; the clock counts the rows stored (BOS, CLS and SEP
+    dropped), what a reader of the store gets."""
+
+    def rows_of(tensors, meta) -> int:
+        return len(next(iter(tensors.values())))
+
+    argv = extract_argv(tokens, shard_rows, out)
+    argv[1:2] = []  # no MODEL: the bundled default
+    argv[argv.index("--points") + 1] = points
+    timed_extract(clock, argv, rows_of)
+
+
+def timed_extract(clock: Clock, argv: list[str], counted: Callable[[Any, Any], int]) -> None:
+    """`hookscope extract`: the CLI's own main() in this process, its store writer wrapped only to
+    mark each batch (`counted(tensors, meta)`: the tokens or rows it holds) and the end of close()."""
     from hookscope.cli import main
     from hookscope.extract import loop  # `hookscope.extract` itself reads as the function hs.extract
     from hookscope.store import ShardWriter
@@ -136,7 +163,7 @@ def run_extract(clock: Clock, tokens: int, shard_rows: int, out: Path) -> None:
         and when close() has flushed and committed everything."""
 
         def write(self, batch_index, tensors, meta=None, **options):  # (the loop's `handoff=`)
-            clock.mark(int(meta["seq_ids"].unique().numel()) * CONTEXT)
+            clock.mark(counted(tensors, meta))
             super().write(batch_index, tensors, meta, **options)
 
         def close(self) -> None:
@@ -144,7 +171,7 @@ def run_extract(clock: Clock, tokens: int, shard_rows: int, out: Path) -> None:
             clock.stop()
 
     loop.ShardWriter = TimedWriter
-    if main(extract_argv(tokens, shard_rows, out)) != 0:
+    if main(argv) != 0:
         raise SystemExit("hookscope extract failed")
 
 
@@ -204,7 +231,13 @@ def main() -> None:
     parser.add_argument("case")
     parser.add_argument("--tokens", type=int, default=16384, help="--max-tokens of the run")
     parser.add_argument("--shard-rows", type=int, default=8192)
-    parser.add_argument("--out", type=Path, help="scratch directory for the files written (deleted after)")
+    parser.add_argument(
+        "--out", type=Path, help="scratch directory for the files written (deleted after unless --keep)"
+    )
+    parser.add_argument("--points", default=POINT, help="minilm: the points extracted")
+    parser.add_argument(
+        "--keep", action="store_true", help="keep --out (the store), e.g. to compare its bytes"
+    )
     args = parser.parse_args()
     clock = Clock()
     common.setup_process()
@@ -223,6 +256,8 @@ def main() -> None:
             run_floor(clock, args.tokens)
         elif args.case == "extract":
             run_extract(clock, args.tokens, args.shard_rows, args.out)
+        elif args.case == "minilm":
+            run_minilm(clock, args.points, args.tokens, args.shard_rows, args.out)
         elif args.case in ("tl3", "tl3_stop"):
             run_tl3(clock, args.tokens, args.out, stop=args.case == "tl3_stop")
         else:
@@ -234,7 +269,8 @@ def main() -> None:
             result["shards"] = sum(p.suffix == ".safetensors" for p in files)
         common.emit(result)
     finally:
-        shutil.rmtree(args.out, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(args.out, ignore_errors=True)
 
 
 if __name__ == "__main__":

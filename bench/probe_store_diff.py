@@ -1,7 +1,8 @@
 """Two stores written with the same settings (e.g. by main and by a branch), file by file: which
-files are byte-identical, and for a shard that is not, whether its tensors' bytes and entries and
-its other metadata are, and how far its per-dimension statistics (the `hookscope.stats` header)
-are from each other and from a float64 recomputation from the stored rows.
+files are byte-identical; for a JSON file that is not, the fields that differ; for a shard that is
+not, whether its tensors' bytes and entries and its other metadata are, and how far its
+per-dimension statistics (the `hookscope.stats` header) are from each other and from a float64
+recomputation from the stored rows. before_after.py compares the stores its trees write with it.
 
     python bench/probe_store_diff.py STORE_A STORE_B
 """
@@ -19,6 +20,34 @@ import torch
 from safetensors.torch import load_file
 
 STATS_KEY = "hookscope.stats"
+
+
+def files_apart(a: Path, b: Path) -> tuple[list[Path], list[Path]]:
+    """The files of two stores (names relative to each), and those whose bytes differ or that one
+    store lacks."""
+    names = {f.relative_to(a) for f in a.rglob("*") if f.is_file()}
+    names |= {f.relative_to(b) for f in b.rglob("*") if f.is_file()}
+    differing = [
+        rel
+        for rel in sorted(names)
+        if not ((a / rel).is_file() and (b / rel).is_file())
+        or (a / rel).read_bytes() != (b / rel).read_bytes()
+    ]
+    return sorted(names), differing
+
+
+def json_differences(x: object, y: object, at: str = "") -> list[str]:
+    """The paths (`shards[2].stats`) at which two parsed JSON documents hold different values."""
+    if isinstance(x, dict) and isinstance(y, dict):
+        return [
+            found
+            for key in sorted(x.keys() | y.keys())
+            for found in json_differences(x.get(key), y.get(key), f"{at}.{key}" if at else key)
+        ]
+    if isinstance(x, list) and isinstance(y, list) and len(x) == len(y):
+        pairs = enumerate(zip(x, y, strict=True))
+        return [found for i, (u, v) in pairs for found in json_differences(u, v, f"{at}[{i}]")]
+    return [] if x == y else [at or "(the whole document)"]
 
 
 def header(data: bytes) -> tuple[dict, int]:
@@ -53,16 +82,20 @@ def main() -> None:
     p.add_argument("a", type=Path)
     p.add_argument("b", type=Path)
     args = p.parse_args()
-    names = sorted(f.relative_to(args.a) for f in args.a.rglob("*") if f.is_file())
-    other = sorted(f.relative_to(args.b) for f in args.b.rglob("*") if f.is_file())
-    print(f"{len(names)} files; the same names: {names == other}")
+    names, differing = files_apart(args.a, args.b)
+    both = all((args.a / rel).is_file() and (args.b / rel).is_file() for rel in names)
+    print(f"{len(names)} files; the same names: {both}")
     for rel in names:
-        x, y = (args.a / rel).read_bytes(), (args.b / rel).read_bytes()
-        if x == y:
+        if rel not in differing:
             print(f"  identical  {rel}")
             continue
+        if not (args.a / rel).is_file() or not (args.b / rel).is_file():
+            print(f"  only in one store: {rel}")
+            continue
+        x, y = (args.a / rel).read_bytes(), (args.b / rel).read_bytes()
         if rel.suffix != ".safetensors":
-            print(f"  differs    {rel} ({len(x):,} and {len(y):,} bytes)")
+            fields = json_differences(json.loads(x), json.loads(y)) if rel.suffix == ".json" else []
+            print(f"  differs    {rel} ({len(x):,} and {len(y):,} bytes) {', '.join(fields)}")
             continue
         (hx, at_x), (hy, at_y) = header(x), header(y)
         mx, my = hx.pop("__metadata__"), hy.pop("__metadata__")
