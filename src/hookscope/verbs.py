@@ -242,16 +242,46 @@ def generate(
     device: torch.device | str | None = None,
     **generate_kwargs: Any,
 ) -> Generation | list[Generation]:
-    """Generate, capturing `points` and applying `edits` at every step: on a Hugging Face or
-    TransformerLens model, `hookscope.generate.generate` (its docstring says what each option
-    means); on a vLLM engine (`vllm.LLM`), `inputs` are prompts and the result is one `Generation`
-    per prompt, each as that prompt alone gives (`hookscope.engines.vllm.generating.generate`:
-    `max_new_tokens`, `edits` for every prompt or one list per prompt, `edit_on`, and
-    vllm.SamplingParams options; greedy unless a temperature is given).
+    """Generate, capturing `points` and applying `edits` (from `hs.steer` / `hs.ablate` /
+    `hs.patch`) at every step. On a model: `model.generate(**generate_kwargs)`, one batch. On a vLLM
+    engine (`vllm.LLM`): `inputs` are prompts, run together as vLLM batches them, and the result is
+    one `Generation` per prompt, equal to that prompt generated alone (see docs/served.md).
+
+    Args:
+        model: a Hugging Face causal LM, a TransformerLens 3 `HookedTransformer` (its own generate;
+            a padded batch needs its tokenizer's pad id), a TransformerLens 4 `TransformerBridge`,
+            or a vLLM `LLM` made by `hookscope.engines.vllm.llm`.
+        inputs: input ids [batch, P], or a tokenizer's output (a mapping with `input_ids` and
+            `attention_mask`; pad on the left for a batch of different lengths); on an engine,
+            prompts (strings or token id lists).
+        points: the points captured at every step (a name, a glob, a list); none by default.
+        edits: `hs.steer` / `hs.ablate` / `hs.patch` edits applied at every step; on an engine
+            also one list per prompt, so the requests of one batch carry different edits.
+        edit_on: "prompt", "generated" or "both".
+        positions: which positions to keep, counted over the whole final sequence (as
+            `hs.collect`); not on an engine.
+        heads: which heads of `attn.q|k|v|z` to keep; not on an engine.
+        dtype: the dtype kept; not on an engine.
+        device: where the kept copies go; not on an engine.
+        **generate_kwargs: `model.generate`'s options (`max_new_tokens`, `do_sample`, ...); on an
+            engine `max_new_tokens` and `vllm.SamplingParams` options (greedy unless a
+            temperature is given).
+
+    Activations at padding and after a row's EOS are kept as computed; `Generation.mask` says
+    which positions hold real tokens. Everything is checked (points, selections, edits, decoding
+    mode, inputs) before the model generates.
+
+    Returns:
+        Generation: the sequences, their mask, and `gen[point]`: `[batch, T, ...]` per point; on
+        an engine, a list of them, one per prompt, each `[1, T, ...]`.
 
     Raises:
-        EngineError: on an engine, a selection (positions, heads, dtype, device), n > 1, beam
-            search, or an option vLLM's SamplingParams lacks; see the two functions above."""
+        UnknownPointError: a point or edit on a name the model does not have.
+        SelectionError: a selection or edit that cannot follow the steps (`attn.pattern`, a bad
+            `edit_on`, heads on a point without heads).
+        HookscopeError: a model with no `generate`, beam search, or malformed inputs.
+        EngineError: on an engine, a selection, n > 1, beam search, or an option vLLM's
+            SamplingParams lacks."""
     selections = dict(positions=positions, heads=heads, dtype=dtype, device=device)
     if vllm.is_llm(model):
         given = [name for name, value in selections.items() if value is not None]

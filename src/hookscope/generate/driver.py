@@ -49,26 +49,8 @@ def generate(
     device: torch.device | str | None = None,
     **generate_kwargs: Any,
 ) -> Generation:
-    """Generate with `model.generate(**generate_kwargs)`, capturing `points` and applying `edits`
-    (from `hs.steer` / `hs.ablate` / `hs.patch`) at every step.
-
-    `model`: a Hugging Face causal LM, a TransformerLens 3 `HookedTransformer` (its own generate;
-    a padded batch needs its tokenizer's pad id) or a TransformerLens 4 `TransformerBridge`.
-    `inputs`: input ids [batch, P], or a tokenizer's output (a mapping with `input_ids` and
-    `attention_mask`; pad on the left for a batch of different lengths). `edit_on`: "prompt",
-    "generated" or "both". `positions` / `heads` / `dtype` / `device`: as in `hs.collect`, with
-    positions counted over the whole final sequence. Activations at padding and after a row's EOS
-    are kept as computed; `Generation.mask` says which positions hold real tokens. Everything is
-    checked (points, selections, edits, decoding mode, inputs) before the model generates.
-
-    Returns:
-        Generation: the sequences, their mask, and `gen[point]`: `[batch, T, ...]` per point.
-
-    Raises:
-        UnknownPointError: a point or edit on a name the model does not have.
-        SelectionError: a selection or edit that cannot follow the steps (`attn.pattern`, a bad
-            `edit_on`, heads on a point without heads).
-        HookscopeError: a model with no `generate`, beam search, or malformed inputs."""
+    """`hs.generate` on a model (`model.generate(**generate_kwargs)`, one batch): the front,
+    `hookscope.verbs.generate`, says what each option means and what is raised."""
     selection = Selection.of(positions, heads, None, dtype, device)
     return _Run.checked(model, inputs, points, edits, edit_on, selection, generate_kwargs).go()
 
