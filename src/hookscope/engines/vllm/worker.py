@@ -29,6 +29,20 @@ from ...hooks import Hook, Hooks, hook_count
 from . import tables
 
 TAG = "hookscope"  # the key of a captured request's SamplingParams.extra_args
+# the OpenAI server's `vllm_xargs` hold no nested dicts: a served request asks for a vector with one
+# flat key per vector, {"hookscope.steer.<name>": scale}
+STEER_KEY = TAG + ".steer."
+
+
+def steering_asked(extra: dict | None) -> list[tuple[str, float]]:
+    """The (vector name, scale) pairs a request's `extra_args` ask for: `{"hookscope": {"steer":
+    [[name, scale], ...]}}` (the Python API's) and `{"hookscope.steer.<name>": scale}` (HTTP's)."""
+    extra = extra or {}
+    tag = extra.get(TAG)
+    pairs = [tuple(pair) for pair in tag.get("steer", ())] if isinstance(tag, dict) else []
+    return pairs + [
+        (key[len(STEER_KEY) :], value) for key, value in extra.items() if key.startswith(STEER_KEY)
+    ]
 
 
 @dataclass
@@ -186,9 +200,8 @@ class Steering:
         found: dict[str, tuple[list, list]] = {}
         for i, req_id in enumerate(batch.req_ids[:n]):
             state = self.runner.requests[req_id]
-            extra = (state.sampling_params.extra_args or {}) if state.sampling_params is not None else {}
-            tag = extra.get(TAG)
-            for name, scale in tag.get("steer", ()) if isinstance(tag, dict) else ():
+            extra = state.sampling_params.extra_args if state.sampling_params is not None else None
+            for name, scale in steering_asked(extra):
                 rows, scales = found.setdefault(name, ([], []))
                 rows.append(torch.arange(starts[i], starts[i + 1]))
                 scales.append(torch.full((starts[i + 1] - starts[i],), float(scale)))
