@@ -113,7 +113,7 @@ def server(tmp_path_factory):
         *serve.serve_flags(vectors),
     ]
     env = {**os.environ, "VLLM_PLUGINS": "hookscope", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with open(log, "wb") as out:
+    with open(log, "ab") as out:  # appended: the server's processes share the file
         proc = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
         )
