@@ -37,7 +37,7 @@ from hookscope.engines.vllm import serve  # noqa: E402
 
 # name -> (point, seed of its values): two points whose values differ (blocks.1.resid_pre would
 # equal blocks.0.resid_post), so a vector added at the wrong one shows
-VECTORS = {"joy": ("blocks.0.resid_post", 5), "calm": ("blocks.1.resid_mid", 6)}
+VECTORS = {"joy": ("blocks.0.resid_post", 5), "calm": ("blocks.1.resid_post", 6)}
 PROMPT = [5, 17, 33, 64, 9, 40, 70, 12, 101, 3]
 MAX_TOKENS = 6
 # request -> its vllm_xargs
