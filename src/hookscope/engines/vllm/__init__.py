@@ -201,7 +201,8 @@ def register_vector(engine, name: str, point: str, vector) -> None:
     Raises:
         EngineError: see `check_engine`; prefix caching on; a vector whose size is not d_model.
         UnknownPointError: a point the model lacks or vLLM never exposes."""
-    engine.collective_rpc("hookscope_steer", args=steer_call(_config(engine), name, point, vector))
+    call = steer_call(_config(engine), name, point, vector)  # checked before any worker is called
+    engine.collective_rpc("hookscope_steer", args=call)
 
 
 def steer_call(config, name: str, point: str, vector) -> tuple:
