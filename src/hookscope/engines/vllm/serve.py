@@ -29,11 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from vllm.v1.sample.logits_processor import LogitsProcessor
 
 from ...errors import EngineError
-from . import EXTENSION, steer_call
+from . import EXTENSION, check_version, steer_call
 from .worker import STEER_KEY, TAG, steering_asked
+
+# vLLM's logits processor class is this module's base: without vLLM (or with another release) the
+# import stops here, naming what to install
+check_version()
+from vllm.v1.sample.logits_processor import LogitsProcessor  # noqa: E402
 
 CHECK = "hookscope.engines.vllm.serve:RequestCheck"
 # vLLM's --additional-config: {"hookscope": {"vectors": path}}
