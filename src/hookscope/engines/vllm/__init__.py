@@ -64,28 +64,33 @@ def llm(model: str, **kwargs: Any):
 
 
 def _config(engine):
-    return engine.llm_engine.vllm_config
-
-
-def check_engine(engine) -> tuple[str, Arch]:
-    """The engine's architecture and point table, or an error naming the fix, before any work."""
     if not is_llm(engine):
         raise EngineError(
             f"{type(engine).__name__} is not a vLLM engine (vllm.LLM): hookscope's served-model verbs take "
             "an LLM made by hookscope.engines.vllm.llm(path) (a Hugging Face model goes to hs.collect as is)"
         )
+    return engine.llm_engine.vllm_config
+
+
+def check_engine(engine) -> tuple[str, Arch]:
+    """The engine's architecture and point table, or an error naming the fix, before any work."""
+    return check_config(_config(engine))
+
+
+def check_config(config) -> tuple[str, Arch]:
+    """The architecture and point table of an engine with this `VllmConfig` (an `LLM`'s, or the
+    server's under `vllm serve`), or an error naming the fix, before any work."""
     check_version()
-    config = _config(engine)
     if config.parallel_config.worker_extension_cls != EXTENSION:
         raise EngineError(
-            "this LLM was made without hookscope's worker extension, so hookscope cannot reach its "
-            "workers: make it with hookscope.engines.vllm.llm(path, ...) or "
-            f"LLM(..., worker_extension_cls={EXTENSION!r})"
+            "this engine was made without hookscope's worker extension, so hookscope cannot reach its "
+            "workers: make it with hookscope.engines.vllm.llm(path, ...), "
+            f"LLM(..., worker_extension_cls={EXTENSION!r}) or `vllm serve --worker-extension-cls {EXTENSION}`"
         )
     if not config.model_config.enforce_eager:
         raise EngineError(
-            "this LLM runs vLLM's compiled graphs, inside which module hooks do not fire: make it with "
-            "enforce_eager=True (hookscope.engines.vllm.llm does)"
+            "this engine runs vLLM's compiled graphs, inside which module hooks do not fire: make it with "
+            "enforce_eager=True (hookscope.engines.vllm.llm does; `vllm serve --enforce-eager`)"
         )
     if config.parallel_config.tensor_parallel_size * config.parallel_config.pipeline_parallel_size != 1:
         raise EngineError(
@@ -180,7 +185,7 @@ def describe_edits(engine, arch: Arch, edits: Sequence[Any], n_prompts: int) -> 
     prompt; checked before any work."""
     if not edits:
         return {}
-    refuse_prefix_caching(engine, "edits")
+    refuse_prefix_caching(_config(engine), "edits")
     per_prompt = all(isinstance(e, (list, tuple)) for e in edits)
     if per_prompt and len(edits) != n_prompts:
         raise EngineError(
@@ -242,13 +247,15 @@ def serve(
     return outputs, take_over(rows)
 
 
-def refuse_prefix_caching(engine, what: str) -> None:
-    if is_llm(engine) and _config(engine).cache_config.enable_prefix_caching:
+def refuse_prefix_caching(config, what: str) -> None:
+    """Edits need every request's own forward: refused where the prefix cache could serve them."""
+    if config.cache_config.enable_prefix_caching:
         # an edited request's KV blocks would enter the prefix cache and serve later requests of the
         # same prompt, edited or not
         raise EngineError(
             f"{what} on an engine with prefix caching on would let an edited request's cached blocks "
-            "serve other requests: make the LLM with enable_prefix_caching=False"
+            "serve other requests: make the LLM with enable_prefix_caching=False "
+            "(`vllm serve --no-enable-prefix-caching`)"
         )
 
 
@@ -260,12 +267,19 @@ def register_vector(engine, name: str, point: str, vector) -> None:
     Raises:
         EngineError: see `check_engine`; prefix caching on; a vector whose size is not d_model.
         UnknownPointError: a point the model lacks or vLLM never exposes."""
-    refuse_prefix_caching(engine, "steering")
-    architecture, arch = check_engine(engine)
+    call = steer_call(_config(engine), name, point, vector)  # checked before any worker is called
+    engine.collective_rpc("hookscope_steer", args=call)
+
+
+def steer_call(config, name: str, point: str, vector) -> tuple:
+    """The arguments of the workers' `hookscope_steer` for an engine with this `VllmConfig`: plain
+    data (names and the vector's values), checked before any worker is called."""
+    refuse_prefix_caching(config, "steering")
+    architecture, arch = check_config(config)
     (point,) = resolve(arch, point).values()
     values = vector.detach().to("cpu").flatten().tolist() if hasattr(vector, "detach") else list(vector)
     check_width(arch, point, len(values))
-    engine.collective_rpc("hookscope_steer", args=(architecture, name, point, values))
+    return architecture, name, point, values
 
 
 def steering(*vectors: tuple[str, float]) -> dict:

@@ -14,6 +14,32 @@ from dataclasses import dataclass
 from typing import Any
 
 TAG = "hookscope"  # the key of a request's SamplingParams.extra_args that hookscope reads
+# the OpenAI server's `vllm_xargs` hold no nested dicts: a served request asks for a vector with one
+# flat key per vector, {"hookscope.steer.<name>": scale}
+STEER_KEY = TAG + ".steer."
+
+
+def steering_asked(extra: dict | None) -> list[tuple[str, float]]:
+    """The (vector name, scale) pairs a request's `extra_args` ask for: `{"hookscope": {"steer":
+    [[name, scale], ...]}}` (the Python API's) and `{"hookscope.steer.<name>": scale}` (HTTP's)."""
+    extra = extra or {}
+    tag = extra.get(TAG)
+    pairs = [tuple(pair) for pair in tag.get("steer", ())] if isinstance(tag, dict) else []
+    return pairs + [
+        (key[len(STEER_KEY) :], value) for key, value in extra.items() if key.startswith(STEER_KEY)
+    ]
+
+
+def tag_of(extra: dict) -> dict | None:
+    """What hookscope is to do with a request: its tag, with the vectors HTTP's flat keys ask for
+    under "steer"; None for a request hookscope has nothing to do with."""
+    tag = extra.get(TAG)
+    tag = dict(tag) if isinstance(tag, dict) else None
+    flat = [[key[len(STEER_KEY) :], value] for key, value in extra.items() if key.startswith(STEER_KEY)]
+    if flat:
+        tag = tag or {}
+        tag["steer"] = [*tag.get("steer", ()), *flat]
+    return tag
 
 
 @dataclass(frozen=True)
@@ -35,7 +61,7 @@ def requests_in_pass(runner) -> Iterator[InPass]:
     for i, req_id in enumerate(batch.req_ids[:n]):
         state = runner.requests[req_id]
         extra = (state.sampling_params.extra_args or {}) if state.sampling_params is not None else {}
-        tag = extra.get(TAG)
-        if isinstance(tag, dict):
+        tag = tag_of(extra)
+        if tag is not None:
             offset = int(batch.num_computed_tokens_cpu[i])
             yield InPass(tag, starts[i], starts[i + 1], offset, state)

@@ -1,0 +1,181 @@
+"""hookscope under `vllm serve`: steering vectors registered by name at start, asked for per request.
+
+    VLLM_PLUGINS=hookscope vllm serve MODEL --enforce-eager --no-enable-prefix-caching \\
+        --worker-extension-cls hookscope.engines.vllm.worker.Extension \\
+        --logits-processors hookscope.engines.vllm.serve:RequestCheck \\
+        --additional-config '{"hookscope": {"vectors": "vectors.safetensors"}}'
+
+Three pieces of vLLM's plugin system, each given by name on the command line (`serve_flags`):
+
+- `Plugin`, a `vllm.endpoint_plugins` entry point (pyproject.toml; vLLM loads one only when
+  `VLLM_PLUGINS` names it): at start, in the API server, it reads the vectors file and registers
+  each vector in the workers through the worker extension's `hookscope_steer`, the path
+  `register_vector` takes; `GET /hookscope/vectors` lists them.
+- `RequestCheck`, a logits processor that changes no logits: vLLM runs its `validate_params` in the
+  API server on every request, so a request naming an unknown vector or a bad scale gets HTTP 400
+  before it reaches the engine.
+- The worker extension (worker.py), which adds each vector on its requests' tokens only.
+
+The vectors file is a safetensors file: each tensor a vector, `[d_model]`, named by its tensor name,
+and the file's metadata maps that name to the point it is added at (`{"joy": "blocks.0.resid_post"}`).
+A request asks for vectors in its `vllm_xargs`, one key per vector: `{"hookscope.steer.joy": 4.0}`.
+Only names, numbers and a file path cross processes or the wire: nothing executable.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ...errors import EngineError
+from . import EXTENSION, check_version, steer_call
+from .batch import STEER_KEY, TAG, steering_asked
+
+# vLLM's logits processor class is this module's base: without vLLM (or with another release) the
+# import stops here, naming what to install
+check_version()
+from vllm.v1.sample.logits_processor import LogitsProcessor  # noqa: E402
+
+CHECK = "hookscope.engines.vllm.serve:RequestCheck"
+# vLLM's --additional-config: {"hookscope": {"vectors": path}}
+CONFIG_KEY = "hookscope"
+ROUTE = "/hookscope/vectors"
+
+
+def serve_flags(vectors: str | Path) -> list[str]:
+    """The `vllm serve` flags hookscope needs to serve the vectors of the file `vectors` (with
+    `VLLM_PLUGINS=hookscope` in the environment)."""
+    import json
+
+    return [
+        "--enforce-eager",
+        "--no-enable-prefix-caching",
+        "--worker-extension-cls",
+        EXTENSION,
+        "--logits-processors",
+        CHECK,
+        "--additional-config",
+        json.dumps({CONFIG_KEY: {"vectors": str(vectors)}}),
+    ]
+
+
+def read_vectors(path: str | Path) -> dict[str, tuple[str, torch.Tensor]]:
+    """{name: (point, vector)} from a safetensors file: tensor name = vector name, the file's
+    metadata maps each name to its point. Raises EngineError naming what is wrong and the fix."""
+    from safetensors import SafetensorError, safe_open
+
+    how = "write it with safetensors.torch.save_file({name: vector, ...}, path, metadata={name: point, ...})"
+    if not Path(path).is_file():
+        raise EngineError(f"no vectors file {str(path)!r}: {how}")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            points = f.metadata() or {}
+            vectors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
+    except SafetensorError as e:
+        raise EngineError(f"{str(path)!r} is not a safetensors file ({e}): {how}") from e
+    if not vectors:
+        raise EngineError(f"{str(path)!r} holds no vectors: {how}")
+    unplaced = sorted(set(vectors) - set(points))
+    if unplaced:
+        raise EngineError(f"{str(path)!r} gives no point for {', '.join(unplaced)}: {how}")
+    flat = sorted(name for name, v in vectors.items() if v.dim() != 1)
+    if flat:
+        raise EngineError(
+            f"{', '.join(flat)} in {str(path)!r} are not vectors (one dimension, d_model): {how}"
+        )
+    return {name: (points[name], vector.float()) for name, vector in vectors.items()}
+
+
+def check_request(extra: dict[str, Any] | None, known: dict[str, str]) -> None:
+    """Raises ValueError (vLLM's HTTP 400) for a request's extra arguments that name a vector this
+    server lacks, give a scale that is not a finite number, or are a hookscope key of no known shape."""
+    listing = ", ".join(sorted(known)) or "none"
+    for key in extra or {}:
+        if key.startswith(TAG) and key != TAG and not key.startswith(STEER_KEY):
+            raise ValueError(
+                f"unknown hookscope argument {key!r}: ask for a vector with "
+                f'"{STEER_KEY}<name>": scale in vllm_xargs (this server\'s vectors: {listing})'
+            )
+    for name, scale in steering_asked(extra):
+        if not known:
+            raise ValueError(
+                f"this server has no steering vectors, so {name!r} cannot be applied: start it with "
+                "VLLM_PLUGINS=hookscope and the flags of hookscope.engines.vllm.serve.serve_flags"
+            )
+        if name not in known:
+            raise ValueError(
+                f"unknown steering vector {name!r}: this server has {listing} (GET {ROUTE} lists them)"
+            )
+        if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
+            raise ValueError(
+                f"the scale of steering vector {name!r} must be a finite number, got {scale!r}: "
+                f'e.g. "{STEER_KEY}{name}": 4.0'
+            )
+
+
+class RequestCheck(LogitsProcessor):
+    """Checks each request's hookscope arguments in the API server (`validate_params`); in the
+    workers it leaves the logits as they are."""
+
+    # name -> point, filled at start by `Plugin.init_state` in this API server process
+    known: dict[str, str] = {}
+
+    @classmethod
+    def validate_params(cls, sampling_params) -> None:
+        check_request(sampling_params.extra_args, cls.known)
+
+    def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
+        pass
+
+    def apply(self, logits: torch.Tensor) -> torch.Tensor:
+        return logits
+
+    def is_argmax_invariant(self) -> bool:
+        return True
+
+    def update_state(self, batch_update) -> None:
+        pass
+
+
+def vectors_path(config) -> str:
+    """The vectors file `--additional-config` names, the flags checked first."""
+    processors = config.model_config.logits_processors or ()
+    if not any(p == CHECK or p is RequestCheck for p in processors):
+        raise EngineError(
+            f"hookscope's plugin checks each request's vectors before the engine sees it: serve with "
+            f"--logits-processors {CHECK} (hookscope.engines.vllm.serve.serve_flags lists every flag)"
+        )
+    settings = (config.additional_config or {}).get(CONFIG_KEY)
+    if not isinstance(settings, dict) or not isinstance(settings.get("vectors"), str):
+        raise EngineError(
+            "hookscope's plugin serves the vectors of a file: serve with "
+            f'--additional-config \'{{"{CONFIG_KEY}": {{"vectors": "vectors.safetensors"}}}}\''
+        )
+    return settings["vectors"]
+
+
+class Plugin:
+    """vLLM's endpoint plugin (`vllm.endpoint_plugins` entry point `hookscope`)."""
+
+    name = "hookscope"
+    required_tasks = ("generate",)
+
+    def attach_router(self, app) -> None:
+        @app.get(ROUTE)
+        async def vectors() -> dict[str, str]:
+            """The steering vectors this server registered: {name: point}."""
+            return dict(RequestCheck.known)
+
+    async def init_state(self, engine_client, state, args) -> None:
+        if engine_client is None:  # vLLM's render-only server: no engine, no workers
+            return
+        config = engine_client.vllm_config
+        path = vectors_path(config)
+        # every vector checked before the first is registered
+        calls = [steer_call(config, name, point, v) for name, (point, v) in read_vectors(path).items()]
+        for call in calls:
+            await engine_client.collective_rpc("hookscope_steer", args=call)
+        RequestCheck.known = {name: point for _, name, point, _ in calls}

