@@ -171,7 +171,7 @@ def collect(engine, prompts: Any, points: str | Sequence[str], *, edits: Sequenc
     keys = resolve(arch, points)
     requests = _prompts(prompts)
     described = describe_edits(engine, arch, edits, len(requests))
-    outputs, rows = serve(
+    outputs, rows = run_requests(
         engine, architecture, requests, [{"max_tokens": 1}] * len(requests), list(keys.values()), described
     )
     return [
@@ -200,7 +200,7 @@ def describe_edits(engine, arch: Arch, edits: Sequence[Any], n_prompts: int) -> 
     return {i: [seen[id(e)] for e in one] for i, one in enumerate(lists) if one}
 
 
-def serve(
+def run_requests(
     engine,
     architecture: str,
     requests: list,

@@ -17,7 +17,7 @@ import torch
 from ...capture import PointDict
 from ...errors import EngineError, SelectionError
 from ...generate import EDIT_ON, Generation
-from . import _prompts, check_engine, describe_edits, resolve, serve
+from . import _prompts, check_engine, describe_edits, resolve, run_requests
 
 # options whose rows would not map to one request and position, and the fix
 _REFUSED = {
@@ -91,7 +91,7 @@ def generate(
     names = list(keys.values())
     # with points, one token more: the engine then runs the last token of the result
     asked = {**sampling, "max_tokens": max_new_tokens + (1 if names else 0)}
-    outputs, rows = serve(
+    outputs, rows = run_requests(
         engine,
         architecture,
         requests,
@@ -127,7 +127,7 @@ def _run_last_tokens(engine, architecture, outputs, sequences, names, described,
             short.append(i)
     if not short:
         return
-    _, last = serve(
+    _, last = run_requests(
         engine,
         architecture,
         [{"prompt_token_ids": sequences[i]} for i in short],
