@@ -5,7 +5,7 @@ lost, none duplicated (counted by each row's origin).
 A handful of points run by default; `pytest --full` runs the whole sweep (>= 20 points, every kill
 site of tests/kit/kill_driver.py, plus SIGKILLs from outside at random times and a second crash during
 the resume). The runs are children of a fork server, so a point costs one extraction, not one
-Python start-up. test_extract.py covers five fixed points of the original sites (save, replace).
+Python start-up.
 Every point runs for every source (tests/kit/source_kit.py: text, text + generated continuation,
 images), but for the sites a source does not have (images have no tokenizer).
 """
@@ -46,6 +46,7 @@ SITES = {
 }
 DEFAULT = (
     "save",
+    "rename",
     "manifest-replace",
     "manifest-write",
     "journal-write",
