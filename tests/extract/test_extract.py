@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 from elastic_kit import assert_same_rows_as, run_elastic
+from forkserver import ForkServer
 from helpers import corpus_fixture, shard_digests
 from source_kit import SOURCES, Case, PerSource, make_case
 
@@ -65,6 +66,13 @@ def references(cases, tmp_path_factory) -> dict[str, Path]:
         return out
 
     return PerSource(make)
+
+
+@pytest.fixture(scope="module")
+def server(tiny_dirs) -> ForkServer:
+    server = ForkServer.shared()
+    server.warm("faultkit:load_model", path=str(tiny_dirs["gpt2"]))
+    return server
 
 
 @pytest.fixture(scope="module")
@@ -181,11 +189,14 @@ def test_nonfinite_counted_or_refused(tiny_dirs, corpus, tmp_path):
 # the other sources resume elastically through the same writer and deal as text: with --full (time)
 @pytest.mark.parametrize(("source", "first", "then"), _for_every_source([(2, 1), (1, 2)], set()))
 @pytest.mark.slow
-def test_elastic_resume_with_another_number_of_processes(cases, references, tmp_path, source, first, then):
+def test_elastic_resume_with_another_number_of_processes(
+    cases, references, server, tmp_path, source, first, then
+):
     """Started by `first` processes, killed, finished by `then`: the rows of an uninterrupted run
     (before, image extraction refused torchrun)."""
     out = tmp_path / "store"
-    run_elastic(cases[source].cli(out), first, then, kill_at="manifest-replace:2:after")  # after shard 1
+    after_shard_1 = "manifest-replace:2:after"
+    run_elastic(server, cases[source].cli(out), first, then, kill_at=after_shard_1)
     assert_same_rows_as(out, references[source], first, then)
     finished = [s for s in open_store(out).manifest.shards if s.generation == 1]
     assert {s.rank for s in finished} == set(range(then))  # each rank of the second run wrote shards

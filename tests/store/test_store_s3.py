@@ -314,12 +314,13 @@ def test_torchrun_two_ranks_write_to_one_url(s3, bucket, tiny_dirs, corpus, refe
 
 @pytest.mark.parametrize(("first", "then"), [(2, 1), pytest.param(1, 2, marks=pytest.mark.full)])
 @pytest.mark.slow
-def test_elastic_resume_on_a_url(s3, bucket, tiny_dirs, corpus, reference, first, then):
+def test_elastic_resume_on_a_url(s3, bucket, server, tiny_dirs, corpus, reference, first, then):
     """Started by `first` processes writing to the URL, killed, finished by `then`: the rows of an
     uninterrupted run, and no object that no manifest lists."""
     url = f"s3://{bucket}/store"
     # each rank is killed once its first shard is committed
-    run_elastic(cli_args(tiny_dirs["gpt2"], corpus, url), first, then, kill_at="manifest-put:2:after")
+    args = cli_args(tiny_dirs["gpt2"], corpus, url)
+    run_elastic(server, args, first, then, kill_at="manifest-put:2:after", environ=endpoint())
     assert_same_rows_as(url, reference, first, then)
     listed = {s.file for s in open_store(url).manifest.shards}
     assert {k for k in s3_objects(s3, url) if k.startswith("shards/")} == listed
