@@ -51,7 +51,7 @@ from .generate import Generation
 from .hooks import Hooks, hooks
 from .loading import Loaded, load
 from .profiling import ProfileReport, profile
-from .store import ActivationDataset, Column, Manifest, PointStats, Store, open_store
+from .store import ActivationDataset, Column, DatasetOptions, Manifest, PointStats, Store, open_store
 from .top import TopResult, top
 from .verbs import capture, collect, generate, grads, points
 
@@ -94,6 +94,7 @@ __all__ = [
     "open_store",
     "Store",
     "ActivationDataset",
+    "DatasetOptions",
     "Manifest",
     "Column",
     "PointStats",

@@ -1,20 +1,17 @@
-"""The extraction pipeline end to end: round trip against plain hooks, resume after SIGKILL,
-torchrun, and the bad inputs a user can hit. The SIGKILL and elastic-resume tests run for every
-source (tests/kit/source_kit.py: text, text + generated continuation, images)."""
+"""The extraction pipeline end to end: round trip against plain hooks, torchrun ranks resuming
+elastically, and the bad inputs a user can hit. The elastic-resume tests run for every source
+(tests/kit/source_kit.py: text, text + generated continuation, images). A SIGKILL and the same
+command again: the kill sweep, tests/faults/test_faults_kill.py."""
 
 from __future__ import annotations
 
 import hashlib
-import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from elastic_kit import assert_same_rows_as, run_elastic
+from forkserver import ForkServer
 from helpers import corpus_fixture, shard_digests
 from source_kit import SOURCES, Case, PerSource, make_case
 
@@ -23,7 +20,6 @@ from hookscope.extract import ExtractConfig, extract
 from hookscope.sources import batches, iter_documents, pack
 from hookscope.store import open_store
 
-KIT = Path(__file__).resolve().parents[1] / "kit"  # the shared helpers: kill_driver.py runs by path
 corpus = corpus_fixture(80)
 
 
@@ -73,6 +69,13 @@ def references(cases, tmp_path_factory) -> dict[str, Path]:
 
 
 @pytest.fixture(scope="module")
+def server(tiny_dirs) -> ForkServer:
+    server = ForkServer.shared()
+    server.warm("faultkit:load_model", path=str(tiny_dirs["gpt2"]))
+    return server
+
+
+@pytest.fixture(scope="module")
 def reference_store(tiny_dirs, corpus, tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("ref") / "store"
     extract(config(tiny_dirs, corpus, out))
@@ -119,12 +122,6 @@ def test_round_trip_equals_plain_hooks(tiny_dirs, corpus, reference_store):
     assert store.manifest.settings["points"] == ["blocks.1.resid_post", "blocks.0.mlp.post"]
 
 
-# os.replace calls go: 1 manifest stamped at open, then per shard: shard rename, manifest replace
-KILL_POINTS = ["save:2", "replace:2:after", "replace:3:before", "replace:5:after", "replace:6:before"]
-# what every source runs by default (the loop is one, the sources differ before it); all with --full
-EVERY_SOURCE_KILLS = {"save:2", "replace:3:before"}
-
-
 def _for_every_source(cases: list, every_source: set) -> list:
     """(source, *case) params: all cases for text, the `every_source` ones for the other sources
     by default, the rest of theirs marked full (run with --full)."""
@@ -137,29 +134,6 @@ def _for_every_source(cases: list, every_source: set) -> list:
         )
         for source in SOURCES
         for case in cases
-    ]
-
-
-@pytest.mark.parametrize(
-    ("source", "kill_at"), _for_every_source([(k,) for k in KILL_POINTS], {(k,) for k in EVERY_SOURCE_KILLS})
-)
-@pytest.mark.slow
-def test_resume_after_sigkill_equals_uninterrupted(cases, references, tmp_path, source, kill_at):
-    reference_store = references[source]
-    out = tmp_path / "store"
-    cfg = cases[source].config(out)
-    cmd = [sys.executable, str(KIT / "kill_driver.py"), json.dumps(cfg), kill_at]
-    killed = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    assert killed.returncode == -9, killed.stderr[-2000:]  # it really died by SIGKILL, mid-run
-    partial = open_store(out)
-    assert partial.num_shards < open_store(reference_store).num_shards
-    committed = sum(len(s.batch_indices()) for s in partial.manifest.shards)
-    summary = extract(ExtractConfig(**cfg))  # the same command again
-    assert summary.batches_skipped == committed  # exactly the committed batches are skipped
-    assert shard_digests(out) == shard_digests(reference_store)  # byte for byte
-    resumed, ref = open_store(out, verify=True), open_store(reference_store)
-    assert [(s.file, s.rows, s.checksum) for s in resumed.manifest.shards] == [
-        (s.file, s.rows, s.checksum) for s in ref.manifest.shards
     ]
 
 
@@ -212,65 +186,20 @@ def test_nonfinite_counted_or_refused(tiny_dirs, corpus, tmp_path):
         )
 
 
-@pytest.mark.slow
-def test_torchrun_two_processes_same_rows(tiny_dirs, corpus, reference_store, tmp_path):
-    out = tmp_path / "store"
-    with socket.socket() as sock:  # a free port: a fixed one collides with other test runs on the machine
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        port,
-        "-m",
-        "hookscope.cli",
-        "extract",
-        str(tiny_dirs["gpt2"]),
-        "--out",
-        str(out),
-        "--points",
-        "blocks.1.resid_post,blocks.0.mlp.post",
-        "--data",
-        str(corpus),
-        "--context",
-        "32",
-        "--batch-size",
-        "4",
-        "--shard-rows",
-        "150",
-        "--no-progress",
-    ]
-    run = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
-    two, one = open_store(out, verify=True), open_store(reference_store)
-    assert two.manifest.world_size == 2 and {s.rank for s in two.manifest.shards} == {0, 1}
-
-    def rows(store):
-        key = torch.stack([store.tensor("seq_ids"), store.tensor("doc_ids"), store.tensor("positions")], 1)
-        order = sorted(range(len(key)), key=lambda i: tuple(key[i].tolist()))
-        return key[order], store.tensor("blocks.1.resid_post")[order]
-
-    (k2, v2), (k1, v1) = rows(two), rows(one)
-    assert torch.equal(k2, k1) and torch.equal(v2, v1)
-
-
 # the other sources resume elastically through the same writer and deal as text: with --full (time)
 @pytest.mark.parametrize(("source", "first", "then"), _for_every_source([(2, 1), (1, 2)], set()))
 @pytest.mark.slow
-def test_elastic_resume_with_another_number_of_processes(cases, references, tmp_path, source, first, then):
+def test_elastic_resume_with_another_number_of_processes(
+    cases, references, server, tmp_path, source, first, then
+):
     """Started by `first` processes, killed, finished by `then`: the rows of an uninterrupted run
     (before, image extraction refused torchrun)."""
     out = tmp_path / "store"
-    run_elastic(cases[source].cli(out), first, then, kill_at="manifest-replace:2:after")  # after shard 1
+    after_shard_1 = "manifest-replace:2:after"
+    run_elastic(server, cases[source].cli(out), first, then, kill_at=after_shard_1)
     assert_same_rows_as(out, references[source], first, then)
+    finished = [s for s in open_store(out).manifest.shards if s.generation == 1]
+    assert {s.rank for s in finished} == set(range(then))  # each rank of the second run wrote shards
 
 
 @pytest.mark.slow

@@ -8,13 +8,10 @@ the two stacks of a CLT read in two orders fails here."""
 
 from __future__ import annotations
 
-import os
-import socket
-import subprocess
-import sys
-
 import pytest
 import torch
+from elastic_kit import run_ranks
+from forkserver import ForkServer
 from helpers import corpus_fixture
 
 import hookscope as hs
@@ -232,23 +229,11 @@ def test_a_stacked_column_is_not_exported_as_one_saelens_hook(stores, tmp_path):
 
 @pytest.mark.slow
 def test_two_torchrun_ranks_write_the_same_stacked_rows(stores, model_dir, corpus, tmp_path):
+    """Two ranks (fork-server children with torchrun's environment: tests/kit/elastic_kit.py)."""
     stacked, _ = stores
-    with socket.socket() as sock:  # a free port
-        sock.bind(("127.0.0.1", 0))
-        port = str(sock.getsockname()[1])
     out = tmp_path / "two"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        port,
-        "-m",
-        "hookscope.cli",
+    server = ForkServer.shared()
+    cli = [
         "extract",
         str(model_dir),
         "--out",
@@ -271,10 +256,7 @@ def test_two_torchrun_ranks_write_the_same_stacked_rows(stores, model_dir, corpu
         "--keep-bos",
         "--no-progress",
     ]
-    run = subprocess.run(
-        cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-    )
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_ranks(server, 2, cli)
     two = hs.open_store(out, verify=True)
     assert two.manifest.world_size == 2
     assert two.manifest.settings["stacked"] == stacked.manifest.settings["stacked"]

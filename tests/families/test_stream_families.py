@@ -11,15 +11,13 @@ twice) that rescaling gives other rows."""
 
 from __future__ import annotations
 
-import os
-import subprocess
 from pathlib import Path
 from typing import Any
 
 import family_models
 import pytest
 import torch
-from elastic_kit import torchrun_command
+from elastic_kit import run_ranks
 from faultkit import compare_stores, write_corpus
 from forkserver import ForkServer
 from source_kit import write_images
@@ -299,14 +297,12 @@ def test_a_kill_at_three_moments_resumes_byte_identically(kind, moment, killed_r
 
 
 @pytest.mark.slow
-def test_two_torchrun_ranks_stream_the_shards_two_in_memory_ranks_write(tiny_dirs, data, tmp_path):
-    """The same two ranks, once streamed: each rank's shards and the merged manifest, byte for byte."""
+def test_two_torchrun_ranks_stream_the_shards_two_in_memory_ranks_write(tiny_dirs, data, server, tmp_path):
+    """The same two ranks, once streamed: each rank's shards and the merged manifest, byte for byte.
+    The ranks are fork-server children with torchrun's environment (tests/kit/elastic_kit.py)."""
 
     def run(out: Path, *flags: str) -> None:
-        cmd = [
-            *torchrun_command(2),
-            "-m",
-            "hookscope.cli",
+        cli = [
             "extract",
             str(tiny_dirs["gpt2"]),
             "--out",
@@ -324,10 +320,7 @@ def test_two_torchrun_ranks_stream_the_shards_two_in_memory_ranks_write(tiny_dir
             "--no-progress",
             *flags,
         ]
-        done = subprocess.run(
-            cmd, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"}
-        )
-        assert done.returncode == 0, done.stderr[-3000:]
+        run_ranks(server, 2, cli)
 
     run(tmp_path / "memory")
     run(tmp_path / "streamed", "--max-memory", "1MB")

@@ -5,7 +5,7 @@ lost, none duplicated (counted by each row's origin).
 A handful of points run by default; `pytest --full` runs the whole sweep (>= 20 points, every kill
 site of tests/kit/kill_driver.py, plus SIGKILLs from outside at random times and a second crash during
 the resume). The runs are children of a fork server, so a point costs one extraction, not one
-Python start-up. test_extract.py covers five fixed points of the original sites (save, replace).
+Python start-up.
 Every point runs for every source (tests/kit/source_kit.py: text, text + generated continuation,
 images), but for the sites a source does not have (images have no tokenizer).
 """
@@ -46,6 +46,7 @@ SITES = {
 }
 DEFAULT = (
     "save",
+    "rename",
     "manifest-replace",
     "manifest-write",
     "journal-write",
@@ -54,6 +55,10 @@ DEFAULT = (
     "forward",
     "library-save",
 )
+# the sites every source runs by default: where the sources differ (the batches they make, the
+# forward); the writer's sites are one code path whatever made the rows: text runs them by default,
+# the other sources with --full
+EVERY_SOURCE = ("batch", "forward")
 # a crash, then a second crash early in the resume, then the resume that finishes
 TWICE = [("batch", "save:1"), ("fsync", "rename:1:after"), ("forward", "manifest-write:2")]
 
@@ -89,13 +94,21 @@ def _plan() -> list:
 
 
 def _for_every_source(points: list) -> list:
-    """Each point for each source that has its sites."""
+    """Each point for each source that has its sites; a writer's site for a source besides text
+    with --full."""
     return [
-        pytest.param(source, *p.values, id=f"{source}-{p.id}", marks=p.marks)
+        pytest.param(source, *p.values, id=f"{source}-{p.id}", marks=_marks(source, p))
         for source in SOURCES
         for p in points
         if not (source == "images" and any("tokenize" in str(k) for k in p.values[0]))
     ]
+
+
+def _marks(source: str, point) -> tuple:
+    first = point.values[0][0]
+    if source != "text" and first.site not in EVERY_SOURCE:
+        return (pytest.mark.full,)
+    return point.marks
 
 
 POINTS = _plan()
@@ -153,6 +166,9 @@ def test_the_sweep_covers_every_site_and_the_run():
     fractions = sorted(k.fraction for k in kills if k.site != "timed")
     assert fractions[0] < 0.2 and fractions[-1] > 0.8  # early and late in the run
     by_source = _for_every_source(POINTS)
+    for source in SOURCES:  # by default: text every site of DEFAULT, the others where they differ
+        here = [p.values[1][0].site for p in by_source if p.values[0] == source and not p.marks]
+        assert sorted(here) == sorted(DEFAULT if source == "text" else EVERY_SOURCE), source
     assert {p.values[0] for p in by_source} == set(SOURCES)  # every point for every source...
     assert len(by_source) == len(POINTS) * len(SOURCES) - sum(  # ...but images' tokenizer sites
         "tokenize" in str(p.values[0][0]) for p in POINTS

@@ -11,20 +11,18 @@ equals the uninterrupted one byte for byte (every shard and manifest.json).
 from __future__ import annotations
 
 import hashlib
-import os
-import signal
-import subprocess
-import sys
+import shutil
 from pathlib import Path
 
 import pytest
 from fault_log import record
+from forkserver import ForkServer
 from source_kit import SOURCES, Case, PerSource, make_case
 
 from hookscope.cli import main
 from hookscope.store import open_store
 
-KIT = Path(__file__).resolve().parents[1] / "kit"  # the shared helpers: kill_driver.py runs by path
+RUN_CLI = "kill_driver:run_cli"
 MAX_TOKENS = "300"
 OPTIONS = {"points": ["blocks.1.resid_post", "blocks.0.mlp.post"], "dtype": "float16", "shard_rows": 150}
 
@@ -98,39 +96,42 @@ def _rejected(source: str) -> list[str]:
     return [bad for bad, (sources, _) in REJECTED.items() if source in sources]
 
 
-@pytest.mark.parametrize(
-    ("source", "bad"), [(s, bad) for s in SOURCES for bad in [*_rejected(s), "a model that cannot be loaded"]]
-)
-@pytest.mark.slow
-def test_rejected_run_leaves_no_trace_and_the_corrected_command_runs(cases, tmp_path, capsys, source, bad):
-    """Before: a 0-row manifest.json locked in the bad settings and the corrected command was
-    refused (`batch_size: stored 0, given 8`)."""
-    case, out = cases[source], tmp_path / "store"
-    wrong = REJECTED[bad][1](case, tmp_path) if bad in REJECTED else {}
+def _rejected_run(case: Case, out: Path, folder: Path, bad: str, capsys) -> tuple[int, str, bool]:
+    """`bad`'s command into `out`: its exit code, its stderr, and whether it left anything there
+    (removed, so that the next command starts where no store is)."""
+    wrong = REJECTED[bad][1](case, folder) if bad in REJECTED else {}
     args = case.cli(out, **{"--max-tokens": MAX_TOKENS, **wrong})
     if bad == "a model that cannot be loaded":
-        args[1] = str(tmp_path / "no-such-model")
+        args[1] = str(folder / "no-such-model")
     code = main(args)
-    err = capsys.readouterr().err
     left = out.exists()  # no directory, no manifest, no shard
-    again = main(case.cli(out, **{"--max-tokens": MAX_TOKENS}))
-    capsys.readouterr()
-    rows = len(open_store(out, verify=True)) if again == 0 else 0
-    record(
-        "rejected",
-        f"new store{_of(source)}: {bad}",
-        survived=int(code == 2 and not left and again == 0 and rows > 0),
-    )
-    assert code == 2 and err.startswith("hookscope: error: ") and "Traceback" not in err, err
-    assert not left
-    assert again == 0 and rows > 0  # the corrected command, into the same --out
+    shutil.rmtree(out, ignore_errors=True)
+    return code, capsys.readouterr().err, left
 
 
 @pytest.mark.parametrize("source", SOURCES)
 @pytest.mark.slow
-def test_rejected_run_leaves_an_existing_store_untouched(cases, tmp_path, capsys, source):
+def test_rejected_runs_leave_no_trace_and_an_existing_store_untouched(cases, tmp_path, capsys, source):
+    """Every bad command where no store is leaves nothing, so the corrected command then runs into
+    the same --out; every bad command into that store then leaves it as it was. Before: a 0-row
+    manifest.json locked in the bad settings and the corrected command was refused (`batch_size:
+    stored 0, given 8`)."""
     case, out = cases[source], tmp_path / "store"
-    assert main(case.cli(out, **{"--max-tokens": MAX_TOKENS})) == 0
+    refused = {
+        bad: _rejected_run(case, out, tmp_path, bad, capsys)
+        for bad in [*_rejected(source), "a model that cannot be loaded"]
+    }
+    again = main(case.cli(out, **{"--max-tokens": MAX_TOKENS}))  # the corrected command
+    capsys.readouterr()
+    rows = len(open_store(out, verify=True)) if again == 0 else 0
+    for bad, (code, _, left) in refused.items():
+        survived = code == 2 and not left and again == 0 and rows > 0
+        record("rejected", f"new store{_of(source)}: {bad}", survived=int(survived))
+    for bad, (code, err, left) in refused.items():
+        assert code == 2 and err.startswith("hookscope: error: ") and "Traceback" not in err, (bad, err)
+        assert not left, bad
+    assert again == 0 and rows > 0  # the corrected command, into the same --out
+
     before = tree(out)
     for bad in _rejected(source):
         wrong_args = {"--max-tokens": MAX_TOKENS, **REJECTED[bad][1](case, tmp_path)}
@@ -139,12 +140,6 @@ def test_rejected_run_leaves_an_existing_store_untouched(cases, tmp_path, capsys
         record("rejected", f"existing store{_of(source)}: {bad}", survived=int(code == 2 and untouched))
         assert code == 2 and untouched, bad
     capsys.readouterr()
-
-
-def _default_sigint() -> None:
-    """A shell starts background jobs (and so, maybe, this test run) with SIGINT ignored, and a
-    child inherits that: give it back the default, as a terminal's Ctrl-C would find it."""
-    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 # -- interrupts ---------------------------------------------------------------------------------
@@ -190,31 +185,36 @@ def _interrupts() -> list:
     return params
 
 
+@pytest.fixture(scope="module")
+def server(tiny_dirs) -> ForkServer:
+    """Each interrupted run is a child of the fork server the kill sweep uses: a real, separate
+    process that a signal stops, without a Python start-up each."""
+    server = ForkServer.shared()
+    server.warm("faultkit:load_model", path=str(tiny_dirs["gpt2"]))
+    return server
+
+
 @pytest.mark.parametrize(("source", "sig", "at", "what"), _interrupts())
 @pytest.mark.slow
-def test_interrupt_then_resume_equals_uninterrupted(cases, references, tmp_path, source, sig, at, what):
+def test_interrupt_then_resume_equals_uninterrupted(
+    cases, references, server, tmp_path, source, sig, at, what
+):
     """Before: ~40 lines of KeyboardInterrupt traceback, and the resumed store had 5 shards instead
     of 4 (the interrupted run flushed a partial shard); image extraction died by the signal with a
     traceback (exit -2)."""
     reference = references[source]
     out = tmp_path / "store"
     args = cases[source].cli(out)
-    run = subprocess.run(
-        [sys.executable, str(KIT / "kill_driver.py"), "cli", sig, at, *args],
-        text=True,
-        capture_output=True,
-        timeout=600,
-        env={**os.environ, "OMP_NUM_THREADS": "1"},
-        preexec_fn=_default_sigint,
-    )
+    run = server.call(RUN_CLI, args=args, signal_name=sig, kill_at=at, timeout=600)
+    code, stderr = (run.result["code"], run.result["stderr"]) if run.status == 0 else (None, run.log)
     ref = open_store(reference)
     stopped = open_store(out).manifest.shards if (out / "manifest.json").exists() else []
     committed = [(s.file, s.checksum) for s in stopped]
     rows = sum(s.rows for s in stopped)
-    last_line = run.stderr.strip().splitlines()[-1] if run.stderr.strip() else ""
+    last_line = stderr.strip().splitlines()[-1] if stderr.strip() else ""
     clean = (
-        run.returncode == 130
-        and "Traceback" not in run.stderr
+        code == 130
+        and "Traceback" not in stderr + run.log
         and last_line == f"hookscope: interrupted after {rows:,} rows; run the same command to resume"
     )
     whole_shards = committed == [(s.file, s.checksum) for s in ref.manifest.shards[: len(committed)]]
@@ -229,8 +229,8 @@ def test_interrupt_then_resume_equals_uninterrupted(cases, references, tmp_path,
         rows_lost=max(len(ref) - len(open_store(out)), 0) if again == 0 else None,
         rows_duplicated=max(len(open_store(out)) - len(ref), 0) if again == 0 else None,
     )
-    assert run.returncode == 130, run.stderr[-3000:]
-    assert clean, run.stderr[-3000:]
+    assert code == 130, (run.status, run.log[-3000:])
+    assert clean, stderr[-3000:] + run.log[-3000:]
     assert whole_shards  # only shards an uninterrupted run also cuts
     assert len(committed) < ref.num_shards  # it really stopped before the end
     assert no_debris  # no partial shard, no .tmp file

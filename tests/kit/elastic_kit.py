@@ -1,20 +1,19 @@
 """What the elastic-resume tests of the extraction pipeline share (test_extract.py, locally, and
 test_store_s3.py, on an S3 server): a run killed under one number of processes and finished under
-another, and the row-for-row comparison with an uninterrupted one-process run."""
+another, and the row-for-row comparison with an uninterrupted one-process run; and the torchrun
+command the torchrun tests launch."""
 
 from __future__ import annotations
 
-import os
 import socket
-import subprocess
 import sys
-from pathlib import Path
 
 import torch
+from forkserver import ForkServer
 
 from hookscope.store import open_store
 
-HERE = Path(__file__).parent
+RUN_CLI = "kill_driver:run_cli"
 
 
 def torchrun_command(nproc: int) -> list[str]:
@@ -45,18 +44,26 @@ def in_batch_order(store) -> dict[str, torch.Tensor]:
     return {name: store.tensor(name)[order] for name in store.manifest.columns}
 
 
-def run_elastic(cli: list[str], first: int, then: int, kill_at: str) -> None:
+def run_elastic(
+    server: ForkServer, cli: list[str], first: int, then: int, kill_at: str, environ: dict | None = None
+) -> None:
     """`hookscope cli...` with `first` processes, each SIGKILLed at `kill_at` (kill_driver.py's
-    sites); then the same command with `then` processes, to the end."""
-    environ = {**os.environ, "OMP_NUM_THREADS": "1"}
-    killed = [str(HERE / "kill_driver.py"), "cli", "KILL", kill_at, *cli]
-    cmd = [*torchrun_command(first), *killed] if first > 1 else [sys.executable, *killed]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=environ)
-    assert run.returncode != 0, run.stderr[-3000:]  # it died mid-run
-    resumed = ["-m", "hookscope.cli", *cli]
-    cmd = [*torchrun_command(then), *resumed] if then > 1 else [sys.executable, *resumed]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=environ)
-    assert run.returncode == 0, run.stderr[-3000:]
+    sites); then the same command with `then` processes, to the end. The processes are children of
+    the fork server `server` (tests/kit/forkserver.py) with torchrun's environment for their rank
+    (torchrun itself launches the ranks of test_store_s3.py's torchrun test and of
+    tests/engines/test_tensor_parallel.py); `environ` is added to theirs."""
+    killed = server.call_ranks(first, RUN_CLI, args=cli, signal_name="KILL", kill_at=kill_at, environ=environ)
+    assert any(r.status != 0 for r in killed), [r.log[-3000:] for r in killed]  # it died mid-run
+    run_ranks(server, then, cli, environ)
+
+
+def run_ranks(server: ForkServer, world_size: int, cli: list[str], environ: dict | None = None) -> None:
+    """`hookscope cli...` run to the end by `world_size` ranks, children of the fork server with
+    torchrun's environment for their rank (see `run_elastic`)."""
+    ranks = server.call_ranks(
+        world_size, RUN_CLI, args=cli, signal_name="KILL", kill_at="never", environ=environ
+    )
+    assert all(r.status == 0 and r.result["code"] == 0 for r in ranks), [r.log[-3000:] for r in ranks]
 
 
 def assert_same_rows_as(got_path, reference_path, first: int, then: int) -> None:

@@ -10,6 +10,7 @@ and nothing it does reaches the test process except the JSON it returns.
     reply = server.call("kill_driver:run_extract", config=cfg, kill_at="save:2")
     reply.status    # 0, 1 (an exception: see reply.log), -9 (SIGKILL), ...
     reply.result    # what the function returned (JSON), when it returned
+    replies = server.call_ranks(2, "kill_driver:run_cli", args=...)   # two ranks, as torchrun starts them
 
     python forkserver.py                         # the server: one JSON request per stdin line
 """
@@ -106,6 +107,37 @@ class ForkServer:
             log.read_text(errors="replace") if log.exists() else "",
         )
 
+    def call_ranks(
+        self, world_size: int, function: str, *, timeout: float = 300.0, **kwargs: Any
+    ) -> list[Reply]:
+        """Run `module:function(**kwargs)` in `world_size` children at once, each with the
+        environment torchrun gives its workers (RANK, LOCAL_RANK, WORLD_SIZE, MASTER_ADDR and a free
+        MASTER_PORT); as torchrun does, the first that fails gets the others killed. One reply per
+        rank, in rank order."""
+        self.calls += 1
+        files = [
+            (self.tmp / f"{self.calls}.{r}.json", self.tmp / f"{self.calls}.{r}.log")
+            for r in range(world_size)
+        ]
+        request = {
+            "function": function,
+            "kwargs": kwargs,
+            "ranks": world_size,
+            "timeout": timeout,
+            "files": [[str(result), str(log)] for result, log in files],
+        }
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError("the fork server died")
+        replies = []
+        for reply, (result, log) in zip(json.loads(line), files, strict=True):
+            value = json.loads(result.read_text()) if result.exists() else None
+            text = log.read_text(errors="replace") if log.exists() else ""
+            replies.append(Reply(reply["status"], reply["seconds"], reply["timed_out"], value, text))
+        return replies
+
     def warm(self, function: str, **kwargs: Any) -> None:
         """Run `module:function(**kwargs)` in the server itself, once: to import lazily loaded
         modules (a model family's code, its tokenizer) before children fork. It must not start
@@ -163,6 +195,45 @@ def _wait(pid: int, kill_after: float | None, timeout: float) -> tuple[int, floa
     return os.waitstatus_to_exitcode(status), time.monotonic() - start, timed_out
 
 
+def _ranks(request: dict) -> list[dict]:
+    """Fork one child per rank with torchrun's environment; wait for all of them, killing the rest
+    once one fails or the time is up. Each rank's {status, seconds, timed_out}, in rank order."""
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    world = request["ranks"]
+    start = time.monotonic()
+    pids = []
+    for rank, (result, log) in enumerate(request["files"]):
+        pid = os.fork()
+        if pid == 0:
+            ranks = {"RANK": rank, "LOCAL_RANK": rank, "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world}
+            os.environ.update(
+                {k: str(v) for k, v in ranks.items()}, MASTER_ADDR="127.0.0.1", MASTER_PORT=port
+            )
+            _child({**request, "result": result, "log": log})
+        pids.append(pid)
+    ended: dict[int, tuple[int, float]] = {}
+    timed_out = False
+    while len(ended) < world:
+        for rank, pid in enumerate(pids):
+            if rank not in ended:
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    ended[rank] = (os.waitstatus_to_exitcode(status), time.monotonic() - start)
+        failed = any(code != 0 for code, _ in ended.values())
+        timed_out = timed_out or time.monotonic() - start >= request["timeout"]
+        if failed or timed_out:
+            for rank, pid in enumerate(pids):
+                if rank not in ended:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+        time.sleep(0.002)
+    return [{"status": ended[r][0], "seconds": ended[r][1], "timed_out": timed_out} for r in range(world)]
+
+
 def _warm(request: dict) -> str:
     try:
         module, _, name = request["warm"].partition(":")
@@ -185,6 +256,9 @@ def serve() -> None:
         request = json.loads(line)
         if "warm" in request:
             print(json.dumps(_warm(request)), flush=True)
+            continue
+        if "ranks" in request:
+            print(json.dumps(_ranks(request)), flush=True)
             continue
         pid = os.fork()
         if pid == 0:

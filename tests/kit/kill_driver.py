@@ -38,12 +38,15 @@ A real SIGKILL: no finally blocks, no atexit, no flush, exactly as a crash or an
 
 runs `hookscope HOOKSCOPE_ARGS...` (the CLI's own main) and sends the process a real SIGNAL (INT,
 TERM or KILL) at KILL_AT, from whichever thread reaches it; with INT or TERM the run goes on to
-handle it as it would a Ctrl-C or a scheduler's stop (no half-written files are faked).
+handle it as it would a Ctrl-C or a scheduler's stop (no half-written files are faked). In a child
+of the fork server: `run_cli(args, signal_name, kill_at)`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import io
 import json
 import os
 import signal
@@ -241,6 +244,27 @@ def run_extract(config: dict[str, Any], kill_at: str = "never") -> dict[str, Any
     plan = arm(kill_at)
     summary = extract(ExtractConfig(**config))
     return {"summary": dataclasses.asdict(summary), "counts": dict(plan.counts)}
+
+
+def run_cli(
+    args: list[str], signal_name: str, kill_at: str, environ: dict[str, str] | None = None
+) -> dict[str, Any]:
+    """The fork server's entry for `cli` mode: `hookscope args...` sent a real SIG`signal_name` at
+    `kill_at`, with `environ` added to the environment (the server's was fixed when it started);
+    the code its main returns (what the process exits with) and what it wrote to sys.stderr.
+    SIGINT gets Python's own handler back: a child of a shell's background job inherits it
+    ignored, and a terminal's Ctrl-C finds the default."""
+    global SIGNAL
+    from hookscope.cli import main
+
+    os.environ.update(environ or {})
+    SIGNAL = signal.Signals["SIG" + signal_name]
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    arm(kill_at)
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        code = main(args)
+    return {"code": code, "stderr": err.getvalue()}
 
 
 if __name__ == "__main__" and sys.argv[1] == "cli":

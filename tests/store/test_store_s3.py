@@ -24,13 +24,13 @@ need("s3")
 
 from elastic_kit import assert_same_rows_as, run_elastic  # noqa: E402
 from faultkit import damage  # noqa: E402
+from forkserver import ForkServer  # noqa: E402
 from helpers import corpus_fixture, extract_cli_args  # noqa: E402
 
 from hookscope.cli import main  # noqa: E402
 from hookscope.errors import StoreError  # noqa: E402
 from hookscope.store import open_store  # noqa: E402
 
-KIT = Path(__file__).resolve().parents[1] / "kit"  # the shared helpers: kill_driver.py runs by path
 CREDENTIALS = {
     "AWS_ACCESS_KEY_ID": "testing",
     "AWS_SECRET_ACCESS_KEY": "testing",
@@ -128,6 +128,22 @@ def s3_objects(s3, url: str) -> dict[str, str]:
     }
 
 
+@pytest.fixture(scope="module")
+def server(tiny_dirs) -> ForkServer:
+    """The killed runs are children of the fork server (tests/kit/forkserver.py): real processes,
+    without a Python start-up each."""
+    server = ForkServer.shared()
+    server.warm("faultkit:load_model", path=str(tiny_dirs["gpt2"]))
+    return server
+
+
+def endpoint() -> dict[str, str]:
+    """What a fork-server child needs to reach this module's S3 server (and the part size a test
+    set): the server's environment was fixed when it started."""
+    names = [*CREDENTIALS, "AWS_ENDPOINT_URL", "HOOKSCOPE_UPLOAD_PART_BYTES"]
+    return {k: os.environ[k] for k in names if k in os.environ}
+
+
 def env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -151,7 +167,7 @@ def test_extract_to_s3_equals_the_local_store(s3, bucket, tiny_dirs, corpus, ref
 
 
 # the moments a URL store adds (upload, put) by default; the ones a local store shares with it
-# (tests/extract/test_extract.py, test_faults_signals.py run those locally) with --full
+# (tests/faults/test_faults_kill.py, test_faults_signals.py run those locally) with --full
 LOCAL_TOO = pytest.mark.full
 
 
@@ -169,24 +185,20 @@ LOCAL_TOO = pytest.mark.full
     ],
 )
 @pytest.mark.slow
-def test_killed_then_resumed_equals_uninterrupted(s3, bucket, tiny_dirs, corpus, reference, sig, at):
+def test_killed_then_resumed_equals_uninterrupted(s3, bucket, server, tiny_dirs, corpus, reference, sig, at):
     """A kill at any moment, including between a shard's upload and the manifest PUT that commits
     it: readers see only listed shards, the resume deletes the orphan, and the finished store
     equals an uninterrupted one object for object."""
     url = f"s3://{bucket}/store"
     args = cli_args(tiny_dirs["gpt2"], corpus, url)
-    run = subprocess.run(
-        [sys.executable, str(KIT / "kill_driver.py"), "cli", sig, at, *args],
-        text=True,
-        capture_output=True,
-        timeout=600,
-        env=env(),
-        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
-    )
-    assert run.returncode == (-9 if sig == "KILL" else 130), run.stderr[-3000:]
+    run = server.call("kill_driver:run_cli", args=args, signal_name=sig, kill_at=at, environ=endpoint())
+    if sig == "KILL":
+        assert run.status == -signal.SIGKILL, run.log[-3000:]
+    else:
+        assert run.status == 0 and run.result["code"] == 130, run.log[-3000:]
     partial = open_store(url, verify=True)  # a consistent store: only what the manifest lists
     if sig == "INT":  # an interrupt still commits the shard it had uploaded, and no partial one
-        assert run.stderr.strip().splitlines()[-1].startswith("hookscope: interrupted after ")
+        assert run.result["stderr"].strip().splitlines()[-1].startswith("hookscope: interrupted after ")
     listed = {s.file for s in partial.manifest.shards}
     shards = {k for k in s3_objects(s3, url) if k.startswith("shards/")}
     if (sig, at) == ("KILL", "upload:3:after"):  # the third shard was uploaded but never committed
@@ -208,21 +220,19 @@ def open_uploads(s3, bucket: str) -> list[str]:
 
 
 @pytest.mark.slow
-def test_killed_mid_multipart_upload_resumes_identical(s3, bucket, tiny_dirs, corpus, reference, monkeypatch):
+def test_killed_mid_multipart_upload_resumes_identical(
+    s3, bucket, server, tiny_dirs, corpus, reference, monkeypatch
+):
     """SIGKILL between two parts of a shard's multipart upload: no object of that shard exists, its
     upload stays open on S3; the resume aborts it, uploads the shard again, and ends with the
     uninterrupted store's objects and no open upload."""
     monkeypatch.setenv("HOOKSCOPE_UPLOAD_PART_BYTES", "32768")  # shards here are ~170 KB: 6 parts each
     url = f"s3://{bucket}/store"
     args = cli_args(tiny_dirs["gpt2"], corpus, url)
-    run = subprocess.run(
-        [sys.executable, str(KIT / "kill_driver.py"), "cli", "KILL", "part:9:after", *args],
-        text=True,
-        capture_output=True,
-        timeout=600,
-        env=env(),
+    run = server.call(
+        "kill_driver:run_cli", args=args, signal_name="KILL", kill_at="part:9:after", environ=endpoint()
     )
-    assert run.returncode == -9, run.stderr[-3000:]
+    assert run.status == -signal.SIGKILL, run.log[-3000:]
     left = open_uploads(s3, bucket)
     assert left and all(k.startswith("store/shards/") for k in left)  # killed mid-upload, as meant
     partial = open_store(url, verify=True)
@@ -304,12 +314,13 @@ def test_torchrun_two_ranks_write_to_one_url(s3, bucket, tiny_dirs, corpus, refe
 
 @pytest.mark.parametrize(("first", "then"), [(2, 1), pytest.param(1, 2, marks=pytest.mark.full)])
 @pytest.mark.slow
-def test_elastic_resume_on_a_url(s3, bucket, tiny_dirs, corpus, reference, first, then):
+def test_elastic_resume_on_a_url(s3, bucket, server, tiny_dirs, corpus, reference, first, then):
     """Started by `first` processes writing to the URL, killed, finished by `then`: the rows of an
     uninterrupted run, and no object that no manifest lists."""
     url = f"s3://{bucket}/store"
     # each rank is killed once its first shard is committed
-    run_elastic(cli_args(tiny_dirs["gpt2"], corpus, url), first, then, kill_at="manifest-put:2:after")
+    args = cli_args(tiny_dirs["gpt2"], corpus, url)
+    run_elastic(server, args, first, then, kill_at="manifest-put:2:after", environ=endpoint())
     assert_same_rows_as(url, reference, first, then)
     listed = {s.file for s in open_store(url).manifest.shards}
     assert {k for k in s3_objects(s3, url) if k.startswith("shards/")} == listed

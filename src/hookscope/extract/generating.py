@@ -5,17 +5,15 @@ after the source's prompt, every point captured at every step) and the source tu
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from ..extract_config import Run
 from ..generate import generate
-from ..sources import GeneratedSource, Rows
+from ..sources import Batches, GeneratedSource, Rows
 from .lending import Lender
-
-Batches = Iterable[tuple[int, dict[str, Tensor]]]
 
 
 class Generating:

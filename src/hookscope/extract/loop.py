@@ -17,7 +17,7 @@ import functools
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -30,7 +30,7 @@ from ..loading import load
 from ..loading.allocator import keeping_freed_memory, registering_pinned_memory
 from ..model_inputs import unpadded
 from ..progress import RowsBar, mib_written
-from ..sources import Rows, Source, source_for
+from ..sources import Batches, Rows, Source, source_for
 from ..store import ShardWriter, merge_rank_manifests
 from ..store.opening import StoreView
 from .copyout import CopyOut, Handoff
@@ -38,8 +38,6 @@ from .lending import Lender, LendingCapture
 from .outcome import ExtractInterrupted, ExtractSummary, check_finite, signals_interrupt
 from .stacking import Groups, stack_groups, stacked
 from .stages import Stages, ahead, writer_queue
-
-Batches = Iterable[tuple[int, dict[str, Tensor]]]
 
 
 class Executor(Protocol):

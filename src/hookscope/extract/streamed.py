@@ -7,7 +7,7 @@ and torchrun promises are the loop's, unchanged."""
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 from torch import Tensor
@@ -15,10 +15,8 @@ from torch import Tensor
 from ..extract_config import ExtractConfig, Run
 from ..loading import Loaded, parse_size, streamer_for
 from ..model_inputs import unpadded
-from ..sources import Rows, Source
+from ..sources import Batches, Rows, Source
 from .lending import Lender
-
-Batches = Iterable[tuple[int, dict[str, Tensor]]]
 
 
 class Streamed:

@@ -6,7 +6,7 @@ here too: `iter_documents` (documents.py), `pack` / `batches` (packing.py), `sou
 from __future__ import annotations
 
 from ..extract_config import ExtractConfig
-from .base import Rows, Source
+from .base import Batches, Rows, Source
 from .documents import BUILTIN_STDLIB, iter_documents
 from .fingerprint import source_fingerprint
 from .generated import GeneratedSource
@@ -27,6 +27,7 @@ def source_for(cfg: ExtractConfig) -> type[Source]:
 
 __all__ = [
     "BUILTIN_STDLIB",
+    "Batches",
     "DEFAULT_CONTEXT",
     "KINDS",
     "GeneratedSource",

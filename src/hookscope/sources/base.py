@@ -35,7 +35,7 @@ tokenizer) or `text.py`, and add the class to `KINDS` in `__init__.py`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -47,6 +47,8 @@ from ..loading import Loaded
 from ..model_inputs import attention_mask_of
 
 Rows = tuple[dict[str, Tensor], dict[str, Tensor]]  # {point: [rows, ...]}, {column: [rows]}
+# a source's batches, numbered, in index order: what an extraction's executor runs
+Batches = Iterable[tuple[int, dict[str, Tensor]]]
 
 
 @dataclass(frozen=True)

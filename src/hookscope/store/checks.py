@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -36,7 +36,12 @@ SAFETENSORS_DTYPES = {
     "bool": "BOOL",
 }
 
-Header = tuple[int, dict[str, Any]]  # (offset of the first data byte, the safetensors JSON header)
+
+class Header(NamedTuple):
+    """A shard's checked safetensors header."""
+
+    data_start: int  # the offset of the first data byte
+    fields: dict[str, Any]  # the JSON header: each tensor's dtype, shape and data_offsets, `__metadata__`
 
 
 def check_size(where: str, size: int | None, entry: ShardEntry) -> int:
@@ -92,7 +97,7 @@ def checked_header(
     _check_columns(where, header, entry, columns)
     if not keep_stats:
         header["__metadata__"].pop(HEADER_KEY, None)
-    return 8 + n, header
+    return Header(8 + n, header)
 
 
 def tensor_of(data: bytes, col: Column, rows: int) -> torch.Tensor:

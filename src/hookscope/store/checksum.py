@@ -1,7 +1,8 @@
 """Shard checksums. A manifest names each shard's algorithm beside its digest: the writer uses
-`xxh3_128` (xxHash's XXH3, 128 bits: tens of GB/s on one core, so checksumming never bounds a
-writer; it detects damage, not tampering); `sha256` (1-1.5 GB/s on one core here, too slow to write
-with) is in stores that earlier releases wrote. Both are read, verified and resumed alike."""
+`xxh3_128` (xxHash's XXH3, 128 bits: faster on one core than a disk writes, so checksumming never
+bounds a writer; it detects damage, not tampering); `sha256` (slower than a fast disk on one core,
+too slow to write with) is in stores that earlier releases wrote. Both are read, verified and resumed
+alike."""
 
 from __future__ import annotations
 

@@ -96,7 +96,7 @@ class StoreStats(Mapping[str, PointStats]):
     def _vectors(self, i: int, widths: dict[str, int]) -> dict[str, tuple[torch.Tensor, torch.Tensor]] | None:
         """Shard `i`'s per point (mean, M2), read from its header and checked; None if it has none."""
         entry = self._manifest.shards[i]
-        text = self._header(i)[1]["__metadata__"].get(HEADER_KEY)
+        text = self._header(i).fields["__metadata__"].get(HEADER_KEY)
         if text is None:
             return None
         counts = {name: st.norm_count for name, st in (entry.stats or {}).items()}

@@ -1,10 +1,10 @@
 """A shard's bytes written around the page cache (`O_DIRECT`), on filesystems of a block device.
 
 A buffered write copies every byte into the page cache in the kernel, one 4 KiB page at a time
-(allocated, charged, marked dirty), under the file's lock: on the 2-core box that copy took
-0.55-2.5 s of CPU per GB, and set the pace of an extraction to disk, while the disk itself took
-O_DIRECT writes of the same files at 1.6-2.3 GB/s for 0.07 s of CPU per GB (bench/HISTORY.md,
-"Shards written around the page cache"). Here the bytes are gathered into page-aligned buffers
+(allocated, charged, marked dirty), under the file's lock: that copy can cost more CPU than
+the rest of the writer and set the pace of an extraction to disk, while an O_DIRECT write of
+the same bytes costs the CPU almost nothing and runs at the disk's own rate (bench/HISTORY.md,
+Writer, "Shards written around the page cache"). Here the bytes are gathered into page-aligned buffers
 of `BLOCK` bytes, each written at its aligned offset once full while the next one fills; the last
 partial block is written through the page cache (O_DIRECT wants whole blocks). The file's bytes
 are the same, and it is still fsynced before it counts.
@@ -49,8 +49,8 @@ def on_a_disk(directory: Path, mountinfo: str | None = None) -> bool:
     """Whether `directory` is on one of `BLOCK_FILESYSTEMS`, or on an overlay (a container's own
     filesystem) whose upper layer is on one, or whose upper layer this process cannot see: Docker's
     overlay2 keeps it on the host's disk, and a filesystem that refuses O_DIRECT still gets the
-    file through the page cache. On overlay over ext4 here, 4 GB of shard-sized files took O_DIRECT
-    at 2.3 GB/s against 0.40-0.78 GB/s through the page cache (bench/HISTORY.md, "Overlay")."""
+    file through the page cache. On an overlay over ext4, shard-sized files took O_DIRECT writes
+    several times faster than the page cache (bench/HISTORY.md, Writer, "Overlay")."""
     text = _mountinfo(mountinfo)
     mount = _mount_of(directory, text)
     seen = set()

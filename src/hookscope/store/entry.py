@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from .checksum import ALGORITHMS
 from .stats import PointStats
@@ -115,7 +115,18 @@ def nonnegative(value: Any, what: str, minimum: int = 0) -> int:
     return value
 
 
-def _shard_common(raw: Any, w: str) -> tuple[str, int, str, int, int, str]:
+class _CommonFields(NamedTuple):
+    """The fields version 1 and version 2 shard entries share, checked."""
+
+    file: str
+    rows: int
+    digest: str
+    size: int
+    rank: int
+    algorithm: str
+
+
+def _shard_common(raw: Any, w: str) -> _CommonFields:
     expect(raw, dict, w)
     file = expect(raw["file"], str, f"{w}.file")
     if not file.startswith(SHARDS_DIR + "/") or ".." in file or not file.endswith(".safetensors"):
@@ -128,7 +139,7 @@ def _shard_common(raw: Any, w: str) -> tuple[str, int, str, int, int, str]:
     if len(digest) != ALGORITHMS[algorithm] or any(ch not in "0123456789abcdef" for ch in digest):
         raise ValueError(f"{w}.{algorithm} {digest!r} is not a hex {algorithm} digest")
     rows, size, rank = (nonnegative(raw[k], f"{w}.{k}") for k in ("rows", "bytes", "rank"))
-    return file, rows, digest, size, rank, algorithm
+    return _CommonFields(file, rows, digest, size, rank, algorithm)
 
 
 def shard_from_json(raw: Any, w: str) -> ShardEntry:

@@ -21,7 +21,7 @@ import stat
 import tempfile
 import threading
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any, BinaryIO, NamedTuple
 
 from ..atomic_files import fsync_dir, write_atomic
 from ..errors import StoreError
@@ -42,7 +42,13 @@ _EXTRAS = {
     "abfss": "azure",
 }
 
-Part = tuple[str, int, int]  # (object, start, end): bytes [start, end) of one object
+
+class Part(NamedTuple):
+    """Bytes [start, end) of object `rel`."""
+
+    rel: str
+    start: int
+    end: int
 
 
 def sha256_of(f: BinaryIO) -> tuple[int, str]:
@@ -118,7 +124,7 @@ class FS:
 
     def read_ranges(self, rel: str, ranges: list[tuple[int, int]]) -> list[bytes]:
         """Byte ranges [start, end) of file `rel` (short where the file is shorter)."""
-        datas = self.read_parts([(rel, start, end) for start, end in ranges])
+        datas = self.read_parts([Part(rel, start, end) for start, end in ranges])
         for data in datas:
             if isinstance(data, StoreError):
                 raise data

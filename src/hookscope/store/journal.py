@@ -30,7 +30,7 @@ from pathlib import Path
 from ..atomic_files import fsync_dir
 from ..errors import StoreError
 from .card import CARD, card_bytes
-from .fs import FS
+from .fs import FS, Part
 from .manifest import (
     SHARDS_DIR,
     VERSION,
@@ -87,7 +87,7 @@ def read_journal(fs: FS, name: str) -> list[tuple[str, ShardEntry]]:
     """(where, entry) of every committed record of journal `name` ([] if there is none)."""
     where = fs.where(name)
     if fs.remote:  # one listing, then every record in one concurrent batch of GETs
-        parts = [(f"{name}/{n}", 0, size) for n, size in sorted(fs.sizes(name).items())]
+        parts = [Part(f"{name}/{n}", 0, size) for n, size in sorted(fs.sizes(name).items())]
         lines = [
             (fs.where(rel), data)
             for (rel, _, _), data in zip(parts, fs.read_parts(parts), strict=True)

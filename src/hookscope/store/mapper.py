@@ -169,11 +169,10 @@ _TOUCH = 64 << 10  # a fault maps the cached pages around it: 64 KiB (Linux's fa
 def populate(t: torch.Tensor) -> None:
     """Bring a memory-mapped tensor's pages into memory and into the page tables now, reading the
     file front to back (the kernel reads ahead and maps 16 cached pages per fault), so gathering
-    from it later neither waits for the disk nor faults. One byte per 64 KiB is touched (every
-    page: 1.3-2.5x slower, warm, with the same pages mapped after) by a numpy
-    reduction: one thread, the GIL released, so the consumer keeps running (a torch reduction starts
-    a second team of torch's threads beside the consumer's `index_select`: warm reading measured
-    1.17-1.28x faster with numpy here). (`MADV_POPULATE_READ` was measured 1.5-5x slower than
-    touching, warm and cold.)"""
+    from it later neither waits for the disk nor faults. One byte per 64 KiB is touched (touching
+    every page measured slower, warm, with the same pages mapped after) by a numpy reduction: one
+    thread, the GIL released, so the consumer keeps running (a torch reduction starts a second team
+    of torch's threads beside the consumer's `index_select`, and warm reading measured slower with
+    it). (`MADV_POPULATE_READ` measured slower than touching, warm and cold.)"""
     if t.numel():
         t.reshape(-1).view(torch.uint8).numpy()[::_TOUCH].max()

@@ -12,7 +12,7 @@ import dataclasses
 from collections.abc import Iterator
 
 import numpy as np
-import numpy.random  # noqa: F401  (else numpy imports it on first use: 10 ms in the first window)
+import numpy.random  # noqa: F401  (else numpy imports it on first use, inside the first window's time)
 
 from ..errors import StoreError
 from .mapper import ReadStore

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import threading
 from collections import OrderedDict
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from ..errors import StoreError
 
@@ -24,7 +24,19 @@ def _env_bytes(name: str, default: int) -> int:
         raise StoreError(f"${name}={text!r}: give a number of bytes, e.g. {default}") from None
 
 
-Extent = tuple[int, int]  # [start, end) of one tensor's bytes in an object: blocks are cut from its start
+class Extent(NamedTuple):
+    """Bytes [start, end) of one tensor in an object: its blocks are cut from its start."""
+
+    start: int
+    end: int
+
+
+class BlockKey(NamedTuple):
+    """One cached block: the `block`-th block of `extent` in object `rel`."""
+
+    rel: str
+    extent: Extent
+    block: int
 
 
 class BlockCache:
@@ -48,7 +60,7 @@ class BlockCache:
         self.max_bytes = max_bytes if max_bytes is not None else _env_bytes("HOOKSCOPE_CACHE_BYTES", 1 << 30)
         if self.block < 1 or self.max_bytes < 0:
             raise StoreError(f"block size ({self.block}) must be >= 1 and cache size ({self.max_bytes}) >= 0")
-        self._blocks: OrderedDict[tuple[str, Extent, int], bytes] = OrderedDict()  # oldest first
+        self._blocks: OrderedDict[BlockKey, bytes] = OrderedDict()  # oldest first
         self._held = 0
         self._lock = threading.Lock()
 
@@ -58,13 +70,13 @@ class BlockCache:
         keys = []
         for extent, start, end in ranges:
             size = self.sizes.get(rel)
-            if size is None or not 0 <= extent[0] <= start <= end <= extent[1] <= size:
+            if size is None or not 0 <= extent.start <= start <= end <= extent.end <= size:
                 raise StoreError(
                     f"{self.fs.url}/{rel}: bytes {start}-{end} of extent {extent} asked "
                     f"for, but the object has {size} bytes"
                 )
-            keys.append([(rel, extent, b) for b in self._span(extent, start, end)])
-        got: dict[tuple[str, Extent, int], bytes] = {}
+            keys.append([BlockKey(rel, extent, b) for b in self._span(extent, start, end)])
+        got: dict[BlockKey, bytes] = {}
         with self._lock:
             for key in {k for ks in keys for k in ks}:
                 if key in self._blocks:
@@ -75,7 +87,7 @@ class BlockCache:
             got.update(self._fetch(rel, missing))
         out = []
         for (extent, start, end), ks in zip(ranges, keys, strict=True):
-            first = extent[0] + ks[0][2] * self.block if ks else start
+            first = extent.start + ks[0].block * self.block if ks else start
             out.append(b"".join(got[k] for k in ks)[start - first : end - first])
         return out
 
@@ -92,10 +104,13 @@ class BlockCache:
     def _span(self, extent: Extent, start: int, end: int) -> range:
         if end <= start:
             return range(0)
-        return range((start - extent[0]) // self.block, -(-(end - extent[0]) // self.block))
+        return range((start - extent.start) // self.block, -(-(end - extent.start) // self.block))
 
-    def _fetch(self, rel: str, keys: list[tuple[str, Extent, int]]) -> dict[tuple[str, Extent, int], bytes]:
-        ranges = [(ext[0] + b * self.block, min(ext[0] + (b + 1) * self.block, ext[1])) for _, ext, b in keys]
+    def _fetch(self, rel: str, keys: list[BlockKey]) -> dict[BlockKey, bytes]:
+        ranges = []
+        for key in keys:
+            start = key.extent.start + key.block * self.block
+            ranges.append((start, min(start + self.block, key.extent.end)))
         datas = self.fs.read_ranges(rel, ranges)
         for (start, end), data in zip(ranges, datas, strict=True):
             if len(data) != end - start:

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import StoreError
 from .checks import HEAD_BYTES, Header, check_size, checked_header, tensor_of
-from .fs import FS
+from .fs import FS, Part
 from .manifest import Manifest
 from .range_cache import BlockCache, Extent
 from .stats import stats_header_bytes
@@ -108,7 +108,7 @@ class RangedShards:
         for name in names:
             begin, end = (data_start + o for o in header[name]["data_offsets"])
             row = self.manifest.columns[name].row_bytes
-            ranges.append(((begin, end), begin + lo * row, begin + hi * row))
+            ranges.append((Extent(begin, end), begin + lo * row, begin + hi * row))
         return ranges
 
     def _read_ahead(self, i: int, names: list[str]) -> None:
@@ -140,7 +140,8 @@ class RangedShards:
             and sizes.get(shards[j].file) == shards[j].bytes
         ][: _HEADER_BATCH - 1]
         first = HEAD_BYTES + stats_header_bytes(self.manifest.points)  # the statistics too: one GET
-        datas = self.fs.read_parts([(shards[j].file, 0, min(sizes[shards[j].file], first)) for j in batch])
+        heads = [Part(shards[j].file, 0, min(sizes[shards[j].file], first)) for j in batch]
+        datas = self.fs.read_parts(heads)
         with self._header_lock:
             for j, data in zip(batch[1:], datas[1:], strict=True):
                 if isinstance(data, bytes):

@@ -163,8 +163,8 @@ def shared_mode() -> int:
 def default_copiers() -> int:
     """Copy threads per shard writer: one. A local filesystem (ext4, xfs, tmpfs) takes a file's
     buffered writes one at a time (the inode's lock), so a second thread on the same shard only
-    spins waiting for the first: on the 2-core box it cost 30-45 % more CPU for the copy and ran
-    no faster (bench/HISTORY.md, "One copy thread a shard"). `ShardWriter(writers=)` asks for more
+    spins waiting for the first: it cost more CPU for the copy and ran no faster (bench/HISTORY.md,
+    Writer, "One copy thread a shard"). `ShardWriter(writers=)` asks for more
     where a filesystem takes parallel writes to one file."""
     return 1
 

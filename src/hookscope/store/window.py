@@ -100,7 +100,7 @@ class MappedWindow:
             batch = (np.arange(self.rows, dtype=np.int64) + begun) // size
             key = batch * parts + self.part
             if (self.rows - 1 + begun) // size * parts + parts <= 1 << 16:
-                key = key.astype(np.uint16)  # numpy radix-sorts 16-bit keys: 2x faster
+                key = key.astype(np.uint16)  # numpy radix-sorts 16-bit keys, faster than wider ones
             grouped = np.argsort(key, kind="stable")
             self.part = self.part[grouped]
             rows = {name: r[grouped] for name, r in rows.items()}
@@ -113,8 +113,8 @@ class MappedWindow:
     def new_batch(self, n: int, empty: Alloc) -> Batch:
         """Memory for a batch of `n` rows of every output, which `fill` fills (from this window or, for a
         batch that straddles windows, from each). A stack is gathered into column-major memory
-        ([columns, rows, ...]: a gather into a strided `[rows, columns, ...]` destination measured 3-5x
-        slower in torch) and handed out as its `[rows, columns, ...]` view; stacks of one row kind share
+        ([columns, rows, ...]: a gather into a strided `[rows, columns, ...]` destination measured several
+        times slower in torch) and handed out as its `[rows, columns, ...]` view; stacks of one row kind share
         one such buffer (so a batch keeps the memory of all of them while one is held)."""
         shapes = {k: v.shape[1:] for k, v in self.sources[0].items()}
         out = {}
@@ -183,8 +183,8 @@ class MappedWindow:
         for a, b in zip(cuts, cuts[1:], strict=False):
             if b > a:
                 for k, source in self.sources[int(part[a])].items():
-                    # torch's gather, on its threads: 1.3x numpy's one-thread `take` from mapped
-                    # shards (768 and 4096 columns, idle 2-core machine, into a numpy-allocated batch)
+                    # torch's gather, on its threads: faster than numpy's one-thread `take` from
+                    # mapped shards into a numpy-allocated batch
                     into = batch.rows[k][at + a : at + b]
                     torch.index_select(source, 0, index[k][a:b].contiguous(), out=into)
         return grouping
