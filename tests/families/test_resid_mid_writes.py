@@ -1,0 +1,128 @@
+"""Writes at `blocks.L.resid_mid` change the residual stream, as TransformerLens's do: the stream
+that both the MLP and the block's skip connection read. Hugging Face blocks read resid_mid at ln2's
+input but keep their own reference for the skip, so a write there alone changed only what the MLP
+read. The reference here is written by hand: a plain `register_forward_hook` on the module whose
+output the block adds to the stream after attention (module paths below, from the models' module
+trees), with resid_pre from a plain pre-hook on the block: resid_mid = resid_pre + that output.
+Compared on the model's output (logits, or the encoder's last hidden state), in float32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from family_models import build, inputs
+from torch import nn
+
+import hookscope as hs
+
+ATOL = 1e-4  # float32, random tiny models whose outputs are of order 1..10
+
+# case -> (block path, module whose output attention adds to the stream), {L} the layer
+_POST_NORMED = "model.layers.{L}.post_attention_layernorm"
+PATHS = {
+    "gpt2": ("transformer.h.{L}", "transformer.h.{L}.attn"),
+    "llama": ("model.layers.{L}", "model.layers.{L}.self_attn"),
+    **{c: ("model.layers.{L}", "model.layers.{L}.self_attn") for c in ("mistral", "qwen2", "qwen3", "gemma")},
+    "olmo": ("model.layers.{L}", "model.layers.{L}.self_attn"),
+    # sandwich / post norms: what is added is the post-attention norm's output
+    **{c: ("model.layers.{L}", _POST_NORMED) for c in ("gemma2", "gemma3_text", "olmo2")},
+    **{
+        c: ("model.layers.{L}", "model.layers.{L}.self_attn")
+        for c in ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+    },
+    "neox_sequential": ("gpt_neox.layers.{L}", "gpt_neox.layers.{L}.attention"),
+    "vit": ("layers.{L}", "layers.{L}.attention"),
+    "clip": ("encoder.layers.{L}", "encoder.layers.{L}.self_attn"),
+    "dinov2": ("encoder.layer.{L}", "encoder.layer.{L}.layer_scale1"),
+    # block 0 normalises its input first (pre_ln): its block input is not the stream; layer 1 only
+    "rwkv": ("rwkv.blocks.{L}", "rwkv.blocks.{L}.attention"),
+}
+LAYER = 1
+FAST = ("llama", "gpt2")
+
+
+def _model(case: str) -> tuple[nn.Module, dict]:
+    model = build(case).float()
+    batch = {k: v.float() if v.is_floating_point() else v for k, v in inputs(case).items()}
+    return model, batch
+
+
+def _first(x):
+    return x if isinstance(x, torch.Tensor) else x[0]
+
+
+def _reference(model: nn.Module, batch: dict, case: str, layer: int, new_mid) -> torch.Tensor:
+    """The output with attention's contribution replaced so that resid_pre + it == new_mid(resid_mid)."""
+    block_path, added_path = (p.replace("{L}", str(layer)) for p in PATHS[case])
+    seen = {}
+
+    def keep_resid_pre(module, args, kwargs):
+        seen["resid_pre"] = args[0] if args else kwargs["hidden_states"]
+
+    def write(module, args, output):
+        added = _first(output)
+        new_added = new_mid(seen["resid_pre"] + added) - seen["resid_pre"]
+        return new_added if isinstance(output, torch.Tensor) else (new_added, *output[1:])
+
+    handles = [
+        model.get_submodule(block_path).register_forward_pre_hook(keep_resid_pre, with_kwargs=True),
+        model.get_submodule(added_path).register_forward_hook(write),
+    ]
+    try:
+        return _first(model(**batch))
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _edited(model: nn.Module, batch: dict, edit) -> torch.Tensor:
+    with hs.edit(model, edit):
+        return _first(model(**batch))
+
+
+CASES = [pytest.param(c, marks=() if c in FAST else pytest.mark.slow) for c in PATHS]
+
+
+@pytest.mark.parametrize("case", CASES)
+@torch.no_grad()
+def test_steer_ablate_patch_at_resid_mid_change_the_stream(case):
+    model, batch = _model(case)
+    layers = (0, 1) if case in FAST else (LAYER,)
+    g = torch.Generator().manual_seed(3)
+    plain = _first(model(**batch))
+    for layer in layers:
+        stream = _stream_shape(model, batch, case, layer)
+        v = torch.randn(stream[-1], generator=g)
+        point = f"blocks.{layer}.resid_mid"
+        steered = _edited(model, batch, hs.steer(point, v, scale=3.0))
+        want = _reference(model, batch, case, layer, lambda mid, v=v: mid + 3.0 * v)
+        assert not torch.allclose(want, plain, atol=ATOL)  # the steer does change the output
+        torch.testing.assert_close(steered, want, atol=ATOL, rtol=0)
+
+        ablated = _edited(model, batch, hs.ablate(point))
+        torch.testing.assert_close(
+            ablated, _reference(model, batch, case, layer, torch.zeros_like), atol=ATOL, rtol=0
+        )
+
+        target = torch.randn(plain.shape[0], *stream, generator=g)
+        patched = _edited(model, batch, hs.patch(point, target))
+        torch.testing.assert_close(
+            patched,
+            _reference(model, batch, case, layer, lambda mid, target=target: target),
+            atol=ATOL,
+            rtol=0,
+        )
+
+
+def _stream_shape(model: nn.Module, batch: dict, case: str, layer: int) -> tuple[int, ...]:
+    """[pos, d] of the residual stream at `layer`, read with a plain pre-hook on the block."""
+    shape = []
+    block = model.get_submodule(PATHS[case][0].replace("{L}", str(layer)))
+    handle = block.register_forward_pre_hook(
+        lambda m, a, k: shape.extend((a[0] if a else k["hidden_states"]).shape[1:]), with_kwargs=True
+    )
+    try:
+        model(**batch)
+    finally:
+        handle.remove()
+    return tuple(shape)
