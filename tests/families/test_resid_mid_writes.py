@@ -126,3 +126,53 @@ def _stream_shape(model: nn.Module, batch: dict, case: str, layer: int) -> tuple
     finally:
         handle.remove()
     return tuple(shape)
+
+
+@pytest.mark.parametrize("case", FAST)
+def test_grads_at_resid_mid_with_frozen_weights_reach_both_branches(case):
+    """d loss / d resid_mid with no parameter needing grad: the reference is the gradient of a zero
+    added to attention's contribution (which both the skip and the MLP read)."""
+    model, batch = _model(case)
+    model.requires_grad_(False)
+    block_path, added_path = (p.replace("{L}", "0") for p in PATHS[case])
+
+    def loss_fn(out):
+        return _first(out)[:, -1].pow(2).sum()
+
+    got = hs.grads(model, batch["input_ids"], "blocks.0.resid_mid", loss_fn)["blocks.0.resid_mid"]
+    kept = {}
+
+    def add_zero(module, args, output):
+        added = _first(output)
+        kept["zero"] = torch.zeros_like(added, requires_grad=True)
+        return (added + kept["zero"], *output[1:])
+
+    handle = model.get_submodule(added_path).register_forward_hook(add_zero)
+    try:
+        loss = loss_fn(model(batch["input_ids"]))
+    finally:
+        handle.remove()
+    (want,) = torch.autograd.grad(loss, [kept["zero"]])
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("case", FAST)
+@torch.no_grad()
+def test_generate_steers_resid_mid_on_every_step(case):
+    """hs.generate's per-step edit at resid_mid: every step's scores equal the model's own generate
+    under a plain hook adding the vector to attention's contribution."""
+    model, batch = _model(case)
+    ids = batch["input_ids"][:1]
+    v = torch.randn(_stream_shape(model, batch, case, 0)[-1], generator=torch.Generator().manual_seed(5))
+    opts = {"max_new_tokens": 4, "do_sample": False, "output_scores": True, "return_dict_in_generate": True}
+    gen = hs.generate(
+        model, ids, edits=[hs.steer("blocks.0.resid_mid", v, scale=3.0)], pad_token_id=0, **opts
+    )
+    added = model.get_submodule(PATHS[case][1].replace("{L}", "0"))
+    handle = added.register_forward_hook(lambda m, a, out: (out[0] + 3.0 * v, *out[1:]))
+    try:
+        want = model.generate(ids, pad_token_id=0, **opts)
+    finally:
+        handle.remove()
+    assert torch.equal(gen.sequences, want.sequences)
+    torch.testing.assert_close(torch.stack(gen.output.scores), torch.stack(want.scores), atol=ATOL, rtol=0)
