@@ -241,15 +241,21 @@ SHARED = ["embed", "pos_embed", "ln_final.scale", "ln_final.normalized", "logits
 ]
 
 
-@pytest.mark.parametrize("key", ["gpt2", "llama", "neox_parallel", "neox_sequential"])
-def test_same_weights_same_points_as_transformer_lens(tiny, make_ids, key):
-    hf = tiny[key].model
+def same_weights(hf: nn.Module) -> HookedTransformer:
+    """A HookedTransformer holding the Hugging Face model's weights (TransformerLens's conversion)."""
     cfg = tl_config(hf)
     tl = HookedTransformer(cfg).eval()
     missing, unexpected = tl.load_state_dict(CONVERT[hf.config.model_type](hf, cfg), strict=False)
     assert not unexpected
     # only buffers (masks, rotary tables) and GPT-2's absent unembedding bias (zeros) stay as built
     assert {m.rsplit(".", 1)[-1] for m in missing} <= {"mask", "IGNORE", "rotary_sin", "rotary_cos", "b_U"}
+    return tl
+
+
+@pytest.mark.parametrize("key", ["gpt2", "llama", "neox_parallel", "neox_sequential"])
+def test_same_weights_same_points_as_transformer_lens(tiny, make_ids, key):
+    hf = tiny[key].model
+    tl = same_weights(hf)
     ids = make_ids(hf)
     logits, cache = tl.run_with_cache(ids)
     want = {canonical(k): v for k, v in cache.items()} | {"logits": logits}
@@ -266,6 +272,29 @@ def test_same_weights_same_points_as_transformer_lens(tiny, make_ids, key):
         torch.testing.assert_close(
             ours, theirs, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
         )
+
+
+@pytest.mark.parametrize("key", ["gpt2", "llama", "neox_sequential"])
+@torch.no_grad()
+def test_edits_at_resid_mid_equal_transformer_lens(tiny, make_ids, key):
+    """TransformerLens's hook_resid_mid is the stream both the MLP and the skip connection read:
+    a steer, a zero ablation and a patch there give the logits TransformerLens gives."""
+    hf = tiny[key].model
+    tl = same_weights(hf)
+    ids = make_ids(hf)
+    g = torch.Generator().manual_seed(4)
+    v = torch.randn(tl.cfg.d_model, generator=g)
+    target = torch.randn(*ids.shape, tl.cfg.d_model, generator=g)
+    edits = [
+        (hs.steer("blocks.1.resid_mid", v, scale=3.0), lambda mid, hook: mid + 3.0 * v),
+        (hs.ablate("blocks.1.resid_mid"), lambda mid, hook: torch.zeros_like(mid)),
+        (hs.patch("blocks.1.resid_mid", target), lambda mid, hook: target),
+    ]
+    for edit, tl_hook in edits:
+        want = tl.run_with_hooks(ids, fwd_hooks=[("blocks.1.hook_resid_mid", tl_hook)])
+        with hs.edit(hf, edit):
+            got = hf(ids).logits
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m, e=edit: f"{e}: {m}")
 
 
 def gemma2_config(c) -> HookedTransformerConfig:
