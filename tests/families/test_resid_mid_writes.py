@@ -176,3 +176,19 @@ def test_generate_steers_resid_mid_on_every_step(case):
         handle.remove()
     assert torch.equal(gen.sequences, want.sequences)
     torch.testing.assert_close(torch.stack(gen.output.scores), torch.stack(want.scores), atol=ATOL, rtol=0)
+
+
+@torch.no_grad()
+def test_bert_resid_mid_is_already_what_both_branches_read():
+    """BERT's resid_mid is its attention block's output (after that block's own norm), which the
+    layer passes both to the MLP and to the MLP's residual add: a steer there is the plain hook's."""
+    model, batch = _model("bert")
+    v = torch.randn(model.config.hidden_size, generator=torch.Generator().manual_seed(6))
+    attention = model.get_submodule("encoder.layer.1.attention")
+    handle = attention.register_forward_hook(lambda m, a, out: (out[0] + 3.0 * v, *out[1:]))
+    try:
+        want = model(**batch).last_hidden_state
+    finally:
+        handle.remove()
+    got = _edited(model, batch, hs.steer("blocks.1.resid_mid", v, scale=3.0))
+    torch.testing.assert_close(got, want, atol=ATOL, rtol=0)
