@@ -265,6 +265,15 @@ class _Sum:
         return None if new is None else new - skip
 
 
+def _sums_last(module: nn.Module) -> None:
+    """Move the hooks that write a sum through this module's output (`_Sum`) after its other
+    forward hooks: a hook on the sublayer's own point (attn.out), attached later, still runs
+    before the stream it feeds (resid_mid) is read or written, as in TransformerLens."""
+    hooks = module._forward_hooks
+    for key in [key for key, hook in hooks.items() if isinstance(getattr(hook, "fn", None), _Sum)]:
+        hooks.move_to_end(key)
+
+
 def grad_leaf(act: Tensor, hook: Hook) -> Tensor:
     """The activation as a tensor autograd can differentiate with respect to: itself, or (frozen
     weights, token inputs) a fresh leaf that requires grad. The hook must return it, so that the
@@ -316,6 +325,8 @@ class Hooks:
                 if prepend
                 else module.register_forward_hook(hook)
             )
+            if len(module._forward_hooks) > 1:
+                _sums_last(module)
         else:
             hook = _OnInput(spec, fn, "forward")
             hook._handle = module.register_forward_pre_hook(hook, prepend=prepend, with_kwargs=True)

@@ -296,6 +296,25 @@ def test_edits_at_resid_mid_equal_transformer_lens(tiny, make_ids, key):
             got = hf(ids).logits
         torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m, e=edit: f"{e}: {m}")
 
+    # attn.out's hooks run before resid_mid's, whichever is attached first: a steer of attn.out
+    # given after a patch of resid_mid is overwritten by it, and a capture of attn.out under a
+    # steer of resid_mid reads attention's own output
+    steer_attn = [("blocks.1.hook_attn_out", lambda out, hook: out + v)]
+    want = tl.run_with_hooks(ids, fwd_hooks=[*steer_attn, ("blocks.1.hook_resid_mid", edits[2][1])])
+    with hs.edit(hf, hs.patch("blocks.1.resid_mid", target), hs.steer("blocks.1.attn.out", v)):
+        torch.testing.assert_close(hf(ids).logits, want, atol=1e-4, rtol=1e-4)
+    with tl.hooks(fwd_hooks=[("blocks.1.hook_resid_mid", edits[0][1])]):
+        _, cache = tl.run_with_cache(ids, names_filter=["blocks.1.hook_attn_out", "blocks.1.hook_resid_mid"])
+    with hs.edit(hf, edits[0][0]):
+        got = hs.collect(hf, ids, ["blocks.1.attn.out", "blocks.1.resid_mid"])
+    for name in got:
+        torch.testing.assert_close(
+            got[name],
+            cache[name.replace(".attn.out", ".hook_attn_out").replace(".resid_mid", ".hook_resid_mid")],
+            atol=1e-4,
+            rtol=1e-4,
+        )
+
 
 def gemma2_config(c) -> HookedTransformerConfig:
     """TransformerLens's own Gemma 2 config (loading_from_pretrained's google/gemma-2-2b entry), with
