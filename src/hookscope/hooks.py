@@ -241,6 +241,39 @@ class _OnInput(Hook):
         return _replace_input(args, kwargs, where, new if view is None else view.put(raw, new))
 
 
+class _Sum:
+    """The hook of a point written as a sum (`arch.base.SumOf`): its first half keeps the skip
+    stream as the block keeps it, its second calls the point's hook on `skip + added` and writes
+    back `new - skip` as what the sublayer adds, so that both branches read the new stream."""
+
+    __slots__ = ("hook", "skip")
+
+    def __init__(self, hook: Hook):
+        self.hook, self.skip = hook, None
+
+    def keep_skip(self, skip: Tensor, _: Hook) -> None:
+        self.skip = skip
+
+    def __call__(self, added: Tensor, _: Hook) -> Tensor | None:
+        skip, self.skip = self.skip, None
+        if skip is None:
+            raise HookscopeError(
+                f"{self.hook.point}: its block ran without the stream entering it being seen; "
+                "hook attn.out or a raw module: point instead"
+            )
+        new = self.hook._run(skip + added, self.hook)
+        return None if new is None else new - skip
+
+
+def _sums_last(module: nn.Module) -> None:
+    """Move the hooks that write a sum through this module's output (`_Sum`) after its other
+    forward hooks: a hook on the sublayer's own point (attn.out), attached later, still runs
+    before the stream it feeds (resid_mid) is read or written, as in TransformerLens."""
+    hooks = module._forward_hooks
+    for key in [key for key, hook in hooks.items() if isinstance(getattr(hook, "fn", None), _Sum)]:
+        hooks.move_to_end(key)
+
+
 def grad_leaf(act: Tensor, hook: Hook) -> Tensor:
     """The activation as a tensor autograd can differentiate with respect to: itself, or (frozen
     weights, token inputs) a fresh leaf that requires grad. The hook must return it, so that the
@@ -278,6 +311,8 @@ class Hooks:
     def forward(self, point: str | PointSpec, fn: HookFn, *, prepend: bool = False) -> Hook:
         """Call `fn(activation, hook)` when the point runs; a returned tensor replaces it."""
         spec = point if isinstance(point, PointSpec) else self.arch.spec(point)
+        if spec.written_as is not None:
+            return self._forward_as_sum(spec, fn, prepend)
         module = self.arch.module(self.model, spec)
         if spec.io == "output":
             hook: Hook = _OnOutput(spec, fn, "forward")
@@ -290,9 +325,26 @@ class Hooks:
                 if prepend
                 else module.register_forward_hook(hook)
             )
+            if len(module._forward_hooks) > 1:
+                _sums_last(module)
         else:
             hook = _OnInput(spec, fn, "forward")
             hook._handle = module.register_forward_pre_hook(hook, prepend=prepend, with_kwargs=True)
+        self._hooks.append(hook)
+        return hook
+
+    def _forward_as_sum(self, spec: PointSpec, fn: HookFn, prepend: bool) -> Hook:
+        """A hook on a point the model reads back from two places (resid_mid): two hooks, on the
+        skip stream and on what the sublayer adds, so that what `fn` returns reaches both."""
+        hook = Hook(spec, fn, "forward")
+        written_as = spec.written_as
+        both = _Sum(hook)
+        skip = self.forward(written_as.skip, both.keep_skip, prepend=True)  # before any edit there
+        self._hooks.remove(skip)
+        hook.hold(skip)
+        added = self.forward(written_as.added, both, prepend=prepend)
+        self._hooks.remove(added)
+        hook._handle = added
         self._hooks.append(hook)
         return hook
 

@@ -241,15 +241,21 @@ SHARED = ["embed", "pos_embed", "ln_final.scale", "ln_final.normalized", "logits
 ]
 
 
-@pytest.mark.parametrize("key", ["gpt2", "llama", "neox_parallel", "neox_sequential"])
-def test_same_weights_same_points_as_transformer_lens(tiny, make_ids, key):
-    hf = tiny[key].model
+def same_weights(hf: nn.Module) -> HookedTransformer:
+    """A HookedTransformer holding the Hugging Face model's weights (TransformerLens's conversion)."""
     cfg = tl_config(hf)
     tl = HookedTransformer(cfg).eval()
     missing, unexpected = tl.load_state_dict(CONVERT[hf.config.model_type](hf, cfg), strict=False)
     assert not unexpected
     # only buffers (masks, rotary tables) and GPT-2's absent unembedding bias (zeros) stay as built
     assert {m.rsplit(".", 1)[-1] for m in missing} <= {"mask", "IGNORE", "rotary_sin", "rotary_cos", "b_U"}
+    return tl
+
+
+@pytest.mark.parametrize("key", ["gpt2", "llama", "neox_parallel", "neox_sequential"])
+def test_same_weights_same_points_as_transformer_lens(tiny, make_ids, key):
+    hf = tiny[key].model
+    tl = same_weights(hf)
     ids = make_ids(hf)
     logits, cache = tl.run_with_cache(ids)
     want = {canonical(k): v for k, v in cache.items()} | {"logits": logits}
@@ -265,6 +271,48 @@ def test_same_weights_same_points_as_transformer_lens(tiny, make_ids, key):
         assert ours.shape == theirs.shape, name
         torch.testing.assert_close(
             ours, theirs, atol=1e-5, rtol=1e-5, msg=lambda m, name=name: f"{name}: {m}"
+        )
+
+
+@pytest.mark.parametrize("key", ["gpt2", "llama", "neox_sequential"])
+@torch.no_grad()
+def test_edits_at_resid_mid_equal_transformer_lens(tiny, make_ids, key):
+    """TransformerLens's hook_resid_mid is the stream both the MLP and the skip connection read:
+    a steer, a zero ablation and a patch there give the logits TransformerLens gives."""
+    hf = tiny[key].model
+    tl = same_weights(hf)
+    ids = make_ids(hf)
+    g = torch.Generator().manual_seed(4)
+    v = torch.randn(tl.cfg.d_model, generator=g)
+    target = torch.randn(*ids.shape, tl.cfg.d_model, generator=g)
+    edits = [
+        (hs.steer("blocks.1.resid_mid", v, scale=3.0), lambda mid, hook: mid + 3.0 * v),
+        (hs.ablate("blocks.1.resid_mid"), lambda mid, hook: torch.zeros_like(mid)),
+        (hs.patch("blocks.1.resid_mid", target), lambda mid, hook: target),
+    ]
+    for edit, tl_hook in edits:
+        want = tl.run_with_hooks(ids, fwd_hooks=[("blocks.1.hook_resid_mid", tl_hook)])
+        with hs.edit(hf, edit):
+            got = hf(ids).logits
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4, msg=lambda m, e=edit: f"{e}: {m}")
+
+    # attn.out's hooks run before resid_mid's, whichever is attached first: a steer of attn.out
+    # given after a patch of resid_mid is overwritten by it, and a capture of attn.out under a
+    # steer of resid_mid reads attention's own output
+    steer_attn = [("blocks.1.hook_attn_out", lambda out, hook: out + v)]
+    want = tl.run_with_hooks(ids, fwd_hooks=[*steer_attn, ("blocks.1.hook_resid_mid", edits[2][1])])
+    with hs.edit(hf, hs.patch("blocks.1.resid_mid", target), hs.steer("blocks.1.attn.out", v)):
+        torch.testing.assert_close(hf(ids).logits, want, atol=1e-4, rtol=1e-4)
+    with tl.hooks(fwd_hooks=[("blocks.1.hook_resid_mid", edits[0][1])]):
+        _, cache = tl.run_with_cache(ids, names_filter=["blocks.1.hook_attn_out", "blocks.1.hook_resid_mid"])
+    with hs.edit(hf, edits[0][0]):
+        got = hs.collect(hf, ids, ["blocks.1.attn.out", "blocks.1.resid_mid"])
+    for name in got:
+        torch.testing.assert_close(
+            got[name],
+            cache[name.replace(".attn.out", ".hook_attn_out").replace(".resid_mid", ".hook_resid_mid")],
+            atol=1e-4,
+            rtol=1e-4,
         )
 
 

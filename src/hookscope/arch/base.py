@@ -98,6 +98,9 @@ class PointSpec:
     # attention weights of Hugging Face models: only computed by eager attention, and returned
     # after use, so they can be read (the model switches to eager while hooked) but not edited
     needs_eager: bool = False
+    # where a write lands when the model reads the point back from two places (see `SumOf`); None:
+    # a hook at `module` / `io` writes it
+    written_as: SumOf | None = None
     # `module` split at the dots, once: attaching a hook walks it (see `Arch.module`)
     steps: tuple[str, ...] = field(init=False, repr=False, compare=False)
 
@@ -112,6 +115,19 @@ class PointSpec:
                 "changing them changes nothing; edit attn.q / attn.k / attn.z instead "
                 "(or use a TransformerLens model)"
             )
+
+
+@dataclass(frozen=True)
+class SumOf:
+    """A point that is the sum of a stream and what a sublayer adds to it, read where it enters
+    the next sublayer (resid_mid at ln2's input) while the block keeps its own reference for the
+    skip connection: written there, an edit would reach only the next sublayer. Hooks write it at
+    `added`'s output instead, as `new - skip`, so the stream both branches read carries the edit.
+    `skip` is read by the first pre-hook of the module that first reads the stream (ln1): the
+    stream as the block keeps it, after any edit of resid_pre."""
+
+    skip: PointSpec
+    added: PointSpec
 
 
 # the model itself, called: a pre-forward hook here sees each call's arguments (its attention mask)
@@ -216,6 +232,12 @@ class Arch:
 Entry = tuple[str, str, View | None] | tuple[str, str, View | None, dict]
 
 
+def sum_of(skip: str, added: str) -> dict:
+    """Table options of a point equal to the stream entering module `skip` plus the point
+    `added` (a name of the same block, listed before it): written as that sum (`SumOf`)."""
+    return {"sum_of": (skip, added)}
+
+
 def build(
     family: str,
     prefix: str,
@@ -240,14 +262,21 @@ def build(
         at = [k for k, _ in items].index("attn.z")
         per_layer = dict(items[:at] + [("attn.pattern", pattern)] + items[at:])
 
+    specs: dict[str, PointSpec] = {}
+
+    def module_path(path: str, layer: int | None) -> str:
+        path = path.replace("{L}", str(layer))
+        return (path[1:] if path.startswith("/") else prefix + path).rstrip(".")
+
     def spec(name: str, entry: Entry, layer: int | None) -> PointSpec:
         path, io, view, *extra = entry
-        path = path.replace("{L}", str(layer))
-        path = path[1:] if path.startswith("/") else prefix + path
         opts = {"head_dim": view.head_dim if view else None, **(extra[0] if extra else {})}
-        return PointSpec(name=name, module=path.rstrip("."), io=io, view=view, layer=layer, **opts)
+        if "sum_of" in opts:
+            skip, added = opts.pop("sum_of")
+            skip_spec = PointSpec(name=f"{name} (skip)", module=module_path(skip, layer), io="input")
+            opts["written_as"] = SumOf(skip_spec, specs[f"blocks.{layer}.{added}"])
+        return PointSpec(name=name, module=module_path(path, layer), io=io, view=view, layer=layer, **opts)
 
-    specs: dict[str, PointSpec] = {}
     for name, entry in top.items():
         specs[name] = spec(name, entry, None)
     for layer in range(n_layers):

@@ -7,7 +7,7 @@ has no class token: positions 0..N-1 are the patches.
 """
 
 from . import norms
-from .base import Arch, build, heads
+from .base import Arch, build, heads, sum_of
 
 MODEL_TYPES = ("clip_vision_model", "siglip_vision_model", "clip", "siglip")
 BASE = "vision_model"
@@ -34,7 +34,7 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
             "attn.v": (f"{layer}.self_attn.v_proj", "output", heads(H)),
             "attn.z": (f"{layer}.self_attn.out_proj", "input", heads(H)),
             "attn.out": (f"{layer}.self_attn", "output", None),
-            "resid_mid": (f"{layer}.layer_norm2", "input", None),
+            "resid_mid": (f"{layer}.layer_norm2", "input", None, sum_of(f"{layer}.layer_norm1", "attn.out")),
             **norms.entries("ln2", f"{layer}.layer_norm2"),
             "mlp.in": (f"{layer}.mlp", "input", None),
             "mlp.pre": (f"{layer}.mlp.fc1", "output", None),

@@ -1,7 +1,7 @@
 """GPT-2 (Hugging Face `GPT2Model` / `GPT2LMHeadModel`)."""
 
 from . import norms
-from .base import Arch, build, fused_heads, heads
+from .base import Arch, build, fused_heads, heads, sum_of
 
 MODEL_TYPES = ("gpt2",)
 BASE = "transformer"  # attribute holding the base model on *LMHeadModel
@@ -25,7 +25,7 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
             "attn.v": ("h.{L}.attn.c_attn", "output", fused_heads(2, 3, H)),
             "attn.z": ("h.{L}.attn.c_proj", "input", heads(H)),
             "attn.out": ("h.{L}.attn", "output", None),
-            "resid_mid": ("h.{L}.ln_2", "input", None),
+            "resid_mid": ("h.{L}.ln_2", "input", None, sum_of("h.{L}.ln_1", "attn.out")),
             **norms.entries("ln2", "h.{L}.ln_2"),
             "mlp.in": ("h.{L}.mlp", "input", None),
             "mlp.pre": ("h.{L}.mlp.c_fc", "output", None),

@@ -1,7 +1,7 @@
 """GPT-NeoX / Pythia (fused, per-head interleaved q|k|v; usually a parallel residual)."""
 
 from . import norms
-from .base import Arch, build, fused_heads, heads
+from .base import Arch, build, fused_heads, heads, sum_of
 
 MODEL_TYPES = ("gpt_neox",)
 BASE = "gpt_neox"
@@ -24,7 +24,14 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
         **(
             {}
             if config.use_parallel_residual
-            else {"resid_mid": ("layers.{L}.post_attention_layernorm", "input", None)}
+            else {
+                "resid_mid": (
+                    "layers.{L}.post_attention_layernorm",
+                    "input",
+                    None,
+                    sum_of("layers.{L}.input_layernorm", "attn.out"),
+                )
+            }
         ),
         **norms.entries("ln2", "layers.{L}.post_attention_layernorm"),
         "mlp.in": ("layers.{L}.mlp", "input", None),

@@ -11,7 +11,7 @@ its sublayers read the residual stream itself.
 """
 
 from . import norms
-from .base import Arch, build, heads
+from .base import Arch, build, heads, sum_of
 
 MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "gemma3_text", "olmo", "olmo2")
 BASE = "model"
@@ -75,7 +75,8 @@ def attention(
         "attn.v": (f"{attn}.v_proj", "output", heads(KV)),
         "attn.z": (f"{attn}.o_proj", "input", heads(H)),
         **out,
-        "resid_mid": (mid, "input", None),
+        # the stream entering ln1 (OLMo 2: attention itself) plus attention's contribution
+        "resid_mid": (mid, "input", None, sum_of(f"layers.{{L}}.{ln1}" if ln1 else attn, "attn.out")),
     }
 
 

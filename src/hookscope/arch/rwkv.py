@@ -9,7 +9,7 @@ there `blocks.{L}.resid_post` is the block's output before the halving, `blocks.
 """
 
 from . import norms
-from .base import Arch, build
+from .base import Arch, build, sum_of
 
 MODEL_TYPES = ("rwkv",)
 BASE = "rwkv"
@@ -28,7 +28,7 @@ def table(config, prefix: str, lm_head: str | None) -> Arch:
             "resid_pre": (layer, "input", None),
             "mixer.in": (f"{layer}.attention", "input", None),
             "mixer.out": (f"{layer}.attention", "output", None),
-            "resid_mid": (f"{layer}.ln2", "input", None),
+            "resid_mid": (f"{layer}.ln2", "input", None, sum_of(f"{layer}.ln1", "mixer.out")),
             "mlp.in": (f"{layer}.feed_forward", "input", None),
             "mlp.out": (f"{layer}.feed_forward", "output", None),
             "resid_post": (layer, "output", None),

@@ -6,7 +6,7 @@ order (patch p sits at row (p-1) // cols, column (p-1) % cols of the patch grid)
 """
 
 from . import norms
-from .base import Arch, build, heads
+from .base import Arch, build, heads, sum_of
 
 MODEL_TYPES = ("vit",)
 BASE = "vit"
@@ -71,7 +71,7 @@ def encoder(
             "attn.v": (f"{layer}.attention.v_proj", "output", heads(H)),
             "attn.z": (f"{layer}.attention.o_proj", "input", heads(H)),
             **out("attn.out", "attention", attn_scale),
-            "resid_mid": (ln2, "input", None),
+            "resid_mid": (ln2, "input", None, sum_of(ln1, "attn.out")),
             **norms.entries("ln2", ln2),
             "mlp.in": (f"{layer}.mlp", "input", None),
             **{name: (f"{layer}.{path}", io, None) for name, (path, io) in mlp.items()},
