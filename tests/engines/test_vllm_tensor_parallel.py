@@ -55,7 +55,7 @@ def two_ranks(checkpoint, one_rank):
     envs.disable_envs_cache()
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("VLLM_CPU_OMP_THREADS_BIND", "0|1")
-        llm = engine(checkpoint, tensor_parallel_size=2)
+        llm = engine(checkpoint, tensor_parallel_size=2, enable_prefix_caching=False)
         yield llm
         shut(llm)
 
