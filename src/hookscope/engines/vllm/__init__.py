@@ -92,10 +92,10 @@ def check_config(config) -> tuple[str, Arch]:
             "this engine runs vLLM's compiled graphs, inside which module hooks do not fire: make it with "
             "enforce_eager=True (hookscope.engines.vllm.llm does; `vllm serve --enforce-eager`)"
         )
-    if config.parallel_config.tensor_parallel_size * config.parallel_config.pipeline_parallel_size != 1:
+    if config.parallel_config.pipeline_parallel_size != 1:
         raise EngineError(
-            "tensor / pipeline parallel vLLM engines are not supported yet (their column-parallel points "
-            "are per-rank shards): use tensor_parallel_size=1"
+            "pipeline parallel vLLM engines are not supported yet (each rank holds only its own layers): "
+            "use pipeline_parallel_size=1 (tensor parallelism is supported)"
         )
     hf = config.model_config.hf_config
     architecture = (getattr(hf, "architectures", None) or [type(hf).__name__])[0]
@@ -163,7 +163,7 @@ def collect(engine, prompts: Any, points: str | Sequence[str], *, edits: Sequenc
 
     Raises:
         EngineError: not a vLLM LLM, another vLLM release, no hookscope worker extension, compiled
-            mode, tensor parallelism; edits under prefix caching; rows that came back short.
+            mode, pipeline parallelism; edits under prefix caching; rows that came back short.
         UnknownPointError: a name the model lacks (close names listed) or one vLLM never exposes."""
     from ...capture import PointDict
 

@@ -11,6 +11,7 @@ positions this forward holds of the request: `Edit.step`), to that request's tok
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Collection
 from typing import Any
 
 import torch
@@ -113,10 +114,27 @@ class RequestEdits:
     `StepEdit` the first time a forward holds the request, and applied on every forward that does."""
 
     def __init__(
-        self, runner, model: nn.Module, arch: Arch, hooks: Hooks, run: str, edits: dict, edit_on: str
+        self,
+        runner,
+        model: nn.Module,
+        arch: Arch,
+        hooks: Hooks,
+        run: str,
+        edits: dict,
+        edit_on: str,
+        split: Collection[str] = (),
     ):
         self.runner, self.model, self.arch, self.run, self.edit_on = runner, model, arch, run, edit_on
         self.described = {int(index): [rebuild(e) for e in described] for index, described in edits.items()}
+        on_slices = sorted(
+            {arch.spec(e.point).name for one in self.described.values() for e in one} & set(split)
+        )
+        if on_slices:  # before any hook: a tensor-parallel rank holds a slice of these, the edit the whole
+            raise EngineError(
+                f"edits at {', '.join(on_slices)} on a tensor-parallel engine, whose ranks each hold a slice "
+                "of them: edit a point every rank holds whole (resid_*, attn.out, mlp.out) or use "
+                "tensor_parallel_size=1"
+            )
         self.built: dict[int, dict[str, list[StepEdit]]] = {}  # request index -> point -> its step edits
         self.now: list[tuple[InPass, dict[str, list[StepEdit]]]] = []  # this forward's edited requests
         hooks.module_pre_forward(ROOT, self._pass_start)

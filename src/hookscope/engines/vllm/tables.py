@@ -14,6 +14,8 @@ gate and up projections out of one `gate_up_proj` (split in halves). Activations
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
@@ -105,7 +107,14 @@ def split_heads(part: int, sizes: tuple[int, int, int], n_heads: int) -> View:
         parts[part] = new.to(raw.dtype).flatten(-2)
         return torch.cat(parts, dim=-1)
 
-    return View(get, put, f"part {part} of fused qkv {sizes}, {n_heads} heads", head_dim=-2)
+    return View(
+        get,
+        put,
+        f"part {part} of fused qkv {sizes}, {n_heads} heads",
+        head_dim=-2,
+        # one tensor-parallel rank's qkv_proj output: its 1/n of each of q, k and v, fused alike
+        split=lambda n: split_heads(part, tuple(size // n for size in sizes), n_heads // n),
+    )
 
 
 def half(part: int) -> View:
@@ -117,8 +126,19 @@ def half(part: int) -> View:
         return torch.cat(parts, dim=-1)
 
     return View(
-        lambda raw: raw.chunk(2, dim=-1)[part], put, f"{'gate' if part == 0 else 'up'} half of gate_up"
+        lambda raw: raw.chunk(2, dim=-1)[part],
+        put,
+        f"{'gate' if part == 0 else 'up'} half of gate_up",
+        # one tensor-parallel rank's gate_up_proj output is its gate columns, then its up columns
+        split=lambda n: half(part),
     )
+
+
+def concatenated_heads(part: int, n_heads: int) -> View:
+    """One of q / k / v from GPT-2's fused c_attn ([q | k | v]); one tensor-parallel rank's c_attn
+    output is [its q | its k | its v], the same layout with fewer heads."""
+    view = fused_heads(part, 3, n_heads)
+    return dataclasses.replace(view, split=lambda n: concatenated_heads(part, n_heads // n))
 
 
 # --- points vLLM's kernels do not expose ----------------------------------------------------------
@@ -223,9 +243,9 @@ def _gpt2(config) -> Arch:
             "resid_pre": ("h.{L}", "input", None),
             "ln1.normalized": ("h.{L}.ln_1", "input", LN_NORMALIZED, CALL),
             "attn.in": ("h.{L}.attn", "input", None),
-            "attn.q": ("h.{L}.attn.c_attn", "output", fused_heads(0, 3, H)),
-            "attn.k": ("h.{L}.attn.c_attn", "output", fused_heads(1, 3, H)),
-            "attn.v": ("h.{L}.attn.c_attn", "output", fused_heads(2, 3, H)),
+            "attn.q": ("h.{L}.attn.c_attn", "output", concatenated_heads(0, H)),
+            "attn.k": ("h.{L}.attn.c_attn", "output", concatenated_heads(1, H)),
+            "attn.v": ("h.{L}.attn.c_attn", "output", concatenated_heads(2, H)),
             "attn.z": ("h.{L}.attn.c_proj", "input", heads(H)),
             "attn.out": ("h.{L}.attn", "output", None),
             "resid_mid": ("h.{L}.ln_2", "input", None),

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from ...arch.base import ROOT
 from ...errors import EngineError
 from ...hooks import Hook, Hooks, hook_count
-from . import tables
+from . import sharded, tables
 from .batch import requests_in_pass
 from .edits import RequestEdits
 
@@ -61,12 +61,13 @@ class Session:
         edit_on: str = "both",
     ):
         self.runner, self.run, self.prefill_only = runner, run, prefill_only
+        arch, self.gathered = sharded.for_rank(arch, model)  # tensor parallelism: {sharded point: dim}
         self.slots: list[_Slot] = []
         self.rows: Tensor | None = None  # this forward's kept token rows, for one index_select per point
         self.parts: dict[tuple[int, str], list[tuple[Tensor, Tensor]]] = defaultdict(list)
         self.hooks = Hooks(model, arch)
         if edits:
-            RequestEdits(runner, model, arch, self.hooks, run, edits, edit_on)
+            RequestEdits(runner, model, arch, self.hooks, run, edits, edit_on, split=self.gathered)
         self.hooks.module_pre_forward(ROOT, self._pass_start)
         for name in names:
             self.hooks.forward(arch.spec(name), self._keep)
@@ -96,8 +97,11 @@ class Session:
             return
         # one gather per point and forward (a copy: vLLM's fused norms write their inputs in place
         # later in the same forward); each request's part is a slice of it
-        kept = act.detach().index_select(0, self.rows.to(act.device)).cpu()
+        kept = act.detach().index_select(0, self.rows.to(act.device))
         name = hook.spec.name
+        if name in self.gathered:  # this rank's columns: every rank's, whole
+            kept = sharded.gather(kept, self.gathered[name])
+        kept = kept.cpu()
         for slot in self.slots:
             self.parts[(slot.index, name)].append((slot.positions, kept[slot.lo : slot.hi]))
 
@@ -179,10 +183,17 @@ class Steering:
         self.hooks = Hooks(model, arch)
         self.hooks.module_pre_forward(ROOT, self._pass_start)
         self.attached: set[str] = set()
+        self.split_points = sharded.for_rank(arch, model)[1]  # tensor parallelism: per-rank shards
 
     def register(self, name: str, point: str, vector: Tensor) -> None:
         spec = self.arch.spec(point)
         spec.require_writable("steering")
+        if spec.name in self.split_points:
+            raise EngineError(
+                f"steering {spec.name} on a tensor-parallel engine, whose ranks each hold a slice of it: "
+                "steer a point every rank holds whole (resid_*, attn.out, mlp.out) or use "
+                "tensor_parallel_size=1"
+            )
         self.vectors[name] = (spec.name, vector)
         if spec.name not in self.attached:  # one hook per point, for every vector there
             self.hooks.forward(spec, self._steer)
@@ -251,7 +262,7 @@ class Extension:
             rows = session.take({int(k): int(v) for k, v in expected.items()})
         finally:
             session.close()
-        return hand_off(rows, run)
+        return hand_off(rows, run) if sharded.hands_off() else None
 
     def hookscope_hook_count(self) -> int:
         """Hooks on the model's modules now (tests: none is left after a capture)."""
