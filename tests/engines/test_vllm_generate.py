@@ -87,9 +87,8 @@ def edits_per_request(prompt_of_patch: list[int]):
     steer = hs.steer("blocks.0.resid_post", vector, scale=3.0)
     ablate = hs.ablate("blocks.0.attn.z", heads=[1, 2])
     # the engine's patch source is the request's own rows, [tokens, d]; Hugging Face's [1, tokens, d].
-    # (Not resid_mid: hookscope's Hugging Face Llama table reads it as ln2's input, so writing it
-    # there changes only what the MLP reads; on vLLM, as in TransformerLens, it writes the stream.)
-    patch = (hs.patch("blocks.1.attn.out", source, positions=[1, 3]), source[None])
+    # resid_mid: the stream both the MLP and the skip connection read, written so on both sides
+    patch = (hs.patch("blocks.1.resid_mid", source, positions=[1, 3]), source[None])
     return steer, ablate, patch
 
 
@@ -99,7 +98,7 @@ def test_edits_change_their_own_request_only(llama):
     steer, ablate, (patch, hf_source) = edits_per_request(ps[4])
     edits = [[steer], [], [ablate], [], [patch]]
     mixed = hs.generate(llm, ps, POINTS, edits=edits, max_new_tokens=NEW)
-    hf_patch = hs.patch("blocks.1.attn.out", hf_source, positions=[1, 3])
+    hf_patch = hs.patch("blocks.1.resid_mid", hf_source, positions=[1, 3])
     for i, hf_edits in ((0, [steer]), (2, [ablate]), (4, [hf_patch])):
         want = hf_generate(hf, ps[i], hf_edits)
         assert_same(mixed[i], want, f"request {i}, edited")

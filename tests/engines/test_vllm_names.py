@@ -83,3 +83,35 @@ def test_an_unknown_point_lists_close_names(family):
 def test_an_architecture_without_a_table_is_refused_with_the_reason():
     with pytest.raises(hs.EngineError, match="Transformers backend"):
         hv.tables.table("GPTNeoXForCausalLM", None)
+
+
+@pytest.fixture(scope="module")
+def gpt2_for_edits(tmp_path_factory, in_process):
+    """GPT-2 keeps its residual inside the block, as Hugging Face's does; edits refuse prefix caching."""
+    directory = save("gpt2", tmp_path_factory.mktemp("gpt2-edits"))
+    llm = engine(directory, enable_prefix_caching=False)
+    yield directory, llm
+    shut(llm)
+
+
+def test_a_steer_at_resid_mid_writes_the_residual_stream(gpt2_for_edits):
+    """TransformerLens's resid_mid is the stream both the MLP and the skip connection read: a steer
+    there equals adding the vector to the attention's output (resid_mid = resid_pre + attn.out), a
+    plain hook on the Hugging Face block's attention module."""
+    directory, llm = gpt2_for_edits
+    hf = hf_model(directory)
+    vector = torch.randn(hf.config.n_embd, generator=torch.Generator().manual_seed(0))
+    points = ["blocks.0.resid_post", "blocks.1.resid_post"]
+    got = hv.collect(llm, PROMPTS, points, edits=[hs.steer("blocks.0.resid_mid", vector, scale=2.0)])
+
+    def add(module, args, output):
+        return (output[0] + 2.0 * vector, *output[1:]) if isinstance(output, tuple) else output + 2.0 * vector
+
+    handle = hf.transformer.h[0].attn.register_forward_hook(add)
+    try:
+        for prompt, rows in zip(PROMPTS, got, strict=True):
+            want = hs.collect(hf, torch.tensor([prompt]), points)
+            for name in points:
+                assert_close(rows[name], want[name][0], f"gpt2 steered {name} ({len(prompt)} tokens)")
+    finally:
+        handle.remove()

@@ -19,7 +19,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
-from ...arch.base import Arch, Call, View, build, fused_heads, heads
+from ...arch.base import Arch, Call, View, build, fused_heads, heads, sum_of
 from ...errors import EngineError
 
 POS_DIM = 0  # vLLM's activations have no batch dim: [num_tokens, ...]
@@ -248,7 +248,8 @@ def _gpt2(config) -> Arch:
             "attn.v": ("h.{L}.attn.c_attn", "output", concatenated_heads(2, H)),
             "attn.z": ("h.{L}.attn.c_proj", "input", heads(H)),
             "attn.out": ("h.{L}.attn", "output", None),
-            "resid_mid": ("h.{L}.ln_2", "input", None),
+            # written as resid_pre + attn.out: the block keeps its own residual, which ln_2's input is not
+            "resid_mid": ("h.{L}.ln_2", "input", None, sum_of("h.{L}.ln_1", "attn.out")),
             "ln2.normalized": ("h.{L}.ln_2", "input", LN_NORMALIZED, CALL),
             "mlp.in": ("h.{L}.mlp", "input", None),
             "mlp.pre": ("h.{L}.mlp.c_fc", "output", None),
