@@ -89,7 +89,7 @@ def model_dir(cfg: ExtractConfig) -> str:
             f"model {cfg.model!r} is not the given engine's model ({served!r}): leave model out, or give "
             "an engine made from it"
         )
-    return served
+    return served if cfg.model is None else cfg.model  # as given: the store's settings name it so
 
 
 class VllmEngine:
