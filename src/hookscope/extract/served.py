@@ -25,6 +25,7 @@ from ..engines.vllm import tables
 from ..errors import EngineError, HookscopeError
 from ..extract_config import ExtractConfig, Run
 from ..loading import Loaded
+from ..one_thread import one_thread
 from ..sources import Rows, Source, TextSource
 from ..sources.base import Call
 from .lending import Lender
@@ -149,14 +150,19 @@ class VllmEngine:
                 engine.llm_engine.engine_core.shutdown()  # its core and workers, now
 
     def _kept(self, call: Call, per_sequence: list) -> dict[str, Tensor]:
-        """The rows the in-memory executor keeps: each sequence's kept tokens, row-major, cast."""
+        """The rows the in-memory executor keeps: each sequence's kept tokens, row-major, cast. One
+        gather per point, on this thread alone: the forward runs in the engine's processes, against
+        which torch's intra-op threads would only spin (one_thread.py)."""
         mask = call.inputs["attention_mask"].bool()
         keep = mask if call.keep is None else call.keep.bool()
-        acts = {}
-        for name in self.points:
-            parts = [rows[name][keep[b][mask[b]]] for b, rows in enumerate(per_sequence) if rows is not None]
-            acts[name] = torch.cat(parts).to(self.dtype)
-        return acts
+        # the kept tokens' places among the batch's real tokens, row-major: the order of the engine's rows
+        kept = keep[mask].nonzero().squeeze(1)
+        captured = [rows for rows in per_sequence if rows is not None]
+        with one_thread():
+            return {
+                name: torch.cat([rows[name] for rows in captured]).index_select(0, kept).to(self.dtype)
+                for name in self.points
+            }
 
 
 def _sequences(call: Call) -> list[list[int]]:
