@@ -172,7 +172,7 @@ def _sequences(call: Call) -> list[list[int]]:
 
 
 def _chunk(pending: Iterator, sequences: int, source: Source) -> list:
-    """The next batches, up to `sequences` sequences in all (at least one batch)."""
+    """The next batches, until they hold `sequences` sequences or run out."""
     chunk, count = [], 0
     for index, batch in pending:
         chunk.append((index, batch))
