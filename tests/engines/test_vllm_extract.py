@@ -179,7 +179,6 @@ def test_interrupted_then_killed_then_resumed_is_the_uninterrupted_store(case, l
     finally:
         _kill_group(second)  # the command and its engine, at once
         second.wait(60)
-    assert interrupted < _committed(out) * SHARD_ROWS < total
 
     hs.extract(config(case, out, engine=llm))  # the same run resumed, here
     compared = compare_stores(out, reference)
