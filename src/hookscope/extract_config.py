@@ -6,6 +6,7 @@ reaches into the other for its options."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -59,6 +60,12 @@ class ExtractConfig:
     # (hs.load(tp=N)) and run the same batches; its first rank writes them. Not a setting of the
     # store: a resume may use another N (the rows differ only by the all-reduce's float rounding)
     tp: int = 1
+    # --engine vllm: the forward runs in a vLLM engine made for the run from `model` (a local
+    # Hugging Face directory), or in the `vllm.LLM` given here (extract/served.py); None: Hugging
+    # Face in this process. Not a setting of the store: the rows are the same to float tolerance
+    engine: Any = None
+    # --engine-arg KEY=VALUE: keyword arguments of the vLLM engine made for the run
+    engine_args: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -88,6 +95,7 @@ def validate_config(cfg: ExtractConfig) -> None:
     """Refuse bad arguments before anything is loaded or written."""
     _check_numbers(cfg)
     _check_points_and_out(cfg)
+    _check_engine_options(cfg)
 
 
 def _check_numbers(cfg: ExtractConfig) -> None:
@@ -136,3 +144,24 @@ def _check_points_and_out(cfg: ExtractConfig) -> None:
                     f"--max-memory streams blocks through one device; it does not combine "
                     f"with {flag}: leave one of them out"
                 )
+
+
+def _check_engine_options(cfg: ExtractConfig) -> None:
+    """The options that place or run the model in this process, which a served engine does itself."""
+    if cfg.engine is None:
+        if cfg.engine_args:
+            raise HookscopeError("--engine-arg sets an engine's options: add --engine vllm, or leave it out")
+        return
+    placing = (
+        ("--max-memory", cfg.max_memory),
+        ("--device-map", cfg.device_map),
+        ("--generate", cfg.generate),
+        ("--device", cfg.device if cfg.device != "cpu" else None),
+        ("--tp", cfg.tp if cfg.tp != 1 else None),
+    )
+    for flag, value in placing:
+        if value:
+            raise HookscopeError(
+                f"{flag} {value}: with --engine vllm the engine places and runs the model itself; "
+                f"leave {flag} out (engine options go in --engine-arg KEY=VALUE)"
+            )

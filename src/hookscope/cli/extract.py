@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from .args import DTYPES, at_least, model_args, points_arg, quiet_transformers
@@ -106,7 +107,40 @@ def add_parser(sub) -> None:
         metavar="N",
         help="also store N greedy tokens the model generates after each sequence",
     )
+    p.add_argument(
+        "--engine",
+        choices=["vllm"],
+        default=default.engine,
+        help="run the model in a vLLM engine made from MODEL (a local Hugging Face directory): "
+        "the same store, the same resume",
+    )
+    p.add_argument(
+        "--engine-arg",
+        type=engine_arg,
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an option of the vLLM engine (vllm.LLM's keyword arguments), e.g. "
+        "max_num_batched_tokens=4096; repeat for more. Its CPU KV cache is "
+        "VLLM_CPU_KVCACHE_SPACE (GiB) in the environment",
+    )
     p.set_defaults(run=run)
+
+
+def engine_arg(pair: str) -> tuple[str, object]:
+    """KEY=VALUE: the value a number, true / false, or else text."""
+    key, sep, value = pair.partition("=")
+    if not sep or not key.strip():
+        raise argparse.ArgumentTypeError(f"{pair!r}: write KEY=VALUE, e.g. max_num_batched_tokens=4096")
+    value = value.strip()
+    if value.lower() in ("true", "false"):
+        return key.strip(), value.lower() == "true"
+    for number in (int, float):
+        try:
+            return key.strip(), number(value)
+        except ValueError:
+            pass
+    return key.strip(), value
 
 
 def run(args) -> int:
@@ -139,6 +173,8 @@ def run(args) -> int:
         workers=args.workers,
         stack=args.stack,
         tp=args.tp,
+        engine=args.engine,
+        engine_args=dict(args.engine_arg),
     )
     try:
         print(extract(cfg))

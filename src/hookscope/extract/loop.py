@@ -53,7 +53,8 @@ class Executor(Protocol):
     `InMemory` runs one batch at a time; a block-streamed executor (`streamed.py`, under
     `max_memory`) reads a chunk of batches ahead and runs each block over all of them (only
     sources whose `streamable` is True); a generating executor (`generating.py`) runs the sources
-    whose rows come from a generation (`generates`)."""
+    whose rows come from a generation (`generates`); a vLLM executor (`served.py`, `engine`) sends
+    the batches' sequences to a vLLM engine as requests."""
 
     run_on: Run
 
@@ -122,6 +123,10 @@ def extract(cfg: ExtractConfig) -> ExtractSummary:
         ExtractInterrupted: SIGINT / SIGTERM (Ctrl-C); the same call resumes where it stopped."""
     validate_config(cfg)
     kind = source_for(cfg)  # refuses options the source cannot honour, nothing loaded yet
+    if cfg.engine is not None:
+        from .served import check_config
+
+        check_config(cfg, kind)
     with signals_interrupt():
         try:
             return _extract(cfg, kind)
@@ -146,15 +151,18 @@ def _start(cfg: ExtractConfig, kind: type[Source]) -> tuple[Source, Executor, li
         else cfg.device
     )
     streamed = cfg.max_memory is not None  # then the weights stay on meta until a block runs
+    served = cfg.engine is not None  # then the engine reads the weights: the model here stays on meta
+    if served:
+        from .served import VllmEngine, model_dir
     loaded = load(
-        cfg.model,
-        device="meta" if streamed else device,
+        model_dir(cfg) if served else cfg.model,
+        device="meta" if streamed or served else device,
         revision=cfg.revision,
         device_map=cfg.device_map,
         tokenizer=kind.needs_tokenizer,
-        # only the weights the points need (a generating source, and a tensor-parallel model, whose
-        # plan shards every block, load the whole model)
-        points=cfg.points if kind.streamable and not streamed and cfg.tp == 1 else None,
+        # only the weights the points need (a generating source, a served run, and a tensor-parallel
+        # model, whose plan shards every block, load the whole model)
+        points=cfg.points if kind.streamable and not (streamed or served) and cfg.tp == 1 else None,
         tp=cfg.tp,
     )
     if cfg.device_map is not None:  # inputs go where the embeddings live
@@ -162,6 +170,8 @@ def _start(cfg: ExtractConfig, kind: type[Source]) -> tuple[Source, Executor, li
     run = Run.of_process(rank, world_size, device, cfg.tp)
     points = [s.name for s in loaded.arch.resolve(cfg.points)]  # unknown names fail before any work
     source = kind.open(cfg, loaded, points, run)
+    if served:
+        return source, VllmEngine(source, loaded, points, getattr(torch, cfg.dtype), run, cfg), points
     if streamed:
         from .streamed import Streamed
 
