@@ -104,8 +104,8 @@ def fake_llm(**settings):
     config = types.SimpleNamespace(
         parallel_config=types.SimpleNamespace(
             worker_extension_cls=settings.get("extension", hv.EXTENSION),
-            tensor_parallel_size=settings.get("tp", 1),
-            pipeline_parallel_size=1,
+            tensor_parallel_size=1,
+            pipeline_parallel_size=settings.get("pp", 1),
         ),
         model_config=types.SimpleNamespace(enforce_eager=settings.get("eager", True), hf_config=None),
     )
@@ -120,7 +120,7 @@ def fake_llm(**settings):
     [
         ({"extension": ""}, "worker_extension_cls="),
         ({"eager": False}, "enforce_eager=True"),
-        ({"tp": 2}, "tensor_parallel_size=1"),
+        ({"pp": 2}, "pipeline_parallel_size=1"),
     ],
 )
 def test_engine_settings_hookscope_cannot_read_are_refused(settings, match):
