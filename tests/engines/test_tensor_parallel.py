@@ -119,6 +119,21 @@ def test_every_point_equals_the_unsharded_model(case, runs, unsharded):
 
 
 @pytest.mark.parametrize("case", CASES)
+def test_profile_reports_every_block_and_its_hooks_see_whole_points(case, runs, unsharded):
+    """hs.profile on the sharded model: a row per block, as the unsharded model's profile has, and a
+    user's hook at a sharded point gets the whole tensor (every head), equal to the unsharded one."""
+    _, rank0, rank1 = runs[case]
+    model = unsharded[case]
+    want_rows = [(r.kind, r.name) for r in hs.profile(model, worker.inputs(0), steps=1, warmup=1).rows]
+    want_z = hs.collect(model, worker.inputs(0), "blocks.1.attn.z")["blocks.1.attn.z"]
+    for rank in (rank0, rank1):
+        rows = rank["profiled"]["rows"]
+        assert [r for r in rows if r[0] == "block"] == [r for r in want_rows if r[0] == "block"]
+        assert ("hook", "blocks.1.attn.z") in rows
+        torch.testing.assert_close(rank["profiled"]["hooked"], want_z, **TOL)
+
+
+@pytest.mark.parametrize("case", CASES)
 def test_sharded_points_gathered_and_kept_against_plain_hooks(case, runs, unsharded):
     _, rank0, rank1 = runs[case]
     ref = plain_hooks(unsharded[case], worker.inputs(0))

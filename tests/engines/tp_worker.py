@@ -81,6 +81,7 @@ def run(directory: str) -> dict:
             out["edited"][name] = model(ids).logits
     # generation: greedy steps with a capture at a sharded point and a head ablation at every step
     out["generated"] = generate(model)
+    out["profiled"] = profiled(model, ids)
     out["refused"] = refusals(model, ids)
     out["gathers"] = gathers_per_collect(model, ids)
     out["vmhwm_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
@@ -153,6 +154,15 @@ def generate(model) -> dict:
         do_sample=False,
     )
     return {"sequences": gen.sequences, **{k: gen[k] for k in gen.activations}}
+
+
+def profiled(model, ids: torch.Tensor) -> dict:
+    """hs.profile on the sharded model: its rows, and what a user's hook at a sharded point got."""
+    seen = []
+    report = hs.profile(
+        model, ids, steps=1, warmup=1, hooks=[("blocks.1.attn.z", lambda act, hook: seen.append(act.clone()))]
+    )
+    return {"rows": [(row.kind, row.name) for row in report.rows], "hooked": seen[-1]}
 
 
 def every_point(directory: str) -> dict:
