@@ -19,17 +19,6 @@ TAG = "hookscope"  # the key of a request's SamplingParams.extra_args that hooks
 STEER_KEY = TAG + ".steer."
 
 
-def steering_asked(extra: dict | None) -> list[tuple[str, float]]:
-    """The (vector name, scale) pairs a request's `extra_args` ask for: `{"hookscope": {"steer":
-    [[name, scale], ...]}}` (the Python API's) and `{"hookscope.steer.<name>": scale}` (HTTP's)."""
-    extra = extra or {}
-    tag = extra.get(TAG)
-    pairs = [tuple(pair) for pair in tag.get("steer", ())] if isinstance(tag, dict) else []
-    return pairs + [
-        (key[len(STEER_KEY) :], value) for key, value in extra.items() if key.startswith(STEER_KEY)
-    ]
-
-
 def tag_of(extra: dict) -> dict | None:
     """What hookscope is to do with a request: its tag, with the vectors HTTP's flat keys ask for
     under "steer"; None for a request hookscope has nothing to do with."""
@@ -40,6 +29,13 @@ def tag_of(extra: dict) -> dict | None:
         tag = tag or {}
         tag["steer"] = [*tag.get("steer", ()), *flat]
     return tag
+
+
+def steering_asked(extra: dict | None) -> list[tuple[str, float]]:
+    """The (vector name, scale) pairs a request's `extra_args` ask for: `{"hookscope": {"steer":
+    [[name, scale], ...]}}` (the Python API's) and `{"hookscope.steer.<name>": scale}` (HTTP's)."""
+    tag = tag_of(extra or {})
+    return [tuple(pair) for pair in tag.get("steer", ())] if tag else []
 
 
 @dataclass(frozen=True)
