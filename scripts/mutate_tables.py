@@ -252,21 +252,43 @@ def main() -> int:
         start = time.perf_counter()
         by, n, survivors, same = run(table, by_table[table])
         overall, total = overall + by, total + n
-        print(
-            f"{table:10s} caught {sum(by.values())} / {n}  ({_how(by)}; {len(same)} equivalent, "
-            f"{time.perf_counter() - start:.0f} s; models: {', '.join(by_table[table])})",
-            flush=True,
+        report(
+            f"{table:10s}",
+            by,
+            n,
+            survivors,
+            same,
+            f"{time.perf_counter() - start:.0f} s; models: {', '.join(by_table[table])}",
+            HOW,
         )
-        for line in survivors:
-            print(f"    SURVIVED {line}", flush=True)
-        for line in same:
-            print(f"    equivalent {line}", flush=True)
-    print(f"caught {sum(overall.values())} / {total} mutations ({_how(overall)})")
+    return summary(overall, total, HOW)
+
+
+HOW = ("relation", "error", "family")  # what caught a mutant, in the order reported
+
+
+def _how(by: collections.Counter, kinds: tuple[str, ...]) -> str:
+    return ", ".join(f"{by[k]} by {k}" for k in kinds if by[k])
+
+
+def report(
+    name: str, by: collections.Counter, n: int, survivors: list, same: list, when: str, kinds: tuple[str, ...]
+) -> None:
+    """One table's (or family's) line: mutants caught and how, then each survivor and equivalent."""
+    print(
+        f"{name} caught {sum(by.values())} / {n}  ({_how(by, kinds)}; {len(same)} equivalent, {when})",
+        flush=True,
+    )
+    for line in survivors:
+        print(f"    SURVIVED {line}", flush=True)
+    for line in same:
+        print(f"    equivalent {line}", flush=True)
+
+
+def summary(overall: collections.Counter, total: int, kinds: tuple[str, ...]) -> int:
+    """The last line, and the exit status: 0 when every mutant was caught."""
+    print(f"caught {sum(overall.values())} / {total} mutations ({_how(overall, kinds)})")
     return 0 if sum(overall.values()) == total else 1
-
-
-def _how(by: collections.Counter) -> str:
-    return ", ".join(f"{by[k]} by {k}" for k in ("relation", "error", "family") if by[k])
 
 
 if __name__ == "__main__":

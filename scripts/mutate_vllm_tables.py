@@ -281,21 +281,13 @@ def main() -> int:
             directory = vllm_models.save(family, Path(tmp) / family)
             by, n, survivors, same = run(family, directory, args.rules)
             overall, total = overall + by, total + n
-            print(
-                f"{family:8s} caught {sum(by.values())} / {n}  ({_how(by)}; {len(same)} equivalent, "
-                f"{time.perf_counter() - start:.0f} s)",
-                flush=True,
+            mutate_tables.report(
+                f"{family:8s}", by, n, survivors, same, f"{time.perf_counter() - start:.0f} s", HOW
             )
-            for line in survivors:
-                print(f"    SURVIVED {line}", flush=True)
-            for line in same:
-                print(f"    equivalent {line}", flush=True)
-    print(f"caught {sum(overall.values())} / {total} mutations ({_how(overall)})")
-    return 0 if sum(overall.values()) == total else 1
+    return mutate_tables.summary(overall, total, HOW)
 
 
-def _how(by: collections.Counter) -> str:
-    return ", ".join(f"{by[k]} by {k}" for k in ("test", "error") if by[k])
+HOW = ("test", "error")  # what caught a mutant, in the order reported
 
 
 if __name__ == "__main__":
