@@ -14,7 +14,7 @@ the store the model's identity, the same as a Hugging Face extraction of the sam
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import torch
@@ -26,11 +26,9 @@ from ..errors import EngineError, HookscopeError
 from ..extract_config import ExtractConfig, Run
 from ..loading import Loaded
 from ..one_thread import one_thread
-from ..sources import Rows, Source, TextSource
+from ..sources import Batches, Rows, Source, TextSource
 from ..sources.base import Call
 from .lending import Lender
-
-Batches = Iterable[tuple[int, dict[str, Tensor]]]
 
 # engine options the run sets itself: the model it reads, and the worker extension hookscope captures with
 SET_BY_THE_RUN = ("model", "worker_extension_cls")
@@ -137,11 +135,10 @@ class VllmEngine:
             per_call = engine.llm_engine.vllm_config.scheduler_config.max_num_seqs
             pending = iter(batches)
             while chunk := _chunk(pending, per_call, self.source):
-                calls = [self.source.call_of(batch) for _, batch in chunk]
-                sequences = [_sequences(call) for call in calls]
+                sequences = [_sequences(call) for _, _, call in chunk]
                 sent = [ids for batch_sequences in sequences for ids in batch_sequences if ids]
                 captured = iter(hv.collect(engine, sent, self.points) if sent else ())
-                for (index, batch), call, batch_sequences in zip(chunk, calls, sequences, strict=True):
+                for (index, batch, call), batch_sequences in zip(chunk, sequences, strict=True):
                     per_sequence = [next(captured) if ids else None for ids in batch_sequences]
                     acts = self._kept(call, per_sequence)
                     yield index, batch, self.source.rows_of(batch, call, acts)
@@ -171,12 +168,13 @@ def _sequences(call: Call) -> list[list[int]]:
     return [ids[b][mask[b]].tolist() for b in range(ids.shape[0])]
 
 
-def _chunk(pending: Iterator, sequences: int, source: Source) -> list:
-    """The next batches, until they hold `sequences` sequences or run out."""
+def _chunk(pending: Iterator, sequences: int, source: Source) -> list[tuple[int, dict, Call]]:
+    """The next batches, each with its `Call`, until they hold `sequences` sequences or run out."""
     chunk, count = [], 0
     for index, batch in pending:
-        chunk.append((index, batch))
-        count += source.call_of(batch).inputs["input_ids"].shape[0]
+        call = source.call_of(batch)
+        chunk.append((index, batch, call))
+        count += call.inputs["input_ids"].shape[0]
         if count >= sequences:
             break
     return chunk
