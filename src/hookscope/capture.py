@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import torch
@@ -181,6 +182,7 @@ class Capture(Kept):
         super().__init__(arch, keyed_specs(arch, points), accumulate)
         self.model, self.inference, self.attention_mask = model, inference, attention_mask
         self.selection = Selection.of(positions, heads, token_mask, dtype, device)
+        self._rows_apart = self.selection.rows_apart()  # for views that cost per row (`_keep_rows`)
         self.specs: list[PointSpec] = list(self._keys.values())
         self.stop = stop  # True: the `with` block's passes stop too; False: not even `run`'s
         self._stopper = Stop()  # what ends this capture's passes, and only theirs
@@ -201,7 +203,10 @@ class Capture(Kept):
         try:
             layer = self._state.layer
             for spec in self.specs if layer is None else layer.split_capture(self, self.specs):
-                self.hooks.forward(spec, self._keep)
+                if self._rows_apart is not None and spec.view is not None and spec.view.select_rows_first:
+                    self.hooks.forward(replace(spec, view=None), partial(self._keep_rows, spec))
+                else:
+                    self.hooks.forward(spec, self._keep)
             # a hook on the root only where a pass needs its own start: to stop it, or to read its mask
             if self.stop is True or self._mask_per_pass:
                 self.hooks.pass_start(self._start_pass)
@@ -250,6 +255,18 @@ class Capture(Kept):
 
     def _keep(self, act: Tensor, hook: Hook) -> None:
         self.file(hook.spec.name, self.take(act, hook.spec))
+
+    def _keep_rows(self, spec: PointSpec, raw: Tensor, hook: Hook) -> None:
+        """`_keep` at a point whose view costs per row (a tensor-parallel gather): the positions or
+        tokens picked from the raw tensor first, then the view on those rows alone, then the rest."""
+        rows, rest = self._rows_apart
+        picked = rows.select(raw, spec, attention_mask=self.pass_mask)
+        # the dims the rows took out (a position, or batch and position made one) lie before the heads
+        head_dim = spec.head_dim
+        if head_dim is not None and head_dim >= 0:
+            head_dim -= raw.ndim - picked.ndim
+        after = replace(spec, pos_dim=None, head_dim=head_dim)
+        self.file(spec.name, self.take(spec.view.get(picked), after, selection=rest, copy=False))
 
     def take(
         self, act: Tensor, spec: PointSpec, *, selection: Selection | None = None, copy: bool = True

@@ -282,6 +282,16 @@ class Selection:
         )
         return first, rest
 
+    def rows_apart(self) -> tuple[Selection, Selection] | None:
+        """(rows, rest): the positions or token mask alone, and the heads, cast and move; None where
+        no rows are selected. For a view that reads each row alone along the trailing dims,
+        `rest.take(view(rows.select(raw)))` keeps what `take(view(raw))` keeps (`rest` reading the
+        head dim as it is once the rows are picked)."""
+        if self.positions is None and self.token_mask is None:
+            return None
+        rows = Selection(self.positions, None, self.token_mask, None, None, self.offset)
+        return rows, Selection(None, self.heads, None, self.dtype, self.device)
+
     # edits: where to write ---------------------------------------------------------------------
 
     def region(self, act: Tensor, spec: Dims, *, attention_mask: Tensor | None = None) -> Tensor:

@@ -263,6 +263,37 @@ def test_only_the_split_points_asked_for_are_gathered(case, runs):
         assert rank["gathers"] == {name: n for name, (_, n) in worker.GATHER_ASKS.items()}
 
 
+@pytest.mark.parametrize("case", ["llama", "qwen3"])
+def test_selected_rows_equal_the_unsharded_selection(case, runs, unsharded):
+    """positions= / token_mask= at sharded points (beside heads or a cast): the rows the unsharded
+    model's `hs.collect` keeps with the same selection, on both ranks."""
+    model = unsharded[case]
+    for name, options in worker.selections().items():
+        points = options.pop("points", worker.SELECTED_POINTS)
+        want = hs.collect(model, worker.padded(0), points, **options)
+        for rank in runs[case][1:]:
+            got = rank["selected"][name]
+            assert set(got) == set(want), name
+            for point, tensor in want.items():
+                tol = TOL if tensor.dtype == torch.float32 else {}  # bfloat16: torch's own tolerance
+                said = f"{name}, {point}"
+                torch.testing.assert_close(got[point], tensor, **tol, msg=lambda m, said=said: f"{said}: {m}")
+    # the reference itself picked what was asked: block 1's z at the last real token of each row
+    ref = plain_hooks(model, worker.padded(0)["input_ids"])
+    last = runs[case][1]["selected"]["last"]["blocks.1.attn.z"]
+    torch.testing.assert_close(last[0], ref["attn.z"][0, 6].bfloat16())
+    torch.testing.assert_close(last[1], ref["attn.z"][1, 4].bfloat16())
+
+
+@pytest.mark.parametrize("case", ["llama"])
+def test_only_the_selected_rows_are_gathered(case, runs, unsharded):
+    """Each rank sends its half of the selected rows alone: batch x rows x d_mlp / 2 float32s."""
+    half = unsharded[case].config.intermediate_size // 2
+    rows = {"every row": 7, "positions [1, 4]": 2, "last": 1}
+    for rank in runs[case][1:]:
+        assert rank["gathered_bytes"] == {name: 2 * n * half * 4 for name, n in rows.items()}
+
+
 def test_what_the_directory_says_besides_the_weights_is_kept(runs):
     """A tensor-parallel load reads the weights through a state dict, not the directory: the
     directory's generation_config.json is read beside it, and the model says where it came from,

@@ -5,9 +5,11 @@ is computed in the parent, with plain module hooks, from the same directory."""
 
 from __future__ import annotations
 
+import contextlib
 import resource
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -32,6 +34,31 @@ def loss(output) -> torch.Tensor:
 
 def steering_vector(d_model: int) -> torch.Tensor:
     return torch.randn(d_model, generator=torch.Generator().manual_seed(2))
+
+
+def padded(seed: int) -> dict[str, torch.Tensor]:
+    """A batch whose second row ends in two padding tokens."""
+    mask = torch.ones(2, 7, dtype=torch.long)
+    mask[1, -2:] = 0
+    return {"input_ids": inputs(seed), "attention_mask": mask}
+
+
+SELECTED_POINTS = ["blocks.1.attn.z", "blocks.1.mlp.post", "blocks.1.attn.k", "blocks.1.resid_post"]
+
+
+def selections() -> dict[str, dict]:
+    """Selections of rows (each beside heads, a cast or nothing more) asked of the sharded model and
+    of the unsharded one alike, on `padded(0)`."""
+    return {
+        "positions": {"positions": [1, 4]},
+        "last": {"positions": "last", "dtype": torch.bfloat16},
+        "one position, heads": {"positions": -1, "heads": [1, 2], "points": ["blocks.1.attn.z"]},
+        "slice": {"positions": slice(2, None, 2)},
+        "token mask": {"token_mask": padded(0)["attention_mask"].bool()},
+    }
+
+
+GATHERED_ROWS = {"every row": {}, "positions [1, 4]": {"positions": [1, 4]}, "last": {"positions": "last"}}
 
 
 def run(directory: str) -> dict:
@@ -84,6 +111,11 @@ def run(directory: str) -> dict:
     out["profiled"] = profiled(model, ids)
     out["refused"] = refusals(model, ids)
     out["gathers"] = gathers_per_collect(model, ids)
+    out["selected"] = {
+        name: dict(hs.collect(model, padded(0), options.pop("points", SELECTED_POINTS), **options))
+        for name, options in selections().items()
+    }
+    out["gathered_bytes"] = gathered_bytes(model)
     out["vmhwm_kib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     out["user_loaded"] = user_loaded(directory, ids)
     return out
@@ -111,25 +143,41 @@ GATHER_ASKS = {  # points asked -> how many of them are split over the ranks
 }
 
 
-def gathers_per_collect(model, ids) -> dict[str, int]:
-    """How many all-gathers one `hs.collect` of each GATHER_ASKS entry ran (the model's own
+@contextlib.contextmanager
+def counted_gathers() -> Iterator[list[int]]:
+    """The bytes this rank sent in each `dist.all_gather` while the block runs (the model's own
     collectives are DTensor's functional ones, not `dist.all_gather`)."""
-    counted = []
+    sent: list[int] = []
     real = dist.all_gather
 
-    def counting(*args, **kwargs):
-        counted.append(1)
-        return real(*args, **kwargs)
+    def counting(parts, tensor, *args, **kwargs):
+        sent.append(tensor.nbytes)
+        return real(parts, tensor, *args, **kwargs)
 
-    found = {}
     dist.all_gather = counting
     try:
-        for name, (points, _) in GATHER_ASKS.items():
-            counted.clear()
-            hs.collect(model, ids, points)
-            found[name] = len(counted)
+        yield sent
     finally:
         dist.all_gather = real
+
+
+def gathers_per_collect(model, ids) -> dict[str, int]:
+    """How many all-gathers one `hs.collect` of each GATHER_ASKS entry ran."""
+    found = {}
+    for name, (points, _) in GATHER_ASKS.items():
+        with counted_gathers() as sent:
+            hs.collect(model, ids, points)
+        found[name] = len(sent)
+    return found
+
+
+def gathered_bytes(model) -> dict[str, int]:
+    """The bytes this rank sent to gather `blocks.1.mlp.post` under each GATHERED_ROWS selection."""
+    found = {}
+    for name, options in GATHERED_ROWS.items():
+        with counted_gathers() as sent:
+            hs.collect(model, padded(0), "blocks.1.mlp.post", **options)
+        found[name] = sum(sent)
     return found
 
 

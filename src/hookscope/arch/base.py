@@ -28,6 +28,10 @@ class View:
     # the same view on a contiguous 1/n of the raw tensor's last dim (a tensor-parallel rank's
     # columns of a column-parallel projection), given n; None where a slice has no such meaning
     split: Callable[[int], View] | None = field(default=None, compare=False)
+    # True where `get` costs per row it reads (a collective across processes), reads each row
+    # (batch, position) alone along the trailing dims and returns memory of its own: a capture then
+    # takes its positions / tokens from the raw tensor before `get`, so only those rows pay for it
+    select_rows_first: bool = field(default=False, compare=False)
 
 
 def heads(n_heads: int) -> View:

@@ -277,6 +277,8 @@ def _gathered(spec: PointSpec, shard: Shard) -> View:
         put,
         f"{label}sharded over {shard.size} ranks (this one: {shard.describe(units)}), gathered",
         head_dim=head_dim,
+        # split along the features, each row alone: a capture's positions are picked before the gather
+        select_rows_first=shard.dim == -1,
     )
 
 
