@@ -9,6 +9,7 @@ three points (one whole, two sharded), and the logits under steer / head ablatio
 rank's weights read as its slices alone.
 Families: Llama, Qwen3 (q/k norms replicated), Gemma 3 (sandwich norms) and OLMo 2, whose plan
 gathers q/k/v itself (`colwise_gather_output`): there q/k/v/z must come out whole, not gathered.
+The Llama's weights also as a pickled `pytorch_model.bin` (transformers' own reader under `tp=`).
 
 Tolerance: atol 1e-5, rtol 1e-5 (the differences seen are <= 3e-6: the all-reduce sums in
 another order than one matmul).
@@ -16,6 +17,7 @@ another order than one matmul).
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,6 +25,7 @@ import pytest
 import torch
 import tp_worker as worker
 from elastic_kit import torchrun_command
+from safetensors.torch import load_file
 
 import hookscope as hs
 from hookscope.engines import tensor_parallel
@@ -32,6 +35,7 @@ CASES = ("llama", "qwen3", "gemma3_text", "olmo2")
 # every point only: GPT-NeoX (its fused q|k|v, interleaved per head, split by View.split) and an MoE
 # decoder (Mixtral: attention sharded, experts whole on each rank under TP alone)
 POINTS_ONLY = ("neox_sequential", "mixtral")
+PICKLED = "llama_bin"  # the Llama's weights as torch.save writes them (pytorch_model.bin), no safetensors
 TOL = {"atol": 1e-5, "rtol": 1e-5}
 N_HEADS = 4  # family_models' tiny decoders: 4 heads of 8, 2 kv heads, d_mlp 64
 GENERATION_MAX_LENGTH = 33  # a config without the file gives None
@@ -49,6 +53,12 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, dict, dict]]:
         model.generation_config.max_length = GENERATION_MAX_LENGTH  # held by generation_config.json alone
         model.save_pretrained(root / case)
         dirs.append(("points:" if case in POINTS_ONLY else "") + str(root / case))
+    pickled = root / PICKLED
+    pickled.mkdir()
+    for name in ("config.json", "generation_config.json"):
+        shutil.copy(root / "llama" / name, pickled / name)
+    torch.save(load_file(root / "llama" / "model.safetensors"), pickled / "pytorch_model.bin")
+    dirs.append(f"points:{pickled}")
     out = root / "out"
     out.mkdir()
     done = subprocess.run(
@@ -59,7 +69,7 @@ def runs(tmp_path_factory) -> dict[str, tuple[Path, dict, dict]]:
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     load = lambda case, rank: torch.load(out / f"{case}.rank{rank}.pt", weights_only=False)  # noqa: E731
-    return {case: (root / case, load(case, 0), load(case, 1)) for case in CASES + POINTS_ONLY}
+    return {case: (root / case, load(case, 0), load(case, 1)) for case in (*CASES, *POINTS_ONLY, PICKLED)}
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +117,7 @@ def plain_hooks(model: torch.nn.Module, ids: torch.Tensor) -> dict[str, torch.Te
     return seen
 
 
-@pytest.mark.parametrize("case", CASES + POINTS_ONLY)
+@pytest.mark.parametrize("case", (*CASES, *POINTS_ONLY, PICKLED))
 def test_every_point_equals_the_unsharded_model(case, runs, unsharded):
     _, rank0, rank1 = runs[case]
     model = unsharded[case]
@@ -303,6 +313,14 @@ def test_what_the_directory_says_besides_the_weights_is_kept(runs):
     assert rank0["name_or_path"] == str(directory)
 
 
+def test_a_pickled_checkpoint_is_sharded_too(runs, unsharded):
+    """A pytorch_model.bin goes through transformers' own reader (torch.load's memory map): each
+    rank still holds about half the weights (its pages of the map are another matter: docs/bigger.md)."""
+    whole = sum(p.nbytes for p in unsharded[PICKLED].parameters())
+    for rank in runs[PICKLED][1:]:
+        assert rank["local_bytes"] < 0.75 * whole, (rank["local_bytes"], whole)
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_each_rank_reads_only_its_slices(case, runs, unsharded):
     """No page of the checkpoint stays mapped in a rank (a memory map keeps every page a slice
@@ -344,8 +362,9 @@ def test_a_family_with_no_plan_refused(tiny_dirs):
 
 
 def test_tp_with_points_refused(runs):
-    with pytest.raises(hs.TensorParallelError, match="does not combine"):
+    with pytest.raises(hs.TensorParallelError, match="does not combine with points=") as refused:
         hs.load(str(runs["llama"][0]), tp=2, points=["blocks.0.resid_post"], tokenizer=False)
+    assert "points= alone" in str(refused.value) and "--max-memory" in str(refused.value)
 
 
 def test_an_unsharded_model_has_no_kept_slices(unsharded):

@@ -216,7 +216,10 @@ def profiled(model, ids: torch.Tensor) -> dict:
 def every_point(directory: str) -> dict:
     """Only every point collected, for the families whose other verbs the full run covers."""
     loaded = hs.load(directory, tp=2, tokenizer=False, attn_implementation="eager", dtype=torch.float32)
-    return {"acts": dict(hs.collect(loaded.model, inputs(0), loaded.arch.names))}
+    return {
+        "acts": dict(hs.collect(loaded.model, inputs(0), loaded.arch.names)),
+        "local_bytes": sum(local_tensor(p).nbytes for p in loaded.model.parameters()),
+    }
 
 
 def user_loaded(directory: str, ids: torch.Tensor) -> dict:

@@ -12,8 +12,10 @@ The model's table (`arch_of`) is changed once, through `arch.TABLE_CHANGES`: a s
 all-gathers the ranks' slices before the family's own view (so `attn.z` splits into the real heads,
 and a heads selection means global heads), and its `put` hands each rank its own slice of an edited
 whole tensor. With autograd on, the gather's backward keeps the rank's slice and the slice's
-backward gathers, so `hs.grads` at a sharded point is the whole gradient. Whole points are left as
-they are: one capture, no collective. `sharded(model)` is the table that keeps each rank's slice,
+backward gathers, so `hs.grads` at a sharded point is the whole gradient. A gathered view is marked
+`select_rows_first`: a capture with positions or a token mask picks its rows from the rank's slice
+before the gather, and only those rows cross the ranks. Whole points are left as they are: one
+capture, no collective. `sharded(model)` is the table that keeps each rank's slice,
 its label naming the slice: what `hs.collect` / `hs.capture` / `hs.grads` read the names in with
 `gather=False` (`kept_shards`, called by verbs.py: the core below never imports an engine).
 """

@@ -196,10 +196,18 @@ def _tensor_parallel(config: Any, tp: int, device: Any, device_map: Any, points:
     import torch.distributed as dist
     from transformers.distributed import DistributedConfig
 
-    if device_map is not None or points is not None or str(device) == "meta":
+    if points is not None:
         raise TensorParallelError(
-            "tp= shards the whole model over the ranks: it does not combine with device_map=, points= "
-            "or device='meta'; drop one of them"
+            "tp= does not combine with points=: transformers' tensor-parallel load gives every weight it "
+            "is not handed memory of its own and initialises it, so each rank would still hold 1/N of "
+            "every block. Under tp= a capture stops after its last point anyway (later blocks never "
+            "run); to hold only the blocks the points need, load with points= alone (one process) or "
+            "extract with --max-memory"
+        )
+    if device_map is not None or str(device) == "meta":
+        raise TensorParallelError(
+            "tp= shards the whole model over the ranks: it does not combine with device_map= or "
+            "device='meta'; drop one of them"
         )
     text = config.get_text_config()
     if not getattr(text, "base_model_tp_plan", None):
