@@ -37,7 +37,7 @@ CASES = ("llama", "qwen3", "gemma3_text", "olmo2")
 POINTS_ONLY = ("neox_sequential", "mixtral")
 PICKLED = "llama_bin"  # the Llama's weights as torch.save writes them (pytorch_model.bin), no safetensors
 TOL = {"atol": 1e-5, "rtol": 1e-5}
-N_HEADS = 4  # family_models' tiny decoders: 4 heads of 8, 2 kv heads, d_mlp 64
+N_HEADS = 4  # family_models' tiny decoders: 4 heads of 8, 2 kv heads, d_mlp 128
 GENERATION_MAX_LENGTH = 33  # a config without the file gives None
 
 
