@@ -9,7 +9,8 @@ unsharded process's; then, in the same TP=2 processes, `hs.extract(tp=2)` of the
 The model: a random Llama (d_model 1024, 8 layers, 16 heads, 8 kv heads, d_mlp 4096, vocab 8192,
 ~150 M parameters, float32, ~600 MB). Inputs: 4 x 128 tokens. The capture keeps every block's
 `attn.z` and `mlp.post` (sharded: gathered) and `resid_post` (whole), and runs the model to the end,
-like the forward it is compared with. One process runs with 2 threads; each TP rank with 1 (2
+like the forward it is compared with; the same capture with `positions="last"` beside it (on the TP
+ranks only the last rows are gathered). One process runs with 2 threads; each TP rank with 1 (2
 cores either way). Peak memory is VmHWM from /proc/self/status, after the imports and at the end
 (before the extraction, which loads a model of its own). The extraction's rate is its rows (tokens)
 over its own time (first batch to last commit); the forward's, 512 tokens over its median time,
@@ -102,10 +103,17 @@ def worker(tp: int) -> None:
             model(ids)
         assert cap["blocks.7.attn.z"].shape == (4, 128, 16, 64)
 
-    times: dict[str, list[float]] = {"forward": [], "capture": []}
-    forward(), capture()  # warm-up
-    for _ in range(REPEATS):  # interleaved: a slow moment of the machine hits both
-        for name, fn in (("forward", forward), ("capture", capture)):
+    def capture_last() -> None:
+        with hs.capture(model, POINTS, positions="last") as cap, torch.inference_mode():
+            model(ids)
+        assert cap["blocks.7.attn.z"].shape == (4, 16, 64)
+
+    runs = {"forward": forward, "capture": capture, "capture_last": capture_last}
+    times: dict[str, list[float]] = {name: [] for name in runs}
+    for fn in runs.values():  # warm-up
+        fn()
+    for _ in range(REPEATS):  # interleaved: a slow moment of the machine hits each
+        for name, fn in runs.items():
             start = time.perf_counter()
             fn()
             times[name].append(time.perf_counter() - start)
@@ -114,6 +122,7 @@ def worker(tp: int) -> None:
         "rank": int(os.environ.get("RANK", 0)),
         "forward_s": statistics.median(times["forward"]),
         "capture_s": statistics.median(times["capture"]),
+        "capture_last_s": statistics.median(times["capture_last"]),
         "vmhwm_after_imports_mib": after_imports,
         "vmhwm_mib": vmhwm_mib(),
         # the weights: an unsharded load maps the checkpoint (file pages, shared with the page cache);
@@ -264,14 +273,15 @@ def main() -> None:
     rows = run(1) + run(2)
     one = rows[0]
     print(
-        f"{'run':<14}{'forward s':>10}{'capture s':>11}{'capture/fwd':>12}{'VmHWM MiB':>11}"
+        f"{'run':<14}{'forward s':>10}{'capture s':>11}{'capture/fwd':>12}{'last/fwd':>9}{'VmHWM MiB':>11}"
         f"{'imports MiB':>12}{'anon MiB':>10}{'file MiB':>10}{'PSS MiB':>9}"
     )
     for row in rows:
         label = "unsharded" if row["tp"] == 1 else f"TP=2 rank {row['rank']}"
         print(
             f"{label:<14}{row['forward_s']:>10.3f}{row['capture_s']:>11.3f}"
-            f"{row['capture_s'] / row['forward_s']:>12.2f}{row['vmhwm_mib']:>11.0f}"
+            f"{row['capture_s'] / row['forward_s']:>12.2f}{row['capture_last_s'] / row['forward_s']:>9.2f}"
+            f"{row['vmhwm_mib']:>11.0f}"
             f"{row['vmhwm_after_imports_mib']:>12.0f}{row['rss_anon_mib']:>10.0f}{row['rss_file_mib']:>10.0f}"
             f"{row['pss_mib']:>9.0f}"
         )
