@@ -186,3 +186,12 @@ def test_a_token_mask_is_refused_on_an_engine(llama):
     llm, _ = llama
     with pytest.raises(hs.EngineError, match="takes no token_mask"):
         hs.collect(llm, prompts(), "blocks.0.resid_post", token_mask=torch.ones(1, 5, dtype=torch.bool))
+
+
+def test_a_selection_naming_no_position_of_a_prompt_is_refused(llama):
+    """Hugging Face gives an empty tensor; the engine hands back no empty rows, and says so."""
+    llm, _ = llama
+    with pytest.raises(
+        hs.SelectionError, match=r"prompt 0 \(5 tokens\): the positions name none of its tokens"
+    ):
+        hs.collect(llm, prompts(), "blocks.0.resid_post", positions=slice(10, None))

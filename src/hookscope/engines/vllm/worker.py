@@ -134,7 +134,7 @@ class Session:
             except SelectionError as e:
                 named, why = None, str(e)
             else:
-                why = "they name none of its positions, and the engine hands back no empty rows"
+                why = "the positions name none of its tokens (the engine hands back no empty rows)"
             self.named[request] = named if named is not None and named.numel() else None
             if self.named[request] is None:
                 self.refused.append(f"prompt {request} ({length} tokens): {why}")
