@@ -39,6 +39,8 @@ Heads = None | int | Sequence[int] | Tensor
 
 _POSITIONS_HELP = "use 'last', an int, a slice, a non-empty list of ints or a 1-D integer tensor"
 _HEADS_HELP = "use an int, a non-empty list of ints or a 1-D integer tensor"
+_NO_HEADS = "this point has no head dimension: heads= works on attn.q|k|v|z (and attn.pattern)"
+_NO_POSITIONS = "this point has no position dimension; leave positions=None"
 
 
 class Dims(Protocol):
@@ -153,6 +155,15 @@ class Selection:
         end = stop if stop is not None and stop >= 0 else seq.stop
         return torch.tensor([first <= q < end and (q - first) % step == 0 for q in seq], dtype=torch.bool)
 
+    def check_dims(self, spec: Dims) -> None:
+        """Refuse a selection naming a dim the point lacks (heads on a point without heads, positions
+        on one without positions) with `take`'s words, before any activation is seen: where the
+        activations are taken in another process (a vLLM worker), an error there would stop it."""
+        if self.heads is not None and spec.head_dim is None:
+            raise SelectionError(_NO_HEADS)
+        if self.positions is not None and spec.pos_dim is None:
+            raise SelectionError(_NO_POSITIONS)
+
     @property
     def wants_attention_mask(self) -> bool:
         """Whether `take` reads the attention mask (only "last" depends on padding)."""
@@ -207,9 +218,7 @@ class Selection:
         x, fresh = act, False
         if self.heads is not None:
             if spec.head_dim is None:
-                raise SelectionError(
-                    "this point has no head dimension: heads= works on attn.q|k|v|z (and attn.pattern)"
-                )
+                raise SelectionError(_NO_HEADS)
             head_dim = spec.head_dim % x.ndim
             x = x.index_select(head_dim, self._heads(x.shape[head_dim], x.ndim, head_dim, x.device)[0])
             fresh = True
@@ -322,9 +331,7 @@ class Selection:
                 mask = _along(keep, act.ndim, pos_dim)
         if self.heads is not None:
             if spec.head_dim is None:
-                raise SelectionError(
-                    "this point has no head dimension: heads= works on attn.q|k|v|z (and attn.pattern)"
-                )
+                raise SelectionError(_NO_HEADS)
             head_dim = spec.head_dim % act.ndim
             heads = self._heads(act.shape[head_dim], act.ndim, head_dim, act.device)[1]
             mask = heads if mask is None else mask & heads
@@ -434,7 +441,7 @@ def _index(sel: int | tuple[int, ...] | Tensor, size: int, what: str, device: to
 
 def _pos_dim(spec: Dims, x: Tensor) -> int:
     if spec.pos_dim is None:
-        raise SelectionError("this point has no position dimension; leave positions=None")
+        raise SelectionError(_NO_POSITIONS)
     return spec.pos_dim % x.ndim
 
 

@@ -49,7 +49,9 @@ def collect(  # noqa: PLR0913
     """Run the model on `inputs` and return `{point: activation}`; no layer after the last
     needed point runs. On a vLLM engine (`vllm.LLM`), `inputs` are prompts (strings or token id
     lists) and the result is one `PointDict` per prompt, each point `[n_tokens, ...]`: every token of
-    the prompt, attributed to its request (the options below are for `nn.Module`s).
+    the prompt, attributed to its request; `positions`, `heads`, `dtype` and `device` keep of it what
+    they keep of that prompt run alone (row 0 of `hs.collect` on a batch of it), positions counted in
+    the prompt (the other options are for `nn.Module`s).
 
     Args:
         model: a Hugging Face or TransformerLens model, any `nn.Module`, or a vLLM `LLM`.
@@ -80,22 +82,24 @@ def collect(  # noqa: PLR0913
         EngineError: an engine hookscope cannot read exactly, or an option it does not take yet.
         TensorParallelError: `gather=False` on a model that is not tensor-parallel, or beside
             `heads=` or `arch=`."""
-    selections = dict(positions=positions, heads=heads, token_mask=token_mask, dtype=dtype, device=device)
+    selections = dict(positions=positions, heads=heads, dtype=dtype, device=device)
     if vllm.is_llm(model):
-        given = [name for name, value in selections.items() if value is not None]
+        given = ["token_mask"] if token_mask is not None else []
         given += ["arch"] if arch is not None else []
         given += ["gather"] if not gather else []
         if given:
             raise EngineError(
-                f"hs.collect on a vLLM engine takes no {', '.join(given)} yet: it keeps every token of "
-                "every prompt; select rows from what it returns"
+                f"hs.collect on a vLLM engine takes no {', '.join(given)} yet: each prompt is its own "
+                "request (no padded batch for a token mask); select tokens with positions= (counted in "
+                "each prompt) or from the rows it returns"
             )
-        return vllm.collect(model, inputs, points)
+        return vllm.collect(model, inputs, points, **selections)
     return core_collect(
         model,
         inputs,
         points,
         **selections,
+        token_mask=token_mask,
         stop=stop,
         inference=inference,
         attention_mask=attention_mask,
@@ -259,10 +263,10 @@ def generate(
             also one list per prompt, so the requests of one batch carry different edits.
         edit_on: "prompt", "generated" or "both".
         positions: which positions to keep, counted over the whole final sequence (as
-            `hs.collect`); not on an engine.
-        heads: which heads of `attn.q|k|v|z` to keep; not on an engine.
-        dtype: the dtype kept; not on an engine.
-        device: where the kept copies go; not on an engine.
+            `hs.collect`); on an engine, each prompt's own sequence.
+        heads: which heads of `attn.q|k|v|z` to keep.
+        dtype: the dtype kept (on an engine, cast in its workers).
+        device: where the kept copies go.
         **generate_kwargs: `model.generate`'s options (`max_new_tokens`, `do_sample`, ...); on an
             engine `max_new_tokens` and `vllm.SamplingParams` options (greedy unless a
             temperature is given).
@@ -280,15 +284,10 @@ def generate(
         SelectionError: a selection or edit that cannot follow the steps (`attn.pattern`, a bad
             `edit_on`, heads on a point without heads).
         HookscopeError: a model with no `generate`, beam search, or malformed inputs.
-        EngineError: on an engine, a selection, n > 1, beam search, or an option vLLM's
-            SamplingParams lacks."""
+        EngineError: on an engine, n > 1, beam search, or an option vLLM's SamplingParams lacks."""
     selections = dict(positions=positions, heads=heads, dtype=dtype, device=device)
     if vllm.is_llm(model):
-        given = [name for name, value in selections.items() if value is not None]
-        if given:
-            raise EngineError(
-                f"hs.generate on a vLLM engine takes no {', '.join(given)} yet: it keeps every token of "
-                "every request; select rows from what it returns"
-            )
-        return generating.generate(model, inputs, points, edits=edits, edit_on=edit_on, **generate_kwargs)
+        return generating.generate(
+            model, inputs, points, edits=edits, edit_on=edit_on, **selections, **generate_kwargs
+        )
     return core_generate(model, inputs, points, edits=edits, edit_on=edit_on, **selections, **generate_kwargs)

@@ -493,6 +493,24 @@ def test_heads(gpt2, ids, gpt2_ref):
     assert hook_count(gpt2) == 0
 
 
+def test_check_dims_refuses_before_a_pass_in_takes_words(gpt2, ids):
+    """What a capture in another process (a vLLM worker) checks before it runs: the error `take`
+    raises during the pass, word for word; a selection that fits passes."""
+    from hookscope.selection import Selection
+
+    arch = arch_of(gpt2)
+    for point, options in (("blocks.1.resid_post", {"heads": [0]}), ("blocks.1.resid_post", {"heads": 1})):
+        with pytest.raises(hs.SelectionError) as during:
+            hs.collect(gpt2, ids, point, **options)
+        with pytest.raises(hs.SelectionError) as before:
+            Selection.of(**options).check_dims(arch.spec(point))
+        assert str(before.value) == str(during.value)
+    Selection.of(heads=[0], positions=[-1]).check_dims(arch.spec("blocks.1.attn.z"))
+    no_positions = type("NoPositions", (), {"pos_dim": None, "head_dim": None})()
+    with pytest.raises(hs.SelectionError, match="no position dimension"):
+        Selection.of(positions=0).check_dims(no_positions)
+
+
 def test_token_mask_keeps_rows(gpt2, ids, gpt2_ref):
     mask = torch.ones(2, 7, dtype=torch.bool)
     mask[:, 0] = False  # drop BOS

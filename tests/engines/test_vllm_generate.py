@@ -129,7 +129,6 @@ def test_an_edit_for_every_prompt_and_edit_on(llama):
         ({"use_beam_search": True}, "beam search"),
         ({"do_sample": False}, "takes no do_sample"),
         ({"max_tokens": 4}, "takes no max_tokens"),
-        ({"positions": [0]}, "takes no positions"),
         ({"edits": [[], []]}, "2 lists for 1 prompts"),
     ],
 )

@@ -91,10 +91,8 @@ def test_hooks_are_gone_after_a_capture(llama):
 
 def test_options_the_engine_cannot_take_are_refused(llama):
     _, llm = llama
-    with pytest.raises(hs.EngineError, match="takes no positions yet"):
-        hs.collect(llm, prompts()[:1], "blocks.0.resid_post", positions=[0])
-    with pytest.raises(hs.EngineError, match="takes no heads, dtype yet"):
-        hs.collect(llm, prompts()[:1], "blocks.0.attn.z", heads=[1], dtype=torch.bfloat16)
+    with pytest.raises(hs.EngineError, match="takes no arch yet"):
+        hs.collect(llm, prompts()[:1], "blocks.0.resid_post", arch=hv.check_engine(llm)[1])
     with pytest.raises(hs.EngineError, match="takes no gather yet"):
         hs.collect(llm, prompts()[:1], "blocks.0.attn.z", gather=False)
 

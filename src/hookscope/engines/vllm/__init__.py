@@ -17,13 +17,16 @@ import uuid
 from collections.abc import Sequence
 from typing import Any
 
+import torch
+
 from ...arch.base import Arch
 from ...errors import EngineError, UnknownPointError
 from ...names import canonical, is_pattern, layer_of
 from ...optional_imports import require
+from ...selection import Heads, Positions, Selection
 from . import tables
 from .batch import TAG
-from .edits import check_width, describe
+from .edits import check_width, describe, describe_selection
 from .worker import take_over
 
 # the worker extension vLLM mixes into its workers (`LLM(..., worker_extension_cls=EXTENSION)`)
@@ -154,30 +157,68 @@ def _prompts(prompts: Any) -> list:
     return out
 
 
-def collect(engine, prompts: Any, points: str | Sequence[str], *, edits: Sequence[Any] = ()) -> list:
+def collect(
+    engine,
+    prompts: Any,
+    points: str | Sequence[str],
+    *,
+    edits: Sequence[Any] = (),
+    positions: Positions = None,
+    heads: Heads = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+) -> list:
     """Each prompt's prefill activations, run together through the engine as vLLM batches them
     (continuous batching, chunked prefill): one `PointDict` per prompt, `{point: [n_tokens, ...]}`,
     equal to that prompt run alone. Prefix caching is bypassed for these requests
     (`skip_reading_prefix_cache`), so every token's forward runs and is kept. `edits`: hs.steer /
     hs.ablate / hs.patch values applied to every prompt, or one list of them per prompt.
+    `positions` (each prompt's own: 0 its first token, negative from its end, "last"), `heads` and
+    `dtype` are taken in the workers, as `hs.collect` takes them from a batch of that prompt alone
+    (its result's row 0); `device` is where the rows go from the host.
 
     Raises:
         EngineError: not a vLLM LLM, another vLLM release, no hookscope worker extension, compiled
             mode, pipeline parallelism; edits under prefix caching; rows that came back short.
-        UnknownPointError: a name the model lacks (close names listed) or one vLLM never exposes."""
+        UnknownPointError: a name the model lacks (close names listed) or one vLLM never exposes.
+        SelectionError: a selection `hs.collect` refuses; heads on a point without heads (before any
+            work); positions outside a prompt or heads outside a point (once the engine has run)."""
     from ...capture import PointDict
 
     architecture, arch = check_engine(engine)
     keys = resolve(arch, points)
+    selection = checked_selection(
+        arch, keys.values(), positions=positions, heads=heads, dtype=dtype, device=device
+    )
     requests = _prompts(prompts)
     described = describe_edits(engine, arch, edits, len(requests))
     outputs, rows = run_requests(
-        engine, architecture, requests, [{"max_tokens": 1}] * len(requests), list(keys.values()), described
+        engine,
+        architecture,
+        requests,
+        [{"max_tokens": 1}] * len(requests),
+        list(keys.values()),
+        described,
+        selection=describe_selection(selection),
     )
     return [
-        PointDict(((key, rows[i][name]) for key, name in keys.items()), arch=arch)
+        PointDict(((key, moved(rows[i][name], selection)) for key, name in keys.items()), arch=arch)
         for i in range(len(requests))
     ]
+
+
+def checked_selection(arch: Arch, names: Any, **options: Any) -> Selection:
+    """`Selection.of(**options)` (hs.collect's checks and words), and each point's dims checked
+    against it, before any work."""
+    selection = Selection.of(**options)
+    for name in names:
+        selection.check_dims(arch.spec(name))
+    return selection
+
+
+def moved(rows, selection: Selection):
+    """Rows from the workers (on the host) on the device the selection names."""
+    return rows if selection.device is None else rows.to(selection.device)
 
 
 def describe_edits(engine, arch: Arch, edits: Sequence[Any], n_prompts: int) -> dict[int, list[dict]]:
@@ -211,11 +252,13 @@ def run_requests(
     prefill_only: bool = True,
     edit_on: str = "both",
     tags: list[dict] | None = None,
+    selection: dict | None = None,
 ) -> tuple[list, dict[int, dict[str, Any]]]:
     """Run `requests` (with `SamplingParams(**options[i])`), capturing `names` on every token the
     engine runs of each (the prompt only with `prefill_only`) and applying each request's `edits`;
-    vLLM's outputs and the rows, request index -> point -> `[tokens run, ...]`. `tags`: more of each
-    request's tag for the workers."""
+    vLLM's outputs and the rows, request index -> point -> `[tokens run, ...]` (what `selection`,
+    described by `edits.describe_selection`, keeps of them: positions only on a prefill). `tags`:
+    more of each request's tag for the workers."""
     from vllm import SamplingParams
 
     run = uuid.uuid4().hex
@@ -231,7 +274,7 @@ def run_requests(
     described = {str(i): e for i, e in edits.items()}
     names = list(dict.fromkeys(names))
     engine.collective_rpc(
-        "hookscope_start", args=(architecture, names, run, prefill_only, described, edit_on)
+        "hookscope_start", args=(architecture, names, run, prefill_only, described, edit_on, selection)
     )
     try:
         outputs = engine.generate(requests, params, use_tqdm=False)

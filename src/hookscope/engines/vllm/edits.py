@@ -6,6 +6,7 @@ nothing executable crosses processes. In the worker, `RequestEdits` applies a re
 the generation code's own `StepEdit` (the edit asked, before each forward, what it writes on the
 positions this forward holds of the request: `Edit.step`), to that request's token rows only, as a
 `[1, tokens, ...]` batch of one: what Hugging Face's `hs.generate` runs for that request alone.
+A capture's `Selection` crosses the same way (`describe_selection`).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from ...edit import Ablate, Edit, Patch, Steer
 from ...errors import EngineError
 from ...generate.edits import StepEdit, check
 from ...hooks import Hook, Hooks
+from ...selection import Selection
 from . import tables
 from .batch import InPass, requests_in_pass
 
@@ -107,6 +109,23 @@ def _check_covers(patch: Patch) -> None:
 def rebuild(plain: dict) -> Edit:
     """The `Edit` a `describe` described."""
     return KINDS[plain["kind"]](**{name: _value(v) for name, v in plain["fields"].items()})
+
+
+def describe_selection(selection: Selection) -> dict | None:
+    """What a capture keeps (`Selection.of`'s positions, heads and dtype) as plain data for the
+    workers; None for everything."""
+    if selection.positions is None and selection.heads is None and selection.dtype is None:
+        return None
+    dtype = None if selection.dtype is None else str(selection.dtype).removeprefix("torch.")
+    return {"positions": _plain(selection.positions), "heads": _plain(selection.heads), "dtype": dtype}
+
+
+def rebuild_selection(plain: dict | None) -> Selection:
+    """The `Selection` a `describe_selection` described."""
+    if plain is None:
+        return Selection.of()
+    dtype = None if plain["dtype"] is None else getattr(torch, plain["dtype"])
+    return Selection.of(positions=_value(plain["positions"]), heads=_value(plain["heads"]), dtype=dtype)
 
 
 class RequestEdits:

@@ -17,7 +17,10 @@ import torch
 from ...capture import PointDict
 from ...errors import EngineError, SelectionError
 from ...generate import EDIT_ON, Generation
-from . import _prompts, check_engine, describe_edits, resolve, run_requests
+from ...selection import Heads, Positions, Selection
+from . import _prompts, check_engine, checked_selection, describe_edits, moved, resolve, run_requests
+from .edits import describe_selection
+from .worker import REQUEST_ROWS
 
 # options whose rows would not map to one request and position, and the fix
 _REFUSED = {
@@ -62,12 +65,20 @@ def generate(
     edits: Sequence[Any] = (),
     edit_on: str = "both",
     max_new_tokens: int = 16,
+    positions: Positions = None,
+    heads: Heads = None,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
     **options: Any,
 ) -> list[Generation]:
     """Generate from each prompt on the engine (its requests batched as vLLM batches them), capturing
     `points` on every prompt and generated token and applying `edits` (hs.steer / hs.ablate /
     hs.patch, for every prompt, or one list per prompt) on every token of their own request.
-    `options`: vllm.SamplingParams keywords (greedy, temperature=0, unless given).
+    `options`: vllm.SamplingParams keywords (greedy, temperature=0, unless given). `heads` and
+    `dtype` are taken in the workers; `positions` (over the whole final sequence, as Hugging Face's
+    `hs.generate` counts them) once the sequence is complete, here: counted from its end, they name
+    rows the workers cannot know while the request runs (and a request that stopped on its own gets
+    its last token from a follow-up prefill).
 
     Returns:
         list[Generation]: one per prompt, as Hugging Face's `hs.generate` returns for that prompt
@@ -85,6 +96,12 @@ def generate(
         raise EngineError(f"max_new_tokens={max_new_tokens!r}: give a whole number of tokens, 1 or more")
     architecture, arch = check_engine(engine)
     keys = resolve(arch, points) if points else {}
+    selection = checked_selection(
+        arch, keys.values(), positions=positions, heads=heads, dtype=dtype, device=device
+    )
+    # heads and dtype in the workers, positions here once each sequence is complete
+    in_workers = describe_selection(Selection.of(heads=selection.heads, dtype=selection.dtype))
+    kept = Selection.of(positions=selection.positions)
     sampling = sampling_options(options)
     requests = _prompts(prompts)
     described = describe_edits(engine, arch, edits, len(requests))
@@ -100,22 +117,28 @@ def generate(
         described,
         prefill_only=False,
         edit_on=edit_on,
+        selection=in_workers,
     )
     sequences = [
         list(out.prompt_token_ids) + list(out.outputs[0].token_ids)[:max_new_tokens] for out in outputs
     ]
     if names:
-        _run_last_tokens(engine, architecture, outputs, sequences, names, described, edit_on, rows)
+        _run_last_tokens(
+            engine, architecture, outputs, sequences, names, described, edit_on, rows, in_workers
+        )
     results = []
     for i, (out, sequence) in enumerate(zip(outputs, sequences, strict=True)):
-        activations = PointDict(((key, rows[i][name][None]) for key, name in keys.items()), arch=arch)
+        taken = {name: moved(kept.take(rows[i][name], REQUEST_ROWS, copy=False), selection) for name in names}
+        activations = PointDict(((key, taken[name][None]) for key, name in keys.items()), arch=arch)
         ids = torch.tensor([sequence])
         mask = torch.ones_like(ids, dtype=torch.bool)  # vLLM stops a request at its stop token
         results.append(Generation(ids, mask, len(out.prompt_token_ids), activations, out))
     return results
 
 
-def _run_last_tokens(engine, architecture, outputs, sequences, names, described, edit_on, rows) -> None:
+def _run_last_tokens(
+    engine, architecture, outputs, sequences, names, described, edit_on, rows, in_workers
+) -> None:
     """Cut each request's rows to its sequence, and run the last token of the requests whose engine
     never ran it (they stopped before the extra token) in one follow-up prefill (prompt + generated
     tokens, the last row kept), with their edits."""
@@ -136,6 +159,7 @@ def _run_last_tokens(engine, architecture, outputs, sequences, names, described,
         {j: described[i] for j, i in enumerate(short) if i in described},
         edit_on=edit_on,
         tags=[{"prompt_length": len(outputs[i].prompt_token_ids)} for i in short],
+        selection=in_workers,
     )
     for j, i in enumerate(short):
         for name in names:

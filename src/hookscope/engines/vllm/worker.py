@@ -25,11 +25,21 @@ import torch
 from torch import Tensor, nn
 
 from ...arch.base import ROOT
-from ...errors import EngineError
+from ...errors import EngineError, SelectionError
 from ...hooks import Hook, Hooks, hook_count
+from ...selection import Selection
 from . import sharded, tables
 from .batch import requests_in_pass
-from .edits import RequestEdits
+from .edits import RequestEdits, rebuild_selection
+
+
+class _RequestDims:
+    """The dims of one request's rows, `[tokens, ...]`, for a positions `Selection`."""
+
+    pos_dim, head_dim = 0, None
+
+
+REQUEST_ROWS = _RequestDims()
 
 
 @dataclass
@@ -47,7 +57,13 @@ class Session:
     """One capture's hooks in one worker, and the rows they filed: (request index, point) -> parts,
     one per forward that held the request, in the order they ran; and its requests' edits
     (`edits`: request index -> described edits, see edits.py), applied on every forward before any
-    point is kept."""
+    point is kept.
+
+    `selection` (edits.describe_selection): heads and dtype are taken from each forward's kept rows;
+    positions are the request's own, over its prompt (a prefill capture's): only the rows at the
+    positions they name are kept, whichever forwards hold them, and `take` puts them in the
+    selection's order. A selection that does not fit is kept as its error, for `take` to raise (an
+    error in a forward would stop the engine)."""
 
     def __init__(
         self,
@@ -59,8 +75,14 @@ class Session:
         prefill_only: bool,
         edits: dict | None = None,
         edit_on: str = "both",
+        selection: dict | None = None,
     ):
         self.runner, self.run, self.prefill_only = runner, run, prefill_only
+        asked = rebuild_selection(selection)
+        self.selection = Selection.of(heads=asked.heads, dtype=asked.dtype)  # taken from every kept row
+        self.positions = None if asked.positions is None else Selection.of(positions=asked.positions)
+        self.named: dict[int, Tensor | None] = {}  # request index -> the positions it keeps, in order
+        self.refused: list[str] = []  # what did not fit the activations or a request
         arch, self.gathered = sharded.for_rank(arch, model)  # tensor parallelism: {sharded point: dim}
         self.slots: list[_Slot] = []
         self.rows: Tensor | None = None  # this forward's kept token rows, for one index_select per point
@@ -86,11 +108,37 @@ class Session:
                 prompt = len(req.state.prompt_token_ids or ())
                 if int(pos[-1]) >= prompt:  # decode tokens in this chunk: keep the prompt's only
                     index, pos = index[pos < prompt], pos[pos < prompt]
+            if self.positions is not None:
+                index, pos = self._named_only(
+                    int(tag["index"]), len(req.state.prompt_token_ids or ()), index, pos
+                )
             if pos.numel():
                 self.slots.append(_Slot(int(tag["index"]), kept, kept + pos.numel(), pos))
                 rows.append(index)
                 kept += pos.numel()
         self.rows = torch.cat(rows) if rows else None
+
+    def _named_only(self, request: int, length: int, index: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
+        """The rows `index` (at positions `pos` of a request of `length` positions) whose positions
+        the selection names."""
+        named = self._named(request, length)
+        keep = torch.isin(pos, named) if named is not None else torch.zeros_like(pos, dtype=torch.bool)
+        return index[keep], pos[keep]
+
+    def _named(self, request: int, length: int) -> Tensor | None:
+        """The positions the selection names in a request of `length`, in its order ("last", negative
+        and slice positions read as `hs.collect` reads them); None where they do not fit it."""
+        if request not in self.named:
+            try:
+                named = self.positions.select(torch.arange(length), REQUEST_ROWS).contiguous()
+            except SelectionError as e:
+                named, why = None, str(e)
+            else:
+                why = "the positions name none of its tokens (the engine hands back no empty rows)"
+            self.named[request] = named if named is not None and named.numel() else None
+            if self.named[request] is None:
+                self.refused.append(f"prompt {request} ({length} tokens): {why}")
+        return self.named[request]
 
     def _keep(self, act: Tensor, hook: Hook) -> None:
         if self.rows is None:
@@ -101,18 +149,28 @@ class Session:
         name = hook.spec.name
         if name in self.gathered:  # this rank's columns: every rank's, whole
             kept = sharded.gather(kept, self.gathered[name])
-        kept = kept.cpu()
+        try:  # (heads counted in the whole tensor: after the gather)
+            kept = self.selection.take(kept, hook.spec, copy=False).cpu()
+        except SelectionError as e:
+            self.refused.append(f"{name}: {e}")
+            self.rows = None  # nothing more of this forward
+            return
         for slot in self.slots:
             self.parts[(slot.index, name)].append((slot.positions, kept[slot.lo : slot.hi]))
 
     def take(self, expected: dict[int, int]) -> dict[int, dict[str, list[Tensor]]]:
         """Every request's parts per point, checked whole and in order: positions 0..n-1 each exactly
-        once (`expected`: request index -> n), never silently short."""
+        once (`expected`: request index -> n), never silently short; with a positions selection, the
+        positions it names, in its order."""
+        if self.refused:
+            raise SelectionError(self.refused[0])
         out: dict[int, dict[str, list[Tensor]]] = defaultdict(dict)
         for (index, name), parts in self.parts.items():
             positions = torch.cat([p for p, _ in parts])
             n = expected.get(index)
-            if n is None or not torch.equal(positions, torch.arange(n, dtype=positions.dtype)):
+            named = self.named.get(index) if self.positions is not None else None
+            want = torch.arange(n or 0) if named is None else named.flatten().unique()  # (sorted)
+            if n is None or not torch.equal(positions, want.to(positions.dtype)):
                 got = positions.tolist()
                 raise EngineError(
                     f"request {index}, {name}: rows for positions {got[:8]}{'...' if len(got) > 8 else ''} "
@@ -121,6 +179,8 @@ class Session:
                     "enable_prefix_caching=False"
                 )
             out[index][name] = [rows for _, rows in parts]
+            if named is not None:  # the selection's order and shape (an int drops the position dim)
+                out[index][name] = [torch.cat(out[index][name])[torch.searchsorted(want, named)]]
         return dict(out)
 
     def close(self) -> None:
@@ -156,7 +216,10 @@ def hand_off(rows: dict[int, dict[str, list[Tensor]]], run: str) -> list:
 
 
 def take_over(handoff: list) -> dict[int, dict[str, Tensor]]:
-    """The caller's side: the rows read from the handoff file (one read), which is then removed."""
+    """The caller's side: the rows read from the handoff file (one read), which is then removed; a
+    selection the workers found not to fit, raised."""
+    if isinstance(handoff, dict):
+        raise SelectionError(handoff["refused"])
     path, index = handoff
     try:
         size = os.path.getsize(path)
@@ -238,9 +301,11 @@ class Extension:
         prefill_only: bool = True,
         edits: dict | None = None,
         edit_on: str = "both",
+        selection: dict | None = None,
     ) -> str:
-        """Attach a capture of `names` for the requests tagged `run`, and their `edits` (request
-        index -> edits described as plain data, edits.py); returns the model class."""
+        """Attach a capture of `names` for the requests tagged `run`, keeping what `selection` selects,
+        and their `edits` (request index -> edits described as plain data, edits.py); returns the
+        model class."""
         model = self._hookscope_model()
         expected = tables.model_class(architecture)
         if type(model).__name__ != expected:
@@ -250,7 +315,9 @@ class Extension:
             )
         sessions = self.__dict__.setdefault("_hookscope_sessions", {})
         arch = tables.table(architecture, self.model_runner.model_config.hf_config)
-        sessions[run] = Session(self.model_runner, model, arch, names, run, prefill_only, edits, edit_on)
+        sessions[run] = Session(
+            self.model_runner, model, arch, names, run, prefill_only, edits, edit_on, selection
+        )
         return type(model).__name__
 
     def hookscope_take(self, run: str, expected: dict) -> list:
@@ -260,6 +327,8 @@ class Extension:
             raise EngineError(f"no hookscope capture {run!r} in this worker")
         try:
             rows = session.take({int(k): int(v) for k, v in expected.items()})
+        except SelectionError as e:  # the caller's: raised there (an error here reaches it as any error)
+            return {"refused": str(e)}
         finally:
             session.close()
         return hand_off(rows, run) if sharded.hands_off() else None
