@@ -14,7 +14,9 @@ Three pieces of vLLM's plugin system, each given by name on the command line (`s
 - `RequestCheck`, a logits processor that changes no logits: vLLM runs its `validate_params` in the
   API server on every request, so a request naming an unknown vector or a bad scale gets HTTP 400
   before it reaches the engine.
-- The worker extension (worker.py), which adds each vector on its requests' tokens only.
+- The worker extension (worker.py), which adds each vector on its requests' tokens only, and, where
+  the operator names a store and its points, writes the prompt rows of the requests that ask
+  (`"hookscope.capture": 1`) into it (capture_store.py).
 
 The vectors file is a safetensors file: each tensor a vector, `[d_model]`, named by its tensor name,
 and the file's metadata maps that name to the point it is added at (`{"joy": "blocks.0.resid_post"}`).
@@ -31,8 +33,8 @@ from typing import Any
 import torch
 
 from ...errors import EngineError
-from . import EXTENSION, check_version, steer_call
-from .batch import STEER_KEY, TAG, steering_asked
+from . import EXTENSION, capture_store, check_version, steer_call
+from .batch import CAPTURE_ID_KEY, CAPTURE_KEY, STEER_KEY, TAG, steering_asked
 
 # vLLM's logits processor class is this module's base: without vLLM (or with another release) the
 # import stops here, naming what to install
@@ -40,16 +42,23 @@ check_version()
 from vllm.v1.sample.logits_processor import LogitsProcessor  # noqa: E402
 
 CHECK = "hookscope.engines.vllm.serve:RequestCheck"
-# vLLM's --additional-config: {"hookscope": {"vectors": path}}
+# vLLM's --additional-config: {"hookscope": {"vectors": path}}, and/or a store of captures:
+# {"hookscope": {"store": dir, "points": [...], "shard_rows": n}} (capture_store.py)
 CONFIG_KEY = "hookscope"
 ROUTE = "/hookscope/vectors"
 
 
-def serve_flags(vectors: str | Path) -> list[str]:
-    """The `vllm serve` flags hookscope needs to serve the vectors of the file `vectors` (with
-    `VLLM_PLUGINS=hookscope` in the environment)."""
+def serve_flags(
+    vectors: str | Path | None = None, *, store: str | Path | None = None, points: list[str] = (), **more: Any
+) -> list[str]:
+    """The `vllm serve` flags hookscope needs to serve the vectors of the file `vectors` and/or to
+    write the captures of the requests that ask into the store `store` at `points` (with
+    `VLLM_PLUGINS=hookscope` in the environment); `more`: other settings (`shard_rows`)."""
     import json
 
+    settings: dict[str, Any] = {"vectors": str(vectors)} if vectors is not None else {}
+    if store is not None:
+        settings.update(store=str(store), points=list(points), **more)
     return [
         "--enforce-eager",
         "--no-enable-prefix-caching",
@@ -58,7 +67,7 @@ def serve_flags(vectors: str | Path) -> list[str]:
         "--logits-processors",
         CHECK,
         "--additional-config",
-        json.dumps({CONFIG_KEY: {"vectors": str(vectors)}}),
+        json.dumps({CONFIG_KEY: settings}),
     ]
 
 
@@ -94,7 +103,8 @@ def check_request(extra: dict[str, Any] | None, known: dict[str, str]) -> None:
     server lacks, give a scale that is not a finite number, or are a hookscope key of no known shape."""
     listing = ", ".join(sorted(known)) or "none"
     for key in extra or {}:
-        if key.startswith(TAG) and key != TAG and not key.startswith(STEER_KEY):
+        ours = key in (TAG, CAPTURE_KEY, CAPTURE_ID_KEY) or key.startswith(STEER_KEY)
+        if key.startswith(TAG) and not ours:
             raise ValueError(
                 f"unknown hookscope argument {key!r}: ask for a vector with "
                 f'"{STEER_KEY}<name>": scale in vllm_xargs (this server\'s vectors: {listing})'
@@ -122,10 +132,12 @@ class RequestCheck(LogitsProcessor):
 
     # name -> point, filled at start by `Plugin.init_state` in this API server process
     known: dict[str, str] = {}
+    store: str | None = None  # where the workers write the captures requests ask for, if anywhere
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
         check_request(sampling_params.extra_args, cls.known)
+        capture_store.check_capture(sampling_params, cls.store)
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         pass
@@ -140,8 +152,9 @@ class RequestCheck(LogitsProcessor):
         pass
 
 
-def vectors_path(config) -> str:
-    """The vectors file `--additional-config` names, the flags checked first."""
+def plugin_settings(config) -> dict[str, Any]:
+    """hookscope's `--additional-config` settings (a vectors file, a store, or both), the flags
+    checked first."""
     processors = config.model_config.logits_processors or ()
     if not any(p == CHECK or p is RequestCheck for p in processors):
         raise EngineError(
@@ -149,12 +162,13 @@ def vectors_path(config) -> str:
             f"--logits-processors {CHECK} (hookscope.engines.vllm.serve.serve_flags lists every flag)"
         )
     settings = (config.additional_config or {}).get(CONFIG_KEY)
-    if not isinstance(settings, dict) or not isinstance(settings.get("vectors"), str):
+    if not isinstance(settings, dict) or not ({"vectors", "store", "points"} & set(settings)):
         raise EngineError(
-            "hookscope's plugin serves the vectors of a file: serve with "
-            f'--additional-config \'{{"{CONFIG_KEY}": {{"vectors": "vectors.safetensors"}}}}\''
+            "hookscope's plugin serves the vectors of a file and/or writes captures to a store: serve with "
+            f'--additional-config \'{{"{CONFIG_KEY}": {{"vectors": "vectors.safetensors"}}}}\' '
+            f"or {capture_store.HOW.removeprefix('serve with ')}"
         )
-    return settings["vectors"]
+    return settings
 
 
 class Plugin:
@@ -173,9 +187,15 @@ class Plugin:
         if engine_client is None:  # vLLM's render-only server: no engine, no workers
             return
         config = engine_client.vllm_config
-        path = vectors_path(config)
-        # every vector checked before the first is registered
-        calls = [steer_call(config, name, point, v) for name, (point, v) in read_vectors(path).items()]
+        settings = plugin_settings(config)
+        # every vector and the store checked before the first worker call
+        vectors = read_vectors(settings["vectors"]).items() if "vectors" in settings else ()
+        calls = [steer_call(config, name, point, v) for name, (point, v) in vectors]
+        store = capture_store.store_options(settings)
+        store_call = capture_store.store_call(config, store) if store is not None else None
         for call in calls:
             await engine_client.collective_rpc("hookscope_steer", args=call)
+        if store_call is not None:
+            await engine_client.collective_rpc("hookscope_serve_store", args=store_call)
         RequestCheck.known = {name: point for _, name, point, _ in calls}
+        RequestCheck.store = store.out if store is not None else None

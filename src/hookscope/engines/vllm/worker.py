@@ -19,6 +19,7 @@ import math
 import os
 import tempfile
 from collections import defaultdict
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -28,16 +29,17 @@ from ...arch.base import ROOT
 from ...errors import EngineError
 from ...hooks import Hook, Hooks, hook_count
 from . import sharded, tables
-from .batch import requests_in_pass
+from .batch import InPass, requests_in_pass
 from .edits import RequestEdits
 
 
 @dataclass
 class _Slot:
     """One tagged request's tokens in this forward: rows [lo, hi) of the forward's kept rows (the
-    tagged requests' rows, gathered once per point), at `positions`."""
+    tagged requests' rows, gathered once per point), at `positions`; `key`: what the capture files
+    them under (`Session.request_key`)."""
 
-    index: int
+    key: Hashable
     lo: int
     hi: int
     positions: Tensor
@@ -76,8 +78,8 @@ class Session:
         positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
         self.slots, rows, kept = [], [], 0
         for req in requests_in_pass(self.runner):
-            tag = req.tag
-            if tag.get("run") != self.run:
+            key = self.request_key(req)
+            if key is None:
                 continue  # another request (or another capture's): not ours to keep
             # a copy: `positions` is a view of the runner's buffer, which the next forward overwrites
             pos = positions[req.start : req.end].to("cpu", copy=True)
@@ -87,10 +89,15 @@ class Session:
                 if int(pos[-1]) >= prompt:  # decode tokens in this chunk: keep the prompt's only
                     index, pos = index[pos < prompt], pos[pos < prompt]
             if pos.numel():
-                self.slots.append(_Slot(int(tag["index"]), kept, kept + pos.numel(), pos))
+                self.slots.append(_Slot(key, kept, kept + pos.numel(), pos))
                 rows.append(index)
                 kept += pos.numel()
         self.rows = torch.cat(rows) if rows else None
+
+    def request_key(self, req: InPass) -> Hashable | None:
+        """What this capture files a request's rows under (its index among the capture's requests),
+        or None for a request that is not this capture's."""
+        return int(req.tag["index"]) if req.tag.get("run") == self.run else None
 
     def _keep(self, act: Tensor, hook: Hook) -> None:
         if self.rows is None:
@@ -103,28 +110,33 @@ class Session:
             kept = sharded.gather(kept, self.gathered[name])
         kept = kept.cpu()
         for slot in self.slots:
-            self.parts[(slot.index, name)].append((slot.positions, kept[slot.lo : slot.hi]))
+            self.parts[(slot.key, name)].append((slot.positions, kept[slot.lo : slot.hi]))
 
     def take(self, expected: dict[int, int]) -> dict[int, dict[str, list[Tensor]]]:
         """Every request's parts per point, checked whole and in order: positions 0..n-1 each exactly
         once (`expected`: request index -> n), never silently short."""
         out: dict[int, dict[str, list[Tensor]]] = defaultdict(dict)
         for (index, name), parts in self.parts.items():
-            positions = torch.cat([p for p, _ in parts])
-            n = expected.get(index)
-            if n is None or not torch.equal(positions, torch.arange(n, dtype=positions.dtype)):
-                got = positions.tolist()
-                raise EngineError(
-                    f"request {index}, {name}: rows for positions {got[:8]}{'...' if len(got) > 8 else ''} "
-                    f"({len(got)} rows), not 0..{(n or 0) - 1} once each in order: vLLM skipped, repeated "
-                    "or reordered tokens' forward (prefix caching, preemption); capture with "
-                    "enable_prefix_caching=False"
-                )
-            out[index][name] = [rows for _, rows in parts]
+            out[index][name] = in_order(parts, expected.get(index), f"request {index}, {name}")
         return dict(out)
 
     def close(self) -> None:
         self.hooks.remove()
+
+
+def in_order(parts: list[tuple[Tensor, Tensor]], n: int | None, what: str) -> list[Tensor]:
+    """The rows of `parts` ((positions, rows) per forward), checked whole and in order: positions
+    0..n-1 each exactly once. Raises EngineError, naming `what`, for rows that came back short."""
+    positions = torch.cat([p for p, _ in parts])
+    if n is None or not torch.equal(positions, torch.arange(n, dtype=positions.dtype)):
+        got = positions.tolist()
+        raise EngineError(
+            f"{what}: rows for positions {got[:8]}{'...' if len(got) > 8 else ''} "
+            f"({len(got)} rows), not 0..{(n or 0) - 1} once each in order: vLLM skipped, repeated "
+            "or reordered tokens' forward (prefix caching, preemption); capture with "
+            "enable_prefix_caching=False"
+        )
+    return [rows for _, rows in parts]
 
 
 # where the worker hands its rows to the caller: shared memory where the system has it (the engine's
@@ -276,6 +288,19 @@ class Extension:
             arch = tables.table(architecture, self.model_runner.model_config.hf_config)
             steering = self.__dict__["_hookscope_steering"] = Steering(self.model_runner, model, arch)
         steering.register(name, point, torch.tensor(vector))
+
+    def hookscope_serve_store(
+        self, architecture: str, names: list[str], out: str, settings: dict, shard_rows: int
+    ) -> None:
+        """Under `vllm serve`: capture `names` on the prompts of the requests that ask, into the store
+        at `out` (capture_store.py)."""
+        from .capture_store import StoreSession  # built on this module's Session
+
+        model = self._hookscope_model()
+        arch = tables.table(architecture, self.model_runner.model_config.hf_config)
+        self.__dict__["_hookscope_store"] = StoreSession.open(
+            self.model_runner, model, arch, names, out, settings, shard_rows
+        )
 
     def hookscope_stop(self, run: str) -> None:
         """Remove a capture's hooks (after an error)."""
