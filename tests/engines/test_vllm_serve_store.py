@@ -49,11 +49,12 @@ def key_of(key: str) -> int:
     return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
 
-def vllm_config(directory, *, prefix_caching=False):
+def vllm_config(directory, *, prefix_caching=False, shutdown_timeout=30):
     """The VllmConfig fields the plugin reads at start, for this checkpoint as `vllm serve` loads it."""
     from transformers import AutoConfig
 
     return types.SimpleNamespace(
+        shutdown_timeout=shutdown_timeout,
         model_config=types.SimpleNamespace(
             model=str(directory),
             hf_config=AutoConfig.from_pretrained(directory),
@@ -164,6 +165,8 @@ def test_a_store_of_other_points_is_refused_before_any_worker_call(tmp_path):
         capture_store.store_call(vllm_config(directory), other)
     with pytest.raises(hs.EngineError, match="--no-enable-prefix-caching"):
         capture_store.store_call(vllm_config(directory, prefix_caching=True), other)
+    with pytest.raises(hs.EngineError, match="--shutdown-timeout 30"):
+        capture_store.store_call(vllm_config(directory, shutdown_timeout=0), other)
 
 
 @pytest.mark.parametrize(

@@ -38,6 +38,9 @@ from .worker import Session, in_order
 
 log = logging.getLogger("hookscope")
 
+# seconds vLLM gives its processes to stop (--shutdown-timeout): the first worker's last shard is
+# written and committed in them
+SHUTDOWN_TIMEOUT = 30
 # what the server's capture is named among the worker's captures (an offline one by a uuid)
 SERVED = "served"
 HOW = (
@@ -73,14 +76,21 @@ def store_options(settings: dict[str, Any]) -> StoreOptions | None:
 
 def store_call(config, options: StoreOptions) -> tuple:
     """The arguments of the workers' `hookscope_serve_store` for a server with this `VllmConfig`:
-    plain data, checked before any worker is called (the points, prefix caching, and a store already
-    in the directory made with other settings, refused with what differs)."""
+    plain data, checked before any worker is called (the points, prefix caching, a grace period to
+    stop in, and a store already in the directory made with other settings, refused with what
+    differs)."""
     architecture, arch = check_config(config)
     if config.cache_config.enable_prefix_caching:
         # a prompt's cached tokens never run their forward, so their rows would be missing
         raise EngineError(
             "hookscope's store needs every prompt token's forward, which prefix caching skips for "
             "cached tokens: serve with --no-enable-prefix-caching"
+        )
+    if not config.shutdown_timeout:
+        # vLLM's default (0) kills the workers at once when the server stops: the last shard is lost
+        raise EngineError(
+            "hookscope's store commits its last shard when the server stops, which vLLM allows only "
+            f"with a grace period: serve with --shutdown-timeout {SHUTDOWN_TIMEOUT} (seconds)"
         )
     names = list(resolve(arch, options.points).values())
     model = config.model_config

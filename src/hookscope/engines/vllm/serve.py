@@ -68,6 +68,7 @@ def serve_flags(
         CHECK,
         "--additional-config",
         json.dumps({CONFIG_KEY: settings}),
+        *(("--shutdown-timeout", str(capture_store.SHUTDOWN_TIMEOUT)) if store is not None else ()),
     ]
 
 
