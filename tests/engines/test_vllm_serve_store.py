@@ -133,7 +133,10 @@ def test_the_store_holds_each_asking_request_s_prompt_rows_as_hugging_face_gives
     assert int(earlier.sum()) == EARLIER[1], "the rows the store held before the server started are gone"
     assert not (docs == found["plain"]).any(), "a request that did not ask has rows in the store"
     lengths = {name: len(ASKED[name][0]) for name in ("by_id", "mine")}
-    assert len(store) == EARLIER[1] + sum(lengths.values()), "the store holds rows of no request asked for"
+    want_rows = EARLIER[1] + sum(lengths.values())
+    assert len(store) == want_rows, (
+        f"{len(store)} rows, not the earlier {EARLIER[1]} and the prompts' {lengths}"
+    )
 
     hf = hf_model(served.directory)
     for name, n in lengths.items():
