@@ -71,8 +71,8 @@ def vllm_config(directory, *, prefix_caching=False, shutdown_timeout=30):
 
 def start_store(directory, out) -> None:
     """A store of the server's settings holding one earlier batch, as a server stopped before left it."""
-    options = capture_store.StoreOptions(str(out), POINTS)
-    _, names, _, settings, _ = capture_store.store_call(vllm_config(directory), options)
+    options = serve.StoreOptions(str(out), POINTS)
+    _, names, _, settings, _ = serve.store_call(vllm_config(directory), options)
     key, n = EARLIER
     rows = {name: torch.full((n, 4, 64) if name.endswith("attn.z") else (n, 256), 7.0) for name in names}
     with hs.store.ShardWriter(out, settings) as writer:
@@ -163,13 +163,13 @@ def test_a_malformed_capture_request_gets_400(served):
 def test_a_store_of_other_points_is_refused_before_any_worker_call(tmp_path):
     directory = save("llama", tmp_path / "llama", seed=4)
     start_store(directory, tmp_path / "acts")
-    other = capture_store.StoreOptions(str(tmp_path / "acts"), ["blocks.0.resid_post"])
+    other = serve.StoreOptions(str(tmp_path / "acts"), ["blocks.0.resid_post"])
     with pytest.raises(hs.StoreError, match=r"different settings:\n  points: stored"):
-        capture_store.store_call(vllm_config(directory), other)
+        serve.store_call(vllm_config(directory), other)
     with pytest.raises(hs.EngineError, match="--no-enable-prefix-caching"):
-        capture_store.store_call(vllm_config(directory, prefix_caching=True), other)
+        serve.store_call(vllm_config(directory, prefix_caching=True), other)
     with pytest.raises(hs.EngineError, match="--shutdown-timeout 30"):
-        capture_store.store_call(vllm_config(directory, shutdown_timeout=0), other)
+        serve.store_call(vllm_config(directory, shutdown_timeout=0), other)
 
 
 @pytest.mark.parametrize(
@@ -184,5 +184,5 @@ def test_a_store_of_other_points_is_refused_before_any_worker_call(tmp_path):
 def test_a_capture_the_server_cannot_write_is_refused(xargs, store, n, says):
     params = types.SimpleNamespace(extra_args=xargs, n=n)
     with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
-        capture_store.check_capture(params, store)
+        serve.check_capture(params, store)
     serve.check_request(xargs, {})  # the capture keys are hookscope's: not refused as misspelt

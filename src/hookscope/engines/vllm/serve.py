@@ -27,13 +27,16 @@ Only names, numbers and a file path cross processes or the wire: nothing executa
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from ...errors import EngineError
-from . import EXTENSION, capture_store, check_version, steer_call
+from ...loading import sha256_text
+from ...store.resume import plan_for
+from . import EXTENSION, capture_store, check_config, check_version, resolve, steer_call
 from .batch import CAPTURE_ID_KEY, CAPTURE_KEY, STEER_KEY, TAG, steering_asked
 
 # vLLM's logits processor class is this module's base: without vLLM (or with another release) the
@@ -43,9 +46,99 @@ from vllm.v1.sample.logits_processor import LogitsProcessor  # noqa: E402
 
 CHECK = "hookscope.engines.vllm.serve:RequestCheck"
 # vLLM's --additional-config: {"hookscope": {"vectors": path}}, and/or a store of captures:
-# {"hookscope": {"store": dir, "points": [...], "shard_rows": n}} (capture_store.py)
+# {"hookscope": {"store": dir, "points": [...], "shard_rows": n}} (capture_store.py, `store_call`)
 CONFIG_KEY = "hookscope"
 ROUTE = "/hookscope/vectors"
+
+STORE_HOW = (
+    'serve with --additional-config \'{"hookscope": {"store": "DIR", "points": ["blocks.1.resid_post"]}}\' '
+    '(optionally "shard_rows": N, the rows of a shard; 65536 unless given)'
+)
+
+
+@dataclass(frozen=True)
+class StoreOptions:
+    """The store part of hookscope's `--additional-config`."""
+
+    out: str
+    points: list[str]
+    shard_rows: int = 65536
+
+
+def store_options(settings: dict[str, Any]) -> StoreOptions | None:
+    """The store the operator asked for in hookscope's settings, checked; None if none."""
+    out, points, shard_rows = settings.get("store"), settings.get("points"), settings.get("shard_rows", 65536)
+    if out is None and points is None:
+        return None
+    if not isinstance(out, str) or not out:
+        raise EngineError(f"hookscope's settings give points but no store directory: {STORE_HOW}")
+    if isinstance(points, str):
+        points = [p.strip() for p in points.split(",") if p.strip()]
+    if not points or not isinstance(points, list) or not all(isinstance(p, str) for p in points):
+        raise EngineError(f"hookscope's store {out!r} needs its points, a list of names: {STORE_HOW}")
+    if isinstance(shard_rows, bool) or not isinstance(shard_rows, int) or shard_rows < 1:
+        raise EngineError(
+            f"hookscope's shard_rows must be a whole number >= 1, got {shard_rows!r}: {STORE_HOW}"
+        )
+    return StoreOptions(out, points, shard_rows)
+
+
+def store_call(config, options: StoreOptions) -> tuple:
+    """The arguments of the workers' `hookscope_serve_store` for a server with this `VllmConfig`:
+    plain data, checked before any worker is called (the points, prefix caching, a grace period to
+    stop in, and a store already in the directory made with other settings, refused with what
+    differs)."""
+    architecture, arch = check_config(config)
+    if config.cache_config.enable_prefix_caching:
+        # a prompt's cached tokens never run their forward, so their rows would be missing
+        raise EngineError(
+            "hookscope's store needs every prompt token's forward, which prefix caching skips for "
+            "cached tokens: serve with --no-enable-prefix-caching"
+        )
+    if not config.shutdown_timeout:
+        # vLLM's default (0) kills the workers at once when the server stops: the last shard is lost
+        raise EngineError(
+            "hookscope's store commits its last shard when the server stops, which vLLM allows only "
+            f"with a grace period: serve with --shutdown-timeout {capture_store.SHUTDOWN_TIMEOUT} (seconds)"
+        )
+    names = list(resolve(arch, options.points).values())
+    model = config.model_config
+    settings = {
+        "source": "vllm serve",
+        "model": model.model,
+        "model_class": architecture,
+        "config_sha256": sha256_text(model.hf_config.to_json_string(use_diff=False)),
+        "points": names,
+        "dtype": str(model.dtype).removeprefix("torch."),
+    }
+    plan_for(options.out, settings, 1)  # a store of other settings: refused here, naming what differs
+    return architecture, names, options.out, settings, options.shard_rows
+
+
+def check_capture(params, store: str | None) -> None:
+    """Raises ValueError (vLLM's HTTP 400) for a request asking for a capture this server cannot
+    write: no store, `n` > 1 (whose rows would share one prompt), a malformed flag or capture id."""
+    extra = params.extra_args or {}
+    asked = extra.get(CAPTURE_KEY)
+    if CAPTURE_KEY in extra and (isinstance(asked, float) or asked not in (0, 1)):
+        raise ValueError(f'"{CAPTURE_KEY}" is 1 (capture this request) or 0, got {asked!r}')
+    given = extra.get(CAPTURE_ID_KEY)
+    if CAPTURE_ID_KEY in extra and (not asked or not isinstance(given, str) or not given):
+        raise ValueError(
+            f'"{CAPTURE_ID_KEY}" names a captured request\'s rows: a non-empty string, with '
+            f'"{CAPTURE_KEY}": 1; got {given!r}'
+        )
+    if not asked:
+        return
+    if store is None:
+        raise ValueError(
+            f"this server writes no hookscope store, so it cannot capture a request: {STORE_HOW}"
+        )
+    if params.n > 1:
+        raise ValueError(
+            f"a captured request asks for one completion (n=1, got n={params.n}): its prompt's rows "
+            "are filed once"
+        )
 
 
 def serve_flags(
@@ -138,7 +231,7 @@ class RequestCheck(LogitsProcessor):
     @classmethod
     def validate_params(cls, sampling_params) -> None:
         check_request(sampling_params.extra_args, cls.known)
-        capture_store.check_capture(sampling_params, cls.store)
+        check_capture(sampling_params, cls.store)
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
         pass
@@ -167,7 +260,7 @@ def plugin_settings(config) -> dict[str, Any]:
         raise EngineError(
             "hookscope's plugin serves the vectors of a file and/or writes captures to a store: serve with "
             f'--additional-config \'{{"{CONFIG_KEY}": {{"vectors": "vectors.safetensors"}}}}\' '
-            f"or {capture_store.HOW.removeprefix('serve with ')}"
+            f"or {STORE_HOW.removeprefix('serve with ')}"
         )
     return settings
 
@@ -192,11 +285,11 @@ class Plugin:
         # every vector and the store checked before the first worker call
         vectors = read_vectors(settings["vectors"]).items() if "vectors" in settings else ()
         calls = [steer_call(config, name, point, v) for name, (point, v) in vectors]
-        store = capture_store.store_options(settings)
-        store_call = capture_store.store_call(config, store) if store is not None else None
+        store = store_options(settings)
+        store_args = store_call(config, store) if store is not None else None
         for call in calls:
             await engine_client.collective_rpc("hookscope_steer", args=call)
-        if store_call is not None:
-            await engine_client.collective_rpc("hookscope_serve_store", args=store_call)
+        if store_args is not None:
+            await engine_client.collective_rpc("hookscope_serve_store", args=store_args)
         RequestCheck.known = {name: point for _, name, point, _ in calls}
         RequestCheck.store = store.out if store is not None else None

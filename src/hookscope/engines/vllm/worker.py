@@ -15,6 +15,7 @@ hooks, so a captured point that is also edited is kept as edited.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
@@ -30,7 +31,10 @@ from ...errors import EngineError
 from ...hooks import Hook, Hooks, hook_count
 from . import sharded, tables
 from .batch import InPass, requests_in_pass
+from .capture_store import RequestWriter, client_id
 from .edits import RequestEdits
+
+log = logging.getLogger("hookscope")
 
 
 @dataclass
@@ -137,6 +141,69 @@ def in_order(parts: list[tuple[Tensor, Tensor]], n: int | None, what: str) -> li
             "enable_prefix_caching=False"
         )
     return [rows for _, rows in parts]
+
+
+class StoreSession(Session):
+    """Under `vllm serve`, the server's capture: the prompt rows of every request that asked
+    (`"hookscope.capture": 1`), filed by vLLM's request id and handed to the store's writer
+    (capture_store.py) once the prompt's last token has run. On ranks after the first, `writer` is
+    None: they take part in the gathers of tensor-parallel points only."""
+
+    def __init__(self, runner, model: nn.Module, arch, names: list[str], writer: RequestWriter | None):
+        super().__init__(runner, model, arch, names, "served", prefill_only=True)
+        self.names, self.writer = names, writer
+        self.asked: dict[str, tuple[str, list[int]]] = {}  # req id -> (key, prompt ids), until written
+        self.written: set[str] = set()  # of the requests the runner still holds
+        self.hooks.module_forward(ROOT, self._pass_end)
+
+    def request_key(self, req: InPass) -> Hashable | None:
+        if "capture" not in req.tag:
+            return None
+        req_id = req.state.req_id
+        if req_id in self.written:
+            return None  # its prompt run again after a preemption: its rows are in the store
+        if req_id not in self.asked:
+            key = req.tag["capture"] or client_id(req_id)
+            self.asked[req_id] = (key, list(req.state.prompt_token_ids or ()))
+        return req_id
+
+    def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        super()._pass_start(module, args, kwargs)
+        for slot in self.slots:
+            if int(slot.positions[0]) == 0:  # its first tokens (again, after a preemption): start over
+                self._drop(slot.key)
+
+    def _pass_end(self, module: nn.Module, args: tuple, output) -> None:
+        for slot in self.slots:
+            if int(slot.positions[-1]) == len(self.asked[slot.key][1]) - 1:
+                self._write(slot.key)
+        self.slots = []
+        held = self.runner.requests
+        for req_id in [r for r in self.asked if r not in held]:  # aborted before its prompt ran
+            del self.asked[req_id]
+            self._drop(req_id)
+        if self.written:
+            self.written.intersection_update(held)
+
+    def _drop(self, req_id: str) -> None:
+        for name in self.names:
+            self.parts.pop((req_id, name), None)
+
+    def _write(self, req_id: str) -> None:
+        key, prompt = self.asked.pop(req_id)
+        self.written.add(req_id)
+        try:
+            rows = {
+                name: torch.cat(
+                    in_order(self.parts.pop((req_id, name)), len(prompt), f"request {key!r}, {name}")
+                )
+                for name in self.names
+            }
+        except EngineError as e:  # the server keeps serving; the store never holds a short request
+            log.warning("hookscope: %s; its rows are not written", e)
+            return
+        if self.writer is not None:
+            self.writer.write(key, prompt, rows)
 
 
 # where the worker hands its rows to the caller: shared memory where the system has it (the engine's
@@ -294,13 +361,10 @@ class Extension:
     ) -> None:
         """Under `vllm serve`: capture `names` on the prompts of the requests that ask, into the store
         at `out` (capture_store.py)."""
-        from .capture_store import StoreSession  # built on this module's Session
-
         model = self._hookscope_model()
         arch = tables.table(architecture, self.model_runner.model_config.hf_config)
-        self.__dict__["_hookscope_store"] = StoreSession.open(
-            self.model_runner, model, arch, names, out, settings, shard_rows
-        )
+        writer = RequestWriter(out, settings, shard_rows) if sharded.hands_off() else None
+        self.__dict__["_hookscope_store"] = StoreSession(self.model_runner, model, arch, names, writer)
 
     def hookscope_stop(self, run: str) -> None:
         """Remove a capture's hooks (after an error)."""
