@@ -4,9 +4,12 @@ interrupted (Ctrl-C), run again and killed (SIGKILL), then resumed gives the sto
 uninterrupted run; a second run on a store being written is refused; what the engine path refuses,
 before any engine starts.
 
-Three engine starts (30-90 s each on a loaded CPU): one in this process, shared (given to
-`ExtractConfig(engine=llm)`, with the settings the command makes its own engine with), and one per
-command run in a child process.
+Three engines: one made here, shared (given to `ExtractConfig(engine=llm)`, with the settings the
+command makes its own engine with), and one per command run in a child process. The interrupted
+command's engine has vLLM's default layout (engine core and worker processes, which it must stop on
+Ctrl-C); the shared one and the killed command's run their engine core in their own process
+(vllm_models.IN_PROCESS: each start a fraction of the default layout's), which the resumed store,
+byte for byte the uninterrupted one, shows computes the same rows.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from gate import need
 
 vllm = need("vllm")
 
-from vllm_models import assert_close, save, shut  # noqa: E402
+from vllm_models import IN_PROCESS, assert_close, in_this_process, save, shut  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.engines import vllm as hv  # noqa: E402
@@ -68,9 +71,10 @@ def case(tmp_path_factory) -> Case:
 def llm(case):
     """The engine `--engine vllm --engine-arg max_num_seqs=4` makes (served.py's defaults), so that
     its rows are the command's."""
-    engine = hv.llm(
-        str(case.model), max_model_len=CONTEXT + 1, enable_prefix_caching=False, max_num_seqs=BATCH
-    )
+    with in_this_process():
+        engine = hv.llm(
+            str(case.model), max_model_len=CONTEXT + 1, enable_prefix_caching=False, max_num_seqs=BATCH
+        )
     yield engine
     shut(engine)
 
@@ -117,14 +121,15 @@ def test_the_store_holds_hugging_face_extractions_rows(case, reference):
             assert torch.equal(got, ref), name
 
 
-def _command(case: Case, out: Path, log: Path) -> subprocess.Popen:
-    """`hookscope extract --engine vllm` in a process group of its own (its engine's processes too)."""
+def _command(case: Case, out: Path, log: Path, env: dict | None = None) -> subprocess.Popen:
+    """`hookscope extract --engine vllm` in a process group of its own (its engine's processes too),
+    `env` added to its environment."""
     args = [
         *("extract", str(case.model), "--engine", "vllm", "--engine-arg", ENGINE_ARG, "--out", str(out)),
         *("--points", ",".join(POINTS), "--data", str(case.corpus), "--context", str(CONTEXT)),
         *("--batch-size", str(BATCH), "--dtype", "float32", "--shard-rows", str(SHARD_ROWS), "--no-progress"),
     ]
-    env = {**os.environ, "PYTHONPATH": SRC, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "PYTHONPATH": SRC, "VLLM_CPU_KVCACHE_SPACE": "1", **(env or {})}
     with log.open("w") as f:
         return subprocess.Popen(
             [sys.executable, "-m", "_hookscope_cli", *args],
@@ -170,7 +175,7 @@ def test_interrupted_then_killed_then_resumed_is_the_uninterrupted_store(case, l
     interrupted = len(hs.open_store(out))
     assert 2 * SHARD_ROWS <= interrupted < total
 
-    second = _command(case, out, log)
+    second = _command(case, out, log, env=IN_PROCESS)
     try:
         _wait_for_shards(second, out, _committed(out) + 2, log)
         # a second run on the store while this one writes: refused, nothing of it written

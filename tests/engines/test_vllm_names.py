@@ -3,10 +3,8 @@ Face capture of the same saved checkpoint (float32, to 1e-5 of the reference's l
 residual stream with vLLM's deferred add put back, q / k / v split from the fused qkv_proj, the
 gate / up halves of gate_up_proj, the norms' normalized inputs computed on the fused sum.
 
-One engine per family (module-scoped) with the engine core in this process
-(VLLM_ENABLE_V1_MULTIPROCESSING=0: an engine starts in ~3 s instead of ~15 s, which keeps the vllm
-environment's run short); the worker is still reached by name through LLM.collective_rpc, as in
-vLLM's default layout, which test_vllm_requests.py runs.
+One engine per family (module-scoped) with the engine core in this process (vllm_models.IN_PROCESS:
+an engine starts in ~3 s instead of ~15 s, which keeps the vllm environment's run short).
 """
 
 from __future__ import annotations
@@ -26,17 +24,10 @@ from hookscope.engines import vllm as hv  # noqa: E402
 PROMPTS = [[3, 17, 250, 9, 41], list(range(20, 57))]
 
 
-@pytest.fixture(scope="module")
-def in_process():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        yield
-
-
 @pytest.fixture(scope="module", params=list(FAMILIES))
-def family(request, tmp_path_factory, in_process):
+def family(request, tmp_path_factory):
     directory = save(request.param, tmp_path_factory.mktemp(request.param))
-    llm = engine(directory)
+    llm = engine(directory, in_process=True)
     yield request.param, directory, llm
     shut(llm)
 
@@ -86,10 +77,10 @@ def test_an_architecture_without_a_table_is_refused_with_the_reason():
 
 
 @pytest.fixture(scope="module")
-def gpt2_for_edits(tmp_path_factory, in_process):
+def gpt2_for_edits(tmp_path_factory):
     """GPT-2 keeps its residual inside the block, as Hugging Face's does; edits refuse prefix caching."""
     directory = save("gpt2", tmp_path_factory.mktemp("gpt2-edits"))
-    llm = engine(directory, enable_prefix_caching=False)
+    llm = engine(directory, in_process=True, enable_prefix_caching=False)
     yield directory, llm
     shut(llm)
 

@@ -12,7 +12,7 @@ from gate import need
 
 need("vllm")
 
-from vllm_models import assert_close, engine, hf_model, save, shut  # noqa: E402
+from vllm_models import assert_close, engine, hf_model, save, shut, through_the_serializer  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.engines import vllm as hv  # noqa: E402
@@ -23,9 +23,10 @@ POINT, SCALE, STEERED = "blocks.0.resid_post", 3.0, (1, 5)
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     directory = save("llama", tmp_path_factory.mktemp("llama"), seed=3)
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        llm = engine(directory, enable_prefix_caching=False, max_num_batched_tokens=64, max_num_seqs=8)
+    llm = engine(
+        directory, in_process=True, enable_prefix_caching=False, max_num_batched_tokens=64, max_num_seqs=8
+    )
+    through_the_serializer(llm)  # the vector crosses vLLM's RPC as in the default layout
     yield directory, llm
     shut(llm)
 

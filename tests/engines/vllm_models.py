@@ -8,9 +8,11 @@ of exactly 1 would make ln2.normalized equal mlp.in and hide a wrong table entry
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
+import pytest
 import torch
 
 from hookscope.testing import train_tokenizer
@@ -78,11 +80,46 @@ def save(case: str, directory: Path, seed: int = 0) -> Path:
     return directory
 
 
-def engine(directory: Path, **kwargs):
-    """A vLLM engine hookscope can read (hookscope.engines.vllm.llm), small and seeded."""
+# vLLM's engine core and worker in the process that makes the engine (read when it is made): no
+# process spawned and no second and third import of vLLM and torch, the largest part of an engine's
+# start on a CPU. The worker is still reached by name through LLM.collective_rpc and the rows still
+# come back through the handoff file. vLLM's default layout (engine core and worker processes) is what
+# test_vllm_requests.py, the served extraction's interrupted command, the server and docs/served.md run.
+IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+
+
+@contextlib.contextmanager
+def in_this_process():
+    """Engines made inside start in this process (IN_PROCESS)."""
+    with pytest.MonkeyPatch.context() as patch:
+        for key, value in IN_PROCESS.items():
+            patch.setenv(key, value)
+        yield
+
+
+def engine(directory: Path, *, in_process: bool = False, **kwargs):
+    """A vLLM engine hookscope can read (hookscope.engines.vllm.llm), small and seeded; `in_process`:
+    its engine core and worker in this process (IN_PROCESS)."""
     from hookscope.engines import vllm as hv
 
-    return hv.llm(str(directory), max_model_len=512, seed=0, **kwargs)
+    with in_this_process() if in_process else contextlib.nullcontext():
+        return hv.llm(str(directory), max_model_len=512, seed=0, **kwargs)
+
+
+def through_the_serializer(llm) -> None:
+    """An engine in this process whose `collective_rpc` sends its arguments and results through the
+    msgpack serializer that carries them between the caller and the engine core in vLLM's default
+    layout: what hookscope hands its workers (edits, steering vectors) must come through it whole."""
+    from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+    encoder, decoder = MsgpackEncoder(), MsgpackDecoder()
+    call = llm.collective_rpc
+
+    def collective_rpc(method, timeout=None, args=(), kwargs=None):
+        args, kwargs = decoder.decode(encoder.encode((args, kwargs or {})))
+        return decoder.decode(encoder.encode(call(method, timeout=timeout, args=tuple(args), kwargs=kwargs)))
+
+    llm.collective_rpc = collective_rpc
 
 
 def shut(llm) -> None:
