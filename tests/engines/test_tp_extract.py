@@ -1,34 +1,36 @@
-"""`hookscope extract --tp N` under torchrun (gloo on the CPU): TP=2 (2 processes) and TP=2 x DP=2
-(4 processes) against one unsharded process's extraction of the same corpus, in float32; a rank
-killed mid-run and the run resumed, with another data-parallel width and with another TP width.
+"""`hookscope extract --tp N` in ranks with torchrun's environment (gloo on the CPU): TP=2 (2
+processes) and TP=2 x DP=2 (4 processes) against one unsharded process's extraction of the same
+corpus, in float32; a rank killed mid-run and the run resumed, with another data-parallel width
+and with another TP width.
 
 Tolerance against the unsharded process: atol 1e-6, rtol 1e-5 (the differences seen are <= 1e-7:
 the all-reduce sums the ranks' halves in another order than one matmul, so the rows are not
 bit-equal to it). Between runs of the same TP width they are bit-equal: the deal does not change
 what a batch computes.
+
+The ranks are children of the fork server with torchrun's environment for their rank
+(tests/kit/forkserver.py, `call_ranks`: the first that fails gets the others killed, as torchrun
+does); tests/engines/test_tensor_parallel.py launches torchrun itself.
 """
 
 from __future__ import annotations
 
-import os
 import random
-import subprocess
-import sys
+import signal
 from pathlib import Path
 
 import pytest
 import torch
-from elastic_kit import assert_same_rows_as, in_batch_order, torchrun_command
+from elastic_kit import RUN_CLI, assert_same_rows_as, in_batch_order, run_ranks
+from forkserver import ForkServer
 
 import hookscope as hs
 from hookscope.extract import ExtractConfig, extract
 from hookscope.store import open_store
 from hookscope.testing import save_tiny
 
-HERE = Path(__file__).parent
 POINTS = ["blocks.1.attn.z", "blocks.1.mlp.post", "blocks.2.resid_post"]  # two sharded, one whole
 TOL = {"atol": 1e-6, "rtol": 1e-5}
-ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.fixture(scope="module")
@@ -65,26 +67,33 @@ def cli(paths: dict[str, Path], out: Path, tp: int) -> list[str]:
     return args + ["--shard-rows", "32", "--no-progress"] + (["--tp", str(tp)] if tp > 1 else [])
 
 
-def launch(nproc: int, program: list[str], ok: bool = True) -> None:
-    cmd = [*torchrun_command(nproc), *program] if nproc > 1 else [sys.executable, *program]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=400, env=ENV)
-    assert (done.returncode == 0) == ok, done.stdout[-2000:] + done.stderr[-4000:]
+@pytest.fixture(scope="module")
+def server() -> ForkServer:
+    return ForkServer.shared()
 
 
-def extract_under_torchrun(paths: dict[str, Path], name: str, nproc: int, tp: int) -> Path:
+def extract_in_ranks(server: ForkServer, paths: dict[str, Path], name: str, nproc: int, tp: int) -> Path:
     out = paths["root"] / name
-    launch(nproc, ["-m", "hookscope.cli", *cli(paths, out, tp)])
+    run_ranks(server, nproc, cli(paths, out, tp))
     return out
 
 
-@pytest.fixture(scope="module")
-def tp2(setup) -> Path:
-    return extract_under_torchrun(setup, "tp2", 2, tp=2)
+def kill_one_rank(server: ForkServer, nproc: int, kill_rank: int, kill_at: str, args: list[str]) -> None:
+    """`hookscope args...` on `nproc` ranks, rank `kill_rank` SIGKILLed at `kill_at`."""
+    ranks = server.call_ranks(
+        nproc, "tp_extract_worker:run_rank", kill_rank=kill_rank, kill_at=kill_at, args=args
+    )
+    assert ranks[kill_rank].status == -signal.SIGKILL, [r.log[-3000:] for r in ranks]
 
 
 @pytest.fixture(scope="module")
-def tp2_dp2(setup) -> Path:
-    return extract_under_torchrun(setup, "tp2_dp2", 4, tp=2)
+def tp2(setup, server) -> Path:
+    return extract_in_ranks(server, setup, "tp2", 2, tp=2)
+
+
+@pytest.fixture(scope="module")
+def tp2_dp2(setup, server) -> Path:
+    return extract_in_ranks(server, setup, "tp2_dp2", 4, tp=2)
 
 
 def assert_rows_close(got_path: Path, want_path: Path) -> None:
@@ -101,7 +110,7 @@ def assert_rows_close(got_path: Path, want_path: Path) -> None:
         torch.testing.assert_close(got[name], want[name], **TOL, msg=lambda m, n=name: f"{n}: {m}")
 
 
-@pytest.mark.slow  # torchrun: 2 or 4 processes, each loading the model
+@pytest.mark.slow  # 2 or 4 ranks, each loading the model
 def test_tp2_rows_equal_one_unsharded_process(setup, tp2):
     assert_rows_close(tp2, setup["reference"])
     m = open_store(tp2).manifest
@@ -110,7 +119,7 @@ def test_tp2_rows_equal_one_unsharded_process(setup, tp2):
     assert not list(tp2.glob("manifest.rank*"))
 
 
-@pytest.mark.slow  # torchrun: 2 or 4 processes, each loading the model
+@pytest.mark.slow  # 2 or 4 ranks, each loading the model
 def test_tp2_dp2_rows_equal_one_unsharded_process(setup, tp2, tp2_dp2):
     assert_rows_close(tp2_dp2, setup["reference"])
     m = open_store(tp2_dp2).manifest
@@ -123,27 +132,27 @@ def test_tp2_dp2_rows_equal_one_unsharded_process(setup, tp2, tp2_dp2):
         assert torch.equal(a[name].view(torch.uint8), b[name].view(torch.uint8)), name
 
 
-@pytest.mark.slow  # torchrun: 2 or 4 processes, each loading the model
-def test_a_writer_killed_under_tp2_dp2_resumed_with_one_group(setup, tp2):
-    """Rank 2 (the second group's writer) SIGKILLed after its second shard's commit; torchrun stops
-    the rest. Resumed with 2 processes (one group: another data-parallel width), the batches not
-    committed are dealt again: the store is the uninterrupted TP=2 run's, bit for bit."""
+@pytest.mark.slow  # 2 or 4 ranks, each loading the model
+def test_a_writer_killed_under_tp2_dp2_resumed_with_one_group(setup, tp2, server):
+    """Rank 2 (the second group's writer) SIGKILLed after its second shard's commit; the rest are
+    stopped, as torchrun stops them. Resumed with 2 processes (one group: another data-parallel
+    width), the batches not committed are dealt again: the store is the uninterrupted TP=2 run's,
+    bit for bit."""
     out = setup["root"] / "killed_dp"
-    worker = [str(HERE / "tp_extract_worker.py"), "2", "manifest-replace:3:after", *cli(setup, out, 2)]
-    launch(4, worker, ok=False)
-    launch(2, ["-m", "hookscope.cli", *cli(setup, out, 2)])
+    kill_one_rank(server, 4, 2, "manifest-replace:3:after", cli(setup, out, 2))
+    run_ranks(server, 2, cli(setup, out, 2))
     assert_same_rows_as(out, tp2, first=2, then=1)
 
 
-@pytest.mark.slow  # torchrun: 2 or 4 processes, each loading the model
-def test_a_resume_with_another_tp_width_is_allowed(setup, tp2):
+@pytest.mark.slow  # 2 or 4 ranks, each loading the model
+def test_a_resume_with_another_tp_width_is_allowed(setup, tp2, server):
     """TP=2, its second rank SIGKILLed mid-forward; resumed by one plain process (no --tp): the rows
     committed before the kill stay as TP=2 wrote them, the rest are the unsharded process's."""
     out = setup["root"] / "killed_tp"
-    worker = [str(HERE / "tp_extract_worker.py"), "1", "forward:700", *cli(setup, out, 2)]
-    launch(2, worker, ok=False)
+    kill_one_rank(server, 2, 1, "forward:700", cli(setup, out, 2))
     kept = len(open_store(out))  # one writer writes in batch order: these are the first rows
-    launch(1, ["-m", "hookscope.cli", *cli(setup, out, 1)])
+    plain = server.call(RUN_CLI, args=cli(setup, out, 1), signal_name="KILL", kill_at="never")
+    assert plain.status == 0 and plain.result["code"] == 0, plain.log[-3000:]
     got = in_batch_order(open_store(out, verify=True))
     sharded, unsharded = in_batch_order(open_store(tp2)), in_batch_order(open_store(setup["reference"]))
     assert 0 < kept < len(got["token_ids"]) == len(unsharded["token_ids"])

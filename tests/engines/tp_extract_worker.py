@@ -1,24 +1,16 @@
-"""One torchrun rank of tests/engines/test_tp_extract.py's kill tests: `hookscope ARGS...` on every
-rank, and on rank KILL_RANK alone a real SIGKILL at KILL_AT (a site of tests/kit/kill_driver.py);
-torchrun then tears the other ranks down, as it would after a crash or an OOM kill.
-
-    python tp_extract_worker.py KILL_RANK KILL_AT HOOKSCOPE_ARGS...
-"""
+"""One rank of tests/engines/test_tp_extract.py's kill tests, a child of the fork server with
+torchrun's environment (tests/kit/forkserver.py, `call_ranks`): `hookscope ARGS...` on every rank,
+and on rank KILL_RANK alone a real SIGKILL at KILL_AT (a site of tests/kit/kill_driver.py); the
+server then kills the other ranks, as torchrun tears them down after a crash or an OOM kill."""
 
 from __future__ import annotations
 
 import os
-import sys
-from pathlib import Path
+from typing import Any
 
-sys.path.insert(0, str(Path(__file__).parents[1] / "kit"))  # a torchrun child: not on pytest's path
+import kill_driver
 
-import kill_driver  # noqa: E402
 
-from hookscope.cli import main  # noqa: E402
-
-if __name__ == "__main__":
-    kill_rank, kill_at, *args = sys.argv[1:]
-    if os.environ["RANK"] == kill_rank:
-        kill_driver.arm(kill_at)
-    sys.exit(main(args))
+def run_rank(kill_rank: int, kill_at: str, args: list[str]) -> dict[str, Any]:
+    armed = kill_at if os.environ["RANK"] == str(kill_rank) else "never"
+    return kill_driver.run_cli(args, "KILL", armed)

@@ -248,13 +248,14 @@ KILLS = {
 }
 
 
-@pytest.mark.parametrize("moment", list(KILLS))
-@pytest.mark.slow
-def test_a_kill_at_any_moment_resumes_byte_identically(moment, tiny_dirs, corpus, server, tmp_path):
-    config = extract_config(tiny_dirs["gpt2"], corpus, tmp_path / "ref", max_memory=LIMIT)
-    reference = server.call(RUN, config=config, kill_at="count")
-    assert reference.status == 0, reference.log[-3000:]
-    counts = reference.result["counts"]
+@pytest.fixture(scope="module")
+def reference(tiny_dirs, corpus, server, tmp_path_factory) -> tuple[dict, Path, dict[str, int], int]:
+    """The uninterrupted streamed run every kill's resume is compared with: its config, its store,
+    its events counted (to place the kills) and the plan's batches per chunk. One run for all."""
+    out = tmp_path_factory.mktemp("stream-kills") / "ref"
+    config = extract_config(tiny_dirs["gpt2"], corpus, out, max_memory=LIMIT)
+    run = server.call(RUN, config=config, kill_at="count")
+    assert run.status == 0, run.log[-3000:]
     chunk = streamer_for(
         hs.load(str(tiny_dirs["gpt2"]), device="meta"),
         POINTS,
@@ -263,6 +264,13 @@ def test_a_kill_at_any_moment_resumes_byte_identically(moment, tiny_dirs, corpus
         context=32,
         dtype=torch.bfloat16,
     ).plan.chunk_batches
+    return config, out, run.result["counts"], chunk
+
+
+@pytest.mark.parametrize("moment", list(KILLS))
+@pytest.mark.slow
+def test_a_kill_at_any_moment_resumes_byte_identically(moment, reference, server, tmp_path):
+    config, ref, counts, chunk = reference
     assert 2 <= chunk and counts["batch"] > 3 * chunk  # several chunks of several batches
     site, at = KILLS[moment].split(":")
     # chunks of batches 1..chunk, chunk+1..2*chunk...: the second chunk's first goes to the writer
@@ -273,5 +281,5 @@ def test_a_kill_at_any_moment_resumes_byte_identically(moment, tiny_dirs, corpus
     assert killed.status == -died_of, killed.log[-3000:]
     resumed = server.call(RUN, config={**config, "out": str(out)})
     assert resumed.status == 0, resumed.log[-3000:]
-    diff = compare_stores(out, tmp_path / "ref")
+    diff = compare_stores(out, ref)
     assert diff == {**diff, "rows_lost": 0, "rows_duplicated": 0, "same_values": True, "same_files": True}

@@ -6,16 +6,15 @@ converted as the in-memory load converts them; blocks that differ fall back to t
 from __future__ import annotations
 
 import json
-import os
 import platform
+import re
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 from faultkit import compare_stores, extract_config, write_corpus
+from forkserver import ForkServer
 from safetensors.torch import load_file
 
 import hookscope as hs
@@ -25,8 +24,6 @@ from hookscope.loading.block_buffers import data_ranges
 from hookscope.loading.embedding_rows import embedding_rows_for
 from hookscope.loading.safetensors_reads import safetensors_index
 from hookscope.testing import save_tiny
-
-SRC = Path(hs.__file__).parent.parent
 
 SAME = {"rows_lost": 0, "rows_duplicated": 0, "same_values": True, "same_files": True}
 
@@ -142,37 +139,55 @@ def test_converted_blocks_and_embeddings_hold_what_from_pretrained_gives(tiny_di
     assert embedding_rows_for(fresh, stored.get, "cuda") is None
 
 
-_FREED_PROBE = """
-import contextlib, re, sys
-import torch
-import hookscope as hs
-from hookscope.loading import parse_size, streamer_for
+def _anon() -> int:
+    """The process's resident anonymous memory (RssAnon), in bytes."""
+    status = Path("/proc/self/status").read_text()
+    return int(re.search(r"^RssAnon:\s+(\d+)", status, re.M).group(1)) * 1024
 
-def anon():
-    return int(re.search(r"^RssAnon:\\s+(\\d+)", open("/proc/self/status").read(), re.M).group(1)) * 1024
 
-def kept_after_free(module, args):
-    # 8 tensors of 2 MiB made and freed, a small one made after them: what the process still holds
-    before = anon()
-    made = [torch.ones(2 * 2**20, dtype=torch.uint8) for _ in range(8)]
-    later = torch.ones(16, dtype=torch.uint8)
-    del made
-    print((anon() - before) / 2**20, flush=True)
+def kept_after_free_probe(model_dir: str, mode: str) -> float:
+    """Run in a fork-server child: MiB still held after 8 tensors of 2 MiB are made and freed (a
+    small one made after them), inside a streamed block's forward or, with mode "plain", in a
+    process that neither loads on `meta` nor streams."""
+    kept: list[float] = []
 
-big = torch.ones(16 * 2**20, dtype=torch.uint8)  # freed: glibc's sliding threshold rises to 16 MiB
-del big
-if sys.argv[2] == "streaming":
-    loaded = hs.load(sys.argv[1], device="meta")
-    layers = loaded.model.model.layers
-    streamer = streamer_for(loaded, ["blocks.1.resid_post"], parse_size("700KB"), batch_size=2, context=16,
-                            dtype=torch.float32)
-    layers[1].register_forward_pre_hook(kept_after_free)
-    ids = torch.randint(3, 100, (2, 16))
-    streamer.run_chunk([{"input_ids": ids, "attention_mask": torch.ones_like(ids)}], [None])
-    streamer.close()
-else:
-    kept_after_free(None, None)
-"""
+    def kept_after_free(module=None, args=None) -> None:
+        before = _anon()
+        made = [torch.ones(2 * 2**20, dtype=torch.uint8) for _ in range(8)]
+        later = torch.ones(16, dtype=torch.uint8)
+        del made
+        kept.append((_anon() - before) / 2**20)
+        del later
+
+    big = torch.ones(16 * 2**20, dtype=torch.uint8)  # freed: glibc's sliding threshold rises to 16 MiB
+    del big
+    if mode == "streaming":
+        loaded = hs.load(model_dir, device="meta")
+        streamer = streamer_for(
+            loaded,
+            ["blocks.1.resid_post"],
+            parse_size("700KB"),
+            batch_size=2,
+            context=16,
+            dtype=torch.float32,
+        )
+        loaded.model.model.layers[1].register_forward_pre_hook(kept_after_free)
+        ids = torch.randint(3, 100, (2, 16))
+        streamer.run_chunk([{"input_ids": ids, "attention_mask": torch.ones_like(ids)}], [None])
+        streamer.close()
+    else:
+        kept_after_free()
+    return kept[-1]
+
+
+@pytest.fixture(scope="module")
+def fresh_server():
+    """A fork server of this module's own: its children start from a process that has imported
+    torch and hookscope and done nothing else, as a fresh Python would (the shared server's heap
+    holds what other tests warmed it with), without a Python start-up per probe."""
+    server = ForkServer()
+    yield server
+    server.close()
 
 
 @pytest.mark.skipif(
@@ -180,24 +195,20 @@ else:
     reason="glibc's allocator and Linux's /proc",
 )
 @pytest.mark.slow
-def test_inside_a_streamed_block_freed_tensors_go_back_to_the_system(tiny_dirs):
+def test_inside_a_streamed_block_freed_tensors_go_back_to_the_system(tiny_dirs, fresh_server):
     """In a fresh process whose heap would keep them (glibc's threshold slid up by a freed 16 MiB
     tensor), 16 MiB of tensors made and freed inside a streamed block's forward leave the resident
     anonymous memory as it was; the same in a process that neither loads on `meta` nor streams stays
     resident (the premise). Rejects a meta load + streamer that leave glibc's sliding threshold
-    (the heap then holds what a pass frees, as measured before)."""
+    (the heap then holds what a pass frees, as measured before). Each process is a child of a
+    fork server that has done nothing but its imports."""
 
     def kept(mode: str) -> float:
-        env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-        out = subprocess.run(
-            [sys.executable, "-c", _FREED_PROBE, str(tiny_dirs["llama"]), mode],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
+        reply = fresh_server.call(
+            "test_stream_buffers:kept_after_free_probe", model_dir=str(tiny_dirs["llama"]), mode=mode
         )
-        assert out.returncode == 0, out.stderr[-2000:]
-        return float(out.stdout.split()[-1])
+        assert reply.status == 0, reply.log[-2000:]
+        return reply.result
 
     assert kept("plain") > 12
     assert kept("streaming") < 2
@@ -246,65 +257,61 @@ def _streamed_against_in_memory(model_dir: Path, points: list[str], limit: str, 
     return compare_stores(tmp_path / "streamed", tmp_path / "memory")
 
 
-_HELD_PROBE = """
-import re, sys
-import torch
-import hookscope as hs
-from hookscope.loading import streamer_for
+def held_probe(model_dir: str, blocks: int) -> tuple[bool, float]:
+    """Run in a fork-server child: whether the streamer reads ahead with room for `blocks` blocks
+    (and the weights outside the blocks and a chunk), and the most anonymous memory it holds inside
+    a block's forward above the process after its `meta` load, in blocks."""
+    loaded = hs.load(model_dir, device="meta")
+    layers = loaded.model.model.layers
+    block = sum(p.numel() * p.element_size() for p in layers[0].parameters())
+    outside = sum(
+        p.numel() * p.element_size() for n, p in loaded.model.named_parameters() if ".layers." not in n
+    )
+    before = _anon()
+    limit = outside + blocks * block + 2**20
+    streamer = streamer_for(
+        loaded, ["blocks.3.resid_post"], limit, batch_size=2, context=16, dtype=torch.float32
+    )
+    inside = []
+    for layer in layers:
+        layer.register_forward_pre_hook(lambda module, args: inside.append(_anon()))
+    ids = torch.randint(3, 100, (2, 16))
+    for _ in range(2):
+        streamer.run_chunk([{"input_ids": ids, "attention_mask": torch.ones_like(ids)}], [None])
+    streamer.close()
+    return streamer.plan.read_ahead, (max(inside) - before) / block
 
-def anon():
-    return int(re.search(r"^RssAnon:\\s+(\\d+)", open("/proc/self/status").read(), re.M).group(1)) * 1024
 
-loaded = hs.load(sys.argv[1], device="meta")
-layers = loaded.model.model.layers
-block = sum(p.numel() * p.element_size() for p in layers[0].parameters())
-outside = sum(p.numel() * p.element_size() for n, p in loaded.model.named_parameters() if ".layers." not in n)
-before = anon()
-# room for the weights outside the blocks, argv[2] blocks (2: the next one is read ahead) and a chunk
-streamer = streamer_for(loaded, ["blocks.3.resid_post"], outside + int(sys.argv[2]) * block + 2**20,
-                        batch_size=2, context=16, dtype=torch.float32)
-inside = []
-for layer in layers:
-    layer.register_forward_pre_hook(lambda module, args: inside.append(anon()))
-ids = torch.randint(3, 100, (2, 16))
-for _ in range(2):
-    streamer.run_chunk([{"input_ids": ids, "attention_mask": torch.ones_like(ids)}], [None])
-streamer.close()
-print(streamer.plan.read_ahead, (max(inside) - before) / block)
-"""
+@pytest.fixture(scope="module")
+def wide_llama(tmp_path_factory) -> dict[bool, Path]:
+    """convert -> a 4-block Llama whose blocks are large beside the process's own noise (16 MiB in
+    float32), saved once: in float32, and the same weights with a config asking bfloat16."""
+    root = tmp_path_factory.mktemp("wide-llama")
+    model_dir = save_tiny("llama", root / "llama", d_model=512, d_mlp=2048, n_layers=4, n_heads=8, context=64)
+    return {False: model_dir, True: _converting_copy(model_dir, root / "bf16")}
 
 
 @pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="Linux's /proc")
 @pytest.mark.parametrize("convert", [False, True], ids=["float32", "float32 computed in bfloat16"])
 @pytest.mark.slow
-def test_reading_ahead_holds_a_second_block_only_where_the_read_converts(tmp_path, convert):
-    """Fresh processes: the anonymous memory (RssAnon, read from /proc) inside every streamed
-    block's forward, above the process after its `meta` load, in blocks, with room for one block
-    (no read-ahead) and for two (the next one read ahead). A float32 checkpoint computed in float32
-    holds the same either way (the next block waits in the page cache, copied in as it starts); a
-    converted one holds one block more (converted in the spare slot while this one computes).
-    Rejects a second slot where reading ahead is only a copy, and a read-ahead that holds nothing
-    where it converts; the one-block run holding at least a block is the premise that RssAnon sees
-    the weights."""
-    model_dir = save_tiny(
-        "llama", tmp_path / "llama", d_model=512, d_mlp=2048, n_layers=4, n_heads=8, context=64
-    )
-    if convert:
-        model_dir = _converting_copy(model_dir, tmp_path / "bf16")
-    env = {**os.environ, "PYTHONPATH": f"{SRC}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+def test_reading_ahead_holds_a_second_block_only_where_the_read_converts(wide_llama, fresh_server, convert):
+    """Fresh processes (fork-server children): the anonymous memory (RssAnon, read from /proc) inside
+    every streamed block's forward, above the process after its `meta` load, in blocks, with room
+    for one block (no read-ahead) and for two (the next one read ahead). A float32 checkpoint
+    computed in float32 holds the same either way (the next block waits in the page cache, copied
+    in as it starts); a converted one holds one block more (converted in the spare slot while this
+    one computes). Rejects a second slot where reading ahead is only a copy, and a read-ahead that
+    holds nothing where it converts; the one-block run holding at least a block is the premise that
+    RssAnon sees the weights."""
 
     def held(blocks: int) -> float:
-        out = subprocess.run(
-            [sys.executable, "-c", _HELD_PROBE, str(model_dir), str(blocks)],
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
+        reply = fresh_server.call(
+            "test_stream_buffers:held_probe", model_dir=str(wide_llama[convert]), blocks=blocks
         )
-        assert out.returncode == 0, out.stderr[-2000:]
-        read_ahead, held_blocks = out.stdout.split()[-2:]
-        assert read_ahead == str(blocks == 2)
-        return float(held_blocks)
+        assert reply.status == 0, reply.log[-2000:]
+        read_ahead, held_blocks = reply.result
+        assert read_ahead == (blocks == 2)
+        return held_blocks
 
     one, two = held(1), held(2)
     assert 1 <= one < 1.9
