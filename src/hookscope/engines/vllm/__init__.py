@@ -19,11 +19,11 @@ from typing import Any
 
 from ...arch.base import Arch
 from ...errors import EngineError, UnknownPointError
-from ...names import canonical, is_pattern, layer_of
+from ...names import canonical, is_pattern
 from ...optional_imports import require
 from . import tables
 from .batch import TAG
-from .edits import check_width, describe
+from .edits import check_width, check_writable, describe
 from .worker import take_over
 
 # the worker extension vLLM mixes into its workers (`LLM(..., worker_extension_cls=EXTENSION)`)
@@ -110,9 +110,9 @@ def resolve(arch: Arch, points: str | Sequence[str]) -> dict[str, str]:
     for name in raw:
         name = name.strip()
         point = canonical(name)
-        suffix = point.split(".", 2)[-1] if layer_of(point) is not None else point
-        if not is_pattern(point) and suffix in tables.REFUSED:
-            raise UnknownPointError(f"{name!r} is not readable on vLLM: {tables.REFUSED[suffix]}")
+        why = None if is_pattern(point) else tables.refusal(arch, point)
+        if why:
+            raise UnknownPointError(f"{name!r} is not readable on vLLM: {why}")
         specs = arch.resolve(name)
         if is_pattern(point):
             out.update((s.name, s.name) for s in specs if s.name not in out.values())
@@ -277,6 +277,7 @@ def steer_call(config, name: str, point: str, vector) -> tuple:
     refuse_prefix_caching(config, "steering")
     architecture, arch = check_config(config)
     (point,) = resolve(arch, point).values()
+    check_writable(arch.spec(point))
     values = vector.detach().to("cpu").flatten().tolist() if hasattr(vector, "detach") else list(vector)
     check_width(arch, point, len(values))
     return architecture, name, point, values

@@ -1,0 +1,109 @@
+"""Mixture-of-experts families on vLLM (Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE): every point of
+hookscope's vLLM table equal to hookscope's Hugging Face capture of the same saved checkpoint
+(float32, to 1e-5 of the reference's largest value): the dense points as on Llama, the router's
+logits, Qwen2-MoE's shared expert, the routed experts' sum and the MoE block's output. Every
+Hugging Face MLP point the table lacks (routing weights and indices, per-expert rows, hidden
+activations and outputs: inside vLLM's fused MoE kernel) is refused by name, saying why and what
+to use instead.
+
+One engine per family (module-scoped), the engine core in this process, as in test_vllm_names.py;
+prefix caching off, so that edits can run.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from gate import need
+
+need("vllm")
+
+from vllm_models import MOE_FAMILIES, assert_close, engine, hf_model, save, shut  # noqa: E402
+
+import hookscope as hs  # noqa: E402
+from hookscope.arch import arch_of  # noqa: E402
+from hookscope.engines import vllm as hv  # noqa: E402
+
+PROMPTS = [[3, 17, 250, 9, 41], list(range(20, 57))]
+
+
+@pytest.fixture(scope="module")
+def in_process():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        yield
+
+
+@pytest.fixture(scope="module", params=list(MOE_FAMILIES))
+def family(request, tmp_path_factory, in_process):
+    directory = save(request.param, tmp_path_factory.mktemp(request.param))
+    llm = engine(directory, enable_prefix_caching=False)
+    yield request.param, directory, llm, hf_model(directory)
+    shut(llm)
+
+
+def _reference(hf, prompt: list[int], names: list[str]) -> dict[str, torch.Tensor]:
+    """Hugging Face's capture of one prompt, one row per token: router and expert points are
+    already [tokens, ...] (the flattened batch of one), the others [1, tokens, ...]."""
+    want = hs.collect(hf, torch.tensor([prompt]), names)
+    flat = {n for n in names if arch_of(hf).specs[n].pos_dim is None}
+    return {n: want[n] if n in flat else want[n][0] for n in names}
+
+
+def test_every_point_equals_the_hugging_face_capture(family):
+    case, _, llm, hf = family
+    names = [p.name for p in hs.points(llm)]
+    for suffix in ("mlp.in", "mlp.router.logits", "mlp.out", "resid_post"):
+        assert f"blocks.1.{suffix}" in names, f"{case}: no blocks.1.{suffix}"
+    assert ("blocks.1.mlp.shared.out" in names) == (case == "qwen2_moe")
+    hf_names = set(arch_of(hf).specs)
+    assert set(names) <= hf_names, f"{case}: names Hugging Face lacks: {set(names) - hf_names}"
+    got = hs.collect(llm, PROMPTS, names)
+    for prompt, rows in zip(PROMPTS, got, strict=True):
+        want = _reference(hf, prompt, names)
+        for name in names:
+            assert_close(rows[name], want[name], f"{case} {name} ({len(prompt)} tokens)")
+    # the routing is not degenerate: the long prompt's tokens do not all go to the same two experts
+    chosen = got[1]["blocks.0.mlp.router.logits"].topk(2, dim=-1).indices
+    assert len({tuple(sorted(row)) for row in chosen.tolist()}) > 1
+
+
+def test_every_mlp_point_inside_the_fused_kernel_is_refused_by_name(family):
+    case, _, llm, hf = family
+    names = {p.name for p in hs.points(llm)}
+    hidden = sorted(n for n in arch_of(hf).specs if ".mlp." in n and n not in names)
+    assert "blocks.0.mlp.experts.3.out" in hidden and "blocks.1.mlp.router.weights" in hidden
+    for name in hidden:
+        why = "never materialises" if ".experts." in name else "top-k"
+        with pytest.raises(hs.UnknownPointError, match=f"not readable on vLLM: .*{why}.*Hugging Face model"):
+            hs.collect(llm, PROMPTS, name)
+    assert ("blocks.0.mlp.experts.out" in hidden) == (case == "qwen2_moe")
+
+
+def test_the_router_logits_cannot_be_written(family):
+    """vLLM routes on the logits its gate returns, Hugging Face's router has routed already: a write
+    would mean two things, so it is refused before any work."""
+    _, _, llm, _ = family
+    edit = hs.steer("blocks.0.mlp.router.logits", torch.ones(4))
+    with pytest.raises(hs.EngineError, match="cannot be written on vLLM: vLLM routes on the logits"):
+        hv.collect(llm, PROMPTS, "blocks.1.resid_post", edits=[edit])
+
+
+def test_an_ablation_of_the_shared_expert_equals_a_hand_written_hook(family):
+    """A write through the table into the shared expert's down_proj output, against a plain
+    forward hook on Hugging Face's shared expert module returning zeros."""
+    case, _, llm, hf = family
+    if case != "qwen2_moe":
+        pytest.skip("only Qwen2-MoE has a shared expert")
+    points = ["blocks.0.mlp.out", "blocks.1.resid_post"]
+    got = hv.collect(llm, PROMPTS, points, edits=[hs.ablate("blocks.0.mlp.shared.out")])
+    handle = hf.model.layers[0].mlp.shared_expert.register_forward_hook(
+        lambda m, a, out: torch.zeros_like(out)
+    )
+    try:
+        for prompt, rows in zip(PROMPTS, got, strict=True):
+            want = _reference(hf, prompt, points)
+            for name in points:
+                assert_close(rows[name], want[name], f"{case} ablated {name} ({len(prompt)} tokens)")
+    finally:
+        handle.remove()
