@@ -7,7 +7,8 @@ activations and outputs: inside vLLM's fused MoE kernel) is refused by name, say
 to use instead.
 
 One engine per family (module-scoped), the engine core in this process, as in test_vllm_names.py;
-prefix caching off, so that edits can run.
+prefix caching off, so that edits can run (`ENGINE`). scripts/mutate-tables --vllm runs these tests
+against wrong tables.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hookscope.arch import arch_of  # noqa: E402
 from hookscope.engines import vllm as hv  # noqa: E402
 
 PROMPTS = [[3, 17, 250, 9, 41], list(range(20, 57))]
+ENGINE = {"enable_prefix_caching": False}  # the engine's settings (the mutation runner's too)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +39,8 @@ def in_process():
 @pytest.fixture(scope="module", params=list(MOE_FAMILIES))
 def family(request, tmp_path_factory, in_process):
     directory = save(request.param, tmp_path_factory.mktemp(request.param))
-    llm = engine(directory, enable_prefix_caching=False)
-    yield request.param, directory, llm, hf_model(directory)
+    llm = engine(directory, **ENGINE)
+    yield request.param, directory, llm
     shut(llm)
 
 
@@ -51,7 +53,8 @@ def _reference(hf, prompt: list[int], names: list[str]) -> dict[str, torch.Tenso
 
 
 def test_every_point_equals_the_hugging_face_capture(family):
-    case, _, llm, hf = family
+    case, directory, llm = family
+    hf = hf_model(directory)
     names = [p.name for p in hs.points(llm)]
     for suffix in ("mlp.in", "mlp.router.logits", "mlp.out", "resid_post"):
         assert f"blocks.1.{suffix}" in names, f"{case}: no blocks.1.{suffix}"
@@ -69,12 +72,19 @@ def test_every_point_equals_the_hugging_face_capture(family):
 
 
 def test_every_mlp_point_inside_the_fused_kernel_is_refused_by_name(family):
-    case, _, llm, hf = family
+    case, directory, llm = family
+    hf = hf_model(directory)
     names = {p.name for p in hs.points(llm)}
     hidden = sorted(n for n in arch_of(hf).specs if ".mlp." in n and n not in names)
     assert "blocks.0.mlp.experts.3.out" in hidden and "blocks.1.mlp.router.weights" in hidden
     for name in hidden:
-        why = "never materialises" if ".experts." in name else "top-k"
+        why = (
+            "top-k"
+            if ".router." in name
+            else "adds the shared expert's output"
+            if name.endswith("mlp.experts.out")
+            else "never materialises"
+        )
         with pytest.raises(hs.UnknownPointError, match=f"not readable on vLLM: .*{why}.*Hugging Face model"):
             hs.collect(llm, PROMPTS, name)
     assert ("blocks.0.mlp.experts.out" in hidden) == (case == "qwen2_moe")
@@ -83,27 +93,30 @@ def test_every_mlp_point_inside_the_fused_kernel_is_refused_by_name(family):
 def test_the_router_logits_cannot_be_written(family):
     """vLLM routes on the logits its gate returns, Hugging Face's router has routed already: a write
     would mean two things, so it is refused before any work."""
-    _, _, llm, _ = family
+    _, _, llm = family
     edit = hs.steer("blocks.0.mlp.router.logits", torch.ones(4))
     with pytest.raises(hs.EngineError, match="cannot be written on vLLM: vLLM routes on the logits"):
         hv.collect(llm, PROMPTS, "blocks.1.resid_post", edits=[edit])
 
 
-def test_an_ablation_of_the_shared_expert_equals_a_hand_written_hook(family):
-    """A write through the table into the shared expert's down_proj output, against a plain
-    forward hook on Hugging Face's shared expert module returning zeros."""
-    case, _, llm, hf = family
-    if case != "qwen2_moe":
-        pytest.skip("only Qwen2-MoE has a shared expert")
+def test_an_ablation_inside_the_moe_block_equals_a_hand_written_hook(family):
+    """A write through the table (Qwen2-MoE: the shared expert's down_proj output; the others: the
+    fused experts' output), against a plain forward hook returning zeros on Hugging Face's module
+    of the same meaning."""
+    case, directory, llm = family
+    hf = hf_model(directory)
+    point, module = (
+        ("mlp.shared.out", "shared_expert") if case == "qwen2_moe" else ("mlp.experts.out", "experts")
+    )
     points = ["blocks.0.mlp.out", "blocks.1.resid_post"]
-    got = hv.collect(llm, PROMPTS, points, edits=[hs.ablate("blocks.0.mlp.shared.out")])
-    handle = hf.model.layers[0].mlp.shared_expert.register_forward_hook(
+    got = hv.collect(llm, PROMPTS, points, edits=[hs.ablate(f"blocks.0.{point}")])
+    zero = getattr(hf.model.layers[0].mlp, module).register_forward_hook(
         lambda m, a, out: torch.zeros_like(out)
     )
     try:
         for prompt, rows in zip(PROMPTS, got, strict=True):
             want = _reference(hf, prompt, points)
             for name in points:
-                assert_close(rows[name], want[name], f"{case} ablated {name} ({len(prompt)} tokens)")
+                assert_close(rows[name], want[name], f"{case} {point} ablated: {name} ({len(prompt)} tokens)")
     finally:
-        handle.remove()
+        zero.remove()
