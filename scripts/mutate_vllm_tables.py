@@ -11,7 +11,7 @@ capture starts, so wrapping that function here swaps the table in the worker too
 mutant costs a few captures, not an engine start. A mutant the tests miss is checked for
 equivalence (the wrong place holds the same tensors on that engine): those are listed apart.
 
-    scripts/mutate-tables --vllm [FAMILY ...] [--rules GLOB ...]
+    scripts/mutate-tables --vllm [FAMILY ...] [--rules GLOB ...] [--points GLOB ...]
                         (default: every family of tests/engines/vllm_models.py, MoE ones included,
                          every rule)
 """
@@ -257,13 +257,18 @@ def equivalent(mutation: Mutation, llm) -> bool:
 
 
 def run(
-    family: str, directory: Path, rules: list[str]
+    family: str, directory: Path, rules: list[str], points: list[str]
 ) -> tuple[collections.Counter, int, list[str], list[str]]:
     """Counts of caught mutations by what caught them, the number tried, survivors, equivalents."""
     suite = SUITES[family]
     llm = vllm_models.engine(directory, **suite.engine)
     try:
-        found = [m for m in mutations(family, llm) if any(fnmatch.fnmatch(m.rule, r) for r in rules)]
+        found = [
+            m
+            for m in mutations(family, llm)
+            if any(fnmatch.fnmatch(m.rule, r) for r in rules)
+            and any(fnmatch.fnmatch(m.key, p) for p in points)
+        ]
         for test in suite.tests:  # the table as it is passes, or no mutant's failure would mean anything
             test((family, directory, llm))
         by: collections.Counter = collections.Counter()
@@ -294,6 +299,12 @@ def main() -> int:
         default=["*"],
         help="only mutations whose rule matches one of these globs (e.g. 'view:*' io layer-1)",
     )
+    parser.add_argument(
+        "--points",
+        nargs="+",
+        default=["*"],
+        help="only mutations of the entries whose name matches one of these globs (e.g. 'blocks.*.mlp.*')",
+    )
     args = parser.parse_args()
     overall: collections.Counter = collections.Counter()
     total = 0
@@ -301,7 +312,7 @@ def main() -> int:
         for family in args.families or list(SUITES):
             start = time.perf_counter()
             directory = vllm_models.save(family, Path(tmp) / family)
-            by, n, survivors, same = run(family, directory, args.rules)
+            by, n, survivors, same = run(family, directory, args.rules, args.points)
             overall, total = overall + by, total + n
             mutate_tables.report(
                 f"{family:8s}", by, n, survivors, same, f"{time.perf_counter() - start:.0f} s", HOW

@@ -13,13 +13,15 @@ against wrong tables.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from gate import need
 
 need("vllm")
 
-from vllm_models import MOE_FAMILIES, assert_close, engine, hf_model, save, shut  # noqa: E402
+from vllm_models import MOE_FAMILIES, assert_close, config, engine, hf_model, save, shut  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.arch import arch_of  # noqa: E402
@@ -120,3 +122,29 @@ def test_an_ablation_inside_the_moe_block_equals_a_hand_written_hook(family):
                 assert_close(rows[name], want[name], f"{case} {point} ablated: {name} ({len(prompt)} tokens)")
     finally:
         zero.remove()
+
+
+def _hf_config(case: str, **overrides):
+    kind, family_overrides = MOE_FAMILIES[case]
+    hf = config(kind, 512, {**family_overrides, **overrides})
+    hf.architectures = [type(hf).__name__.removesuffix("Config") + "ForCausalLM"]
+    return hf
+
+
+def test_a_tensor_parallel_moe_engine_is_refused_before_any_work():
+    engine_config = SimpleNamespace(
+        parallel_config=SimpleNamespace(
+            worker_extension_cls=hv.EXTENSION, pipeline_parallel_size=1, tensor_parallel_size=2
+        ),
+        model_config=SimpleNamespace(enforce_eager=True, hf_config=_hf_config("qwen2_moe")),
+    )
+    with pytest.raises(hs.EngineError, match="Qwen2MoeForCausalLM on a tensor-parallel engine.*=1"):
+        hv.check_config(engine_config)
+    engine_config.parallel_config.tensor_parallel_size = 1
+    assert hv.check_config(engine_config)[0] == "Qwen2MoeForCausalLM"
+
+
+def test_a_model_with_dense_layers_is_refused_with_the_layers():
+    hf = _hf_config("qwen2_moe", mlp_only_layers=[1])
+    with pytest.raises(hs.EngineError, match=r"dense MLP layers \[1\].*hs\.load\(path\)"):
+        hv.tables.table(hf.architectures[0], hf)

@@ -99,7 +99,15 @@ def check_config(config) -> tuple[str, Arch]:
         )
     hf = config.model_config.hf_config
     architecture = (getattr(hf, "architectures", None) or [type(hf).__name__])[0]
-    return architecture, tables.table(architecture, hf)
+    arch = tables.table(architecture, hf)
+    if config.parallel_config.tensor_parallel_size > 1 and tables.is_moe(arch):
+        # each rank runs its slice of every expert; Qwen2-MoE's shared expert output is each rank's
+        # partial sum until the fused MoE layer reduces it with the routed experts'
+        raise EngineError(
+            f"{architecture} on a tensor-parallel engine: hookscope's mixture-of-experts tables on vLLM "
+            "are checked with tensor_parallel_size=1 only; make the LLM with tensor_parallel_size=1"
+        )
+    return architecture, arch
 
 
 def resolve(arch: Arch, points: str | Sequence[str]) -> dict[str, str]:

@@ -403,6 +403,11 @@ def table(architecture: str, config) -> Arch:
     return arch
 
 
+def is_moe(arch: Arch) -> bool:
+    """Whether the table is a mixture-of-experts family's (`moe_like`)."""
+    return arch.family.removeprefix("vllm:") in moe.MODEL_TYPES
+
+
 def refusal(arch: Arch, point: str) -> str | None:
     """Why vLLM never gives `point` (a canonical name) on this table's model; None where the table
     has it or nothing says why not."""
@@ -411,7 +416,7 @@ def refusal(arch: Arch, point: str) -> str | None:
     suffix = point.split(".", 2)[-1] if layer_of(point) is not None else point
     if suffix in REFUSED:
         return REFUSED[suffix]
-    if arch.family.removeprefix("vllm:") in moe.MODEL_TYPES:
+    if is_moe(arch):
         return MOE_REFUSED.get(re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.{E}.", suffix))
     return None
 
