@@ -9,7 +9,9 @@ as `hidden` with a zero residual, which the next fused add turns back into the s
 
 q / k / v come out of one fused `qkv_proj` (split by sizes: grouped-query k / v are narrower), the
 gate and up projections out of one `gate_up_proj` (split in halves). Activations are
-`[tokens, ...]`: the tokens of every request in the forward, flattened (`POS_DIM`).
+`[tokens, ...]`: the tokens of every request in the forward, flattened (`POS_DIM`). The
+mixture-of-experts families (`moe_like`) name what vLLM keeps apart from its fused MoE kernel and
+refuse by name what it never materialises (`MOE_REFUSED`).
 """
 
 from __future__ import annotations
