@@ -4,7 +4,9 @@ hookscope's vLLM table equal to hookscope's Hugging Face capture of the same sav
 logits, Qwen2-MoE's shared expert, the routed experts' sum and the MoE block's output. Every
 Hugging Face MLP point the table lacks (routing weights and indices, per-expert rows, hidden
 activations and outputs: inside vLLM's fused MoE kernel) is refused by name, saying why and what
-to use instead.
+to use instead. An ablation inside the MoE block equals a hand-written Hugging Face hook; a write to
+the router's logits, a tensor-parallel MoE engine and a model with dense layers are refused before
+any work.
 
 One engine per family (module-scoped), the engine core in this process, as in test_vllm_names.py;
 prefix caching off, so that edits can run (`ENGINE`). scripts/mutate-tables --vllm runs these tests
