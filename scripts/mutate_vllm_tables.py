@@ -2,8 +2,8 @@
 entry pointed at a plausible wrong place (mutate_tables.py's rules: the other side of its module, a
 neighbouring module, the parent, a child, the layer before) or read through a wrong view (the
 fused residual not put back, q / k / v split one head off, the gate and up halves swapped, the
-norm's centring flipped, the heads laid out wrong), and tests/engines/test_vllm_names.py's tests
-run against each.
+norm's centring flipped, the heads laid out wrong), and the family's tests run against each:
+tests/engines/test_vllm_names.py's, test_vllm_moe.py's for the mixture-of-experts families.
 
 One engine per family for the whole run, with the engine core and its worker in this process
 (VLLM_ENABLE_V1_MULTIPROCESSING=0): the worker builds its table through `tables.table` when a
@@ -11,8 +11,9 @@ capture starts, so wrapping that function here swaps the table in the worker too
 mutant costs a few captures, not an engine start. A mutant the tests miss is checked for
 equivalence (the wrong place holds the same tensors on that engine): those are listed apart.
 
-    scripts/mutate-tables --vllm [FAMILY ...] [--rules GLOB ...]
-                        (default: every family of tests/engines/vllm_models.py, every rule)
+    scripts/mutate-tables --vllm [FAMILY ...] [--rules GLOB ...] [--points GLOB ...]
+                        (default: every family of tests/engines/vllm_models.py, MoE ones included,
+                         every rule)
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ sys.path[:0] = [str(ROOT / "src"), str(ROOT / "tests" / "kit"), str(ROOT / "test
 os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the worker in this process: its table is ours to swap
 
 import mutate_tables  # noqa: E402  (the module rules: where an entry may wrongly point)
+import test_vllm_moe  # noqa: E402
 import test_vllm_names  # noqa: E402
 import torch  # noqa: E402
 import vllm_models  # noqa: E402
@@ -201,20 +203,36 @@ def mutations(family: str, llm) -> list[Mutation]:
 
 # --- running the tests against a mutant ----------------------------------------------------------
 
-# test_vllm_names.py's tests that take an engine (its `family` fixture), called directly: pytest's
-# start-up and a fresh engine per mutant would dominate
-TESTS = [
-    f
-    for name, f in vars(test_vllm_names).items()
-    if name.startswith("test_") and "family" in inspect.signature(f).parameters
-]
+
+def _tests(module) -> list:
+    """A test module's tests that take an engine (its `family` fixture), called directly: pytest's
+    start-up and a fresh engine per mutant would dominate."""
+    return [
+        f
+        for name, f in vars(module).items()
+        if name.startswith("test_") and "family" in inspect.signature(f).parameters
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class Suite:
+    """The tests a family's table is held to, their prompts and their engine's settings."""
+
+    tests: list
+    prompts: list
+    engine: dict
+
+
+_NAMES = Suite(_tests(test_vllm_names), test_vllm_names.PROMPTS, {})
+_MOE = Suite(_tests(test_vllm_moe), test_vllm_moe.PROMPTS, test_vllm_moe.ENGINE)
+SUITES = {**dict.fromkeys(vllm_models.FAMILIES, _NAMES), **dict.fromkeys(vllm_models.MOE_FAMILIES, _MOE)}
 
 
 def caught(mutation: Mutation, engine_case: tuple) -> str | None:
     """ "test" (a test's assertion failed), "error" (the wrong entry made hookscope or the
     engine raise), "equivalent" (the same tensors at the wrong place), or None (a survivor)."""
     with applied(mutation):
-        for test in TESTS:
+        for test in SUITES[mutation.family].tests:
             try:
                 test(engine_case)
             except AssertionError:
@@ -227,9 +245,10 @@ def caught(mutation: Mutation, engine_case: tuple) -> str | None:
 def equivalent(mutation: Mutation, llm) -> bool:
     _, arch = hv.check_engine(llm)
     names = [n for n in arch.names if mutate_tables.key_of(n) == mutation.key]
-    right = hs.collect(llm, test_vllm_names.PROMPTS, names)
+    prompts = SUITES[mutation.family].prompts
+    right = hs.collect(llm, prompts, names)
     with applied(mutation):  # the tests' own captures of these names ran, so this one runs too
-        wrong = hs.collect(llm, test_vllm_names.PROMPTS, names)
+        wrong = hs.collect(llm, prompts, names)
     return all(
         r[n].shape == w[n].shape and torch.equal(r[n], w[n])
         for r, w in zip(right, wrong, strict=True)
@@ -238,13 +257,19 @@ def equivalent(mutation: Mutation, llm) -> bool:
 
 
 def run(
-    family: str, directory: Path, rules: list[str]
+    family: str, directory: Path, rules: list[str], points: list[str]
 ) -> tuple[collections.Counter, int, list[str], list[str]]:
     """Counts of caught mutations by what caught them, the number tried, survivors, equivalents."""
-    llm = vllm_models.engine(directory)
+    suite = SUITES[family]
+    llm = vllm_models.engine(directory, **suite.engine)
     try:
-        found = [m for m in mutations(family, llm) if any(fnmatch.fnmatch(m.rule, r) for r in rules)]
-        for test in TESTS:  # the table as it is passes, or no mutant's failure would mean anything
+        found = [
+            m
+            for m in mutations(family, llm)
+            if any(fnmatch.fnmatch(m.rule, r) for r in rules)
+            and any(fnmatch.fnmatch(m.key, p) for p in points)
+        ]
+        for test in suite.tests:  # the table as it is passes, or no mutant's failure would mean anything
             test((family, directory, llm))
         by: collections.Counter = collections.Counter()
         survivors, same = [], []
@@ -252,7 +277,7 @@ def run(
             how = caught(mutation, (family, directory, llm))
             if how == "error":  # raised inside a forward: the engine's scheduler is left broken
                 vllm_models.shut(llm)
-                llm = vllm_models.engine(directory)
+                llm = vllm_models.engine(directory, **suite.engine)
             if how in (None, "equivalent"):
                 (same if how else survivors).append(str(mutation))
                 tqdm.write(f"    {how or 'SURVIVED'} {mutation}")  # as found: a long run may be cut short
@@ -265,21 +290,29 @@ def run(
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("families", nargs="*", help="cases of vllm_models.FAMILIES (default: all)")
+    parser.add_argument(
+        "families", nargs="*", help="cases of vllm_models.FAMILIES / MOE_FAMILIES (default: all)"
+    )
     parser.add_argument(
         "--rules",
         nargs="+",
         default=["*"],
         help="only mutations whose rule matches one of these globs (e.g. 'view:*' io layer-1)",
     )
+    parser.add_argument(
+        "--points",
+        nargs="+",
+        default=["*"],
+        help="only mutations of the entries whose name matches one of these globs (e.g. 'blocks.*.mlp.*')",
+    )
     args = parser.parse_args()
     overall: collections.Counter = collections.Counter()
     total = 0
     with tempfile.TemporaryDirectory(prefix="hookscope-mutate-vllm-") as tmp:
-        for family in args.families or list(vllm_models.FAMILIES):
+        for family in args.families or list(SUITES):
             start = time.perf_counter()
             directory = vllm_models.save(family, Path(tmp) / family)
-            by, n, survivors, same = run(family, directory, args.rules)
+            by, n, survivors, same = run(family, directory, args.rules, args.points)
             overall, total = overall + by, total + n
             mutate_tables.report(
                 f"{family:8s}", by, n, survivors, same, f"{time.perf_counter() - start:.0f} s", HOW

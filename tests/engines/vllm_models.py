@@ -35,6 +35,24 @@ FAMILIES = {
     "gemma3": ("gemma3_text", {}),
     "gpt2": ("gpt2", {}),
 }
+# mixture-of-experts cases (test_vllm_moe.py): 4 experts, 2 per token; Qwen2-MoE with its shared expert
+MOE_FAMILIES = {
+    "mixtral": ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2}),
+    "qwen2_moe": (
+        "qwen2_moe",
+        {
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": D_MODEL // 2,
+            "shared_expert_intermediate_size": D_MODEL,
+        },
+    ),
+    "qwen3_moe": (
+        "qwen3_moe",
+        {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": D_MODEL // 2},
+    ),
+    "olmoe": ("olmoe", {"num_experts": 4, "num_experts_per_tok": 2}),
+}
 
 # a small KV cache (GiB): the default asks for a quarter of the machine
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -68,7 +86,7 @@ def save(case: str, directory: Path, seed: int = 0) -> Path:
     """The case's tiny checkpoint and tokenizer in `directory`."""
     from transformers import AutoModelForCausalLM
 
-    kind, overrides = FAMILIES[case]
+    kind, overrides = {**FAMILIES, **MOE_FAMILIES}[case]
     tok = train_tokenizer(512)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config(kind, len(tok), overrides)).eval()

@@ -21,12 +21,12 @@ import torch
 
 from ...arch.base import Arch
 from ...errors import EngineError, UnknownPointError
-from ...names import canonical, is_pattern, layer_of
+from ...names import canonical, is_pattern
 from ...optional_imports import require
 from ...selection import Heads, Positions, Selection
 from . import tables
 from .batch import TAG
-from .edits import check_width, describe, describe_selection
+from .edits import check_width, check_writable, describe, describe_selection
 from .worker import take_over
 
 # the worker extension vLLM mixes into its workers (`LLM(..., worker_extension_cls=EXTENSION)`)
@@ -102,7 +102,15 @@ def check_config(config) -> tuple[str, Arch]:
         )
     hf = config.model_config.hf_config
     architecture = (getattr(hf, "architectures", None) or [type(hf).__name__])[0]
-    return architecture, tables.table(architecture, hf)
+    arch = tables.table(architecture, hf)
+    if config.parallel_config.tensor_parallel_size > 1 and tables.is_moe(arch):
+        # each rank runs its slice of every expert; Qwen2-MoE's shared expert output is each rank's
+        # partial sum until the fused MoE layer reduces it with the routed experts'
+        raise EngineError(
+            f"{architecture} on a tensor-parallel engine: hookscope's mixture-of-experts tables on vLLM "
+            "are checked with tensor_parallel_size=1 only; make the LLM with tensor_parallel_size=1"
+        )
+    return architecture, arch
 
 
 def resolve(arch: Arch, points: str | Sequence[str]) -> dict[str, str]:
@@ -113,9 +121,9 @@ def resolve(arch: Arch, points: str | Sequence[str]) -> dict[str, str]:
     for name in raw:
         name = name.strip()
         point = canonical(name)
-        suffix = point.split(".", 2)[-1] if layer_of(point) is not None else point
-        if not is_pattern(point) and suffix in tables.REFUSED:
-            raise UnknownPointError(f"{name!r} is not readable on vLLM: {tables.REFUSED[suffix]}")
+        why = None if is_pattern(point) else tables.refusal(arch, point)
+        if why:
+            raise UnknownPointError(f"{name!r} is not readable on vLLM: {why}")
         specs = arch.resolve(name)
         if is_pattern(point):
             out.update((s.name, s.name) for s in specs if s.name not in out.values())
@@ -320,6 +328,7 @@ def steer_call(config, name: str, point: str, vector) -> tuple:
     refuse_prefix_caching(config, "steering")
     architecture, arch = check_config(config)
     (point,) = resolve(arch, point).values()
+    check_writable(arch.spec(point))
     values = vector.detach().to("cpu").flatten().tolist() if hasattr(vector, "detach") else list(vector)
     check_width(arch, point, len(values))
     return architecture, name, point, values

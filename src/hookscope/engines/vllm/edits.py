@@ -65,8 +65,7 @@ def describe(edit: Any, arch: Arch) -> dict:
         raise EngineError(
             f"{kind} edits do not run on a vLLM engine: edits= there takes hs.steer, hs.ablate and hs.patch"
         )
-    if tables.read_only(spec):
-        raise EngineError(f"{spec.name} is computed from its module's input on vLLM and cannot be written")
+    check_writable(spec)
     if isinstance(edit, Steer):
         check_width(arch, spec.name, edit.vector.numel())
     if isinstance(edit, Patch):
@@ -82,6 +81,13 @@ def describe(edit: Any, arch: Arch) -> dict:
         fields["source"] = edit.source.unsqueeze(0)  # the batch of one the worker edits
     fields["point"] = spec.name
     return {"kind": kind, "fields": {name: _plain(v) for name, v in fields.items()}}
+
+
+def check_writable(spec) -> None:
+    """A point vLLM's table marks read-only is refused, saying why, before any worker is called."""
+    why = tables.read_only(spec)
+    if why:
+        raise EngineError(f"{spec.name} cannot be written on vLLM: {why}")
 
 
 def check_width(arch: Arch, point: str, n: int) -> None:

@@ -9,18 +9,23 @@ as `hidden` with a zero residual, which the next fused add turns back into the s
 
 q / k / v come out of one fused `qkv_proj` (split by sizes: grouped-query k / v are narrower), the
 gate and up projections out of one `gate_up_proj` (split in halves). Activations are
-`[tokens, ...]`: the tokens of every request in the forward, flattened (`POS_DIM`).
+`[tokens, ...]`: the tokens of every request in the forward, flattened (`POS_DIM`). The
+mixture-of-experts families (`moe_like`) name what vLLM keeps apart from its fused MoE kernel and
+refuse by name what it never materialises (`MOE_REFUSED`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import torch
 from torch import Tensor
 
+from ...arch import moe
 from ...arch.base import Arch, Call, View, build, fused_heads, heads, sum_of
 from ...errors import EngineError
+from ...names import layer_of
 
 POS_DIM = 0  # vLLM's activations have no batch dim: [num_tokens, ...]
 
@@ -64,11 +69,21 @@ STREAM_OUT = View(
 )
 
 
-def _read_only(raw, new: Tensor):
-    raise EngineError(
-        "ln1.normalized / ln2.normalized / ln_final.normalized are computed from the norm's input and "
-        "cannot be written: edit attn.in / mlp.in or the residual stream (resid_pre / resid_mid) instead"
-    )
+def refused_write(why: str):
+    """A view's `put` for a point that cannot be written on vLLM, `why` checked before any work
+    (`read_only`)."""
+
+    def put(raw, new: Tensor):
+        raise EngineError(why)
+
+    put.why = why
+    return put
+
+
+_NORMALIZED_WRITE = refused_write(
+    "ln1.normalized / ln2.normalized / ln_final.normalized are computed from the norm's input: edit "
+    "attn.in / mlp.in or the residual stream (resid_pre / resid_mid) instead"
+)
 
 
 def _normalized(call: Call, centred: bool) -> Tensor:
@@ -83,15 +98,18 @@ def _normalized(call: Call, centred: bool) -> Tensor:
     return (x / (x.pow(2).mean(-1, keepdim=True) + eps).sqrt()).to(dtype)
 
 
-def read_only(spec) -> bool:
-    """Whether the point is computed from its module's input and cannot be written (`lnX.normalized`)."""
-    return spec.view is not None and spec.view.put is _read_only
+def read_only(spec) -> str | None:
+    """Why the point cannot be written on vLLM (`lnX.normalized`, the router's logits); None where
+    it can."""
+    return getattr(spec.view.put, "why", None) if spec.view is not None else None
 
 
 RMS_NORMALIZED = View(
-    lambda call: _normalized(call, False), _read_only, "computed: (hidden + residual) / scale"
+    lambda call: _normalized(call, False), _NORMALIZED_WRITE, "computed: (hidden + residual) / scale"
 )
-LN_NORMALIZED = View(lambda call: _normalized(call, True), _read_only, "computed: centred input / scale")
+LN_NORMALIZED = View(
+    lambda call: _normalized(call, True), _NORMALIZED_WRITE, "computed: centred input / scale"
+)
 CALL = {"item": None}  # the spec reads the module's whole call (a `Call`) or whole output
 
 
@@ -184,11 +202,22 @@ def _attention(config, *, post_norm: bool) -> dict:
     }
 
 
-def llama_like(config, *, post_norm: bool = False) -> dict:
+def gated_mlp(module: str, name: str) -> dict:
+    """The points of a gated MLP `module` (fused gate_up_proj, down_proj), named `name`.pre etc."""
+    return {
+        f"{name}.pre": (f"{module}.gate_up_proj", "output", half(0)),
+        f"{name}.pre_linear": (f"{module}.gate_up_proj", "output", half(1)),
+        f"{name}.post": (f"{module}.down_proj", "input", None),
+    }
+
+
+def llama_like(
+    config, *, post_norm: bool = False, mlp: str = "layers.{L}.mlp", inner: dict | None = None
+) -> dict:
     """Llama, Mistral, Qwen2, Qwen3 (`post_norm`: Gemma 2 / 3's sandwich norms, where attn.out /
-    mlp.out are the post-norm outputs, as in arch/llama.py)."""
+    mlp.out are the post-norm outputs, as in arch/llama.py). `mlp`: the MLP block's module;
+    `inner`: its points between mlp.in and mlp.out (default: the gated MLP's)."""
     ln2 = "pre_feedforward_layernorm" if post_norm else "post_attention_layernorm"
-    mlp = "layers.{L}.mlp"
     out = (
         {
             "mlp.out_pre_norm": (mlp, "output", None),
@@ -203,12 +232,79 @@ def llama_like(config, *, post_norm: bool = False) -> dict:
         "resid_mid": (f"layers.{{L}}.{ln2}", "input", stream_in(0), CALL),
         "ln2.normalized": (f"layers.{{L}}.{ln2}", "input", RMS_NORMALIZED, CALL),
         "mlp.in": (mlp, "input", None),
-        "mlp.pre": (f"{mlp}.gate_up_proj", "output", half(0)),
-        "mlp.pre_linear": (f"{mlp}.gate_up_proj", "output", half(1)),
-        "mlp.post": (f"{mlp}.down_proj", "input", None),
+        **(gated_mlp(mlp, "mlp") if inner is None else inner),
         **out,
         "resid_post": ("layers.{L}", "output", STREAM_OUT, CALL),
     }
+
+
+# --- mixture-of-experts decoders -------------------------------------------------------------------
+
+# vLLM's MoE block (Mixtral's `block_sparse_moe`, the others' `mlp`) calls its router `gate`, a
+# linear returning (logits, bias), then one `experts` module (the fused MoE layer's runner), which
+# picks each token's top-k experts and runs every expert in one fused kernel call
+ROUTER_LOGITS = View(
+    lambda raw: raw,
+    refused_write(
+        "vLLM routes on the logits its router returns, while Hugging Face's router has already picked "
+        "the experts when it returns them, so a write would mean different things on the two: edit the "
+        "routing on the Hugging Face model (hookscope.experts)"
+    ),
+    "the router's logits",
+)
+
+_ON_HUGGING_FACE = "or capture it with hookscope on the Hugging Face model (hs.load(path))"
+_ROUTING = (
+    "vLLM's fused MoE layer picks each token's top-k experts inside its call (no module returns the "
+    f"weights or indices): read mlp.router.logits (softmax, then top-k), {_ON_HUGGING_FACE}"
+)
+_PER_EXPERT = (
+    "vLLM's fused MoE kernel runs every expert in one call and never materialises one expert's rows, "
+    f"hidden activations or output: read mlp.in and mlp.out here, {_ON_HUGGING_FACE}"
+)
+# suffix (expert index as {E}) -> why not: refused by name on the MoE families' tables (`refusal`)
+MOE_REFUSED = {
+    "mlp.router.weights": _ROUTING,
+    "mlp.router.indices": _ROUTING,
+    "mlp.router.routing": _ROUTING,
+    **{f"mlp.experts.{{E}}.{what}": _PER_EXPERT for what in ("tokens", "in", "post", "out")},
+    # only where the table lacks it: Qwen2-MoE's shared expert runs inside the same call
+    "mlp.experts.out": "vLLM's fused MoE layer adds the shared expert's output to the routed experts' "
+    "inside one call: read mlp.out (the sum), mlp.shared.out and mlp.shared.gate (the shared part is "
+    f"sigmoid(gate) * out), {_ON_HUGGING_FACE}",
+}
+
+
+def moe_like(config, block: str = "mlp") -> dict:
+    """Mixtral (`block`: block_sparse_moe), Qwen2-MoE, Qwen3-MoE, OLMoE: attention as Llama's; of
+    the MoE block, what vLLM keeps apart from its fused kernel (arch/moe.py names the same points on
+    Hugging Face): the router's logits, Qwen2-MoE's shared expert (its own module, whose output
+    vLLM multiplies by the sigmoid of shared_expert_gate inside), the routed experts' sum."""
+    mlp = f"layers.{{L}}.{block}"
+    inner = {"mlp.router.logits": (f"{mlp}.gate", "output", ROUTER_LOGITS)}
+    if getattr(config, "shared_expert_intermediate_size", 0):
+        shared = f"{mlp}.shared_expert"
+        inner.update(
+            {
+                **gated_mlp(shared, "mlp.shared"),
+                "mlp.shared.out": (f"{shared}.down_proj", "output", None),
+                "mlp.shared.gate": (f"{mlp}.shared_expert_gate", "output", None),
+            }
+        )
+    else:
+        inner["mlp.experts.out"] = (f"{mlp}.experts", "output", None)
+    return llama_like(config, mlp=mlp, inner=inner)
+
+
+def _moe_decoder(config, block: str = "mlp") -> Arch:
+    dense = [L for L in range(config.num_hidden_layers) if not moe.is_sparse(config, L)]
+    if dense:
+        raise EngineError(
+            f"{config.model_type} with dense MLP layers {dense} (mlp_only_layers / decoder_sparse_step): "
+            "hookscope's vLLM tables describe all-sparse models only; load the checkpoint with "
+            "hs.load(path) (Hugging Face) to read its points"
+        )
+    return _decoder(config, moe_like(config, block))
 
 
 def _decoder(config, per_layer: dict) -> Arch:
@@ -277,6 +373,10 @@ FAMILIES = {
     "Gemma2ForCausalLM": ("Gemma2ForCausalLM", lambda c: _decoder(c, llama_like(c, post_norm=True))),
     "Gemma3ForCausalLM": ("Gemma3ForCausalLM", lambda c: _decoder(c, llama_like(c, post_norm=True))),
     "GPT2LMHeadModel": ("GPT2LMHeadModel", _gpt2),
+    "MixtralForCausalLM": ("MixtralForCausalLM", lambda c: _moe_decoder(c, "block_sparse_moe")),
+    "Qwen2MoeForCausalLM": ("Qwen2MoeForCausalLM", _moe_decoder),
+    "Qwen3MoeForCausalLM": ("Qwen3MoeForCausalLM", _moe_decoder),
+    "OlmoeForCausalLM": ("OlmoeForCausalLM", _moe_decoder),
 }
 
 # architectures vLLM 0.32 serves through its Transformers backend (`TransformersForCausalLM`): the
@@ -303,6 +403,24 @@ def table(architecture: str, config) -> Arch:
         del arch.specs[name]  # build() adds it for Hugging Face attention; vLLM's never returns it
     arch.family = f"vllm:{arch.family}"
     return arch
+
+
+def is_moe(arch: Arch) -> bool:
+    """Whether the table is a mixture-of-experts family's (`moe_like`)."""
+    return arch.family.removeprefix("vllm:") in moe.MODEL_TYPES
+
+
+def refusal(arch: Arch, point: str) -> str | None:
+    """Why vLLM never gives `point` (a canonical name) on this table's model; None where the table
+    has it or nothing says why not."""
+    if point in arch.specs:
+        return None
+    suffix = point.split(".", 2)[-1] if layer_of(point) is not None else point
+    if suffix in REFUSED:
+        return REFUSED[suffix]
+    if is_moe(arch):
+        return MOE_REFUSED.get(re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.{E}.", suffix))
+    return None
 
 
 def model_class(architecture: str) -> str:
