@@ -87,7 +87,9 @@ def engine(directory: Path, **kwargs):
 
 def shut(llm) -> None:
     """Stop the engine's core and worker processes now (not at interpreter exit)."""
-    llm.llm_engine.engine_core.shutdown()
+    from hookscope.engines import vllm as hv
+
+    hv.shut_down(llm)
 
 
 def hf_model(directory: Path):
