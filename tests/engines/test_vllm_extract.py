@@ -235,9 +235,13 @@ def _finish(run: subprocess.Popen, log: Path, what: str, stop=lambda: None, with
 
 
 def _no_traceback(text: str) -> bool:
-    """No traceback of the command's own (the engine core logs its view of a signal, each line
-    prefixed by its name)."""
-    return not any(line.startswith("Traceback") for line in text.splitlines())
+    """No traceback of the command's own: the engine core reports its view of a signal itself, each
+    line prefixed by its name, then multiprocessing's "Process EngineCore:" and its traceback."""
+    lines = text.splitlines()
+    return not any(
+        line.startswith("Traceback") and not (i and lines[i - 1].startswith("Process "))
+        for i, line in enumerate(lines)
+    )
 
 
 @pytest.mark.slow
