@@ -255,9 +255,8 @@ def run_requests(
 def _stop(engine, run: str) -> None:
     """After a failed or interrupted call: the capture's hooks removed from a live engine's workers,
     and its rows' handoff file removed if a worker had written it (the stop runs after the take)."""
-    with contextlib.suppress(
-        Exception
-    ):  # a dead engine has no hooks left; the first error is the one to report
+    # a dead engine has no hooks left to remove, and the first error is the one to report
+    with contextlib.suppress(Exception):
         engine.collective_rpc("hookscope_stop", args=(run,))
     discard(run)
 
