@@ -38,9 +38,10 @@ def main() -> None:
 
     import torch
     from vllm import SamplingParams
-    from vllm_models import engine, save, shut
+    from vllm_models import engine, save
 
     import hookscope as hs
+    from hookscope.engines import vllm as hv
 
     g = torch.Generator().manual_seed(0)
     prompts = [
@@ -68,7 +69,7 @@ def main() -> None:
                 t = time.perf_counter()
                 run()
                 times[name].append(time.perf_counter() - t)
-        shut(llm)
+        hv.shut_down(llm)  # the core given time to remove its shared memory
     for name, values in times.items():
         generating = name.startswith(GENERATE)
         base = statistics.median(times[PLAIN_GENERATE if generating else "plain generate(max_tokens=1)"])

@@ -49,7 +49,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from vllm import SamplingParams
-    from vllm_models import save, shut
+    from vllm_models import save
 
     import hookscope as hs
     from hookscope.engines import vllm as hv
@@ -108,7 +108,7 @@ def main() -> None:
                 took = run(n)
                 if round_:
                     times[name].append(took)
-        shut(llm)
+        hv.shut_down(llm)  # the core given time to remove its shared memory
     load_now = os.getloadavg()[0]
     print(f"{len(sequences)} sequences, {tokens:,} tokens, {args.rounds} rounds, load {load_now:.1f}")
     base = statistics.median(times["vLLM plain generate(max_tokens=1)"])

@@ -192,6 +192,147 @@ def test_interrupted_then_killed_then_resumed_is_the_uninterrupted_store(case, l
     assert compared["same_values"] and compared["same_files"], compared
 
 
+def _group_alive(pgid: int) -> list[str]:
+    """The processes of group `pgid` still running (zombies left out: they hold no memory), as
+    "pid name"; waits up to 30 s for them to end."""
+    deadline = time.monotonic() + 30
+    while True:
+        alive = []
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            with contextlib.suppress(OSError):  # ended while listed
+                name, rest = stat.read_text().rsplit(")", 1)
+                fields = rest.split()
+                if int(fields[2]) == pgid and fields[0] != "Z":
+                    alive.append(f"{stat.parent.name} {name.split('(', 1)[1]}")
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.2)
+
+
+def _handoffs() -> set[str]:
+    """hookscope's handoff files in shared memory now (worker.py's HANDOFF_DIR)."""
+    from hookscope.engines.vllm.worker import HANDOFF_DIR
+
+    return {p.name for p in Path(HANDOFF_DIR).glob("hookscope-*")}
+
+
+def _left_behind(before: set[str]) -> set[str]:
+    """Handoff files made since `before` and still there a moment later (another session's capture
+    may hold one for the moment between its worker's write and its caller's read)."""
+    new = _handoffs() - before
+    time.sleep(1)
+    return new & _handoffs()
+
+
+def _finish(run: subprocess.Popen, log: Path, what: str, stop=lambda: None, within: float = 90):
+    """`stop()`, then the command's exit code `within` seconds, what of its process group still
+    runs after it, and its log; the group killed whatever happens."""
+    try:
+        stop()
+        try:
+            code = run.wait(within)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"no exit within {within} s of {what}:\n{log.read_text()[-3000:]}")
+        left = _group_alive(run.pid)
+    finally:
+        _kill_group(run)
+    return code, left, log.read_text()
+
+
+def _no_traceback(text: str) -> bool:
+    """No traceback of the command's own: the engine core reports its view of a signal itself, each
+    line prefixed by its name, then multiprocessing's "Process EngineCore:" and its traceback."""
+    lines = text.splitlines()
+    return not any(
+        line.startswith("Traceback") and not (i and lines[i - 1].startswith("Process "))
+        for i, line in enumerate(lines)
+    )
+
+
+@pytest.mark.slow
+def test_ctrl_c_to_the_whole_group_exits_130_leaves_nothing_behind_and_resumes(case, reference, tmp_path):
+    out, log = tmp_path / "store", tmp_path / "command.log"
+    total, before = len(hs.open_store(reference)), _handoffs()
+    run = _command(case, out, log)
+
+    def ctrl_c():
+        _wait_for_shards(run, out, 1, log)
+        # a terminal's Ctrl-C: SIGINT to every process of the group, the engine's core and worker too
+        os.killpg(run.pid, signal.SIGINT)
+
+    code, left, text = _finish(run, log, "a group-wide SIGINT", ctrl_c)
+    assert code == 130 and "hookscope: interrupted after" in text and _no_traceback(text), text[-3000:]
+    assert not left, f"still running after the command exited: {left}"
+    assert not _left_behind(before)
+    interrupted = len(hs.open_store(out, verify=True))  # whole shards only
+    assert SHARD_ROWS <= interrupted < total
+
+    resumed = _command(case, out, log)  # the same command, to the end
+    code, left, text = _finish(resumed, log, "the resumed run's start", within=600)
+    assert code == 0 and _no_traceback(text), text[-3000:]
+    assert not left, f"still running after the command exited: {left}"
+    # the engine core had the time to remove its shared memory itself (liveness.shut_down)
+    assert "leaked shared_memory" not in text, text[-3000:]
+    assert not _left_behind(before)
+    compared = compare_stores(out, reference)
+    assert compared["rows"] == total and compared["rows_lost"] == compared["rows_duplicated"] == 0
+    assert compared["same_values"] and compared["same_files"], compared
+
+
+def _engine_core(run: subprocess.Popen, log: Path) -> int:
+    """The pid of the command's engine core: its child that is neither the resource tracker nor
+    another helper (vLLM names it EngineCore)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        with contextlib.suppress(OSError):
+            name, rest = stat.read_text().rsplit(")", 1)
+            if (
+                int(rest.split()[1]) == run.pid
+                and "EngineCore" in name + stat.with_name("cmdline").read_text()
+            ):
+                return int(stat.parent.name)
+    pytest.fail(f"no EngineCore child of {run.pid}:\n{log.read_text()[-2000:]}")
+
+
+@pytest.mark.slow
+def test_a_dead_engine_core_ends_the_command_with_a_clear_error(case, tmp_path):
+    out, log = tmp_path / "store", tmp_path / "command.log"
+    run = _command(case, out, log)
+
+    def kill_the_core():
+        _wait_for_shards(run, out, 1, log)
+        os.kill(_engine_core(run, log), signal.SIGKILL)  # as the out-of-memory killer would
+
+    code, left, text = _finish(run, log, "the engine core's death", kill_the_core)
+    lines = [line for line in text.splitlines() if line.startswith("hookscope: error:")]
+    assert code == 2 and len(lines) == 1 and _no_traceback(text), text[-3000:]
+    assert "vLLM engine died" in lines[0] and "exit code -9" in lines[0] and "resume" in lines[0]
+    assert not left, f"still running after the command exited: {left}"
+    hs.open_store(out, verify=True)  # what was written is whole
+
+
+@pytest.mark.slow
+def test_an_interrupt_between_the_handoff_and_its_copy_leaves_no_file(llm, monkeypatch):
+    from hookscope.engines.vllm import worker
+
+    written, before = [], _handoffs()
+
+    def interrupted(handoff):
+        written.append(handoff[0])
+        assert os.path.exists(handoff[0])  # the worker wrote it; the caller never reads it
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(hv, "take_over", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        hv.collect(llm, [[5, 6, 7, 8]], "blocks.0.resid_post")
+    monkeypatch.setattr(hv, "take_over", worker.take_over)
+    assert written and not os.path.exists(written[0])
+    assert llm.collective_rpc("hookscope_hook_count") == [0]
+    # the engine goes on: the next capture's rows come back, and its file is gone too
+    (rows,) = hv.collect(llm, [[5, 6, 7, 8]], "blocks.0.resid_post")
+    assert rows["blocks.0.resid_post"].shape == (4, 256)
+    assert not _left_behind(before)
+
+
 # -- refused before any work -------------------------------------------------------------------------
 
 

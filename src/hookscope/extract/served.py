@@ -22,6 +22,7 @@ from torch import Tensor
 
 from ..engines import vllm as hv
 from ..engines.vllm import tables
+from ..engines.vllm.liveness import EngineDied
 from ..errors import EngineError, HookscopeError
 from ..extract_config import ExtractConfig, Run
 from ..loading import Loaded
@@ -142,9 +143,14 @@ class VllmEngine:
                     per_sequence = [next(captured) if ids else None for ids in batch_sequences]
                     acts = self._kept(call, per_sequence)
                     yield index, batch, self.source.rows_of(batch, call, acts)
+        except EngineDied as death:
+            raise EngineDied(
+                death.what,
+                "the store keeps every whole batch written before it: run the same command to resume",
+            ) from None
         finally:
             if self.given is None:
-                engine.llm_engine.engine_core.shutdown()  # its core and workers, now
+                hv.shut_down(engine)  # its core and workers, now
 
     def _kept(self, call: Call, per_sequence: list) -> dict[str, Tensor]:
         """The rows the in-memory executor keeps: each sequence's kept tokens, row-major, cast. One

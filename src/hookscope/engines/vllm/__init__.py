@@ -13,6 +13,7 @@ class's module, so the front (`hs.collect`) costs an nn.Module one attribute rea
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -24,10 +25,11 @@ from ...errors import EngineError, UnknownPointError
 from ...names import canonical, is_pattern
 from ...optional_imports import require
 from ...selection import Heads, Positions, Selection
-from . import tables
+from . import liveness, tables
 from .batch import TAG
 from .edits import check_width, check_writable, describe, describe_selection
-from .worker import take_over
+from .liveness import shut_down as shut_down  # a public verb of this module
+from .worker import discard, take_over
 
 # the worker extension vLLM mixes into its workers (`LLM(..., worker_extension_cls=EXTENSION)`)
 EXTENSION = "hookscope.engines.vllm.worker.Extension"
@@ -281,21 +283,33 @@ def run_requests(
         )
     described = {str(i): e for i, e in edits.items()}
     names = list(dict.fromkeys(names))
-    engine.collective_rpc(
-        "hookscope_start", args=(architecture, names, run, prefill_only, described, edit_on, selection)
-    )
+    liveness.watch(engine)  # a dead engine core ends these calls instead of leaving them waiting
     try:
+        engine.collective_rpc(
+            "hookscope_start", args=(architecture, names, run, prefill_only, described, edit_on, selection)
+        )
         outputs = engine.generate(requests, params, use_tqdm=False)
         # every token but the last sampled one (the engine never runs it)
         expected = {
             str(i): len(out.prompt_token_ids) + (0 if prefill_only else len(out.outputs[0].token_ids) - 1)
             for i, out in enumerate(outputs)
         }
-        (rows, *_) = engine.collective_rpc("hookscope_take", args=(run, expected))
-    except BaseException:
-        engine.collective_rpc("hookscope_stop", args=(run,))
+        (handoff, *_) = engine.collective_rpc("hookscope_take", args=(run, expected))
+        return outputs, take_over(handoff)
+    except BaseException as exc:
+        _stop(engine, run)
+        if isinstance(exc, Exception) and liveness.is_death(engine, exc):
+            raise liveness.died(engine) from None
         raise
-    return outputs, take_over(rows)
+
+
+def _stop(engine, run: str) -> None:
+    """After a failed or interrupted call: the capture's hooks removed from a live engine's workers,
+    and its rows' handoff file removed if a worker had written it (the stop runs after the take)."""
+    # a dead engine has no hooks left to remove, and the first error is the one to report
+    with contextlib.suppress(Exception):
+        engine.collective_rpc("hookscope_stop", args=(run,))
+    discard(run)
 
 
 def refuse_prefix_caching(config, what: str) -> None:

@@ -15,6 +15,7 @@ hooks, so a captured point that is also edited is kept as edited.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -279,7 +280,15 @@ def hand_off(rows: dict[int, dict[str, list[Tensor]]], run: str) -> list:
     """Write every request's rows (its parts, one after another) into one file in shared memory;
     return where each lies: [path, [[request, point, dtype, shape, offset], ...]]. Only this small
     index crosses vLLM's RPC (msgpack through the engine core): the rows are never serialized."""
-    path = os.path.join(HANDOFF_DIR, f"hookscope-{run}")
+    path = handoff_path(run)
+    try:
+        return [path, _write_rows(path, rows)]
+    except BaseException:
+        discard(run)  # nobody will read a file cut short
+        raise
+
+
+def _write_rows(path: str, rows: dict[int, dict[str, list[Tensor]]]) -> list:
     index, offset = [], 0
     with open(path, "wb") as f:
         for i, points in rows.items():
@@ -294,7 +303,17 @@ def hand_off(rows: dict[int, dict[str, list[Tensor]]], run: str) -> list:
                     data = memoryview(part.contiguous().view(torch.uint8).flatten().numpy())
                     f.write(data)
                     offset += len(data)
-    return [path, index]
+    return index
+
+
+def handoff_path(run: str) -> str:
+    return os.path.join(HANDOFF_DIR, f"hookscope-{run}")
+
+
+def discard(run: str) -> None:
+    """Remove a capture's handoff file, if there is one: the caller gave up before taking it over."""
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(handoff_path(run))
 
 
 def take_over(handoff: list) -> dict[int, dict[str, Tensor]]:
