@@ -50,8 +50,8 @@ def run_elastic(
     """`hookscope cli...` with `first` processes, each SIGKILLed at `kill_at` (kill_driver.py's
     sites); then the same command with `then` processes, to the end. The processes are children of
     the fork server `server` (tests/kit/forkserver.py) with torchrun's environment for their rank
-    (torchrun itself launches the ranks of test_store_s3.py's torchrun test and of
-    tests/engines/test_tensor_parallel.py); `environ` is added to theirs."""
+    (torchrun itself launches the ranks of tests/engines/test_tensor_parallel.py); `environ` is
+    added to theirs."""
     killed = server.call_ranks(first, RUN_CLI, args=cli, signal_name="KILL", kill_at=kill_at, environ=environ)
     assert any(r.status != 0 for r in killed), [r.log[-3000:] for r in killed]  # it died mid-run
     run_ranks(server, then, cli, environ)

@@ -127,23 +127,24 @@ def assert_same(got: list[dict], want: list[dict]) -> None:
 
 # -- the cases ------------------------------------------------------------------------------------
 
-CASES = [  # context, batch size, keyword arguments
-    (16, 4, {}),
-    (2, 3, {}),  # one body token per sequence (with a start token)
-    (64, 8, {"bos": False}),
-    (16, 5, {"drop_remainder": False}),
-    (16, 4, {"max_tokens": 16 * 37 + 9}),  # stops mid-document
-    (16, 4, {"max_tokens": 16 * 37 + 9, "drop_remainder": False}),
-    (32, 1, {"max_tokens": 32 * 5}),
-    (16, 4, {"max_tokens": 9, "drop_remainder": False}),  # less than one sequence, padded
-    (512, 2, {}),  # a context longer than most documents
+CASES = [  # context, batch size, keyword arguments, documents
+    (16, 4, {}, 300),
+    # one body token per sequence (with a start token): a sequence per token, so fewer documents
+    (2, 3, {}, 60),
+    (64, 8, {"bos": False}, 300),
+    (16, 5, {"drop_remainder": False}, 300),
+    (16, 4, {"max_tokens": 16 * 37 + 9}, 300),  # stops mid-document
+    (16, 4, {"max_tokens": 16 * 37 + 9, "drop_remainder": False}, 300),
+    (32, 1, {"max_tokens": 32 * 5}, 300),
+    (16, 4, {"max_tokens": 9, "drop_remainder": False}, 300),  # less than one sequence, padded
+    (512, 2, {}, 300),  # a context longer than most documents
 ]
 
 
-@pytest.mark.parametrize("context, batch_size, kwargs", CASES)
+@pytest.mark.parametrize("context, batch_size, kwargs, documents", CASES)
 @pytest.mark.slow
-def test_the_same_batches_as_packing_token_by_token(tokenizer, context, batch_size, kwargs):
-    docs = corpus(300, seed=context)
+def test_the_same_batches_as_packing_token_by_token(tokenizer, context, batch_size, kwargs, documents):
+    docs = corpus(documents, seed=context)
     want = reference_batches(docs, tokenizer, context, batch_size, **kwargs)
     assert want  # every case packs at least one sequence
     assert_same(list(pack_batches(docs, tokenizer, context, batch_size, **kwargs)), want)

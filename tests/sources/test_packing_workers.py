@@ -3,17 +3,19 @@ leaves no process behind on Ctrl-C, on a kill, or when the consumer stops early.
 
 from __future__ import annotations
 
+import itertools
+import json
 import os
 import signal
-import subprocess
 import sys
-import textwrap
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 import transformers
+from forkserver import ForkServer
 from helpers import corpus_fixture, extract_cli_args
 from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -113,45 +115,57 @@ def test_workers_stop_at_once_under_a_parents_python_sigterm_handler():
     assert stopped < 2.0, f"stopping two workers took {stopped:.1f} s"
 
 
-ENDLESS = textwrap.dedent("""
-    import itertools, sys
-    sys.path[:0] = [{tests!r}]
-    from test_packing_workers import words_tokenizer
-    from hookscope.sources.packing import pack_batches
+def pack_endlessly(ready: str) -> None:
+    """A fork-server child (tests/kit/forkserver.py): packs an endless corpus with two workers and,
+    five batches in, writes its pid and its workers' to `ready`, then packs on until a signal ends
+    it. SIGINT gets Python's own handler back: a child of a shell's background job inherits it
+    ignored."""
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     docs = (" ".join("abcdefgh"[(i + j) % 8] for j in range(50)) for i in itertools.count())
-    for n, batch in enumerate(pack_batches(docs, words_tokenizer(), 64, 8, workers=2)):
+    for n, _ in enumerate(pack_batches(docs, words_tokenizer(), 64, 8, workers=2)):
         if n == 5:
-            print("packing", flush=True)
-""")
+            pids = {"pid": os.getpid(), "workers": sorted(children(os.getpid()))}
+            Path(ready + ".tmp").write_text(json.dumps(pids))
+            os.replace(ready + ".tmp", ready)  # whole or absent for the test that polls it
+
+
+@pytest.fixture(scope="module")
+def server() -> ForkServer:
+    server = ForkServer.shared()
+    server.warm("test_packing_workers:words_tokenizer")  # the test module imported before forking
+    return server
 
 
 @pytest.mark.parametrize("how", [signal.SIGINT, signal.SIGKILL])
 @pytest.mark.slow
-def test_ctrl_c_or_a_kill_leaves_no_worker(how, tmp_path: Path):
-    script = tmp_path / "endless.py"
-    script.write_text(ENDLESS.format(tests=str(Path(__file__).parent)))
-    proc = subprocess.Popen(
-        [sys.executable, str(script)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
-    )
-    try:
-        assert proc.stdout.readline().strip() == "packing"
-        workers = children(proc.pid)
-        assert len(workers) >= 2
-        proc.send_signal(how)
-        proc.wait(timeout=60)
-        deadline = time.monotonic() + 30
-        while any(alive(p) for p in workers) and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert not [p for p in workers if alive(p)], "worker processes outlived their parent"
-        if how == signal.SIGINT:
-            assert "KeyboardInterrupt" in proc.stderr.read()  # the parent's, raised where it was
-    finally:
-        proc.kill()
-        proc.wait()
+def test_ctrl_c_or_a_kill_leaves_no_worker(how, server, tmp_path: Path):
+    """The packing process (a fork-server child: a real process, without a Python start-up) is sent
+    `how` from outside while it packs: its workers must not outlive it."""
+    ready = tmp_path / "ready.json"
+    packing = None
+    with ThreadPoolExecutor(1) as pool:
+        run = pool.submit(server.call, "test_packing_workers:pack_endlessly", ready=str(ready), timeout=120)
+        try:
+            deadline = time.monotonic() + 60
+            while not ready.exists():
+                assert not run.done() and time.monotonic() < deadline, run.result().log[-3000:]
+                time.sleep(0.05)
+            packing = json.loads(ready.read_text())
+            assert len(packing["workers"]) >= 2
+            os.kill(packing["pid"], how)
+            reply = run.result(timeout=60)
+        finally:
+            if packing is not None and not run.done():
+                os.kill(packing["pid"], signal.SIGKILL)
+    workers = packing["workers"]
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in workers) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [p for p in workers if alive(p)], "worker processes outlived their parent"
+    if how == signal.SIGINT:  # the parent's KeyboardInterrupt, raised where it was
+        assert reply.status == 1 and "KeyboardInterrupt" in reply.log, reply.log[-3000:]
+    else:
+        assert reply.status == -signal.SIGKILL, reply.log[-3000:]
 
 
 corpus = corpus_fixture(40)
@@ -180,8 +194,9 @@ def test_the_cli_takes_workers_and_refuses_a_negative_count(tiny_dirs, corpus, t
 def test_chunks_larger_than_a_pipe_do_not_deadlock():
     """The parent sends the next chunk while the worker sends back a result of megabytes."""
     # ~8,000 tokens each, each its own object (pickle would send one shared string once):
-    # 1 MB a chunk out, 4 MB back
-    docs = ["a b c d e f g h " * 1000 + "abcdefgh"[i % 8] for i in range(400)]
+    # 1 MB a chunk out, 4 MB back; four chunks of 64: the third is sent while the worker sends
+    # back the second's result
+    docs = ["a b c d e f g h " * 1000 + "abcdefgh"[i % 8] for i in range(256)]
 
     def hung(*_):
         raise TimeoutError("packing with a worker hung")
@@ -194,7 +209,7 @@ def test_chunks_larger_than_a_pipe_do_not_deadlock():
         signal.alarm(0)
         signal.signal(signal.SIGALRM, before)
     want = list(pack_batches(docs, words_tokenizer(), 512, 8))
-    assert len(got) == len(want) > 700
+    assert len(got) == len(want) > 450  # 256 * 8,001 tokens in rows of 512, 8 a batch
     assert all(torch.equal(g["input_ids"], w["input_ids"]) for g, w in zip(got, want, strict=True))
 
 

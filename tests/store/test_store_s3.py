@@ -1,7 +1,7 @@
 """Stores at a URL, against a real S3-compatible server on 127.0.0.1 (moto's standalone server,
 started and stopped here): extraction equals the local store byte for byte, SIGKILL / SIGINT and
-resume, orphans, hostile objects, a torchrun job whose two ranks write to one URL, and elastic
-resumes (started by 2 processes and finished by 1, and 1 -> 2).
+resume, orphans, hostile objects, two ranks with torchrun's environment writing to one URL, and
+elastic resumes (started by 2 processes and finished by 1, and 1 -> 2).
 
 Skipped when `moto[server]` and `s3fs` are not installed (`pip install 'hookscope[s3-test]'`)."""
 
@@ -22,7 +22,7 @@ from gate import need
 
 need("s3")
 
-from elastic_kit import assert_same_rows_as, run_elastic  # noqa: E402
+from elastic_kit import assert_same_rows_as, run_elastic, run_ranks  # noqa: E402
 from faultkit import damage  # noqa: E402
 from forkserver import ForkServer  # noqa: E402
 from helpers import corpus_fixture, extract_cli_args  # noqa: E402
@@ -142,10 +142,6 @@ def endpoint() -> dict[str, str]:
     set): the server's environment was fixed when it started."""
     names = [*CREDENTIALS, "AWS_ENDPOINT_URL", "HOOKSCOPE_UPLOAD_PART_BYTES"]
     return {k: os.environ[k] for k in names if k in os.environ}
-
-
-def env() -> dict[str, str]:
-    return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 @pytest.mark.slow
@@ -280,24 +276,11 @@ def test_hostile_objects_are_refused(s3, bucket, tiny_dirs, corpus, capsys, faul
 
 
 @pytest.mark.slow
-def test_torchrun_two_ranks_write_to_one_url(s3, bucket, tiny_dirs, corpus, reference):
+def test_two_torchrun_ranks_write_to_one_url(s3, bucket, server, tiny_dirs, corpus, reference):
+    """Two ranks (fork-server children with torchrun's environment: tests/kit/elastic_kit.py;
+    tests/engines/test_tensor_parallel.py launches torchrun itself) write one store at a URL."""
     url = f"s3://{bucket}/store"
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc-per-node",
-        "2",
-        "--master-addr",
-        "127.0.0.1",
-        "--master-port",
-        str(_free_port()),
-        "-m",
-        "hookscope.cli",
-        *cli_args(tiny_dirs["gpt2"], corpus, url),
-    ]
-    run = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env())
-    assert run.returncode == 0, run.stderr[-3000:]
+    run_ranks(server, 2, cli_args(tiny_dirs["gpt2"], corpus, url), environ=endpoint())
     names = set(s3_objects(s3, url))
     assert {"manifest.json", "manifest.rank0.json", "manifest.rank1.json"} <= names
     two, one = open_store(url, verify=True), open_store(reference)
