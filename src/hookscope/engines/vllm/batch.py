@@ -4,44 +4,50 @@ A forward holds the flattened tokens of many requests (`[num_tokens, ...]`, chun
 decode mixed). Before the model runs, the model runner's batch says which requests are in it (in
 order), where each one's tokens start (`query_start_loc`) and how many of its tokens earlier
 forwards computed (its first position here); a request's `SamplingParams.extra_args["hookscope"]`
-says what hookscope is to do with it.
+says what hookscope is to do with it: read once per request (its extra_args do not change
+between its forwards), kept by request id while the request lives (`PerRequest`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 TAG = "hookscope"  # the key of a request's SamplingParams.extra_args that hookscope reads
-# the OpenAI server's `vllm_xargs` hold no nested dicts: a served request asks for a vector with one
-# flat key per vector, {"hookscope.steer.<name>": scale}
+# the OpenAI server's `vllm_xargs` hold no nested dicts: a served request asks for a named edit with
+# one flat key per edit, {"hookscope.steer.<name>": scale} or {"hookscope.ablate.<name>": 1}
 STEER_KEY = TAG + ".steer."
+ABLATE_KEY = TAG + ".ablate."
+FLAT_KEYS = {"steer": STEER_KEY, "ablate": ABLATE_KEY}  # the tag's entry -> its flat key's prefix
 
 
 def tag_of(extra: dict) -> dict | None:
-    """What hookscope is to do with a request: its tag, with the vectors HTTP's flat keys ask for
-    under "steer"; None for a request hookscope has nothing to do with."""
+    """What hookscope is to do with a request: its tag, with the named edits HTTP's flat keys ask for
+    under "steer" / "ablate" ([name, value] pairs); None for a request hookscope has nothing to do with."""
     tag = extra.get(TAG)
     tag = dict(tag) if isinstance(tag, dict) else None
-    flat = [[key[len(STEER_KEY) :], value] for key, value in extra.items() if key.startswith(STEER_KEY)]
-    if flat:
-        tag = tag or {}
-        tag["steer"] = [*tag.get("steer", ()), *flat]
+    for entry, prefix in FLAT_KEYS.items():
+        flat = [[key[len(prefix) :], value] for key, value in extra.items() if key.startswith(prefix)]
+        if flat:
+            tag = tag or {}
+            tag[entry] = [*tag.get(entry, ()), *flat]
     return tag
 
 
-def steering_asked(extra: dict | None) -> list[tuple[str, float]]:
-    """The (vector name, scale) pairs a request's `extra_args` ask for: `{"hookscope": {"steer":
-    [[name, scale], ...]}}` (the Python API's) and `{"hookscope.steer.<name>": scale}` (HTTP's)."""
+def named_asked(extra: dict | None, entry: str) -> list[tuple[str, Any]]:
+    """The (name, value) pairs a request's `extra_args` ask for under `entry` ("steer": vector name
+    and scale; "ablate": ablation name and 1 / 0): `{"hookscope": {entry: [[name, value], ...]}}`
+    (the Python API's) and `{"hookscope.<entry>.<name>": value}` (HTTP's)."""
     tag = tag_of(extra or {})
-    return [tuple(pair) for pair in tag.get("steer", ())] if tag else []
+    return [tuple(pair) for pair in tag.get(entry, ())] if tag else []
 
 
 @dataclass(frozen=True)
 class InPass:
     """One request's tokens in this forward: rows [start, end), at positions from `offset` on."""
 
+    req_id: str
     tag: dict
     start: int
     end: int
@@ -49,15 +55,47 @@ class InPass:
     state: Any  # the model runner's state of the request (its prompt's token ids)
 
 
-def requests_in_pass(runner) -> Iterator[InPass]:
-    """The requests of the forward about to run that carry a hookscope tag, in the forward's order."""
+class PerRequest:
+    """Something made once per request and kept while the request lives: keyed by vLLM's request id,
+    checked against the runner's state of the request (an id reused by a new request is made anew),
+    and forgotten once the runner no longer holds the request."""
+
+    def __init__(self):
+        self.made: dict[str, tuple[Any, Any]] = {}  # request id -> (its runner state, what was made)
+
+    def get(self, req_id: str, state: Any, make: Callable[[], Any]) -> Any:
+        kept = self.made.get(req_id)
+        if kept is not None and kept[0] is state:
+            return kept[1]
+        value = make()
+        self.made[req_id] = (state, value)
+        return value
+
+    def forget_finished(self, live: Any) -> None:
+        """Drop what was made for requests not in `live` (the runner's requests), once they pile up."""
+        if len(self.made) > 2 * len(live) + 64:
+            self.made = {req_id: kept for req_id, kept in self.made.items() if req_id in live}
+
+
+def _tag(state: Any) -> dict | None:
+    extra = state.sampling_params.extra_args if state.sampling_params is not None else None
+    return tag_of(extra) if extra else None
+
+
+def requests_in_pass(runner, tags: PerRequest) -> list[InPass]:
+    """The requests of the forward about to run that carry a hookscope tag, in the forward's order;
+    `tags` keeps each request's tag, read on its first forward."""
     batch = runner.input_batch
     n = batch.num_reqs
-    starts = runner.query_start_loc.cpu[: n + 1].tolist()
+    tags.forget_finished(runner.requests)
+    found, starts = [], None
     for i, req_id in enumerate(batch.req_ids[:n]):
         state = runner.requests[req_id]
-        extra = (state.sampling_params.extra_args or {}) if state.sampling_params is not None else {}
-        tag = tag_of(extra)
-        if tag is not None:
-            offset = int(batch.num_computed_tokens_cpu[i])
-            yield InPass(tag, starts[i], starts[i + 1], offset, state)
+        tag = tags.get(req_id, state, lambda state=state: _tag(state))
+        if tag is None:
+            continue
+        if starts is None:  # (read only for a forward that holds a tagged request)
+            starts = runner.query_start_loc.cpu[: n + 1].tolist()
+        offset = int(batch.num_computed_tokens_cpu[i])
+        found.append(InPass(req_id, tag, starts[i], starts[i + 1], offset, state))
+    return found

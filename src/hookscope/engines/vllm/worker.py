@@ -28,7 +28,7 @@ from ...arch.base import ROOT
 from ...errors import EngineError
 from ...hooks import Hook, Hooks, hook_count
 from . import sharded, tables
-from .batch import requests_in_pass
+from .batch import InPass, PerRequest, requests_in_pass
 from .edits import RequestEdits
 
 
@@ -45,37 +45,24 @@ class _Slot:
 
 class Session:
     """One capture's hooks in one worker, and the rows they filed: (request index, point) -> parts,
-    one per forward that held the request, in the order they ran; and its requests' edits
-    (`edits`: request index -> described edits, see edits.py), applied on every forward before any
-    point is kept."""
+    one per forward that held the request, in the order they ran. `Forwards` hands it each forward's
+    requests (`pass_start`); its requests' edits run on the worker's one edit path (edits.py),
+    attached before its hooks, so a captured point that is also edited is kept as edited."""
 
     def __init__(
-        self,
-        runner,
-        model: nn.Module,
-        arch,
-        names: list[str],
-        run: str,
-        prefill_only: bool,
-        edits: dict | None = None,
-        edit_on: str = "both",
+        self, runner, model: nn.Module, arch, gathered: dict, names: list[str], run: str, prefill_only: bool
     ):
-        self.runner, self.run, self.prefill_only = runner, run, prefill_only
-        arch, self.gathered = sharded.for_rank(arch, model)  # tensor parallelism: {sharded point: dim}
+        self.runner, self.run, self.prefill_only, self.gathered = runner, run, prefill_only, gathered
         self.slots: list[_Slot] = []
         self.rows: Tensor | None = None  # this forward's kept token rows, for one index_select per point
         self.parts: dict[tuple[int, str], list[tuple[Tensor, Tensor]]] = defaultdict(list)
         self.hooks = Hooks(model, arch)
-        if edits:
-            RequestEdits(runner, model, arch, self.hooks, run, edits, edit_on, split=self.gathered)
-        self.hooks.module_pre_forward(ROOT, self._pass_start)
         for name in names:
             self.hooks.forward(arch.spec(name), self._keep)
 
-    def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+    def pass_start(self, requests: list[InPass], positions: Tensor) -> None:
         self.slots, rows, kept = [], [], 0
-        for req in requests_in_pass(self.runner):
+        for req in requests:
             tag = req.tag
             if tag.get("run") != self.run:
                 continue  # another request (or another capture's): not ours to keep
@@ -171,53 +158,62 @@ def take_over(handoff: list) -> dict[int, dict[str, Tensor]]:
     return dict(out)
 
 
-class Steering:
-    """Named steering vectors registered in one worker, applied per request: a request whose
-    `extra_args["hookscope"]["steer"]` lists `[name, scale]` pairs gets `scale * vector` added at the
-    vector's point on every one of its tokens (prefill and decode), and no other request does."""
+class Forwards:
+    """hookscope's work in one worker's forwards. While anything is active (a capture, a named edit)
+    one root pre-hook reads the forward's requests once (batch.py: each request's tag read on its
+    first forward, kept by request id) and hands them to the one edit path (edits.py) and to each
+    capture; with nothing active, no hook is left on the model."""
 
     def __init__(self, runner, model: nn.Module, arch):
-        self.runner, self.arch = runner, arch
-        self.vectors: dict[str, tuple[str, Tensor]] = {}  # name -> (point, vector)
-        self.rows: dict[str, tuple[Tensor, Tensor]] = {}  # name -> (token rows, scales) this forward
-        self.hooks = Hooks(model, arch)
-        self.hooks.module_pre_forward(ROOT, self._pass_start)
-        self.attached: set[str] = set()
-        self.split_points = sharded.for_rank(arch, model)[1]  # tensor parallelism: per-rank shards
+        self.runner, self.model = runner, model
+        self.arch, self.gathered = sharded.for_rank(arch, model)  # tensor parallelism: {sharded point: dim}
+        self.tags = PerRequest()
+        self.edits = RequestEdits(model, self.arch, split=self.gathered)
+        self.sessions: dict[str, Session] = {}
+        self.root: Hooks | None = None
 
-    def register(self, name: str, point: str, vector: Tensor) -> None:
-        spec = self.arch.spec(point)
-        spec.require_writable("steering")
-        if spec.name in self.split_points:
-            raise EngineError(
-                f"steering {spec.name} on a tensor-parallel engine, whose ranks each hold a slice of it: "
-                "steer a point every rank holds whole (resid_*, attn.out, mlp.out) or use "
-                "tensor_parallel_size=1"
-            )
-        self.vectors[name] = (spec.name, vector)
-        if spec.name not in self.attached:  # one hook per point, for every vector there
-            self.hooks.forward(spec, self._steer)
-            self.attached.add(spec.name)
+    def start(self, names: list[str], run: str, prefill_only: bool, edits: dict | None, edit_on: str) -> None:
+        """A capture of `names` for the requests tagged `run`, and their `edits`."""
+        if edits:  # attached before the capture's hooks: a captured point that is edited is kept edited
+            self.edits.add_run(run, edits, edit_on)
+        try:
+            session = Session(self.runner, self.model, self.arch, self.gathered, names, run, prefill_only)
+        except BaseException:
+            self.edits.drop_run(run)
+            raise
+        self.sessions[run] = session
+        self._watch()
+
+    def stop(self, run: str) -> Session | None:
+        """Remove a capture's hooks and its edits; the capture, for its rows (None if unknown)."""
+        session = self.sessions.pop(run, None)
+        if session is not None:
+            session.close()
+        self.edits.drop_run(run)
+        self._watch()
+        return session
+
+    def name_edit(self, name: str, described: dict) -> None:
+        self.edits.name(name, described)
+        self._watch()
+
+    def _watch(self) -> None:
+        """The root pre-hook, on while something is active, off when nothing is."""
+        active = bool(self.sessions) or self.edits.active()
+        if active and self.root is None:
+            self.root = Hooks(self.model, self.arch)
+            self.root.module_pre_forward(ROOT, self._pass_start)
+        elif not active and self.root is not None:
+            self.root.remove()
+            self.root = None
 
     def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        found: dict[str, tuple[list, list]] = {}
-        for req in requests_in_pass(self.runner):
-            for name, scale in req.tag.get("steer", ()):
-                rows, scales = found.setdefault(name, ([], []))
-                rows.append(torch.arange(req.start, req.end))
-                scales.append(torch.full((req.end - req.start,), float(scale)))
-        self.rows = {name: (torch.cat(r), torch.cat(s)) for name, (r, s) in found.items()}
-
-    def _steer(self, act: Tensor, hook: Hook) -> Tensor | None:
-        out = None
-        for name, (rows, scales) in self.rows.items():
-            point, vector = self.vectors[name]
-            if point != hook.spec.name:
-                continue
-            out = act.clone() if out is None else out
-            add = scales.to(act.device, act.dtype)[:, None] * vector.to(act.device, act.dtype)
-            out.index_add_(0, rows.to(act.device), add.reshape(len(rows), *act.shape[1:]))
-        return out
+        requests = requests_in_pass(self.runner, self.tags)
+        self.edits.pass_start(requests, self.runner.requests)
+        if self.sessions:
+            positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+            for session in self.sessions.values():
+                session.pass_start(requests, positions)
 
 
 class Extension:
@@ -230,6 +226,20 @@ class Extension:
             else self.model_runner.model
         )
 
+    def _hookscope_forwards(self, architecture: str) -> Forwards:
+        forwards = self.__dict__.get("_hookscope_work")
+        if forwards is None:
+            model = self._hookscope_model()
+            expected = tables.model_class(architecture)
+            if type(model).__name__ != expected:
+                raise EngineError(
+                    f"vLLM built {type(model).__name__} for {architecture}, not {expected}: hookscope's "
+                    "table describes the latter's modules"
+                )
+            arch = tables.table(architecture, self.model_runner.model_config.hf_config)
+            forwards = self.__dict__["_hookscope_work"] = Forwards(self.model_runner, model, arch)
+        return forwards
+
     def hookscope_start(
         self,
         architecture: str,
@@ -241,44 +251,30 @@ class Extension:
     ) -> str:
         """Attach a capture of `names` for the requests tagged `run`, and their `edits` (request
         index -> edits described as plain data, edits.py); returns the model class."""
-        model = self._hookscope_model()
-        expected = tables.model_class(architecture)
-        if type(model).__name__ != expected:
-            raise EngineError(
-                f"vLLM built {type(model).__name__} for {architecture}, not {expected}: hookscope's table "
-                "describes the latter's modules"
-            )
-        sessions = self.__dict__.setdefault("_hookscope_sessions", {})
-        arch = tables.table(architecture, self.model_runner.model_config.hf_config)
-        sessions[run] = Session(self.model_runner, model, arch, names, run, prefill_only, edits, edit_on)
-        return type(model).__name__
+        forwards = self._hookscope_forwards(architecture)
+        forwards.start(names, run, prefill_only, edits, edit_on)
+        return type(forwards.model).__name__
 
     def hookscope_take(self, run: str, expected: dict) -> list:
         """The capture's rows per request, handed off in shared memory (`hand_off`), its hooks removed."""
-        session = self.__dict__.get("_hookscope_sessions", {}).pop(run, None)
+        forwards = self.__dict__.get("_hookscope_work")
+        session = forwards.stop(run) if forwards is not None else None
         if session is None:
             raise EngineError(f"no hookscope capture {run!r} in this worker")
-        try:
-            rows = session.take({int(k): int(v) for k, v in expected.items()})
-        finally:
-            session.close()
+        rows = session.take({int(k): int(v) for k, v in expected.items()})
         return hand_off(rows, run) if sharded.hands_off() else None
 
     def hookscope_hook_count(self) -> int:
         """Hooks on the model's modules now (tests: none is left after a capture)."""
         return hook_count(self._hookscope_model())
 
-    def hookscope_steer(self, architecture: str, name: str, point: str, vector: list) -> None:
-        """Register steering vector `name` at `point` (requests choose it by name in extra_args)."""
-        steering = self.__dict__.get("_hookscope_steering")
-        if steering is None:
-            model = self._hookscope_model()
-            arch = tables.table(architecture, self.model_runner.model_config.hf_config)
-            steering = self.__dict__["_hookscope_steering"] = Steering(self.model_runner, model, arch)
-        steering.register(name, point, torch.tensor(vector))
+    def hookscope_name_edit(self, architecture: str, name: str, described: dict) -> None:
+        """Register edit `name` (a steering vector or an ablation, described as plain data, edits.py):
+        requests ask for it by name in their extra_args."""
+        self._hookscope_forwards(architecture).name_edit(name, described)
 
     def hookscope_stop(self, run: str) -> None:
         """Remove a capture's hooks (after an error)."""
-        session = self.__dict__.get("_hookscope_sessions", {}).pop(run, None)
-        if session is not None:
-            session.close()
+        forwards = self.__dict__.get("_hookscope_work")
+        if forwards is not None:
+            forwards.stop(run)
