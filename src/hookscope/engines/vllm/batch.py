@@ -11,8 +11,10 @@ between its forwards), kept by request id while the request lives (`PerRequest`)
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
 
 TAG = "hookscope"  # the key of a request's SamplingParams.extra_args that hookscope reads
 # the OpenAI server's `vllm_xargs` hold no nested dicts: a served request asks for a named edit with
@@ -43,9 +45,9 @@ def named_asked(extra: dict | None, entry: str) -> list[tuple[str, Any]]:
     return [tuple(pair) for pair in tag.get(entry, ())] if tag else []
 
 
-@dataclass(frozen=True)
-class InPass:
-    """One request's tokens in this forward: rows [start, end), at positions from `offset` on."""
+class InPass(NamedTuple):
+    """One request's tokens in this forward: rows [start, end), at positions from `offset` on (the
+    tokens earlier forwards computed: vLLM's positions of a request's tokens count on from there)."""
 
     req_id: str
     tag: dict
@@ -96,6 +98,37 @@ def requests_in_pass(runner, tags: PerRequest) -> list[InPass]:
             continue
         if starts is None:  # (read only for a forward that holds a tagged request)
             starts = runner.query_start_loc.cpu[: n + 1].tolist()
-        offset = int(batch.num_computed_tokens_cpu[i])
-        found.append(InPass(req_id, tag, starts[i], starts[i + 1], offset, state))
+            computed = batch.num_computed_tokens_cpu[:n].tolist()
+        found.append(InPass(req_id, tag, starts[i], starts[i + 1], computed[i], state))
     return found
+
+
+class Rows:
+    """Some token rows of a forward, spans [start, end) in the forward's order: read and written as one
+    slice where the spans touch (the usual case: a call's requests run side by side), else through
+    one index."""
+
+    def __init__(self, spans: list[tuple[int, int]]):
+        merged: list[list[int]] = []
+        for start, end in spans:
+            if merged and merged[-1][1] == start:
+                merged[-1][1] = end
+            else:
+                merged.append([start, end])
+        self.span = tuple(merged[0]) if len(merged) == 1 else None
+        self.index = None if self.span else torch.cat([torch.arange(s, e) for s, e in merged])
+
+    def covers(self, n: int) -> bool:
+        return self.span == (0, n)
+
+    def take(self, act: Tensor) -> Tensor:
+        """The rows of `act`, a copy (vLLM writes some activations in place later in the forward)."""
+        if self.span is not None:
+            return act[self.span[0] : self.span[1]].clone()
+        return act.index_select(0, self.index.to(act.device))
+
+    def put(self, out: Tensor, new: Tensor) -> None:
+        if self.span is not None:
+            out[self.span[0] : self.span[1]] = new
+        else:
+            out.index_copy_(0, self.index.to(out.device), new)

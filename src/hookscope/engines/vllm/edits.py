@@ -12,6 +12,7 @@ positions this forward holds of the request: `Edit.step`), to that request's tok
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Collection
 from typing import Any
 
@@ -24,7 +25,7 @@ from ...errors import EngineError
 from ...generate.edits import StepEdit, check
 from ...hooks import Hook, Hooks
 from . import tables
-from .batch import InPass, PerRequest
+from .batch import InPass, PerRequest, Rows
 
 KINDS = {kind.__name__: kind for kind in (Steer, Ablate, Patch)}  # what a worker rebuilds, by name
 
@@ -121,10 +122,13 @@ class RequestEdits:
         self.model, self.arch, self.split = model, arch, frozenset(split)
         self.named: dict[str, Edit] = {}
         self.runs: dict[str, tuple[dict[int, list[Edit]], str]] = {}  # run -> (index -> edits, edit_on)
+        self.scaled: dict[tuple[str, float], Edit] = {}  # a named vector at a scale, one for every request
+        # an edit that writes the same on every pass and position (`StepEdit.fixed`): one step edit for
+        # every request that has it, applied to all their rows at once. id(edit) -> (edit, step edit)
+        self.shared: dict[int, tuple[Edit, StepEdit]] = {}
         self.built = PerRequest()  # request id -> point -> its step edits
         self.points: dict[str, tuple[Hooks, set[str]]] = {}  # point -> (its one hook, who needs it)
-        self.now: list[tuple[InPass, dict[str, list[StepEdit]]]] = []  # this forward's edited requests
-        self.points_now: frozenset[str] = frozenset()  # the points some request of this forward edits
+        self.now: dict[str, list[tuple[list[StepEdit], Rows]]] = {}  # this forward: point -> edits, rows
 
     def active(self) -> bool:
         return bool(self.named or self.runs)
@@ -138,14 +142,19 @@ class RequestEdits:
 
     def add_run(self, run: str, edits: dict, edit_on: str) -> None:
         """The edits of one call (request index -> described edits), before its requests run."""
-        rebuilt = {int(index): [rebuild(e) for e in described] for index, described in edits.items()}
+        once: dict[str, Edit] = {}  # an edit given to several requests is rebuilt once (and shared)
+        for described in (e for one in edits.values() for e in one):
+            once.setdefault(_key(described), rebuild(described))
+        rebuilt = {int(index): [once[_key(e)] for e in one] for index, one in edits.items()}
         self._refuse_split([e for one in rebuilt.values() for e in one])
         self.runs[run] = (rebuilt, edit_on)
         for edit in (e for one in rebuilt.values() for e in one):
             self._attach(edit.point, run)
 
     def drop_run(self, run: str) -> None:
-        self.runs.pop(run, None)
+        edits, _ = self.runs.pop(run, ({}, ""))
+        gone = {id(e) for one in edits.values() for e in one}
+        self.shared = {key: kept for key, kept in self.shared.items() if key not in gone}
         for point, (hooks, owners) in list(self.points.items()):
             owners.discard(run)
             if not owners:
@@ -174,8 +183,10 @@ class RequestEdits:
         """The edits a request's tag asks for, each with the part of the sequence it edits."""
         asked = []
         for name, scale in req.tag.get("steer", ()):
-            edit = self._named(name, Steer, "steering vector")
-            asked.append((dataclasses.replace(edit, scale=edit.scale * float(scale)), "both"))
+            if (name, float(scale)) not in self.scaled:
+                edit = self._named(name, Steer, "steering vector")
+                self.scaled[(name, float(scale))] = dataclasses.replace(edit, scale=edit.scale * float(scale))
+            asked.append((self.scaled[(name, float(scale))], "both"))
         for name, on in req.tag.get("ablate", ()):
             if on:
                 asked.append((self._named(name, Ablate, "ablation"), "both"))
@@ -201,34 +212,57 @@ class RequestEdits:
         prompt = req.tag.get("prompt_length") or len(req.state.prompt_token_ids or ())
         per_point: dict[str, list[StepEdit]] = {}
         for edit, edit_on in self._asked(req):
-            step_edit = StepEdit.checked(edit, self.arch, self.model, edit_on, prompt)
+            kept = self.shared.get(id(edit))
+            if kept is not None and kept[0] is edit and edit_on == "both":
+                step_edit = kept[1]
+            else:
+                step_edit = StepEdit.checked(edit, self.arch, self.model, edit_on, prompt)
+                if step_edit.fixed:
+                    self.shared[id(edit)] = (edit, step_edit)
             per_point.setdefault(step_edit.spec.name, []).append(step_edit)
         return per_point
 
     def pass_start(self, requests: list[InPass], live: Collection[str]) -> None:
-        """Before a forward: each of its requests' step edits decided for the positions it holds."""
+        """Before a forward: each of its requests' step edits decided for the positions it holds, and
+        the requests whose one edit at a point is a shared fixed one gathered to be edited at once."""
         self.built.forget_finished(live)
-        now = []
+        alone: dict[str, list[tuple[list[StepEdit], Rows]]] = {}
+        together: dict[str, dict[StepEdit, list[tuple[int, int]]]] = {}
         for req in requests:
             per_point = self.built.get(req.req_id, req.state, lambda req=req: self._build(req))
-            if not per_point:
-                continue
-            for step_edits in per_point.values():
+            for point, step_edits in per_point.items():
+                if len(step_edits) == 1 and step_edits[0].fixed:
+                    together.setdefault(point, {}).setdefault(step_edits[0], []).append((req.start, req.end))
+                    continue
                 for step_edit in step_edits:
-                    if not step_edit.fixed:  # (a fixed one decided once, when built)
-                        step_edit.prepare(req.offset, req.offset + req.end - req.start)
-            now.append((req, per_point))
-        self.now = now
-        self.points_now = frozenset(point for _, per_point in now for point in per_point)
+                    step_edit.prepare(req.offset, req.offset + req.end - req.start)
+                alone.setdefault(point, []).append((step_edits, Rows([(req.start, req.end)])))
+        for point, groups in together.items():
+            alone.setdefault(point, []).extend(
+                ([step_edit], Rows(spans)) for step_edit, spans in groups.items()
+            )
+        self.now = alone
 
     def _edit(self, act: Tensor, hook: Hook) -> Tensor | None:
-        name = hook.spec.name
-        if name not in self.points_now:
+        edits = self.now.get(hook.spec.name)
+        if not edits:
             return None
+        if len(edits) == 1 and edits[0][1].covers(act.shape[0]):  # one edit on every row: no copy first
+            return _apply(edits[0][0], act, hook)
         out = act.clone()
-        for req, per_point in self.now:
-            for step_edit in per_point.get(name, ()):
-                new = step_edit(out[req.start : req.end].unsqueeze(0), hook)
-                if new is not None:
-                    out[req.start : req.end] = new[0]
+        for step_edits, rows in edits:
+            rows.put(out, _apply(step_edits, rows.take(out), hook))
         return out
+
+
+def _apply(step_edits: list[StepEdit], rows: Tensor, hook: Hook) -> Tensor:
+    """`rows` ([tokens, ...]) with the step edits applied in turn, as a batch of one."""
+    batch = rows.unsqueeze(0)
+    for step_edit in step_edits:
+        new = step_edit(batch, hook)
+        batch = batch if new is None else new
+    return batch[0]
+
+
+def _key(described: dict) -> str:
+    return json.dumps(described, sort_keys=True)

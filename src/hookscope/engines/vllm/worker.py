@@ -6,11 +6,12 @@ arguments and results are plain data (names, tags, tensors): nothing executable 
 so vLLM's default layout (the engine core and its workers in their own processes) works as is.
 
 A forward holds the flattened tokens of many requests (`[num_tokens, ...]`, chunked prefill and
-decode mixed). The model's root pre-hook reads, once per forward, which requests are in it
-(batch.py) and the `positions` the model is called with; each point's hook then copies the token
-rows of the requests this capture tagged (their `SamplingParams.extra_args`) and files them under
-(request, point) with their positions. A capture's edits (edits.py) are attached before its
-hooks, so a captured point that is also edited is kept as edited.
+decode mixed). The model's one root pre-hook (`Forwards`) reads, once per forward, which requests
+are in it and where each one's tokens lie (batch.py), and hands that to the edit path (edits.py)
+and to each capture; a capture's point hooks then copy the token rows of the requests it tagged
+(their `SamplingParams.extra_args`) and file them under (request, point) with their positions. A
+capture's edits are attached before its hooks, so a captured point that is also edited is kept as
+edited.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import math
 import os
 import tempfile
 from collections import defaultdict
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -28,79 +29,80 @@ from ...arch.base import ROOT
 from ...errors import EngineError
 from ...hooks import Hook, Hooks, hook_count
 from . import sharded, tables
-from .batch import InPass, PerRequest, requests_in_pass
+from .batch import InPass, PerRequest, Rows, requests_in_pass
 from .edits import RequestEdits
 
 
-@dataclass
-class _Slot:
+class _Slot(NamedTuple):
     """One tagged request's tokens in this forward: rows [lo, hi) of the forward's kept rows (the
-    tagged requests' rows, gathered once per point), at `positions`."""
+    tagged requests' rows, gathered once per point), at positions from `offset` on."""
 
     index: int
     lo: int
     hi: int
-    positions: Tensor
+    offset: int
 
 
 class Session:
-    """One capture's hooks in one worker, and the rows they filed: (request index, point) -> parts,
-    one per forward that held the request, in the order they ran. `Forwards` hands it each forward's
-    requests (`pass_start`); its requests' edits run on the worker's one edit path (edits.py),
-    attached before its hooks, so a captured point that is also edited is kept as edited."""
+    """One capture's hooks in one worker, and the rows they kept: each point's rows of each forward,
+    cut into each request's parts (one per forward that held it, in the order they ran) by `take`.
+    `Forwards` hands it each forward's requests (`pass_start`); its requests' edits run on the
+    worker's one edit path (edits.py), attached before its hooks, so a captured point that is also
+    edited is kept as edited."""
 
     def __init__(
-        self, runner, model: nn.Module, arch, gathered: dict, names: list[str], run: str, prefill_only: bool
+        self, model: nn.Module, arch, gathered: dict, names: list[str], run: str, prefill_only: bool
     ):
-        self.runner, self.run, self.prefill_only, self.gathered = runner, run, prefill_only, gathered
+        self.run, self.prefill_only, self.gathered = run, prefill_only, gathered
         self.slots: list[_Slot] = []
-        self.rows: Tensor | None = None  # this forward's kept token rows, for one index_select per point
-        self.parts: dict[tuple[int, str], list[tuple[Tensor, Tensor]]] = defaultdict(list)
+        self.rows: Rows | None = None  # this forward's kept token rows, for one gather per point
+        # point -> (its kept rows, the forward's slots) per forward, cut per request in `take`
+        self.kept: dict[str, list[tuple[Tensor, list[_Slot]]]] = defaultdict(list)
         self.hooks = Hooks(model, arch)
         for name in names:
             self.hooks.forward(arch.spec(name), self._keep)
 
-    def pass_start(self, requests: list[InPass], positions: Tensor) -> None:
-        self.slots, rows, kept = [], [], 0
+    def pass_start(self, requests: list[InPass]) -> None:
+        if not self.hooks:  # (a call with edits and nothing to capture)
+            return
+        self.slots, spans, kept = [], [], 0
         for req in requests:
             tag = req.tag
             if tag.get("run") != self.run:
                 continue  # another request (or another capture's): not ours to keep
-            # a copy: `positions` is a view of the runner's buffer, which the next forward overwrites
-            pos = positions[req.start : req.end].to("cpu", copy=True)
-            index = torch.arange(req.start, req.end)
-            if self.prefill_only:
-                prompt = len(req.state.prompt_token_ids or ())
-                if int(pos[-1]) >= prompt:  # decode tokens in this chunk: keep the prompt's only
-                    index, pos = index[pos < prompt], pos[pos < prompt]
-            if pos.numel():
-                self.slots.append(_Slot(int(tag["index"]), kept, kept + pos.numel(), pos))
-                rows.append(index)
-                kept += pos.numel()
-        self.rows = torch.cat(rows) if rows else None
+            n = req.end - req.start
+            if self.prefill_only:  # decode tokens in this chunk: keep the prompt's only
+                n = min(n, len(req.state.prompt_token_ids or ()) - req.offset)
+            if n > 0:
+                self.slots.append(_Slot(int(tag["index"]), kept, kept + n, req.offset))
+                spans.append((req.start, req.start + n))
+                kept += n
+        self.rows = Rows(spans) if spans else None
 
     def _keep(self, act: Tensor, hook: Hook) -> None:
         if self.rows is None:
             return
-        # one gather per point and forward (a copy: vLLM's fused norms write their inputs in place
-        # later in the same forward); each request's part is a slice of it
-        kept = act.detach().index_select(0, self.rows.to(act.device))
+        # one gather per point and forward; each request's part is a slice of it
+        kept = self.rows.take(act.detach())
         name = hook.spec.name
         if name in self.gathered:  # this rank's columns: every rank's, whole
             kept = sharded.gather(kept, self.gathered[name])
-        kept = kept.cpu()
-        for slot in self.slots:
-            self.parts[(slot.index, name)].append((slot.positions, kept[slot.lo : slot.hi]))
+        self.kept[name].append((kept.cpu(), self.slots))
 
     def take(self, expected: dict[int, int]) -> dict[int, dict[str, list[Tensor]]]:
         """Every request's parts per point, checked whole and in order: positions 0..n-1 each exactly
         once (`expected`: request index -> n), never silently short."""
+        # (request index, point) -> (first position, rows) per forward that held the request
+        parts_of: dict[tuple[int, str], list[tuple[int, Tensor]]] = defaultdict(list)
+        for name, forwards in self.kept.items():
+            for kept, slots in forwards:
+                for slot in slots:
+                    parts_of[(slot.index, name)].append((slot.offset, kept[slot.lo : slot.hi]))
         out: dict[int, dict[str, list[Tensor]]] = defaultdict(dict)
-        for (index, name), parts in self.parts.items():
-            positions = torch.cat([p for p, _ in parts])
+        for (index, name), parts in parts_of.items():
+            got = [q for offset, rows in parts for q in range(offset, offset + rows.shape[0])]
             n = expected.get(index)
-            if n is None or not torch.equal(positions, torch.arange(n, dtype=positions.dtype)):
-                got = positions.tolist()
+            if n is None or got != list(range(n)):
                 raise EngineError(
                     f"request {index}, {name}: rows for positions {got[:8]}{'...' if len(got) > 8 else ''} "
                     f"({len(got)} rows), not 0..{(n or 0) - 1} once each in order: vLLM skipped, repeated "
@@ -177,7 +179,7 @@ class Forwards:
         if edits:  # attached before the capture's hooks: a captured point that is edited is kept edited
             self.edits.add_run(run, edits, edit_on)
         try:
-            session = Session(self.runner, self.model, self.arch, self.gathered, names, run, prefill_only)
+            session = Session(self.model, self.arch, self.gathered, names, run, prefill_only)
         except BaseException:
             self.edits.drop_run(run)
             raise
@@ -210,10 +212,8 @@ class Forwards:
     def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         requests = requests_in_pass(self.runner, self.tags)
         self.edits.pass_start(requests, self.runner.requests)
-        if self.sessions:
-            positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
-            for session in self.sessions.values():
-                session.pass_start(requests, positions)
+        for session in self.sessions.values():
+            session.pass_start(requests)
 
 
 class Extension:
