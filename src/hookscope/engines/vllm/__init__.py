@@ -268,19 +268,13 @@ def register_vector(engine, name: str, point: str, vector) -> None:
     Raises:
         EngineError: see `check_engine`; prefix caching on; a vector whose size is not d_model.
         UnknownPointError: a point the model lacks or vLLM never exposes."""
-    call = steer_call(_config(engine), name, point, vector)  # checked before any worker is called
-    engine.collective_rpc("hookscope_name_edit", args=call)
-
-
-def steer_call(config, name: str, point: str, vector) -> tuple:
-    """The arguments of the workers' `hookscope_name_edit` for steering vector `name` (a `Steer` at
-    `point`, scaled per request) on an engine with this `VllmConfig`."""
     import torch
 
     from ...edit import steer
 
     vector = torch.as_tensor(vector, dtype=None if isinstance(vector, torch.Tensor) else torch.float32)
-    return named_edit_call(config, name, steer(point, vector.detach().to("cpu").flatten()))
+    call = named_edit_call(_config(engine), name, steer(point, vector.detach().to("cpu").flatten()))
+    engine.collective_rpc("hookscope_name_edit", args=call)  # (checked before any worker is called)
 
 
 def named_edit_call(config, name: str, edit) -> tuple:
