@@ -138,6 +138,7 @@ class RequestEdits:
         edit = rebuild(described)
         self._refuse_split([edit])
         self.named[name] = edit
+        self.scaled = {key: e for key, e in self.scaled.items() if key[0] != name}  # (registered anew)
         self._attach(edit.point, "")
 
     def add_run(self, run: str, edits: dict, edit_on: str) -> None:
