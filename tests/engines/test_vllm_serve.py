@@ -98,25 +98,31 @@ def completion(server, xargs: dict) -> tuple[list[int], torch.Tensor]:
     return choice["token_ids"], torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float64)
 
 
-@pytest.mark.slow  # one server start: 30-90 s
-def test_requests_at_once_get_what_each_gets_alone_and_what_hugging_face_gets(server):
-    alone = {name: completion(server, xargs) for name, xargs in ASKED.items()}
+def at_once_as_alone(server, asked: dict) -> dict:
+    """Each request of `asked` (name -> vllm_xargs) sent alone, then all at once (started together):
+    each gets at once the tokens and logprobs it gets alone. Returns what each got alone."""
+    alone = {name: completion(server, xargs) for name, xargs in asked.items()}
     together: dict = {}
-    start = threading.Barrier(len(ASKED))
+    start = threading.Barrier(len(asked))
 
     def send(name: str) -> None:
         start.wait()
-        together[name] = completion(server, ASKED[name])
+        together[name] = completion(server, asked[name])
 
-    threads = [threading.Thread(target=send, args=(name,)) for name in ASKED]
+    threads = [threading.Thread(target=send, args=(name,)) for name in asked]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    for name in ASKED:
+    for name in asked:
         assert together[name][0] == alone[name][0], name
         assert_close(together[name][1], alone[name][1], f"{name}: at once vs alone")
+    return alone
 
+
+@pytest.mark.slow  # one server start: 30-90 s
+def test_requests_at_once_get_what_each_gets_alone_and_what_hugging_face_gets(server):
+    alone = at_once_as_alone(server, ASKED)
     hf = hf_model(server.directory)
     for name, xargs in ASKED.items():
         tokens, got = alone[name]
@@ -176,22 +182,7 @@ def hf_tokens(server, hf, edits: list) -> list[int]:
 @pytest.mark.slow
 def test_an_ablated_and_a_steered_request_at_once_get_what_each_gets_alone_and_from_hugging_face(server):
     asked = {"ablated": {"hookscope.ablate.no_head_1": 1}, "steered": {"hookscope.steer.joy": 4.0}}
-    alone = {name: completion(server, xargs) for name, xargs in asked.items()}
-    together: dict = {}
-    start = threading.Barrier(len(asked))
-
-    def send(name: str) -> None:
-        start.wait()
-        together[name] = completion(server, asked[name])
-
-    threads = [threading.Thread(target=send, args=(name,)) for name in asked]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for name in asked:
-        assert together[name][0] == alone[name][0], name
-        assert_close(together[name][1], alone[name][1], f"{name}: at once vs alone")
+    alone = at_once_as_alone(server, asked)
     hf = hf_model(server.directory)
     (point, heads) = ABLATIONS["no_head_1"]
     assert alone["ablated"][0] == hf_tokens(server, hf, [hs.ablate(point, heads=heads)])
