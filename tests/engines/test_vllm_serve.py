@@ -33,6 +33,8 @@ from hookscope.engines.vllm import serve  # noqa: E402
 # name -> (point, seed of its values): two points whose values differ (blocks.1.resid_pre would
 # equal blocks.0.resid_post), so a vector added at the wrong one shows
 VECTORS = {"joy": ("blocks.0.resid_post", 5), "calm": ("blocks.1.resid_post", 6)}
+# name -> (point, heads it zeroes): in the same file, its metadata "ablate:<point>"
+ABLATIONS = {"no_head_1": ("blocks.0.attn.z", [1])}
 PROMPT = [5, 17, 33, 64, 9, 40, 70, 12, 101, 3]
 MAX_TOKENS = 6
 # request -> its vllm_xargs
@@ -58,9 +60,15 @@ def server(tmp_path_factory):
     directory = save("llama", tmp / "llama", seed=3)
     vectors = tmp / "vectors.safetensors"
     save_file(
-        {name: vector(name) for name in VECTORS},
+        {
+            **{name: vector(name) for name in VECTORS},
+            **{name: torch.tensor(heads) for name, (_, heads) in ABLATIONS.items()},
+        },
         vectors,
-        metadata={name: point for name, (point, _) in VECTORS.items()},
+        metadata={
+            **{name: point for name, (point, _) in VECTORS.items()},
+            **{name: serve.ABLATE + point for name, (point, _) in ABLATIONS.items()},
+        },
     )
     proc, url, port = start(directory, serve.serve_flags(vectors), tmp / "server.log")
     try:
@@ -90,25 +98,31 @@ def completion(server, xargs: dict) -> tuple[list[int], torch.Tensor]:
     return choice["token_ids"], torch.tensor(choice["logprobs"]["token_logprobs"], dtype=torch.float64)
 
 
-@pytest.mark.slow  # one server start: 30-90 s
-def test_requests_at_once_get_what_each_gets_alone_and_what_hugging_face_gets(server):
-    alone = {name: completion(server, xargs) for name, xargs in ASKED.items()}
+def at_once_as_alone(server, asked: dict) -> dict:
+    """Each request of `asked` (name -> vllm_xargs) sent alone, then all at once (started together):
+    each gets at once the tokens and logprobs it gets alone. Returns what each got alone."""
+    alone = {name: completion(server, xargs) for name, xargs in asked.items()}
     together: dict = {}
-    start = threading.Barrier(len(ASKED))
+    start = threading.Barrier(len(asked))
 
     def send(name: str) -> None:
         start.wait()
-        together[name] = completion(server, ASKED[name])
+        together[name] = completion(server, asked[name])
 
-    threads = [threading.Thread(target=send, args=(name,)) for name in ASKED]
+    threads = [threading.Thread(target=send, args=(name,)) for name in asked]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
-    for name in ASKED:
+    for name in asked:
         assert together[name][0] == alone[name][0], name
         assert_close(together[name][1], alone[name][1], f"{name}: at once vs alone")
+    return alone
 
+
+@pytest.mark.slow  # one server start: 30-90 s
+def test_requests_at_once_get_what_each_gets_alone_and_what_hugging_face_gets(server):
+    alone = at_once_as_alone(server, ASKED)
     hf = hf_model(server.directory)
     for name, xargs in ASKED.items():
         tokens, got = alone[name]
@@ -156,6 +170,41 @@ def test_the_server_lists_its_vectors(server):
         assert json.loads(r.read()) == {name: point for name, (point, _) in VECTORS.items()}
 
 
+def hf_tokens(server, hf, edits: list) -> list[int]:
+    """Hugging Face's greedy tokens with `edits` on every position (argmax of each forward)."""
+    ids = list(PROMPT)
+    with torch.no_grad(), hs.edit(hf, *edits):
+        for _ in range(MAX_TOKENS):
+            ids.append(int(hf(torch.tensor([ids])).logits[0, -1].argmax()))
+    return ids[len(PROMPT) :]
+
+
+@pytest.mark.slow
+def test_an_ablated_and_a_steered_request_at_once_get_what_each_gets_alone_and_from_hugging_face(server):
+    asked = {"ablated": {"hookscope.ablate.no_head_1": 1}, "steered": {"hookscope.steer.joy": 4.0}}
+    alone = at_once_as_alone(server, asked)
+    hf = hf_model(server.directory)
+    (point, heads) = ABLATIONS["no_head_1"]
+    assert alone["ablated"][0] == hf_tokens(server, hf, [hs.ablate(point, heads=heads)])
+    assert alone["steered"][0] == hf_tokens(
+        server, hf, [hs.steer(VECTORS["joy"][0], vector("joy"), scale=4.0)]
+    )
+    plain = hf_tokens(server, hf, [])
+    assert alone["ablated"][0] != plain, "the ablation changed no token: the test cannot tell"
+    assert completion(server, {"hookscope.ablate.no_head_1": 0})[0] == plain, "0 asks for no ablation"
+
+
+@pytest.mark.slow
+def test_an_unknown_ablation_gets_400_listing_the_known_ones(server):
+    status, body = post(server, {"hookscope.ablate.no_head_9": 1})
+    assert status == 400, body
+    assert "unknown ablation 'no_head_9': this server has no_head_1" in json.dumps(body), body
+    status, body = post(server, {"hookscope.ablate.no_head_1": 2})
+    assert status == 400 and "takes 1 (ablate) or 0" in json.dumps(body), body
+    with urllib.request.urlopen(server.url + serve.ABLATIONS_ROUTE, timeout=30) as r:
+        assert json.loads(r.read()) == {name: point for name, (point, _) in ABLATIONS.items()}
+
+
 # ---- the checks that need no server ----
 
 
@@ -173,6 +222,24 @@ def test_a_vectors_file_without_points_or_of_matrices_is_refused(tmp_path):
     (tmp_path / "c").write_bytes(b"\x00" * 64)
     with pytest.raises(hs.EngineError, match="is not a safetensors file"):
         serve.read_vectors(tmp_path / "c")
+
+
+def test_an_ablation_in_the_vectors_file_is_read_as_hs_ablate(tmp_path):
+    from safetensors.torch import save_file
+
+    meta = {"heads": "ablate:blocks.0.attn.z", "whole": "ablate:blocks.1.mlp.out"}
+    save_file(
+        {"heads": torch.tensor([1, 3]), "whole": torch.zeros(0, dtype=torch.int64)},
+        tmp_path / "a",
+        metadata=meta,
+    )
+    assert serve.read_vectors(tmp_path / "a") == {
+        "heads": hs.ablate("blocks.0.attn.z", heads=[1, 3]),
+        "whole": hs.ablate("blocks.1.mlp.out"),
+    }
+    save_file({"heads": torch.tensor([1.0])}, tmp_path / "b", metadata={"heads": "ablate:blocks.0.attn.z"})
+    with pytest.raises(hs.EngineError, match="lists the heads it zeroes as integers"):
+        serve.read_vectors(tmp_path / "b")
 
 
 def config(processors=(serve.CHECK,), additional=None, prefix_caching=False):

@@ -185,4 +185,4 @@ def test_a_capture_the_server_cannot_write_is_refused(xargs, store, n, says):
     params = types.SimpleNamespace(extra_args=xargs, n=n)
     with pytest.raises(ValueError, match=says.replace("(", r"\(").replace(")", r"\)")):
         serve.check_capture(params, store)
-    serve.check_request(xargs, {})  # the capture keys are hookscope's: not refused as misspelt
+    serve.check_request(xargs, {}, {})  # the capture keys are hookscope's: not refused as misspelt

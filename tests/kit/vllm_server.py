@@ -44,7 +44,9 @@ def wait_healthy(proc: subprocess.Popen, url: str, log, timeout: float = 600.0) 
 
 
 def stop(proc: subprocess.Popen) -> None:
-    """The server's whole process group (API server, engine core, workers), TERM then KILL."""
+    """The server's whole process group (API server, engine core, workers), TERM then KILL, and
+    waited for: the workers may outlive the API server (a store's last shard is committed as the
+    first worker exits)."""
     if proc.poll() is None:
         os.killpg(proc.pid, signal.SIGTERM)
         try:
@@ -52,6 +54,24 @@ def stop(proc: subprocess.Popen) -> None:
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(30)
+    deadline = time.monotonic() + 60
+    while _group_running(proc.pid):
+        if time.monotonic() > deadline:
+            os.killpg(proc.pid, signal.SIGKILL)
+            break
+        time.sleep(0.2)
+
+
+def _group_running(group: int) -> bool:
+    """Whether a process of `group` still runs (a zombie, done but not yet reaped, does not)."""
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue  # (gone while we looked)
+        if int(fields[2]) == group and fields[0] != "Z":
+            return True
+    return False
 
 
 def start(directory: Path, flags: list[str], log: Path) -> tuple[subprocess.Popen, str, int]:

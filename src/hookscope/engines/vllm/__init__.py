@@ -14,6 +14,7 @@ class's module, so the front (`hs.collect`) costs an nn.Module one attribute rea
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import uuid
 from collections.abc import Sequence
 from typing import Any
@@ -27,7 +28,7 @@ from ...optional_imports import require
 from ...selection import Heads, Positions, Selection
 from . import liveness, tables
 from .batch import TAG
-from .edits import check_width, check_writable, describe, describe_selection
+from .edits import describe, describe_selection
 from .liveness import shut_down as shut_down  # a public verb of this module
 from .worker import discard, take_over
 
@@ -332,20 +333,22 @@ def register_vector(engine, name: str, point: str, vector) -> None:
     Raises:
         EngineError: see `check_engine`; prefix caching on; a vector whose size is not d_model.
         UnknownPointError: a point the model lacks or vLLM never exposes."""
-    call = steer_call(_config(engine), name, point, vector)  # checked before any worker is called
-    engine.collective_rpc("hookscope_steer", args=call)
+    import torch
+
+    from ...edit import steer
+
+    vector = torch.as_tensor(vector, dtype=None if isinstance(vector, torch.Tensor) else torch.float32)
+    call = named_edit_call(_config(engine), name, steer(point, vector.detach().to("cpu").flatten()))
+    engine.collective_rpc("hookscope_name_edit", args=call)  # (checked before any worker is called)
 
 
-def steer_call(config, name: str, point: str, vector) -> tuple:
-    """The arguments of the workers' `hookscope_steer` for an engine with this `VllmConfig`: plain
-    data (names and the vector's values), checked before any worker is called."""
-    refuse_prefix_caching(config, "steering")
+def named_edit_call(config, name: str, edit) -> tuple:
+    """The arguments of the workers' `hookscope_name_edit` for `edit` registered as `name` on an engine
+    with this `VllmConfig`: plain data, checked before any worker is called."""
+    refuse_prefix_caching(config, "named edits")
     architecture, arch = check_config(config)
-    (point,) = resolve(arch, point).values()
-    check_writable(arch.spec(point))
-    values = vector.detach().to("cpu").flatten().tolist() if hasattr(vector, "detach") else list(vector)
-    check_width(arch, point, len(values))
-    return architecture, name, point, values
+    (point,) = resolve(arch, edit.point).values()
+    return architecture, name, describe(dataclasses.replace(edit, point=point), arch)
 
 
 def steering(*vectors: tuple[str, float]) -> dict:

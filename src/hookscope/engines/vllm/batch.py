@@ -4,19 +4,24 @@ A forward holds the flattened tokens of many requests (`[num_tokens, ...]`, chun
 decode mixed). Before the model runs, the model runner's batch says which requests are in it (in
 order), where each one's tokens start (`query_start_loc`) and how many of its tokens earlier
 forwards computed (its first position here); a request's `SamplingParams.extra_args["hookscope"]`
-says what hookscope is to do with it.
+says what hookscope is to do with it: read once per request (its extra_args do not change
+between its forwards), kept by request id while the request lives (`PerRequest`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import torch
+from torch import Tensor
 
 TAG = "hookscope"  # the key of a request's SamplingParams.extra_args that hookscope reads
-# the OpenAI server's `vllm_xargs` hold no nested dicts: a served request asks for a vector with one
-# flat key per vector, {"hookscope.steer.<name>": scale}
+# the OpenAI server's `vllm_xargs` hold no nested dicts: a served request asks for a named edit with
+# one flat key per edit, {"hookscope.steer.<name>": scale} or {"hookscope.ablate.<name>": 1}
 STEER_KEY = TAG + ".steer."
+ABLATE_KEY = TAG + ".ablate."
+FLAT_KEYS = {"steer": STEER_KEY, "ablate": ABLATE_KEY}  # the tag's entry -> its flat key's prefix
 # a served request's prompt rows go into the server's store: {"hookscope.capture": 1}, filed under its
 # request id or under {"hookscope.capture_id": "..."} (capture_store.py)
 CAPTURE_KEY = TAG + ".capture"
@@ -24,32 +29,35 @@ CAPTURE_ID_KEY = TAG + ".capture_id"
 
 
 def tag_of(extra: dict) -> dict | None:
-    """What hookscope is to do with a request: its tag, with the vectors HTTP's flat keys ask for
-    under "steer" and its store capture under "capture" (the capture id it gave, or None); None for
-    a request hookscope has nothing to do with."""
+    """What hookscope is to do with a request: its tag, with the named edits HTTP's flat keys ask for
+    under "steer" / "ablate" ([name, value] pairs) and its store capture under "capture" (the capture
+    id it gave, or None); None for a request hookscope has nothing to do with."""
     tag = extra.get(TAG)
     tag = dict(tag) if isinstance(tag, dict) else None
-    flat = [[key[len(STEER_KEY) :], value] for key, value in extra.items() if key.startswith(STEER_KEY)]
-    if flat:
-        tag = tag or {}
-        tag["steer"] = [*tag.get("steer", ()), *flat]
+    for entry, prefix in FLAT_KEYS.items():
+        flat = [[key[len(prefix) :], value] for key, value in extra.items() if key.startswith(prefix)]
+        if flat:
+            tag = tag or {}
+            tag[entry] = [*tag.get(entry, ()), *flat]
     if extra.get(CAPTURE_KEY):
         tag = tag or {}
         tag["capture"] = extra.get(CAPTURE_ID_KEY)
     return tag
 
 
-def steering_asked(extra: dict | None) -> list[tuple[str, float]]:
-    """The (vector name, scale) pairs a request's `extra_args` ask for: `{"hookscope": {"steer":
-    [[name, scale], ...]}}` (the Python API's) and `{"hookscope.steer.<name>": scale}` (HTTP's)."""
+def named_asked(extra: dict | None, entry: str) -> list[tuple[str, Any]]:
+    """The (name, value) pairs a request's `extra_args` ask for under `entry` ("steer": vector name
+    and scale; "ablate": ablation name and 1 / 0): `{"hookscope": {entry: [[name, value], ...]}}`
+    (the Python API's) and `{"hookscope.<entry>.<name>": value}` (HTTP's)."""
     tag = tag_of(extra or {})
-    return [tuple(pair) for pair in tag.get("steer", ())] if tag else []
+    return [tuple(pair) for pair in tag.get(entry, ())] if tag else []
 
 
-@dataclass(frozen=True)
-class InPass:
-    """One request's tokens in this forward: rows [start, end), at positions from `offset` on."""
+class InPass(NamedTuple):
+    """One request's tokens in this forward: rows [start, end), at positions from `offset` on (the
+    tokens earlier forwards computed: vLLM's positions of a request's tokens count on from there)."""
 
+    req_id: str
     tag: dict
     start: int
     end: int
@@ -57,15 +65,78 @@ class InPass:
     state: Any  # the model runner's state of the request (its prompt's token ids)
 
 
-def requests_in_pass(runner) -> Iterator[InPass]:
-    """The requests of the forward about to run that carry a hookscope tag, in the forward's order."""
+class PerRequest:
+    """Something made once per request and kept while the request lives: keyed by vLLM's request id,
+    checked against the runner's state of the request (an id reused by a new request is made anew),
+    and forgotten once the runner no longer holds the request."""
+
+    def __init__(self):
+        self.made: dict[str, tuple[Any, Any]] = {}  # request id -> (its runner state, what was made)
+
+    def get(self, req_id: str, state: Any, make: Callable[[], Any]) -> Any:
+        kept = self.made.get(req_id)
+        if kept is not None and kept[0] is state:
+            return kept[1]
+        value = make()
+        self.made[req_id] = (state, value)
+        return value
+
+    def forget_finished(self, live: Any) -> None:
+        """Drop what was made for requests not in `live` (the runner's requests), once they pile up."""
+        if len(self.made) > 2 * len(live) + 64:
+            self.made = {req_id: kept for req_id, kept in self.made.items() if req_id in live}
+
+
+def _tag(state: Any) -> dict | None:
+    extra = state.sampling_params.extra_args if state.sampling_params is not None else None
+    return tag_of(extra) if extra else None
+
+
+def requests_in_pass(runner, tags: PerRequest) -> list[InPass]:
+    """The requests of the forward about to run that carry a hookscope tag, in the forward's order;
+    `tags` keeps each request's tag, read on its first forward."""
     batch = runner.input_batch
     n = batch.num_reqs
-    starts = runner.query_start_loc.cpu[: n + 1].tolist()
+    tags.forget_finished(runner.requests)
+    found, starts = [], None
     for i, req_id in enumerate(batch.req_ids[:n]):
         state = runner.requests[req_id]
-        extra = (state.sampling_params.extra_args or {}) if state.sampling_params is not None else {}
-        tag = tag_of(extra)
-        if tag is not None:
-            offset = int(batch.num_computed_tokens_cpu[i])
-            yield InPass(tag, starts[i], starts[i + 1], offset, state)
+        tag = tags.get(req_id, state, lambda state=state: _tag(state))
+        if tag is None:
+            continue
+        if starts is None:  # (read only for a forward that holds a tagged request)
+            starts = runner.query_start_loc.cpu[: n + 1].tolist()
+            computed = batch.num_computed_tokens_cpu[:n].tolist()
+        found.append(InPass(req_id, tag, starts[i], starts[i + 1], computed[i], state))
+    return found
+
+
+class Rows:
+    """Some token rows of a forward, spans [start, end) in the forward's order: read and written as one
+    slice where the spans touch (the usual case: a call's requests run side by side), else through
+    one index."""
+
+    def __init__(self, spans: list[tuple[int, int]]):
+        merged: list[list[int]] = []
+        for start, end in spans:
+            if merged and merged[-1][1] == start:
+                merged[-1][1] = end
+            else:
+                merged.append([start, end])
+        self.span = tuple(merged[0]) if len(merged) == 1 else None
+        self.index = None if self.span else torch.cat([torch.arange(s, e) for s, e in merged])
+
+    def covers(self, n: int) -> bool:
+        return self.span == (0, n)
+
+    def take(self, act: Tensor) -> Tensor:
+        """The rows of `act`, a copy (vLLM writes some activations in place later in the forward)."""
+        if self.span is not None:
+            return act[self.span[0] : self.span[1]].clone()
+        return act.index_select(0, self.index.to(act.device))
+
+    def put(self, out: Tensor, new: Tensor) -> None:
+        if self.span is not None:
+            out[self.span[0] : self.span[1]] = new
+        else:
+            out.index_copy_(0, self.index.to(out.device), new)

@@ -2,7 +2,8 @@
 
 The caller describes each `Edit` as plain data (`describe`: its kind's name and its dataclass
 fields, tensors as lists of numbers) and the workers rebuild the same `Edit` from it (`rebuild`):
-nothing executable crosses processes. In the worker, `RequestEdits` applies a request's edits with
+nothing executable crosses processes. In the worker, `RequestEdits` applies a request's edits (the
+named ones it asks for and those its call gave) with
 the generation code's own `StepEdit` (the edit asked, before each forward, what it writes on the
 positions this forward holds of the request: `Edit.step`), to that request's token rows only, as a
 `[1, tokens, ...]` batch of one: what Hugging Face's `hs.generate` runs for that request alone.
@@ -12,20 +13,21 @@ A capture's `Selection` crosses the same way (`describe_selection`).
 from __future__ import annotations
 
 import dataclasses
+import json
 from collections.abc import Collection
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from ...arch.base import ROOT, Arch
+from ...arch.base import Arch
 from ...edit import Ablate, Edit, Patch, Steer
 from ...errors import EngineError
 from ...generate.edits import StepEdit, check
 from ...hooks import Hook, Hooks
 from ...selection import Selection
 from . import tables
-from .batch import InPass, requests_in_pass
+from .batch import InPass, PerRequest, Rows
 
 KINDS = {kind.__name__: kind for kind in (Steer, Ablate, Patch)}  # what a worker rebuilds, by name
 
@@ -135,67 +137,158 @@ def rebuild_selection(plain: dict | None) -> Selection:
 
 
 class RequestEdits:
-    """One call's edits in one worker: request index -> its edits (described), each rebuilt as a
-    `StepEdit` the first time a forward holds the request, and applied on every forward that does."""
+    """The one edit path of a worker: each request's edits, applied by the generation code's
+    `StepEdit` on that request's token rows only. A request's edits come from its tag: the named
+    edits it asks for (registered at start, `name`: a steering vector at a scale, an ablation) and
+    the edits its call gave (`add_run`: request index -> edits, with the call's `edit_on`). They are
+    built once per request (`PerRequest`) and prepared on every forward that holds it."""
 
-    def __init__(
-        self,
-        runner,
-        model: nn.Module,
-        arch: Arch,
-        hooks: Hooks,
-        run: str,
-        edits: dict,
-        edit_on: str,
-        split: Collection[str] = (),
-    ):
-        self.runner, self.model, self.arch, self.run, self.edit_on = runner, model, arch, run, edit_on
-        self.described = {int(index): [rebuild(e) for e in described] for index, described in edits.items()}
-        on_slices = sorted(
-            {arch.spec(e.point).name for one in self.described.values() for e in one} & set(split)
-        )
+    def __init__(self, model: nn.Module, arch: Arch, split: Collection[str] = ()):
+        self.model, self.arch, self.split = model, arch, frozenset(split)
+        self.named: dict[str, Edit] = {}
+        self.runs: dict[str, tuple[dict[int, list[Edit]], str]] = {}  # run -> (index -> edits, edit_on)
+        self.scaled: dict[tuple[str, float], Edit] = {}  # a named vector at a scale, one for every request
+        # an edit that writes the same on every pass and position (`StepEdit.fixed`): one step edit for
+        # every request that has it, applied to all their rows at once. id(edit) -> (edit, step edit)
+        self.shared: dict[int, tuple[Edit, StepEdit]] = {}
+        self.built = PerRequest()  # request id -> point -> its step edits
+        self.points: dict[str, tuple[Hooks, set[str]]] = {}  # point -> (its one hook, who needs it)
+        self.now: dict[str, list[tuple[list[StepEdit], Rows]]] = {}  # this forward: point -> edits, rows
+
+    def active(self) -> bool:
+        return bool(self.named or self.runs)
+
+    def name(self, name: str, described: dict) -> None:
+        """Register a named edit (a `describe`d Steer or Ablate) that requests ask for by name."""
+        edit = rebuild(described)
+        self._refuse_split([edit])
+        self.named[name] = edit
+        self.scaled = {key: e for key, e in self.scaled.items() if key[0] != name}  # (registered anew)
+        self._attach(edit.point, "")
+
+    def add_run(self, run: str, edits: dict, edit_on: str) -> None:
+        """The edits of one call (request index -> described edits), before its requests run."""
+        once: dict[str, Edit] = {}  # an edit given to several requests is rebuilt once (and shared)
+        for described in (e for one in edits.values() for e in one):
+            once.setdefault(_key(described), rebuild(described))
+        rebuilt = {int(index): [once[_key(e)] for e in one] for index, one in edits.items()}
+        self._refuse_split([e for one in rebuilt.values() for e in one])
+        self.runs[run] = (rebuilt, edit_on)
+        for edit in (e for one in rebuilt.values() for e in one):
+            self._attach(edit.point, run)
+
+    def drop_run(self, run: str) -> None:
+        edits, _ = self.runs.pop(run, ({}, ""))
+        gone = {id(e) for one in edits.values() for e in one}
+        self.shared = {key: kept for key, kept in self.shared.items() if key not in gone}
+        for point, (hooks, owners) in list(self.points.items()):
+            owners.discard(run)
+            if not owners:
+                hooks.remove()
+                del self.points[point]
+
+    def _refuse_split(self, edits: list[Edit]) -> None:
+        on_slices = sorted({self.arch.spec(e.point).name for e in edits} & self.split)
         if on_slices:  # before any hook: a tensor-parallel rank holds a slice of these, the edit the whole
             raise EngineError(
                 f"edits at {', '.join(on_slices)} on a tensor-parallel engine, whose ranks each hold a slice "
                 "of them: edit a point every rank holds whole (resid_*, attn.out, mlp.out) or use "
                 "tensor_parallel_size=1"
             )
-        self.built: dict[int, dict[str, list[StepEdit]]] = {}  # request index -> point -> its step edits
-        self.now: list[tuple[InPass, dict[str, list[StepEdit]]]] = []  # this forward's edited requests
-        hooks.module_pre_forward(ROOT, self._pass_start)
-        for name in dict.fromkeys(e.point for edits in self.described.values() for e in edits):
-            hooks.forward(arch.spec(name), self._edit)
 
-    def _built(self, index: int, req: InPass) -> dict[str, list[StepEdit]]:
-        if index not in self.built:
-            # the prompt's length as the caller counts it (a follow-up pass over prompt + generated
-            # tokens says so), for edit_on
-            prompt = req.tag.get("prompt_length") or len(req.state.prompt_token_ids or ())
-            per_point: dict[str, list[StepEdit]] = {}
-            for edit in self.described[index]:
-                step_edit = StepEdit.checked(edit, self.arch, self.model, self.edit_on, prompt)
-                per_point.setdefault(step_edit.spec.name, []).append(step_edit)
-            self.built[index] = per_point
-        return self.built[index]
+    def _attach(self, point: str, owner: str) -> None:
+        """One hook per point, whoever needs it (`owner`: a run, or "" for the named edits)."""
+        spec = self.arch.spec(point)
+        if spec.name not in self.points:
+            hooks = Hooks(self.model, self.arch)
+            hooks.forward(spec, self._edit)
+            self.points[spec.name] = (hooks, set())
+        self.points[spec.name][1].add(owner)
 
-    def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self.now = []
-        for req in requests_in_pass(self.runner):
-            index = req.tag.get("index")
-            if req.tag.get("run") != self.run or index not in self.described:
-                continue
-            per_point = self._built(index, req)
-            for step_edits in per_point.values():
+    def _asked(self, req: InPass) -> list[tuple[Edit, str]]:
+        """The edits a request's tag asks for, each with the part of the sequence it edits."""
+        asked = []
+        for name, scale in req.tag.get("steer", ()):
+            if (name, float(scale)) not in self.scaled:
+                edit = self._named(name, Steer, "steering vector")
+                self.scaled[(name, float(scale))] = dataclasses.replace(edit, scale=edit.scale * float(scale))
+            asked.append((self.scaled[(name, float(scale))], "both"))
+        for name, on in req.tag.get("ablate", ()):
+            if on:
+                asked.append((self._named(name, Ablate, "ablation"), "both"))
+        run = self.runs.get(req.tag.get("run"))
+        if run is not None:
+            edits, edit_on = run
+            asked += [(edit, edit_on) for edit in edits.get(req.tag.get("index"), ())]
+        return asked
+
+    def _named(self, name: str, kind: type, what: str) -> Edit:
+        edit = self.named.get(name)
+        if not isinstance(edit, kind):
+            known = sorted(n for n, e in self.named.items() if isinstance(e, kind))
+            raise EngineError(
+                f"a request asks for {what} {name!r}, which this engine has not registered "
+                f"(it has: {', '.join(known) or 'none'})"
+            )
+        return edit
+
+    def _build(self, req: InPass) -> dict[str, list[StepEdit]]:
+        # the prompt's length as the caller counts it (a follow-up pass over prompt + generated tokens
+        # says so), for edit_on
+        prompt = req.tag.get("prompt_length") or len(req.state.prompt_token_ids or ())
+        per_point: dict[str, list[StepEdit]] = {}
+        for edit, edit_on in self._asked(req):
+            kept = self.shared.get(id(edit))
+            if kept is not None and kept[0] is edit and edit_on == "both":
+                step_edit = kept[1]
+            else:
+                step_edit = StepEdit.checked(edit, self.arch, self.model, edit_on, prompt)
+                if step_edit.fixed:
+                    self.shared[id(edit)] = (edit, step_edit)
+            per_point.setdefault(step_edit.spec.name, []).append(step_edit)
+        return per_point
+
+    def pass_start(self, requests: list[InPass], live: Collection[str]) -> None:
+        """Before a forward: each of its requests' step edits decided for the positions it holds, and
+        the requests whose one edit at a point is a shared fixed one gathered to be edited at once."""
+        self.built.forget_finished(live)
+        alone: dict[str, list[tuple[list[StepEdit], Rows]]] = {}
+        together: dict[str, dict[StepEdit, list[tuple[int, int]]]] = {}
+        for req in requests:
+            per_point = self.built.get(req.req_id, req.state, lambda req=req: self._build(req))
+            for point, step_edits in per_point.items():
+                if len(step_edits) == 1 and step_edits[0].fixed:
+                    together.setdefault(point, {}).setdefault(step_edits[0], []).append((req.start, req.end))
+                    continue
                 for step_edit in step_edits:
                     step_edit.prepare(req.offset, req.offset + req.end - req.start)
-            self.now.append((req, per_point))
+                alone.setdefault(point, []).append((step_edits, Rows([(req.start, req.end)])))
+        for point, groups in together.items():
+            alone.setdefault(point, []).extend(
+                ([step_edit], Rows(spans)) for step_edit, spans in groups.items()
+            )
+        self.now = alone
 
     def _edit(self, act: Tensor, hook: Hook) -> Tensor | None:
-        out = None
-        for req, per_point in self.now:
-            for step_edit in per_point.get(hook.spec.name, ()):
-                out = act.clone() if out is None else out
-                new = step_edit(out[req.start : req.end].unsqueeze(0), hook)
-                if new is not None:
-                    out[req.start : req.end] = new[0]
+        edits = self.now.get(hook.spec.name)
+        if not edits:
+            return None
+        if len(edits) == 1 and edits[0][1].covers(act.shape[0]):  # one edit on every row: no copy first
+            return _apply(edits[0][0], act, hook)
+        out = act.clone()
+        for step_edits, rows in edits:
+            rows.put(out, _apply(step_edits, rows.take(out), hook))
         return out
+
+
+def _apply(step_edits: list[StepEdit], rows: Tensor, hook: Hook) -> Tensor:
+    """`rows` ([tokens, ...]) with the step edits applied in turn, as a batch of one."""
+    batch = rows.unsqueeze(0)
+    for step_edit in step_edits:
+        new = step_edit(batch, hook)
+        batch = batch if new is None else new
+    return batch[0]
+
+
+def _key(described: dict) -> str:
+    return json.dumps(described, sort_keys=True)

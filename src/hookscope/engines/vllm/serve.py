@@ -1,4 +1,5 @@
-"""hookscope under `vllm serve`: steering vectors registered by name at start, asked for per request.
+"""hookscope under `vllm serve`: steering vectors and ablations registered by name at start, asked
+for per request.
 
     VLLM_PLUGINS=hookscope vllm serve MODEL --enforce-eager --no-enable-prefix-caching \\
         --worker-extension-cls hookscope.engines.vllm.worker.Extension \\
@@ -9,19 +10,25 @@ Three pieces of vLLM's plugin system, each given by name on the command line (`s
 
 - `Plugin`, a `vllm.endpoint_plugins` entry point (pyproject.toml; vLLM loads one only when
   `VLLM_PLUGINS` names it): at start, in the API server, it reads the vectors file and registers
-  each vector in the workers through the worker extension's `hookscope_steer`, the path
-  `register_vector` takes; `GET /hookscope/vectors` lists them.
+  each vector and ablation in the workers as a named edit (the worker extension's
+  `hookscope_name_edit`, the path `register_vector` takes); `GET /hookscope/vectors` and
+  `GET /hookscope/ablations` list them.
 - `RequestCheck`, a logits processor that changes no logits: vLLM runs its `validate_params` in the
   API server on every request, so a request naming an unknown vector or a bad scale gets HTTP 400
   before it reaches the engine.
-- The worker extension (worker.py), which adds each vector on its requests' tokens only, and, where
-  the operator names a store and its points, writes the prompt rows of the requests that ask
+- The worker extension (worker.py), whose one edit path (edits.py) applies each request's named
+  edits on its own tokens only, as `hs.steer` / `hs.ablate` on that request alone, and, where the
+  operator names a store and its points, writes the prompt rows of the requests that ask
   (`"hookscope.capture": 1`) into it (capture_store.py).
 
-The vectors file is a safetensors file: each tensor a vector, `[d_model]`, named by its tensor name,
-and the file's metadata maps that name to the point it is added at (`{"joy": "blocks.0.resid_post"}`).
-A request asks for vectors in its `vllm_xargs`, one key per vector: `{"hookscope.steer.joy": 4.0}`.
-Only names, numbers and a file path cross processes or the wire: nothing executable.
+The vectors file is a safetensors file: each tensor named by its tensor name, the file's metadata
+mapping that name to what it is. A steering vector is `[d_model]` floats, its metadata the point it
+is added at (`{"joy": "blocks.0.resid_post"}`); an ablation is a 1-D integer tensor of the heads it
+zeroes (empty: the whole point), its metadata `"ablate:<point>"` (`{"no_head_1":
+"ablate:blocks.0.attn.z"}`). A request asks in its `vllm_xargs`, one key per edit:
+`{"hookscope.steer.joy": 4.0}` (the scale), `{"hookscope.ablate.no_head_1": 1}` (1 or true: ablate;
+0 or false: leave it out). Only names, numbers and a file path cross processes or the wire: nothing
+executable.
 """
 
 from __future__ import annotations
@@ -33,11 +40,12 @@ from typing import Any
 
 import torch
 
+from ...edit import Edit, ablate, steer
 from ...errors import EngineError
 from ...loading import sha256_text
 from ...store.resume import plan_for
-from . import EXTENSION, capture_store, check_config, check_version, resolve, steer_call
-from .batch import CAPTURE_ID_KEY, CAPTURE_KEY, STEER_KEY, TAG, steering_asked
+from . import EXTENSION, capture_store, check_config, check_version, named_edit_call, resolve
+from .batch import ABLATE_KEY, CAPTURE_ID_KEY, CAPTURE_KEY, STEER_KEY, TAG, named_asked
 
 # vLLM's logits processor class is this module's base: without vLLM (or with another release) the
 # import stops here, naming what to install
@@ -49,6 +57,8 @@ CHECK = "hookscope.engines.vllm.serve:RequestCheck"
 # {"hookscope": {"store": dir, "points": [...], "shard_rows": n}} (capture_store.py, `store_call`)
 CONFIG_KEY = "hookscope"
 ROUTE = "/hookscope/vectors"
+ABLATIONS_ROUTE = "/hookscope/ablations"
+ABLATE = "ablate:"  # the metadata of an ablation in the vectors file: "ablate:<point>"
 
 STORE_HOW = (
     'serve with --additional-config \'{"hookscope": {"store": "DIR", "points": ["blocks.1.resid_post"]}}\' '
@@ -165,45 +175,65 @@ def serve_flags(
     ]
 
 
-def read_vectors(path: str | Path) -> dict[str, tuple[str, torch.Tensor]]:
-    """{name: (point, vector)} from a safetensors file: tensor name = vector name, the file's
-    metadata maps each name to its point. Raises EngineError naming what is wrong and the fix."""
+def read_vectors(path: str | Path) -> dict[str, Edit]:
+    """{name: edit} from a safetensors file: tensor name = edit name, the file's metadata maps each
+    name to its point (a steering vector, `[d_model]` floats) or to "ablate:<point>" (an ablation of
+    the heads a 1-D integer tensor lists, of the whole point where it is empty). Raises EngineError
+    naming what is wrong and the fix."""
     from safetensors import SafetensorError, safe_open
 
-    how = "write it with safetensors.torch.save_file({name: vector, ...}, path, metadata={name: point, ...})"
+    how = (
+        "write it with safetensors.torch.save_file({name: vector or head indices, ...}, path, "
+        'metadata={name: point or "ablate:<point>", ...})'
+    )
     if not Path(path).is_file():
         raise EngineError(f"no vectors file {str(path)!r}: {how}")
     try:
         with safe_open(str(path), framework="pt") as f:
             points = f.metadata() or {}
-            vectors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
+            tensors = {name: f.get_tensor(name) for name in f.keys()}  # noqa: SIM118 (not a dict)
     except SafetensorError as e:
         raise EngineError(f"{str(path)!r} is not a safetensors file ({e}): {how}") from e
-    if not vectors:
+    if not tensors:
         raise EngineError(f"{str(path)!r} holds no vectors: {how}")
-    unplaced = sorted(set(vectors) - set(points))
+    unplaced = sorted(set(tensors) - set(points))
     if unplaced:
         raise EngineError(f"{str(path)!r} gives no point for {', '.join(unplaced)}: {how}")
-    flat = sorted(name for name, v in vectors.items() if v.dim() != 1)
+    flat = sorted(name for name, v in tensors.items() if v.dim() != 1)
     if flat:
         raise EngineError(
             f"{', '.join(flat)} in {str(path)!r} are not vectors (one dimension, d_model): {how}"
         )
-    return {name: (points[name], vector.float()) for name, vector in vectors.items()}
+    return {name: _named_edit(name, points[name], t, how) for name, t in tensors.items()}
 
 
-def check_request(extra: dict[str, Any] | None, known: dict[str, str]) -> None:
-    """Raises ValueError (vLLM's HTTP 400) for a request's extra arguments that name a vector this
-    server lacks, give a scale that is not a finite number, or are a hookscope key of no known shape."""
+def _named_edit(name: str, meaning: str, tensor: torch.Tensor, how: str) -> Edit:
+    if not meaning.startswith(ABLATE):
+        return steer(meaning, tensor.float())
+    if tensor.is_floating_point():
+        raise EngineError(
+            f"ablation {name!r} holds {tensor.dtype} values: it lists the heads it zeroes as integers "
+            f"(an empty tensor: the whole point): {how}"
+        )
+    heads = tensor.tolist()
+    return ablate(meaning.removeprefix(ABLATE), heads=heads or None)
+
+
+def check_request(extra: dict[str, Any] | None, known: dict[str, str], ablations: dict[str, str]) -> None:
+    """Raises ValueError (vLLM's HTTP 400) for a request's extra arguments that name a vector or
+    ablation this server lacks, give a scale that is not a finite number or an ablation's value
+    other than 1 / 0, or are a hookscope key of no known shape."""
     listing = ", ".join(sorted(known)) or "none"
+    ablation_listing = ", ".join(sorted(ablations)) or "none"
+    both = f"(this server's vectors: {listing}; ablations: {ablation_listing})"
     for key in extra or {}:
-        ours = key in (TAG, CAPTURE_KEY, CAPTURE_ID_KEY) or key.startswith(STEER_KEY)
+        ours = key in (TAG, CAPTURE_KEY, CAPTURE_ID_KEY) or key.startswith((STEER_KEY, ABLATE_KEY))
         if key.startswith(TAG) and not ours:
             raise ValueError(
                 f"unknown hookscope argument {key!r}: ask for a vector with "
-                f'"{STEER_KEY}<name>": scale in vllm_xargs (this server\'s vectors: {listing})'
+                f'"{STEER_KEY}<name>": scale or an ablation with "{ABLATE_KEY}<name>": 1 in vllm_xargs {both}'
             )
-    for name, scale in steering_asked(extra):
+    for name, scale in named_asked(extra, "steer"):
         if not known:
             raise ValueError(
                 f"this server has no steering vectors, so {name!r} cannot be applied: start it with "
@@ -211,12 +241,23 @@ def check_request(extra: dict[str, Any] | None, known: dict[str, str]) -> None:
             )
         if name not in known:
             raise ValueError(
-                f"unknown steering vector {name!r}: this server has {listing} (GET {ROUTE} lists them)"
+                f"unknown steering vector {name!r}: this server has {listing} (GET {ROUTE}) {both}"
             )
         if isinstance(scale, bool) or not isinstance(scale, int | float) or not math.isfinite(scale):
             raise ValueError(
                 f"the scale of steering vector {name!r} must be a finite number, got {scale!r}: "
                 f'e.g. "{STEER_KEY}{name}": 4.0'
+            )
+    for name, on in named_asked(extra, "ablate"):
+        if name not in ablations:
+            raise ValueError(
+                f"unknown ablation {name!r}: this server has {ablation_listing} (GET {ABLATIONS_ROUTE} lists "
+                f"them; its steering vectors: {listing})"
+            )
+        if on not in (0, 1):  # (True and False are 1 and 0)
+            raise ValueError(
+                f"ablation {name!r} takes 1 (ablate) or 0 (leave it out), got {on!r}: "
+                f'e.g. "{ABLATE_KEY}{name}": 1'
             )
 
 
@@ -224,13 +265,15 @@ class RequestCheck(LogitsProcessor):
     """Checks each request's hookscope arguments in the API server (`validate_params`); in the
     workers it leaves the logits as they are."""
 
-    # name -> point, filled at start by `Plugin.init_state` in this API server process
+    # name -> point of the vectors and of the ablations, filled at start by `Plugin.init_state` in
+    # this API server process
     known: dict[str, str] = {}
+    ablations: dict[str, str] = {}
     store: str | None = None  # where the workers write the captures requests ask for, if anywhere
 
     @classmethod
     def validate_params(cls, sampling_params) -> None:
-        check_request(sampling_params.extra_args, cls.known)
+        check_request(sampling_params.extra_args, cls.known, cls.ablations)
         check_capture(sampling_params, cls.store)
 
     def __init__(self, vllm_config, device: torch.device, is_pin_memory: bool) -> None:
@@ -277,19 +320,27 @@ class Plugin:
             """The steering vectors this server registered: {name: point}."""
             return dict(RequestCheck.known)
 
+        @app.get(ABLATIONS_ROUTE)
+        async def ablations() -> dict[str, str]:
+            """The ablations this server registered: {name: point}."""
+            return dict(RequestCheck.ablations)
+
     async def init_state(self, engine_client, state, args) -> None:
         if engine_client is None:  # vLLM's render-only server: no engine, no workers
             return
         config = engine_client.vllm_config
         settings = plugin_settings(config)
-        # every vector and the store checked before the first worker call
-        vectors = read_vectors(settings["vectors"]).items() if "vectors" in settings else ()
-        calls = [steer_call(config, name, point, v) for name, (point, v) in vectors]
+        # every vector, ablation and the store checked before the first worker call
+        named = read_vectors(settings["vectors"]).items() if "vectors" in settings else ()
+        calls = [named_edit_call(config, name, edit) for name, edit in named]
         store = store_options(settings)
         store_args = store_call(config, store) if store is not None else None
         for call in calls:
-            await engine_client.collective_rpc("hookscope_steer", args=call)
+            await engine_client.collective_rpc("hookscope_name_edit", args=call)
         if store_args is not None:
             await engine_client.collective_rpc("hookscope_serve_store", args=store_args)
-        RequestCheck.known = {name: point for _, name, point, _ in calls}
+        points = {kind: {} for kind in ("Steer", "Ablate")}
+        for _, name, described in calls:
+            points[described["kind"]][name] = described["fields"]["point"]
+        RequestCheck.known, RequestCheck.ablations = points["Steer"], points["Ablate"]
         RequestCheck.store = store.out if store is not None else None

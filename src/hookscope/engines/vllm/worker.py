@@ -6,11 +6,12 @@ arguments and results are plain data (names, tags, tensors): nothing executable 
 so vLLM's default layout (the engine core and its workers in their own processes) works as is.
 
 A forward holds the flattened tokens of many requests (`[num_tokens, ...]`, chunked prefill and
-decode mixed). The model's root pre-hook reads, once per forward, which requests are in it
-(batch.py) and the `positions` the model is called with; each point's hook then copies the token
-rows of the requests this capture tagged (their `SamplingParams.extra_args`) and files them under
-(request, point) with their positions. A capture's edits (edits.py) are attached before its
-hooks, so a captured point that is also edited is kept as edited.
+decode mixed). The model's one root pre-hook (`Forwards`) reads, once per forward, which requests
+are in it and where each one's tokens lie (batch.py), and hands that to the edit path (edits.py)
+and to each capture; a capture's point hooks then copy the token rows of the requests it tagged
+(their `SamplingParams.extra_args`) and file them under (request, point) with their positions;
+under `vllm serve`, the store's capture (`StoreSession`) is one more such capture. A capture's edits
+are attached before its hooks, so a captured point that is also edited is kept as edited.
 """
 
 from __future__ import annotations
@@ -20,9 +21,10 @@ import logging
 import math
 import os
 import tempfile
+from bisect import bisect_left
 from collections import defaultdict
-from collections.abc import Hashable
-from dataclasses import dataclass
+from collections.abc import Hashable, Sequence
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -32,9 +34,13 @@ from ...errors import EngineError, SelectionError
 from ...hooks import Hook, Hooks, hook_count
 from ...selection import Selection
 from . import sharded, tables
-from .batch import InPass, requests_in_pass
+from .batch import InPass, PerRequest, Rows, requests_in_pass
 from .capture_store import RequestWriter, client_id
 from .edits import RequestEdits, rebuild_selection
+
+log = logging.getLogger("hookscope")
+
+STORE_RUN = "served"  # the store's capture under `vllm serve`, among a worker's captures
 
 
 class _RequestDims:
@@ -45,26 +51,32 @@ class _RequestDims:
 
 REQUEST_ROWS = _RequestDims()
 
-log = logging.getLogger("hookscope")
 
-
-@dataclass
-class _Slot:
+class _Slot(NamedTuple):
     """One tagged request's tokens in this forward: rows [lo, hi) of the forward's kept rows (the
-    tagged requests' rows, gathered once per point), at `positions`; `key`: what the capture files
-    them under (`Session.request_key`)."""
+    tagged requests' rows, gathered once per point), at `positions` (a range, or the positions a
+    selection names); `key`: what the capture files them under (`Session.request_key`)."""
 
     key: Hashable
     lo: int
     hi: int
-    positions: Tensor
+    positions: Sequence[int]
+
+
+class _Named(NamedTuple):
+    """The positions a selection names in one request: in the selection's order and shape, and
+    sorted once each (the rows the forwards keep)."""
+
+    order: Tensor
+    rows: list[int]
 
 
 class Session:
-    """One capture's hooks in one worker, and the rows they filed: (request index, point) -> parts,
-    one per forward that held the request, in the order they ran; and its requests' edits
-    (`edits`: request index -> described edits, see edits.py), applied on every forward before any
-    point is kept.
+    """One capture's hooks in one worker, and the rows they kept: each point's rows of each forward,
+    cut into each request's parts (one per forward that held it, in the order they ran) by `take`.
+    `Forwards` hands it each forward's requests (`pass_start`); its requests' edits run on the
+    worker's one edit path (edits.py), attached before its hooks, so a captured point that is also
+    edited is kept as edited.
 
     `selection` (edits.describe_selection): heads and dtype are taken from each forward's kept rows;
     positions are the request's own, over its prompt (a prefill capture's): only the rows at the
@@ -74,63 +86,57 @@ class Session:
 
     def __init__(
         self,
-        runner,
         model: nn.Module,
         arch,
+        gathered: dict,
         names: list[str],
         run: str,
         prefill_only: bool,
-        edits: dict | None = None,
-        edit_on: str = "both",
         selection: dict | None = None,
     ):
-        self.runner, self.run, self.prefill_only = runner, run, prefill_only
+        self.run, self.prefill_only, self.gathered = run, prefill_only, gathered
         asked = rebuild_selection(selection)
         self.selection = Selection.of(heads=asked.heads, dtype=asked.dtype)  # taken from every kept row
         self.positions = None if asked.positions is None else Selection.of(positions=asked.positions)
-        self.named: dict[int, Tensor | None] = {}  # request index -> the positions it keeps, in order
+        self.named: dict[Hashable, _Named | None] = {}  # request -> the positions it keeps
         self.refused: list[str] = []  # what did not fit the activations or a request
-        arch, self.gathered = sharded.for_rank(arch, model)  # tensor parallelism: {sharded point: dim}
         self.slots: list[_Slot] = []
-        self.rows: Tensor | None = None  # this forward's kept token rows, for one index_select per point
-        self.parts: dict[tuple[int, str], list[tuple[Tensor, Tensor]]] = defaultdict(list)
+        self.rows: Rows | None = None  # this forward's kept token rows, for one gather per point
+        # point -> (its kept rows, the forward's slots) per forward, cut per request by `_cut`
+        self.kept: dict[str, list[tuple[Tensor, list[_Slot]]]] = defaultdict(list)
         self.hooks = Hooks(model, arch)
-        if edits:
-            RequestEdits(runner, model, arch, self.hooks, run, edits, edit_on, split=self.gathered)
-        self.hooks.module_pre_forward(ROOT, self._pass_start)
         for name in names:
             self.hooks.forward(arch.spec(name), self._keep)
 
-    def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
-        self.slots, rows, kept = [], [], 0
-        for req in requests_in_pass(self.runner):
+    def pass_start(self, requests: list[InPass]) -> None:
+        if not self.hooks:  # (a call with edits and nothing to capture)
+            return
+        self.slots, spans, kept = [], [], 0
+        for req in requests:
             key = self.request_key(req)
             if key is None:
                 continue  # another request (or another capture's): not ours to keep
-            # a copy: `positions` is a view of the runner's buffer, which the next forward overwrites
-            pos = positions[req.start : req.end].to("cpu", copy=True)
-            index = torch.arange(req.start, req.end)
-            if self.prefill_only:
-                prompt = len(req.state.prompt_token_ids or ())
-                if int(pos[-1]) >= prompt:  # decode tokens in this chunk: keep the prompt's only
-                    index, pos = index[pos < prompt], pos[pos < prompt]
-            if self.positions is not None:
-                index, pos = self._named_only(key, len(req.state.prompt_token_ids or ()), index, pos)
-            if pos.numel():
-                self.slots.append(_Slot(key, kept, kept + pos.numel(), pos))
-                rows.append(index)
-                kept += pos.numel()
-        self.rows = torch.cat(rows) if rows else None
+            n = req.end - req.start
+            if self.prefill_only:  # decode tokens in this chunk: keep the prompt's only
+                n = min(n, len(req.state.prompt_token_ids or ()) - req.offset)
+            positions: Sequence[int] = range(req.offset, req.offset + n)
+            if self.positions is not None and positions:
+                positions = self._named_in(key, len(req.state.prompt_token_ids or ()), positions)
+            if positions:
+                self.slots.append(_Slot(key, kept, kept + len(positions), positions))
+                spans += _spans(req, positions)
+                kept += len(positions)
+        self.rows = Rows(spans) if spans else None
 
-    def _named_only(self, request: int, length: int, index: Tensor, pos: Tensor) -> tuple[Tensor, Tensor]:
-        """The rows `index` (at positions `pos` of a request of `length` positions) whose positions
-        the selection names."""
-        named = self._named(request, length)
-        keep = torch.isin(pos, named) if named is not None else torch.zeros_like(pos, dtype=torch.bool)
-        return index[keep], pos[keep]
+    def _named_in(self, key: Hashable, length: int, held: range) -> list[int]:
+        """The positions of `held` (this forward's, of a request of `length` positions) that the
+        selection names, in order."""
+        named = self._named(key, length)
+        if named is None:
+            return []
+        return named.rows[bisect_left(named.rows, held.start) : bisect_left(named.rows, held.stop)]
 
-    def _named(self, request: int, length: int) -> Tensor | None:
+    def _named(self, request: Hashable, length: int) -> _Named | None:
         """The positions the selection names in a request of `length`, in its order ("last", negative
         and slice positions read as `hs.collect` reads them); None where they do not fit it."""
         if request not in self.named:
@@ -140,8 +146,9 @@ class Session:
                 named, why = None, str(e)
             else:
                 why = "the positions name none of its tokens (the engine hands back no empty rows)"
-            self.named[request] = named if named is not None and named.numel() else None
-            if self.named[request] is None:
+            fits = named is not None and named.numel()
+            self.named[request] = _Named(named, named.flatten().unique().tolist()) if fits else None
+            if not fits:
                 self.refused.append(f"prompt {request} ({length} tokens): {why}")
         return self.named[request]
 
@@ -153,9 +160,8 @@ class Session:
     def _keep(self, act: Tensor, hook: Hook) -> None:
         if self.rows is None:
             return
-        # one gather per point and forward (a copy: vLLM's fused norms write their inputs in place
-        # later in the same forward); each request's part is a slice of it
-        kept = act.detach().index_select(0, self.rows.to(act.device))
+        # one gather per point and forward; each request's part is a slice of it
+        kept = self.rows.take(act.detach())
         name = hook.spec.name
         if name in self.gathered:  # this rank's columns: every rank's, whole
             kept = sharded.gather(kept, self.gathered[name])
@@ -165,8 +171,16 @@ class Session:
             self.refused.append(f"{name}: {e}")
             self.rows = None  # nothing more of this forward
             return
-        for slot in self.slots:
-            self.parts[(slot.key, name)].append((slot.positions, kept[slot.lo : slot.hi]))
+        self.kept[name].append((kept, self.slots))
+
+    def _cut(self, into: dict[tuple[Hashable, str], list[tuple[Sequence[int], Tensor]]]) -> None:
+        """The rows kept so far, cut per request and point (`into`: (key, point) -> (positions, rows)
+        per forward, appended in the order they ran), and let go of."""
+        for name, forwards in self.kept.items():
+            for kept, slots in forwards:
+                for slot in slots:
+                    into[(slot.key, name)].append((slot.positions, kept[slot.lo : slot.hi]))
+        self.kept.clear()
 
     def take(self, expected: dict[int, int]) -> dict[int, dict[str, list[Tensor]]]:
         """Every request's parts per point, checked whole and in order: positions 0..n-1 each exactly
@@ -174,30 +188,39 @@ class Session:
         positions it names, in its order."""
         if self.refused:
             raise SelectionError(self.refused[0])
+        parts_of: dict[tuple[Hashable, str], list[tuple[Sequence[int], Tensor]]] = defaultdict(list)
+        self._cut(parts_of)
         out: dict[int, dict[str, list[Tensor]]] = defaultdict(dict)
-        for (index, name), parts in self.parts.items():
-            n = expected.get(index)
+        for (index, name), parts in parts_of.items():
             named = self.named.get(index) if self.positions is not None else None
-            want = None if named is None else named.flatten().unique()  # (sorted)
-            out[index][name] = in_order(parts, n, f"request {index}, {name}", want)
+            want = None if named is None else named.rows
+            out[index][name] = in_order(parts, expected.get(index), f"request {index}, {name}", want)
             if named is not None:  # the selection's order and shape (an int drops the position dim)
-                out[index][name] = [torch.cat(out[index][name])[torch.searchsorted(want, named)]]
+                order = torch.searchsorted(torch.tensor(named.rows), named.order)
+                out[index][name] = [torch.cat(out[index][name])[order]]
         return dict(out)
 
     def close(self) -> None:
         self.hooks.remove()
 
 
+def _spans(req: InPass, positions: Sequence[int]) -> list[tuple[int, int]]:
+    """Where a request's tokens at `positions` lie in the forward: one span for a range, a span of
+    one row per named position (`Rows` merges the ones that touch)."""
+    if isinstance(positions, range):
+        start = req.start + positions.start - req.offset
+        return [(start, start + len(positions))]
+    return [(req.start + p - req.offset, req.start + p - req.offset + 1) for p in positions]
+
+
 def in_order(
-    parts: list[tuple[Tensor, Tensor]], n: int | None, what: str, want: Tensor | None = None
+    parts: list[tuple[Sequence[int], Tensor]], n: int | None, what: str, want: list[int] | None = None
 ) -> list[Tensor]:
     """The rows of `parts` ((positions, rows) per forward), checked whole and in order: positions
     0..n-1 (or the sorted positions `want`) each exactly once. Raises EngineError, naming `what`,
     for rows that came back short."""
-    positions = torch.cat([p for p, _ in parts])
-    want = torch.arange(n or 0) if want is None else want
-    if n is None or not torch.equal(positions, want.to(positions.dtype)):
-        got = positions.tolist()
+    got = [q for positions, _ in parts for q in positions]
+    if n is None or got != (list(range(n)) if want is None else want):
         raise EngineError(
             f"{what}: rows for positions {got[:8]}{'...' if len(got) > 8 else ''} "
             f"({len(got)} rows), not 0..{(n or 0) - 1} once each in order: vLLM skipped, repeated "
@@ -210,20 +233,24 @@ def in_order(
 class StoreSession(Session):
     """Under `vllm serve`, the server's capture: the prompt rows of every request that asked
     (`"hookscope.capture": 1`), filed by vLLM's request id and handed to the store's writer
-    (capture_store.py) once the prompt's last token has run. On ranks after the first, `writer` is
-    None: they take part in the gathers of tensor-parallel points only."""
+    (capture_store.py) once the prompt's last token has run: at the end of that forward (its own
+    root forward hook), from the requests `Forwards` handed it at the forward's start. On ranks
+    after the first, `writer` is None: they take part in the gathers of tensor-parallel points only."""
 
-    def __init__(self, runner, model: nn.Module, arch, names: list[str], writer: RequestWriter | None):
-        super().__init__(runner, model, arch, names, "served", prefill_only=True)
-        self.names, self.writer = names, writer
+    def __init__(
+        self, runner, model: nn.Module, arch, gathered: dict, names: list[str], writer: RequestWriter | None
+    ):
+        super().__init__(model, arch, gathered, names, STORE_RUN, prefill_only=True)
+        self.runner, self.names, self.writer = runner, names, writer
         self.asked: dict[str, tuple[str, list[int]]] = {}  # req id -> (key, prompt ids), until written
         self.written: set[str] = set()  # of the requests the runner still holds
+        self.parts: dict[tuple[Hashable, str], list[tuple[Sequence[int], Tensor]]] = defaultdict(list)
         self.hooks.module_forward(ROOT, self._pass_end)
 
     def request_key(self, req: InPass) -> Hashable | None:
         if "capture" not in req.tag:
             return None
-        req_id = req.state.req_id
+        req_id = req.req_id
         if req_id in self.written:
             return None  # its prompt run again after a preemption: its rows are in the store
         if req_id not in self.asked:
@@ -231,15 +258,16 @@ class StoreSession(Session):
             self.asked[req_id] = (key, list(req.state.prompt_token_ids or ()))
         return req_id
 
-    def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        super()._pass_start(module, args, kwargs)
+    def pass_start(self, requests: list[InPass]) -> None:
+        super().pass_start(requests)
         for slot in self.slots:
-            if int(slot.positions[0]) == 0:  # its first tokens (again, after a preemption): start over
+            if slot.positions[0] == 0:  # its first tokens (again, after a preemption): start over
                 self._drop(slot.key)
 
     def _pass_end(self, module: nn.Module, args: tuple, output) -> None:
+        self._cut(self.parts)
         for slot in self.slots:
-            if int(slot.positions[-1]) == len(self.asked[slot.key][1]) - 1:
+            if slot.positions[-1] == len(self.asked[slot.key][1]) - 1:
                 self._write(slot.key)
         self.slots = []
         held = self.runner.requests
@@ -335,53 +363,76 @@ def take_over(handoff: list) -> dict[int, dict[str, Tensor]]:
     return dict(out)
 
 
-class Steering:
-    """Named steering vectors registered in one worker, applied per request: a request whose
-    `extra_args["hookscope"]["steer"]` lists `[name, scale]` pairs gets `scale * vector` added at the
-    vector's point on every one of its tokens (prefill and decode), and no other request does."""
+class Forwards:
+    """hookscope's work in one worker's forwards. While anything is active (a capture, a named edit)
+    one root pre-hook reads the forward's requests once (batch.py: each request's tag read on its
+    first forward, kept by request id) and hands them to the one edit path (edits.py) and to each
+    capture; with nothing active, no hook is left on the model."""
 
     def __init__(self, runner, model: nn.Module, arch):
-        self.runner, self.arch = runner, arch
-        self.vectors: dict[str, tuple[str, Tensor]] = {}  # name -> (point, vector)
-        self.rows: dict[str, tuple[Tensor, Tensor]] = {}  # name -> (token rows, scales) this forward
-        self.hooks = Hooks(model, arch)
-        self.hooks.module_pre_forward(ROOT, self._pass_start)
-        self.attached: set[str] = set()
-        self.split_points = sharded.for_rank(arch, model)[1]  # tensor parallelism: per-rank shards
+        self.runner, self.model = runner, model
+        self.arch, self.gathered = sharded.for_rank(arch, model)  # tensor parallelism: {sharded point: dim}
+        self.tags = PerRequest()
+        self.edits = RequestEdits(model, self.arch, split=self.gathered)
+        self.sessions: dict[str, Session] = {}
+        self.root: Hooks | None = None
 
-    def register(self, name: str, point: str, vector: Tensor) -> None:
-        spec = self.arch.spec(point)
-        spec.require_writable("steering")
-        if spec.name in self.split_points:
-            raise EngineError(
-                f"steering {spec.name} on a tensor-parallel engine, whose ranks each hold a slice of it: "
-                "steer a point every rank holds whole (resid_*, attn.out, mlp.out) or use "
-                "tensor_parallel_size=1"
-            )
-        self.vectors[name] = (spec.name, vector)
-        if spec.name not in self.attached:  # one hook per point, for every vector there
-            self.hooks.forward(spec, self._steer)
-            self.attached.add(spec.name)
+    def start(
+        self,
+        names: list[str],
+        run: str,
+        prefill_only: bool,
+        edits: dict | None,
+        edit_on: str,
+        selection: dict | None = None,
+    ) -> None:
+        """A capture of `names` for the requests tagged `run`, keeping what `selection` selects, and
+        their `edits`."""
+        if edits:  # attached before the capture's hooks: a captured point that is edited is kept edited
+            self.edits.add_run(run, edits, edit_on)
+        try:
+            session = Session(self.model, self.arch, self.gathered, names, run, prefill_only, selection)
+        except BaseException:
+            self.edits.drop_run(run)
+            raise
+        self.sessions[run] = session
+        self._watch()
+
+    def serve_store(self, names: list[str], writer: RequestWriter | None) -> None:
+        """Under `vllm serve`: the store's capture of `names`, one more capture handed each forward's
+        requests (after the named edits registered before it, so it keeps edited rows)."""
+        store = StoreSession(self.runner, self.model, self.arch, self.gathered, names, writer)
+        self.sessions[STORE_RUN] = store
+        self._watch()
+
+    def stop(self, run: str) -> Session | None:
+        """Remove a capture's hooks and its edits; the capture, for its rows (None if unknown)."""
+        session = self.sessions.pop(run, None)
+        if session is not None:
+            session.close()
+        self.edits.drop_run(run)
+        self._watch()
+        return session
+
+    def name_edit(self, name: str, described: dict) -> None:
+        self.edits.name(name, described)
+        self._watch()
+
+    def _watch(self) -> None:
+        """The root pre-hook, on while something is active, off when nothing is."""
+        active = bool(self.sessions) or self.edits.active()
+        if active and self.root is None:
+            self.root = Hooks(self.model, self.arch)
+            self.root.module_pre_forward(ROOT, self._pass_start)
+        elif not active and self.root is not None:
+            self.root.remove()
+            self.root = None
 
     def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        found: dict[str, tuple[list, list]] = {}
-        for req in requests_in_pass(self.runner):
-            for name, scale in req.tag.get("steer", ()):
-                rows, scales = found.setdefault(name, ([], []))
-                rows.append(torch.arange(req.start, req.end))
-                scales.append(torch.full((req.end - req.start,), float(scale)))
-        self.rows = {name: (torch.cat(r), torch.cat(s)) for name, (r, s) in found.items()}
-
-    def _steer(self, act: Tensor, hook: Hook) -> Tensor | None:
-        out = None
-        for name, (rows, scales) in self.rows.items():
-            point, vector = self.vectors[name]
-            if point != hook.spec.name:
-                continue
-            out = act.clone() if out is None else out
-            add = scales.to(act.device, act.dtype)[:, None] * vector.to(act.device, act.dtype)
-            out.index_add_(0, rows.to(act.device), add.reshape(len(rows), *act.shape[1:]))
-        return out
+        requests = requests_in_pass(self.runner, self.tags)
+        self.edits.pass_start(requests, self.runner.requests)
+        for session in self.sessions.values():
+            session.pass_start(requests)
 
 
 class Extension:
@@ -393,6 +444,20 @@ class Extension:
             if hasattr(self.model_runner, "get_model")
             else self.model_runner.model
         )
+
+    def _hookscope_forwards(self, architecture: str) -> Forwards:
+        forwards = self.__dict__.get("_hookscope_work")
+        if forwards is None:
+            model = self._hookscope_model()
+            expected = tables.model_class(architecture)
+            if type(model).__name__ != expected:
+                raise EngineError(
+                    f"vLLM built {type(model).__name__} for {architecture}, not {expected}: hookscope's "
+                    "table describes the latter's modules"
+                )
+            arch = tables.table(architecture, self.model_runner.model_config.hf_config)
+            forwards = self.__dict__["_hookscope_work"] = Forwards(self.model_runner, model, arch)
+        return forwards
 
     def hookscope_start(
         self,
@@ -407,58 +472,42 @@ class Extension:
         """Attach a capture of `names` for the requests tagged `run`, keeping what `selection` selects,
         and their `edits` (request index -> edits described as plain data, edits.py); returns the
         model class."""
-        model = self._hookscope_model()
-        expected = tables.model_class(architecture)
-        if type(model).__name__ != expected:
-            raise EngineError(
-                f"vLLM built {type(model).__name__} for {architecture}, not {expected}: hookscope's table "
-                "describes the latter's modules"
-            )
-        sessions = self.__dict__.setdefault("_hookscope_sessions", {})
-        arch = tables.table(architecture, self.model_runner.model_config.hf_config)
-        sessions[run] = Session(
-            self.model_runner, model, arch, names, run, prefill_only, edits, edit_on, selection
-        )
-        return type(model).__name__
+        forwards = self._hookscope_forwards(architecture)
+        forwards.start(names, run, prefill_only, edits, edit_on, selection)
+        return type(forwards.model).__name__
 
     def hookscope_take(self, run: str, expected: dict) -> list:
         """The capture's rows per request, handed off in shared memory (`hand_off`), its hooks removed."""
-        session = self.__dict__.get("_hookscope_sessions", {}).pop(run, None)
+        forwards = self.__dict__.get("_hookscope_work")
+        session = forwards.stop(run) if forwards is not None else None
         if session is None:
             raise EngineError(f"no hookscope capture {run!r} in this worker")
         try:
             rows = session.take({int(k): int(v) for k, v in expected.items()})
         except SelectionError as e:  # the caller's: raised there (an error here reaches it as any error)
             return {"refused": str(e)}
-        finally:
-            session.close()
         return hand_off(rows, run) if sharded.hands_off() else None
 
     def hookscope_hook_count(self) -> int:
         """Hooks on the model's modules now (tests: none is left after a capture)."""
         return hook_count(self._hookscope_model())
 
-    def hookscope_steer(self, architecture: str, name: str, point: str, vector: list) -> None:
-        """Register steering vector `name` at `point` (requests choose it by name in extra_args)."""
-        steering = self.__dict__.get("_hookscope_steering")
-        if steering is None:
-            model = self._hookscope_model()
-            arch = tables.table(architecture, self.model_runner.model_config.hf_config)
-            steering = self.__dict__["_hookscope_steering"] = Steering(self.model_runner, model, arch)
-        steering.register(name, point, torch.tensor(vector))
+    def hookscope_name_edit(self, architecture: str, name: str, described: dict) -> None:
+        """Register edit `name` (a steering vector or an ablation, described as plain data, edits.py):
+        requests ask for it by name in their extra_args."""
+        self._hookscope_forwards(architecture).name_edit(name, described)
 
     def hookscope_serve_store(
         self, architecture: str, names: list[str], out: str, settings: dict, shard_rows: int
     ) -> None:
         """Under `vllm serve`: capture `names` on the prompts of the requests that ask, into the store
         at `out` (capture_store.py)."""
-        model = self._hookscope_model()
-        arch = tables.table(architecture, self.model_runner.model_config.hf_config)
+        forwards = self._hookscope_forwards(architecture)
         writer = RequestWriter(out, settings, shard_rows) if sharded.hands_off() else None
-        self.__dict__["_hookscope_store"] = StoreSession(self.model_runner, model, arch, names, writer)
+        forwards.serve_store(names, writer)
 
     def hookscope_stop(self, run: str) -> None:
         """Remove a capture's hooks (after an error)."""
-        session = self.__dict__.get("_hookscope_sessions", {}).pop(run, None)
-        if session is not None:
-            session.close()
+        forwards = self.__dict__.get("_hookscope_work")
+        if forwards is not None:
+            forwards.stop(run)
