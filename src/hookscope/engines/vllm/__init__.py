@@ -30,7 +30,7 @@ from . import liveness, tables
 from .batch import TAG
 from .edits import describe, describe_selection
 from .liveness import shut_down as shut_down  # a public verb of this module
-from .worker import discard, take_over
+from .worker import discard, raise_refusals, take_over
 
 # the worker extension vLLM mixes into its workers (`LLM(..., worker_extension_cls=EXTENSION)`)
 EXTENSION = "hookscope.engines.vllm.worker.Extension"
@@ -286,8 +286,11 @@ def run_requests(
     names = list(dict.fromkeys(names))
     liveness.watch(engine)  # a dead engine core ends these calls instead of leaving them waiting
     try:
-        engine.collective_rpc(
-            "hookscope_start", args=(architecture, names, run, prefill_only, described, edit_on, selection)
+        raise_refusals(
+            engine.collective_rpc(
+                "hookscope_start",
+                args=(architecture, names, run, prefill_only, described, edit_on, selection),
+            )
         )
         outputs = engine.generate(requests, params, use_tqdm=False)
         # every token but the last sampled one (the engine never runs it)
@@ -339,7 +342,7 @@ def register_vector(engine, name: str, point: str, vector) -> None:
 
     vector = torch.as_tensor(vector, dtype=None if isinstance(vector, torch.Tensor) else torch.float32)
     call = named_edit_call(_config(engine), name, steer(point, vector.detach().to("cpu").flatten()))
-    engine.collective_rpc("hookscope_name_edit", args=call)  # (checked before any worker is called)
+    raise_refusals(engine.collective_rpc("hookscope_name_edit", args=call))  # (checked before any call)
 
 
 def named_edit_call(config, name: str, edit) -> tuple:

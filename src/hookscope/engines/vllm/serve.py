@@ -46,6 +46,7 @@ from ...loading import sha256_text
 from ...store.resume import plan_for
 from . import EXTENSION, capture_store, check_config, check_version, named_edit_call, resolve
 from .batch import ABLATE_KEY, CAPTURE_ID_KEY, CAPTURE_KEY, STEER_KEY, TAG, named_asked
+from .worker import raise_refusals
 
 # vLLM's logits processor class is this module's base: without vLLM (or with another release) the
 # import stops here, naming what to install
@@ -336,7 +337,7 @@ class Plugin:
         store = store_options(settings)
         store_args = store_call(config, store) if store is not None else None
         for call in calls:
-            await engine_client.collective_rpc("hookscope_name_edit", args=call)
+            raise_refusals(await engine_client.collective_rpc("hookscope_name_edit", args=call))
         if store_args is not None:
             await engine_client.collective_rpc("hookscope_serve_store", args=store_args)
         points = {kind: {} for kind in ("Steer", "Ablate")}

@@ -435,6 +435,21 @@ class Forwards:
             session.pass_start(requests)
 
 
+def refusal(error: EngineError) -> dict:
+    """A worker's refusal as its reply, for the caller to raise (`raise_refusals`). Every rank of a
+    tensor-parallel engine refuses alike, and vLLM raises the first rank's error and leaves the
+    others' queued, for the next call to read as its own reply."""
+    return {"refused": str(error)}
+
+
+def raise_refusals(replies: list) -> list:
+    """The workers' replies to a call, or the EngineError one of them refused with."""
+    for reply in replies:
+        if isinstance(reply, dict) and "refused" in reply:
+            raise EngineError(reply["refused"])
+    return replies
+
+
 class Extension:
     """Mixed into vLLM's worker class (`worker_extension_cls`); the caller calls these by name."""
 
@@ -473,7 +488,10 @@ class Extension:
         and their `edits` (request index -> edits described as plain data, edits.py); returns the
         model class."""
         forwards = self._hookscope_forwards(architecture)
-        forwards.start(names, run, prefill_only, edits, edit_on, selection)
+        try:
+            forwards.start(names, run, prefill_only, edits, edit_on, selection)
+        except EngineError as e:
+            return refusal(e)
         return type(forwards.model).__name__
 
     def hookscope_take(self, run: str, expected: dict) -> list:
@@ -492,10 +510,14 @@ class Extension:
         """Hooks on the model's modules now (tests: none is left after a capture)."""
         return hook_count(self._hookscope_model())
 
-    def hookscope_name_edit(self, architecture: str, name: str, described: dict) -> None:
+    def hookscope_name_edit(self, architecture: str, name: str, described: dict) -> dict | None:
         """Register edit `name` (a steering vector or an ablation, described as plain data, edits.py):
         requests ask for it by name in their extra_args."""
-        self._hookscope_forwards(architecture).name_edit(name, described)
+        try:
+            self._hookscope_forwards(architecture).name_edit(name, described)
+        except EngineError as e:
+            return refusal(e)
+        return None
 
     def hookscope_serve_store(
         self, architecture: str, names: list[str], out: str, settings: dict, shard_rows: int
