@@ -32,6 +32,7 @@ from .edit import Edit, Edits, ablate, edit, patch, steer
 from .engines import tensor_parallel as _tensor_parallel  # noqa: F401
 from .errors import (
     DataError,
+    EngineDied,
     EngineError,
     HookscopeError,
     ModelLoadError,
@@ -119,6 +120,7 @@ __all__ = [
     "StaleIndexError",
     "DataError",
     "EngineError",
+    "EngineDied",
     "SAEError",
     "TensorParallelError",
     # mixture-of-experts routing edits

@@ -56,3 +56,13 @@ class TensorParallelError(HookscopeError):
 class EngineError(HookscopeError):
     """A serving engine (vLLM) or a request to one that hookscope cannot read exactly: an unsupported
     version, model class or setting, or a point its kernels never expose; the message names the fix."""
+
+
+class EngineDied(EngineError):
+    """A serving engine's core process ended during a call (a signal, the out-of-memory killer, a
+    crash): the engine cannot be used again. `what` says which process ended and how; the message
+    adds what to do next (make a new engine; an extraction resumes with the same command)."""
+
+    def __init__(self, what: str, then: str):
+        super().__init__(f"{what}; {then}")
+        self.what = what

@@ -22,8 +22,7 @@ from torch import Tensor
 
 from ..engines import vllm as hv
 from ..engines.vllm import tables
-from ..engines.vllm.liveness import EngineDied
-from ..errors import EngineError, HookscopeError
+from ..errors import EngineDied, EngineError, HookscopeError
 from ..extract_config import ExtractConfig, Run
 from ..loading import Loaded
 from ..one_thread import one_thread

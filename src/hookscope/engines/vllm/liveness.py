@@ -21,7 +21,7 @@ import threading
 import time
 from multiprocessing import connection
 
-from ...errors import EngineError
+from ...errors import EngineDied
 
 # time for the engine core to stop its workers and remove its shared memory (a bound: it stops sooner)
 SHUTDOWN_GRACE_S = 30.0
@@ -66,14 +66,6 @@ def is_death(engine, exc: BaseException) -> bool:
     during which an engine core process ended (a socket closed under it, a worker's reply lost)."""
     named = any(type(e).__name__ == "EngineDeadError" for e in (exc, exc.__cause__, exc.__context__))
     return named or any(p.exitcode is not None for p in _processes(engine))
-
-
-class EngineDied(EngineError):
-    """The engine core process ended during a call; `what` says which and how."""
-
-    def __init__(self, what: str, then: str):
-        super().__init__(f"{what}; {then}")
-        self.what = what
 
 
 def died(engine) -> EngineDied:
