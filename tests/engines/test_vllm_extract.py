@@ -249,7 +249,8 @@ def _no_traceback(text: str) -> bool:
     )
 
 
-@pytest.mark.slow
+# a default-layout command of its own and a resume: run with --full (the test command's time)
+@pytest.mark.full
 def test_ctrl_c_to_the_whole_group_exits_130_leaves_nothing_behind_and_resumes(case, reference, tmp_path):
     out, log = tmp_path / "store", tmp_path / "command.log"
     total, before = len(hs.open_store(reference)), _handoffs()
@@ -293,7 +294,8 @@ def _engine_core(run: subprocess.Popen, log: Path) -> int:
     pytest.fail(f"no EngineCore child of {run.pid}:\n{log.read_text()[-2000:]}")
 
 
-@pytest.mark.slow
+# a default-layout command of its own and a resume: run with --full (the test command's time)
+@pytest.mark.full
 def test_a_dead_engine_core_ends_the_command_with_a_clear_error(case, tmp_path):
     out, log = tmp_path / "store", tmp_path / "command.log"
     run = _command(case, out, log)

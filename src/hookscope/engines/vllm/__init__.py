@@ -310,9 +310,11 @@ def run_requests(
 def _stop(engine, run: str) -> None:
     """After a failed or interrupted call: the capture's hooks removed from a live engine's workers,
     and its rows' handoff file removed if a worker had written it (the stop runs after the take)."""
-    # a dead engine has no hooks left to remove, and the first error is the one to report
-    with contextlib.suppress(Exception):
-        engine.collective_rpc("hookscope_stop", args=(run,))
+    # a dead engine has no hooks left to remove (and a call to it could wait on a core that never
+    # answers), and the first error is the one to report
+    if not liveness.dead(engine):
+        with contextlib.suppress(Exception):
+            engine.collective_rpc("hookscope_stop", args=(run,))
     discard(run)
 
 

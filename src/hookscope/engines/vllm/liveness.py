@@ -29,6 +29,8 @@ SHUTDOWN_GRACE_S = 30.0
 # a Ctrl-C reaches the engine's processes and this one at once, and the core's death can be seen
 # first; the interrupt is then the cause to report, not the death
 INTERRUPT_GRACE_S = 1.0
+# how long after the death the calls made meanwhile still get vLLM's EngineDeadError
+LATE_CALLS_S = 30.0
 
 
 def _processes(engine) -> list:
@@ -56,16 +58,26 @@ def _post_death(client, processes: list) -> None:
     queue = getattr(client, "outputs_queue", None)
     if queue is not None:
         queue.put_nowait(EngineDeadError())
-    for future in list(getattr(client, "utility_results", {}).values()):
-        with contextlib.suppress(Exception):  # answered meanwhile: nothing to tell it
-            future.set_exception(EngineDeadError())
+    # the waits of calls made after the death too (a cleanup's, sent before vLLM's own monitor marks
+    # the client dead), for as long as an error's handling takes
+    end = time.monotonic() + LATE_CALLS_S
+    while time.monotonic() < end:
+        for future in list(getattr(client, "utility_results", {}).values()):
+            with contextlib.suppress(Exception):  # answered meanwhile: nothing to tell it
+                future.set_exception(EngineDeadError())
+        time.sleep(0.1)
+
+
+def dead(engine) -> bool:
+    """Whether one of the engine's core processes has ended."""
+    return any(p.exitcode is not None for p in _processes(engine))
 
 
 def is_death(engine, exc: BaseException) -> bool:
     """Whether `exc` reports a dead engine core: vLLM's `EngineDeadError`, or any error of a call
     during which an engine core process ended (a socket closed under it, a worker's reply lost)."""
     named = any(type(e).__name__ == "EngineDeadError" for e in (exc, exc.__cause__, exc.__context__))
-    return named or any(p.exitcode is not None for p in _processes(engine))
+    return named or dead(engine)
 
 
 def died(engine) -> EngineDied:
