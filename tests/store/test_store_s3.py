@@ -217,25 +217,39 @@ def open_uploads(s3, bucket: str) -> list[str]:
 
 @pytest.mark.slow
 def test_killed_mid_multipart_upload_resumes_identical(
-    s3, bucket, server, tiny_dirs, corpus, reference, monkeypatch
+    s3, bucket, server, tiny_dirs, corpus, reference, monkeypatch, tmp_path
 ):
     """SIGKILL between two parts of a shard's multipart upload: no object of that shard exists, its
     upload stays open on S3; the resume aborts it, uploads the shard again, and ends with the
-    uninterrupted store's objects and no open upload."""
+    uninterrupted store's objects and no open upload; and deletes the killed writer's local staging
+    directory (its shard half uploaded), leaving another store's alone."""
     monkeypatch.setenv("HOOKSCOPE_UPLOAD_PART_BYTES", "32768")  # shards here are ~170 KB: 6 parts each
+    staging = tmp_path / "staging"  # where a URL store's shards are written before their upload
+    staging.mkdir()
+    monkeypatch.setenv("HOOKSCOPE_STAGING_DIR", str(staging))
+    another_store = staging / "hookscope-stage-0123456789ab-shard-r000-writing-live"  # not this store's
+    another_store.mkdir()
     url = f"s3://{bucket}/store"
     args = cli_args(tiny_dirs["gpt2"], corpus, url)
     run = server.call(
-        "kill_driver:run_cli", args=args, signal_name="KILL", kill_at="part:9:after", environ=endpoint()
+        "kill_driver:run_cli",
+        args=args,
+        signal_name="KILL",
+        kill_at="part:9:after",
+        environ={**endpoint(), "HOOKSCOPE_STAGING_DIR": str(staging)},
     )
     assert run.status == -signal.SIGKILL, run.log[-3000:]
     left = open_uploads(s3, bucket)
     assert left and all(k.startswith("store/shards/") for k in left)  # killed mid-upload, as meant
+    killed = [d for d in staging.iterdir() if d != another_store]
+    assert len(killed) == 1 and any(killed[0].iterdir())  # the killed writer's shard, left behind
     partial = open_store(url, verify=True)
     assert not {f"shards/{k.rsplit('/', 1)[-1]}" for k in left} & {s.file for s in partial.manifest.shards}
     assert main(args) == 0
     assert s3_objects(s3, url) == local_objects(reference)
     assert open_uploads(s3, bucket) == []
+    # the resume deleted the killed writer's staging directory (and its own when done), not another store's
+    assert list(staging.iterdir()) == [another_store]
 
 
 HOSTILE = [

@@ -15,6 +15,7 @@ readers, and the next writer deletes it. Reading a URL uses ranged GETs (store/r
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import shutil
 import stat
@@ -175,6 +176,11 @@ class FS:
     def done_staging(self, staged: Path) -> None:
         """The writer is done with `staging()`'s directory: it goes, with anything left in it."""
         shutil.rmtree(staged, ignore_errors=True)
+
+    def remove_stale_staging(self, owner: str, current: Path) -> None:
+        """Delete the staging directories of `owner`'s crashed writers on this store, all but
+        `current`; called with the store's lock held, so none of them belongs to a live writer. A
+        local store's are inside the store, where the orphans' sweep finds them (orphans.py)."""
 
     def remove_tree(self, rel: str) -> None:
         """Delete `rel`, a file or everything under it (at a URL: every object under the prefix)."""
@@ -394,8 +400,20 @@ class RemoteFS(FS):
 
     def staging(self, rel: str, owner: str) -> Path:
         return Path(
-            tempfile.mkdtemp(prefix=f"hookscope-stage-{owner}-", dir=os.environ.get("HOOKSCOPE_STAGING_DIR"))
+            tempfile.mkdtemp(prefix=self._staging_prefix(owner), dir=os.environ.get("HOOKSCOPE_STAGING_DIR"))
         )
+
+    def remove_stale_staging(self, owner: str, current: Path) -> None:
+        # a killed writer's directory stays in the machine's temporary directory (a shard or more
+        # of it): found by this store's and this owner's name, and deleted
+        for stale in current.parent.glob(self._staging_prefix(owner) + "*"):
+            if stale != current and stale.is_dir() and not stale.is_symlink():
+                shutil.rmtree(stale, ignore_errors=True)
+
+    def _staging_prefix(self, owner: str) -> str:
+        # the store's URL in the name, so that writers of other stores on this machine are left alone
+        store = hashlib.sha256(self.url.encode()).hexdigest()[:12]
+        return f"hookscope-stage-{store}-{owner}-"
 
     def remove(self, rel: str) -> None:
         with contextlib.suppress(FileNotFoundError):

@@ -115,9 +115,10 @@ class LockedStore:
         found = view.plan
         generation = found.deal.generation
         prefix = shard_prefix(rank, generation)
+        owner = f"{prefix}writing"
         try:  # a directory of this writer's own, named with its shard prefix, inside shards/ (or a
             # local one for a URL); see orphans.py
-            staging = fs.staging(SHARDS_DIR, f"{prefix}writing")
+            staging = fs.staging(SHARDS_DIR, owner)
         except OSError as e:
             raise StoreError(
                 f"cannot create the store directory {fs.url}: {e}; choose a writable --out"
@@ -131,6 +132,7 @@ class LockedStore:
             commits.lock()  # before anything is touched: a second run on the store is refused
             listed = {Path(s.file).name for s in found.shards}  # by any manifest: not debris
             remove_orphans(fs, rank, generation, prefix, listed, name, view.names)
+            fs.remove_stale_staging(owner, staging)
             commits.open(manifest, found.manifests.get(name))
             # README.md: datasets.load_dataset(DIR) fails clearly rather than misreading the store
             if fs.size(CARD) is None:
