@@ -210,7 +210,7 @@ class _Twice(hs.Edit):
         (
             hs.steer("blocks.0.resid_post", torch.ones(256), positions=[-1]),
             hs.SelectionError,
-            "from the start",
+            "counts from the end",
         ),
     ],
 )
