@@ -301,10 +301,11 @@ def edit(model: Any, *edits: Edit) -> Edits | edit_block.EditBlock:
     Edits write new tensors (never in place); a `hs.capture` opened inside sees the edited values.
     On a vLLM engine (`vllm.LLM`) they apply to every token, prefill and decode, of every request
     the engine runs inside the block: `hs.collect`, `hs.generate` and the engine's own
-    `llm.generate`; a patch names the positions it writes (its source is `[n_tokens, ...]`, a
-    request's own rows), and prefix caching must be off. On either, edits at one point apply in
-    the order they were attached: an outer block's, then a nested block's, then those a call inside
-    gives (`hs.generate(..., edits=)`). Leaving the block (also on an error) removes them all.
+    `llm.generate`; positions count in each request from its first token, a patch names the ones
+    it writes (its source is `[n_tokens, ...]`, a request's own rows), and prefix caching must be
+    off. On either, edits at one point apply in the order they were attached: an outer block's,
+    then a nested block's, then those a call inside gives (`hs.generate(..., edits=)`). Leaving the
+    block (also on an error) removes them all.
 
     Returns:
         Edits: a `with` block; the edits apply to every forward pass inside it (on a vLLM engine an
