@@ -25,7 +25,7 @@ from importlib.metadata import version as _version
 from .arch import Arch
 from .capture import Capture, PointDict, PointInfo
 from .compiling import compile_model
-from .edit import Edit, Edits, ablate, edit, patch, steer
+from .edit import Edit, Edits, ablate, patch, steer
 
 # registers its table change (arch.TABLE_CHANGES): a tensor-parallel model's sharded points gathered;
 # extension API: `from hookscope.engines import tensor_parallel` (layout, sharded)
@@ -54,7 +54,7 @@ from .loading import Loaded, load
 from .profiling import ProfileReport, profile
 from .store import ActivationDataset, Column, DatasetOptions, Manifest, PointStats, Store, open_store
 from .top import TopResult, top
-from .verbs import capture, collect, generate, grads, points
+from .verbs import capture, collect, edit, generate, grads, points
 
 try:
     __version__ = _version("hookscope")

@@ -1,5 +1,5 @@
-"""`hs.collect`, `hs.capture`, `hs.grads`, `hs.points` and `hs.generate` on any model: a served
-engine (a vLLM `LLM`) goes to its engine module, anything else to the core (`capture.py`,
+"""`hs.collect`, `hs.capture`, `hs.grads`, `hs.points`, `hs.generate` and `hs.edit` on any model: a
+served engine (a vLLM `LLM`) goes to its engine module, anything else to the core (`capture.py`,
 `generate/`); `gather=False` on a tensor-parallel model reads the names in the table of each
 rank's slices (`engines.tensor_parallel`).
 
@@ -21,8 +21,10 @@ from .capture import capture as core_capture
 from .capture import collect as core_collect
 from .capture import grads as core_grads
 from .capture import points as core_points
+from .edit import Edit, Edits
+from .edit import edit as core_edit
 from .engines import tensor_parallel, vllm
-from .engines.vllm import generating
+from .engines.vllm import edit_block, generating
 from .errors import EngineError
 from .generate import Generation
 from .generate import generate as core_generate
@@ -291,3 +293,29 @@ def generate(
             model, inputs, points, edits=edits, edit_on=edit_on, **selections, **generate_kwargs
         )
     return core_generate(model, inputs, points, edits=edits, edit_on=edit_on, **selections, **generate_kwargs)
+
+
+def edit(model: Any, *edits: Edit) -> Edits | edit_block.EditBlock:
+    """Apply edits (`hs.steer` / `hs.ablate` / `hs.patch`) for the length of a `with` block.
+
+    Edits write new tensors (never in place); a `hs.capture` opened inside sees the edited values.
+    On a vLLM engine (`vllm.LLM`) they apply to every token, prefill and decode, of every request
+    the engine runs inside the block: `hs.collect`, `hs.generate` and the engine's own
+    `llm.generate`; positions count in each request from its first token, a patch names the ones
+    it writes (its source is `[n_tokens, ...]`, a request's own rows), and prefix caching must be
+    off. On either, edits at one point apply in the order they were attached: an outer block's,
+    then a nested block's, then those a call inside gives (`hs.generate(..., edits=)`). Leaving the
+    block (also on an error) removes them all.
+
+    Returns:
+        Edits: a `with` block; the edits apply to every forward pass inside it (on a vLLM engine an
+        `EditBlock`, whose edits apply in its workers).
+
+    Raises:
+        UnknownPointError: an edit on a point the model does not have (or that vLLM never exposes).
+        HookscopeError: an edit on a point the model never reads back (a Hugging Face attention pattern).
+        EngineError: on an engine, an edit kind it does not take, a patch without bounded positions,
+            prefix caching on, or a point a tensor-parallel rank holds only a slice of."""
+    if vllm.is_llm(model):
+        return edit_block.EditBlock(model, edits)
+    return core_edit(model, *edits)

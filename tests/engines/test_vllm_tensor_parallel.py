@@ -90,3 +90,29 @@ def test_an_edit_at_a_split_point_is_refused_before_any_hook(two_ranks):
     with pytest.raises(Exception, match="edits at blocks.0.attn.z on a tensor-parallel engine"):
         hs.generate(two_ranks, PROMPTS[:1], edits=[hs.ablate("blocks.0.attn.z", heads=[3])], max_new_tokens=2)
     assert two_ranks.collective_rpc("hookscope_hook_count") == [0, 0]
+
+
+def test_an_edit_block_reaches_both_ranks(checkpoint, two_ranks):
+    """`with hs.edit(llm, ...)` on two ranks: a steering vector on the residual stream (whole on every
+    rank) equals Hugging Face's hs.edit, prefill and decode; a point each rank holds a slice of is
+    refused by name; neither rank keeps a hook after either block."""
+    steer = hs.steer(
+        "blocks.0.resid_post", torch.randn(256, generator=torch.Generator().manual_seed(3)), scale=3
+    )
+    points = ["blocks.1.resid_post", "blocks.1.attn.z"]
+    with hs.edit(two_ranks, steer):
+        got = hs.collect(two_ranks, PROMPTS, points)
+        gens = hs.generate(two_ranks, PROMPTS, max_new_tokens=4)
+    hf = hf_model(checkpoint)
+    for i, prompt in enumerate(PROMPTS):
+        with hs.edit(hf, steer):
+            want = hs.collect(hf, torch.tensor([prompt]), points)
+            want_gen = hs.generate(hf, torch.tensor([prompt]), max_new_tokens=4, do_sample=False)
+        for name in points:
+            assert_close(got[i][name], want[name][0], f"TP=2 in hs.edit, {name} ({len(prompt)} tokens)")
+        assert gens[i].sequences.tolist() == want_gen.sequences.tolist()
+    assert two_ranks.collective_rpc("hookscope_hook_count") == [0, 0]
+    with pytest.raises(hs.EngineError, match="edits at blocks.0.attn.z on a tensor-parallel engine"):
+        with hs.edit(two_ranks, hs.ablate("blocks.0.attn.z", heads=[3])):
+            pass
+    assert two_ranks.collective_rpc("hookscope_hook_count") == [0, 0]

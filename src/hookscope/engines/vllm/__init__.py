@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ...arch.base import Arch
-from ...errors import EngineError, UnknownPointError
+from ...errors import EngineError
 from ...names import canonical, is_pattern
 from ...optional_imports import require
 from ...selection import Heads, Positions, Selection
@@ -123,12 +123,9 @@ def resolve(arch: Arch, points: str | Sequence[str]) -> dict[str, str]:
     out: dict[str, str] = {}
     for name in raw:
         name = name.strip()
-        point = canonical(name)
-        why = None if is_pattern(point) else tables.refusal(arch, point)
-        if why:
-            raise UnknownPointError(f"{name!r} is not readable on vLLM: {why}")
+        tables.refuse_unexposed(arch, name, "readable")
         specs = arch.resolve(name)
-        if is_pattern(point):
+        if is_pattern(canonical(name)):
             out.update((s.name, s.name) for s in specs if s.name not in out.values())
         elif specs[0].name not in out.values():
             out[name] = specs[0].name

@@ -10,7 +10,8 @@ between its forwards), kept by request id while the request lives (`PerRequest`)
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
@@ -26,6 +27,7 @@ FLAT_KEYS = {"steer": STEER_KEY, "ablate": ABLATE_KEY}  # the tag's entry -> its
 # request id or under {"hookscope.capture_id": "..."} (capture_store.py)
 CAPTURE_KEY = TAG + ".capture"
 CAPTURE_ID_KEY = TAG + ".capture_id"
+UNTAGGED: Mapping[str, Any] = MappingProxyType({})  # the tag of a request hookscope was not asked about
 
 
 def tag_of(extra: dict) -> dict | None:
@@ -92,9 +94,10 @@ def _tag(state: Any) -> dict | None:
     return tag_of(extra) if extra else None
 
 
-def requests_in_pass(runner, tags: PerRequest) -> list[InPass]:
-    """The requests of the forward about to run that carry a hookscope tag, in the forward's order;
-    `tags` keeps each request's tag, read on its first forward."""
+def requests_in_pass(runner, tags: PerRequest, every: bool = False) -> list[InPass]:
+    """The requests of the forward about to run that carry a hookscope tag (`every`: all of them,
+    an untagged one with an empty tag), in the forward's order; `tags` keeps each request's tag,
+    read on its first forward."""
     batch = runner.input_batch
     n = batch.num_reqs
     tags.forget_finished(runner.requests)
@@ -103,7 +106,9 @@ def requests_in_pass(runner, tags: PerRequest) -> list[InPass]:
         state = runner.requests[req_id]
         tag = tags.get(req_id, state, lambda state=state: _tag(state))
         if tag is None:
-            continue
+            if not every:
+                continue
+            tag = UNTAGGED
         if starts is None:  # (read only for a forward that holds a tagged request)
             starts = runner.query_start_loc.cpu[: n + 1].tolist()
             computed = batch.num_computed_tokens_cpu[:n].tolist()

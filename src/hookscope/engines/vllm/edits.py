@@ -2,8 +2,8 @@
 
 The caller describes each `Edit` as plain data (`describe`: its kind's name and its dataclass
 fields, tensors as lists of numbers) and the workers rebuild the same `Edit` from it (`rebuild`):
-nothing executable crosses processes. In the worker, `RequestEdits` applies a request's edits (the
-named ones it asks for and those its call gave) with
+nothing executable crosses processes. In the worker, `RequestEdits` applies a request's edits (those
+of the open `hs.edit` blocks, the named ones it asks for and those its call gave) with
 the generation code's own `StepEdit` (the edit asked, before each forward, what it writes on the
 positions this forward holds of the request: `Edit.step`), to that request's token rows only, as a
 `[1, tokens, ...]` batch of one: what Hugging Face's `hs.generate` runs for that request alone.
@@ -61,6 +61,8 @@ def describe(edit: Any, arch: Arch) -> dict:
     """`edit` as plain data for the workers, once it is known to apply there (else an error naming
     the fix, before any work). A patch's source is the request's own: `[n_tokens, ...]`, as
     `hs.collect` on the engine returns it."""
+    if isinstance(edit, Edit):
+        tables.refuse_unexposed(arch, edit.point, "written")
     spec = check(edit, arch)
     kind = type(edit).__name__
     if KINDS.get(kind) is not type(edit):
@@ -114,6 +116,21 @@ def _check_covers(patch: Patch) -> None:
         )
 
 
+def check_for_every_request(edit: Edit) -> None:
+    """An edit for every request the engine runs (an `hs.edit` block), whose prompts are not known
+    yet: a patch must name the positions it writes (each within its source), or a longer request
+    would reach past its source's end inside the engine's forward."""
+    if not isinstance(edit, Patch):
+        return
+    p = edit.selection.positions
+    if p is None or (isinstance(p, slice) and p.stop is None):
+        raise EngineError(
+            f"patch {edit.point} in hs.edit applies to every request the engine runs, of any length, and "
+            f"its source holds {edit.source.shape[0]} tokens: name the positions it writes (positions=[...] "
+            "or a slice with an end, within the source), or give the patch to one call's edits="
+        )
+
+
 def rebuild(plain: dict) -> Edit:
     """The `Edit` a `describe` described."""
     return KINDS[plain["kind"]](**{name: _value(v) for name, v in plain["fields"].items()})
@@ -138,15 +155,18 @@ def rebuild_selection(plain: dict | None) -> Selection:
 
 class RequestEdits:
     """The one edit path of a worker: each request's edits, applied by the generation code's
-    `StepEdit` on that request's token rows only. A request's edits come from its tag: the named
-    edits it asks for (registered at start, `name`: a steering vector at a scale, an ablation) and
-    the edits its call gave (`add_run`: request index -> edits, with the call's `edit_on`). They are
-    built once per request (`PerRequest`) and prepared on every forward that holds it."""
+    `StepEdit` on that request's token rows only. A request's edits are those of the open `hs.edit`
+    blocks (`open_block`: on every request, tagged or not, in the order the blocks opened), then
+    those its tag asks for: the named edits (registered at start, `name`: a steering vector at a
+    scale, an ablation) and the edits its call gave (`add_run`: request index -> edits, with the
+    call's `edit_on`). They are built once per request (`PerRequest`) and prepared on every forward
+    that holds it."""
 
     def __init__(self, model: nn.Module, arch: Arch, split: Collection[str] = ()):
         self.model, self.arch, self.split = model, arch, frozenset(split)
         self.named: dict[str, Edit] = {}
         self.runs: dict[str, tuple[dict[int, list[Edit]], str]] = {}  # run -> (index -> edits, edit_on)
+        self.blocks: dict[str, list[Edit]] = {}  # open hs.edit blocks, in the order they opened -> edits
         self.scaled: dict[tuple[str, float], Edit] = {}  # a named vector at a scale, one for every request
         # an edit that writes the same on every pass and position (`StepEdit.fixed`): one step edit for
         # every request that has it, applied to all their rows at once. id(edit) -> (edit, step edit)
@@ -156,7 +176,26 @@ class RequestEdits:
         self.now: dict[str, list[tuple[list[StepEdit], Rows]]] = {}  # this forward: point -> edits, rows
 
     def active(self) -> bool:
-        return bool(self.named or self.runs)
+        return bool(self.named or self.runs or self.blocks)
+
+    def every_request(self) -> bool:
+        """Whether some edits apply to every request, whether hookscope tagged it or not (an open
+        `hs.edit` block)."""
+        return bool(self.blocks)
+
+    def open_block(self, block: str, edits: list[dict]) -> None:
+        """An `hs.edit` block's edits (described), on every token of every request from now until
+        `close_block`, after those of the blocks opened before it."""
+        rebuilt = [rebuild(described) for described in edits]
+        self._refuse_split(rebuilt)
+        self.blocks[block] = rebuilt
+        self.built = PerRequest()  # a live request's edits are built anew, with the block's
+        for edit in rebuilt:
+            self._attach(edit.point, block)
+
+    def close_block(self, block: str) -> None:
+        self._release(block, self.blocks.pop(block, []))
+        self.built = PerRequest()
 
     def name(self, name: str, described: dict) -> None:
         """Register a named edit (a `describe`d Steer or Ablate) that requests ask for by name."""
@@ -179,10 +218,14 @@ class RequestEdits:
 
     def drop_run(self, run: str) -> None:
         edits, _ = self.runs.pop(run, ({}, ""))
-        gone = {id(e) for one in edits.values() for e in one}
+        self._release(run, [e for one in edits.values() for e in one])
+
+    def _release(self, owner: str, edits: list[Edit]) -> None:
+        """`owner`'s edits forgotten, and the hooks at the points no one else edits removed."""
+        gone = {id(e) for e in edits}
         self.shared = {key: kept for key, kept in self.shared.items() if key not in gone}
         for point, (hooks, owners) in list(self.points.items()):
-            owners.discard(run)
+            owners.discard(owner)
             if not owners:
                 hooks.remove()
                 del self.points[point]
@@ -197,7 +240,7 @@ class RequestEdits:
             )
 
     def _attach(self, point: str, owner: str) -> None:
-        """One hook per point, whoever needs it (`owner`: a run, or "" for the named edits)."""
+        """One hook per point, whoever needs it (`owner`: a run, a block, or "" for the named edits)."""
         spec = self.arch.spec(point)
         if spec.name not in self.points:
             hooks = Hooks(self.model, self.arch)
@@ -206,8 +249,10 @@ class RequestEdits:
         self.points[spec.name][1].add(owner)
 
     def _asked(self, req: InPass) -> list[tuple[Edit, str]]:
-        """The edits a request's tag asks for, each with the part of the sequence it edits."""
-        asked = []
+        """The edits of the open blocks and those a request's tag asks for, each with the part of the
+        sequence it edits, in the order they apply (Hugging Face's: a block's hooks were attached
+        before those of a call made inside it)."""
+        asked = [(edit, "both") for edits in self.blocks.values() for edit in edits]
         for name, scale in req.tag.get("steer", ()):
             if (name, float(scale)) not in self.scaled:
                 edit = self._named(name, Steer, "steering vector")

@@ -24,8 +24,8 @@ from torch import Tensor
 
 from ...arch import moe
 from ...arch.base import Arch, Call, View, build, fused_heads, heads, sum_of
-from ...errors import EngineError
-from ...names import layer_of
+from ...errors import EngineError, UnknownPointError
+from ...names import canonical, is_pattern, layer_of
 
 POS_DIM = 0  # vLLM's activations have no batch dim: [num_tokens, ...]
 
@@ -421,6 +421,15 @@ def refusal(arch: Arch, point: str) -> str | None:
     if is_moe(arch):
         return MOE_REFUSED.get(re.sub(r"^mlp\.experts\.\d+\.", "mlp.experts.{E}.", suffix))
     return None
+
+
+def refuse_unexposed(arch: Arch, name: str, what: str) -> None:
+    """An UnknownPointError saying why, for a point vLLM never gives (`what`: "readable" or
+    "written"); nothing for a glob or a point the table has or lacks without a reason."""
+    point = canonical(name)
+    why = None if is_pattern(point) else refusal(arch, point)
+    if why:
+        raise UnknownPointError(f"{name!r} is not {what} on vLLM: {why}")
 
 
 def model_class(architecture: str) -> str:

@@ -364,10 +364,11 @@ def take_over(handoff: list) -> dict[int, dict[str, Tensor]]:
 
 
 class Forwards:
-    """hookscope's work in one worker's forwards. While anything is active (a capture, a named edit)
-    one root pre-hook reads the forward's requests once (batch.py: each request's tag read on its
-    first forward, kept by request id) and hands them to the one edit path (edits.py) and to each
-    capture; with nothing active, no hook is left on the model."""
+    """hookscope's work in one worker's forwards. While anything is active (a capture, a named edit,
+    an `hs.edit` block: then every request, tagged or not) one root pre-hook reads the forward's
+    requests once (batch.py: each request's tag read on its first forward, kept by request id) and
+    hands them to the one edit path (edits.py) and to each capture; with nothing active, no hook is
+    left on the model."""
 
     def __init__(self, runner, model: nn.Module, arch):
         self.runner, self.model = runner, model
@@ -418,6 +419,15 @@ class Forwards:
         self.edits.name(name, described)
         self._watch()
 
+    def open_block(self, block: str, edits: list[dict]) -> None:
+        """An `hs.edit` block's edits, on every request until `close_block`."""
+        self.edits.open_block(block, edits)
+        self._watch()
+
+    def close_block(self, block: str) -> None:
+        self.edits.close_block(block)
+        self._watch()
+
     def _watch(self) -> None:
         """The root pre-hook, on while something is active, off when nothing is."""
         active = bool(self.sessions) or self.edits.active()
@@ -429,7 +439,7 @@ class Forwards:
             self.root = None
 
     def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        requests = requests_in_pass(self.runner, self.tags)
+        requests = requests_in_pass(self.runner, self.tags, every=self.edits.every_request())
         self.edits.pass_start(requests, self.runner.requests)
         for session in self.sessions.values():
             session.pass_start(requests)
@@ -518,6 +528,21 @@ class Extension:
         except EngineError as e:
             return refusal(e)
         return None
+
+    def hookscope_open_edits(self, architecture: str, block: str, edits: list[dict]) -> dict | None:
+        """Open `hs.edit` block `block`: its edits (described as plain data, edits.py) on every token
+        of every request the engine runs until `hookscope_close_edits`."""
+        try:
+            self._hookscope_forwards(architecture).open_block(block, edits)
+        except EngineError as e:
+            return refusal(e)
+        return None
+
+    def hookscope_close_edits(self, block: str) -> None:
+        """Close `hs.edit` block `block`: its edits and the hooks only they needed removed."""
+        forwards = self.__dict__.get("_hookscope_work")
+        if forwards is not None:
+            forwards.close_block(block)
 
     def hookscope_serve_store(
         self, architecture: str, names: list[str], out: str, settings: dict, shard_rows: int
