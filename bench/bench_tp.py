@@ -245,7 +245,8 @@ def memory_worker(how: str, blocks: int) -> None:
     else:
         with torch.inference_mode():  # an unsharded load maps the file: a forward reads every page
             model(ids)
-    local = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())
+    local_parts = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
+    local = sum(p.nbytes for p in local_parts if not p.is_meta)  # (points=: the rest stays on meta)
     row = {"how": how, "rank": int(os.environ.get("RANK", 0)), "imports_mib": after_imports}
     row |= {"loaded_mib": loaded, "vmhwm_mib": vmhwm_mib(), "weights_mib": local / 2**20}
     row |= {"rss_anon_mib": status_mib("RssAnon"), "rss_file_mib": status_mib("RssFile")}

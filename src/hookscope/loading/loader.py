@@ -339,10 +339,13 @@ def _load_partial(
     specs = arch.resolve(names)  # unknown names fail here, before any weight is read
     partial = plan(arch, specs, prologue_modules(meta_model, arch.block_paths[0]), names)
     placement = _placement(model, partial, device, device_map, dtype)
-    # a rank reads its slices alone with `pread` (open_safetensors says why)
-    checkpoint = Checkpoint(model, files, dtype, backend="pread" if distributed is not None else "mmap")
+    # a rank reads its slices alone with `pread` (open_safetensors says why), and the reading
+    # buffers it frees go back to the system, as in `_load_sharded`
+    reading = "pread" if distributed is not None else "mmap"
+    checkpoint = Checkpoint(model, files, dtype, backend=reading)
     try:
-        checkpoint.materialize(model, partial.wants, placement)
+        with returning_freed_memory() if reading == "pread" else contextlib.nullcontext():
+            checkpoint.materialize(model, partial.wants, placement)
     finally:
         checkpoint.close()
     if device_map is not None and len(set(placement.values())) > 1:
