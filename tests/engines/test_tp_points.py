@@ -1,7 +1,8 @@
 """`hs.load(dir, tp=2, points=[...])` on two ranks (children of the fork server with torchrun's
 environment, gloo on the CPU): each rank holds its slices of only the embeddings and the blocks the
-points need, and `hs.collect` / `hs.capture(...).run` give what the unsharded model gives;
-`hookscope extract --tp 2 --points ...` loads only those weights too.
+points need; `hs.collect` / `hs.capture(...).run` give what the unsharded model gives, `hs.points`
+and `hs.profile` run as far as the weights go, and a point past them is refused, as with `points=`
+in one process; `hookscope extract --tp 2 --points ...` loads only those weights too.
 
 References, none read from the code under test: the unsharded model (transformers' own
 `from_pretrained`, float32), read by hookscope's unsharded table and by plain hooks on module paths
@@ -202,6 +203,25 @@ def test_a_point_past_the_loaded_blocks_is_refused(case, runs):
         assert said is not None and "blocks.2.resid_post needs weights this model does not have" in said
         assert "blocks 0-1 of 4" in said and "points=[" in said and "without points=" in said
         assert rank["pass_refused"] is not None and "reached model.layers.2" in rank["pass_refused"]
+        assert rank["grads_refused"] is not None and "without points=" in rank["grads_refused"]
+
+
+@pytest.mark.slow  # two ranks, each loading four models and extracting
+@pytest.mark.parametrize("case", CASES)
+def test_points_and_profile_run_as_far_as_the_weights_go(case, runs, unsharded):
+    """`hs.points(model, ids)` measures the points blocks 0-1 reach, split ones at their whole
+    shape (the unsharded model's plain hooks), the rest unmeasured; `hs.profile` gives rows for
+    blocks 0 and 1 alone."""
+    model = unsharded[case]
+    plain = plain_hooks(model, case, worker.inputs(0))
+    names = {info.name for info in hs.points(model)}
+    for rank in runs["ranks"][case]:
+        shapes = rank["shapes"]
+        assert set(shapes) == names
+        for name in worker.POINTS:
+            assert shapes[name] == tuple(plain[name].shape), name
+        assert shapes["blocks.2.resid_pre"] is None and shapes["logits"] is None
+        assert rank["profiled"] == ["blocks.0", "blocks.1"]
 
 
 @pytest.mark.slow  # two ranks, each loading four models and extracting

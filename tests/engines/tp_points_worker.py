@@ -1,7 +1,7 @@
 """One rank of tests/engines/test_tp_points.py, a child of the fork server with torchrun's
 environment (tests/kit/forkserver.py, `call_ranks`): each model directory loaded with
 `hs.load(dir, tp=2, points=POINTS)` and with `tp=2` alone, what the verbs gave, which parameters
-left `meta`, each rank's bytes of them and what a point past the loaded blocks said, saved to
+left `meta`, each rank's bytes of them and what the refused asks said, saved to
 OUT/<case>.rank<R>.pt; then `hookscope extract --tp 2` with the model it loaded recorded. Nothing
 is compared here: the parent compares with the unsharded model."""
 
@@ -68,6 +68,11 @@ def run_case(directory: str) -> dict:
     out["held"] = held(model)
     out["refused"] = refusal(lambda: hs.collect(model, ids, [*POINTS, PAST]))
     out["pass_refused"] = refusal(lambda: unstopped_pass(model, ids))
+    out["grads_refused"] = refusal(lambda: hs.grads(model, ids, POINTS[-1], lambda o: o.logits.sum()))
+    # the verbs that run as far as the weights go: shapes measured, blocks profiled
+    out["shapes"] = {info.name: info.shape for info in hs.points(model, ids)}
+    report = hs.profile(model, ids, steps=1, warmup=0)
+    out["profiled"] = [row.name for row in report.block_rows()]
     whole = hs.load(directory, tp=2, **options).model
     out["whole_held"] = held(whole)
     return out
