@@ -203,7 +203,10 @@ def test_a_point_past_the_loaded_blocks_is_refused(case, runs):
         assert said is not None and "blocks.2.resid_post needs weights this model does not have" in said
         assert "blocks 0-1 of 4" in said and "points=[" in said and "without points=" in said
         assert rank["pass_refused"] is not None and "reached model.layers.2" in rank["pass_refused"]
-        assert rank["grads_refused"] is not None and "without points=" in rank["grads_refused"]
+        for verb in ("grads_refused", "generate_refused"):  # they need the model's output
+            assert (
+                rank[verb] is not None and "blocks 0-1 of 4" in rank[verb] and "without points=" in rank[verb]
+            )
 
 
 @pytest.mark.slow  # two ranks, each loading four models and extracting

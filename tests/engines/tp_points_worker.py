@@ -69,6 +69,7 @@ def run_case(directory: str) -> dict:
     out["refused"] = refusal(lambda: hs.collect(model, ids, [*POINTS, PAST]))
     out["pass_refused"] = refusal(lambda: unstopped_pass(model, ids))
     out["grads_refused"] = refusal(lambda: hs.grads(model, ids, POINTS[-1], lambda o: o.logits.sum()))
+    out["generate_refused"] = refusal(lambda: hs.generate(model, ids, POINTS[-1], max_new_tokens=2))
     # the verbs that run as far as the weights go: shapes measured, blocks profiled
     out["shapes"] = {info.name: info.shape for info in hs.points(model, ids)}
     report = hs.profile(model, ids, steps=1, warmup=0)
