@@ -197,6 +197,19 @@ def test_each_rank_holds_half_of_the_needed_blocks_alone(case, runs, unsharded):
 
 @pytest.mark.slow  # two ranks, each loading four models and extracting
 @pytest.mark.parametrize("case", CASES)
+def test_a_point_after_the_blocks_loads_every_slice(case, runs, unsharded):
+    """points=["logits"]: each rank holds what tp=2 alone holds, and the logits are the unsharded
+    model's."""
+    model = unsharded[case]
+    with torch.inference_mode():
+        want = model(worker.inputs(0)).logits
+    for rank in runs["ranks"][case]:
+        assert rank["through_held"] == rank["whole_held"]
+        torch.testing.assert_close(rank["logits"], want, **TOL)
+
+
+@pytest.mark.slow  # two ranks, each loading four models and extracting
+@pytest.mark.parametrize("case", CASES)
 def test_a_point_past_the_loaded_blocks_is_refused(case, runs):
     for rank in runs["ranks"][case]:
         said = rank["refused"]

@@ -76,6 +76,10 @@ def run_case(directory: str) -> dict:
     out["profiled"] = [row.name for row in report.block_rows()]
     whole = hs.load(directory, tp=2, **options).model
     out["whole_held"] = held(whole)
+    # a point after the last block: every weight is needed, and the output is there
+    through = hs.load(directory, tp=2, points=["logits"], **options).model
+    out["through_held"] = held(through)
+    out["logits"] = hs.collect(through, ids, "logits")["logits"]
     return out
 
 
