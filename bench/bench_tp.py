@@ -5,6 +5,7 @@ unsharded process's; then, in the same TP=2 processes, `hs.extract(tp=2)` of the
 
     .venv/bin/python bench/bench_tp.py            # ~2 min on 2 cores: builds bench/out/tp-llama once
     .venv/bin/python bench/bench_tp.py --memory [BLOCKS]   # peak memory alone, weights dominating
+    .venv/bin/python bench/bench_tp.py --memory-points [BLOCKS]   # the same, loads for blocks.1's points
 
 The model: a random Llama (d_model 1024, 8 layers, 16 heads, 8 kv heads, d_mlp 4096, vocab 8192,
 ~150 M parameters, float32, ~600 MB). Inputs: 4 x 128 tokens. The capture keeps every block's
@@ -21,6 +22,11 @@ d_model 1024, d_mlp 2816, 16 heads, vocab 32000, float32, 1.9 GB at 32 blocks, 2
 built once in bench/out/tp-llama-<BLOCKS>b), each
 process loads the model and runs one forward of 1 x 32 tokens: one unsharded `hs.load`, `hs.load(
 tp=2)`, and transformers' own `from_pretrained(tp_plan="auto")` (its memory map) beside them.
+
+`--memory-points`: the same shape (16 blocks by default, 1.1 GB), loaded for a capture of
+`blocks.1.resid_post` (the first 2 blocks): `hs.load(tp=2, points=[...])` and one process's
+`hs.load(points=[...])`, each then collecting that point from 1 x 32 tokens (the pass stopped after
+block 1), beside `hs.load(tp=2)` and its one forward, as `--memory` runs it.
 """
 
 from __future__ import annotations
@@ -195,6 +201,8 @@ def big(blocks: int) -> Path:
 
 
 LOADS = {"unsharded": 1, "hs-tp": 2, "transformers-tp": 2}  # how each process loads, its ranks
+POINTS_LOADS = {"hs-tp": 2, "hs-tp-points": 2, "hs-points": 1}  # --memory-points
+MEMORY_POINT = "blocks.1.resid_post"
 
 
 def build_big(blocks: int) -> None:
@@ -226,30 +234,34 @@ def memory_worker(how: str, blocks: int) -> None:
 
         model = AutoModelForCausalLM.from_pretrained(big(blocks), tp_plan="auto", dtype=torch.float32)
     else:
-        model = hs.load(
-            str(big(blocks)), tokenizer=False, dtype=torch.float32, **({"tp": 2} if how == "hs-tp" else {})
-        ).model
+        options = {"tp": 2} if how.startswith("hs-tp") else {}
+        if how.endswith("-points"):
+            options["points"] = [MEMORY_POINT]
+        model = hs.load(str(big(blocks)), tokenizer=False, dtype=torch.float32, **options).model
     loaded = vmhwm_mib()
-    with torch.inference_mode():  # an unsharded load maps the file: a forward reads every page
-        model(torch.randint(0, 32000, (1, 32), generator=torch.Generator().manual_seed(0)))
-    local = sum((p.to_local() if hasattr(p, "to_local") else p).nbytes for p in model.parameters())
+    ids = torch.randint(0, 32000, (1, 32), generator=torch.Generator().manual_seed(0))
+    if how.endswith("-points"):  # the pass stops after the point: the later blocks are not there
+        hs.collect(model, ids, MEMORY_POINT)
+    else:
+        with torch.inference_mode():  # an unsharded load maps the file: a forward reads every page
+            model(ids)
+    local_parts = (p.to_local() if hasattr(p, "to_local") else p for p in model.parameters())
+    local = sum(p.nbytes for p in local_parts if not p.is_meta)  # (points=: the rest stays on meta)
     row = {"how": how, "rank": int(os.environ.get("RANK", 0)), "imports_mib": after_imports}
     row |= {"loaded_mib": loaded, "vmhwm_mib": vmhwm_mib(), "weights_mib": local / 2**20}
     row |= {"rss_anon_mib": status_mib("RssAnon"), "rss_file_mib": status_mib("RssFile")}
     print("RESULT " + json.dumps(row), flush=True)
 
 
-def memory(blocks: int) -> None:
+def memory(blocks: int, loads: dict[str, int]) -> None:
     if not (big(blocks) / "config.json").exists():
         build_big(blocks)
     rows = []
-    for how, ranks in LOADS.items():
+    for how, ranks in loads.items():
         rows += run(ranks, ["--memory-worker", how, str(blocks)])
     one = rows[0]
     columns = ["weights_mib", "imports_mib", "loaded_mib", "vmhwm_mib", "rss_anon_mib", "rss_file_mib"]
-    print(
-        f"{'load':<22}" + "".join(f"{c.removesuffix('_mib'):>10}" for c in columns) + f"{'/ unsharded':>12}"
-    )
+    print(f"{'load':<22}" + "".join(f"{c.removesuffix('_mib'):>10}" for c in columns) + f"{'/ first':>12}")
     for row in rows:
         label = f"{row['how']} rank {row['rank']}"
         figures = "".join(f"{row[c]:>10.0f}" for c in columns)
@@ -264,7 +276,10 @@ def main() -> None:
         memory_worker(sys.argv[2], int(sys.argv[3]))
         return
     if sys.argv[1:2] == ["--memory"]:
-        memory(int(sys.argv[2]) if len(sys.argv) > 2 else 32)
+        memory(int(sys.argv[2]) if len(sys.argv) > 2 else 32, LOADS)
+        return
+    if sys.argv[1:2] == ["--memory-points"]:
+        memory(int(sys.argv[2]) if len(sys.argv) > 2 else 16, POINTS_LOADS)
         return
     if not (MODEL / "config.json").exists():
         build()

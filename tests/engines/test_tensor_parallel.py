@@ -361,12 +361,6 @@ def test_a_family_with_no_plan_refused(tiny_dirs):
         hs.load(str(tiny_dirs["gpt2"]), tp=2, tokenizer=False)
 
 
-def test_tp_with_points_refused(runs):
-    with pytest.raises(hs.TensorParallelError, match="does not combine with points=") as refused:
-        hs.load(str(runs["llama"][0]), tp=2, points=["blocks.0.resid_post"], tokenizer=False)
-    assert "points= alone" in str(refused.value) and "--max-memory" in str(refused.value)
-
-
 def test_an_unsharded_model_has_no_kept_slices(unsharded):
     model, ids = unsharded["llama"], worker.inputs(0)
     assert set(tensor_parallel.layout(model).values()) == {None}

@@ -69,21 +69,21 @@ def _config(kind: str, overrides: dict):
         )
     # logits = lm_head(ln_final); a case's overrides last
     extra = {"final_logit_softcapping": None, **overrides} if kind == "gemma2" else overrides
-    return AutoConfig.for_model(
-        kind,
-        vocab_size=VOCAB,
-        hidden_size=D_MODEL,
-        intermediate_size=2 * D_MODEL,
-        num_hidden_layers=N_LAYERS,
-        num_attention_heads=N_HEADS,
-        **{"num_key_value_heads": N_HEADS // 2, **extra},
-        head_dim=D_MODEL // N_HEADS,
-        max_position_embeddings=64,
-        tie_word_embeddings=False,
-        bos_token_id=0,
-        eos_token_id=0,
-        pad_token_id=None,
-    )
+    shape = {
+        "vocab_size": VOCAB,
+        "hidden_size": D_MODEL,
+        "intermediate_size": 2 * D_MODEL,
+        "num_hidden_layers": N_LAYERS,
+        "num_attention_heads": N_HEADS,
+        "num_key_value_heads": N_HEADS // 2,
+        "head_dim": D_MODEL // N_HEADS,
+        "max_position_embeddings": 64,
+        "tie_word_embeddings": False,
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": None,
+    }
+    return AutoConfig.for_model(kind, **{**shape, **extra})
 
 
 def build(case: str, seed: int = 0, **settings: object) -> nn.Module:

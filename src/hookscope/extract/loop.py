@@ -160,9 +160,9 @@ def _start(cfg: ExtractConfig, kind: type[Source]) -> tuple[Source, Executor, li
         revision=cfg.revision,
         device_map=cfg.device_map,
         tokenizer=kind.needs_tokenizer,
-        # only the weights the points need (a generating source, a served run, and a tensor-parallel
-        # model, whose plan shards every block, load the whole model)
-        points=cfg.points if kind.streamable and not (streamed or served) and cfg.tp == 1 else None,
+        # only the weights the points need (under --tp, each rank's slices of them; a generating
+        # source and a served run load the whole model)
+        points=cfg.points if kind.streamable and not (streamed or served) else None,
         tp=cfg.tp,
     )
     if cfg.device_map is not None:  # inputs go where the embeddings live

@@ -56,11 +56,11 @@ def slices_of(handles: list[Any]) -> dict[str, Any]:
 
 
 class Checkpoint:
-    """A model's weight files, open (memory-mapped), with each key's target parameter name. A
-    key's piece is a safetensors slice (read when indexed) or, from a `.bin` file, a tensor on
-    torch.load's memory map (its pages read when touched)."""
+    """A model's weight files, open (memory-mapped, or with `backend="pread"` read per slice), with
+    each key's target parameter name. A key's piece is a safetensors slice (read when indexed) or,
+    from a `.bin` file, a tensor on torch.load's memory map (its pages read when touched)."""
 
-    def __init__(self, model: nn.Module, files: list[str], dtype: torch.dtype | None):
+    def __init__(self, model: nn.Module, files: list[str], dtype: torch.dtype | None, backend: str = "mmap"):
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
         from transformers.modeling_utils import load_state_dict
@@ -68,7 +68,7 @@ class Checkpoint:
         self.dtype = dtype
         self.mapping = get_model_conversion_mapping(model)
         safetensors = [f for f in files if f.endswith(".safetensors")]
-        self._handles = [open_safetensors(f) for f in safetensors]
+        self._handles = [open_safetensors(f, backend) for f in safetensors]
         self._slices: dict[str, Any] = slices_of(self._handles)
         for pickled in (f for f in files if not f.endswith(".safetensors")):
             self._slices.update(load_state_dict(pickled))  # torch.load(mmap=True, weights_only=True)

@@ -74,9 +74,10 @@ def load(
     `.to(device)` cannot copy what stays on `meta`. `device="meta"`: no weight read, for streaming.
     `tp=N` (under torchrun, N dividing the processes): transformers' tensor-parallel plan shards
     each block's projections over N ranks (`DistributedConfig(tp_size=N)`); every verb then gives
-    what the unsharded model gives (hookscope.engines.tensor_parallel gathers the sharded points).
-    With more processes than N, each N consecutive ranks (0..N-1, N..2N-1, ...) hold their own
-    sharded copy and run their own inputs (TP x DP: `hs.extract` with `tp=`).
+    what the unsharded model gives (hookscope.engines.tensor_parallel gathers the sharded points);
+    with `points=` too, each rank holds its slices of only the weights those points need. With
+    more processes than N, each N consecutive ranks (0..N-1, N..2N-1, ...) hold their own sharded
+    copy and run their own inputs (TP x DP: `hs.extract` with `tp=`).
 
     Process-wide settings changed while it runs, and put back before it returns (docs/architecture.md,
     "Process-wide settings"): Python's full garbage collections wait (young ones go on); on `meta`
@@ -154,7 +155,7 @@ def _load(
     if local and any(Path(source).glob("*.safetensors")):
         kwargs["use_safetensors"] = True
     if tp is not None and tp > 1:
-        kwargs["distributed_config"] = _tensor_parallel(config, tp, device, device_map, points)
+        kwargs["distributed_config"] = _tensor_parallel(config, tp, device, device_map)
     partial = None
     try:
         with no_progress_bars():  # transformers 5 draws a bar while it loads the weights
@@ -187,7 +188,7 @@ def _load(
     return Loaded(model, tok, arch_of(model), label, partial)
 
 
-def _tensor_parallel(config: Any, tp: int, device: Any, device_map: Any, points: Any) -> Any:
+def _tensor_parallel(config: Any, tp: int, device: Any, device_map: Any) -> Any:
     """transformers' `DistributedConfig(tp_size=tp)`, after every check that needs no weights; the
     process group started here if torchrun's environment is set and nobody started one (gloo on
     the CPU: transformers would pick nothing there)."""
@@ -196,14 +197,6 @@ def _tensor_parallel(config: Any, tp: int, device: Any, device_map: Any, points:
     import torch.distributed as dist
     from transformers.distributed import DistributedConfig
 
-    if points is not None:
-        raise TensorParallelError(
-            "tp= does not combine with points=: transformers' tensor-parallel load gives every weight it "
-            "is not handed memory of its own and initialises it, so each rank would still hold 1/N of "
-            "every block. Under tp= a capture stops after its last point anyway (later blocks never "
-            "run); to hold only the blocks the points need, load with points= alone (one process) or "
-            "extract with --max-memory"
-        )
     if device_map is not None or str(device) == "meta":
         raise TensorParallelError(
             "tp= shards the whole model over the ranks: it does not combine with device_map= or "
@@ -322,27 +315,37 @@ def _load_partial(
     device: str | torch.device,
     device_map: str | dict | None,
 ) -> tuple[nn.Module, PartialLoad | None]:
-    """The model on `meta`, with only the weights `points` need read from its weight `files`."""
+    """The model on `meta`, with only the weights `points` need read from its weight `files`; under
+    `tp=` (a `distributed_config` in `kwargs`), each rank's slices of them alone."""
     dtype = _auto_dtype(config, kwargs, files)
     options = {k: kwargs[k] for k in ("attn_implementation",) if k in kwargs}
+    distributed = kwargs.get("distributed_config")
 
     def meta_model() -> nn.Module:
         with torch.device("meta"):
             return auto.from_config(config, dtype=dtype, **options).eval()
 
     model = meta_model()
+    if distributed is not None:  # before its table is read: the table gathers the split points
+        model, device = _split_on_meta(model, distributed)
     arch = arch_of(model)
     if not arch.block_paths:  # no blocks to leave out: the plain load
         if device_map is not None:
             return auto.from_pretrained(source, **kwargs, device_map=device_map), None
+        if distributed is not None:  # placed per rank by transformers
+            return auto.from_pretrained(source, **kwargs), None
         return auto.from_pretrained(source, **kwargs).to(device), None
     names = [points] if isinstance(points, str) else list(points)
     specs = arch.resolve(names)  # unknown names fail here, before any weight is read
     partial = plan(arch, specs, prologue_modules(meta_model, arch.block_paths[0]), names)
     placement = _placement(model, partial, device, device_map, dtype)
-    checkpoint = Checkpoint(model, files, dtype)
+    # a rank reads its slices alone with `pread` (open_safetensors says why), and the reading
+    # buffers it frees go back to the system, as in `_load_sharded`
+    reading = "pread" if distributed is not None else "mmap"
+    checkpoint = Checkpoint(model, files, dtype, backend=reading)
     try:
-        checkpoint.materialize(model, partial.wants, placement)
+        with returning_freed_memory() if reading == "pread" else contextlib.nullcontext():
+            checkpoint.materialize(model, partial.wants, placement)
     finally:
         checkpoint.close()
     if device_map is not None and len(set(placement.values())) > 1:
@@ -350,6 +353,18 @@ def _load_partial(
     arch.loaded = partial
     partial.guard(model)
     return model, partial
+
+
+def _split_on_meta(model: nn.Module, distributed_config: Any) -> tuple[nn.Module, torch.device]:
+    """transformers' tensor-parallel plan applied to a model still on `meta`, by the two calls its
+    `from_pretrained` makes before it reads a weight: each parameter the plan splits becomes a `meta`
+    DTensor of this rank's slice, so that a weight read into it is cut to the slice as it is read
+    (transformers' `DtensorShardOperation`), and a module never read stays on `meta` at no cost
+    (`from_pretrained` itself would give it memory and initialise it). Also the device transformers
+    bound this rank to."""
+    model_class = type(model)
+    distributed_config, device, mesh = model_class.prepare_distribute_model(distributed_config)
+    return model_class.maybe_distribute_model(model, distributed_config, mesh), device
 
 
 def _placement(
