@@ -73,7 +73,7 @@ class _Named(NamedTuple):
 
 class Session:
     """One capture's hooks in one worker, and the rows they kept: each point's rows of each forward,
-    cut into each request's parts (one per forward that held it, in the order they ran) by `take`.
+    joined per request (the forwards that held it, in the order they ran) by `take`.
     `Forwards` hands it each forward's requests (`pass_start`); its requests' edits run on the
     worker's one edit path (edits.py), attached before its hooks, so a captured point that is also
     edited is kept as edited.
@@ -106,7 +106,7 @@ class Session:
         # requests at the same rows keeps the same rows at positions that only move on (a generation's
         # decode steps): its slots are then this with the requests' new positions
         self.template: list[tuple[Hashable, int, int, int]] | None = None
-        # point -> (its kept rows, the forward's slots) per forward, cut per request by `_cut`
+        # point -> (its kept rows, the forward's slots) per forward, joined per request by `take`
         self.kept: dict[str, list[tuple[Tensor, list[_Slot]]]] = defaultdict(list)
         self.hooks = Hooks(model, arch)
         for name in names:
@@ -190,15 +190,6 @@ class Session:
             self.rows = None  # nothing more of this forward
             return
         self.kept[name].append((kept, self.slots))
-
-    def _cut(self, into: dict[tuple[Hashable, str], list[tuple[Sequence[int], Tensor]]]) -> None:
-        """The rows kept so far, cut per request and point (`into`: (key, point) -> (positions, rows)
-        per forward, appended in the order they ran), and let go of."""
-        for name, forwards in self.kept.items():
-            for kept, slots in forwards:
-                for slot in slots:
-                    into[(slot.key, name)].append((slot.positions, kept[slot.lo : slot.hi]))
-        self.kept.clear()
 
     def take(self, expected: dict[int, int]) -> dict[int, dict[str, Tensor]]:
         """Every request's rows per point, checked whole and in order: positions 0..n-1 each exactly
@@ -312,6 +303,15 @@ class StoreSession(Session):
             self._drop(req_id)
         if self.written:
             self.written.intersection_update(held)
+
+    def _cut(self, into: dict[tuple[Hashable, str], list[tuple[Sequence[int], Tensor]]]) -> None:
+        """The rows kept so far, cut per request and point (`into`: (key, point) -> (positions, rows)
+        per forward, appended in the order they ran), and let go of."""
+        for name, forwards in self.kept.items():
+            for kept, slots in forwards:
+                for slot in slots:
+                    into[(slot.key, name)].append((slot.positions, kept[slot.lo : slot.hi]))
+        self.kept.clear()
 
     def _drop(self, req_id: str) -> None:
         for name in self.names:
