@@ -123,6 +123,21 @@ def test_an_edit_for_every_prompt_and_edit_on(llama):
         assert_same(gen, hf_generate(hf, prompt, [steer], edit_on="generated"), f"{len(prompt)}, generated")
 
 
+def test_an_edit_at_one_generated_position_lands_on_that_step_only(llama):
+    """An edit that follows positions (one generated position per request) is decided anew on every
+    decode step, though each step holds the same requests at the same rows as the one before (where
+    the worker keeps the decisions of edits that do not follow positions)."""
+    llm, hf = llama
+    ps = prompts()[:2]
+    edits = [[hs.ablate("blocks.0.resid_post", positions=[len(p) + 2])] for p in ps]
+    got = hs.generate(llm, ps, POINTS, edits=edits, max_new_tokens=NEW)
+    for prompt, gen, one in zip(ps, got, edits, strict=True):
+        want = hf_generate(hf, prompt, one)
+        assert_same(gen, want, f"{len(prompt)} tokens, ablated at position {len(prompt) + 2}")
+        moved = (want["blocks.1.resid_post"] - hf_generate(hf, prompt)["blocks.1.resid_post"]).abs().max()
+        assert moved > 1e-3, "the ablation changed nothing: the test cannot tell"
+
+
 @pytest.mark.parametrize(
     "options, match",
     [

@@ -28,7 +28,7 @@ from ...optional_imports import require
 from ...selection import Heads, Positions, Selection
 from . import liveness, tables
 from .batch import TAG
-from .edits import describe, describe_selection
+from .edits import describe, describe_selection, on_the_wire
 from .liveness import shut_down as shut_down  # a public verb of this module
 from .worker import discard, raise_refusals, take_over
 
@@ -279,7 +279,7 @@ def run_requests(
                 **{"detokenize": False, **opts, "extra_args": extra}, skip_reading_prefix_cache=True
             )
         )
-    described = {str(i): e for i, e in edits.items()}
+    described = on_the_wire(edits)
     names = list(dict.fromkeys(names))
     liveness.watch(engine)  # a dead engine core ends these calls instead of leaving them waiting
     try:

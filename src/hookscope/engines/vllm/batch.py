@@ -75,11 +75,12 @@ class PerRequest:
     def __init__(self):
         self.made: dict[str, tuple[Any, Any]] = {}  # request id -> (its runner state, what was made)
 
-    def get(self, req_id: str, state: Any, make: Callable[[], Any]) -> Any:
+    def get(self, req_id: str, state: Any, make: Callable[[Any], Any], arg: Any) -> Any:
+        """What `make(arg)` made for the request, made on its first call."""
         kept = self.made.get(req_id)
         if kept is not None and kept[0] is state:
             return kept[1]
-        value = make()
+        value = make(arg)
         self.made[req_id] = (state, value)
         return value
 
@@ -100,11 +101,12 @@ def requests_in_pass(runner, tags: PerRequest, every: bool = False) -> list[InPa
     read on its first forward."""
     batch = runner.input_batch
     n = batch.num_reqs
-    tags.forget_finished(runner.requests)
+    held = runner.requests
+    tags.forget_finished(held)
     found, starts = [], None
     for i, req_id in enumerate(batch.req_ids[:n]):
-        state = runner.requests[req_id]
-        tag = tags.get(req_id, state, lambda state=state: _tag(state))
+        state = held[req_id]
+        tag = tags.get(req_id, state, _tag, state)
         if tag is None:
             if not every:
                 continue

@@ -13,7 +13,6 @@ A capture's `Selection` crosses the same way (`describe_selection`).
 from __future__ import annotations
 
 import dataclasses
-import json
 from collections.abc import Collection
 from typing import Any
 
@@ -136,6 +135,25 @@ def rebuild(plain: dict) -> Edit:
     return KINDS[plain["kind"]](**{name: _value(v) for name, v in plain["fields"].items()})
 
 
+def on_the_wire(edits: dict[int, list[dict]]) -> dict:
+    """A call's edits (request index -> described edits) as sent to its workers: each distinct edit
+    once and each request's as indices into them, so that a vector given to every request is
+    serialized, sent and rebuilt once. `describe_edits` hands one dict per edit given, shared by the
+    requests it applies to: that dict is what is sent once. Empty for no edits."""
+    if not edits:
+        return {}
+    distinct: list[dict] = []
+    index_of: dict[int, int] = {}  # id(described) -> its index in distinct
+    requests: dict[str, list[int]] = {}
+    for i, described in edits.items():
+        for one in described:
+            if id(one) not in index_of:
+                index_of[id(one)] = len(distinct)
+                distinct.append(one)
+        requests[str(i)] = [index_of[id(one)] for one in described]
+    return {"edits": distinct, "requests": requests}
+
+
 def describe_selection(selection: Selection) -> dict | None:
     """What a capture keeps (`Selection.of`'s positions, heads and dtype) as plain data for the
     workers; None for everything."""
@@ -174,6 +192,9 @@ class RequestEdits:
         self.built = PerRequest()  # request id -> point -> its step edits
         self.points: dict[str, tuple[Hooks, set[str]]] = {}  # point -> (its one hook, who needs it)
         self.now: dict[str, list[tuple[list[StepEdit], Rows]]] = {}  # this forward: point -> edits, rows
+        # whether `now` holds for a forward of the same requests at the same rows as the last one (a
+        # decode step's usual case): no edit of theirs follows positions, nothing registered since
+        self.now_holds = False
 
     def active(self) -> bool:
         return bool(self.named or self.runs or self.blocks)
@@ -206,14 +227,13 @@ class RequestEdits:
         self._attach(edit.point, "")
 
     def add_run(self, run: str, edits: dict, edit_on: str) -> None:
-        """The edits of one call (request index -> described edits), before its requests run."""
-        once: dict[str, Edit] = {}  # an edit given to several requests is rebuilt once (and shared)
-        for described in (e for one in edits.values() for e in one):
-            once.setdefault(_key(described), rebuild(described))
-        rebuilt = {int(index): [once[_key(e)] for e in one] for index, one in edits.items()}
-        self._refuse_split([e for one in rebuilt.values() for e in one])
+        """The edits of one call (`on_the_wire`: each distinct edit once, each request's as indices),
+        before its requests run."""
+        distinct = [rebuild(described) for described in edits["edits"]]  # shared by the requests given it
+        rebuilt = {int(index): [distinct[k] for k in ks] for index, ks in edits["requests"].items()}
+        self._refuse_split(distinct)
         self.runs[run] = (rebuilt, edit_on)
-        for edit in (e for one in rebuilt.values() for e in one):
+        for edit in distinct:
             self._attach(edit.point, run)
 
     def drop_run(self, run: str) -> None:
@@ -222,6 +242,7 @@ class RequestEdits:
 
     def _release(self, owner: str, edits: list[Edit]) -> None:
         """`owner`'s edits forgotten, and the hooks at the points no one else edits removed."""
+        self.now_holds = False  # a forward's decisions are made anew without them
         gone = {id(e) for e in edits}
         self.shared = {key: kept for key, kept in self.shared.items() if key not in gone}
         for point, (hooks, owners) in list(self.points.items()):
@@ -241,6 +262,7 @@ class RequestEdits:
 
     def _attach(self, point: str, owner: str) -> None:
         """One hook per point, whoever needs it (`owner`: a run, a block, or "" for the named edits)."""
+        self.now_holds = False  # a forward's decisions are made anew with these edits
         spec = self.arch.spec(point)
         if spec.name not in self.points:
             hooks = Hooks(self.model, self.arch)
@@ -293,26 +315,32 @@ class RequestEdits:
             per_point.setdefault(step_edit.spec.name, []).append(step_edit)
         return per_point
 
-    def pass_start(self, requests: list[InPass], live: Collection[str]) -> None:
+    def pass_start(self, requests: list[InPass], live: Collection[str], same_rows: bool = False) -> None:
         """Before a forward: each of its requests' step edits decided for the positions it holds, and
-        the requests whose one edit at a point is a shared fixed one gathered to be edited at once."""
+        the requests whose one edit at a point is a shared fixed one gathered to be edited at once.
+        `same_rows`: the forward holds the same requests at the same rows as the one before."""
         self.built.forget_finished(live)
+        if same_rows and self.now_holds:
+            return
+        follows_positions = False
         alone: dict[str, list[tuple[list[StepEdit], Rows]]] = {}
         together: dict[str, dict[StepEdit, list[tuple[int, int]]]] = {}
         for req in requests:
-            per_point = self.built.get(req.req_id, req.state, lambda req=req: self._build(req))
+            per_point = self.built.get(req.req_id, req.state, self._build, req)
             for point, step_edits in per_point.items():
                 if len(step_edits) == 1 and step_edits[0].fixed:
                     together.setdefault(point, {}).setdefault(step_edits[0], []).append((req.start, req.end))
                     continue
                 for step_edit in step_edits:
                     step_edit.prepare(req.offset, req.offset + req.end - req.start)
+                follows_positions = follows_positions or not all(e.fixed for e in step_edits)
                 alone.setdefault(point, []).append((step_edits, Rows([(req.start, req.end)])))
         for point, groups in together.items():
             alone.setdefault(point, []).extend(
                 ([step_edit], Rows(spans)) for step_edit, spans in groups.items()
             )
         self.now = alone
+        self.now_holds = not follows_positions
 
     def _edit(self, act: Tensor, hook: Hook) -> Tensor | None:
         edits = self.now.get(hook.spec.name)
@@ -333,7 +361,3 @@ def _apply(step_edits: list[StepEdit], rows: Tensor, hook: Hook) -> Tensor:
         new = step_edit(batch, hook)
         batch = batch if new is None else new
     return batch[0]
-
-
-def _key(described: dict) -> str:
-    return json.dumps(described, sort_keys=True)

@@ -33,6 +33,11 @@ POS_DIM = 0  # vLLM's activations have no batch dim: [num_tokens, ...]
 # --- the residual stream put back ---------------------------------------------------------------
 
 
+def _as(new: Tensor, like: Tensor) -> Tensor:
+    """`new` in `like`'s dtype (a no-op `.to` is still a dispatch, on every forward of an edit)."""
+    return new if new.dtype == like.dtype else new.to(like.dtype)
+
+
 def _stream_in(call: Call, first: int) -> Tensor:
     """`hidden + residual` from a call whose hidden states are argument `first` and the residual
     the one after it (None or absent at layer 0 / a plain norm)."""
@@ -44,7 +49,7 @@ def _stream_in(call: Call, first: int) -> Tensor:
 def _stream_in_put(first: int):
     def put(call: Call, new: Tensor) -> Call:
         args = list(call.args)
-        args[first] = new.to(args[first].dtype)
+        args[first] = _as(new, args[first])
         if len(args) > first + 1:
             args[first + 1] = torch.zeros_like(args[first])
         kwargs = (
@@ -64,7 +69,7 @@ def stream_in(first: int) -> View:
 
 STREAM_OUT = View(
     get=lambda out: out[0] + out[1],
-    put=lambda out, new: (new.to(out[0].dtype), torch.zeros_like(out[1])),
+    put=lambda out, new: (_as(new, out[0]), torch.zeros_like(out[1])),
     label="hidden + residual (fused add)",
 )
 

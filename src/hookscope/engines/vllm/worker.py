@@ -73,7 +73,7 @@ class _Named(NamedTuple):
 
 class Session:
     """One capture's hooks in one worker, and the rows they kept: each point's rows of each forward,
-    cut into each request's parts (one per forward that held it, in the order they ran) by `take`.
+    joined per request (the forwards that held it, in the order they ran) by `take`.
     `Forwards` hands it each forward's requests (`pass_start`); its requests' edits run on the
     worker's one edit path (edits.py), attached before its hooks, so a captured point that is also
     edited is kept as edited.
@@ -102,17 +102,29 @@ class Session:
         self.refused: list[str] = []  # what did not fit the activations or a request
         self.slots: list[_Slot] = []
         self.rows: Rows | None = None  # this forward's kept token rows, for one gather per point
-        # point -> (its kept rows, the forward's slots) per forward, cut per request by `_cut`
+        # (key, lo, hi, index among the forward's requests) of each slot, where a forward of the same
+        # requests at the same rows keeps the same rows at positions that only move on (a generation's
+        # decode steps): its slots are then this with the requests' new positions
+        self.template: list[tuple[Hashable, int, int, int]] | None = None
+        # point -> (its kept rows, the forward's slots) per forward, joined per request by `take`
         self.kept: dict[str, list[tuple[Tensor, list[_Slot]]]] = defaultdict(list)
         self.hooks = Hooks(model, arch)
         for name in names:
             self.hooks.forward(arch.spec(name), self._keep)
 
-    def pass_start(self, requests: list[InPass]) -> None:
+    def pass_start(self, requests: list[InPass], same_rows: bool = False) -> None:
+        """This forward's slots and rows, from its requests (`same_rows`: the same requests at the
+        same rows as the forward before)."""
         if not self.hooks:  # (a call with edits and nothing to capture)
             return
-        self.slots, spans, kept = [], [], 0
-        for req in requests:
+        if same_rows and self.template is not None:
+            self.slots = [
+                _Slot(key, lo, hi, range(requests[i].offset, requests[i].offset + hi - lo))
+                for key, lo, hi, i in self.template
+            ]
+            return
+        self.slots, spans, kept, indices = [], [], 0, []
+        for i, req in enumerate(requests):
             key = self.request_key(req)
             if key is None:
                 continue  # another request (or another capture's): not ours to keep
@@ -124,9 +136,15 @@ class Session:
                 positions = self._named_in(key, len(req.state.prompt_token_ids or ()), positions)
             if positions:
                 self.slots.append(_Slot(key, kept, kept + len(positions), positions))
+                indices.append(i)
                 spans += _spans(req, positions)
                 kept += len(positions)
         self.rows = Rows(spans) if spans else None
+        # every request's whole rows kept at its own positions (no prompt-only cut, no named positions)
+        whole = not self.prefill_only and self.positions is None
+        self.template = (
+            [(*slot[:3], i) for slot, i in zip(self.slots, indices, strict=True)] if whole else None
+        )
 
     def _named_in(self, key: Hashable, length: int, held: range) -> list[int]:
         """The positions of `held` (this forward's, of a request of `length` positions) that the
@@ -173,31 +191,37 @@ class Session:
             return
         self.kept[name].append((kept, self.slots))
 
-    def _cut(self, into: dict[tuple[Hashable, str], list[tuple[Sequence[int], Tensor]]]) -> None:
-        """The rows kept so far, cut per request and point (`into`: (key, point) -> (positions, rows)
-        per forward, appended in the order they ran), and let go of."""
-        for name, forwards in self.kept.items():
-            for kept, slots in forwards:
-                for slot in slots:
-                    into[(slot.key, name)].append((slot.positions, kept[slot.lo : slot.hi]))
-        self.kept.clear()
-
-    def take(self, expected: dict[int, int]) -> dict[int, dict[str, list[Tensor]]]:
-        """Every request's parts per point, checked whole and in order: positions 0..n-1 each exactly
+    def take(self, expected: dict[int, int]) -> dict[int, dict[str, Tensor]]:
+        """Every request's rows per point, checked whole and in order: positions 0..n-1 each exactly
         once (`expected`: request index -> n), never silently short; with a positions selection, the
-        positions it names, in its order."""
+        positions it names, in its order. Per point, the forwards' rows are joined once and each
+        request's taken from them in one gather (not a slice per request and forward)."""
         if self.refused:
             raise SelectionError(self.refused[0])
-        parts_of: dict[tuple[Hashable, str], list[tuple[Sequence[int], Tensor]]] = defaultdict(list)
-        self._cut(parts_of)
-        out: dict[int, dict[str, list[Tensor]]] = defaultdict(dict)
-        for (index, name), parts in parts_of.items():
-            named = self.named.get(index) if self.positions is not None else None
-            want = None if named is None else named.rows
-            out[index][name] = in_order(parts, expected.get(index), f"request {index}, {name}", want)
-            if named is not None:  # the selection's order and shape (an int drops the position dim)
-                order = torch.searchsorted(torch.tensor(named.rows), named.order)
-                out[index][name] = [torch.cat(out[index][name])[order]]
+        out: dict[int, dict[str, Tensor]] = defaultdict(dict)
+        for name, forwards in self.kept.items():
+            rows = torch.cat([kept for kept, _ in forwards])
+            where: dict[Hashable, list[int]] = defaultdict(list)  # request -> its rows in `rows`
+            positions: dict[Hashable, list[int]] = defaultdict(list)
+            base = 0
+            for kept, slots in forwards:
+                for slot in slots:
+                    where[slot.key] += range(base + slot.lo, base + slot.hi)
+                    positions[slot.key] += slot.positions
+                base += kept.shape[0]
+            for index, got in positions.items():
+                named = self.named.get(index) if self.positions is not None else None
+                check_order(
+                    got,
+                    expected.get(index),
+                    f"request {index}, {name}",
+                    None if named is None else named.rows,
+                )
+                taken = rows.index_select(0, torch.tensor(where[index]))
+                if named is not None:  # the selection's order and shape (an int drops the position dim)
+                    taken = taken[torch.searchsorted(torch.tensor(named.rows), named.order)]
+                out[index][name] = taken
+        self.kept.clear()
         return dict(out)
 
     def close(self) -> None:
@@ -216,10 +240,14 @@ def _spans(req: InPass, positions: Sequence[int]) -> list[tuple[int, int]]:
 def in_order(
     parts: list[tuple[Sequence[int], Tensor]], n: int | None, what: str, want: list[int] | None = None
 ) -> list[Tensor]:
-    """The rows of `parts` ((positions, rows) per forward), checked whole and in order: positions
-    0..n-1 (or the sorted positions `want`) each exactly once. Raises EngineError, naming `what`,
-    for rows that came back short."""
-    got = [q for positions, _ in parts for q in positions]
+    """The rows of `parts` ((positions, rows) per forward), checked whole and in order (`check_order`)."""
+    check_order([q for positions, _ in parts for q in positions], n, what, want)
+    return [rows for _, rows in parts]
+
+
+def check_order(got: list[int], n: int | None, what: str, want: list[int] | None = None) -> None:
+    """Positions kept of a request, in the order they ran: 0..n-1 (or the sorted positions `want`)
+    each exactly once. Raises EngineError, naming `what`, for rows that came back short."""
     if n is None or got != (list(range(n)) if want is None else want):
         raise EngineError(
             f"{what}: rows for positions {got[:8]}{'...' if len(got) > 8 else ''} "
@@ -227,7 +255,6 @@ def in_order(
             "or reordered tokens' forward (prefix caching, preemption); capture with "
             "enable_prefix_caching=False"
         )
-    return [rows for _, rows in parts]
 
 
 class StoreSession(Session):
@@ -258,8 +285,8 @@ class StoreSession(Session):
             self.asked[req_id] = (key, list(req.state.prompt_token_ids or ()))
         return req_id
 
-    def pass_start(self, requests: list[InPass]) -> None:
-        super().pass_start(requests)
+    def pass_start(self, requests: list[InPass], same_rows: bool = False) -> None:
+        super().pass_start(requests, same_rows)
         for slot in self.slots:
             if slot.positions[0] == 0:  # its first tokens (again, after a preemption): start over
                 self._drop(slot.key)
@@ -276,6 +303,15 @@ class StoreSession(Session):
             self._drop(req_id)
         if self.written:
             self.written.intersection_update(held)
+
+    def _cut(self, into: dict[tuple[Hashable, str], list[tuple[Sequence[int], Tensor]]]) -> None:
+        """The rows kept so far, cut per request and point (`into`: (key, point) -> (positions, rows)
+        per forward, appended in the order they ran), and let go of."""
+        for name, forwards in self.kept.items():
+            for kept, slots in forwards:
+                for slot in slots:
+                    into[(slot.key, name)].append((slot.positions, kept[slot.lo : slot.hi]))
+        self.kept.clear()
 
     def _drop(self, req_id: str) -> None:
         for name in self.names:
@@ -304,10 +340,10 @@ HANDOFF_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
 ALIGN = 64  # every tensor's offset in the handoff file, so that any dtype can view its bytes
 
 
-def hand_off(rows: dict[int, dict[str, list[Tensor]]], run: str) -> list:
-    """Write every request's rows (its parts, one after another) into one file in shared memory;
-    return where each lies: [path, [[request, point, dtype, shape, offset], ...]]. Only this small
-    index crosses vLLM's RPC (msgpack through the engine core): the rows are never serialized."""
+def hand_off(rows: dict[int, dict[str, Tensor]], run: str) -> list:
+    """Write every request's rows into one file in shared memory; return where each lies:
+    [path, [[request, point, dtype, shape, offset], ...]]. Only this small index crosses vLLM's RPC
+    (msgpack through the engine core): the rows are never serialized."""
     path = handoff_path(run)
     try:
         return [path, _write_rows(path, rows)]
@@ -316,21 +352,18 @@ def hand_off(rows: dict[int, dict[str, list[Tensor]]], run: str) -> list:
         raise
 
 
-def _write_rows(path: str, rows: dict[int, dict[str, list[Tensor]]]) -> list:
+def _write_rows(path: str, rows: dict[int, dict[str, Tensor]]) -> list:
     index, offset = [], 0
     with open(path, "wb") as f:
         for i, points in rows.items():
-            for name, parts in points.items():
+            for name, tensor in points.items():
                 pad = -offset % ALIGN
                 f.write(b"\0" * pad)
                 offset += pad
-                first = parts[0]
-                shape = [sum(p.shape[0] for p in parts), *first.shape[1:]]
-                index.append([i, name, str(first.dtype).removeprefix("torch."), shape, offset])
-                for part in parts:
-                    data = memoryview(part.contiguous().view(torch.uint8).flatten().numpy())
-                    f.write(data)
-                    offset += len(data)
+                index.append([i, name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset])
+                data = memoryview(tensor.contiguous().view(torch.uint8).flatten().numpy())
+                f.write(data)
+                offset += len(data)
     return index
 
 
@@ -377,6 +410,7 @@ class Forwards:
         self.edits = RequestEdits(model, self.arch, split=self.gathered)
         self.sessions: dict[str, Session] = {}
         self.root: Hooks | None = None
+        self.layout: list[tuple] = []  # the last forward's requests and their rows
 
     def start(
         self,
@@ -440,9 +474,14 @@ class Forwards:
 
     def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         requests = requests_in_pass(self.runner, self.tags, every=self.edits.every_request())
-        self.edits.pass_start(requests, self.runner.requests)
+        # the same requests at the same rows as the forward before (a decode step's usual case): what
+        # was decided for that forward holds, but for the positions
+        layout = [(req.req_id, req.state, req.start, req.end) for req in requests]
+        same_rows, self.layout = layout == self.layout, layout
+        if self.edits.active():
+            self.edits.pass_start(requests, self.runner.requests, same_rows)
         for session in self.sessions.values():
-            session.pass_start(requests)
+            session.pass_start(requests, same_rows)
 
 
 def refusal(error: HookscopeError) -> dict:
@@ -495,8 +534,8 @@ class Extension:
         selection: dict | None = None,
     ) -> str:
         """Attach a capture of `names` for the requests tagged `run`, keeping what `selection` selects,
-        and their `edits` (request index -> edits described as plain data, edits.py); returns the
-        model class."""
+        and their `edits` (as `edits.on_the_wire` sends them: each distinct edit described as plain data
+        once, each request's as indices); returns the model class."""
         forwards = self._hookscope_forwards(architecture)
         try:
             forwards.start(names, run, prefill_only, edits, edit_on, selection)
