@@ -33,7 +33,7 @@ from ...arch.base import ROOT
 from ...errors import EngineError, HookscopeError, SelectionError
 from ...hooks import Hook, Hooks, hook_count
 from ...selection import Selection
-from . import sharded, tables
+from . import compiled, sharded, tables
 from .batch import InPass, PerRequest, Rows, requests_in_pass
 from .capture_store import RequestWriter, client_id
 from .edits import RequestEdits, rebuild_selection
@@ -371,6 +371,8 @@ class Forwards:
 
     def __init__(self, runner, model: nn.Module, arch):
         self.runner, self.model = runner, model
+        # a compiled engine whose maker consented: a forward that holds a tagged request runs uncompiled
+        self.hold_eager = compiled.holds_eager(runner.vllm_config)
         self.arch, self.gathered = sharded.for_rank(arch, model)  # tensor parallelism: {sharded point: dim}
         self.tags = PerRequest()
         self.edits = RequestEdits(model, self.arch, split=self.gathered)
@@ -430,6 +432,8 @@ class Forwards:
 
     def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         requests = requests_in_pass(self.runner, self.tags)
+        if requests and self.hold_eager:  # else vLLM's compiled graph runs without the hooks
+            compiled.run_this_forward_uncompiled()
         self.edits.pass_start(requests, self.runner.requests)
         for session in self.sessions.values():
             session.pass_start(requests)
