@@ -9,7 +9,9 @@ prefix caching off: one compiled (vLLM's default compilation on the CPU backend)
 `compile_policy="hold_eager"`, one eager (`enforce_eager=True`). On each, bench_vllm.py's generation
 measures (greedy, EOS ignored, N new tokens per request): plain `llm.generate`, `hs.generate` capturing
 one point, `hs.generate` with one `hs.steer`; every measure of both engines in each round, in turn;
-medians. Prints the engines' starts and each measure per new token against the compiled engine's plain
+medians. `--custom-ops`: a third engine, compiled with vLLM's CPU kernels in the graph
+(`compilation_config={"custom_ops": ["all"]}`), which its uncompiled forwards then call too. Prints
+the engines' starts and each measure per new token against the compiled engine's plain
 generate (the speed a consented engine keeps for its plain requests).
 """
 
@@ -23,7 +25,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from bench_vllm import generation_cases
+from bench_vllm import generation_cases, in_turns, random_prompts
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests" / "engines"))
@@ -35,38 +37,40 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument(
+        "--custom-ops",
+        action="store_true",
+        help="a third engine: compiled, hold_eager, vLLM's CPU kernels on",
+    )
     args = parser.parse_args()
 
-    import torch
     from vllm_models import engine, save
 
     from hookscope.engines import vllm as hv
 
-    g = torch.Generator().manual_seed(0)
-    prompts = [
-        {"prompt_token_ids": torch.randint(1, 250, (args.tokens,), generator=g).tolist()}
-        for _ in range(args.prompts)
-    ]
+    prompts = random_prompts(args.prompts, args.tokens)
     with tempfile.TemporaryDirectory() as tmp:
         directory = save("llama", Path(tmp))
+        kinds = {
+            "compiled, hold_eager": {"compile_policy": "hold_eager"},
+            "eager": {"compile_policy": "off"},
+        }
+        if args.custom_ops:
+            kinds["compiled, hold_eager, custom_ops all"] = {
+                "compile_policy": "hold_eager",
+                "compilation_config": {"custom_ops": ["all"]},
+            }
         engines = {}
-        for name, policy in (("compiled, hold_eager", "hold_eager"), ("eager", "off")):
+        for name, options in kinds.items():
             start = time.perf_counter()
-            engines[name] = engine(directory, compile_policy=policy, enable_prefix_caching=False)
+            engines[name] = engine(directory, enable_prefix_caching=False, **options)
             print(f"{name} engine start: {time.perf_counter() - start:.1f} s (load {os.getloadavg()[0]:.1f})")
         cases = {
             f"{name}: {case}": run
             for name, llm in engines.items()
             for case, run in generation_cases(llm, prompts, args.new_tokens).items()
         }
-        times: dict[str, list[float]] = {name: [] for name in cases}
-        for run in cases.values():  # warm-up
-            run()
-        for _ in range(args.rounds):
-            for name, run in cases.items():
-                t = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - t)
+        times = in_turns(cases, args.rounds)
         for llm in engines.values():
             hv.shut_down(llm)
     tokens = args.prompts * args.new_tokens

@@ -94,7 +94,7 @@ class Session:
         prefill_only: bool,
         selection: dict | None = None,
     ):
-        self.run, self.prefill_only, self.gathered = run, prefill_only, gathered
+        self.run, self.prefill_only, self.gathered, self.names = run, prefill_only, gathered, names
         asked = rebuild_selection(selection)
         self.selection = Selection.of(heads=asked.heads, dtype=asked.dtype)  # taken from every kept row
         self.positions = None if asked.positions is None else Selection.of(positions=asked.positions)
@@ -190,6 +190,9 @@ class Session:
             raise SelectionError(self.refused[0])
         parts_of: dict[tuple[Hashable, str], list[tuple[Sequence[int], Tensor]]] = defaultdict(list)
         self._cut(parts_of)
+        for index in expected:  # a request none of whose rows came (no hook ran) is checked too
+            for name in self.names:
+                parts_of.setdefault((index, name), [])
         out: dict[int, dict[str, list[Tensor]]] = defaultdict(dict)
         for (index, name), parts in parts_of.items():
             named = self.named.get(index) if self.positions is not None else None
@@ -241,7 +244,7 @@ class StoreSession(Session):
         self, runner, model: nn.Module, arch, gathered: dict, names: list[str], writer: RequestWriter | None
     ):
         super().__init__(model, arch, gathered, names, STORE_RUN, prefill_only=True)
-        self.runner, self.names, self.writer = runner, names, writer
+        self.runner, self.writer = runner, writer
         self.asked: dict[str, tuple[str, list[int]]] = {}  # req id -> (key, prompt ids), until written
         self.written: set[str] = set()  # of the requests the runner still holds
         self.parts: dict[tuple[Hashable, str], list[tuple[Sequence[int], Tensor]]] = defaultdict(list)
