@@ -19,6 +19,8 @@ import torch
 from gate import need
 
 need("vllm")
+# the module's engine compiles at its start (inductor: minutes on a loaded 2-core box)
+pytestmark = pytest.mark.slow
 
 from vllm_models import assert_close, engine, hf_model, save, shut  # noqa: E402
 
@@ -134,6 +136,26 @@ def test_a_steer_and_its_capture_equal_hugging_face(compiled_llama):
     assert moved > 1e-3, "the steer changed nothing: the test cannot tell"
 
 
+def test_extraction_on_the_consented_engine_holds_hugging_faces_rows(compiled_llama, tmp_path):
+    llm, _, directory = compiled_llama
+    corpus = tmp_path / "corpus.txt"
+    g = torch.Generator().manual_seed(4)
+    words = "the a fox dog ran over under river stone light".split()
+    corpus.write_text(
+        "\n\n".join(
+            " ".join(words[j] for j in torch.randint(0, 10, (40,), generator=g).tolist()) for _ in range(8)
+        )
+    )
+    fields = {"model": str(directory), "points": [POINT], "data": str(corpus), "context": 32}
+    fields.update(batch_size=4, dtype="float32", progress=False)
+    hs.extract(hs.ExtractConfig(out=str(tmp_path / "served"), engine=llm, **fields))
+    hs.extract(hs.ExtractConfig(out=str(tmp_path / "hf"), **fields))
+    served, want = hs.open_store(tmp_path / "served"), hs.open_store(tmp_path / "hf")
+    assert len(served) == len(want) > 4 * 32
+    assert torch.equal(served.tensor("token_ids"), want.tensor("token_ids"))
+    assert_close(served.tensor(POINT), want.tensor(POINT), f"{POINT}, vLLM store vs Hugging Face store")
+
+
 def test_plain_generate_after_a_hooked_call_runs_compiled(compiled_llama):
     llm, _, _ = compiled_llama
     start = layer_calls(llm)
@@ -148,7 +170,7 @@ def test_plain_generate_after_a_hooked_call_runs_compiled(compiled_llama):
 
 
 def test_compile_policy_names_are_checked():
-    from hookscope.engines.vllm import compiled
+    from hookscope.engines.vllm import compiled, serve
 
     with pytest.raises(EngineError, match='"off" .* or "hold_eager"'):
         compiled.engine_options("full", {})
@@ -156,3 +178,7 @@ def test_compile_policy_names_are_checked():
     assert options["enforce_eager"] is False
     assert options["additional_config"] == {"hookscope": {"vectors": "v", "compile": "hold_eager"}}
     assert compiled.engine_options("off", {})["enforce_eager"] is True
+    flags = serve.serve_flags("v.safetensors", compile_policy="hold_eager")
+    assert "--enforce-eager" not in flags
+    assert '"compile": "hold_eager"' in flags[flags.index("--additional-config") + 1]
+    assert "--enforce-eager" in serve.serve_flags("v.safetensors")
