@@ -10,9 +10,13 @@ runs, so its count moves only on a forward that ran uncompiled.
 
 One compiled engine for the module, in vLLM's default process layout (engine core and worker in
 their own processes). Tolerance: float32, 1e-5 of the reference's largest value (assert_close).
+What cannot be run here (a GPU's CUDA graphs, vLLM's stock torch.compile mode) is checked on the
+settings alone: refused.
 """
 
 from __future__ import annotations
+
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -182,3 +186,46 @@ def test_compile_policy_names_are_checked():
     assert "--enforce-eager" not in flags
     assert '"compile": "hold_eager"' in flags[flags.index("--additional-config") + 1]
     assert "--enforce-eager" in serve.serve_flags("v.safetensors")
+
+
+def engine_settings(mode: str, cudagraphs: str, consent: dict | None) -> SimpleNamespace:
+    """A VllmConfig's fields the compile check reads (vLLM's enums by their names)."""
+    return SimpleNamespace(
+        model_config=SimpleNamespace(enforce_eager=False),
+        additional_config={"hookscope": consent} if consent is not None else {},
+        compilation_config=SimpleNamespace(
+            mode=SimpleNamespace(name=mode), cudagraph_mode=SimpleNamespace(name=cudagraphs)
+        ),
+    )
+
+
+@pytest.mark.parametrize(
+    ("mode", "cudagraphs", "consent", "match"),
+    [
+        # a GPU's default: CUDA graphs replay without running the hooks, so consent is not enough
+        (
+            "VLLM_COMPILE",
+            "FULL_AND_PIECEWISE",
+            {"compile": "hold_eager"},
+            "cudagraph_mode FULL_AND_PIECEWISE.*NONE",
+        ),
+        ("STOCK_TORCH_COMPILE", "NONE", {"compile": "hold_eager"}, "STOCK_TORCH_COMPILE.*enforce_eager=True"),
+        ("VLLM_COMPILE", "NONE", {"compile": "full"}, "not a compile policy.*hold_eager"),
+        ("VLLM_COMPILE", "NONE", None, "enforce_eager=True.*hold_eager"),
+    ],
+)
+def test_what_the_switch_cannot_guarantee_is_refused(mode, cudagraphs, consent, match):
+    from hookscope.engines.vllm import compiled
+
+    with pytest.raises(EngineError, match=match):
+        compiled.check(engine_settings(mode, cudagraphs, consent))
+    assert not compiled.holds_eager(engine_settings(mode, cudagraphs, None))
+
+
+def test_the_switch_is_held_where_it_works():
+    from hookscope.engines.vllm import compiled
+
+    for mode in ("DYNAMO_TRACE_ONCE", "VLLM_COMPILE"):
+        settings = engine_settings(mode, "NONE", {"compile": "hold_eager", "vectors": "v.safetensors"})
+        compiled.check(settings)
+        assert compiled.holds_eager(settings)
