@@ -36,18 +36,13 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=0, help="also time generation of N tokens")
     args = parser.parse_args()
 
-    import torch
     from vllm import SamplingParams
     from vllm_models import engine, save
 
     import hookscope as hs
     from hookscope.engines import vllm as hv
 
-    g = torch.Generator().manual_seed(0)
-    prompts = [
-        {"prompt_token_ids": torch.randint(1, 250, (args.tokens,), generator=g).tolist()}
-        for _ in range(args.prompts)
-    ]
+    prompts = random_prompts(args.prompts, args.tokens)
     with tempfile.TemporaryDirectory() as tmp:
         directory = save("llama", Path(tmp))
         start = time.perf_counter()
@@ -61,14 +56,7 @@ def main() -> None:
             "hs.collect blocks.*.resid_post": lambda: hs.collect(llm, prompts, "blocks.*.resid_post"),
         }
         cases.update(generation_cases(llm, prompts, args.new_tokens))
-        times: dict[str, list[float]] = {name: [] for name in cases}
-        for run in cases.values():  # warm-up
-            run()
-        for _ in range(args.rounds):
-            for name, run in cases.items():
-                t = time.perf_counter()
-                run()
-                times[name].append(time.perf_counter() - t)
+        times = in_turns(cases, args.rounds)
         hv.shut_down(llm)  # the core given time to remove its shared memory
     for name, values in times.items():
         generating = name.startswith(GENERATE)
@@ -80,6 +68,27 @@ def main() -> None:
             f"({tokens / med:,.0f} tokens/s), {med / base:.3f}x plain"
         )
     print(f"load after: {os.getloadavg()[0]:.1f}")
+
+
+def random_prompts(n: int, tokens: int) -> list[dict]:
+    """`n` prompts of `tokens` random token ids each, the same every run."""
+    import torch
+
+    g = torch.Generator().manual_seed(0)
+    return [{"prompt_token_ids": torch.randint(1, 250, (tokens,), generator=g).tolist()} for _ in range(n)]
+
+
+def in_turns(cases: dict, rounds: int) -> dict[str, list[float]]:
+    """Each case's seconds per round: every case run once to warm up, then all in turn, `rounds` times."""
+    times: dict[str, list[float]] = {name: [] for name in cases}
+    for run in cases.values():
+        run()
+    for _ in range(rounds):
+        for name, run in cases.items():
+            t = time.perf_counter()
+            run()
+            times[name].append(time.perf_counter() - t)
+    return times
 
 
 GENERATE = "generate "

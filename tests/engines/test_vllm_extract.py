@@ -348,7 +348,8 @@ def test_a_point_vllm_never_exposes_is_refused_before_the_engine_starts(case, tm
     ("options", "message"),
     [
         ({"engine_args": {"tensor_parallel_size": 2}}, "tensor_parallel_size=2.*not supported"),
-        ({"engine_args": {"enforce_eager": False}}, "compiled graphs"),
+        ({"engine_args": {"enforce_eager": False}}, "compiled graph.*compile_policy=hold_eager"),
+        ({"engine_args": {"compile_policy": "full"}}, "not a compile policy of a vLLM engine"),
         ({"engine_args": {"worker_extension_cls": "x"}}, "sets it itself"),
         ({"data": "images:/nowhere", "context": None}, "extracts text"),
     ],

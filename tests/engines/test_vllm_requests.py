@@ -106,6 +106,7 @@ def fake_llm(**settings):
             pipeline_parallel_size=settings.get("pp", 1),
         ),
         model_config=types.SimpleNamespace(enforce_eager=settings.get("eager", True), hf_config=None),
+        additional_config={},
     )
     cls = type("LLM", (), {"__module__": "vllm.entrypoints.llm"})
     llm = cls()

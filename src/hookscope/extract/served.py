@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from ..engines import vllm as hv
-from ..engines.vllm import tables
+from ..engines.vllm import compiled, tables
 from ..errors import EngineDied, EngineError, HookscopeError
 from ..extract_config import ExtractConfig, Run
 from ..loading import Loaded
@@ -71,11 +71,15 @@ def _check_engine_args(engine_args: dict[str, Any]) -> None:
                 f"--engine-arg {key}={engine_args[key]}: extraction on a parallel vLLM engine is not "
                 f"supported yet (its column-parallel points are per-rank shards); leave {key} out"
             )
-    if engine_args.get("enforce_eager", True) is not True:
+    consented = engine_args.get("compile_policy") == compiled.HOLD_EAGER
+    if engine_args.get("enforce_eager", True) is not True and not consented:
         raise HookscopeError(
-            "--engine-arg enforce_eager=false: module hooks do not fire inside vLLM's compiled graphs; "
-            "leave enforce_eager out"
+            "--engine-arg enforce_eager=false: module hooks do not run inside vLLM's compiled graph; "
+            "leave enforce_eager out, or consent to hookscope running the batches' forwards uncompiled "
+            f"with --engine-arg compile_policy={compiled.HOLD_EAGER}"
         )
+    # (an unknown compile_policy is refused here, before the engine starts)
+    compiled.engine_options(engine_args.get("compile_policy", "off"), {})
 
 
 def model_dir(cfg: ExtractConfig) -> str:

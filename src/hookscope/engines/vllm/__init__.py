@@ -26,7 +26,7 @@ from ...errors import EngineError
 from ...names import canonical, is_pattern
 from ...optional_imports import require
 from ...selection import Heads, Positions, Selection
-from . import liveness, tables
+from . import compiled, liveness, tables
 from .batch import TAG
 from .edits import describe, describe_selection, on_the_wire
 from .liveness import shut_down as shut_down  # a public verb of this module
@@ -56,14 +56,16 @@ def check_version() -> str:
     return version
 
 
-def llm(model: str, **kwargs: Any):
-    """A `vllm.LLM` for `model` that hookscope can read: its worker extension installed, eager
-    execution (module hooks do not fire inside vLLM's compiled graphs), float32 unless told.
-    Other keyword arguments go to `vllm.LLM` as given."""
+def llm(model: str, *, compile_policy: str = "off", **kwargs: Any):
+    """A `vllm.LLM` for `model` that hookscope can read: its worker extension installed, float32
+    unless told. `compile_policy`: "off" (default), eager execution (`enforce_eager=True`: module
+    hooks do not run inside vLLM's compiled graph); "hold_eager", vLLM's compiled mode, where the
+    forwards that carry hookscope's hooks run uncompiled and every other forward compiled
+    (compiled.py). Other keyword arguments go to `vllm.LLM` as given."""
     check_version()
     from vllm import LLM
 
-    kwargs.setdefault("enforce_eager", True)
+    kwargs = compiled.engine_options(compile_policy, kwargs)
     kwargs.setdefault("dtype", "float32")
     kwargs["worker_extension_cls"] = EXTENSION
     return LLM(model=model, **kwargs)
@@ -93,11 +95,7 @@ def check_config(config) -> tuple[str, Arch]:
             "workers: make it with hookscope.engines.vllm.llm(path, ...), "
             f"LLM(..., worker_extension_cls={EXTENSION!r}) or `vllm serve --worker-extension-cls {EXTENSION}`"
         )
-    if not config.model_config.enforce_eager:
-        raise EngineError(
-            "this engine runs vLLM's compiled graphs, inside which module hooks do not fire: make it with "
-            "enforce_eager=True (hookscope.engines.vllm.llm does; `vllm serve --enforce-eager`)"
-        )
+    compiled.check(config)
     if config.parallel_config.pipeline_parallel_size != 1:
         raise EngineError(
             "pipeline parallel vLLM engines are not supported yet (each rank holds only its own layers): "
@@ -187,7 +185,8 @@ def collect(
 
     Raises:
         EngineError: not a vLLM LLM, another vLLM release, no hookscope worker extension, compiled
-            mode, pipeline parallelism; edits under prefix caching; rows that came back short.
+            mode without the consent (compiled.py), pipeline parallelism; edits under prefix
+            caching; rows that came back short.
         UnknownPointError: a name the model lacks (close names listed) or one vLLM never exposes.
         SelectionError: a selection `hs.collect` refuses; heads on a point without heads (before any
             work); positions outside a prompt or heads outside a point (once the engine has run)."""

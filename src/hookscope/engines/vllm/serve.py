@@ -21,6 +21,9 @@ Three pieces of vLLM's plugin system, each given by name on the command line (`s
   operator names a store and its points, writes the prompt rows of the requests that ask
   (`"hookscope.capture": 1`) into it (capture_store.py).
 
+On an engine in vLLM's compiled mode (no `--enforce-eager`), hookscope's settings carry the consent
+`"compile": "hold_eager"` (compiled.py; `serve_flags(..., compile_policy="hold_eager")` writes them).
+
 The vectors file is a safetensors file: each tensor named by its tensor name, the file's metadata
 mapping that name to what it is. A steering vector is `[d_model]` floats, its metadata the point it
 is added at (`{"joy": "blocks.0.resid_post"}`); an ablation is a 1-D integer tensor of the heads it
@@ -44,8 +47,9 @@ from ...edit import Edit, ablate, steer
 from ...errors import EngineError
 from ...loading import sha256_text
 from ...store.resume import plan_for
-from . import EXTENSION, capture_store, check_config, check_version, named_edit_call, resolve
+from . import EXTENSION, capture_store, check_config, check_version, compiled, named_edit_call, resolve
 from .batch import ABLATE_KEY, CAPTURE_ID_KEY, CAPTURE_KEY, STEER_KEY, TAG, named_asked
+from .compiled import CONFIG_KEY
 from .worker import raise_refusals
 
 # vLLM's logits processor class is this module's base: without vLLM (or with another release) the
@@ -54,9 +58,9 @@ check_version()
 from vllm.v1.sample.logits_processor import LogitsProcessor  # noqa: E402
 
 CHECK = "hookscope.engines.vllm.serve:RequestCheck"
-# vLLM's --additional-config: {"hookscope": {"vectors": path}}, and/or a store of captures:
-# {"hookscope": {"store": dir, "points": [...], "shard_rows": n}} (capture_store.py, `store_call`)
-CONFIG_KEY = "hookscope"
+# hookscope's entry of vLLM's --additional-config (CONFIG_KEY): {"hookscope": {"vectors": path}}, and/or
+# a store of captures: {"hookscope": {"store": dir, "points": [...], "shard_rows": n}} (capture_store.py,
+# `store_call`); {"hookscope": {"compile": "hold_eager"}} serves vLLM's compiled mode (compiled.py)
 ROUTE = "/hookscope/vectors"
 ABLATIONS_ROUTE = "/hookscope/ablations"
 ABLATE = "ablate:"  # the metadata of an ablation in the vectors file: "ablate:<point>"
@@ -153,25 +157,32 @@ def check_capture(params, store: str | None) -> None:
 
 
 def serve_flags(
-    vectors: str | Path | None = None, *, store: str | Path | None = None, points: list[str] = (), **more: Any
+    vectors: str | Path | None = None,
+    *,
+    store: str | Path | None = None,
+    points: list[str] = (),
+    compile_policy: str = "off",
+    **more: Any,
 ) -> list[str]:
     """The `vllm serve` flags hookscope needs to serve the vectors of the file `vectors` and/or to
     write the captures of the requests that ask into the store `store` at `points` (with
-    `VLLM_PLUGINS=hookscope` in the environment); `more`: other settings (`shard_rows`)."""
+    `VLLM_PLUGINS=hookscope` in the environment); `compile_policy` as `llm`'s ("hold_eager": vLLM's
+    compiled mode, hooked forwards uncompiled); `more`: other settings (`shard_rows`)."""
     import json
 
     settings: dict[str, Any] = {"vectors": str(vectors)} if vectors is not None else {}
     if store is not None:
         settings.update(store=str(store), points=list(points), **more)
+    options = compiled.engine_options(compile_policy, {"additional_config": {CONFIG_KEY: settings}})
     return [
-        "--enforce-eager",
+        *(["--enforce-eager"] if options["enforce_eager"] else []),
         "--no-enable-prefix-caching",
         "--worker-extension-cls",
         EXTENSION,
         "--logits-processors",
         CHECK,
         "--additional-config",
-        json.dumps({CONFIG_KEY: settings}),
+        json.dumps(options["additional_config"]),
         *(("--shutdown-timeout", str(capture_store.SHUTDOWN_TIMEOUT)) if store is not None else ()),
     ]
 

@@ -33,7 +33,7 @@ from ...arch.base import ROOT
 from ...errors import EngineError, HookscopeError, SelectionError
 from ...hooks import Hook, Hooks, hook_count
 from ...selection import Selection
-from . import sharded, tables
+from . import compiled, sharded, tables
 from .batch import InPass, PerRequest, Rows, requests_in_pass
 from .capture_store import RequestWriter, client_id
 from .edits import RequestEdits, rebuild_selection
@@ -94,7 +94,7 @@ class Session:
         prefill_only: bool,
         selection: dict | None = None,
     ):
-        self.run, self.prefill_only, self.gathered = run, prefill_only, gathered
+        self.run, self.prefill_only, self.gathered, self.names = run, prefill_only, gathered, names
         asked = rebuild_selection(selection)
         self.selection = Selection.of(heads=asked.heads, dtype=asked.dtype)  # taken from every kept row
         self.positions = None if asked.positions is None else Selection.of(positions=asked.positions)
@@ -199,8 +199,8 @@ class Session:
         if self.refused:
             raise SelectionError(self.refused[0])
         out: dict[int, dict[str, Tensor]] = defaultdict(dict)
-        for name, forwards in self.kept.items():
-            rows = torch.cat([kept for kept, _ in forwards])
+        for name in self.names:
+            forwards = self.kept.get(name, [])
             where: dict[Hashable, list[int]] = defaultdict(list)  # request -> its rows in `rows`
             positions: dict[Hashable, list[int]] = defaultdict(list)
             base = 0
@@ -209,6 +209,9 @@ class Session:
                     where[slot.key] += range(base + slot.lo, base + slot.hi)
                     positions[slot.key] += slot.positions
                 base += kept.shape[0]
+            for index in expected:  # a request none of whose rows came (no hook ran) is checked too
+                positions.setdefault(index, [])
+            rows = torch.cat([kept for kept, _ in forwards]) if forwards else None
             for index, got in positions.items():
                 named = self.named.get(index) if self.positions is not None else None
                 check_order(
@@ -217,7 +220,9 @@ class Session:
                     f"request {index}, {name}",
                     None if named is None else named.rows,
                 )
-                taken = rows.index_select(0, torch.tensor(where[index]))
+                if rows is None:  # (no rows asked of it either: the check passed)
+                    continue
+                taken = rows.index_select(0, torch.tensor(where[index], dtype=torch.long))
                 if named is not None:  # the selection's order and shape (an int drops the position dim)
                     taken = taken[torch.searchsorted(torch.tensor(named.rows), named.order)]
                 out[index][name] = taken
@@ -268,7 +273,7 @@ class StoreSession(Session):
         self, runner, model: nn.Module, arch, gathered: dict, names: list[str], writer: RequestWriter | None
     ):
         super().__init__(model, arch, gathered, names, STORE_RUN, prefill_only=True)
-        self.runner, self.names, self.writer = runner, names, writer
+        self.runner, self.writer = runner, writer
         self.asked: dict[str, tuple[str, list[int]]] = {}  # req id -> (key, prompt ids), until written
         self.written: set[str] = set()  # of the requests the runner still holds
         self.parts: dict[tuple[Hashable, str], list[tuple[Sequence[int], Tensor]]] = defaultdict(list)
@@ -405,6 +410,8 @@ class Forwards:
 
     def __init__(self, runner, model: nn.Module, arch):
         self.runner, self.model = runner, model
+        # a compiled engine whose maker consented: a forward that holds a tagged request runs uncompiled
+        self.hold_eager = compiled.holds_eager(runner.vllm_config)
         self.arch, self.gathered = sharded.for_rank(arch, model)  # tensor parallelism: {sharded point: dim}
         self.tags = PerRequest()
         self.edits = RequestEdits(model, self.arch, split=self.gathered)
@@ -474,6 +481,8 @@ class Forwards:
 
     def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         requests = requests_in_pass(self.runner, self.tags, every=self.edits.every_request())
+        if requests and self.hold_eager:  # else vLLM's compiled graph runs without the hooks
+            compiled.run_this_forward_uncompiled()
         # the same requests at the same rows as the forward before (a decode step's usual case): what
         # was decided for that forward holds, but for the positions
         layout = [(req.req_id, req.state, req.start, req.end) for req in requests]
