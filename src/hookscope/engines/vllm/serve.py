@@ -18,8 +18,8 @@ Three pieces of vLLM's plugin system, each given by name on the command line (`s
   before it reaches the engine.
 - The worker extension (worker.py), whose one edit path (edits.py) applies each request's named
   edits on its own tokens only, as `hs.steer` / `hs.ablate` on that request alone, and, where the
-  operator names a store and its points, writes the prompt rows of the requests that ask
-  (`"hookscope.capture": 1`) into it (capture_store.py).
+  operator names a store and its points, writes the rows of the requests that ask
+  (`"hookscope.capture": 1`), prompt and generated tokens, into it (capture_store.py).
 
 The vectors file is a safetensors file: each tensor named by its tensor name, the file's metadata
 mapping that name to what it is. A steering vector is `[d_model]` floats, its metadata the point it
@@ -55,7 +55,8 @@ from vllm.v1.sample.logits_processor import LogitsProcessor  # noqa: E402
 
 CHECK = "hookscope.engines.vllm.serve:RequestCheck"
 # vLLM's --additional-config: {"hookscope": {"vectors": path}}, and/or a store of captures:
-# {"hookscope": {"store": dir, "points": [...], "shard_rows": n}} (capture_store.py, `store_call`)
+# {"hookscope": {"store": dir, "points": [...], "shard_rows": n, "generated": bool}} (capture_store.py,
+# `store_call`)
 CONFIG_KEY = "hookscope"
 ROUTE = "/hookscope/vectors"
 ABLATIONS_ROUTE = "/hookscope/ablations"
@@ -63,7 +64,8 @@ ABLATE = "ablate:"  # the metadata of an ablation in the vectors file: "ablate:<
 
 STORE_HOW = (
     'serve with --additional-config \'{"hookscope": {"store": "DIR", "points": ["blocks.1.resid_post"]}}\' '
-    '(optionally "shard_rows": N, the rows of a shard; 65536 unless given)'
+    '(optionally "shard_rows": N, the rows of a shard, 65536 unless given; "generated": false, the '
+    "prompt's rows only)"
 )
 
 
@@ -74,6 +76,7 @@ class StoreOptions:
     out: str
     points: list[str]
     shard_rows: int = 65536
+    generated: bool = True  # the generated tokens' rows too, not only the prompt's
 
 
 def store_options(settings: dict[str, Any]) -> StoreOptions | None:
@@ -91,7 +94,13 @@ def store_options(settings: dict[str, Any]) -> StoreOptions | None:
         raise EngineError(
             f"hookscope's shard_rows must be a whole number >= 1, got {shard_rows!r}: {STORE_HOW}"
         )
-    return StoreOptions(out, points, shard_rows)
+    generated = settings.get("generated", True)
+    if not isinstance(generated, bool):
+        raise EngineError(
+            f"hookscope's generated is true (the generated tokens' rows too) or false, got {generated!r}: "
+            f"{STORE_HOW}"
+        )
+    return StoreOptions(out, points, shard_rows, generated)
 
 
 def store_call(config, options: StoreOptions) -> tuple:
@@ -121,9 +130,10 @@ def store_call(config, options: StoreOptions) -> tuple:
         "config_sha256": sha256_text(model.hf_config.to_json_string(use_diff=False)),
         "points": names,
         "dtype": str(model.dtype).removeprefix("torch."),
+        "generated": options.generated,
     }
     plan_for(options.out, settings, 1)  # a store of other settings: refused here, naming what differs
-    return architecture, names, options.out, settings, options.shard_rows
+    return architecture, names, options.out, settings, options.shard_rows, options.generated
 
 
 def check_capture(params, store: str | None) -> None:
