@@ -74,7 +74,7 @@ def vllm_config(directory, *, prefix_caching=False, shutdown_timeout=30):
 def start_store(directory, out) -> None:
     """A store of the server's settings holding one earlier batch, as a server stopped before left it."""
     options = serve.StoreOptions(str(out), POINTS)
-    _, names, _, settings, _ = serve.store_call(vllm_config(directory), options)
+    _, names, _, settings, _, _ = serve.store_call(vllm_config(directory), options)
     key, n = EARLIER
     rows = {name: torch.full((n, 4, 64) if name.endswith("attn.z") else (n, 256), 7.0) for name in names}
     with hs.store.ShardWriter(out, settings) as writer:

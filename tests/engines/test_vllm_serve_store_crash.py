@@ -22,6 +22,7 @@ import signal
 import threading
 import time
 import types
+import urllib.request
 
 import pytest
 import torch
@@ -94,6 +95,18 @@ def wait_for_a_commit(out, proc, timeout: float = 300.0) -> None:
         time.sleep(0.02)
 
 
+def wait_running(url: str, proc, timeout: float = 120.0) -> None:
+    """Until the server's engine runs a request (its Prometheus gauge)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("vllm:num_requests_running{") and float(line.split()[-1]) > 0:
+                    return
+        time.sleep(0.02)
+    pytest.fail("the request never ran")
+
+
 @pytest.fixture(scope="module")
 def crashed(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("serve_store_crash")
@@ -118,12 +131,14 @@ def crashed(tmp_path_factory):
         for t in send_all(url, directory, AGAIN, answers):
             t.join()
         (drain,) = send_all(url, directory, DRAINED, answers)
-        time.sleep(2.0)  # its prompt reaches the engine and it generates
+        wait_running(url, proc)
         os.killpg(proc.pid, signal.SIGINT)
         proc.wait(120)
     finally:
         stop(proc)
     drain.join()
+    # vLLM's own word that the request was still running when the signal came
+    assert "draining in-flight requests count=1" in log.read_text()
     return types.SimpleNamespace(
         directory=directory, out=out, answers=answers, after_kill=after_kill, final=hs.open_store(out)
     )
@@ -149,13 +164,11 @@ def requests_in(store) -> dict[str, torch.Tensor]:
     return {name: mask for name, mask in found.items() if mask.any()}
 
 
-def assert_whole(store, name: str, mask: torch.Tensor, want: hs.Generation, finished: bool) -> None:
-    """`name`'s rows: positions 0..n-1, its generation's tokens and values (n: every token but the
-    last sampled of a finished request; of a drained one, at least its prompt)."""
+def assert_whole(store, name: str, mask: torch.Tensor, want: hs.Generation) -> None:
+    """`name`'s rows: positions 0..n-1, its generation's tokens and values, n every token but the
+    last sampled."""
     n, length = int(mask.sum()), len(ALL[name][0])
-    if finished:
-        assert n == want.sequences.shape[1] - 1, f"{name}: {n} rows of {want.sequences.shape[1] - 1}"
-    assert length <= n < want.sequences.shape[1], f"{name}: {n} rows"
+    assert n == want.sequences.shape[1] - 1, f"{name}: {n} rows of {want.sequences.shape[1] - 1}"
     assert store.tensor("positions")[mask].tolist() == list(range(n)), f"{name}: positions"
     assert store.tensor("token_ids")[mask].tolist() == want.sequences[0, :n].tolist(), f"{name}: tokens"
     assert store.tensor("generated")[mask].tolist() == [0] * length + [1] * (n - length), name
@@ -170,7 +183,7 @@ def test_a_killed_server_leaves_whole_requests_that_verify(crashed, references):
     found = requests_in(store)
     assert found, "nothing was committed before the kill"
     for name, mask in found.items():
-        assert_whole(store, name, mask, references[name], finished=True)
+        assert_whole(store, name, mask, references[name])
     killed = [name for name in KILLED if name not in found and crashed.answers[name][0] != 200]
     assert killed, "every request finished before the kill: nothing was killed mid-run"
 
@@ -190,13 +203,13 @@ def test_a_server_started_again_appends_after_what_was_committed(crashed, refere
         status, body = crashed.answers[name]
         assert status == 200, (name, body)
         assert int(seq[found[name]].min()) > last_before, f"{name}: not after the committed batches"
-        assert_whole(store, name, found[name], references[name], finished=True)
+        assert_whole(store, name, found[name], references[name])
     for name in found.keys() & KILLED.keys():  # what the killed server committed, still there whole
-        assert_whole(store, name, found[name], references[name], finished=True)
+        assert_whole(store, name, found[name], references[name])
 
 
 @pytest.mark.slow
 def test_a_request_in_flight_at_sigint_is_drained_and_written_whole(crashed, references):
     found = requests_in(crashed.final)
     assert "drained" in found, f"the request in flight at SIGINT has no rows: {crashed.answers['drained']}"
-    assert_whole(crashed.final, "drained", found["drained"], references["drained"], finished=False)
+    assert_whole(crashed.final, "drained", found["drained"], references["drained"])
