@@ -8,6 +8,9 @@
   `hs.generate` of it alone, found by the id the client has, the `generated` column 1 exactly on the
   generated tokens' rows; the third has none. The store was started before the server by another
   run of the same settings: the server appends to it, and its rows are still there.
+- The server stopped with SIGTERM to its API server (`kill PID`, a service manager) while a long
+  request generates: vLLM drains it (finishes it within --shutdown-timeout), and its rows are
+  written whole, equal to Hugging Face's `hs.generate` of its prompt alone.
 - A malformed capture request gets HTTP 400.
 Plus the checks that need no server: a store of other points refused before any worker call, and a
 capture asked of a server with no store.
@@ -16,6 +19,8 @@ capture asked of a server with no store.
 from __future__ import annotations
 
 import hashlib
+import os
+import signal
 import threading
 import types
 
@@ -26,7 +31,7 @@ from gate import need
 need("vllm")
 
 from vllm_models import assert_close, engine, hf_model, save, shut  # noqa: E402
-from vllm_server import post_json, start, stop  # noqa: E402
+from vllm_server import post_json, start, stop, wait_closed, wait_running  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.engines.vllm import EXTENSION, capture_store, serve  # noqa: E402
@@ -44,6 +49,8 @@ ASKED = {
 }
 EARLIER = ("earlier", 5)  # the rows already in the store when the server starts: key, rows
 NEW = 6  # tokens each request generates (max_tokens)
+# a request still generating when the API server gets SIGTERM: prompt, max_tokens
+DRAINED = ([6, 81, 14, 3, 57, 22, 9, 140, 35, 7, 66, 18], 64)
 
 
 def key_of(key: str) -> int:
@@ -83,7 +90,8 @@ def start_store(directory, out) -> None:
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """The three requests sent at once and a bad one, answered; then the server stopped."""
+    """The three requests sent at once and a bad one, answered; a long one sent, and the server
+    stopped (SIGTERM to the API server) while it generates."""
     tmp = tmp_path_factory.mktemp("serve_store")
     directory = save("llama", tmp / "llama", seed=4)
     out = tmp / "acts"
@@ -110,11 +118,27 @@ def served(tmp_path_factory):
         answers["bad"] = post_json(
             url, "/v1/completions", {**bad, "vllm_xargs": {"hookscope.capture_id": "x"}}
         )
+        drained = threading.Thread(target=send_drained, args=(url, directory, answers))
+        drained.start()
+        wait_running(url, proc)
+        os.kill(proc.pid, signal.SIGTERM)  # the API server alone, as `kill PID` or a service manager
+        wait_closed(out)
     finally:
         stop(proc)
+    drained.join()
     return types.SimpleNamespace(
         answers=answers, out=out, directory=directory, log=tmp / "server.log", offline=offline(directory)
     )
+
+
+def send_drained(url: str, directory, answers: dict) -> None:
+    tokens, new = DRAINED
+    body = {"model": str(directory), "prompt": tokens, "max_tokens": new, "temperature": 0.0}
+    xargs = {"hookscope.capture": 1, "hookscope.capture_id": "drained"}
+    try:
+        answers["drained"] = post_json(url, "/v1/completions", {**body, "vllm_xargs": xargs})
+    except OSError as e:  # (the server stopping under it)
+        answers["drained"] = (None, repr(e))
 
 
 def offline(directory) -> dict:
@@ -148,7 +172,7 @@ def test_the_store_holds_each_asking_request_s_rows_as_its_generation_alone_give
     assert not (docs == found["plain"]).any(), "a request that did not ask has rows in the store"
 
     hf = hf_model(served.directory)
-    want_rows = EARLIER[1]
+    want_rows = EARLIER[1] + int((docs == key_of("drained")).sum())  # (its own test checks them)
     for name in ("by_id", "mine"):
         prompt = ASKED[name][0]
         want = hs.generate(hf, torch.tensor([prompt]), POINTS, max_new_tokens=NEW, do_sample=False)
@@ -170,6 +194,22 @@ def test_the_store_holds_each_asking_request_s_rows_as_its_generation_alone_give
             assert_close(got, alone[point][0, :n], f"{name} {point}, offline engine")
     assert len(store) == want_rows, f"{len(store)} rows, not the earlier {EARLIER[1]} and the requests'"
     assert store.manifest.settings["generated"] is True
+
+
+@pytest.mark.slow
+def test_a_request_generating_at_sigterm_is_drained_and_written_whole(served):
+    """vLLM finished it (drained, within --shutdown-timeout): its rows as its generation alone gives."""
+    assert "draining in-flight requests count=1" in served.log.read_text(), "no request was in flight"
+    tokens, new = DRAINED
+    want = hs.generate(hf_model(served.directory), torch.tensor([tokens]), POINTS, max_new_tokens=new)
+    store = hs.open_store(served.out)
+    mine = store.tensor("doc_ids") == key_of("drained")
+    n = want.sequences.shape[1] - 1
+    assert int(mine.sum()) == n, f"the drained request: {int(mine.sum())} rows, not {n}"
+    assert store.tensor("token_ids")[mine].tolist() == want.sequences[0, :n].tolist()
+    assert store.tensor("generated")[mine].tolist() == [0] * len(tokens) + [1] * (n - len(tokens))
+    for point in POINTS:
+        assert_close(store.tensor(point)[mine], want[point][0, :n], f"drained {point}")
 
 
 @pytest.mark.slow

@@ -103,6 +103,28 @@ def start(directory: Path, flags: list[str], log: Path) -> tuple[subprocess.Pope
     return proc, url, port
 
 
+def wait_running(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Until the server's engine runs a request (its Prometheus gauge `vllm:num_requests_running`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("vllm:num_requests_running{") and float(line.split()[-1]) > 0:
+                    return
+        time.sleep(0.02)
+    pytest.fail("the server ran no request")
+
+
+def wait_closed(store: Path, timeout: float = 120.0) -> None:
+    """Until the hookscope store the server writes at `store` is closed: its writer removes its lock
+    file as it closes, the last shard committed."""
+    deadline = time.monotonic() + timeout
+    while (store / "manifest.lock").exists():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the store's writer never closed: {store}")
+        time.sleep(0.1)
+
+
 def post_json(url: str, path: str, body: dict) -> tuple[int, dict]:
     """POST `body` as JSON to the server's `path`: the status and the JSON answer (a 400's too)."""
     request = urllib.request.Request(
