@@ -21,7 +21,6 @@ from __future__ import annotations
 import hashlib
 import os
 import signal
-import threading
 import types
 
 import pytest
@@ -31,7 +30,7 @@ from gate import need
 need("vllm")
 
 from vllm_models import assert_close, engine, hf_model, save, shut  # noqa: E402
-from vllm_server import post_json, start, stop, wait_closed, wait_running  # noqa: E402
+from vllm_server import completion, post_json, send_at_once, start, stop, wait_closed, wait_running  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.engines.vllm import EXTENSION, capture_store, serve  # noqa: E402
@@ -101,44 +100,25 @@ def served(tmp_path_factory):
     proc, url, _ = start(directory, flags, tmp / "server.log")
     answers: dict = {}
     try:
-        begin = threading.Barrier(len(ASKED))
-
-        def send(name: str) -> None:
-            prompt, xargs = ASKED[name]
-            body = {"model": str(directory), "prompt": prompt, "max_tokens": NEW, "temperature": 0.0}
-            begin.wait()
-            answers[name] = post_json(url, "/v1/completions", {**body, "vllm_xargs": xargs})
-
-        threads = [threading.Thread(target=send, args=(name,)) for name in ASKED]
-        for t in threads:
-            t.start()
-        for t in threads:
+        for t in send_at_once(
+            url, {name: completion(directory, ASKED[name][0], NEW, ASKED[name][1]) for name in ASKED}, answers
+        ):
             t.join()
         bad = {"model": str(directory), "prompt": [5, 6], "max_tokens": 1}
         answers["bad"] = post_json(
             url, "/v1/completions", {**bad, "vllm_xargs": {"hookscope.capture_id": "x"}}
         )
-        drained = threading.Thread(target=send_drained, args=(url, directory, answers))
-        drained.start()
+        drained = {"hookscope.capture": 1, "hookscope.capture_id": "drained"}
+        (drain,) = send_at_once(url, {"drained": completion(directory, *DRAINED, drained)}, answers)
         wait_running(url, proc)
         os.kill(proc.pid, signal.SIGTERM)  # the API server alone, as `kill PID` or a service manager
         wait_closed(out)
     finally:
         stop(proc)
-    drained.join()
+    drain.join()
     return types.SimpleNamespace(
         answers=answers, out=out, directory=directory, log=tmp / "server.log", offline=offline(directory)
     )
-
-
-def send_drained(url: str, directory, answers: dict) -> None:
-    tokens, new = DRAINED
-    body = {"model": str(directory), "prompt": tokens, "max_tokens": new, "temperature": 0.0}
-    xargs = {"hookscope.capture": 1, "hookscope.capture_id": "drained"}
-    try:
-        answers["drained"] = post_json(url, "/v1/completions", {**body, "vllm_xargs": xargs})
-    except OSError as e:  # (the server stopping under it)
-        answers["drained"] = (None, repr(e))
 
 
 def offline(directory) -> dict:
@@ -201,7 +181,9 @@ def test_a_request_generating_at_sigterm_is_drained_and_written_whole(served):
     """vLLM finished it (drained, within --shutdown-timeout): its rows as its generation alone gives."""
     assert "draining in-flight requests count=1" in served.log.read_text(), "no request was in flight"
     tokens, new = DRAINED
-    want = hs.generate(hf_model(served.directory), torch.tensor([tokens]), POINTS, max_new_tokens=new)
+    want = hs.generate(
+        hf_model(served.directory), torch.tensor([tokens]), POINTS, max_new_tokens=new, do_sample=False
+    )
     store = hs.open_store(served.out)
     mine = store.tensor("doc_ids") == key_of("drained")
     n = want.sequences.shape[1] - 1

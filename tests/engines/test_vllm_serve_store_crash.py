@@ -32,7 +32,7 @@ from gate import need
 need("vllm")
 
 from vllm_models import assert_close, hf_model, save  # noqa: E402
-from vllm_server import post_json, start, stop, wait_closed, wait_running  # noqa: E402
+from vllm_server import completion, send_at_once, start, stop, wait_closed, wait_running  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.engines.vllm import serve  # noqa: E402
@@ -61,24 +61,12 @@ def key_of(key: str) -> int:
 
 
 def send_all(url: str, directory, requests: dict, answers: dict) -> list[threading.Thread]:
-    """Each request of `requests` sent from its own thread, all at once; its answer (or the error a
-    killed server gave it) put in `answers`."""
-    begin = threading.Barrier(len(requests))
-
-    def send(name: str) -> None:
-        tokens, new = requests[name]
-        xargs = {"hookscope.capture": 1, "hookscope.capture_id": name}
-        body = {"model": str(directory), "prompt": tokens, "max_tokens": new, "temperature": 0.0}
-        begin.wait()
-        try:
-            answers[name] = post_json(url, "/v1/completions", {**body, "vllm_xargs": xargs})
-        except OSError as e:  # the server killed under it
-            answers[name] = (None, repr(e))
-
-    threads = [threading.Thread(target=send, args=(name,)) for name in requests]
-    for t in threads:
-        t.start()
-    return threads
+    """The requests of `requests` sent at once, each asking for its rows under its name."""
+    bodies = {
+        name: completion(directory, tokens, new, {"hookscope.capture": 1, "hookscope.capture_id": name})
+        for name, (tokens, new) in requests.items()
+    }
+    return send_at_once(url, bodies, answers)
 
 
 def shards(out) -> dict[str, str]:

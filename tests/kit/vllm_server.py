@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -135,3 +136,33 @@ def post_json(url: str, path: str, body: dict) -> tuple[int, dict]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def completion(model, prompt: list[int], max_tokens: int, xargs: dict) -> dict:
+    """A greedy completion request's JSON body, with hookscope's `vllm_xargs`."""
+    return {
+        "model": str(model),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "vllm_xargs": xargs,
+    }
+
+
+def send_at_once(url: str, bodies: dict[str, dict], answers: dict) -> list[threading.Thread]:
+    """Each completion request of `bodies` (name -> its JSON body) POSTed from a thread of its own,
+    all at once (a barrier); its answer, or the error of a server stopped under it, put in
+    `answers[name]`. The threads, started."""
+    begin = threading.Barrier(len(bodies))
+
+    def send(name: str) -> None:
+        begin.wait()
+        try:
+            answers[name] = post_json(url, "/v1/completions", bodies[name])
+        except OSError as e:
+            answers[name] = (None, repr(e))
+
+    threads = [threading.Thread(target=send, args=(name,)) for name in bodies]
+    for t in threads:
+        t.start()
+    return threads
