@@ -48,8 +48,9 @@ ASKED = {
 }
 EARLIER = ("earlier", 5)  # the rows already in the store when the server starts: key, rows
 NEW = 6  # tokens each request generates (max_tokens)
-# a request still generating when the API server gets SIGTERM: prompt, max_tokens
-DRAINED = ([6, 81, 14, 3, 57, 22, 9, 140, 35, 7, 66, 18], 64)
+# a request still generating when the API server gets SIGTERM: prompt, max_tokens (long enough to
+# be seen running on a loaded machine, within --max-model-len 256)
+DRAINED = ([6, 81, 14, 3, 57, 22, 9, 140, 35, 7, 66, 18], 190)
 
 
 def key_of(key: str) -> int:

@@ -51,7 +51,7 @@ KILLED = {
     **{f"long{i}": (prompt(n, 10 + i), LONG) for i, n in enumerate((8, 23, 37))},
 }
 AGAIN = {f"again{i}": (prompt(n, 20 + i), SHORT) for i, n in enumerate((9, 30))}
-CUT = {"cut": (prompt(14, 30), LONG)}  # running when the server's process group gets SIGINT
+CUT = {"cut": (prompt(14, 30), 190)}  # running when the server's process group gets SIGINT
 ALL = {**KILLED, **AGAIN, **CUT}
 
 
