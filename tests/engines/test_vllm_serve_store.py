@@ -2,10 +2,15 @@
 (engines/vllm/capture_store.py), driven over HTTP by urllib on 127.0.0.1.
 
 - Three requests sent at once, two asking for a capture (one by the id vLLM gives it, one under its
-  own `hookscope.capture_id`), one not: after the server stops, the store holds the two prompts'
-  rows, each equal to hookscope's Hugging Face capture of that prompt alone, found by the id the
-  client has; the third has none. The store was started before the server by another run of the
-  same settings: the server appends to it, and its rows are still there.
+  own `hookscope.capture_id`), one not: after the server stops, the store holds the two requests'
+  rows, prompt and generated tokens (all but the last sampled, which the engine never runs), each
+  equal to hookscope's Hugging Face `hs.generate` of that prompt alone and to the offline engine's
+  `hs.generate` of it alone, found by the id the client has, the `generated` column 1 exactly on the
+  generated tokens' rows; the third has none. The store was started before the server by another
+  run of the same settings: the server appends to it, and its rows are still there.
+- The server stopped with SIGTERM to its API server (`kill PID`, a service manager) while a long
+  request generates: vLLM drains it (finishes it within --shutdown-timeout), and its rows are
+  written whole, equal to Hugging Face's `hs.generate` of its prompt alone.
 - A malformed capture request gets HTTP 400.
 Plus the checks that need no server: a store of other points refused before any worker call, and a
 capture asked of a server with no store.
@@ -14,7 +19,8 @@ capture asked of a server with no store.
 from __future__ import annotations
 
 import hashlib
-import threading
+import os
+import signal
 import types
 
 import pytest
@@ -23,8 +29,8 @@ from gate import need
 
 need("vllm")
 
-from vllm_models import assert_close, hf_model, save  # noqa: E402
-from vllm_server import post_json, start, stop  # noqa: E402
+from vllm_models import assert_close, engine, hf_model, save, shut  # noqa: E402
+from vllm_server import completion, post_json, send_at_once, start, stop, wait_closed, wait_running  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.engines.vllm import EXTENSION, capture_store, serve  # noqa: E402
@@ -41,6 +47,10 @@ ASKED = {
     "plain": ([4, 28, 61, 9, 15, 33, 2], {}),
 }
 EARLIER = ("earlier", 5)  # the rows already in the store when the server starts: key, rows
+NEW = 6  # tokens each request generates (max_tokens)
+# a request still generating when the API server gets SIGTERM: prompt, max_tokens (long enough to
+# be seen running on a loaded machine, within --max-model-len 256)
+DRAINED = ([6, 81, 14, 3, 57, 22, 9, 140, 35, 7, 66, 18], 190)
 
 
 def key_of(key: str) -> int:
@@ -71,16 +81,17 @@ def vllm_config(directory, *, prefix_caching=False, shutdown_timeout=30):
 def start_store(directory, out) -> None:
     """A store of the server's settings holding one earlier batch, as a server stopped before left it."""
     options = serve.StoreOptions(str(out), POINTS)
-    _, names, _, settings, _ = serve.store_call(vllm_config(directory), options)
+    _, names, _, settings, _, _ = serve.store_call(vllm_config(directory), options)
     key, n = EARLIER
     rows = {name: torch.full((n, 4, 64) if name.endswith("attn.z") else (n, 256), 7.0) for name in names}
     with hs.store.ShardWriter(out, settings) as writer:
-        writer.write(0, rows, capture_store.columns(list(range(n)), key, 0))
+        writer.write(0, rows, capture_store.columns(list(range(n)), n, key, 0))
 
 
 @pytest.fixture(scope="module")
 def served(tmp_path_factory):
-    """The three requests sent at once and a bad one, answered; then the server stopped."""
+    """The three requests sent at once and a bad one, answered; a long one sent, and the server
+    stopped (SIGTERM to the API server) while it generates."""
     tmp = tmp_path_factory.mktemp("serve_store")
     directory = save("llama", tmp / "llama", seed=4)
     out = tmp / "acts"
@@ -90,30 +101,41 @@ def served(tmp_path_factory):
     proc, url, _ = start(directory, flags, tmp / "server.log")
     answers: dict = {}
     try:
-        begin = threading.Barrier(len(ASKED))
-
-        def send(name: str) -> None:
-            prompt, xargs = ASKED[name]
-            body = {"model": str(directory), "prompt": prompt, "max_tokens": 4, "temperature": 0.0}
-            begin.wait()
-            answers[name] = post_json(url, "/v1/completions", {**body, "vllm_xargs": xargs})
-
-        threads = [threading.Thread(target=send, args=(name,)) for name in ASKED]
-        for t in threads:
-            t.start()
-        for t in threads:
+        for t in send_at_once(
+            url, {name: completion(directory, ASKED[name][0], NEW, ASKED[name][1]) for name in ASKED}, answers
+        ):
             t.join()
         bad = {"model": str(directory), "prompt": [5, 6], "max_tokens": 1}
         answers["bad"] = post_json(
             url, "/v1/completions", {**bad, "vllm_xargs": {"hookscope.capture_id": "x"}}
         )
+        drained = {"hookscope.capture": 1, "hookscope.capture_id": "drained"}
+        (drain,) = send_at_once(url, {"drained": completion(directory, *DRAINED, drained)}, answers)
+        wait_running(url, proc)
+        os.kill(proc.pid, signal.SIGTERM)  # the API server alone, as `kill PID` or a service manager
+        wait_closed(out)
     finally:
         stop(proc)
-    return types.SimpleNamespace(answers=answers, out=out, directory=directory, log=tmp / "server.log")
+    drain.join()
+    return types.SimpleNamespace(
+        answers=answers, out=out, directory=directory, log=tmp / "server.log", offline=offline(directory)
+    )
 
 
-@pytest.mark.slow  # one server start: 30-90 s
-def test_the_store_holds_each_asking_request_s_prompt_rows_as_hugging_face_gives_them(served):
+def offline(directory) -> dict:
+    """The asking requests run alone through the offline engine's `hs.generate` (in this process)."""
+    llm = engine(directory, in_process=True, enable_prefix_caching=False)
+    try:
+        return {
+            name: hs.generate(llm, [ASKED[name][0]], POINTS, max_new_tokens=NEW)[0]
+            for name in ("by_id", "mine")
+        }
+    finally:
+        shut(llm)
+
+
+@pytest.mark.slow  # one server start: 30-90 s, and an offline engine's
+def test_the_store_holds_each_asking_request_s_rows_as_its_generation_alone_gives_them(served):
     for name in ASKED:
         status, body = served.answers[name]
         assert status == 200, (name, body)
@@ -129,22 +151,48 @@ def test_the_store_holds_each_asking_request_s_prompt_rows_as_hugging_face_gives
     earlier = docs == key_of(EARLIER[0])
     assert int(earlier.sum()) == EARLIER[1], "the rows the store held before the server started are gone"
     assert not (docs == found["plain"]).any(), "a request that did not ask has rows in the store"
-    lengths = {name: len(ASKED[name][0]) for name in ("by_id", "mine")}
-    want_rows = EARLIER[1] + sum(lengths.values())
-    assert len(store) == want_rows, (
-        f"{len(store)} rows, not the earlier {EARLIER[1]} and the prompts' {lengths}"
-    )
 
     hf = hf_model(served.directory)
-    for name, n in lengths.items():
+    want_rows = EARLIER[1] + int((docs == key_of("drained")).sum())  # (its own test checks them)
+    for name in ("by_id", "mine"):
+        prompt = ASKED[name][0]
+        want = hs.generate(hf, torch.tensor([prompt]), POINTS, max_new_tokens=NEW, do_sample=False)
+        # every token the engine ran: the last one sampled never runs (Hugging Face's generate runs it)
+        n = want.sequences.shape[1] - 1
+        assert n > len(prompt), f"{name}: Hugging Face generated nothing to compare"
+        want_rows += n
         mine = docs == found[name]
-        assert int(mine.sum()) == n, f"{name}: {int(mine.sum())} rows for a {n}-token prompt"
+        assert int(mine.sum()) == n, f"{name}: {int(mine.sum())} rows, not the {n} tokens the engine ran"
         assert positions[mine].tolist() == list(range(n)), f"{name}: not in position order"
-        assert store.tensor("token_ids")[mine].tolist() == ASKED[name][0], name
-        want = hs.collect(hf, torch.tensor([ASKED[name][0]]), POINTS)
+        assert store.tensor("token_ids")[mine].tolist() == want.sequences[0, :n].tolist(), name
+        generated = [0] * len(prompt) + [1] * (n - len(prompt))
+        assert store.tensor("generated")[mine].tolist() == generated, f"{name}: prompt / generated rows"
+        alone = served.offline[name]
+        assert alone.sequences.tolist() == want.sequences.tolist(), f"{name}: the offline engine's tokens"
         for point in POINTS:
             got = store.tensor(point)[mine]
-            assert_close(got, want[point][0], f"{name} {point}")  # float32, 1e-5 of the largest value
+            assert_close(got, want[point][0, :n], f"{name} {point}")  # float32, 1e-5 of the largest value
+            assert_close(got, alone[point][0, :n], f"{name} {point}, offline engine")
+    assert len(store) == want_rows, f"{len(store)} rows, not the earlier {EARLIER[1]} and the requests'"
+    assert store.manifest.settings["generated"] is True
+
+
+@pytest.mark.slow
+def test_a_request_generating_at_sigterm_is_drained_and_written_whole(served):
+    """vLLM finished it (drained, within --shutdown-timeout): its rows as its generation alone gives."""
+    assert "draining in-flight requests count=1" in served.log.read_text(), "no request was in flight"
+    tokens, new = DRAINED
+    want = hs.generate(
+        hf_model(served.directory), torch.tensor([tokens]), POINTS, max_new_tokens=new, do_sample=False
+    )
+    store = hs.open_store(served.out)
+    mine = store.tensor("doc_ids") == key_of("drained")
+    n = want.sequences.shape[1] - 1
+    assert int(mine.sum()) == n, f"the drained request: {int(mine.sum())} rows, not {n}"
+    assert store.tensor("token_ids")[mine].tolist() == want.sequences[0, :n].tolist()
+    assert store.tensor("generated")[mine].tolist() == [0] * len(tokens) + [1] * (n - len(tokens))
+    for point in POINTS:
+        assert_close(store.tensor(point)[mine], want[point][0, :n], f"drained {point}")
 
 
 @pytest.mark.slow
@@ -167,6 +215,14 @@ def test_a_store_of_other_points_is_refused_before_any_worker_call(tmp_path):
         serve.store_call(vllm_config(directory, prefix_caching=True), other)
     with pytest.raises(hs.EngineError, match="--shutdown-timeout 30"):
         serve.store_call(vllm_config(directory, shutdown_timeout=0), other)
+    # a store of the generated tokens' rows, reopened for the prompts' only: refused, naming it
+    prompts_only = serve.store_options(
+        {"store": str(tmp_path / "acts"), "points": POINTS, "generated": False}
+    )
+    with pytest.raises(hs.StoreError, match=r"generated: stored true, given false"):
+        serve.store_call(vllm_config(directory), prompts_only)
+    with pytest.raises(hs.EngineError, match=r"generated is true .* or false, got 'no'"):
+        serve.store_options({"store": "acts", "points": POINTS, "generated": "no"})
 
 
 @pytest.mark.parametrize(

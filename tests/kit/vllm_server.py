@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -103,6 +104,28 @@ def start(directory: Path, flags: list[str], log: Path) -> tuple[subprocess.Pope
     return proc, url, port
 
 
+def wait_running(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> None:
+    """Until the server's engine runs a request (its Prometheus gauge `vllm:num_requests_running`)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("vllm:num_requests_running{") and float(line.split()[-1]) > 0:
+                    return
+        time.sleep(0.02)
+    pytest.fail("the server ran no request")
+
+
+def wait_closed(store: Path, timeout: float = 120.0) -> None:
+    """Until the hookscope store the server writes at `store` is closed: its writer removes its lock
+    file as it closes, the last shard committed."""
+    deadline = time.monotonic() + timeout
+    while (store / "manifest.lock").exists():
+        if time.monotonic() > deadline:
+            pytest.fail(f"the store's writer never closed: {store}")
+        time.sleep(0.1)
+
+
 def post_json(url: str, path: str, body: dict) -> tuple[int, dict]:
     """POST `body` as JSON to the server's `path`: the status and the JSON answer (a 400's too)."""
     request = urllib.request.Request(
@@ -113,3 +136,33 @@ def post_json(url: str, path: str, body: dict) -> tuple[int, dict]:
             return r.status, json.loads(r.read())
     except urllib.error.HTTPError as e:
         return e.code, json.loads(e.read())
+
+
+def completion(model, prompt: list[int], max_tokens: int, xargs: dict) -> dict:
+    """A greedy completion request's JSON body, with hookscope's `vllm_xargs`."""
+    return {
+        "model": str(model),
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0.0,
+        "vllm_xargs": xargs,
+    }
+
+
+def send_at_once(url: str, bodies: dict[str, dict], answers: dict) -> list[threading.Thread]:
+    """Each completion request of `bodies` (name -> its JSON body) POSTed from a thread of its own,
+    all at once (a barrier); its answer, or the error of a server stopped under it, put in
+    `answers[name]`. The threads, started."""
+    begin = threading.Barrier(len(bodies))
+
+    def send(name: str) -> None:
+        begin.wait()
+        try:
+            answers[name] = post_json(url, "/v1/completions", bodies[name])
+        except OSError as e:
+            answers[name] = (None, repr(e))
+
+    threads = [threading.Thread(target=send, args=(name,)) for name in bodies]
+    for t in threads:
+        t.start()
+    return threads

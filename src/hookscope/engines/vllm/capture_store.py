@@ -1,11 +1,14 @@
-"""Under `vllm serve`: the captured requests' prompt rows written into a hookscope store.
+"""Under `vllm serve`: the captured requests' rows written into a hookscope store.
 
 The operator names a store directory and its points in hookscope's `--additional-config` (serve.py
 checks them), and a request opts in with `"vllm_xargs": {"hookscope.capture": 1}`. The first worker's
 capture (worker.py's `StoreSession`, on the same table and hooks as every capture) hands each request
-here once its prompt's last token has run; `RequestWriter` writes it into the store with
+here once vLLM has let go of it (its prompt's and generated tokens' rows: every token the model ran
+for it, which leaves out the last token sampled), or, with `"generated": false`, once its prompt's
+last token has run (its prompt's rows only). `RequestWriter` writes it into the store with
 `ShardWriter` (the format, manifest and crash promises of `hookscope extract`): one batch per request,
 a shard committed each time `shard_rows` rows fill it, the last when the worker's process exits.
+The `generated` column tells a generated token's row (1) from a prompt token's (0).
 Each row's `doc_ids` is `doc_id(key)`, where `key` is the request's own `hookscope.capture_id` if it
 gave one, else vLLM's id of it (`client_id`): a completion's `id` and `-{i}` for its i-th prompt
 (`cmpl-...-0`), a chat completion's `id`.
@@ -28,6 +31,9 @@ log = logging.getLogger("hookscope")
 # seconds vLLM gives its processes to stop (--shutdown-timeout): the first worker's last shard is
 # written and committed in them
 SHUTDOWN_TIMEOUT = 30
+# the order of the work done as a worker's process exits (multiprocessing's finalizers, the higher
+# first): the requests that ended handed to the writer, then the writer closed
+WRITER_EXIT = 10
 
 
 def doc_id(key: str) -> int:
@@ -44,14 +50,17 @@ def client_id(req_id: str) -> str:
     return req_id if envs.VLLM_DISABLE_REQUEST_ID_RANDOMIZATION else req_id.rsplit("-", 1)[0]
 
 
-def columns(prompt: list[int], key: str, batch: int) -> dict[str, Tensor]:
-    """A captured request's meta columns: its tokens, `doc_id(key)`, positions, and its batch."""
-    n = len(prompt)
+def columns(tokens: list[int], prompt_length: int, key: str, batch: int) -> dict[str, Tensor]:
+    """A captured request's meta columns: its tokens (the prompt's `prompt_length`, then generated
+    ones), `doc_id(key)`, positions, its batch, and which rows are generated tokens'."""
+    n = len(tokens)
+    positions = torch.arange(n)
     return {
-        "token_ids": torch.tensor(prompt, dtype=torch.int64),
+        "token_ids": torch.tensor(tokens, dtype=torch.int64),
         "doc_ids": torch.full((n,), doc_id(key), dtype=torch.int64),
-        "positions": torch.arange(n),
+        "positions": positions,
         "seq_ids": torch.full((n,), batch, dtype=torch.int64),
+        "generated": (positions >= prompt_length).long(),
     }
 
 
@@ -63,17 +72,17 @@ class RequestWriter:
         self.writer: ShardWriter | None = ShardWriter(out, settings, shard_rows=shard_rows)
         self.next_batch = 1 + max(self.writer.done_batches, default=-1)
         # run as a multiprocessing child (vLLM's engine core and workers) ends, and at interpreter exit
-        multiprocessing.util.Finalize(self, self.close, exitpriority=10)
+        multiprocessing.util.Finalize(self, self.close, exitpriority=WRITER_EXIT)
 
-    def write(self, key: str, prompt: list[int], rows: dict[str, Tensor]) -> None:
-        """One request's prompt rows ({point: [tokens, ...]}, in position order) as the next batch.
-        A store that failed is logged and no longer written: the server keeps serving."""
+    def write(self, key: str, tokens: list[int], prompt_length: int, rows: dict[str, Tensor]) -> None:
+        """One request's rows ({point: [tokens, ...]}, in position order, the prompt's first) as the
+        next batch. A store that failed is logged and no longer written: the server keeps serving."""
         if self.writer is None:
             return
         batch = self.next_batch
         self.next_batch += 1
         try:
-            self.writer.write(batch, rows, columns(prompt, key, batch))
+            self.writer.write(batch, rows, columns(tokens, prompt_length, key, batch))
         except StoreError as e:
             log.error("hookscope: writing the store failed, no more requests are captured: %s", e)
             self.writer = None

@@ -18,8 +18,8 @@ Three pieces of vLLM's plugin system, each given by name on the command line (`s
   before it reaches the engine.
 - The worker extension (worker.py), whose one edit path (edits.py) applies each request's named
   edits on its own tokens only, as `hs.steer` / `hs.ablate` on that request alone, and, where the
-  operator names a store and its points, writes the prompt rows of the requests that ask
-  (`"hookscope.capture": 1`) into it (capture_store.py).
+  operator names a store and its points, writes the rows of the requests that ask
+  (`"hookscope.capture": 1`), prompt and generated tokens, into it (capture_store.py).
 
 On an engine in vLLM's compiled mode (no `--enforce-eager`), hookscope's settings carry the consent
 `"compile": "hold_eager"` (compiled.py; `serve_flags(..., compile_policy="hold_eager")` writes them).
@@ -59,15 +59,17 @@ from vllm.v1.sample.logits_processor import LogitsProcessor  # noqa: E402
 
 CHECK = "hookscope.engines.vllm.serve:RequestCheck"
 # hookscope's entry of vLLM's --additional-config (CONFIG_KEY): {"hookscope": {"vectors": path}}, and/or
-# a store of captures: {"hookscope": {"store": dir, "points": [...], "shard_rows": n}} (capture_store.py,
-# `store_call`); {"hookscope": {"compile": "hold_eager"}} serves vLLM's compiled mode (compiled.py)
+# a store of captures: {"hookscope": {"store": dir, "points": [...], "shard_rows": n, "generated": bool}}
+# (capture_store.py, `store_call`); {"hookscope": {"compile": "hold_eager"}} serves vLLM's compiled mode
+# (compiled.py)
 ROUTE = "/hookscope/vectors"
 ABLATIONS_ROUTE = "/hookscope/ablations"
 ABLATE = "ablate:"  # the metadata of an ablation in the vectors file: "ablate:<point>"
 
 STORE_HOW = (
     'serve with --additional-config \'{"hookscope": {"store": "DIR", "points": ["blocks.1.resid_post"]}}\' '
-    '(optionally "shard_rows": N, the rows of a shard; 65536 unless given)'
+    '(optionally "shard_rows": N, the rows of a shard, 65536 unless given; "generated": false, the '
+    "prompt's rows only)"
 )
 
 
@@ -78,6 +80,7 @@ class StoreOptions:
     out: str
     points: list[str]
     shard_rows: int = 65536
+    generated: bool = True  # the generated tokens' rows too, not only the prompt's
 
 
 def store_options(settings: dict[str, Any]) -> StoreOptions | None:
@@ -95,7 +98,13 @@ def store_options(settings: dict[str, Any]) -> StoreOptions | None:
         raise EngineError(
             f"hookscope's shard_rows must be a whole number >= 1, got {shard_rows!r}: {STORE_HOW}"
         )
-    return StoreOptions(out, points, shard_rows)
+    generated = settings.get("generated", True)
+    if not isinstance(generated, bool):
+        raise EngineError(
+            f"hookscope's generated is true (the generated tokens' rows too) or false, got {generated!r}: "
+            f"{STORE_HOW}"
+        )
+    return StoreOptions(out, points, shard_rows, generated)
 
 
 def store_call(config, options: StoreOptions) -> tuple:
@@ -125,9 +134,10 @@ def store_call(config, options: StoreOptions) -> tuple:
         "config_sha256": sha256_text(model.hf_config.to_json_string(use_diff=False)),
         "points": names,
         "dtype": str(model.dtype).removeprefix("torch."),
+        "generated": options.generated,
     }
     plan_for(options.out, settings, 1)  # a store of other settings: refused here, naming what differs
-    return architecture, names, options.out, settings, options.shard_rows
+    return architecture, names, options.out, settings, options.shard_rows, options.generated
 
 
 def check_capture(params, store: str | None) -> None:

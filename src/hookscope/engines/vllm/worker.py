@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import multiprocessing.util
 import os
 import tempfile
 from bisect import bisect_left
 from collections import defaultdict
 from collections.abc import Hashable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -35,7 +36,7 @@ from ...hooks import Hook, Hooks, hook_count
 from ...selection import Selection
 from . import compiled, sharded, tables
 from .batch import InPass, PerRequest, Rows, requests_in_pass
-from .capture_store import RequestWriter, client_id
+from .capture_store import WRITER_EXIT, RequestWriter, client_id
 from .edits import RequestEdits, rebuild_selection
 
 log = logging.getLogger("hookscope")
@@ -262,22 +263,43 @@ def check_order(got: list[int], n: int | None, what: str, want: list[int] | None
         )
 
 
+class _Asked(NamedTuple):
+    """A request the store's capture keeps rows of: what its rows are filed under, its prompt, and
+    the model runner's state of it (its generated tokens, read when it is written)."""
+
+    key: str
+    prompt: list[int]
+    state: Any
+
+
 class StoreSession(Session):
-    """Under `vllm serve`, the server's capture: the prompt rows of every request that asked
+    """Under `vllm serve`, the server's capture: the rows of every request that asked
     (`"hookscope.capture": 1`), filed by vLLM's request id and handed to the store's writer
-    (capture_store.py) once the prompt's last token has run: at the end of that forward (its own
-    root forward hook), from the requests `Forwards` handed it at the forward's start. On ranks
-    after the first, `writer` is None: they take part in the gathers of tensor-parallel points only."""
+    (capture_store.py). With `generated`, every token the model runs for the request, prompt and
+    generated, handed over once vLLM has let go of it (finished, stopped or aborted: its model
+    runner drops the request's state at the step after, which the next forward's start, or the
+    worker's exit, finds); else its prompt's only, handed over at the end of the forward that ran
+    the prompt's last token (its own root forward hook). On ranks after the first, `writer` is None:
+    they take part in the gathers of tensor-parallel points only."""
 
     def __init__(
-        self, runner, model: nn.Module, arch, gathered: dict, names: list[str], writer: RequestWriter | None
+        self,
+        runner,
+        model: nn.Module,
+        arch,
+        gathered: dict,
+        names: list[str],
+        writer: RequestWriter | None,
+        generated: bool,
     ):
-        super().__init__(model, arch, gathered, names, STORE_RUN, prefill_only=True)
+        super().__init__(model, arch, gathered, names, STORE_RUN, prefill_only=not generated)
         self.runner, self.writer = runner, writer
-        self.asked: dict[str, tuple[str, list[int]]] = {}  # req id -> (key, prompt ids), until written
-        self.written: set[str] = set()  # of the requests the runner still holds
+        self.asked: dict[str, _Asked] = {}  # req id -> the request, until written
+        self.written: set[str] = set()  # prompt rows only: of the requests the runner still holds
         self.parts: dict[tuple[Hashable, str], list[tuple[Sequence[int], Tensor]]] = defaultdict(list)
         self.hooks.module_forward(ROOT, self._pass_end)
+        if generated:  # the requests that ended after the last forward, before the writer closes
+            multiprocessing.util.Finalize(self, self._write_ended, exitpriority=WRITER_EXIT + 1)
 
     def request_key(self, req: InPass) -> Hashable | None:
         if "capture" not in req.tag:
@@ -287,10 +309,12 @@ class StoreSession(Session):
             return None  # its prompt run again after a preemption: its rows are in the store
         if req_id not in self.asked:
             key = req.tag["capture"] or client_id(req_id)
-            self.asked[req_id] = (key, list(req.state.prompt_token_ids or ()))
+            self.asked[req_id] = _Asked(key, list(req.state.prompt_token_ids or ()), req.state)
         return req_id
 
     def pass_start(self, requests: list[InPass], same_rows: bool = False) -> None:
+        if not self.prefill_only:
+            self._write_ended()
         super().pass_start(requests, same_rows)
         for slot in self.slots:
             if slot.positions[0] == 0:  # its first tokens (again, after a preemption): start over
@@ -298,16 +322,24 @@ class StoreSession(Session):
 
     def _pass_end(self, module: nn.Module, args: tuple, output) -> None:
         self._cut(self.parts)
-        for slot in self.slots:
-            if slot.positions[-1] == len(self.asked[slot.key][1]) - 1:
-                self._write(slot.key)
+        if self.prefill_only:
+            for slot in self.slots:
+                if slot.positions[-1] == len(self.asked[slot.key].prompt) - 1:
+                    self._write(slot.key)
+            held = self.runner.requests
+            for req_id in [r for r in self.asked if r not in held]:  # aborted before its prompt ran
+                del self.asked[req_id]
+                self._drop(req_id)
+            if self.written:
+                self.written.intersection_update(held)
         self.slots = []
+
+    def _write_ended(self) -> None:
+        """The requests the model runner no longer holds, written (those whose prompt never ran
+        whole, dropped)."""
         held = self.runner.requests
-        for req_id in [r for r in self.asked if r not in held]:  # aborted before its prompt ran
-            del self.asked[req_id]
-            self._drop(req_id)
-        if self.written:
-            self.written.intersection_update(held)
+        for req_id in [r for r in self.asked if r not in held]:
+            self._write(req_id)
 
     def _cut(self, into: dict[tuple[Hashable, str], list[tuple[Sequence[int], Tensor]]]) -> None:
         """The rows kept so far, cut per request and point (`into`: (key, point) -> (positions, rows)
@@ -323,20 +355,25 @@ class StoreSession(Session):
             self.parts.pop((req_id, name), None)
 
     def _write(self, req_id: str) -> None:
-        key, prompt = self.asked.pop(req_id)
-        self.written.add(req_id)
+        asked = self.asked.pop(req_id)
+        if self.prefill_only:
+            self.written.add(req_id)
+            tokens = asked.prompt
+        else:  # every token run: the prompt's and the generated ones but the last sampled
+            tokens = [*asked.prompt, *asked.state.output_token_ids[:-1]]
+        parts = {name: self.parts.pop((req_id, name), []) for name in self.names}
+        if sum(len(positions) for positions, _ in parts[self.names[0]]) < len(asked.prompt):
+            return  # aborted before its prompt ran whole: nothing of it is written
         try:
             rows = {
-                name: torch.cat(
-                    in_order(self.parts.pop((req_id, name)), len(prompt), f"request {key!r}, {name}")
-                )
+                name: torch.cat(in_order(parts[name], len(tokens), f"request {asked.key!r}, {name}"))
                 for name in self.names
             }
         except EngineError as e:  # the server keeps serving; the store never holds a short request
             log.warning("hookscope: %s; its rows are not written", e)
             return
         if self.writer is not None:
-            self.writer.write(key, prompt, rows)
+            self.writer.write(asked.key, tokens, len(asked.prompt), rows)
 
 
 # where the worker hands its rows to the caller: shared memory where the system has it (the engine's
@@ -440,10 +477,11 @@ class Forwards:
         self.sessions[run] = session
         self._watch()
 
-    def serve_store(self, names: list[str], writer: RequestWriter | None) -> None:
-        """Under `vllm serve`: the store's capture of `names`, one more capture handed each forward's
-        requests (after the named edits registered before it, so it keeps edited rows)."""
-        store = StoreSession(self.runner, self.model, self.arch, self.gathered, names, writer)
+    def serve_store(self, names: list[str], writer: RequestWriter | None, generated: bool) -> None:
+        """Under `vllm serve`: the store's capture of `names` (the generated tokens' too, with
+        `generated`), one more capture handed each forward's requests (after the named edits
+        registered before it, so it keeps edited rows)."""
+        store = StoreSession(self.runner, self.model, self.arch, self.gathered, names, writer, generated)
         self.sessions[STORE_RUN] = store
         self._watch()
 
@@ -593,13 +631,19 @@ class Extension:
             forwards.close_block(block)
 
     def hookscope_serve_store(
-        self, architecture: str, names: list[str], out: str, settings: dict, shard_rows: int
+        self,
+        architecture: str,
+        names: list[str],
+        out: str,
+        settings: dict,
+        shard_rows: int,
+        generated: bool = True,
     ) -> None:
-        """Under `vllm serve`: capture `names` on the prompts of the requests that ask, into the store
-        at `out` (capture_store.py)."""
+        """Under `vllm serve`: capture `names` on the requests that ask (their prompts, and with
+        `generated` their generated tokens), into the store at `out` (capture_store.py)."""
         forwards = self._hookscope_forwards(architecture)
         writer = RequestWriter(out, settings, shard_rows) if sharded.hands_off() else None
-        forwards.serve_store(names, writer)
+        forwards.serve_store(names, writer, generated)
 
     def hookscope_stop(self, run: str) -> None:
         """Remove a capture's hooks (after an error)."""
