@@ -7,13 +7,15 @@ of the open `hs.edit` blocks, the named ones it asks for and those its call gave
 the generation code's own `StepEdit` (the edit asked, before each forward, what it writes on the
 positions this forward holds of the request: `Edit.step`), to that request's token rows only, as a
 `[1, tokens, ...]` batch of one: what Hugging Face's `hs.generate` runs for that request alone.
+On a tensor-parallel engine an edit at a point each rank holds a slice of is given for the whole
+point and each rank writes its part (`sharded.edit_on_rank`).
 A capture's `Selection` crosses the same way (`describe_selection`).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from typing import Any
 
 import torch
@@ -25,7 +27,7 @@ from ...errors import EngineError
 from ...generate.edits import StepEdit, check
 from ...hooks import Hook, Hooks
 from ...selection import Selection
-from . import tables
+from . import sharded, tables
 from .batch import InPass, PerRequest, Rows
 
 KINDS = {kind.__name__: kind for kind in (Steer, Ablate, Patch)}  # what a worker rebuilds, by name
@@ -178,10 +180,13 @@ class RequestEdits:
     those its tag asks for: the named edits (registered at start, `name`: a steering vector at a
     scale, an ablation) and the edits its call gave (`add_run`: request index -> edits, with the
     call's `edit_on`). They are built once per request (`PerRequest`) and prepared on every forward
-    that holds it."""
+    that holds it. `split`: the points each tensor-parallel rank holds a slice of -> the dim they are
+    gathered along, which an edit there is cut along."""
 
-    def __init__(self, model: nn.Module, arch: Arch, split: Collection[str] = ()):
-        self.model, self.arch, self.split = model, arch, frozenset(split)
+    def __init__(self, model: nn.Module, arch: Arch, split: Mapping[str, int] | None = None):
+        self.model, self.arch, self.split = model, arch, dict(split or {})
+        # an edit at a split point as this rank writes it (None: nothing here): id(edit) -> (edit, that)
+        self.on_rank: dict[int, tuple[Edit, Edit | None]] = {}
         self.named: dict[str, Edit] = {}
         self.runs: dict[str, tuple[dict[int, list[Edit]], str]] = {}  # run -> (index -> edits, edit_on)
         self.blocks: dict[str, list[Edit]] = {}  # open hs.edit blocks, in the order they opened -> edits
@@ -208,7 +213,7 @@ class RequestEdits:
         """An `hs.edit` block's edits (described), on every token of every request from now until
         `close_block`, after those of the blocks opened before it."""
         rebuilt = [rebuild(described) for described in edits]
-        self._refuse_split(rebuilt)
+        self._cut(rebuilt)
         self.blocks[block] = rebuilt
         self.built = PerRequest()  # a live request's edits are built anew, with the block's
         for edit in rebuilt:
@@ -221,7 +226,7 @@ class RequestEdits:
     def name(self, name: str, described: dict) -> None:
         """Register a named edit (a `describe`d Steer or Ablate) that requests ask for by name."""
         edit = rebuild(described)
-        self._refuse_split([edit])
+        self._cut([edit])
         self.named[name] = edit
         self.scaled = {key: e for key, e in self.scaled.items() if key[0] != name}  # (registered anew)
         self._attach(edit.point, "")
@@ -231,7 +236,7 @@ class RequestEdits:
         before its requests run."""
         distinct = [rebuild(described) for described in edits["edits"]]  # shared by the requests given it
         rebuilt = {int(index): [distinct[k] for k in ks] for index, ks in edits["requests"].items()}
-        self._refuse_split(distinct)
+        self._cut(distinct)
         self.runs[run] = (rebuilt, edit_on)
         for edit in distinct:
             self._attach(edit.point, run)
@@ -245,20 +250,30 @@ class RequestEdits:
         self.now_holds = False  # a forward's decisions are made anew without them
         gone = {id(e) for e in edits}
         self.shared = {key: kept for key, kept in self.shared.items() if key not in gone}
+        self.on_rank = {key: cut for key, cut in self.on_rank.items() if key not in gone}
         for point, (hooks, owners) in list(self.points.items()):
             owners.discard(owner)
             if not owners:
                 hooks.remove()
                 del self.points[point]
 
-    def _refuse_split(self, edits: list[Edit]) -> None:
-        on_slices = sorted({self.arch.spec(e.point).name for e in edits} & self.split)
-        if on_slices:  # before any hook: a tensor-parallel rank holds a slice of these, the edit the whole
-            raise EngineError(
-                f"edits at {', '.join(on_slices)} on a tensor-parallel engine, whose ranks each hold a slice "
-                "of them: edit a point every rank holds whole (resid_*, attn.out, mlp.out) or use "
-                "tensor_parallel_size=1"
-            )
+    def _cut(self, edits: list[Edit]) -> None:
+        """Each edit at a split point cut to this rank's slice now, before any hook: a value that does
+        not fit the whole point is refused here."""
+        for edit in edits:
+            self._here(edit)
+
+    def _here(self, edit: Edit) -> Edit | None:
+        """`edit` as this rank writes it: as it is at a point every rank holds whole, else its part of
+        the rank's slice (None where it writes nothing on this rank), cut once per edit."""
+        spec = self.arch.spec(edit.point)
+        if spec.name not in self.split:
+            return edit
+        kept = self.on_rank.get(id(edit))
+        if kept is None or kept[0] is not edit:
+            kept = (edit, sharded.edit_on_rank(edit, self.model, spec, self.split[spec.name]))
+            self.on_rank[id(edit)] = kept
+        return kept[1]
 
     def _attach(self, point: str, owner: str) -> None:
         """One hook per point, whoever needs it (`owner`: a run, a block, or "" for the named edits)."""
@@ -305,11 +320,14 @@ class RequestEdits:
         prompt = req.tag.get("prompt_length") or len(req.state.prompt_token_ids or ())
         per_point: dict[str, list[StepEdit]] = {}
         for edit, edit_on in self._asked(req):
+            here = self._here(edit)
+            if here is None:  # (heads that other tensor-parallel ranks hold)
+                continue
             kept = self.shared.get(id(edit))
             if kept is not None and kept[0] is edit and edit_on == "both":
                 step_edit = kept[1]
             else:
-                step_edit = StepEdit.checked(edit, self.arch, self.model, edit_on, prompt)
+                step_edit = StepEdit.checked(here, self.arch, self.model, edit_on, prompt)
                 if step_edit.fixed:
                     self.shared[id(edit)] = (edit, step_edit)
             per_point.setdefault(step_edit.spec.name, []).append(step_edit)
