@@ -13,7 +13,6 @@ capture asked of a server with no store.
 
 from __future__ import annotations
 
-import hashlib
 import threading
 import types
 
@@ -24,12 +23,13 @@ from gate import need
 need("vllm")
 
 from vllm_models import assert_close, hf_model, save  # noqa: E402
-from vllm_server import post_json, start, stop  # noqa: E402
+from vllm_server import post_json  # noqa: E402
+from vllm_shared import EARLIER, key_of, start_store, vllm_config  # noqa: E402
+from vllm_shared import STORE_POINTS as POINTS  # noqa: E402
 
 import hookscope as hs  # noqa: E402
-from hookscope.engines.vllm import EXTENSION, capture_store, serve  # noqa: E402
+from hookscope.engines.vllm import serve  # noqa: E402
 
-POINTS = ["blocks.0.mlp.out", "blocks.1.resid_post", "blocks.1.attn.z"]
 # request -> (prompt, vllm_xargs); prompts of different lengths, so that rows filed under the wrong
 # request show
 ASKED = {
@@ -40,54 +40,14 @@ ASKED = {
     ),
     "plain": ([4, 28, 61, 9, 15, 33, 2], {}),
 }
-EARLIER = ("earlier", 5)  # the rows already in the store when the server starts: key, rows
-
-
-def key_of(key: str) -> int:
-    """The doc_ids value of `key`'s rows, computed here as docs/served.md gives it."""
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
-
-
-def vllm_config(directory, *, prefix_caching=False, shutdown_timeout=30):
-    """The VllmConfig fields the plugin reads at start, for this checkpoint as `vllm serve` loads it."""
-    from transformers import AutoConfig
-
-    return types.SimpleNamespace(
-        shutdown_timeout=shutdown_timeout,
-        model_config=types.SimpleNamespace(
-            model=str(directory),
-            hf_config=AutoConfig.from_pretrained(directory),
-            dtype=torch.float32,
-            enforce_eager=True,
-            logits_processors=[serve.CHECK],
-        ),
-        cache_config=types.SimpleNamespace(enable_prefix_caching=prefix_caching),
-        parallel_config=types.SimpleNamespace(
-            worker_extension_cls=EXTENSION, tensor_parallel_size=1, pipeline_parallel_size=1
-        ),
-    )
-
-
-def start_store(directory, out) -> None:
-    """A store of the server's settings holding one earlier batch, as a server stopped before left it."""
-    options = serve.StoreOptions(str(out), POINTS)
-    _, names, _, settings, _ = serve.store_call(vllm_config(directory), options)
-    key, n = EARLIER
-    rows = {name: torch.full((n, 4, 64) if name.endswith("attn.z") else (n, 256), 7.0) for name in names}
-    with hs.store.ShardWriter(out, settings) as writer:
-        writer.write(0, rows, capture_store.columns(list(range(n)), key, 0))
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
-    """The three requests sent at once and a bad one, answered; then the server stopped."""
-    tmp = tmp_path_factory.mktemp("serve_store")
-    directory = save("llama", tmp / "llama", seed=4)
-    out = tmp / "acts"
-    start_store(directory, out)
-    # shards of 1000 rows: every row the server writes is committed when it stops
-    flags = serve.serve_flags(store=out, points=POINTS, shard_rows=1000)
-    proc, url, _ = start(directory, flags, tmp / "server.log")
+def served(llama_server, shared_vllm):
+    """The three requests sent at once and a bad one, answered; then the server stopped. The server
+    is test_vllm_serve.py's too (vllm_shared.start_llama_server): its requests ask for no capture,
+    and the store's row count below would show one that wrote."""
+    url, directory = llama_server.url, llama_server.directory
     answers: dict = {}
     try:
         begin = threading.Barrier(len(ASKED))
@@ -108,8 +68,8 @@ def served(tmp_path_factory):
             url, "/v1/completions", {**bad, "vllm_xargs": {"hookscope.capture_id": "x"}}
         )
     finally:
-        stop(proc)
-    return types.SimpleNamespace(answers=answers, out=out, directory=directory, log=tmp / "server.log")
+        shared_vllm.release("llama_server")  # every row the server wrote is committed when it stops
+    return types.SimpleNamespace(answers=answers, out=llama_server.out, directory=directory)
 
 
 @pytest.mark.slow  # one server start: 30-90 s
