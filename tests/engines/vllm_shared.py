@@ -1,4 +1,4 @@
-"""The vLLM engine and the `vllm serve` server that several test files share (tests/engines/conftest.py
+"""The vLLM engines and the `vllm serve` server that several test files share (tests/engines/conftest.py
 makes them fixtures): each is started once for the run of consecutive files that use it, not once
 per file, and at most one of them is up at a time (engines beside each other would each hold a KV
 cache of VLLM_CPU_KVCACHE_SPACE).
@@ -64,6 +64,20 @@ def start_edit_llama(root: Path) -> Started:
         enable_prefix_caching=False,
     )
     through_the_serializer(llm)
+    return types.SimpleNamespace(directory=directory, llm=llm), lambda: shut(llm)
+
+
+# ---- the llama in vLLM's default layout the capture tests share ----
+
+
+def start_default_layout_llama(root: Path) -> Started:
+    """Llama with its engine core and worker in their own processes (vLLM's default layout: the
+    selections' descriptions and the rows' handoff cross its RPC), 64 tokens per forward (a 200-token
+    prompt takes 4, each shared with other requests' chunks), 8 requests at once, prefix caching left
+    on (vLLM's default), which the capture bypasses per request. test_vllm_requests.py,
+    test_vllm_selections.py."""
+    directory = save("llama", root / "llama", seed=1)
+    llm = engine(directory, enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=8)
     return types.SimpleNamespace(directory=directory, llm=llm), lambda: shut(llm)
 
 
