@@ -1,6 +1,7 @@
 """`vllm serve` with hookscope's plugin (engines/vllm/serve.py), driven over HTTP by urllib: the
 OpenAI-compatible server started as a subprocess on 127.0.0.1 with two named vectors at two points,
-requests choosing them by name and scale in `vllm_xargs`.
+requests choosing them by name and scale in `vllm_xargs` (the server test_vllm_serve_store.py uses
+too: conftest.py's `llama_server`).
 
 - Requests sent at once, steered differently, each get the tokens and logprobs it gets alone.
 - Each steered request equals Hugging Face's forward with `hs.steer` at the vector's point (teacher
