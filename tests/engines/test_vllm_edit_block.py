@@ -18,7 +18,7 @@ from gate import need
 
 need("vllm")
 
-from vllm_models import assert_close, engine, hf_model, save, shut, through_the_serializer  # noqa: E402
+from vllm_models import assert_close, engine, hf_model, save, shut  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.engines import vllm as hv  # noqa: E402
@@ -46,22 +46,11 @@ ABLATE_Z = hs.ablate("blocks.0.attn.z", heads=[2])
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    directory = save("llama", tmp_path_factory.mktemp("llama"), seed=2)
-    # 64 tokens per forward: the 90-token prompt prefills over several forwards, beside the decode
-    # steps of the short ones; prefix caching off (edits refuse it). In this process, its RPC through
-    # vLLM's serializer as in the default layout (the block's edits cross it)
-    llm = engine(
-        directory,
-        in_process=True,
-        enable_chunked_prefill=True,
-        max_num_batched_tokens=64,
-        max_num_seqs=8,
-        enable_prefix_caching=False,
-    )
-    through_the_serializer(llm)
-    yield directory, llm, hf_model(directory)
-    shut(llm)
+def llama(edit_llama):
+    """The shared in-process llama (vllm_shared.start_edit_llama): 64 tokens per forward, so the
+    90-token prompt prefills over several forwards, beside the decode steps of the short ones;
+    prefix caching off; the block's edits cross vLLM's serializer."""
+    return edit_llama.directory, edit_llama.llm, hf_model(edit_llama.directory)
 
 
 def greedy(**more):

@@ -14,7 +14,7 @@ from gate import need
 
 vllm = need("vllm")
 
-from vllm_models import assert_close, engine, hf_model, save, shut  # noqa: E402
+from vllm_models import assert_close, hf_model  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.engines import vllm as hv  # noqa: E402
@@ -35,13 +35,11 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    directory = save("llama", tmp_path_factory.mktemp("llama"), seed=1)
-    # 64 tokens per forward: the 200-token prompt takes 4 forwards, each shared with other requests'
-    # chunks; prefix caching left on (vLLM's default), which the capture bypasses per request
-    llm = engine(directory, enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=8)
-    yield directory, llm
-    shut(llm)
+def llama(default_layout_llama):
+    """The llama test_vllm_selections.py shares (vllm_shared.start_default_layout_llama): 64 tokens
+    per forward, so the 200-token prompt takes 4 forwards, each shared with other requests' chunks;
+    prefix caching left on (vLLM's default), which the capture bypasses per request."""
+    return default_layout_llama.directory, default_layout_llama.llm
 
 
 def test_requests_together_equal_each_alone(llama):

@@ -17,7 +17,7 @@ from gate import need
 
 need("vllm")
 
-from vllm_models import assert_close, engine, hf_model, save, shut, through_the_serializer  # noqa: E402
+from vllm_models import assert_close, hf_model  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.engines import vllm as hv  # noqa: E402
@@ -36,16 +36,10 @@ def prompts() -> list[list[int]]:
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    directory = save("llama", tmp_path_factory.mktemp("llama"), seed=3)
-    # in this process, its RPC through vLLM's serializer as in the default layout (the selections'
-    # descriptions and the rows' handoff cross it)
-    llm = engine(
-        directory, in_process=True, enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=8
-    )
-    through_the_serializer(llm)
-    yield llm, hf_model(directory)
-    shut(llm)
+def llama(default_layout_llama):
+    """The llama test_vllm_requests.py shares (vllm_shared.start_default_layout_llama): in vLLM's
+    default layout, the selections' descriptions and the rows' handoff cross its RPC."""
+    return default_layout_llama.llm, hf_model(default_layout_llama.directory)
 
 
 def hf_alone(hf, prompt: list[int], points, **selection) -> dict:

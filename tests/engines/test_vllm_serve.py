@@ -1,6 +1,7 @@
 """`vllm serve` with hookscope's plugin (engines/vllm/serve.py), driven over HTTP by urllib: the
 OpenAI-compatible server started as a subprocess on 127.0.0.1 with two named vectors at two points,
-requests choosing them by name and scale in `vllm_xargs`.
+requests choosing them by name and scale in `vllm_xargs` (the server test_vllm_serve_store.py uses
+too: conftest.py's `llama_server`).
 
 - Requests sent at once, steered differently, each get the tokens and logprobs it gets alone.
 - Each steered request equals Hugging Face's forward with `hs.steer` at the vector's point (teacher
@@ -23,17 +24,13 @@ from gate import need
 
 need("vllm")
 
-from vllm_models import assert_close, hf_model, save  # noqa: E402
-from vllm_server import port_taken, post_json, start, stop  # noqa: E402
+from vllm_models import assert_close, hf_model  # noqa: E402
+from vllm_server import post_json  # noqa: E402
+from vllm_shared import ABLATIONS, VECTORS, vector  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.engines.vllm import serve  # noqa: E402
 
-# name -> (point, seed of its values): two points whose values differ (blocks.1.resid_pre would
-# equal blocks.0.resid_post), so a vector added at the wrong one shows
-VECTORS = {"joy": ("blocks.0.resid_post", 5), "calm": ("blocks.1.resid_post", 6)}
-# name -> (point, heads it zeroes): in the same file, its metadata "ablate:<point>"
-ABLATIONS = {"no_head_1": ("blocks.0.attn.z", [1])}
 PROMPT = [5, 17, 33, 64, 9, 40, 70, 12, 101, 3]
 MAX_TOKENS = 6
 # request -> its vllm_xargs
@@ -45,34 +42,11 @@ ASKED = {
 }
 
 
-def vector(name: str) -> torch.Tensor:
-    return torch.randn(256, generator=torch.Generator().manual_seed(VECTORS[name][1]))
-
-
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    from safetensors.torch import save_file
-
-    tmp = tmp_path_factory.mktemp("serve")
-    directory = save("llama", tmp / "llama", seed=3)
-    vectors = tmp / "vectors.safetensors"
-    save_file(
-        {
-            **{name: vector(name) for name in VECTORS},
-            **{name: torch.tensor(heads) for name, (_, heads) in ABLATIONS.items()},
-        },
-        vectors,
-        metadata={
-            **{name: point for name, (point, _) in VECTORS.items()},
-            **{name: serve.ABLATE + point for name, (point, _) in ABLATIONS.items()},
-        },
-    )
-    proc, url, port = start(directory, serve.serve_flags(vectors), tmp / "server.log")
-    try:
-        yield types.SimpleNamespace(url=url, model=str(directory), directory=directory)
-    finally:
-        stop(proc)
-        assert not port_taken(port), f"port {port} still taken after the server stopped"
+def server(llama_server):
+    """The server test_vllm_serve_store.py shares (vllm_shared.start_llama_server): its store takes
+    rows only from requests that ask for a capture, which none here does."""
+    return llama_server
 
 
 def post(server, xargs: dict, prompt=PROMPT) -> tuple[int, dict]:

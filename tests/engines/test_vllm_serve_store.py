@@ -18,7 +18,6 @@ capture asked of a server with no store.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import signal
 import types
@@ -31,11 +30,12 @@ need("vllm")
 
 from vllm_models import assert_close, engine, hf_model, save, shut  # noqa: E402
 from vllm_server import completion, post_json, send_at_once, start, stop, wait_closed, wait_running  # noqa: E402
+from vllm_shared import EARLIER, key_of, start_store, vllm_config  # noqa: E402
+from vllm_shared import STORE_POINTS as POINTS  # noqa: E402
 
 import hookscope as hs  # noqa: E402
-from hookscope.engines.vllm import EXTENSION, capture_store, serve  # noqa: E402
+from hookscope.engines.vllm import serve  # noqa: E402
 
-POINTS = ["blocks.0.mlp.out", "blocks.1.resid_post", "blocks.1.attn.z"]
 # request -> (prompt, vllm_xargs); prompts of different lengths, so that rows filed under the wrong
 # request show
 ASKED = {
@@ -46,46 +46,10 @@ ASKED = {
     ),
     "plain": ([4, 28, 61, 9, 15, 33, 2], {}),
 }
-EARLIER = ("earlier", 5)  # the rows already in the store when the server starts: key, rows
 NEW = 6  # tokens each request generates (max_tokens)
 # a request still generating when the API server gets SIGTERM: prompt, max_tokens (long enough to
 # be seen running on a loaded machine, within --max-model-len 256)
 DRAINED = ([6, 81, 14, 3, 57, 22, 9, 140, 35, 7, 66, 18], 190)
-
-
-def key_of(key: str) -> int:
-    """The doc_ids value of `key`'s rows, computed here as docs/served.md gives it."""
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
-
-
-def vllm_config(directory, *, prefix_caching=False, shutdown_timeout=30):
-    """The VllmConfig fields the plugin reads at start, for this checkpoint as `vllm serve` loads it."""
-    from transformers import AutoConfig
-
-    return types.SimpleNamespace(
-        shutdown_timeout=shutdown_timeout,
-        model_config=types.SimpleNamespace(
-            model=str(directory),
-            hf_config=AutoConfig.from_pretrained(directory),
-            dtype=torch.float32,
-            enforce_eager=True,
-            logits_processors=[serve.CHECK],
-        ),
-        cache_config=types.SimpleNamespace(enable_prefix_caching=prefix_caching),
-        parallel_config=types.SimpleNamespace(
-            worker_extension_cls=EXTENSION, tensor_parallel_size=1, pipeline_parallel_size=1
-        ),
-    )
-
-
-def start_store(directory, out) -> None:
-    """A store of the server's settings holding one earlier batch, as a server stopped before left it."""
-    options = serve.StoreOptions(str(out), POINTS)
-    _, names, _, settings, _, _ = serve.store_call(vllm_config(directory), options)
-    key, n = EARLIER
-    rows = {name: torch.full((n, 4, 64) if name.endswith("attn.z") else (n, 256), 7.0) for name in names}
-    with hs.store.ShardWriter(out, settings) as writer:
-        writer.write(0, rows, capture_store.columns(list(range(n)), n, key, 0))
 
 
 @pytest.fixture(scope="module")

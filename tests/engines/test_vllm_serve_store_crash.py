@@ -33,6 +33,7 @@ need("vllm")
 
 from vllm_models import assert_close, hf_model, save  # noqa: E402
 from vllm_server import completion, send_at_once, start, stop, wait_closed, wait_running  # noqa: E402
+from vllm_shared import key_of  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.engines.vllm import serve  # noqa: E402
@@ -53,11 +54,6 @@ KILLED = {
 AGAIN = {f"again{i}": (prompt(n, 20 + i), SHORT) for i, n in enumerate((9, 30))}
 CUT = {"cut": (prompt(14, 30), 190)}  # running when the server's process group gets SIGINT
 ALL = {**KILLED, **AGAIN, **CUT}
-
-
-def key_of(key: str) -> int:
-    """The doc_ids value of `key`'s rows, computed here as docs/served.md gives it."""
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
 
 def send_all(url: str, directory, requests: dict, answers: dict) -> list[threading.Thread]:

@@ -10,8 +10,6 @@ one-node machine, VLLM_CPU_OMP_THREADS_BIND gives each rank its own CPU ("0|1").
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
 from gate import need
@@ -20,6 +18,7 @@ need("vllm")
 
 from vllm_models import assert_close, hf_model, save  # noqa: E402
 from vllm_server import completion, send_at_once, start, stop  # noqa: E402
+from vllm_shared import key_of  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.engines.vllm import serve  # noqa: E402
@@ -29,11 +28,6 @@ pytestmark = pytest.mark.slow  # one server of three processes: 2-4 minutes to s
 POINTS = ["blocks.0.attn.z", "blocks.1.resid_post", "blocks.0.mlp.out"]
 NEW = 5
 ASKED = {"ranks_a": [5, 17, 33, 64, 9, 40, 70], "ranks_b": [8, 2, 77, 31, 5, 19, 44, 90, 6, 13, 58, 21]}
-
-
-def key_of(key: str) -> int:
-    """The doc_ids value of `key`'s rows, computed here as docs/served.md gives it."""
-    return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "little") >> 1
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ from gate import need
 
 need("vllm")
 
-from vllm_models import assert_close, engine, hf_model, save, shut, through_the_serializer  # noqa: E402
+from vllm_models import assert_close, hf_model  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.engines import vllm as hv  # noqa: E402
@@ -21,14 +21,11 @@ POINT, SCALE, STEERED = "blocks.0.resid_post", 3.0, (1, 5)
 
 
 @pytest.fixture(scope="module")
-def llama(tmp_path_factory):
-    directory = save("llama", tmp_path_factory.mktemp("llama"), seed=3)
-    llm = engine(
-        directory, in_process=True, enable_prefix_caching=False, max_num_batched_tokens=64, max_num_seqs=8
-    )
-    through_the_serializer(llm)  # the vector crosses vLLM's RPC as in the default layout
-    yield directory, llm
-    shut(llm)
+def llama(edit_llama, shared_vllm):
+    """The shared in-process llama (vllm_shared.start_edit_llama): the vector crosses vLLM's RPC
+    as in the default layout. Stopped after this file: the vector registered here stays on it."""
+    yield edit_llama.directory, edit_llama.llm
+    shared_vllm.release("edit_llama")
 
 
 def test_two_steered_requests_change_alone(llama):

@@ -102,7 +102,8 @@ def save(case: str, directory: Path, seed: int = 0) -> Path:
 # process spawned and no second and third import of vLLM and torch, the largest part of an engine's
 # start on a CPU. The worker is still reached by name through LLM.collective_rpc and the rows still
 # come back through the handoff file. vLLM's default layout (engine core and worker processes) is what
-# test_vllm_requests.py, the served extraction's interrupted command, the server and docs/served.md run.
+# test_vllm_requests.py and test_vllm_selections.py (vllm_shared.py), the served extraction's
+# interrupted command, the server and docs/served.md run.
 IN_PROCESS = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
