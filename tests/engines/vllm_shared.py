@@ -136,11 +136,11 @@ def start_store(directory, out) -> None:
     from hookscope.engines.vllm import capture_store, serve
 
     options = serve.StoreOptions(str(out), STORE_POINTS)
-    _, names, _, settings, _ = serve.store_call(vllm_config(directory), options)
+    _, names, _, settings, _, _ = serve.store_call(vllm_config(directory), options)
     key, n = EARLIER
     rows = {name: torch.full((n, 4, 64) if name.endswith("attn.z") else (n, 256), 7.0) for name in names}
     with hs.store.ShardWriter(out, settings) as writer:
-        writer.write(0, rows, capture_store.columns(list(range(n)), key, 0))
+        writer.write(0, rows, capture_store.columns(list(range(n)), n, key, 0))
 
 
 def write_vectors(path: Path) -> None:
