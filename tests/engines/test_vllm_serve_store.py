@@ -29,7 +29,7 @@ from gate import need
 need("vllm")
 
 from vllm_models import assert_close, engine, hf_model, save, shut  # noqa: E402
-from vllm_server import completion, post_json, send_at_once, start, stop, wait_closed, wait_running  # noqa: E402
+from vllm_server import completion, post_json, send_at_once, send_generating, start, stop, wait_closed  # noqa: E402
 from vllm_shared import EARLIER, key_of, start_store, vllm_config  # noqa: E402
 from vllm_shared import STORE_POINTS as POINTS  # noqa: E402
 
@@ -74,8 +74,7 @@ def served(tmp_path_factory):
             url, "/v1/completions", {**bad, "vllm_xargs": {"hookscope.capture_id": "x"}}
         )
         drained = {"hookscope.capture": 1, "hookscope.capture_id": "drained"}
-        (drain,) = send_at_once(url, {"drained": completion(directory, *DRAINED, drained)}, answers)
-        wait_running(url, proc)
+        drain = send_generating(url, completion(directory, *DRAINED, drained), proc)
         os.kill(proc.pid, signal.SIGTERM)  # the API server alone, as `kill PID` or a service manager
         wait_closed(out)
     finally:

@@ -116,6 +116,36 @@ def wait_running(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> No
     pytest.fail("the server ran no request")
 
 
+def send_generating(url: str, body: dict, proc: subprocess.Popen, timeout: float = 120.0) -> threading.Thread:
+    """POST completion `body` streamed, from a thread of its own, and return once its first tokens
+    have come back: the request is then running on the server (a poll of the server's running
+    gauge can miss a short request that starts and ends between two polls). The thread reads the
+    rest until the request ends or the server goes."""
+    generating = threading.Event()
+
+    def read() -> None:
+        request = urllib.request.Request(
+            url + "/v1/completions",
+            json.dumps({**body, "stream": True}).encode(),
+            {"Content-Type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=300) as r:
+                for line in r:
+                    if line.startswith(b"data: {"):
+                        generating.set()
+        except OSError:
+            pass  # the server stopped under it: what the caller asks for
+
+    thread = threading.Thread(target=read)
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while not generating.wait(0.05):
+        if proc.poll() is not None or time.monotonic() > deadline or not thread.is_alive():
+            pytest.fail("the server ran no request")
+    return thread
+
+
 def wait_closed(store: Path, timeout: float = 120.0) -> None:
     """Until the hookscope store the server writes at `store` is closed: its writer removes its lock
     file as it closes, the last shard committed."""
