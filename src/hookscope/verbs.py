@@ -315,7 +315,8 @@ def edit(model: Any, *edits: Edit) -> Edits | edit_block.EditBlock:
         UnknownPointError: an edit on a point the model does not have (or that vLLM never exposes).
         HookscopeError: an edit on a point the model never reads back (a Hugging Face attention pattern).
         EngineError: on an engine, an edit kind it does not take, a patch without bounded positions,
-            prefix caching on, or a point a tensor-parallel rank holds only a slice of."""
+            prefix caching on, or, at a point tensor-parallel ranks hold slices of, a value that
+            does not fit the whole point."""
     if vllm.is_llm(model):
         return edit_block.EditBlock(model, edits)
     return core_edit(model, *edits)
