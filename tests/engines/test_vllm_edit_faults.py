@@ -2,7 +2,8 @@
 activation) must not take the engine down: the call that gave it raises `EditFailed` naming the
 edit, the point and the original error; no hook is left; the engine's next plain `generate` gives
 the same tokens as before the fault and as Hugging Face's greedy generate on the same checkpoint;
-requests of the same batch that the edit does not reach are untouched.
+requests of the same batch that the edit does not reach are untouched. At a point d_model wide, a
+value that does not fit is refused before any work instead.
 
 Without the guard (edits.py `RequestEdits._apply`), the error leaves the in-process engine's
 scheduler unable to run the next request (its next `generate` waits forever) and kills the engine
@@ -77,30 +78,47 @@ def test_a_steer_that_fails_in_the_forward_raises_on_the_caller_and_the_engine_r
     assert_engine_as_new(llm, hf, ps, before)
 
 
-def test_a_patch_of_the_wrong_width_fails_the_collect_and_the_engine_runs_on(llama):
+def test_a_patch_of_the_wrong_heads_fails_the_collect_and_the_engine_runs_on(llama):
     llm, hf = llama
     ps = prompts()
     before = plain_tokens(llm, ps)
-    bad = hs.patch("blocks.1.resid_post", torch.zeros(LENGTHS[1], 128))  # d_model is 256
+    bad = hs.patch("blocks.0.attn.z", torch.zeros(LENGTHS[1], 3, 64))  # the point has 4 heads
     with pytest.raises(hs.EditFailed) as caught:
         hv.collect(llm, ps, "blocks.1.resid_post", edits=[[], [bad], [], []])
     message = str(caught.value)
-    assert "hs.patch('blocks.1.resid_post', source of shape [1, 17, 128]" in message
-    assert "on request 1: SelectionError: patch blocks.1.resid_post: source has shape" in message
+    assert "hs.patch('blocks.0.attn.z', source of shape [1, 17, 3, 64]" in message
+    assert "on request 1: SelectionError: patch blocks.0.attn.z: source has shape" in message
     assert_engine_as_new(llm, hf, ps, before)
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        hs.patch("blocks.1.resid_post", torch.zeros(LENGTHS[0], 128)),
+        hs.steer("blocks.0.mlp.out", torch.ones(255)),
+        hs.ablate("blocks.1.attn.out", "mean", mean=torch.zeros(128)),
+    ],
+    ids=["patch", "steer", "ablate-mean"],
+)
+def test_a_value_that_does_not_fit_a_d_model_wide_point_is_refused_before_any_work(llama, bad):
+    llm, hf = llama
+    with pytest.raises(hs.EngineError, match="d_model = 256 wide: give it 256") as caught:
+        hv.collect(llm, prompts()[:1], "blocks.1.resid_post", edits=[bad])
+    assert type(caught.value) is hs.EngineError  # refused at the caller, not failed in the engine
+    assert llm.collective_rpc("hookscope_hook_count") == [0]
 
 
 def test_a_block_edit_that_fails_on_some_requests_leaves_the_others_and_raises_at_its_end(llama):
     llm, hf = llama
     ps = prompts()
     before = plain_tokens(llm, ps)
-    # position 30 only: the 40- and 90-token prompts reach it, where the 128-wide source fails;
+    # position 30 only: the 40- and 90-token prompts reach it, where the 3 heads' source fails;
     # the 5- and 17-token ones never do (their edit writes nothing)
-    bad = hs.patch("blocks.1.resid_post", torch.zeros(40, 128), positions=[30])
+    bad = hs.patch("blocks.0.attn.z", torch.zeros(40, 3, 64), positions=[30])
     with pytest.raises(hs.EditFailed) as caught, hs.edit(llm, bad):
         inside = plain_tokens(llm, ps)
     message = str(caught.value)
-    assert "hs.patch('blocks.1.resid_post', source of shape [1, 40, 128]" in message
+    assert "hs.patch('blocks.0.attn.z', source of shape [1, 40, 3, 64]" in message
     assert "SelectionError" in message and "(and 1 more such faults)" in message
     # every request ran on, the faulted ones without their edit: all as the plain engine's
     assert inside == before

@@ -37,6 +37,8 @@ from .batch import InPass, PerRequest, Rows
 
 KINDS = {kind.__name__: kind for kind in (Steer, Ablate, Patch)}  # what a worker rebuilds, by name
 DATA = {Steer: "vector", Ablate: "mean", Patch: "source"}  # each kind's tensor, named in a fault
+# the points whose activation is d_model wide per token, which an edit's tensor is checked against
+D_MODEL_WIDE = ("resid_pre", "resid_mid", "resid_post", "attn.out", "mlp.in", "mlp.out")
 
 log = logging.getLogger("hookscope")
 
@@ -105,8 +107,7 @@ def describe(edit: Any, arch: Arch) -> dict:
             f"{kind} edits do not run on a vLLM engine: edits= there takes hs.steer, hs.ablate and hs.patch"
         )
     check_writable(spec)
-    if isinstance(edit, Steer):
-        check_width(arch, spec.name, edit.vector.numel())
+    check_width(arch, spec.name, edit)
     if isinstance(edit, Patch):
         _check_covers(edit)
     if isinstance(edit, Ablate) and edit.how == "mean" and edit.mean is None:
@@ -129,10 +130,21 @@ def check_writable(spec) -> None:
         raise EngineError(f"{spec.name} cannot be written on vLLM: {why}")
 
 
-def check_width(arch: Arch, point: str, n: int) -> None:
-    """A residual-stream vector must be d_model wide (a wrong one would fail inside the engine's forward)."""
-    if arch.d_model and "resid" in point and n != arch.d_model:
-        raise EngineError(f"a vector of {n} values for {point}: it is d_model = {arch.d_model} wide")
+def check_width(arch: Arch, point: str, edit: Edit) -> None:
+    """An edit's tensor at a point d_model wide (`D_MODEL_WIDE`) must fit it: a steering vector or
+    an ablation's mean of d_model values, a patch's source d_model wide per token. One that does not
+    would only fail inside the engine's forward (where the workers catch it, edits.py's top)."""
+    name = DATA.get(type(edit))
+    data = getattr(edit, name, None) if name else None
+    if not arch.d_model or not isinstance(data, Tensor) or not point.endswith(D_MODEL_WIDE):
+        return
+    width = data.shape[-1] if isinstance(edit, Patch) and data.ndim else data.numel()
+    if width != arch.d_model:
+        what = "per token" if isinstance(edit, Patch) else "in all"
+        raise EngineError(
+            f"{_edit_named(edit)}: its {name} holds {width} values {what} for {point}, which is "
+            f"d_model = {arch.d_model} wide: give it {arch.d_model}"
+        )
 
 
 def _check_covers(patch: Patch) -> None:
