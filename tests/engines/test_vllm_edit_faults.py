@@ -6,8 +6,9 @@ requests of the same batch that the edit does not reach are untouched. At a poin
 value that does not fit is refused before any work instead.
 
 Without the guard (edits.py `RequestEdits._apply`), the error leaves the in-process engine's
-scheduler unable to run the next request (its next `generate` waits forever) and kills the engine
-core in vLLM's default layout.
+scheduler unable to run the next request (its next `generate` waits forever), and in vLLM's
+default layout ends the engine core (vLLM's EngineDeadError on that call and every one after): both
+seen on main before the guard, 2026-12-08.
 """
 
 from __future__ import annotations
