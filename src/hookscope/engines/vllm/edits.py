@@ -270,6 +270,8 @@ class RequestEdits:
     def close_block(self, block: str) -> None:
         self._release(block, self.blocks.pop(block, []))
         self.built = PerRequest()
+        if not self.blocks:  # faults no block reports now (a named edit's, logged when it raised)
+            self.faults = [f for f in self.faults if f.run is not None]
 
     def name(self, name: str, described: dict) -> None:
         """Register a named edit (a `describe`d Steer or Ablate) that requests ask for by name."""
@@ -290,6 +292,7 @@ class RequestEdits:
             self._attach(edit.point, run)
 
     def drop_run(self, run: str) -> None:
+        self.faults_of_run(run)  # (a call that ended without taking its rows: no one to tell)
         edits, _ = self.runs.pop(run, ({}, ""))
         self._release(run, [e for one in edits.values() for e in one])
 

@@ -606,10 +606,10 @@ class Extension:
     def hookscope_take(self, run: str, expected: dict) -> list:
         """The capture's rows per request, handed off in shared memory (`hand_off`), its hooks removed."""
         forwards = self.__dict__.get("_hookscope_work")
+        faults = forwards.edits.faults_of_run(run) if forwards is not None else []
         session = forwards.stop(run) if forwards is not None else None
         if session is None:
             raise EngineError(f"no hookscope capture {run!r} in this worker")
-        faults = forwards.edits.faults_of_run(run)
         if faults:  # the caller's: its rows are not what it asked for
             return failure(fault_message(faults))
         try:
