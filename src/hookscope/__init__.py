@@ -32,6 +32,7 @@ from .edit import Edit, Edits, ablate, patch, steer
 from .engines import tensor_parallel as _tensor_parallel  # noqa: F401
 from .errors import (
     DataError,
+    EditFailed,
     EngineDied,
     EngineError,
     HookscopeError,
@@ -121,6 +122,7 @@ __all__ = [
     "DataError",
     "EngineError",
     "EngineDied",
+    "EditFailed",
     "SAEError",
     "TensorParallelError",
     # mixture-of-experts routing edits

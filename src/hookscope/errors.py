@@ -58,6 +58,12 @@ class EngineError(HookscopeError):
     version, model class or setting, or a point its kernels never expose; the message names the fix."""
 
 
+class EditFailed(EngineError):
+    """An edit that raised inside a serving engine's forward (a value that does not fit the
+    activation, found only when it ran): its requests ran on without their edits and the engine is
+    still usable; the message names the edit, the point and the error."""
+
+
 class EngineDied(EngineError):
     """A serving engine's core process ended during a call (a signal, the out-of-memory killer, a
     crash): the engine cannot be used again. `what` says which process ended and how; the message

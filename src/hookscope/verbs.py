@@ -286,7 +286,8 @@ def generate(
         SelectionError: a selection or edit that cannot follow the steps (`attn.pattern`, a bad
             `edit_on`, heads on a point without heads).
         HookscopeError: a model with no `generate`, beam search, or malformed inputs.
-        EngineError: on an engine, n > 1, beam search, or an option vLLM's SamplingParams lacks."""
+        EngineError: on an engine, n > 1, beam search, or an option vLLM's SamplingParams lacks;
+            `EditFailed` for an edit that raised in the engine's forward (the engine goes on)."""
     selections = dict(positions=positions, heads=heads, dtype=dtype, device=device)
     if vllm.is_llm(model):
         return generating.generate(

@@ -30,22 +30,13 @@ need("vllm")
 
 from vllm_models import assert_close, engine, hf_model, save, shut  # noqa: E402
 from vllm_server import completion, post_json, send_at_once, send_generating, start, stop, wait_closed  # noqa: E402
+from vllm_shared import CAPTURE_REQUESTS as ASKED  # noqa: E402
 from vllm_shared import EARLIER, key_of, start_store, vllm_config  # noqa: E402
 from vllm_shared import STORE_POINTS as POINTS  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.engines.vllm import serve  # noqa: E402
 
-# request -> (prompt, vllm_xargs); prompts of different lengths, so that rows filed under the wrong
-# request show
-ASKED = {
-    "by_id": ([5, 17, 33, 64, 9, 40, 70, 12, 101, 3], {"hookscope.capture": 1}),
-    "mine": (
-        [8, 2, 77, 31, 5, 19, 44, 90, 6, 13, 58, 21, 3, 99, 7, 11, 64],
-        {"hookscope.capture": 1, "hookscope.capture_id": "mine"},
-    ),
-    "plain": ([4, 28, 61, 9, 15, 33, 2], {}),
-}
 NEW = 6  # tokens each request generates (max_tokens)
 # a request still generating when the API server gets SIGTERM: prompt, max_tokens (long enough to
 # be seen running on a loaded machine, within --max-model-len 256)

@@ -93,10 +93,23 @@ def hooks_left(llm) -> list[int]:
 VECTORS = {"joy": ("blocks.0.resid_post", 5), "calm": ("blocks.1.resid_post", 6)}
 # name -> (point, heads it zeroes): in the same file, its metadata "ablate:<point>"
 ABLATIONS = {"no_head_1": ("blocks.0.attn.z", [1])}
-# The store, test_vllm_serve_store.py's: the points it keeps, and the rows already in it when the
-# server starts (key, rows), as a server stopped before left them
+# The store: the points it keeps, and the rows already in it when the server starts (key, rows), as a
+# server stopped before left them. The shared server's keeps the prompts' rows only ("generated":
+# false, test_vllm_serve_prompts.py); test_vllm_serve_store.py's own server, the default (generated too)
 STORE_POINTS = ["blocks.0.mlp.out", "blocks.1.resid_post", "blocks.1.attn.z"]
 EARLIER = ("earlier", 5)
+# Requests sent at once to a server with a store, test_vllm_serve_store.py's and
+# test_vllm_serve_prompts.py's: name -> (prompt, vllm_xargs), two asking for a capture (one by the id
+# vLLM gives it, one under its own capture_id), one not; prompts of different lengths, so that rows
+# filed under the wrong request show
+CAPTURE_REQUESTS = {
+    "by_id": ([5, 17, 33, 64, 9, 40, 70, 12, 101, 3], {"hookscope.capture": 1}),
+    "mine": (
+        [8, 2, 77, 31, 5, 19, 44, 90, 6, 13, 58, 21, 3, 99, 7, 11, 64],
+        {"hookscope.capture": 1, "hookscope.capture_id": "mine"},
+    ),
+    "plain": ([4, 28, 61, 9, 15, 33, 2], {}),
+}
 
 
 def vector(name: str) -> torch.Tensor:
@@ -130,12 +143,13 @@ def vllm_config(directory, *, prefix_caching=False, shutdown_timeout=30):
     )
 
 
-def start_store(directory, out) -> None:
-    """A store of the server's settings holding one earlier batch, as a server stopped before left it."""
+def start_store(directory, out, generated: bool = True) -> None:
+    """A store of the server's settings (`generated`: the generated tokens' rows too) holding one
+    earlier batch of prompt rows, as a server stopped before left it."""
     import hookscope as hs
     from hookscope.engines.vllm import capture_store, serve
 
-    options = serve.StoreOptions(str(out), STORE_POINTS)
+    options = serve.StoreOptions(str(out), STORE_POINTS, generated=generated)
     _, names, _, settings, _, _ = serve.store_call(vllm_config(directory), options)
     key, n = EARLIER
     rows = {name: torch.full((n, 4, 64) if name.endswith("attn.z") else (n, 256), 7.0) for name in names}
@@ -163,15 +177,16 @@ def write_vectors(path: Path) -> None:
 
 def start_llama_server(root: Path) -> Started:
     """`vllm serve` of a llama with the named vectors and ablation (VECTORS, ABLATIONS) and a store
-    of STORE_POINTS that already holds EARLIER's rows, its shards of 1000 rows (every row the server
-    writes is committed when it stops). Only requests that ask for a capture write to the store."""
+    of STORE_POINTS, the prompts' rows only (`"generated": false`), that already holds EARLIER's
+    rows, its shards of 1000 rows (every row the server writes is committed when it stops). Only
+    requests that ask for a capture write to the store."""
     from hookscope.engines.vllm import serve
 
     directory = save("llama", root / "llama", seed=3)
     vectors, out, log = root / "vectors.safetensors", root / "acts", root / "server.log"
     write_vectors(vectors)
-    start_store(directory, out)
-    flags = serve.serve_flags(vectors, store=out, points=STORE_POINTS, shard_rows=1000)
+    start_store(directory, out, generated=False)
+    flags = serve.serve_flags(vectors, store=out, points=STORE_POINTS, shard_rows=1000, generated=False)
     proc, url, port = start(directory, flags, log)
 
     def stop_it() -> None:

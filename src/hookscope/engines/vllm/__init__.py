@@ -187,6 +187,8 @@ def collect(
         EngineError: not a vLLM LLM, another vLLM release, no hookscope worker extension, compiled
             mode without the consent (compiled.py), pipeline parallelism; edits under prefix
             caching; rows that came back short.
+        EditFailed: an edit that raised in the engine's forward (a value that does not fit the
+            activation): its requests ran on unedited, the engine goes on.
         UnknownPointError: a name the model lacks (close names listed) or one vLLM never exposes.
         SelectionError: a selection `hs.collect` refuses; heads on a point without heads (before any
             work); positions outside a prompt or heads outside a point (once the engine has run)."""

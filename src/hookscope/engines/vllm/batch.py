@@ -84,6 +84,10 @@ class PerRequest:
         self.made[req_id] = (state, value)
         return value
 
+    def put(self, req_id: str, state: Any, value: Any) -> None:
+        """`value` made for the request from now on (in place of what `get` made)."""
+        self.made[req_id] = (state, value)
+
     def forget_finished(self, live: Any) -> None:
         """Drop what was made for requests not in `live` (the runner's requests), once they pile up."""
         if len(self.made) > 2 * len(live) + 64:

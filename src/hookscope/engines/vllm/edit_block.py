@@ -62,4 +62,5 @@ class EditBlock:
         if block is None or liveness.dead(self.engine):  # (a dead engine holds no edits)
             return
         with contextlib.suppress(Exception) if quiet else contextlib.nullcontext():
-            self.engine.collective_rpc("hookscope_close_edits", args=(block,))
+            # the block's edits that raised in a forward (their requests ran on unedited): EditFailed
+            raise_refusals(self.engine.collective_rpc("hookscope_close_edits", args=(block,)))

@@ -9,14 +9,19 @@ positions this forward holds of the request: `Edit.step`), to that request's tok
 `[1, tokens, ...]` batch of one: what Hugging Face's `hs.generate` runs for that request alone.
 On a tensor-parallel engine an edit at a point each rank holds a slice of is given for the whole
 point and each rank writes its part (`sharded.edit_on_rank`).
+An edit that raises there (a value of the wrong shape that only shows against the activation) is
+caught on that path: an error out of a forward would stop the engine, or leave its scheduler unable
+to run another request. The request runs on without its edits and the fault is kept (`Fault`) for
+the call or `hs.edit` block that gave the edit to raise on the caller.
 A capture's `Selection` crosses the same way (`describe_selection`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
 from collections.abc import Collection, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +36,37 @@ from . import sharded, tables
 from .batch import InPass, PerRequest, Rows
 
 KINDS = {kind.__name__: kind for kind in (Steer, Ablate, Patch)}  # what a worker rebuilds, by name
+DATA = {Steer: "vector", Ablate: "mean", Patch: "source"}  # each kind's tensor, named in a fault
+# the points whose activation is d_model wide per token, which an edit's tensor is checked against
+D_MODEL_WIDE = ("resid_pre", "resid_mid", "resid_post", "attn.out", "mlp.in", "mlp.out")
+
+log = logging.getLogger("hookscope")
+
+
+class Fault(NamedTuple):
+    """An edit that raised in a worker's forward: the request it was applied to (`run`, `index`: its
+    call's tag, None for a request no hookscope call tagged), the point and what went wrong."""
+
+    run: str | None
+    index: int | None
+    point: str
+    message: str
+
+
+def fault_message(faults: list[Fault]) -> str:
+    """What the caller is told of a call's or block's faults: the first, and how many more."""
+    more = f" (and {len(faults) - 1} more such faults)" if len(faults) > 1 else ""
+    return faults[0].message + more
+
+
+def _edit_named(edit: Any) -> str:
+    """An edit as the caller wrote it: its kind, point, and its tensor's shape and dtype."""
+    if not isinstance(edit, Edit):
+        return repr(edit)
+    name = DATA.get(type(edit))
+    data = getattr(edit, name, None) if name else None
+    held = f", {name} of shape {list(data.shape)} {data.dtype}" if isinstance(data, Tensor) else ""
+    return f"hs.{type(edit).__name__.lower()}({edit.point!r}{held})"
 
 
 def _plain(value: Any) -> Any:
@@ -71,8 +107,7 @@ def describe(edit: Any, arch: Arch) -> dict:
             f"{kind} edits do not run on a vLLM engine: edits= there takes hs.steer, hs.ablate and hs.patch"
         )
     check_writable(spec)
-    if isinstance(edit, Steer):
-        check_width(arch, spec.name, edit.vector.numel())
+    check_width(arch, spec.name, edit)
     if isinstance(edit, Patch):
         _check_covers(edit)
     if isinstance(edit, Ablate) and edit.how == "mean" and edit.mean is None:
@@ -95,10 +130,21 @@ def check_writable(spec) -> None:
         raise EngineError(f"{spec.name} cannot be written on vLLM: {why}")
 
 
-def check_width(arch: Arch, point: str, n: int) -> None:
-    """A residual-stream vector must be d_model wide (a wrong one would fail inside the engine's forward)."""
-    if arch.d_model and "resid" in point and n != arch.d_model:
-        raise EngineError(f"a vector of {n} values for {point}: it is d_model = {arch.d_model} wide")
+def check_width(arch: Arch, point: str, edit: Edit) -> None:
+    """An edit's tensor at a point d_model wide (`D_MODEL_WIDE`) must fit it: a steering vector or
+    an ablation's mean of d_model values, a patch's source d_model wide per token. One that does not
+    would only fail inside the engine's forward (where the workers catch it, edits.py's top)."""
+    name = DATA.get(type(edit))
+    data = getattr(edit, name, None) if name else None
+    if not arch.d_model or not isinstance(data, Tensor) or not point.endswith(D_MODEL_WIDE):
+        return
+    width = data.shape[-1] if isinstance(edit, Patch) and data.ndim else data.numel()
+    if width != arch.d_model:
+        what = "per token" if isinstance(edit, Patch) else "in all"
+        raise EngineError(
+            f"{_edit_named(edit)}: its {name} holds {width} values {what} for {point}, which is "
+            f"d_model = {arch.d_model} wide: give it {arch.d_model}"
+        )
 
 
 def _check_covers(patch: Patch) -> None:
@@ -196,7 +242,9 @@ class RequestEdits:
         self.shared: dict[int, tuple[Edit, StepEdit]] = {}
         self.built = PerRequest()  # request id -> point -> its step edits
         self.points: dict[str, tuple[Hooks, set[str]]] = {}  # point -> (its one hook, who needs it)
-        self.now: dict[str, list[tuple[list[StepEdit], Rows]]] = {}  # this forward: point -> edits, rows
+        # this forward: point -> (edits, the rows they write, the requests those rows are of)
+        self.now: dict[str, list[tuple[list[StepEdit], Rows, list[InPass]]]] = {}
+        self.faults: list[Fault] = []  # edits that raised, until their call or block reports them
         # whether `now` holds for a forward of the same requests at the same rows as the last one (a
         # decode step's usual case): no edit of theirs follows positions, nothing registered since
         self.now_holds = False
@@ -222,6 +270,8 @@ class RequestEdits:
     def close_block(self, block: str) -> None:
         self._release(block, self.blocks.pop(block, []))
         self.built = PerRequest()
+        if not self.blocks:  # faults no block reports now (a named edit's, logged when it raised)
+            self.faults = [f for f in self.faults if f.run is not None]
 
     def name(self, name: str, described: dict) -> None:
         """Register a named edit (a `describe`d Steer or Ablate) that requests ask for by name."""
@@ -242,6 +292,7 @@ class RequestEdits:
             self._attach(edit.point, run)
 
     def drop_run(self, run: str) -> None:
+        self.faults_of_run(run)  # (a call that ended without taking its rows: no one to tell)
         edits, _ = self.runs.pop(run, ({}, ""))
         self._release(run, [e for one in edits.values() for e in one])
 
@@ -341,41 +392,93 @@ class RequestEdits:
         if same_rows and self.now_holds:
             return
         follows_positions = False
-        alone: dict[str, list[tuple[list[StepEdit], Rows]]] = {}
-        together: dict[str, dict[StepEdit, list[tuple[int, int]]]] = {}
+        alone: dict[str, list[tuple[list[StepEdit], Rows, list[InPass]]]] = {}
+        together: dict[str, dict[StepEdit, list[InPass]]] = {}
         for req in requests:
-            per_point = self.built.get(req.req_id, req.state, self._build, req)
-            for point, step_edits in per_point.items():
+            for point, step_edits in self._prepared(req).items():
                 if len(step_edits) == 1 and step_edits[0].fixed:
-                    together.setdefault(point, {}).setdefault(step_edits[0], []).append((req.start, req.end))
+                    together.setdefault(point, {}).setdefault(step_edits[0], []).append(req)
                     continue
-                for step_edit in step_edits:
-                    step_edit.prepare(req.offset, req.offset + req.end - req.start)
                 follows_positions = follows_positions or not all(e.fixed for e in step_edits)
-                alone.setdefault(point, []).append((step_edits, Rows([(req.start, req.end)])))
+                alone.setdefault(point, []).append((step_edits, Rows([(req.start, req.end)]), [req]))
         for point, groups in together.items():
             alone.setdefault(point, []).extend(
-                ([step_edit], Rows(spans)) for step_edit, spans in groups.items()
+                ([step_edit], Rows([(r.start, r.end) for r in reqs]), reqs)
+                for step_edit, reqs in groups.items()
             )
         self.now = alone
         self.now_holds = not follows_positions
+
+    def _prepared(self, req: InPass) -> dict[str, list[StepEdit]]:
+        """A request's step edits per point, decided for the positions this forward holds of it
+        (none, once one of its edits raised: the request runs on without them)."""
+        step_edit = None
+        try:
+            per_point = self.built.get(req.req_id, req.state, self._build, req)
+            for step_edits in per_point.values():
+                for step_edit in step_edits:
+                    if not step_edit.fixed:
+                        step_edit.prepare(req.offset, req.offset + req.end - req.start)
+        except Exception as error:  # a request's edit that cannot be built or follow its positions
+            self._fail([req], None if step_edit is None else step_edit.edit, "", error)
+            return {}
+        return per_point
 
     def _edit(self, act: Tensor, hook: Hook) -> Tensor | None:
         edits = self.now.get(hook.spec.name)
         if not edits:
             return None
         if len(edits) == 1 and edits[0][1].covers(act.shape[0]):  # one edit on every row: no copy first
-            return _apply(edits[0][0], act, hook)
+            return self._apply(edits[0], act, hook)
         out = act.clone()
-        for step_edits, rows in edits:
-            rows.put(out, _apply(step_edits, rows.take(out), hook))
+        for group in edits:
+            rows = group[1]
+            rows.put(out, self._apply(group, rows.take(out), hook))
         return out
 
+    def _apply(self, group: tuple[list[StepEdit], Rows, list[InPass]], rows: Tensor, hook: Hook) -> Tensor:
+        """`rows` ([tokens, ...]) with the group's step edits applied in turn, as a batch of one; as
+        they came, where one of them raises (a fault of the group's requests)."""
+        step_edits, _, requests = group
+        batch = rows.unsqueeze(0)
+        for step_edit in step_edits:
+            try:
+                new = step_edit(batch, hook)
+            except Exception as error:  # the forward runs on: an error out of it would stop the engine
+                self._fail(requests, step_edit.edit, hook.spec.name, error)
+                return rows
+            batch = batch if new is None else new
+        return batch[0]
 
-def _apply(step_edits: list[StepEdit], rows: Tensor, hook: Hook) -> Tensor:
-    """`rows` ([tokens, ...]) with the step edits applied in turn, as a batch of one."""
-    batch = rows.unsqueeze(0)
-    for step_edit in step_edits:
-        new = step_edit(batch, hook)
-        batch = batch if new is None else new
-    return batch[0]
+    def _fail(self, requests: list[InPass], edit: Edit | None, point: str, error: Exception) -> None:
+        """`error`, raised by `edit` on `requests`: they run on without their edits, and the fault is
+        kept for their call or block to report (only logged where none will: a request asking for a
+        named edit under `vllm serve`)."""
+        self.now_holds = False  # the next forward's edits are decided anew, without theirs
+        at = f" at {point}" if point else ""
+        for req in requests:
+            self.built.put(req.req_id, req.state, {})
+            run, index = req.tag.get("run"), req.tag.get("index")
+            message = (
+                f"{_edit_named(edit) if edit is not None else 'an edit'} raised{at} on request "
+                f"{req.req_id if index is None else index}: {type(error).__name__}: {error}. The request "
+                "ran on without its edits and the engine is unharmed; give a value that fits the point "
+                "(hs.collect(llm, prompt, point) shows its shape)"
+            )
+            log.warning("hookscope: %s", message)
+            if run is not None or self.blocks:
+                self.faults.append(Fault(run, index, point, message))
+
+    def faults_of_run(self, run: str) -> list[Fault]:
+        """The faults of a call's requests, taken (reported once)."""
+        mine = [f for f in self.faults if f.run == run]
+        self.faults = [f for f in self.faults if f.run != run]
+        return mine
+
+    def faults_of_block(self, block: str) -> list[Fault]:
+        """The faults at the points a block edits of requests no call tagged (the engine's own
+        `generate` inside it), taken (reported once)."""
+        points = {self.arch.spec(edit.point).name for edit in self.blocks.get(block, ())}
+        mine = [f for f in self.faults if f.run is None and (f.point in points or not f.point)]
+        self.faults = [f for f in self.faults if f not in mine]
+        return mine

@@ -31,13 +31,13 @@ import torch
 from torch import Tensor, nn
 
 from ...arch.base import ROOT
-from ...errors import EngineError, HookscopeError, SelectionError
+from ...errors import EditFailed, EngineError, HookscopeError, SelectionError
 from ...hooks import Hook, Hooks, hook_count
 from ...selection import Selection
 from . import compiled, sharded, tables
 from .batch import InPass, PerRequest, Rows, requests_in_pass
 from .capture_store import WRITER_EXIT, RequestWriter, client_id
-from .edits import RequestEdits, rebuild_selection
+from .edits import RequestEdits, fault_message, rebuild_selection
 
 log = logging.getLogger("hookscope")
 
@@ -421,7 +421,9 @@ def discard(run: str) -> None:
 
 def take_over(handoff: list) -> dict[int, dict[str, Tensor]]:
     """The caller's side: the rows read from the handoff file (one read), which is then removed; a
-    selection the workers found not to fit, raised."""
+    selection the workers found not to fit, or edits that raised in their forwards, raised."""
+    if isinstance(handoff, dict) and "failed" in handoff:
+        raise EditFailed(handoff["failed"])
     if isinstance(handoff, dict):
         raise SelectionError(handoff["refused"])
     path, index = handoff
@@ -503,9 +505,12 @@ class Forwards:
         self.edits.open_block(block, edits)
         self._watch()
 
-    def close_block(self, block: str) -> None:
+    def close_block(self, block: str) -> str | None:
+        """Close an `hs.edit` block; what its edits' faults were, if they raised (edits.py)."""
+        faults = self.edits.faults_of_block(block)
         self.edits.close_block(block)
         self._watch()
+        return fault_message(faults) if faults else None
 
     def _watch(self) -> None:
         """The root pre-hook, on while something is active, off when nothing is."""
@@ -531,6 +536,11 @@ class Forwards:
             session.pass_start(requests, same_rows)
 
 
+def failure(message: str) -> dict:
+    """Edits that raised in the workers' forwards as the reply, for the caller to raise as EditFailed."""
+    return {"failed": message}
+
+
 def refusal(error: HookscopeError) -> dict:
     """A worker's refusal as its reply, for the caller to raise (`raise_refusals`, `take_over`).
     Every rank of a tensor-parallel engine refuses alike, and vLLM raises the first rank's error and
@@ -539,8 +549,11 @@ def refusal(error: HookscopeError) -> dict:
 
 
 def raise_refusals(replies: list) -> list:
-    """The workers' replies to a call, or the EngineError one of them refused with."""
+    """The workers' replies to a call, or the EngineError one of them refused with (EditFailed for
+    edits that raised in their forwards)."""
     for reply in replies:
+        if isinstance(reply, dict) and "failed" in reply:
+            raise EditFailed(reply["failed"])
         if isinstance(reply, dict) and "refused" in reply:
             raise EngineError(reply["refused"])
     return replies
@@ -593,9 +606,12 @@ class Extension:
     def hookscope_take(self, run: str, expected: dict) -> list:
         """The capture's rows per request, handed off in shared memory (`hand_off`), its hooks removed."""
         forwards = self.__dict__.get("_hookscope_work")
+        faults = forwards.edits.faults_of_run(run) if forwards is not None else []
         session = forwards.stop(run) if forwards is not None else None
         if session is None:
             raise EngineError(f"no hookscope capture {run!r} in this worker")
+        if faults:  # the caller's: its rows are not what it asked for
+            return failure(fault_message(faults))
         try:
             rows = session.take({int(k): int(v) for k, v in expected.items()})
         except SelectionError as e:  # the caller's: raised there (an error here reaches it as any error)
@@ -624,11 +640,12 @@ class Extension:
             return refusal(e)
         return None
 
-    def hookscope_close_edits(self, block: str) -> None:
-        """Close `hs.edit` block `block`: its edits and the hooks only they needed removed."""
+    def hookscope_close_edits(self, block: str) -> dict | None:
+        """Close `hs.edit` block `block`: its edits and the hooks only they needed removed; the
+        faults of its edits that raised in a forward, as `failure`."""
         forwards = self.__dict__.get("_hookscope_work")
-        if forwards is not None:
-            forwards.close_block(block)
+        failed = forwards.close_block(block) if forwards is not None else None
+        return failure(failed) if failed else None
 
     def hookscope_serve_store(
         self,
