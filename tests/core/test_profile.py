@@ -178,6 +178,7 @@ def test_backward_labels_each_block(backward_run):
 
 def test_each_block_range_holds_that_blocks_own_work(small, tmp_path):
     model, inputs = small
+
     # markers from plain torch hooks: block i's MLP runs (forward hook) and its weight gradient
     # arrives (tensor hook on the parameter); each must fall inside block i's own ranges
     def mark(name: str) -> None:
