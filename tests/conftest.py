@@ -12,8 +12,8 @@ test file by its base name, so a file's name must be unique across the folders.
 Two markers say what a run leaves out:
 - `slow`: a test that takes long (a kill and resume, torchrun, a browser, the docs site, a big
   sweep). The whole suite runs it; the day-to-day tier `pytest -m "not slow"` leaves it out.
-- `full`: a point of a fault sweep at full size, run only with `pytest --full` (and slow, so the
-  fast tier leaves it out with --full too).
+- `full`: a point of a sweep at full size (a fault sweep, inductor on every family), run only with
+  `pytest --full` (and slow, so the fast tier leaves it out with --full too).
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ torch.set_num_threads(1)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    parser.addoption("--full", action="store_true", help="run the fault sweeps at full size (slow)")
+    parser.addoption("--full", action="store_true", help="run the sweeps at full size (slow)")
 
 
 @pytest.hookimpl(tryfirst=True)  # before `-m` deselects: a `full` test is `slow` there too

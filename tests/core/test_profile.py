@@ -48,6 +48,15 @@ def inputs():
 
 
 @pytest.fixture(scope="module")
+def small():
+    """The same blocks, narrow and on a short input: for the tests of where labels and hooks go,
+    which do not need the blocks to dominate a step."""
+    torch.manual_seed(0)
+    model = build_tiny("gpt2", d_model=64, n_layers=N_BLOCKS, n_heads=4, vocab_size=64)
+    return model, {"input_ids": torch.randint(0, 64, (2, 16)), "use_cache": False}
+
+
+@pytest.fixture(scope="module")
 def forward_run(model, inputs, tmp_path_factory):
     out = tmp_path_factory.mktemp("forward")
     # 5 steps: one step slowed by other work on a shared machine moves the average little
@@ -167,7 +176,9 @@ def test_backward_labels_each_block(backward_run):
     assert covered / durations["hs::step"] >= 0.9
 
 
-def test_each_block_range_holds_that_blocks_own_work(model, inputs, tmp_path):
+def test_each_block_range_holds_that_blocks_own_work(small, tmp_path):
+    model, inputs = small
+
     # markers from plain torch hooks: block i's MLP runs (forward hook) and its weight gradient
     # arrives (tensor hook on the parameter); each must fall inside block i's own ranges
     def mark(name: str) -> None:
@@ -211,7 +222,8 @@ def test_backward_ranges_nest_and_do_not_overlap(backward_run):
             stack.append((start, end, name))
 
 
-def test_backward_leaves_user_gradients_alone(model, inputs):
+def test_backward_leaves_user_gradients_alone(small):
+    model, inputs = small
     params = list(model.parameters())
     mark = torch.full_like(params[0], 7.0)
     params[0].grad = mark.clone()
@@ -261,7 +273,8 @@ def test_gradient_hooks_get_backward_rows():
     assert ("blocks.1.resid_mid", "hook backward") in kinds
 
 
-def test_no_hooks_left_behind_even_when_the_forward_raises(model, inputs):
+def test_no_hooks_left_behind_even_when_the_forward_raises(small):
+    model, inputs = small
     before = hook_count(model)
     hs.profile(model, inputs, steps=1, warmup=0, hooks=[("blocks.2.mlp.out", lambda a, h: None)])
     assert hook_count(model) == before
@@ -284,7 +297,8 @@ def test_no_hooks_left_behind_even_when_the_forward_raises(model, inputs):
         assert not profiler_enabled()
 
 
-def test_labels_are_removed_on_exit_and_do_not_change_outputs(model, inputs):
+def test_labels_are_removed_on_exit_and_do_not_change_outputs(small):
+    model, inputs = small
     before = hook_count(model)
     with torch.inference_mode():
         reference = model(**inputs).logits

@@ -183,9 +183,11 @@ def kept_after_free_probe(model_dir: str, mode: str) -> float:
 @pytest.fixture(scope="module")
 def fresh_server():
     """A fork server of this module's own: its children start from a process that has imported
-    torch and hookscope and done nothing else, as a fresh Python would (the shared server's heap
-    holds what other tests warmed it with), without a Python start-up per probe."""
+    torch, hookscope and Llama's model code and done nothing else, as a fresh Python would (the
+    shared server's heap holds what other tests warmed it with, a load among them), without a Python
+    start-up per probe nor an import of the model code in each."""
     server = ForkServer()
+    server.warm("importlib:import_module", name="transformers.models.llama.modeling_llama")
     yield server
     server.close()
 

@@ -90,16 +90,23 @@ def per_token(run_for, monkeypatch) -> tuple[dict, dict]:
     return per(ops_long, ops_short), per(calls_long, calls_short)
 
 
-def against_plain(gpt2, run_for, ops, monkeypatch) -> tuple[dict, dict]:
-    """Per token (plain generate's ops, `run_for`'s), once none of `ops` and no host read of ours
-    is found to be added per token."""
+@pytest.fixture(scope="module")
+def plain_ops(gpt2) -> dict:
+    """Plain generate's aten ops per token: the reference every case compares with, counted once."""
+    with torch.inference_mode(), pytest.MonkeyPatch.context() as monkeypatch:
+        ops, _ = per_token(lambda n: lambda: gpt2.generate(**prompt(), **options(n)), monkeypatch)
+    return ops
+
+
+def against_plain(plain_ops, run_for, ops, monkeypatch) -> dict:
+    """`run_for`'s ops per token, once none of `ops` and no host read of ours is found to be added
+    per token over plain generate's `plain_ops`."""
     with torch.inference_mode():
-        plain_ops, _ = per_token(lambda n: lambda: gpt2.generate(**prompt(), **options(n)), monkeypatch)
         ours_ops, our_reads = per_token(run_for, monkeypatch)
     added = {op: ours_ops.get(op, 0) - plain_ops.get(op, 0) for op in ops}
     assert {op: n for op, n in added.items() if n} == {}
     assert our_reads == {}
-    return plain_ops, ours_ops
+    return ours_ops
 
 
 def runs(gpt2, case):
@@ -119,20 +126,19 @@ def runs(gpt2, case):
 
 @pytest.mark.parametrize("case", ["capture", "steer", "steer_generated", "capture_and_steer"])
 @pytest.mark.slow
-def test_a_generated_token_costs_no_host_read_and_no_extra_allocation(gpt2, case, monkeypatch):
-    plain_ops, ours_ops = against_plain(gpt2, runs(gpt2, case), NOT_PER_TOKEN, monkeypatch)
+def test_a_generated_token_costs_no_host_read_and_no_extra_allocation(gpt2, plain_ops, case, monkeypatch):
+    ours_ops = against_plain(plain_ops, runs(gpt2, case), NOT_PER_TOKEN, monkeypatch)
     # what is left per token: a steer's add, a capture's copy into its buffer (and its view ops)
     extra = sum(ours_ops.values()) - sum(plain_ops.values())
     assert extra <= {"capture": 4, "steer": 1, "steer_generated": 1, "capture_and_steer": 9}[case]
 
 
 @pytest.mark.slow
-def test_a_buffer_grown_step_by_step_keeps_what_a_teacher_forced_pass_computes(gpt2, monkeypatch):
+def test_a_buffer_grown_step_by_step_keeps_what_a_teacher_forced_pass_computes(gpt2, plain_ops, monkeypatch):
     """Without a length known ahead the buffer starts at the prompt's length and doubles."""
     driver = importlib.import_module("hookscope.generate.driver")  # (hs.generate is the function)
     monkeypatch.setattr(driver._Run, "_expected_length", lambda self: 0)
     with torch.inference_mode():
-        plain_ops, _ = per_token(lambda n: lambda: gpt2.generate(**prompt(), **options(n)), monkeypatch)
         ours_ops, _ = per_token(runs(gpt2, "capture"), monkeypatch)
     allocations = sum(ours_ops.get(op, 0) - plain_ops.get(op, 0) for op in ("aten::empty", "aten::new_empty"))
     assert allocations <= 0.3  # 5 -> 10 -> 20 positions: one more buffer (2 ops) over the 8 tokens LONG adds
@@ -249,8 +255,8 @@ def heads_runs(gpt2, case):
 
 @pytest.mark.parametrize("case", ["capture_heads", "ablate_heads", "ablate_heads_generated"])
 @pytest.mark.slow
-def test_a_heads_selection_is_made_once_per_call_not_per_token(gpt2, case, monkeypatch):
-    against_plain(gpt2, heads_runs(gpt2, case), HEADS_MADE_ONCE, monkeypatch)
+def test_a_heads_selection_is_made_once_per_call_not_per_token(gpt2, plain_ops, case, monkeypatch):
+    against_plain(plain_ops, heads_runs(gpt2, case), HEADS_MADE_ONCE, monkeypatch)
 
 
 def test_heads_captured_and_ablated_while_generating_match_plain_hooks_on_the_attention(gpt2):

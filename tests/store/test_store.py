@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 import xxhash
+from forkserver import ForkServer
 
 from hookscope.errors import StoreError
 from hookscope.store import Manifest, ShardWriter, merge_rank_manifests, open_store
@@ -183,43 +184,54 @@ def test_a_slow_disk_blocks_the_caller_after_queue_size_batches(tmp_path: Path, 
 
 # -- resume ---------------------------------------------------------------------------------------
 
-_CHILD = r"""
-import os, signal, sys, time
-sys.path[:0] = [{here!r}, {kit!r}]
-import hookscope.store.writer as wm
-from test_store import SETTINGS, SHARD_ROWS, N_BATCHES, make_batch
-from kill_driver import die_at_file_size, die_in_next_write
-mode, out = sys.argv[1], sys.argv[2]
-if mode == "inside_library":
-    die_at_file_size()
-die = lambda: os.kill(os.getpid(), signal.SIGKILL)
-real_replace, real_save = os.replace, wm.save_columns
-shards_done = 0
-def replace(src, dst):  # the shard is renamed into place, but the manifest never learns of it
-    global shards_done
-    real_replace(src, dst)
-    if str(dst).endswith(".safetensors"):
-        shards_done += 1
-        if mode == "after_rename" and shards_done == 2:
+
+def crash_writer(mode: str, out: str) -> None:
+    """Write the store of `write_all` to `out` and die at the moment `mode` names (run in a child:
+    a fork-server child, or a fresh Python for "poll", which a SIGKILL from outside ends)."""
+    from kill_driver import die_at_file_size, die_in_next_write
+
+    if mode == "inside_library":
+        die_at_file_size()
+    real_replace, real_save = os.replace, writer_module.save_columns
+    shards_done = saves = 0
+
+    def die() -> None:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    def replace(src, dst):  # the shard is renamed into place, but the manifest never learns of it
+        nonlocal shards_done
+        real_replace(src, dst)
+        if str(dst).endswith(".safetensors"):
+            shards_done += 1
+            if mode == "after_rename" and shards_done == 2:
+                die()
+
+    def save_columns(columns, path, *args, **kw):  # killed with the shard half-done under its .tmp name
+        nonlocal saves
+        saves += 1  # counted here: the shard before may still be committing on the writer's commit thread
+        if mode == "inside_library" and saves == 3:  # or in the middle of its bytes
+            die_in_next_write(sum(p.nbytes for parts in columns.values() for p in parts) // 2)
+        written = real_save(columns, path, *args, **kw)
+        if mode == "after_tmp" and saves == 3:
             die()
-saves = 0
-def save_columns(columns, path, *args, **kw):  # killed with the shard half-done under its .tmp name
-    global saves
-    saves += 1  # counted here: the shard before may still be committing on the writer's commit thread
-    if mode == "inside_library" and saves == 3:  # or in the middle of its bytes
-        die_in_next_write(sum(p.nbytes for parts in columns.values() for p in parts) // 2)
-    out = real_save(columns, path, *args, **kw)
-    if mode == "after_tmp" and saves == 3:
-        die()
-    return out
-os.replace, wm.save_columns = replace, save_columns
-with wm.ShardWriter(out, SETTINGS, shard_rows=SHARD_ROWS) as w:
-    for i in range(N_BATCHES):
-        w.write(i, *make_batch(i))
+        return written
+
+    os.replace, writer_module.save_columns = replace, save_columns
+    with ShardWriter(out, SETTINGS, shard_rows=SHARD_ROWS) as w:
+        for i in range(N_BATCHES):
+            w.write(i, *make_batch(i))
+            if mode == "poll":
+                time.sleep(0.15)
         if mode == "poll":
-            time.sleep(0.15)
-    if mode == "poll":
-        time.sleep(60)  # never close on its own: the last shard is only written by close()
+            time.sleep(60)  # never close on its own: the last shard is only written by close()
+
+
+# "poll" in a fresh Python: the test watches its manifest and kills it from outside
+_CHILD = """
+import sys
+sys.path[:0] = [{here!r}, {kit!r}]
+from test_store import crash_writer
+crash_writer(sys.argv[1], sys.argv[2])
 """
 
 
@@ -228,24 +240,33 @@ def committed_manifest(out: Path) -> Manifest:
     return load_manifest(LocalFS(out), "manifest.json")
 
 
+def _killed_once_two_shards_are_committed(out: Path) -> int:
+    """A fresh Python writing `out` slowly, SIGKILLed from here once its manifest lists two shards;
+    its exit status."""
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD.format(here=str(HERE), kit=str(HERE.parent / "kit")), "poll", str(out)]
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and child.poll() is None:
+        try:
+            if len(committed_manifest(out).shards) >= 2:  # manifest.json + manifest.journal
+                break
+        except (OSError, ValueError, StoreError):
+            pass
+        time.sleep(0.01)
+    child.send_signal(signal.SIGKILL)
+    return child.wait(timeout=60)
+
+
 @pytest.mark.parametrize("mode", ["after_tmp", "after_rename", "inside_library", "poll"])
 @pytest.mark.slow
 def test_resume_after_sigkill_equals_an_uninterrupted_run(tmp_path: Path, store_dir: Path, mode: str):
     out = tmp_path / "crashed"
-    child = subprocess.Popen(
-        [sys.executable, "-c", _CHILD.format(here=str(HERE), kit=str(HERE.parent / "kit")), mode, str(out)]
-    )
-    if mode == "poll":  # the real thing: SIGKILL from outside once two shards are committed
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline and child.poll() is None:
-            try:
-                if len(committed_manifest(out).shards) >= 2:  # manifest.json + manifest.journal
-                    break
-            except (OSError, ValueError, StoreError):
-                pass
-            time.sleep(0.01)
-        child.send_signal(signal.SIGKILL)
-    assert child.wait(timeout=60) == -(signal.SIGXFSZ if mode == "inside_library" else signal.SIGKILL)
+    if mode != "poll":  # it kills itself at its moment: a child of the fork server, no Python start-up
+        died = ForkServer.shared().call("test_store:crash_writer", mode=mode, out=str(out)).status
+    else:  # the real thing: SIGKILL from outside once two shards are committed
+        died = _killed_once_two_shards_are_committed(out)
+    assert died == -(signal.SIGXFSZ if mode == "inside_library" else signal.SIGKILL)
     leftovers = {p.relative_to(out / "shards").as_posix() for p in (out / "shards").rglob("*")}
     committed = committed_manifest(out)
     if mode == "after_tmp":  # in the writer's own directory, with whatever the library left beside it
