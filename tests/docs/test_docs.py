@@ -14,12 +14,17 @@ The convention, for whoever writes docs:
   names the extra to install; where a package is missing, the block is skipped, unless HOOKSCOPE_REQUIRE
   requires it (then that is an error).
 - A failure names the page and the line: tracebacks point into the Markdown file itself.
+- With HOOKSCOPE_DOCS_NEEDING_ONLY=1 only the pages and reference examples with a block that needs
+  more than the base install run: scripts/test-all's main environment sets it, because its base
+  environment runs every block on the plain install, where a page that needs nothing runs the same
+  code; the main environment adds what the base one cannot run (the extras' blocks).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import inspect
+import os
 import re
 import textwrap
 import traceback
@@ -166,6 +171,12 @@ def fail(block: Block, e: BaseException) -> None:
     )
 
 
+def skip_if_run_plain_elsewhere(blocks: list[Block]) -> None:
+    """Under HOOKSCOPE_DOCS_NEEDING_ONLY=1 (see the module's docstring), skip blocks that need nothing."""
+    if os.environ.get("HOOKSCOPE_DOCS_NEEDING_ONLY") == "1" and not any(b.needs for b in blocks):
+        pytest.skip("needs nothing beyond the base install: the base environment runs it")
+
+
 def run_page(blocks: list[Block]) -> list[str]:
     """Run the page's blocks in order in one namespace, the first failure reported by page and line.
     Returns what was left out for a missing package (see the module's docstring)."""
@@ -192,6 +203,7 @@ def test_python_blocks_run(path: Path, tmp_path: Path, monkeypatch: pytest.Monke
     blocks = python_blocks(path)
     if not any(not b.notest for b in blocks):
         pytest.skip(f"{path.name} has no runnable python block")
+    skip_if_run_plain_elsewhere(blocks)
     monkeypatch.chdir(tmp_path)
     left_out = run_page(blocks)
     if left_out:
@@ -277,6 +289,7 @@ def test_every_public_name_has_a_reference_example_that_runs(
         f"hookscope.{name} has no runnable example: add a `## hookscope.{name}` section with a ```python "
         f"block to {REFERENCE_EXAMPLES.relative_to(ROOT)}"
     )
+    skip_if_run_plain_elsewhere(blocks)
     monkeypatch.chdir(reference_dir)
     left_out = run_page(blocks)  # a fresh namespace: each example stands alone
     if left_out:
@@ -315,3 +328,19 @@ def test_reference_sections_are_split_by_name_and_keep_their_lines(tmp_path: Pat
     run_page(sections["a"])
     with pytest.raises(pytest.fail.Exception, match=f"{page}:14 failed: NameError"):
         run_page(sections["b"])  # each section in a fresh namespace: b cannot see a's x
+
+
+def test_under_needing_only_a_page_that_needs_nothing_is_left_to_the_base_environment(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    """scripts/test-all's main environment runs only the blocks the base one cannot: a page that needs
+    an extra or a package still runs there, and without the setting every page runs."""
+    page = tmp_path / "page.md"
+    page.write_text("```python\nx = 1\n```\n\n```python\n# needs: pip install sae-lens\ny = 2\n```\n")
+    plain, needing = python_blocks(page)
+    monkeypatch.delenv("HOOKSCOPE_DOCS_NEEDING_ONLY", raising=False)
+    skip_if_run_plain_elsewhere([plain])
+    monkeypatch.setenv("HOOKSCOPE_DOCS_NEEDING_ONLY", "1")
+    skip_if_run_plain_elsewhere([plain, needing])
+    with pytest.raises(pytest.skip.Exception, match="the base environment runs it"):
+        skip_if_run_plain_elsewhere([plain])
