@@ -46,7 +46,7 @@ def default_layout_llama(shared_vllm, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def llama_server(shared_vllm, tmp_path_factory):
-    """(url, model, directory, out, log): vllm_shared.start_llama_server's server. A test that needs
+    """(url, model, directory, out, log, proc): vllm_shared.start_llama_server's server. A test that needs
     it stopped (a store read after) calls `shared_vllm.release("llama_server")`."""
     from vllm_shared import start_llama_server
 

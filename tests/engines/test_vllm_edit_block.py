@@ -18,7 +18,7 @@ from gate import need
 
 need("vllm")
 
-from vllm_models import assert_close, engine, hf_model, save, shut  # noqa: E402
+from vllm_models import assert_close, hf_model  # noqa: E402
 
 import hookscope as hs  # noqa: E402
 from hookscope.engines import vllm as hv  # noqa: E402
@@ -94,6 +94,21 @@ def assert_no_edit_left(llm, ps, before) -> None:
     for (tokens, logprobs), (want_tokens, want_logprobs) in zip(plain_generate(llm, ps), before, strict=True):
         assert tokens == want_tokens
         assert torch.equal(logprobs, want_logprobs)
+
+
+# First in the file: it runs on the default-layout engine test_vllm_selections.py leaves up (the
+# files run next to each other), before the shared in-process llama is started for the rest
+def test_in_vllms_default_layout(default_layout_llama):
+    """The engine core and its worker in their own processes: the block reaches the worker there,
+    and leaves nothing when it ends."""
+    llm, hf = default_layout_llama.llm, hf_model(default_layout_llama.directory)
+    ps = prompts()[:2]
+    before = plain_generate(llm, ps)
+    with hs.edit(llm, STEER, ABLATE):
+        own = plain_generate(llm, ps)
+    for prompt, (tokens, _) in zip(ps, own, strict=True):
+        assert prompt + tokens == hf_generate(hf, prompt, blocks=[(STEER, ABLATE)]).sequences[0].tolist()
+    assert_no_edit_left(llm, ps, before)
 
 
 def test_the_block_reaches_every_call_and_equals_edits_given_per_call_and_hugging_face(llama):
@@ -233,24 +248,3 @@ def test_a_patch_at_named_positions_equals_hugging_face(llama):
             want = hs.collect(hf, torch.tensor([prompt]), POINTS)
         for point in POINTS:
             assert_close(rows[i][point], want[point][0], f"{len(prompt)} tokens, {point}")
-
-
-def test_in_vllms_default_layout(tmp_path):
-    """The engine core and its worker in their own processes: the block reaches the worker there,
-    and leaves nothing when it ends."""
-    from vllm import envs
-
-    envs.disable_envs_cache()  # (an engine core run in this process before froze vLLM's settings)
-    directory = save("llama", tmp_path / "llama", seed=2)
-    llm = engine(directory, enable_prefix_caching=False)
-    try:
-        hf = hf_model(directory)
-        ps = prompts()[:2]
-        before = plain_generate(llm, ps)
-        with hs.edit(llm, STEER, ABLATE):
-            own = plain_generate(llm, ps)
-        for prompt, (tokens, _) in zip(ps, own, strict=True):
-            assert prompt + tokens == hf_generate(hf, prompt, blocks=[(STEER, ABLATE)]).sequences[0].tolist()
-        assert_no_edit_left(llm, ps, before)
-    finally:
-        shut(llm)

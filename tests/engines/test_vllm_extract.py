@@ -50,11 +50,15 @@ class Case:
     corpus: Path
 
 
+# 40 documents: ~6,500 rows, 13 shards; the commands are stopped after 2 and about 5 of them
+DOCUMENTS = 40
+
+
 def _corpus(path: Path) -> Path:
     words = "the a fox dog ran over under river stone light small large quick slow".split()
     g = torch.Generator().manual_seed(3)
     docs = []
-    for i in range(120):
+    for i in range(DOCUMENTS):
         picks = torch.randint(0, len(words), (int(torch.randint(20, 90, (1,), generator=g)),), generator=g)
         docs.append(f"Document {i}: " + " ".join(words[j] for j in picks.tolist()) + ".")
     path.write_text("\n\n".join(docs))
@@ -160,7 +164,7 @@ def _wait_for_shards(run: subprocess.Popen, out: Path, shards: int, log: Path) -
 
 @pytest.mark.slow
 def test_interrupted_then_killed_then_resumed_is_the_uninterrupted_store(case, llm, reference, tmp_path):
-    out, log = tmp_path / "store", tmp_path / "command.log"
+    out, log = tmp_path / "store", tmp_path / "interrupted.log"
     total = len(hs.open_store(reference))
 
     first = _command(case, out, log)
@@ -175,6 +179,7 @@ def test_interrupted_then_killed_then_resumed_is_the_uninterrupted_store(case, l
     interrupted = len(hs.open_store(out))
     assert 2 * SHARD_ROWS <= interrupted < total
 
+    log = tmp_path / "killed.log"  # each command's own log: a failure shows which one
     second = _command(case, out, log, env=IN_PROCESS)
     try:
         _wait_for_shards(second, out, _committed(out) + 2, log)

@@ -1,7 +1,9 @@
 """Every point of hookscope's vLLM tables, on every family they cover, equal to hookscope's Hugging
 Face capture of the same saved checkpoint (float32, to 1e-5 of the reference's largest value): the
 residual stream with vLLM's deferred add put back, q / k / v split from the fused qkv_proj, the
-gate / up halves of gate_up_proj, the norms' normalized inputs computed on the fused sum.
+gate / up halves of gate_up_proj, the norms' normalized inputs computed on the fused sum; under
+vLLM's prefix caching (on by default, as on these engines) a capture still computes a prompt seen
+before whole.
 
 One engine per family (module-scoped) with the engine core in this process (vllm_models.IN_PROCESS:
 an engine starts in ~3 s instead of ~15 s, which keeps the vllm environment's run short).
@@ -53,6 +55,20 @@ def test_resid_pre_of_the_next_block_is_resid_post(family):
     (rows,) = hs.collect(llm, [PROMPTS[1]], ["blocks.0.resid_post", "blocks.1.resid_pre", "embed"])
     assert torch.equal(rows["blocks.0.resid_post"], rows["blocks.1.resid_pre"])
     assert not torch.allclose(rows["blocks.0.resid_post"], rows["embed"])
+
+
+def test_a_prompt_seen_before_is_computed_whole_under_prefix_caching(family):
+    """The second request of the same prompt would read its blocks from vLLM's prefix cache (on by
+    default, as on these engines) and skip their forward; the capture bypasses the cache for its
+    requests."""
+    case, _, llm = family
+    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
+    prompt = torch.randint(1, 250, (200,), generator=torch.Generator().manual_seed(2)).tolist()
+    first, second = hs.collect(llm, [prompt, prompt], "blocks.1.resid_post")
+    (third,) = hs.collect(llm, [prompt], "blocks.1.resid_post")
+    for rows in (second, third):
+        assert rows["blocks.1.resid_post"].shape[0] == len(prompt)
+        assert_close(rows["blocks.1.resid_post"], first["blocks.1.resid_post"], f"{case}, cached prompt")
 
 
 def test_a_point_vllm_never_exposes_is_refused_by_name(family):

@@ -1,7 +1,7 @@
 """Rows per request: requests of different lengths (5 to 200 tokens) submitted together, with chunked
 prefill splitting the long ones across forwards shared with the others, each get rows equal to that
-request run alone (and to Hugging Face's); prefix caching never leaves a capture short; what the
-served verbs refuse, before any work.
+request run alone (and to Hugging Face's); what the served verbs refuse, before any work. (A
+capture under prefix caching: test_vllm_names.py, on every family.)
 """
 
 from __future__ import annotations
@@ -37,8 +37,7 @@ def prompts() -> list[list[int]]:
 @pytest.fixture(scope="module")
 def llama(default_layout_llama):
     """The llama test_vllm_selections.py shares (vllm_shared.start_default_layout_llama): 64 tokens
-    per forward, so the 200-token prompt takes 4 forwards, each shared with other requests' chunks;
-    prefix caching left on (vLLM's default), which the capture bypasses per request."""
+    per forward, so the 200-token prompt takes 4 forwards, each shared with other requests' chunks."""
     return default_layout_llama.directory, default_layout_llama.llm
 
 
@@ -54,19 +53,6 @@ def test_requests_together_equal_each_alone(llama):
             assert_close(rows[name], alone[name], f"{name}, {len(prompt)} tokens, batched vs alone")
         want = hs.collect(hf, torch.tensor([prompt]), "blocks.1.resid_post")["blocks.1.resid_post"][0]
         assert_close(rows["blocks.1.resid_post"], want, f"{len(prompt)} tokens vs Hugging Face")
-
-
-def test_a_prompt_seen_before_is_computed_whole_under_prefix_caching(llama):
-    """The second request of the same prompt would read its blocks from vLLM's prefix cache (on by
-    default) and skip their forward; the capture bypasses the cache for its requests."""
-    _, llm = llama
-    assert llm.llm_engine.vllm_config.cache_config.enable_prefix_caching
-    prompt = prompts()[-1]
-    first, second = hs.collect(llm, [prompt, prompt], "blocks.1.resid_post")
-    (third,) = hs.collect(llm, [prompt], "blocks.1.resid_post")
-    for rows in (second, third):
-        assert rows["blocks.1.resid_post"].shape[0] == len(prompt)
-        assert_close(rows["blocks.1.resid_post"], first["blocks.1.resid_post"], "cached prompt")
 
 
 def test_strings_are_tokenized_by_the_engine(llama):

@@ -1,5 +1,7 @@
 """`vllm serve` writing a store of the prompts' rows only (`"generated": false` beside the store),
-on the server test_vllm_serve.py shares (conftest.py's `llama_server`, vllm_shared.py).
+on a server of its own (vllm_shared.start_llama_server with generated=False: the shared one keeps
+the generated tokens' rows too, which test_vllm_serve_store.py reads). A server start of its own:
+`HOOKSCOPE_TEST_LONG=1 scripts/test-all vllm` runs this file.
 
 Two requests that ask for a capture (one by the id vLLM gives it, one under its own
 `hookscope.capture_id`) and one that does not, sent at once, each generating: after the server
@@ -20,7 +22,7 @@ need("vllm")
 from vllm_models import assert_close, hf_model  # noqa: E402
 from vllm_server import completion, send_at_once  # noqa: E402
 from vllm_shared import CAPTURE_REQUESTS as ASKED  # noqa: E402
-from vllm_shared import EARLIER, key_of  # noqa: E402
+from vllm_shared import EARLIER, key_of, start_llama_server  # noqa: E402
 from vllm_shared import STORE_POINTS as POINTS  # noqa: E402
 
 import hookscope as hs  # noqa: E402
@@ -29,21 +31,25 @@ NEW = 6  # tokens each request generates: rows the store must not hold
 
 
 @pytest.fixture(scope="module")
-def served(llama_server, shared_vllm):
-    """The requests sent at once and answered, then the shared server stopped (its last shard
-    committed): (answers, the server)."""
+def served(shared_vllm, tmp_path_factory):
+    """The requests sent at once and answered, then the server stopped (its last shard committed):
+    (answers, the server). Started through `shared_vllm`, so that no shared engine is up beside it."""
+    root = tmp_path_factory.mktemp("prompts_only_server")
+    server = shared_vllm.get("prompts_only_server", lambda: start_llama_server(root, generated=False))
     answers: dict = {}
     bodies = {
-        name: completion(llama_server.directory, prompt, NEW, xargs)
+        name: completion(server.directory, prompt, NEW, xargs)
         for name, (prompt, xargs) in ASKED.items()
     }
-    for thread in send_at_once(llama_server.url, bodies, answers):
-        thread.join()
-    shared_vllm.release("llama_server")
-    return answers, llama_server
+    try:
+        for thread in send_at_once(server.url, bodies, answers):
+            thread.join()
+    finally:
+        shared_vllm.release("prompts_only_server")
+    return answers, server
 
 
-@pytest.mark.slow  # the shared server's start (30-90 s) when no file before this one started it
+@pytest.mark.slow  # a server start (30-90 s) of its own
 def test_a_prompts_only_store_holds_each_asking_request_s_prompt_rows_as_hugging_face_s_collect(served):
     answers, server = served
     for name in ASKED:

@@ -29,7 +29,7 @@ from gate import need
 need("vllm")
 
 from vllm_models import assert_close, engine, hf_model, save, shut  # noqa: E402
-from vllm_server import completion, post_json, send_at_once, send_generating, start, stop, wait_closed  # noqa: E402
+from vllm_server import completion, post_json, send_at_once, send_generating, wait_closed  # noqa: E402
 from vllm_shared import CAPTURE_REQUESTS as ASKED  # noqa: E402
 from vllm_shared import EARLIER, key_of, start_store, vllm_config  # noqa: E402
 from vllm_shared import STORE_POINTS as POINTS  # noqa: E402
@@ -44,16 +44,14 @@ DRAINED = ([6, 81, 14, 3, 57, 22, 9, 140, 35, 7, 66, 18], 190)
 
 
 @pytest.fixture(scope="module")
-def served(tmp_path_factory):
+def served(llama_server, shared_vllm):
     """The three requests sent at once and a bad one, answered; a long one sent, and the server
-    stopped (SIGTERM to the API server) while it generates."""
-    tmp = tmp_path_factory.mktemp("serve_store")
-    directory = save("llama", tmp / "llama", seed=4)
-    out = tmp / "acts"
-    start_store(directory, out)
-    # shards of 1000 rows: every row the server writes is committed when it stops
-    flags = serve.serve_flags(store=out, points=POINTS, shard_rows=1000)
-    proc, url, _ = start(directory, flags, tmp / "server.log")
+    stopped (SIGTERM to the API server) while it generates. The server test_vllm_serve.py shares
+    (vllm_shared.start_llama_server: its store holds EARLIER's rows, shards of 1000 rows, so every
+    row the server writes is committed when it stops); none of that file's requests asks for a
+    capture, so the store holds only the rows of this file's requests besides EARLIER's."""
+    server = llama_server
+    url, directory, proc = server.url, server.directory, server.proc
     answers: dict = {}
     try:
         for t in send_at_once(
@@ -67,12 +65,12 @@ def served(tmp_path_factory):
         drained = {"hookscope.capture": 1, "hookscope.capture_id": "drained"}
         drain = send_generating(url, completion(directory, *DRAINED, drained), proc)
         os.kill(proc.pid, signal.SIGTERM)  # the API server alone, as `kill PID` or a service manager
-        wait_closed(out)
+        wait_closed(server.out)
     finally:
-        stop(proc)
+        shared_vllm.release("llama_server")  # its whole group, whatever SIGTERM left
     drain.join()
     return types.SimpleNamespace(
-        answers=answers, out=out, directory=directory, log=tmp / "server.log", offline=offline(directory)
+        answers=answers, out=server.out, directory=directory, log=server.log, offline=offline(directory)
     )
 
 
@@ -88,7 +86,7 @@ def offline(directory) -> dict:
         shut(llm)
 
 
-@pytest.mark.slow  # one server start: 30-90 s, and an offline engine's
+@pytest.mark.slow  # the shared server (a start of 30-90 s if no file before started it), an offline engine
 def test_the_store_holds_each_asking_request_s_rows_as_its_generation_alone_gives_them(served):
     for name in ASKED:
         status, body = served.answers[name]

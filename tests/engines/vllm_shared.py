@@ -72,12 +72,25 @@ def start_edit_llama(root: Path) -> Started:
 
 def start_default_layout_llama(root: Path) -> Started:
     """Llama with its engine core and worker in their own processes (vLLM's default layout: the
-    selections' descriptions and the rows' handoff cross its RPC), 64 tokens per forward (a 200-token
-    prompt takes 4, each shared with other requests' chunks), 8 requests at once, prefix caching left
-    on (vLLM's default), which the capture bypasses per request. test_vllm_requests.py,
-    test_vllm_selections.py."""
+    selections' descriptions, the edit blocks and the rows' handoff cross its RPC), 64 tokens per
+    forward (a 200-token prompt takes 4, each shared with other requests' chunks), 8 requests at
+    once, prefix caching off (edit blocks refuse it; test_vllm_names.py captures under it).
+    test_vllm_requests.py, test_vllm_selections.py, test_vllm_edit_block.py's first test."""
+    from vllm import envs
+    from vllm.v1.engine.core_client import MPClient
+
+    # an engine core run in this process before (an in-process engine's) froze vLLM's settings,
+    # VLLM_ENABLE_V1_MULTIPROCESSING among them: read them afresh
+    envs.disable_envs_cache()
     directory = save("llama", root / "llama", seed=1)
-    llm = engine(directory, enable_chunked_prefill=True, max_num_batched_tokens=64, max_num_seqs=8)
+    llm = engine(
+        directory,
+        enable_chunked_prefill=True,
+        max_num_batched_tokens=64,
+        max_num_seqs=8,
+        enable_prefix_caching=False,
+    )
+    assert isinstance(llm.llm_engine.engine_core, MPClient), "the engine core runs in this process"
     return types.SimpleNamespace(directory=directory, llm=llm), lambda: shut(llm)
 
 
@@ -94,8 +107,8 @@ VECTORS = {"joy": ("blocks.0.resid_post", 5), "calm": ("blocks.1.resid_post", 6)
 # name -> (point, heads it zeroes): in the same file, its metadata "ablate:<point>"
 ABLATIONS = {"no_head_1": ("blocks.0.attn.z", [1])}
 # The store: the points it keeps, and the rows already in it when the server starts (key, rows), as a
-# server stopped before left them. The shared server's keeps the prompts' rows only ("generated":
-# false, test_vllm_serve_prompts.py); test_vllm_serve_store.py's own server, the default (generated too)
+# server stopped before left them. The shared server's keeps the generated tokens' rows too (the
+# default, test_vllm_serve_store.py); test_vllm_serve_prompts.py's own, the prompts' rows only
 STORE_POINTS = ["blocks.0.mlp.out", "blocks.1.resid_post", "blocks.1.attn.z"]
 EARLIER = ("earlier", 5)
 # Requests sent at once to a server with a store, test_vllm_serve_store.py's and
@@ -175,23 +188,26 @@ def write_vectors(path: Path) -> None:
     )
 
 
-def start_llama_server(root: Path) -> Started:
+def start_llama_server(root: Path, generated: bool = True) -> Started:
     """`vllm serve` of a llama with the named vectors and ablation (VECTORS, ABLATIONS) and a store
-    of STORE_POINTS, the prompts' rows only (`"generated": false`), that already holds EARLIER's
-    rows, its shards of 1000 rows (every row the server writes is committed when it stops). Only
-    requests that ask for a capture write to the store."""
+    of STORE_POINTS that already holds EARLIER's rows, its shards of 1000 rows (every row the server
+    writes is committed when it stops), the generated tokens' rows too unless `generated` is False
+    (test_vllm_serve_prompts.py's own server). Only requests that ask for a capture write to the
+    store. `proc`, its API server: test_vllm_serve_store.py stops it with SIGTERM, then releases it."""
     from hookscope.engines.vllm import serve
 
     directory = save("llama", root / "llama", seed=3)
     vectors, out, log = root / "vectors.safetensors", root / "acts", root / "server.log"
     write_vectors(vectors)
-    start_store(directory, out, generated=False)
-    flags = serve.serve_flags(vectors, store=out, points=STORE_POINTS, shard_rows=1000, generated=False)
+    start_store(directory, out, generated=generated)
+    flags = serve.serve_flags(vectors, store=out, points=STORE_POINTS, shard_rows=1000, generated=generated)
     proc, url, port = start(directory, flags, log)
 
     def stop_it() -> None:
         stop(proc)
         assert not port_taken(port), f"port {port} still taken after the server stopped"
 
-    server = types.SimpleNamespace(url=url, model=str(directory), directory=directory, out=out, log=log)
+    server = types.SimpleNamespace(
+        url=url, model=str(directory), directory=directory, out=out, log=log, proc=proc
+    )
     return server, stop_it
