@@ -38,8 +38,7 @@ def served(shared_vllm, tmp_path_factory):
     server = shared_vllm.get("prompts_only_server", lambda: start_llama_server(root, generated=False))
     answers: dict = {}
     bodies = {
-        name: completion(server.directory, prompt, NEW, xargs)
-        for name, (prompt, xargs) in ASKED.items()
+        name: completion(server.directory, prompt, NEW, xargs) for name, (prompt, xargs) in ASKED.items()
     }
     try:
         for thread in send_at_once(server.url, bodies, answers):
