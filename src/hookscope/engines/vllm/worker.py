@@ -210,8 +210,9 @@ class Session:
     def take(self, expected: dict[int, int]) -> dict[str, Joined]:
         """Every request's rows per point, checked whole and in order: positions 0..n-1 each exactly
         once (`expected`: request index -> n), never silently short; with a positions selection, the
-        positions it names, in its order. Per point, the forwards' rows are joined once and every
-        request's gathered from them in one index_select, one request after another (`Joined`)."""
+        positions it names, in its order. Per point, the forwards' rows are joined once and each
+        request's gathered from them into its part of one tensor, one request after another
+        (`Joined`, for one write of them all)."""
         if self.refused:
             raise SelectionError(self.refused[0])
         out: dict[str, Joined] = {}
@@ -238,11 +239,11 @@ class Session:
             if not forwards:  # (no rows asked of it either: the checks passed)
                 continue
             rows = torch.cat([kept for kept, _ in forwards])
-            order = torch.tensor([row for index in positions for row in where[index]], dtype=torch.long)
-            joined = rows.index_select(0, order)
-            parts = dict(
-                zip(positions, joined.split([len(where[index]) for index in positions]), strict=True)
-            )
+            counts = [len(where[index]) for index in positions]
+            joined = rows.new_empty((sum(counts), *rows.shape[1:]))
+            parts = dict(zip(positions, joined.split(counts), strict=True))
+            for index, part in parts.items():  # each request's rows gathered straight into its part
+                torch.index_select(rows, 0, torch.tensor(where[index], dtype=torch.long), out=part)
             if self.positions is not None:  # the selection's order and shape (an int drops the position dim)
                 for index, want in named.items():
                     if want is not None:
