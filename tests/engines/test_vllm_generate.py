@@ -136,6 +136,7 @@ def test_an_edit_at_one_generated_position_lands_on_that_step_only(llama):
         ({"use_beam_search": True}, "beam search"),
         ({"do_sample": False}, "takes no do_sample"),
         ({"max_tokens": 4}, "takes no max_tokens"),
+        ({"skip_clone": False}, "takes no skip_clone"),  # hs.generate makes each request's params alone
         ({"edits": [[], []]}, "2 lists for 1 prompts"),
     ],
 )

@@ -275,9 +275,13 @@ def run_requests(
     for i, opts in enumerate(options):
         extra = dict(opts.get("extra_args") or {})
         extra[TAG] = {**extra.get(TAG, {}), **(tags[i] if tags else {}), "run": run, "index": i}
+        # made for this request alone: vLLM's shallow copy of it suffices (its deep copy is for params
+        # a caller shares between requests)
         params.append(
             SamplingParams(
-                **{"detokenize": False, **opts, "extra_args": extra}, skip_reading_prefix_cache=True
+                **{"detokenize": False, **opts, "extra_args": extra},
+                skip_reading_prefix_cache=True,
+                skip_clone=True,
             )
         )
     described = on_the_wire(edits)

@@ -99,27 +99,57 @@ def _tag(state: Any) -> dict | None:
     return tag_of(extra) if extra else None
 
 
-def requests_in_pass(runner, tags: PerRequest, every: bool = False) -> list[InPass]:
-    """The requests of the forward about to run that carry a hookscope tag (`every`: all of them,
-    an untagged one with an empty tag), in the forward's order; `tags` keeps each request's tag,
-    read on its first forward."""
-    batch = runner.input_batch
-    n = batch.num_reqs
-    held = runner.requests
-    tags.forget_finished(held)
-    found, starts = [], None
-    for i, req_id in enumerate(batch.req_ids[:n]):
-        state = held[req_id]
-        tag = tags.get(req_id, state, _tag, state)
-        if tag is None:
-            if not every:
-                continue
-            tag = UNTAGGED
-        if starts is None:  # (read only for a forward that holds a tagged request)
-            starts = runner.query_start_loc.cpu[: n + 1].tolist()
+class PassReader:
+    """Which requests each forward about to run holds (`read`). A forward of the same requests at the
+    same rows as the forward before (a generation's decode steps) is told from one comparison of the
+    batch's request ids, their runner states and row starts, and read without walking its requests
+    again: only their positions move on. Each request's tag is read on its first forward and kept
+    while it lives (`tags`)."""
+
+    def __init__(self):
+        self.tags = PerRequest()
+        self.batch: tuple | None = None  # the last forward's whole batch: ids, states' ids, starts, `every`
+        self.states: list = []  # its states, held so that no new state can take one of their ids
+        self.found: list[InPass] = []  # its requests that carry a tag (`every`: all)
+        self.indices: list[int] = []  # each one's index in that batch
+
+    def read(self, runner, every: bool = False) -> tuple[list[InPass], bool]:
+        """The requests of the forward about to run that carry a hookscope tag (`every`: all of them,
+        an untagged one with an empty tag), in the forward's order, and whether they are the same
+        requests at the same rows as in the forward before."""
+        batch = runner.input_batch
+        n = batch.num_reqs
+        ids = batch.req_ids[:n]
+        held = runner.requests
+        states = [held[req_id] for req_id in ids]
+        starts = runner.query_start_loc.cpu[: n + 1].tolist()
+        whole = (ids, list(map(id, states)), starts, every)
+        if whole == self.batch:
             computed = batch.num_computed_tokens_cpu[:n].tolist()
-        found.append(InPass(req_id, tag, starts[i], starts[i + 1], computed[i], state))
-    return found
+            self.found = [
+                InPass(req.req_id, req.tag, req.start, req.end, computed[i], req.state)
+                for i, req in zip(self.indices, self.found, strict=True)
+            ]
+            return self.found, True
+        self.tags.forget_finished(held)
+        found, indices = [], []
+        computed = None
+        for i, (req_id, state) in enumerate(zip(ids, states, strict=True)):
+            tag = self.tags.get(req_id, state, _tag, state)
+            if tag is None:
+                if not every:
+                    continue
+                tag = UNTAGGED
+            if computed is None:  # (read only for a forward that holds a tagged request)
+                computed = batch.num_computed_tokens_cpu[:n].tolist()
+            found.append(InPass(req_id, tag, starts[i], starts[i + 1], computed[i], state))
+            indices.append(i)
+        # the requests found at the same rows, where others around them came or went
+        same = [(r.req_id, r.state, r.start, r.end) for r in found] == [
+            (r.req_id, r.state, r.start, r.end) for r in self.found
+        ]
+        self.batch, self.states, self.found, self.indices = whole, states, found, indices
+        return found, same
 
 
 class Rows:

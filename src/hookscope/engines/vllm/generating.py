@@ -29,8 +29,8 @@ _REFUSED = {
     "use_beam_search": "beam search runs and drops candidate sequences: use greedy or sampling decoding",
     "beam_width": "beam search runs and drops candidate sequences: use greedy or sampling decoding",
 }
-# set by hs.generate itself (each request's tag, the prefix-cache bypass, the length)
-_OWN = ("extra_args", "skip_reading_prefix_cache", "max_tokens")
+# set by hs.generate itself (each request's tag, the prefix-cache bypass, the shallow copy, the length)
+_OWN = ("extra_args", "skip_reading_prefix_cache", "skip_clone", "max_tokens")
 
 
 def sampling_options(options: dict) -> dict:

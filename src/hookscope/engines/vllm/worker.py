@@ -35,7 +35,7 @@ from ...errors import EditFailed, EngineError, HookscopeError, SelectionError
 from ...hooks import Hook, Hooks, hook_count
 from ...selection import Selection
 from . import compiled, sharded, tables
-from .batch import InPass, PerRequest, Rows, requests_in_pass
+from .batch import InPass, PassReader, Rows
 from .capture_store import WRITER_EXIT, RequestWriter, client_id
 from .edits import RequestEdits, fault_message, rebuild_selection
 
@@ -70,6 +70,21 @@ class _Named(NamedTuple):
 
     order: Tensor
     rows: list[int]
+
+
+class Joined(NamedTuple):
+    """One point's rows of every request of a capture: `joined` holds them one request after another,
+    `parts` each request's (request index -> a view of `joined`), for one write of them all."""
+
+    joined: Tensor
+    parts: dict[Hashable, Tensor]
+
+
+def _joined(parts: dict[Hashable, Tensor]) -> Joined:
+    """`parts` copied one after another into one tensor, each then a view of it."""
+    joined = torch.cat([part.reshape(-1) for part in parts.values()])
+    views = joined.split([part.numel() for part in parts.values()])
+    return Joined(joined, {i: v.view(part.shape) for (i, part), v in zip(parts.items(), views, strict=True)})
 
 
 class Session:
@@ -192,14 +207,15 @@ class Session:
             return
         self.kept[name].append((kept, self.slots))
 
-    def take(self, expected: dict[int, int]) -> dict[int, dict[str, Tensor]]:
+    def take(self, expected: dict[int, int]) -> dict[str, Joined]:
         """Every request's rows per point, checked whole and in order: positions 0..n-1 each exactly
         once (`expected`: request index -> n), never silently short; with a positions selection, the
         positions it names, in its order. Per point, the forwards' rows are joined once and each
-        request's taken from them in one gather (not a slice per request and forward)."""
+        request's gathered from them into its part of one tensor, one request after another
+        (`Joined`, for one write of them all)."""
         if self.refused:
             raise SelectionError(self.refused[0])
-        out: dict[int, dict[str, Tensor]] = defaultdict(dict)
+        out: dict[str, Joined] = {}
         for name in self.names:
             forwards = self.kept.get(name, [])
             where: dict[Hashable, list[int]] = defaultdict(list)  # request -> its rows in `rows`
@@ -212,23 +228,30 @@ class Session:
                 base += kept.shape[0]
             for index in expected:  # a request none of whose rows came (no hook ran) is checked too
                 positions.setdefault(index, [])
-            rows = torch.cat([kept for kept, _ in forwards]) if forwards else None
+            named = {
+                index: self.named.get(index) if self.positions is not None else None for index in positions
+            }
             for index, got in positions.items():
-                named = self.named.get(index) if self.positions is not None else None
+                want = named[index]
                 check_order(
-                    got,
-                    expected.get(index),
-                    f"request {index}, {name}",
-                    None if named is None else named.rows,
+                    got, expected.get(index), f"request {index}, {name}", None if want is None else want.rows
                 )
-                if rows is None:  # (no rows asked of it either: the check passed)
-                    continue
-                taken = rows.index_select(0, torch.tensor(where[index], dtype=torch.long))
-                if named is not None:  # the selection's order and shape (an int drops the position dim)
-                    taken = taken[torch.searchsorted(torch.tensor(named.rows), named.order)]
-                out[index][name] = taken
+            if not forwards:  # (no rows asked of it either: the checks passed)
+                continue
+            rows = torch.cat([kept for kept, _ in forwards])
+            counts = [len(where[index]) for index in positions]
+            joined = rows.new_empty((sum(counts), *rows.shape[1:]))
+            parts = dict(zip(positions, joined.split(counts), strict=True))
+            for index, part in parts.items():  # each request's rows gathered straight into its part
+                torch.index_select(rows, 0, torch.tensor(where[index], dtype=torch.long), out=part)
+            if self.positions is not None:  # the selection's order and shape (an int drops the position dim)
+                for index, want in named.items():
+                    if want is not None:
+                        parts[index] = parts[index][torch.searchsorted(torch.tensor(want.rows), want.order)]
+                joined, parts = _joined(parts)
+            out[name] = Joined(joined, parts)
         self.kept.clear()
-        return dict(out)
+        return out
 
     def close(self) -> None:
         self.hooks.remove()
@@ -379,13 +402,15 @@ class StoreSession(Session):
 # where the worker hands its rows to the caller: shared memory where the system has it (the engine's
 # workers and the caller of an offline LLM share one machine)
 HANDOFF_DIR = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
-ALIGN = 64  # every tensor's offset in the handoff file, so that any dtype can view its bytes
+# where each point's rows start in the handoff file, so that any dtype can view its bytes (a request's
+# rows of a point lie at a multiple of their element size after it)
+ALIGN = 64
 
 
-def hand_off(rows: dict[int, dict[str, Tensor]], run: str) -> list:
-    """Write every request's rows into one file in shared memory; return where each lies:
-    [path, [[request, point, dtype, shape, offset], ...]]. Only this small index crosses vLLM's RPC
-    (msgpack through the engine core): the rows are never serialized."""
+def hand_off(rows: dict[str, Joined], run: str) -> list:
+    """Write every request's rows into one file in shared memory, one write per point; return where
+    each request's lie: [path, [[request, point, dtype, shape, offset], ...]]. Only this small index
+    crosses vLLM's RPC (msgpack through the engine core): the rows are never serialized."""
     path = handoff_path(run)
     try:
         return [path, _write_rows(path, rows)]
@@ -394,18 +419,20 @@ def hand_off(rows: dict[int, dict[str, Tensor]], run: str) -> list:
         raise
 
 
-def _write_rows(path: str, rows: dict[int, dict[str, Tensor]]) -> list:
+def _write_rows(path: str, rows: dict[str, Joined]) -> list:
     index, offset = [], 0
     with open(path, "wb") as f:
-        for i, points in rows.items():
-            for name, tensor in points.items():
-                pad = -offset % ALIGN
-                f.write(b"\0" * pad)
-                offset += pad
-                index.append([i, name, str(tensor.dtype).removeprefix("torch."), list(tensor.shape), offset])
-                data = memoryview(tensor.contiguous().view(torch.uint8).flatten().numpy())
-                f.write(data)
-                offset += len(data)
+        for name, (joined, parts) in rows.items():
+            pad = -offset % ALIGN
+            f.write(b"\0" * pad)
+            offset += pad
+            dtype = str(joined.dtype).removeprefix("torch.")
+            for i, part in parts.items():  # each part's bytes lie where it lies in `joined`
+                at = part.data_ptr() - joined.data_ptr() if part.numel() else 0  # (an empty view has none)
+                index.append([i, name, dtype, list(part.shape), offset + at])
+            data = memoryview(joined.view(torch.uint8).flatten().numpy())
+            f.write(data)
+            offset += len(data)
     return index
 
 
@@ -452,11 +479,10 @@ class Forwards:
         # a compiled engine whose maker consented: a forward that holds a tagged request runs uncompiled
         self.hold_eager = compiled.holds_eager(runner.vllm_config)
         self.arch, self.gathered = sharded.for_rank(arch, model)  # tensor parallelism: {sharded point: dim}
-        self.tags = PerRequest()
+        self.passes = PassReader()
         self.edits = RequestEdits(model, self.arch, split=self.gathered)
         self.sessions: dict[str, Session] = {}
         self.root: Hooks | None = None
-        self.layout: list[tuple] = []  # the last forward's requests and their rows
 
     def start(
         self,
@@ -523,13 +549,9 @@ class Forwards:
             self.root = None
 
     def _pass_start(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        requests = requests_in_pass(self.runner, self.tags, every=self.edits.every_request())
+        requests, same_rows = self.passes.read(self.runner, every=self.edits.every_request())
         if requests and self.hold_eager:  # else vLLM's compiled graph runs without the hooks
             compiled.run_this_forward_uncompiled()
-        # the same requests at the same rows as the forward before (a decode step's usual case): what
-        # was decided for that forward holds, but for the positions
-        layout = [(req.req_id, req.state, req.start, req.end) for req in requests]
-        same_rows, self.layout = layout == self.layout, layout
         if self.edits.active():
             self.edits.pass_start(requests, self.runner.requests, same_rows)
         for session in self.sessions.values():
