@@ -38,8 +38,8 @@ import hookscope as hs  # noqa: E402
 from hookscope.engines.vllm import serve  # noqa: E402
 
 NEW = 6  # tokens each request generates (max_tokens)
-# a request still generating when the API server gets SIGTERM: prompt, max_tokens (long enough to
-# be seen running on a loaded machine, within --max-model-len 256)
+# a request still generating when the API server gets SIGTERM: prompt, max_tokens (within
+# --max-model-len 256; each step slowed to 20 ms, below, so that it runs for 4 s or more)
 DRAINED = ([6, 81, 14, 3, 57, 22, 9, 140, 35, 7, 66, 18], 190)
 
 
@@ -62,7 +62,8 @@ def served(llama_server, shared_vllm):
         answers["bad"] = post_json(
             url, "/v1/completions", {**bad, "vllm_xargs": {"hookscope.capture_id": "x"}}
         )
-        drained = {"hookscope.capture": 1, "hookscope.capture_id": "drained"}
+        # its steps slowed (tests/kit/vllm_slow_steps.py): still running when SIGTERM comes
+        drained = {"hookscope.capture": 1, "hookscope.capture_id": "drained", "test.step_s": 0.02}
         drain = send_generating(url, completion(directory, *DRAINED, drained), proc)
         os.kill(proc.pid, signal.SIGTERM)  # the API server alone, as `kill PID` or a service manager
         wait_closed(server.out)

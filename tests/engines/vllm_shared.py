@@ -194,6 +194,8 @@ def start_llama_server(root: Path, generated: bool = True) -> Started:
     writes is committed when it stops), the generated tokens' rows too unless `generated` is False
     (test_vllm_serve_prompts.py's own server). Only requests that ask for a capture write to the
     store. `proc`, its API server: test_vllm_serve_store.py stops it with SIGTERM, then releases it."""
+    import vllm_slow_steps
+
     from hookscope.engines.vllm import serve
 
     directory = save("llama", root / "llama", seed=3)
@@ -201,6 +203,8 @@ def start_llama_server(root: Path, generated: bool = True) -> Started:
     write_vectors(vectors)
     start_store(directory, out, generated=generated)
     flags = serve.serve_flags(vectors, store=out, points=STORE_POINTS, shard_rows=1000, generated=generated)
+    # the drained request's slow steps (test_vllm_serve_store.py)
+    flags.insert(flags.index(serve.CHECK) + 1, vllm_slow_steps.FLAG)
     proc, url, port = start(directory, flags, log)
 
     def stop_it() -> None:

@@ -91,6 +91,10 @@ def start(directory: Path, flags: list[str], log: Path) -> tuple[subprocess.Pope
         *flags,
     ]
     env = {**os.environ, "VLLM_PLUGINS": "hookscope", "VLLM_CPU_KVCACHE_SPACE": "1"}
+    # the kit's own logits processors (vllm_slow_steps) importable where flags name them
+    env["PYTHONPATH"] = os.pathsep.join(
+        p for p in (str(Path(__file__).parent), os.environ.get("PYTHONPATH")) if p
+    )
     with open(log, "ab") as out:  # appended: the server's processes share the file
         proc = subprocess.Popen(
             command, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
