@@ -9,6 +9,7 @@ over both) -> one profiler warm-up step and `steps` profiled steps, labels insta
 from __future__ import annotations
 
 import contextlib
+import gc
 import time
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -55,7 +56,8 @@ def profile(
 
     A model loaded with `points=` is profiled as far as its weights go: each step stops where
     they end (`loss_fn` then gets the hidden state there), only the loaded blocks get rows, and
-    the report's `not_loaded` says what was left out.
+    the report's `not_loaded` says what was left out. Python's garbage is collected once before
+    the profiled steps, so that frees of earlier objects do not count against a block's memory.
 
     Returns:
         ProfileReport: per-block and per-point time and memory; `summary()` is the table.
@@ -72,6 +74,9 @@ def profile(
     stepper = _Stepper(model, inputs, backward, loss_fn or default_loss, device, end)
     with _grads_put_aside(model) if backward else contextlib.nullcontext(), end:
         step_times, without_hooks = _time_steps(stepper, model, arch, install, steps, warmup)
+        # earlier garbage (the caller's, the timed steps') freed now: a collection that fell inside a
+        # profiled block would count those frees against the block's own memory
+        gc.collect()
         prof, snapshot = _profile_steps(stepper, model, arch, install, steps, backward, device)
     on_device = device.type == "cuda"
     threads = cpu_threads(prof.events())
