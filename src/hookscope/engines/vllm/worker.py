@@ -74,17 +74,11 @@ class _Named(NamedTuple):
 
 class Joined(NamedTuple):
     """One point's rows of every request of a capture: `joined` holds them one request after another,
-    `parts` each request's (request index -> a view of `joined`), for one write of them all."""
+    `parts` each request's (request index -> a view of `joined`, in that order), for one write of
+    them all."""
 
     joined: Tensor
     parts: dict[Hashable, Tensor]
-
-
-def _joined(parts: dict[Hashable, Tensor]) -> Joined:
-    """`parts` copied one after another into one tensor, each then a view of it."""
-    joined = torch.cat([part.reshape(-1) for part in parts.values()])
-    views = joined.split([part.numel() for part in parts.values()])
-    return Joined(joined, {i: v.view(part.shape) for (i, part), v in zip(parts.items(), views, strict=True)})
 
 
 class Session:
@@ -239,16 +233,19 @@ class Session:
             if not forwards:  # (no rows asked of it either: the checks passed)
                 continue
             rows = torch.cat([kept for kept, _ in forwards])
-            counts = [len(where[index]) for index in positions]
+            picks = {}  # request -> its rows of `rows`, in the selection's order and shape where it has one
+            for index, want in named.items():
+                pick = torch.tensor(where[index], dtype=torch.long)
+                # (an int selection drops the position dim: a 0-d pick)
+                picks[index] = (
+                    pick if want is None else pick[torch.searchsorted(torch.tensor(want.rows), want.order)]
+                )
+            counts = [pick.numel() for pick in picks.values()]
             joined = rows.new_empty((sum(counts), *rows.shape[1:]))
-            parts = dict(zip(positions, joined.split(counts), strict=True))
-            for index, part in parts.items():  # each request's rows gathered straight into its part
-                torch.index_select(rows, 0, torch.tensor(where[index], dtype=torch.long), out=part)
-            if self.positions is not None:  # the selection's order and shape (an int drops the position dim)
-                for index, want in named.items():
-                    if want is not None:
-                        parts[index] = parts[index][torch.searchsorted(torch.tensor(want.rows), want.order)]
-                joined, parts = _joined(parts)
+            parts = dict(zip(picks, joined.split(counts), strict=True))
+            for index, pick in picks.items():  # each request's rows gathered straight into its part
+                torch.index_select(rows, 0, pick.reshape(-1), out=parts[index])
+                parts[index] = parts[index].view(*pick.shape, *rows.shape[1:])
             out[name] = Joined(joined, parts)
         self.kept.clear()
         return out
@@ -427,9 +424,10 @@ def _write_rows(path: str, rows: dict[str, Joined]) -> list:
             f.write(b"\0" * pad)
             offset += pad
             dtype = str(joined.dtype).removeprefix("torch.")
-            for i, part in parts.items():  # each part's bytes lie where it lies in `joined`
-                at = part.data_ptr() - joined.data_ptr() if part.numel() else 0  # (an empty view has none)
-                index.append([i, name, dtype, list(part.shape), offset + at])
+            at = offset
+            for i, part in parts.items():  # the parts lie one after another in `joined`
+                index.append([i, name, dtype, list(part.shape), at])
+                at += part.numel() * part.element_size()
             data = memoryview(joined.view(torch.uint8).flatten().numpy())
             f.write(data)
             offset += len(data)
