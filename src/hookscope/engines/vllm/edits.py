@@ -43,6 +43,15 @@ D_MODEL_WIDE = ("resid_pre", "resid_mid", "resid_post", "attn.out", "mlp.in", "m
 log = logging.getLogger("hookscope")
 
 
+class _Group(NamedTuple):
+    """Step edits a forward applies in turn at one point: the rows they write and the requests those
+    rows are of (told of a fault)."""
+
+    step_edits: list[StepEdit]
+    rows: Rows
+    requests: list[InPass]
+
+
 class Fault(NamedTuple):
     """An edit that raised in a worker's forward: the request it was applied to (`run`, `index`: its
     call's tag, None for a request no hookscope call tagged), the point and what went wrong."""
@@ -242,8 +251,8 @@ class RequestEdits:
         self.shared: dict[int, tuple[Edit, StepEdit]] = {}
         self.built = PerRequest()  # request id -> point -> its step edits
         self.points: dict[str, tuple[Hooks, set[str]]] = {}  # point -> (its one hook, who needs it)
-        # this forward: point -> (edits, the rows they write, the requests those rows are of)
-        self.now: dict[str, list[tuple[list[StepEdit], Rows, list[InPass]]]] = {}
+        # this forward: point -> its groups of step edits
+        self.now: dict[str, list[_Group]] = {}
         self.faults: list[Fault] = []  # edits that raised, until their call or block reports them
         # whether `now` holds for a forward of the same requests at the same rows as the last one (a
         # decode step's usual case): no edit of theirs follows positions, nothing registered since
@@ -392,7 +401,7 @@ class RequestEdits:
         if same_rows and self.now_holds:
             return
         follows_positions = False
-        alone: dict[str, list[tuple[list[StepEdit], Rows, list[InPass]]]] = {}
+        alone: dict[str, list[_Group]] = {}
         together: dict[str, dict[StepEdit, list[InPass]]] = {}
         for req in requests:
             for point, step_edits in self._prepared(req).items():
@@ -400,10 +409,10 @@ class RequestEdits:
                     together.setdefault(point, {}).setdefault(step_edits[0], []).append(req)
                     continue
                 follows_positions = follows_positions or not all(e.fixed for e in step_edits)
-                alone.setdefault(point, []).append((step_edits, Rows([(req.start, req.end)]), [req]))
+                alone.setdefault(point, []).append(_Group(step_edits, Rows([(req.start, req.end)]), [req]))
         for point, groups in together.items():
             alone.setdefault(point, []).extend(
-                ([step_edit], Rows([(r.start, r.end) for r in reqs]), reqs)
+                _Group([step_edit], Rows([(r.start, r.end) for r in reqs]), reqs)
                 for step_edit, reqs in groups.items()
             )
         self.now = alone
@@ -428,24 +437,22 @@ class RequestEdits:
         edits = self.now.get(hook.spec.name)
         if not edits:
             return None
-        if len(edits) == 1 and edits[0][1].covers(act.shape[0]):  # one edit on every row: no copy first
+        if len(edits) == 1 and edits[0].rows.covers(act.shape[0]):  # one edit on every row: no copy first
             return self._apply(edits[0], act, hook)
         out = act.clone()
         for group in edits:
-            rows = group[1]
-            rows.put(out, self._apply(group, rows.take(out), hook))
+            group.rows.put(out, self._apply(group, group.rows.take(out), hook))
         return out
 
-    def _apply(self, group: tuple[list[StepEdit], Rows, list[InPass]], rows: Tensor, hook: Hook) -> Tensor:
+    def _apply(self, group: _Group, rows: Tensor, hook: Hook) -> Tensor:
         """`rows` ([tokens, ...]) with the group's step edits applied in turn, as a batch of one; as
         they came, where one of them raises (a fault of the group's requests)."""
-        step_edits, _, requests = group
         batch = rows.unsqueeze(0)
-        for step_edit in step_edits:
+        for step_edit in group.step_edits:
             try:
                 new = step_edit(batch, hook)
             except Exception as error:  # the forward runs on: an error out of it would stop the engine
-                self._fail(requests, step_edit.edit, hook.spec.name, error)
+                self._fail(group.requests, step_edit.edit, hook.spec.name, error)
                 return rows
             batch = batch if new is None else new
         return batch[0]
